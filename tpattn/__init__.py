@@ -1,0 +1,11 @@
+"""tpattn: one multi-head attention layer, split by heads across processes (tensor parallelism).
+
+Each rank owns a contiguous block of heads, runs local attention on them (the seed's naive
+three-kernel CUDA attention, or a torch reference on CPU), applies its rows of the output
+projection, and the partial outputs are summed with one all-reduce.
+"""
+
+__version__ = "0.1.0"
+
+from .config import Config, ConfigError  # noqa: E402,F401
+from .layer import TensorParallelAttention  # noqa: E402,F401

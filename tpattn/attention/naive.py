@@ -1,0 +1,64 @@
+"""The seed's naive three-kernel CUDA attention (kernels/naive_attention.cu), launched via CuPy."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ..config import ConfigError, cupy_available, cupy_missing_message
+from ..cuda import GRID_X_MAX, GRID_YZ_MAX, launch, ptr
+from ..timing import section
+from . import Backend
+
+SUFFIX = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
+SOURCE = "naive_attention.cu"
+SOFTMAX_THREADS = 256  # must match the .cu file
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+class NaiveBackend(Backend):
+    name = "naive"
+    devices = ("cuda",)
+
+    def check_supported(self, cfg) -> None:
+        super().check_supported(cfg)
+        if not cupy_available():
+            raise ConfigError(cupy_missing_message())
+
+    def forward(self, q, k, v, causal: bool, timer=None, out=None, scratch=None):
+        b, h, n, d = q.shape
+        if q.device.type != "cuda":
+            raise ConfigError("--kernel naive needs CUDA tensors; use --kernel reference on CPU")
+        if not 1 <= d <= self.max_head_dim:
+            raise ConfigError(f"--kernel naive supports head dims 1..{self.max_head_dim} (got {d})")
+        suf = SUFFIX[q.dtype]
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if scratch is None:
+            s = torch.empty((b, h, n, n), dtype=q.dtype, device=q.device)
+            p = torch.empty_like(s)
+        else:
+            s, p = scratch
+        o = out if out is not None else torch.empty_like(q)
+        for t in (s, p, o):
+            assert t.is_contiguous() and t.dtype == q.dtype and t.device == q.device
+        bh = b * h
+        dev = q.device
+        scale = np.float32(1.0 / math.sqrt(d))
+        with section(timer, "qk"):
+            grid = (_cdiv(n, 16), min(_cdiv(n, 16), GRID_YZ_MAX), min(bh, GRID_YZ_MAX))
+            launch(SOURCE, f"qkKernel_{suf}", dev, grid, (16, 16, 1),
+                   (ptr(q), ptr(k), ptr(s), np.int32(bh), np.int32(n), np.int32(d), scale, np.int32(causal)))
+        with section(timer, "softmax"):
+            rows = bh * n
+            launch(SOURCE, f"softmaxKernel_{suf}", dev, (min(rows, GRID_X_MAX), 1, 1), (SOFTMAX_THREADS, 1, 1),
+                   (ptr(s), ptr(p), np.int64(rows), np.int32(n), np.int32(causal)))
+        with section(timer, "pv"):
+            grid = (_cdiv(d, 32), min(_cdiv(n, 8), GRID_YZ_MAX), min(bh, GRID_YZ_MAX))
+            launch(SOURCE, f"pvKernel_{suf}", dev, grid, (32, 8, 1),
+                   (ptr(p), ptr(v), ptr(o), np.int32(bh), np.int32(n), np.int32(d), np.int32(causal)))
+        return o

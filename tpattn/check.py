@@ -1,0 +1,55 @@
+"""Verification: a float64 reference of the whole layer (on sampled rows where the whole is too
+big), and the comparison metric with its stated tolerances."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# max |y - ref| / rms(ref). Against float64 the error is the storage dtype's rounding of q, k, v,
+# S, P, O and y; against the single-process baseline only the order of sums differs.
+TOL_FLOAT64 = {"fp16": 2e-2, "bf16": 1e-1, "fp32": 1e-4}
+TOL_BASELINE = {"fp16": 1e-2, "bf16": 5e-2, "fp32": 1e-5}
+MAX_ROWS = 64
+
+
+def sample_rows(n: int, limit: int = MAX_ROWS) -> torch.Tensor:
+    """All rows when n <= limit, else `limit` rows evenly spread, first and last included."""
+    if n <= limit:
+        return torch.arange(n)
+    return torch.linspace(0, n - 1, limit).round().long().unique()
+
+
+def layer_float64(x, w: dict, heads: int, causal: bool, rows: torch.Tensor) -> torch.Tensor:
+    """y[:, rows] of the full layer in float64 from the (already rounded) weights and input."""
+    dev = x.device
+    x64 = x.to(dev, torch.float64)
+    w64 = {k: v.to(dev, torch.float64) for k, v in w.items()}
+    B, N, D = x64.shape
+    d = w64["wq"].shape[1] // heads
+    rows = rows.to(dev)
+
+    def proj(t, name):
+        y = t @ w64["w" + name]
+        return (y + w64["b" + name]).view(t.shape[0], t.shape[1], heads, d).transpose(1, 2)
+
+    q = proj(x64[:, rows], "q")                      # [B, H, r, d]
+    k, v = proj(x64, "k"), proj(x64, "v")            # [B, H, N, d]
+    s = q @ k.transpose(-1, -2) / math.sqrt(d)       # [B, H, r, N]
+    if causal:
+        s.masked_fill_(torch.arange(N, device=dev)[None, :] > rows[:, None], float("-inf"))
+    o = torch.softmax(s, dim=-1) @ v                 # [B, H, r, d]
+    y = o.transpose(1, 2).reshape(B, len(rows), heads * d) @ w64["wo"] + w64["bo"]
+    return y
+
+
+def compare(y: torch.Tensor, ref: torch.Tensor, tol: float) -> dict:
+    y = y.to(ref.device, torch.float64)
+    err = (y - ref).abs()
+    rms = ref.pow(2).mean().sqrt().item()
+    finite = bool(torch.isfinite(y).all())
+    max_err = err.max().item() if finite else float("inf")
+    rel = max_err / max(rms, 1e-30)
+    return {"max_abs_err": max_err, "rms_ref": rms, "rel_err": rel, "tol": tol, "finite": finite,
+            "pass": finite and rel <= tol}

@@ -1,0 +1,235 @@
+"""`python -m tpattn`: arguments -> config -> checks on every rank -> run -> report -> exit code.
+
+Exit status: 0 PASS (or --no-check), 1 check FAIL or a fault during the run, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from . import dist as tpdist
+from . import faults
+from .attention import backend_names
+from .check import TOL_BASELINE, TOL_FLOAT64, compare, layer_float64, sample_rows
+from .config import DEVICES, DIST_BACKENDS, DTYPES, REDUCE_DTYPES, Config, ConfigError, resolve, validate
+from .layer import TensorParallelAttention
+from .memory import preflight
+from .report import build, text
+from .sharding import head_range
+from .timing import Timer, summarize
+from .weights import head_weights, layer_input
+
+EXIT_FAIL, EXIT_USAGE = 1, 2
+
+EPILOG = """\
+launch:
+  python -m tpattn                              one process: the single-GPU baseline (or CPU)
+  mpirun -n 8 python -m tpattn                  8 ranks, one per GPU, heads split 8 ways, NCCL
+  mpirun -n 4 python -m tpattn --dist-backend gloo   4 ranks sharing one GPU (or CPU)
+  srun / torchrun work too: rank, world size and local rank come from the launcher.
+exit status: 0 PASS (or --no-check), 1 check FAIL or a fault during the run, 2 bad input.
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not usage + error
+        raise ConfigError(f"{message} (see python -m tpattn --help)")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m tpattn", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                description="One multi-head attention layer, split by heads across ranks (tensor parallelism): "
+                            "column-parallel Q/K/V, local attention (the seed's naive three-kernel CUDA "
+                            "attention, or a torch reference), row-parallel output projection, one all-reduce. "
+                            "Times every pass and checks the output against the single-process baseline "
+                            "and a float64 reference.")
+    s = p.add_argument_group("shape")
+    s.add_argument("--seq-len", type=int, metavar="N", help="sequence length N (default 4096 on GPU, 1024 on CPU)")
+    s.add_argument("--heads", type=int, metavar="H", help="attention heads H (default 32 on GPU, 8 on CPU)")
+    s.add_argument("--head-dim", type=int, metavar="d", help="head dim d, 1..256; model dim D = H*d "
+                   "(default 128 on GPU, 64 on CPU)")
+    s.add_argument("--batch", type=int, default=1, metavar="B", help="batch size (default 1)")
+    s.add_argument("--causal", action="store_true", help="causal mask: key j > query i does not contribute")
+    k = p.add_argument_group("compute")
+    k.add_argument("--dtype", default="fp16", choices=list(DTYPES), help="storage dtype of weights, Q, K, V, S, "
+                   "P, O (accumulation is always fp32; default fp16)")
+    k.add_argument("--kernel", choices=backend_names(), help="local attention backend: naive (the seed's three "
+                   "CUDA kernels via CuPy) or reference (torch, CPU or GPU); default naive on a GPU with CuPy, "
+                   "else reference")
+    k.add_argument("--device", default="auto", choices=list(DEVICES), help="auto picks cuda when a GPU (and CuPy "
+                   "for naive) is there, else cpu, and says why (default auto)")
+    k.add_argument("--seed", type=int, default=0, help="seed of the weights and input; the same seed gives the "
+                   "same numbers for any world size (default 0)")
+    d = p.add_argument_group("parallel")
+    d.add_argument("--dist-backend", default="auto", choices=list(DIST_BACKENDS), help="collective backend: "
+                   "nccl on CUDA, gloo on CPU or with several ranks sharing one GPU (default auto)")
+    d.add_argument("--reduce-dtype", default="fp32", choices=list(REDUCE_DTYPES), help="dtype of the partial "
+                   "outputs and the all-reduce: fp32 (default; the article's full-precision sum, 2x the "
+                   "bytes) or model (the storage dtype, half the bytes, one more rounding)")
+    d.add_argument("--timeout", type=float, default=300.0, metavar="S", help="seconds to wait for the "
+                   "rendezvous and for any collective before the job fails (default 300)")
+    m = p.add_argument_group("measure and report")
+    m.add_argument("--warmup", type=int, default=2, help="untimed iterations first (default 2)")
+    m.add_argument("--iters", type=int, default=5, help="timed iterations (default 5)")
+    m.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                   help="compare with the single-process baseline and a float64 reference; FAIL exits 1 "
+                        "(default on)")
+    m.add_argument("--json", metavar="PATH", help="also write the report as JSON (rank 0)")
+    m.add_argument("--profile", metavar="PATH", help="write a torch.profiler trace of one extra iteration "
+                   "(chrome trace JSON; rank r > 0 writes PATH.rank<r>)")
+    return p
+
+
+def parse(argv: list[str]) -> Config:
+    a = parser().parse_args(argv)
+    return Config(seq_len=a.seq_len, heads=a.heads, head_dim=a.head_dim, batch=a.batch, dtype=a.dtype,
+                  kernel=a.kernel, causal=a.causal, device=a.device, warmup=a.warmup, iters=a.iters, seed=a.seed,
+                  check=a.check, json=a.json, dist_backend=a.dist_backend, reduce_dtype=a.reduce_dtype,
+                  timeout=a.timeout, profile=a.profile)
+
+
+def _say(proc, msg: str, stream=sys.stderr) -> None:
+    tag = f"tpattn: rank {proc.rank}" if proc.distributed else "tpattn"
+    print(f"{tag}: {msg}", file=stream, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    proc = tpdist.Proc()
+    try:
+        proc = tpdist.discover()
+        if {"-h", "--help"} & set(argv):
+            if proc.rank == 0:
+                parser().print_help()
+            return 0
+        return _main(argv, proc)
+    except (ConfigError, tpdist.LaunchError) as exc:
+        _say(proc, f"error: {exc}")
+        proc.abort(EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_FAIL)
+    except KeyboardInterrupt:
+        _say(proc, "interrupted")
+        proc.abort(130)
+    except BaseException as exc:  # noqa: BLE001 - one line, then end the whole job
+        if isinstance(exc, SystemExit):
+            raise
+        where = ""
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is not None:
+            where = f" (at {os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno})"
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        _say(proc, f"failed: {type(exc).__name__}: {msg}{where}; ending the job")
+        if os.environ.get("TPATTN_TRACEBACK"):
+            import traceback
+            traceback.print_exc()
+        proc.abort(EXIT_FAIL)
+    return EXIT_FAIL  # not reached
+
+
+def _main(argv: list[str], proc) -> int:
+    faults.maybe_fail(proc.rank, "start")
+    cfg, local_error, device = None, None, torch.device("cpu")
+    try:
+        cfg = resolve(parse(argv))
+        device = tpdist.pick_device(proc, cfg.device)
+        validate(cfg, proc.world, proc.local_world, check_json=proc.rank == 0)
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            preflight(cfg, proc.world, proc.rank, free)
+    except ConfigError as exc:
+        local_error = str(exc)
+    timeout = cfg.timeout if cfg is not None and local_error is None else 300.0
+    info = {"rank": proc.rank, "host": proc.hostname, "local_rank": proc.local_rank, "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    tpdist.rendezvous(proc, timeout)
+    error, infos = tpdist.agree(proc, cfg.fingerprint() if cfg else None, local_error, info, timeout)
+    if error:
+        _say(proc, f"error: {error}")
+        return EXIT_USAGE
+    if proc.distributed:
+        tpdist.init_process_group(proc, cfg.dist_backend, device, cfg.timeout)
+    try:
+        return _run(cfg, proc, device, infos, argv)
+    finally:
+        if proc.distributed and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _run(cfg: Config, proc, device, infos, argv) -> int:
+    dtype = cfg.torch_dtype
+    heads = head_range(cfg.heads, proc.world, proc.rank)
+    w = head_weights(heads, cfg.heads, cfg.head_dim, cfg.seed, dtype, device)
+    x = layer_input(cfg.batch, cfg.seq_len, cfg.model_dim, cfg.seed, dtype, device)
+    layer = TensorParallelAttention(**w, heads=cfg.heads, head_dim=cfg.head_dim, backend=cfg.kernel,
+                                    causal=cfg.causal, group="world" if proc.distributed else None,
+                                    reduce_dtype=cfg.reduce_dtype)
+    timer = Timer(device)
+    for _ in range(cfg.warmup):
+        layer(x)
+    samples: dict[str, list[float]] = {}
+    for _ in range(cfg.iters):
+        with timer.section("total"):
+            y = layer(x, timer)
+        for name, ms in timer.collect().items():
+            samples.setdefault(name, []).append(ms)
+    if cfg.profile:
+        _profile(cfg, proc, layer, x)
+    infos[proc.rank]["heads"] = f"{heads.start}-{heads.stop - 1}"
+    mine = {"info": infos[proc.rank], "passes": {k: summarize(v) for k, v in samples.items()}}
+    everyone = tpdist.exchange(proc, "report", mine, cfg.timeout, "report")
+    if proc.rank != 0:
+        verdict = tpdist.wait_for(proc, "verdict", max(cfg.timeout, 3600.0), "verdict")["verdict"]
+        return 0 if verdict != "FAIL" else EXIT_FAIL
+    checks = _checks(cfg, proc, layer, w, x, y, device) if cfg.check else {}
+    verdict = "FAIL" if any(not c["pass"] for c in checks.values()) else ("PASS" if checks else "NOT CHECKED")
+    if proc.distributed:
+        proc.store.set("verdict", json.dumps({"verdict": verdict}))
+    rep = build(cfg, proc, device, everyone, layer.partial_nbytes(cfg.batch, cfg.seq_len), checks, verdict,
+                ["python", "-m", "tpattn", *argv])
+    print(text(rep), flush=True)
+    if cfg.json:
+        with open(cfg.json, "w") as f:
+            json.dump(rep, f, indent=2)
+    return 0 if verdict != "FAIL" else EXIT_FAIL
+
+
+def _checks(cfg: Config, proc, layer, w, x, y, device) -> dict:
+    """Rank 0: the tensor-parallel output against the single-process baseline (same weights, same
+    backend, all heads, no collective) and the layer against float64 on sampled rows."""
+    checks = {}
+    full = w
+    if proc.world > 1:
+        full = head_weights(range(cfg.heads), cfg.heads, cfg.head_dim, cfg.seed, cfg.torch_dtype, device)
+        base = TensorParallelAttention(**full, heads=cfg.heads, head_dim=cfg.head_dim, backend=cfg.kernel,
+                                       causal=cfg.causal, group=None, reduce_dtype=cfg.reduce_dtype,
+                                       head_chunk=layer.local_heads)
+        y_base = base(x)
+        checks["vs_single_process"] = {**compare(y, y_base.double(), TOL_BASELINE[cfg.dtype]),
+                                       "what": f"all {cfg.seq_len} rows, world {proc.world} vs 1"}
+        del base, y_base
+    rows = sample_rows(cfg.seq_len)
+    ref = layer_float64(x, full, cfg.heads, cfg.causal, rows)
+    checks["vs_float64"] = {**compare(y[:, rows.to(y.device)], ref, TOL_FLOAT64[cfg.dtype]),
+                            "what": f"{len(rows)} of {cfg.seq_len} rows, all heads"}
+    return checks
+
+
+def _profile(cfg: Config, proc, layer, x) -> None:
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if x.is_cuda else [])
+    with profile(activities=acts, record_shapes=True) as prof:
+        layer(x, Timer(x.device))
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+    path = cfg.profile if proc.rank == 0 else f"{cfg.profile}.rank{proc.rank}"
+    prof.export_chrome_trace(path)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

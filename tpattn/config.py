@@ -1,0 +1,171 @@
+"""The run's configuration and every check on it.
+
+Checks are pure functions of the config, the world size and this node's devices, so every rank
+runs them before the first collective and (with the same arguments) reaches the same answer.
+Each failed check is one line that says what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+REDUCE_DTYPES = ("fp32", "model")
+DIST_BACKENDS = ("auto", "nccl", "gloo")
+DEVICES = ("auto", "cuda", "cpu")
+
+# The seed's shape; on a machine without a GPU the default run uses CPU_DEFAULTS instead.
+GPU_DEFAULTS = {"seq_len": 4096, "heads": 32, "head_dim": 128}
+CPU_DEFAULTS = {"seq_len": 1024, "heads": 8, "head_dim": 64}
+
+
+class ConfigError(ValueError):
+    """A bad input: the message is one line that names the fix."""
+
+
+@dataclass
+class Config:
+    seq_len: int | None = None
+    heads: int | None = None
+    head_dim: int | None = None
+    batch: int = 1
+    dtype: str = "fp16"
+    kernel: str | None = None          # None: chosen with the device
+    causal: bool = False
+    device: str = "auto"
+    warmup: int = 2
+    iters: int = 5
+    seed: int = 0
+    check: bool = True
+    json: str | None = None
+    dist_backend: str = "auto"
+    reduce_dtype: str = "fp32"
+    timeout: float = 300.0
+    profile: str | None = None
+    # Filled by resolve(): what was chosen and why, shown in the report's first lines.
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def model_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def elem_size(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    def fingerprint(self) -> dict:
+        """What must be identical on every rank (the --json path only matters on rank 0)."""
+        d = dataclasses.asdict(self)
+        for k in ("notes", "json", "profile"):
+            d.pop(k)
+        return d
+
+
+def cupy_available() -> bool:
+    return importlib.util.find_spec("cupy") is not None
+
+
+def cupy_missing_message() -> str:
+    return ("--kernel naive needs CuPy, which is not installed: pip install 'tpattn[cuda13]' "
+            "(CUDA 13) or 'tpattn[cuda12]' (CUDA 12), or use --kernel reference")
+
+
+def resolve(cfg: Config) -> Config:
+    """Pick device, kernel and shape where the user left them open, saying why."""
+    from .attention import backend_names  # late: the registry imports this module
+
+    if cfg.device not in DEVICES:
+        raise ConfigError(f"unknown --device {cfg.device!r}; choose one of {', '.join(DEVICES)}")
+    if cfg.kernel is not None and cfg.kernel not in backend_names():
+        raise ConfigError(f"unknown --kernel {cfg.kernel!r}; choose one of {', '.join(backend_names())}")
+    if cfg.dtype not in DTYPES:
+        raise ConfigError(f"unknown --dtype {cfg.dtype!r}; choose one of {', '.join(DTYPES)}")
+    has_gpu = torch.cuda.is_available()
+    if cfg.device == "cuda" and not has_gpu:
+        raise ConfigError("--device cuda but no CUDA GPU is visible to torch "
+                          f"(torch {torch.__version__}); use --device cpu or auto")
+    if cfg.device == "auto":
+        if cfg.kernel in (None, "naive"):
+            if has_gpu and cupy_available():
+                cfg.device = "cuda"
+                cfg.notes.append("device auto: CUDA GPU and CuPy found, running the naive CUDA kernels")
+            elif cfg.kernel == "naive":
+                cfg.device = "cuda"  # the checks below say what is missing
+            else:
+                cfg.device = "cpu"
+                why = "CuPy is not installed" if has_gpu else "no CUDA GPU is visible to torch"
+                cfg.notes.append(f"device auto: {why}, running the torch reference on CPU")
+        else:
+            cfg.device = "cuda" if has_gpu else "cpu"
+            cfg.notes.append(f"device auto: {'CUDA GPU found' if has_gpu else 'no CUDA GPU'}, "
+                             f"running --kernel {cfg.kernel} on {cfg.device}")
+    if cfg.kernel is None:
+        cfg.kernel = "naive" if cfg.device == "cuda" and cupy_available() else "reference"
+    defaults = GPU_DEFAULTS if cfg.device == "cuda" else CPU_DEFAULTS
+    shrunk = [f"{k.replace('_', '-')} {v}" for k, v in defaults.items() if getattr(cfg, k) is None]
+    for k, v in defaults.items():
+        if getattr(cfg, k) is None:
+            setattr(cfg, k, v)
+    if cfg.device == "cpu" and shrunk:
+        cfg.notes.append("CPU run: using the smaller default shape " + ", ".join(shrunk)
+                         + " (the GPU default is N 4096, 32 heads, d 128; pass them to override)")
+    if cfg.dist_backend == "auto":
+        cfg.dist_backend = "nccl" if cfg.device == "cuda" else "gloo"
+    return cfg
+
+
+def validate(cfg: Config, world: int = 1, local_world: int = 1, gpus_on_node: int | None = None,
+             check_json: bool = True) -> None:
+    """Raise ConfigError for the first bad input. Call after resolve()."""
+    from .attention import get_backend
+    from .sharding import check_divisible
+
+    for name, value, least in (("--seq-len", cfg.seq_len, 1), ("--heads", cfg.heads, 1),
+                               ("--batch", cfg.batch, 1), ("--iters", cfg.iters, 1),
+                               ("--warmup", cfg.warmup, 0)):
+        if value < least:
+            raise ConfigError(f"{name} must be at least {least} (got {value})")
+    if cfg.timeout <= 0:
+        raise ConfigError(f"--timeout must be positive seconds (got {cfg.timeout})")
+    if cfg.reduce_dtype not in REDUCE_DTYPES:
+        raise ConfigError(f"unknown --reduce-dtype {cfg.reduce_dtype!r}; choose fp32 or model")
+    if cfg.dist_backend not in ("nccl", "gloo"):
+        raise ConfigError(f"unknown --dist-backend {cfg.dist_backend!r}; choose one of {', '.join(DIST_BACKENDS)}")
+    backend = get_backend(cfg.kernel)
+    if not 1 <= cfg.head_dim <= backend.max_head_dim:
+        raise ConfigError(f"--head-dim must be between 1 and {backend.max_head_dim} for --kernel {cfg.kernel} "
+                          f"(got {cfg.head_dim})")
+    backend.check_supported(cfg)  # dtype, device, CuPy
+    err = check_divisible(cfg.heads, world)
+    if err:
+        raise ConfigError(err)
+    if cfg.dist_backend == "nccl":
+        if cfg.device != "cuda":
+            raise ConfigError("--dist-backend nccl needs --device cuda; use --dist-backend gloo on CPU")
+        n = torch.cuda.device_count() if gpus_on_node is None else gpus_on_node
+        if world > 1 and local_world > n:
+            raise ConfigError(f"{local_world} ranks on this node but {n} GPU(s): NCCL needs one GPU per rank; "
+                              f"launch at most {n} ranks per node, or use --dist-backend gloo to share GPUs")
+    if check_json and cfg.json:
+        check_writable(cfg.json, "--json")
+    if check_json and cfg.profile:
+        check_writable(cfg.profile, "--profile")
+
+
+def check_writable(path: str, flag: str) -> None:
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a directory; give a file path")
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{flag} {path}: directory {parent} does not exist; create it or choose another path")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"{flag} {path}: directory {parent} is not writable; choose another path")

@@ -1,0 +1,78 @@
+"""CuPy glue: torch owns the memory, CuPy only compiles and launches.
+
+Each kernels/*.cu file is compiled with NVRTC once per device (inside that CuPy device, so a
+rank's kernels land on its own GPU), and every launch goes onto torch's current stream for the
+tensor's device, so kernels, torch ops and NCCL are ordered with each other.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import ConfigError, cupy_missing_message
+
+_modules: dict[tuple[int, str], object] = {}
+_functions: dict[tuple[int, str, str], object] = {}
+GRID_YZ_MAX = 65535
+GRID_X_MAX = 2**31 - 1
+
+
+def kernel_dir() -> Path:
+    """kernels/ beside the package in a source tree, tpattn/kernels/ once installed."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "kernels", here.parent / "kernels"):
+        if (cand / "naive_attention.cu").is_file():
+            return cand
+    raise FileNotFoundError(f"kernels/*.cu not found beside {here}; reinstall tpattn")
+
+
+def kernel_sources() -> list[Path]:
+    return sorted(kernel_dir().glob("*.cu"))
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise ConfigError(cupy_missing_message()) from exc
+    return cupy
+
+
+def get_function(filename: str, name: str, device_index: int):
+    key = (device_index, filename, name)
+    fn = _functions.get(key)
+    if fn is None:
+        cupy = _cupy()
+        with cupy.cuda.Device(device_index):
+            mod = _modules.get((device_index, filename))
+            if mod is None:
+                src = (kernel_dir() / filename).read_text()
+                mod = cupy.RawModule(code=src, options=("--std=c++17",))
+                _modules[(device_index, filename)] = mod
+            fn = mod.get_function(name)  # compiles on first use, for this device's architecture
+        _functions[key] = fn
+    return fn
+
+
+def ptr(t: torch.Tensor) -> np.uint64:
+    return np.uint64(t.data_ptr())
+
+
+def launch(filename: str, name: str, device: torch.device, grid, block, args) -> None:
+    """Launch kernel `name` of kernels/`filename` on torch's current stream of `device`."""
+    cupy = _cupy()
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    fn = get_function(filename, name, idx)
+    stream = torch.cuda.current_stream(idx)
+    for g in grid[1:]:
+        assert 1 <= g <= GRID_YZ_MAX, f"grid {grid} beyond the y/z limit"
+    assert 1 <= grid[0] <= GRID_X_MAX, f"grid {grid} beyond the x limit"
+    with cupy.cuda.Device(idx):
+        ext = cupy.cuda.ExternalStream(stream.cuda_stream, idx)
+        fn(tuple(grid), tuple(block), tuple(args), stream=ext)  # raises on a failed launch
+        if os.environ.get("TPATTN_SYNC_LAUNCHES"):  # debugging: surface asynchronous faults here
+            ext.synchronize()

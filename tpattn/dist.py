@@ -1,0 +1,234 @@
+"""Process bootstrap: who am I (MPI, srun, torchrun or a single process), which GPU, the
+rendezvous, the checks every rank must agree on, the process group, and ending the whole job.
+
+The control plane is a torch TCPStore that rank 0 hosts: the rendezvous, the agreement on the
+config, the reports and the verdict go through it. The data plane is the process group, which
+only the layer uses (one all-reduce).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_SIZE")
+
+
+class LaunchError(RuntimeError):
+    """The launch itself is wrong (a missing package, a rendezvous that never completes)."""
+
+
+@dataclass
+class Proc:
+    launcher: str = "single"        # mpi, srun, torchrun or single
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    local_world: int = 1
+    hostname: str = field(default_factory=socket.gethostname)
+    comm: object = None             # mpi4py COMM_WORLD under MPI
+    store: object = None            # the control-plane store once rendezvous() ran
+
+    @property
+    def distributed(self) -> bool:
+        return self.launcher != "single"
+
+    def abort(self, code: int) -> None:
+        """End this process and, under MPI, the whole job."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if self.comm is not None and self.world > 1:
+            self.comm.Abort(code)
+        os._exit(code)
+
+
+def _env_int(name: str, default: int | None = None) -> int | None:
+    v = os.environ.get(name)
+    return int(v) if v not in (None, "") else default
+
+
+def _slurm_tasks_on_node(spec: str, node: int) -> int:
+    """SLURM_STEP_TASKS_PER_NODE like '2(x3),1' -> tasks on node index `node`."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        if "(x" in part:
+            n, rep = part.rstrip(")").split("(x")
+            counts += [int(n)] * int(rep)
+        else:
+            counts.append(int(part))
+    return counts[node] if node < len(counts) else counts[-1]
+
+
+def discover() -> Proc:
+    """Rank, world and local rank from MPI, then srun, then torchrun, else a single process."""
+    env = os.environ
+    if any(k in env for k in MPI_ENV):
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            if "SLURM_PROCID" not in env:
+                raise LaunchError("launched under MPI but mpi4py is not installed: pip install 'tpattn[mpi]'")
+        else:
+            comm = MPI.COMM_WORLD
+            rank, world = comm.Get_rank(), comm.Get_size()
+            local_rank = _env_int("OMPI_COMM_WORLD_LOCAL_RANK")
+            local_world = _env_int("OMPI_COMM_WORLD_LOCAL_SIZE")
+            if local_rank is None or local_world is None:
+                node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+                local_rank, local_world = node.Get_rank(), node.Get_size()
+                node.Free()
+            return Proc("mpi", rank, world, local_rank, local_world, comm=comm)
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env and "SLURM_STEP_ID" in env:
+        world = _env_int("SLURM_STEP_NUM_TASKS")
+        node = _env_int("SLURM_NODEID", 0)
+        spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world)
+        return Proc("srun", _env_int("SLURM_PROCID"), world, _env_int("SLURM_LOCALID", 0),
+                    _slurm_tasks_on_node(spec, node))
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = _env_int("WORLD_SIZE")
+        return Proc("torchrun", _env_int("RANK"), world, _env_int("LOCAL_RANK", 0),
+                    _env_int("LOCAL_WORLD_SIZE", world))
+    return Proc()
+
+
+def pick_device(proc: Proc, device: str) -> torch.device:
+    """Local rank picks the GPU (ranks beyond the GPU count share them round-robin: gloo only)."""
+    if device != "cuda":
+        return torch.device("cpu")
+    idx = proc.local_rank % max(torch.cuda.device_count(), 1)
+    torch.cuda.set_device(idx)
+    return torch.device("cuda", idx)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _first_slurm_host() -> str:
+    nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "")
+    try:
+        import subprocess
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                             timeout=20, check=True).stdout.split()
+        if out:
+            return out[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    head = nodelist.split(",")[0]
+    if "[" in head:  # node[01-04] -> node01
+        prefix, rest = head.split("[", 1)
+        head = prefix + rest.split("-")[0].split(",")[0].rstrip("]")
+    return head or "127.0.0.1"
+
+
+def _rendezvous_address(proc: Proc) -> tuple[str, int]:
+    env = os.environ
+    if proc.launcher == "mpi":
+        hosts = proc.comm.allgather(proc.hostname)
+        if proc.rank == 0:
+            addr = env.get("MASTER_ADDR") or ("127.0.0.1" if len(set(hosts)) == 1
+                                              else socket.gethostbyname(proc.hostname))
+            port = _env_int("MASTER_PORT") or _free_port()
+            msg = (addr, port)
+        else:
+            msg = None
+        return proc.comm.bcast(msg, root=0)
+    if proc.launcher == "srun":
+        single_node = _env_int("SLURM_STEP_NUM_NODES", _env_int("SLURM_NNODES", 1)) == 1
+        addr = env.get("MASTER_ADDR") or ("127.0.0.1" if single_node else _first_slurm_host())
+        port = _env_int("MASTER_PORT") or 20000 + (_env_int("SLURM_JOB_ID", 0) * 7 + _env_int("SLURM_STEP_ID", 0)) % 20000
+        return addr, port
+    return env.get("MASTER_ADDR", "127.0.0.1"), _env_int("MASTER_PORT", 29500)
+
+
+def rendezvous(proc: Proc, timeout: float) -> None:
+    """Start (rank 0) or join the control-plane store. Sets proc.store."""
+    if not proc.distributed:
+        proc.store = dist.HashStore()
+        return
+    addr, port = _rendezvous_address(proc)
+    # Under torchrun the agent already hosts a store at MASTER_ADDR:MASTER_PORT: join it.
+    host = proc.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    try:
+        store = dist.TCPStore(addr, port, proc.world, is_master=host, timeout=timedelta(seconds=timeout),
+                              wait_for_workers=False)
+    except Exception as exc:  # noqa: BLE001 - turned into one line
+        raise LaunchError(f"could not reach the rendezvous at {addr}:{port} within {timeout:g} s "
+                          f"({type(exc).__name__}); is rank 0 running? set MASTER_ADDR/MASTER_PORT if the "
+                          "default address is wrong") from None
+    proc.store = dist.PrefixStore("tpattn", store)
+
+
+def exchange(proc: Proc, key: str, payload: dict, timeout: float, what: str) -> list[dict]:
+    """Every rank publishes `payload` under `key`; returns all ranks' payloads, by rank.
+
+    Waits at most `timeout` seconds, then names the ranks that never answered."""
+    store = proc.store
+    store.set(f"{key}/{proc.rank}", json.dumps(payload))
+    keys = [f"{key}/{r}" for r in range(proc.world)]
+    deadline = time.monotonic() + timeout
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            raise LaunchError(f"rank(s) {_ranges(missing)} did not reach the {what} within {timeout:g} s "
+                              "(did they start, or did they die? see the launcher's log; --timeout sets the wait)")
+        time.sleep(0.05)
+    return [json.loads(store.get(k)) for k in keys]
+
+
+def wait_for(proc: Proc, key: str, timeout: float, what: str) -> dict:
+    deadline = time.monotonic() + timeout
+    while not proc.store.check([key]):
+        if time.monotonic() > deadline:
+            raise LaunchError(f"rank 0 did not publish the {what} within {timeout:g} s")
+        time.sleep(0.05)
+    return json.loads(proc.store.get(key))
+
+
+def agree(proc: Proc, fingerprint: dict | None, local_error: str | None, info: dict, timeout: float):
+    """The decision every rank takes together before any collective.
+
+    Returns (error or None, all ranks' info). The error is the lowest rank's own, or a list of
+    arguments that differ between ranks."""
+    everyone = exchange(proc, "agree", {"fp": fingerprint, "err": local_error, "info": info}, timeout,
+                        "rendezvous")
+    infos = [e["info"] for e in everyone]
+    failed = [(r, e["err"]) for r, e in enumerate(everyone) if e["err"]]
+    if failed:
+        ranks = [r for r, _ in failed]
+        msg = failed[0][1]
+        return (msg if len(ranks) == proc.world else f"{msg} (on rank(s) {_ranges(ranks)})"), infos
+    ref = everyone[0]["fp"]
+    for r, e in enumerate(everyone):
+        diff = [k for k in ref if e["fp"].get(k) != ref[k]]
+        if diff:
+            shown = "; ".join(f"{k}: rank 0 has {ref[k]!r}, rank {r} has {e['fp'].get(k)!r}" for k in diff[:3])
+            return f"arguments differ between ranks ({shown}); launch every rank with the same arguments", infos
+    return None, infos
+
+
+def init_process_group(proc: Proc, backend: str, device: torch.device, timeout: float) -> None:
+    kw = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend=backend, store=dist.PrefixStore("pg", proc.store), rank=proc.rank,
+                            world_size=proc.world, timeout=timedelta(seconds=timeout), **kw)
+
+
+def _ranges(ranks: list[int]) -> str:
+    out, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ",".join(out)

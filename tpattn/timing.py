@@ -1,0 +1,59 @@
+"""Per-pass timers: CUDA events on a GPU, perf_counter on CPU; NVTX ranges around each pass."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import contextmanager
+
+import torch
+
+
+class Timer:
+    """Time named sections of one iteration; a name timed twice in an iteration is summed."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.device = torch.device(device)
+        self._open: list[tuple[str, object, object]] = []
+
+    @contextmanager
+    def section(self, name: str):
+        if self.cuda:
+            torch.cuda.nvtx.range_push(name)
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                torch.cuda.nvtx.range_pop()
+            self._open.append((name, start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._open.append((name, t0, time.perf_counter()))
+
+    def collect(self) -> dict[str, float]:
+        """Milliseconds per section name since the last collect (waits for the GPU)."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        out: dict[str, float] = {}
+        for name, a, b in self._open:
+            ms = a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+            out[name] = out.get(name, 0.0) + ms
+        self._open.clear()
+        return out
+
+
+def section(timer: Timer | None, name: str):
+    """timer.section(name), or nothing when no timer is given."""
+    if timer is None:
+        from contextlib import nullcontext
+        return nullcontext()
+    return timer.section(name)
+
+
+def summarize(samples: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples)}
