@@ -4,7 +4,7 @@
 # nothing is running.  State/config/logs are kept so slurm_up.sh can restart.
 set -euo pipefail
 
-TIMEOUT="${SLURM_DOWN_TIMEOUT:-30}"
+TIMEOUT="${SLURM_DOWN_TIMEOUT:-20}"
 log() { echo "[slurm_down] $*"; }
 
 # stop_pidfile PIDFILE NAME: SIGTERM the process named in PIDFILE, wait, then SIGKILL
@@ -54,6 +54,11 @@ if command -v scontrol >/dev/null && timeout 10 scontrol ping 2>/dev/null | grep
 fi
 
 stop_pidfile /run/slurmd.pid slurmd
+# slurmstepd processes (children of our slurmd) can outlive a killed slurmd.
+for pid in $(pgrep -x slurmstepd || true); do
+    log "killing leftover slurmstepd (pid $pid)"
+    kill -KILL "$pid" 2>/dev/null || true
+done
 stop_pidfile /run/slurmctld.pid slurmctld
 stop_pidfile /run/munge/munged.pid munged
 log "stopped"

@@ -95,6 +95,7 @@ start_ts=$SECONDS
 # `srun --mpi=pmix` fails with "can not load PMIx library".
 PKGS=(munge slurmctld slurmd slurm-client libpmix2 libpmix-dev shellcheck)
 missing=()
+need_restart=0
 for p in "${PKGS[@]}"; do
     if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed'; then
         missing+=("$p")
@@ -117,6 +118,9 @@ if ((${#missing[@]})); then
         "${missing[@]}" >/tmp/slurm_up_apt.log 2>&1 \
         || { tail -n 30 /tmp/slurm_up_apt.log >&2; die "apt-get install failed"; }
     if ((created_policy)); then rm -f /usr/sbin/policy-rc.d; fi
+    # New libraries/plugins (e.g. libpmix) are only picked up by fresh daemons;
+    # a slurmd that started without them wedges on the first pmix step.
+    need_restart=1
 else
     log "packages already installed"
 fi
@@ -233,11 +237,10 @@ $NODE_LINE
 PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 CONF
 
-conf_changed=0
 if [[ ! -f "$CONF" ]] || ! cmp -s "$new_conf" "$CONF"; then
     log "writing $CONF"
     install -m 644 "$new_conf" "$CONF"
-    conf_changed=1
+    need_restart=1
 else
     log "$CONF unchanged"
 fi
@@ -257,13 +260,13 @@ fi
 # ---------------------------------------------------------------------------
 # 4. daemons
 # ---------------------------------------------------------------------------
-if ((conf_changed)); then
-    # Config changed under running daemons: restart them so it takes effect.
+if ((need_restart)); then
+    # Config/packages changed under running daemons: restart so it takes effect.
     for pf in "$SLURMD_PID" "$CTLD_PID"; do
         if [[ -r "$pf" ]]; then
             pid="$(tr -dc '0-9' < "$pf")"
             if [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null; then
-                log "config changed: stopping pid $pid ($pf)"
+                log "config/packages changed: stopping pid $pid ($pf)"
                 kill "$pid" || true
                 for ((i = 0; i < 20; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
             fi
@@ -294,7 +297,7 @@ ok=0
 for ((i = 0; i < TIMEOUT; i++)); do
     st="$(node_state || true)"
     case "$st" in
-        idle | mixed | allocated | completing)
+        idle | mixed | allocated)
             ok=1
             break
             ;;
