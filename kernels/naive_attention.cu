@@ -118,7 +118,8 @@ extern "C" __global__ void softmaxKernel_##SUF(const T *__restrict__ S, T *__res
     }                                                                                           \
 }                                                                                               \
                                                                                                 \
-/* grid: x over head-dim columns, y over query rows, z over batch*heads; block 32 x 8 */        \
+/* grid: x over head-dim columns, y over query rows, z over batch*heads; the block's x spans   \
+   the head dim (up to 128) so the warps of one row share its P reads in L1 */                   \
 extern "C" __global__ void pvKernel_##SUF(const T *__restrict__ P, const T *__restrict__ V,    \
                                          T *__restrict__ O, int BH, int N, int d, int causal) { \
     const int c = blockIdx.x * blockDim.x + threadIdx.x;                                        \
@@ -130,6 +131,7 @@ extern "C" __global__ void pvKernel_##SUF(const T *__restrict__ P, const T *__re
             const long long v_off = (long long)bh * N * (long long)d + c;                       \
             const int len = causal ? row + 1 : N;                                               \
             float acc = 0.0f;                                                                   \
+            _Pragma("unroll 4")                                                                 \
             for (int j = 0; j < len; ++j)                                                       \
                 acc += TP_LOAD_##SUF(P, p_off + j) * TP_LOAD_##SUF(V, v_off + (long long)j * d);\
             TP_STORE_##SUF(O, ((long long)bh * N + row) * (long long)d + c, acc);               \

@@ -137,8 +137,8 @@ def _main(argv: list[str], proc) -> int:
     cfg, local_error, device = None, None, torch.device("cpu")
     try:
         cfg = resolve(parse(argv))
-        device = tpdist.pick_device(proc, cfg.device)
         validate(cfg, proc.world, proc.local_world, check_json=proc.rank == 0)
+        device = tpdist.pick_device(proc, cfg.device)
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             preflight(cfg, proc.world, proc.rank, free)

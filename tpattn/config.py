@@ -98,8 +98,11 @@ def resolve(cfg: Config) -> Config:
             if has_gpu and cupy_available():
                 cfg.device = "cuda"
                 cfg.notes.append("device auto: CUDA GPU and CuPy found, running the naive CUDA kernels")
+            elif cfg.kernel == "naive" and has_gpu:
+                cfg.device = "cuda"  # validate() names the missing CuPy
             elif cfg.kernel == "naive":
-                cfg.device = "cuda"  # the checks below say what is missing
+                raise ConfigError("--kernel naive needs a CUDA GPU and none is visible to torch; "
+                                  "use --kernel reference (runs on CPU)")
             else:
                 cfg.device = "cpu"
                 why = "CuPy is not installed" if has_gpu else "no CUDA GPU is visible to torch"

@@ -72,7 +72,23 @@ def launch(filename: str, name: str, device: torch.device, grid, block, args) ->
         assert 1 <= g <= GRID_YZ_MAX, f"grid {grid} beyond the y/z limit"
     assert 1 <= grid[0] <= GRID_X_MAX, f"grid {grid} beyond the x limit"
     with cupy.cuda.Device(idx):
-        ext = cupy.cuda.ExternalStream(stream.cuda_stream, idx)
+        ext = _external_stream(cupy, stream, idx)
         fn(tuple(grid), tuple(block), tuple(args), stream=ext)  # raises on a failed launch
         if os.environ.get("TPATTN_SYNC_LAUNCHES"):  # debugging: surface asynchronous faults here
             ext.synchronize()
+
+
+_streams: dict[tuple[int, int], object] = {}
+
+
+def _external_stream(cupy, stream: torch.cuda.Stream, idx: int):
+    """A CuPy view of torch's stream (made once per stream)."""
+    key = (idx, stream.cuda_stream)
+    ext = _streams.get(key)
+    if ext is None:
+        if hasattr(cupy.cuda.Stream, "from_external") and hasattr(stream, "__cuda_stream__"):
+            ext = cupy.cuda.Stream.from_external(stream)
+        else:
+            ext = cupy.cuda.ExternalStream(stream.cuda_stream, idx)
+        _streams[key] = ext
+    return ext

@@ -36,6 +36,7 @@ class Proc:
     hostname: str = field(default_factory=socket.gethostname)
     comm: object = None             # mpi4py COMM_WORLD under MPI
     store: object = None            # the control-plane store once rendezvous() ran
+    device: object = None           # set by init_distributed()
 
     @property
     def distributed(self) -> bool:
@@ -232,3 +233,17 @@ def _ranges(ranks: list[int]) -> str:
         out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
         i = j + 1
     return ",".join(out)
+
+
+def init_distributed(backend: str = "auto", timeout: float = 300.0) -> Proc:
+    """For API users: discover the launcher, pick this rank's device, rendezvous and create the
+    default process group (nccl on a GPU, gloo otherwise). Returns the Proc (rank, world, ...)."""
+    proc = discover()
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = pick_device(proc, "cuda" if backend == "nccl" or torch.cuda.is_available() else "cpu")
+    rendezvous(proc, timeout)
+    if proc.distributed:
+        init_process_group(proc, backend, device, timeout)
+    proc.device = device
+    return proc

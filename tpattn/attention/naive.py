@@ -24,6 +24,7 @@ def _cdiv(a: int, b: int) -> int:
 class NaiveBackend(Backend):
     name = "naive"
     devices = ("cuda",)
+    pv_block_x = 0  # threads per block along the head dim in pvKernel; 0: the head dim, up to 128
 
     def check_supported(self, cfg) -> None:
         super().check_supported(cfg)
@@ -58,7 +59,9 @@ class NaiveBackend(Backend):
             launch(SOURCE, f"softmaxKernel_{suf}", dev, (min(rows, GRID_X_MAX), 1, 1), (SOFTMAX_THREADS, 1, 1),
                    (ptr(s), ptr(p), np.int64(rows), np.int32(n), np.int32(causal)))
         with section(timer, "pv"):
-            grid = (_cdiv(d, 32), min(_cdiv(n, 8), GRID_YZ_MAX), min(bh, GRID_YZ_MAX))
-            launch(SOURCE, f"pvKernel_{suf}", dev, grid, (32, 8, 1),
+            bx = self.pv_block_x or 32 * min(_cdiv(d, 32), 4)
+            by = max(1, 256 // bx)
+            grid = (_cdiv(d, bx), min(_cdiv(n, by), GRID_YZ_MAX), min(bh, GRID_YZ_MAX))
+            launch(SOURCE, f"pvKernel_{suf}", dev, grid, (bx, by, 1),
                    (ptr(p), ptr(v), ptr(o), np.int32(bh), np.int32(n), np.int32(d), np.int32(causal)))
         return o

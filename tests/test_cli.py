@@ -1,0 +1,127 @@
+"""The CLI end to end on CPU: --help, a small run and its JSON, and every refused input."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, tpattn
+
+SMALL = ["--seq-len", "64", "--heads", "4", "--head-dim", "16", "--warmup", "0", "--iters", "2"]
+
+
+def one_error_line(r, code=2):
+    assert r.returncode == code, r.stdout + r.stderr
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    return lines[0]
+
+
+def test_help_answers():
+    r = tpattn(["--help"])
+    assert r.returncode == 0
+    for flag in ("--seq-len", "--heads", "--head-dim", "--batch", "--dtype", "--kernel", "--causal", "--device",
+                 "--warmup", "--iters", "--seed", "--check", "--no-check", "--json", "--dist-backend",
+                 "--reduce-dtype", "--timeout", "--profile", "mpirun -n 8 python -m tpattn", "exit status"):
+        assert flag in r.stdout, flag
+
+
+def test_default_cpu_run_says_it_shrank_and_passes(tmp_path):
+    r = tpattn(["--json", str(tmp_path / "r.json")], timeout=60)
+    assert r.returncode == 0, r.stderr
+    head = r.stdout.splitlines()[:4]
+    if not torch.cuda.is_available():
+        assert any("CPU run: using the smaller default shape" in ln for ln in head)
+        assert any("no CUDA GPU" in ln for ln in head)
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["verdict"] == "PASS" and "RESULT: PASS" in r.stdout
+
+
+def test_small_run_json_is_complete(tmp_path):
+    out = tmp_path / "r.json"
+    r = tpattn(SMALL + ["--causal", "--dtype", "bf16", "--batch", "2", "--device", "cpu", "--json", str(out)])
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(out.read_text())
+    c = rep["config"]
+    assert (c["seq_len"], c["heads"], c["head_dim"], c["batch"], c["dtype"], c["causal"]) == (64, 4, 16, 2, "bf16", True)
+    assert rep["memory"]["S_bytes_per_rank"] == 2 * 4 * 64 * 64 * 2
+    for p in ("qkv_proj", "qk", "softmax", "pv", "out_proj", "total"):
+        s = rep["rank0_passes"][p]
+        assert 0 <= s["min"] <= s["median"] <= s["max"]
+    assert rep["checks"]["vs_float64"]["pass"] and rep["verdict"] == "PASS"
+    assert rep["world"]["size"] == 1 and rep["world"]["launcher"] == "single"
+    assert "bytes of" not in r.stdout and "S and P: 32.0 KiB" not in r.stdout
+    assert "S and P:" in r.stdout and "per pass" in r.stdout
+
+
+def test_no_check_is_not_a_pass():
+    r = tpattn(SMALL + ["--no-check"])
+    assert r.returncode == 0 and "RESULT: NOT CHECKED" in r.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--seq-len", "0"], "--seq-len must be at least 1"),
+    (["--seq-len", "-5"], "--seq-len must be at least 1"),
+    (["--heads", "0"], "--heads must be at least 1"),
+    (["--head-dim", "0"], "--head-dim must be between 1 and 256"),
+    (["--head-dim", "257"], "--head-dim must be between 1 and 256"),
+    (["--dtype", "fp8"], "invalid choice: 'fp8'"),
+    (["--kernel", "flash9"], "invalid choice: 'flash9'"),
+    (["--dist-backend", "mpi"], "invalid choice: 'mpi'"),
+    (["--seq-len", "abc"], "invalid int value: 'abc'"),
+    (["--iters", "0"], "--iters must be at least 1"),
+    (["--timeout", "0"], "--timeout must be positive"),
+    (["--json", "/nonexistent-dir/r.json"], "does not exist"),
+    (["--device", "cpu", "--kernel", "naive"], "does not run on cpu"),
+    (["--device", "cpu", "--dist-backend", "nccl"], "needs --device cuda"),
+])
+def test_bad_input_is_one_line(args, needle):
+    line = one_error_line(tpattn(SMALL + args))
+    assert needle in line and line.startswith("tpattn: error:")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_device_cuda_without_gpu():
+    line = one_error_line(tpattn(SMALL + ["--device", "cuda"]))
+    assert "no CUDA GPU" in line and "--device cpu" in line
+
+
+def test_naive_without_cupy_names_the_extra():
+    r = tpattn(SMALL + ["--kernel", "naive"])
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    line = one_error_line(r)
+    # without a GPU the device check comes first; both name the fix
+    assert "needs a CUDA GPU" in line or "tpattn[cuda13]" in line
+
+
+def test_cupy_missing_message_names_extras(monkeypatch):
+    from tpattn import config
+    from tpattn.attention import get_backend
+    monkeypatch.setattr(config, "cupy_available", lambda: False)
+    import tpattn.attention.naive as naive
+    monkeypatch.setattr(naive, "cupy_available", lambda: False)
+    cfg = config.Config(device="cuda", kernel="naive", seq_len=8, heads=1, head_dim=8)
+    with pytest.raises(config.ConfigError, match=r"pip install 'tpattn\[cuda13\]'"):
+        get_backend("naive").check_supported(cfg)
+
+
+def test_installed_package_ships_kernels(tmp_path):
+    """`pip install .` (not editable) must carry kernels/*.cu."""
+    target = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                        "--target", str(target), str(ROOT)], capture_output=True, text=True, timeout=300)
+    if r.returncode != 0 and "setuptools" in r.stderr and "No module named" in r.stderr:
+        pytest.fail("setuptools is needed to build tpattn: " + r.stderr[-300:])
+    assert r.returncode == 0, r.stderr[-2000:]
+    shutil.rmtree(tmp_path / "site" / "bin", ignore_errors=True)
+    code = ("import tpattn.cuda as c; p = c.kernel_dir(); print(p); "
+            "assert 'site' in str(p), p; print([f.name for f in c.kernel_sources()])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "naive_attention.cu" in r.stdout

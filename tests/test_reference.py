@@ -1,0 +1,81 @@
+"""The torch reference backend and the whole layer against float64 (CPU)."""
+
+import math
+
+import pytest
+import torch
+
+from tpattn.attention import get_backend
+from tpattn.check import TOL_FLOAT64, compare, layer_float64, sample_rows
+from tpattn.layer import TensorParallelAttention
+from tpattn.weights import head_weights, layer_input
+
+
+def attention64(q, k, v, causal):
+    q, k, v = (t.double() for t in (q, k, v))
+    n = q.shape[-2]
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        s.masked_fill_(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def max_rel(a, ref):
+    ref = ref.double()
+    return ((a.double() - ref).abs() / (ref.abs() + ref.pow(2).mean().sqrt())).max().item()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 80, 128])
+@pytest.mark.parametrize("n", [1, 17, 128, 333])
+def test_reference_matches_float64(n, d, causal):
+    g = torch.Generator().manual_seed(n * 7 + d)
+    q, k, v = (torch.randn(2, 3, n, d, generator=g).half() for _ in range(3))
+    o = get_backend("reference").forward(q, k, v, causal)
+    assert o.dtype == torch.float16 and o.shape == q.shape
+    assert max_rel(o, attention64(q, k, v, causal)) <= 1e-2
+
+
+def test_reference_rounds_where_the_kernels_do():
+    """S and P are stored in the storage dtype: bf16 must differ from fp32 storage by bf16-sized errors."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 64, 32, generator=g) for _ in range(3))
+    ref = attention64(q, k, v, False)
+    e32 = max_rel(get_backend("reference").forward(q, k, v, False), ref)
+    e16 = max_rel(get_backend("reference").forward(*(t.bfloat16() for t in (q, k, v)), False), ref)
+    assert e32 < 1e-5 < 1e-3 < e16 < 5e-2
+
+
+def test_causal_first_row_is_first_value():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 1, 9, 16, generator=g) for _ in range(3))
+    o = get_backend("reference").forward(q, k, v, True)
+    assert torch.allclose(o[0, 0, 0], v[0, 0, 0])
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_layer_matches_float64(dtype, causal):
+    dt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    H, d, N = 4, 32, 100
+    w = head_weights(range(H), H, d, seed=3, dtype=dt, device="cpu")
+    x = layer_input(2, N, H * d, seed=3, dtype=dt, device="cpu")
+    y = TensorParallelAttention(**w, heads=H, head_dim=d, causal=causal, group=None)(x)
+    rows = sample_rows(N, limit=N)
+    assert compare(y, layer_float64(x, w, H, causal, rows), TOL_FLOAT64[dtype])["pass"]
+
+
+def test_weights_are_per_head_and_world_independent():
+    full = head_weights(range(6), 6, 8, seed=5, dtype=torch.float32, device="cpu")
+    part = head_weights(range(2, 4), 6, 8, seed=5, dtype=torch.float32, device="cpu")
+    assert torch.equal(full["wq"][:, 16:32], part["wq"])
+    assert torch.equal(full["wo"][16:32], part["wo"])
+    assert torch.equal(full["bo"], part["bo"])
+    other = head_weights(range(2, 4), 6, 8, seed=6, dtype=torch.float32, device="cpu")
+    assert not torch.equal(other["wq"], part["wq"])
+
+
+def test_sample_rows():
+    assert sample_rows(10).tolist() == list(range(10))
+    r = sample_rows(50_000)
+    assert len(r) == 64 and r[0] == 0 and r[-1] == 49_999
