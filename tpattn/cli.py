@@ -151,14 +151,15 @@ def _main(argv: list[str], proc) -> int:
     error, infos = tpdist.agree(proc, cfg.fingerprint() if cfg else None, local_error, info, timeout)
     if error:
         _say(proc, f"error: {error}")
+        tpdist.leave(proc, timeout)
         return EXIT_USAGE
     if proc.distributed:
         tpdist.init_process_group(proc, cfg.dist_backend, device, cfg.timeout)
-    try:
-        return _run(cfg, proc, device, infos, argv)
-    finally:
-        if proc.distributed and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    code = _run(cfg, proc, device, infos, argv)
+    if proc.distributed:
+        torch.distributed.destroy_process_group()
+    tpdist.leave(proc, cfg.timeout)
+    return code
 
 
 def _run(cfg: Config, proc, device, infos, argv) -> int:

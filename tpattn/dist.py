@@ -196,6 +196,19 @@ def wait_for(proc: Proc, key: str, timeout: float, what: str) -> dict:
     return json.loads(proc.store.get(key))
 
 
+def leave(proc: Proc, timeout: float) -> None:
+    """Rank 0 hosts the store, so it leaves last: the others say they are done, rank 0 waits."""
+    if not proc.distributed:
+        return
+    if proc.rank != 0:
+        proc.store.set(f"done/{proc.rank}", "1")
+        return
+    keys = [f"done/{r}" for r in range(1, proc.world)]
+    deadline = time.monotonic() + timeout
+    while keys and not proc.store.check(keys) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def agree(proc: Proc, fingerprint: dict | None, local_error: str | None, info: dict, timeout: float):
     """The decision every rank takes together before any collective.
 

@@ -1,0 +1,35 @@
+"""Run under mpirun by tests/test_mpi.py: the Python API against torch.nn.MultiheadAttention.
+
+Every rank builds the same MultiheadAttention (same seed), keeps its slice through
+TensorParallelAttention.from_multihead_attention, and compares the all-reduced output with the
+unsharded module's. Prints 'API PASS rank R err E' and exits 0, or exits 1.
+"""
+
+import sys
+
+import torch
+
+from tpattn.dist import init_distributed
+from tpattn.layer import TensorParallelAttention
+
+proc = init_distributed(backend="gloo", timeout=60)
+torch.manual_seed(0)
+E, H, N, B = 48, 12, 37, 2
+mha = torch.nn.MultiheadAttention(E, H, batch_first=True)  # biases on, as by default
+with torch.no_grad():
+    mha.in_proj_bias.normal_(0, 0.1)
+    mha.out_proj.bias.normal_(0, 0.1)
+x = torch.randn(B, N, E)
+mask = torch.ones(N, N, dtype=torch.bool).triu(1)
+errs = []
+for causal in (False, True):
+    layer = TensorParallelAttention.from_multihead_attention(mha, backend="reference", causal=causal)
+    assert layer.local_heads == H // proc.world
+    with torch.no_grad():
+        y = layer(x)
+        ref, _ = mha(x, x, x, need_weights=False, attn_mask=mask if causal else None)
+    errs.append((y - ref).abs().max().item())
+ok = max(errs) < 1e-5
+print(f"API {'PASS' if ok else 'FAIL'} rank {proc.rank} of {proc.world} err {max(errs):.2e}", flush=True)
+torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
+sys.exit(0 if ok else 1)

@@ -1,0 +1,92 @@
+"""Several ranks under a real mpirun (gloo on CPU): the tensor-parallel output equals the
+single-process baseline, through the CLI and through the API; errors end every rank quickly."""
+
+import json
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, mpirun_cmd, run, tpattn
+
+pytestmark = pytest.mark.mpi
+SHAPE = ["--seq-len", "96", "--heads", "12", "--head-dim", "16", "--warmup", "1", "--iters", "2", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_cli_matches_baseline(world, tmp_path):
+    out = tmp_path / "r.json"
+    r = tpattn(SHAPE + ["--causal", "--json", str(out)], ranks=world, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["world"]["size"] == world and rep["world"]["launcher"] == "mpi"
+    assert rep["world"]["backend"] == "gloo"
+    assert [x["heads"] for x in rep["world"]["ranks"]] == [f"{r * 12 // world}-{(r + 1) * 12 // world - 1}"
+                                                         for r in range(world)]
+    assert rep["verdict"] == "PASS" and rep["checks"]["vs_float64"]["pass"]
+    if world > 1:
+        base = rep["checks"]["vs_single_process"]
+        assert base["pass"] and base["rel_err"] <= base["tol"]
+        assert rep["allreduce"]["bytes"] == 96 * 12 * 16 * 4  # fp32 partials [1, N, D]
+        assert "all-reduce:" in r.stdout and "busbw" in r.stdout
+    assert r.stdout.count("RESULT: PASS") == 1  # only rank 0 reports
+
+
+def test_model_dtype_reduce_passes(tmp_path):
+    out = tmp_path / "r.json"
+    r = tpattn(SHAPE + ["--reduce-dtype", "model", "--json", str(out)], ranks=2, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["allreduce"]["bytes"] == 96 * 12 * 16 * 2
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_api_matches_multihead_attention(world):
+    r = run(mpirun_cmd(world) + [sys.executable, str(ROOT / "tests" / "mpi_api_check.py")], timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("API PASS") == world
+
+
+def test_api_single_process_matches_multihead_attention():
+    r = run([sys.executable, str(ROOT / "tests" / "mpi_api_check.py")], timeout=60)
+    assert r.returncode == 0 and "API PASS rank 0 of 1" in r.stdout, r.stderr
+
+
+def error_lines(r):
+    return [ln for ln in r.stderr.splitlines() if ln.startswith("tpattn: rank")]
+
+
+def test_heads_not_divisible_errors_on_every_rank():
+    t0 = time.monotonic()
+    r = tpattn(SHAPE[:2] + ["--heads", "10", "--device", "cpu"], ranks=4, timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert r.returncode == 2
+    lines = error_lines(r)
+    assert sorted(int(ln.split()[2].rstrip(":")) for ln in lines) == [0, 1, 2, 3]
+    assert all("--heads 10 is not divisible by world size 4" in ln and "{1, 2, 5, 10}" in ln for ln in lines)
+
+
+def test_more_ranks_than_heads():
+    r = tpattn(["--seq-len", "32", "--heads", "2", "--device", "cpu"], ranks=3, timeout=60)
+    assert r.returncode == 2
+    assert len(error_lines(r)) == 3 and "larger than --heads 2" in r.stderr
+
+
+def test_arguments_that_differ_between_ranks():
+    """MPMD launch: rank 1 gets another --seq-len; every rank refuses before any collective."""
+    base = [sys.executable, "-m", "tpattn", "--heads", "4", "--device", "cpu"]
+    cmd = mpirun_cmd(1) + base + ["--seq-len", "64"] + [":", "-n", "1"] + base + ["--seq-len", "128"]
+    t0 = time.monotonic()
+    r = run(cmd, timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert r.returncode == 2
+    lines = error_lines(r)
+    assert len(lines) == 2
+    assert all("arguments differ between ranks (seq_len: rank 0 has 64, rank 1 has 128)" in ln for ln in lines)
+
+
+def test_error_on_one_rank_ends_the_job():
+    t0 = time.monotonic()
+    r = tpattn(SHAPE, ranks=3, timeout=60, TPATTN_DEBUG_INJECT_FAULT="1:forward:raise")
+    assert time.monotonic() - t0 < 30
+    assert r.returncode != 0
+    assert "tpattn: rank 1: failed: InjectedFault: injected fault at step forward" in r.stderr
