@@ -32,7 +32,9 @@ def layer_float64(x, w: dict, heads: int, causal: bool, rows: torch.Tensor) -> t
 
     def proj(t, name):
         y = t @ w64["w" + name]
-        return (y + w64["b" + name]).view(t.shape[0], t.shape[1], heads, d).transpose(1, 2)
+        if "b" + name in w64:
+            y = y + w64["b" + name]
+        return y.view(t.shape[0], t.shape[1], heads, d).transpose(1, 2)
 
     q = proj(x64[:, rows], "q")                      # [B, H, r, d]
     k, v = proj(x64, "k"), proj(x64, "v")            # [B, H, N, d]
@@ -40,8 +42,8 @@ def layer_float64(x, w: dict, heads: int, causal: bool, rows: torch.Tensor) -> t
     if causal:
         s.masked_fill_(torch.arange(N, device=dev)[None, :] > rows[:, None], float("-inf"))
     o = torch.softmax(s, dim=-1) @ v                 # [B, H, r, d]
-    y = o.transpose(1, 2).reshape(B, len(rows), heads * d) @ w64["wo"] + w64["bo"]
-    return y
+    y = o.transpose(1, 2).reshape(B, len(rows), heads * d) @ w64["wo"]
+    return y + w64["bo"] if "bo" in w64 else y
 
 
 def compare(y: torch.Tensor, ref: torch.Tensor, tol: float) -> dict:

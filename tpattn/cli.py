@@ -22,7 +22,7 @@ from .memory import preflight
 from .report import build, text
 from .sharding import head_range
 from .timing import Timer, summarize
-from .weights import head_weights, layer_input
+from .weights import head_weights, layer_input, load_inputs, slice_heads
 
 EXIT_FAIL, EXIT_USAGE = 1, 2
 
@@ -65,6 +65,9 @@ def parser() -> argparse.ArgumentParser:
                    "for naive) is there, else cpu, and says why (default auto)")
     k.add_argument("--seed", type=int, default=0, help="seed of the weights and input; the same seed gives the "
                    "same numbers for any world size (default 0)")
+    k.add_argument("--load", metavar="PATH", help="use these weights instead: a torch.save'd dict with wq, wk, wv "
+                   "[D, D] and wo [D, D] in x @ W layout, optional bq, bk, bv, bo [D] and x [B, N, D]; "
+                   "refused if any value is NaN or Inf")
     d = p.add_argument_group("parallel")
     d.add_argument("--dist-backend", default="auto", choices=list(DIST_BACKENDS), help="collective backend: "
                    "nccl on CUDA, gloo on CPU or with several ranks sharing one GPU (default auto)")
@@ -90,7 +93,7 @@ def parse(argv: list[str]) -> Config:
     return Config(seq_len=a.seq_len, heads=a.heads, head_dim=a.head_dim, batch=a.batch, dtype=a.dtype,
                   kernel=a.kernel, causal=a.causal, device=a.device, warmup=a.warmup, iters=a.iters, seed=a.seed,
                   check=a.check, json=a.json, dist_backend=a.dist_backend, reduce_dtype=a.reduce_dtype,
-                  timeout=a.timeout, profile=a.profile)
+                  timeout=a.timeout, profile=a.profile, load=a.load)
 
 
 def _say(proc, msg: str, stream=sys.stderr) -> None:
@@ -134,10 +137,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str], proc) -> int:
     faults.maybe_fail(proc.rank, "start")
-    cfg, local_error, device = None, None, torch.device("cpu")
+    cfg, local_error, device, loaded = None, None, torch.device("cpu"), None
     try:
         cfg = resolve(parse(argv))
         validate(cfg, proc.world, proc.local_world, check_json=proc.rank == 0)
+        if cfg.load:  # every rank reads and checks the whole file, so all reach the same answer
+            loaded = load_inputs(cfg.load, cfg.heads, cfg.head_dim, cfg.batch, cfg.seq_len, cfg.torch_dtype)
         device = tpdist.pick_device(proc, cfg.device)
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
@@ -155,18 +160,28 @@ def _main(argv: list[str], proc) -> int:
         return EXIT_USAGE
     if proc.distributed:
         tpdist.init_process_group(proc, cfg.dist_backend, device, cfg.timeout)
-    code = _run(cfg, proc, device, infos, argv)
+    code = _run(cfg, proc, device, infos, argv, loaded)
     if proc.distributed:
         torch.distributed.destroy_process_group()
     tpdist.leave(proc, cfg.timeout)
     return code
 
 
-def _run(cfg: Config, proc, device, infos, argv) -> int:
-    dtype = cfg.torch_dtype
+def _weights(cfg: Config, heads: range, device, loaded: dict | None) -> dict:
+    """The given heads' weights: generated from --seed, or sliced from --load."""
+    if loaded is None:
+        return head_weights(heads, cfg.heads, cfg.head_dim, cfg.seed, cfg.torch_dtype, device)
+    w = slice_heads({k: t for k, t in loaded.items() if k != "x"}, heads, cfg.head_dim)
+    return {k: t.to(device) for k, t in w.items()}
+
+
+def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
     heads = head_range(cfg.heads, proc.world, proc.rank)
-    w = head_weights(heads, cfg.heads, cfg.head_dim, cfg.seed, dtype, device)
-    x = layer_input(cfg.batch, cfg.seq_len, cfg.model_dim, cfg.seed, dtype, device)
+    w = _weights(cfg, heads, device, loaded)
+    if loaded is not None and "x" in loaded:
+        x = loaded["x"].to(device)
+    else:
+        x = layer_input(cfg.batch, cfg.seq_len, cfg.model_dim, cfg.seed, cfg.torch_dtype, device)
     layer = TensorParallelAttention(**w, heads=cfg.heads, head_dim=cfg.head_dim, backend=cfg.kernel,
                                     causal=cfg.causal, group="world" if proc.distributed else None,
                                     reduce_dtype=cfg.reduce_dtype)
@@ -187,7 +202,7 @@ def _run(cfg: Config, proc, device, infos, argv) -> int:
     if proc.rank != 0:
         verdict = tpdist.wait_for(proc, "verdict", max(cfg.timeout, 3600.0), "verdict")["verdict"]
         return 0 if verdict != "FAIL" else EXIT_FAIL
-    checks = _checks(cfg, proc, layer, w, x, y, device) if cfg.check else {}
+    checks = _checks(cfg, proc, layer, w, x, y, device, loaded) if cfg.check else {}
     verdict = "FAIL" if any(not c["pass"] for c in checks.values()) else ("PASS" if checks else "NOT CHECKED")
     if proc.distributed:
         proc.store.set("verdict", json.dumps({"verdict": verdict}))
@@ -200,13 +215,13 @@ def _run(cfg: Config, proc, device, infos, argv) -> int:
     return 0 if verdict != "FAIL" else EXIT_FAIL
 
 
-def _checks(cfg: Config, proc, layer, w, x, y, device) -> dict:
+def _checks(cfg: Config, proc, layer, w, x, y, device, loaded) -> dict:
     """Rank 0: the tensor-parallel output against the single-process baseline (same weights, same
     backend, all heads, no collective) and the layer against float64 on sampled rows."""
     checks = {}
     full = w
     if proc.world > 1:
-        full = head_weights(range(cfg.heads), cfg.heads, cfg.head_dim, cfg.seed, cfg.torch_dtype, device)
+        full = _weights(cfg, range(cfg.heads), device, loaded)
         base = TensorParallelAttention(**full, heads=cfg.heads, head_dim=cfg.head_dim, backend=cfg.kernel,
                                        causal=cfg.causal, group=None, reduce_dtype=cfg.reduce_dtype,
                                        head_chunk=layer.local_heads)

@@ -47,6 +47,7 @@ class Config:
     reduce_dtype: str = "fp32"
     timeout: float = 300.0
     profile: str | None = None
+    load: str | None = None            # full weights (and optionally x) from a torch.save'd dict
     # Filled by resolve(): what was chosen and why, shown in the report's first lines.
     notes: list[str] = field(default_factory=list)
 

@@ -132,18 +132,38 @@ def _first_slurm_host() -> str:
     return head or "127.0.0.1"
 
 
-def _rendezvous_address(proc: Proc) -> tuple[str, int]:
+def _mpi_wait(req, deadline: float, timeout: float) -> None:
+    """Poll a non-blocking MPI request: a rank that never starts must not hang the others."""
+    while not req.Test():
+        if time.monotonic() > deadline:
+            raise LaunchError(f"the MPI rendezvous did not complete within {timeout:g} s: a rank has not started "
+                              "or hangs before it (see the launcher's log; --timeout sets the wait)")
+        time.sleep(0.01)
+
+
+def _mpi_address(proc: Proc, timeout: float) -> tuple[str, int]:
+    """Rank 0 picks the store's address and a free port and sends them to all: no env needed."""
+    from mpi4py import MPI
+    width, deadline = 256, time.monotonic() + timeout
+    mine = proc.hostname.encode()[:width].ljust(width, b"\0")
+    hosts = bytearray(width * proc.world)
+    _mpi_wait(proc.comm.Iallgather([mine, MPI.BYTE], [hosts, MPI.BYTE]), deadline, timeout)
+    names = {bytes(hosts[i * width:(i + 1) * width]).rstrip(b"\0") for i in range(proc.world)}
+    msg = bytearray(width)
+    if proc.rank == 0:
+        addr = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if len(names) == 1
+                                                 else socket.gethostbyname(proc.hostname))
+        port = _env_int("MASTER_PORT") or _free_port()
+        msg[:] = f"{addr} {port}".encode().ljust(width, b"\0")
+    _mpi_wait(proc.comm.Ibcast([msg, MPI.BYTE], root=0), deadline, timeout)
+    addr, port = bytes(msg).rstrip(b"\0").decode().split()
+    return addr, int(port)
+
+
+def _rendezvous_address(proc: Proc, timeout: float) -> tuple[str, int]:
     env = os.environ
     if proc.launcher == "mpi":
-        hosts = proc.comm.allgather(proc.hostname)
-        if proc.rank == 0:
-            addr = env.get("MASTER_ADDR") or ("127.0.0.1" if len(set(hosts)) == 1
-                                              else socket.gethostbyname(proc.hostname))
-            port = _env_int("MASTER_PORT") or _free_port()
-            msg = (addr, port)
-        else:
-            msg = None
-        return proc.comm.bcast(msg, root=0)
+        return _mpi_address(proc, timeout)
     if proc.launcher == "srun":
         single_node = _env_int("SLURM_STEP_NUM_NODES", _env_int("SLURM_NNODES", 1)) == 1
         addr = env.get("MASTER_ADDR") or ("127.0.0.1" if single_node else _first_slurm_host())
@@ -157,7 +177,7 @@ def rendezvous(proc: Proc, timeout: float) -> None:
     if not proc.distributed:
         proc.store = dist.HashStore()
         return
-    addr, port = _rendezvous_address(proc)
+    addr, port = _rendezvous_address(proc, timeout)
     # Under torchrun the agent already hosts a store at MASTER_ADDR:MASTER_PORT: join it.
     host = proc.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     try:

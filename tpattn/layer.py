@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 from . import faults
 from .attention import Backend, get_backend
-from .sharding import check_divisible, column_slice
+from .sharding import check_divisible, head_range
 from .timing import section
+from .weights import slice_heads
 
 WORLD = "world"  # group=WORLD: the default process group if one is initialized, else none
 
@@ -76,10 +77,10 @@ class TensorParallelAttention(torch.nn.Module):
         """Keep this rank's slice of full weights in "x @ W" layout (wq: [D, H*d], wo: [H*d, D])."""
         _, rank, world = _resolve_group(group)
         head_dim = wq.shape[1] // heads
-        cols = column_slice(heads, world, rank, head_dim)
-        pick = (lambda t: None if t is None else t[..., cols].contiguous())
-        return cls(pick(wq), pick(wk), pick(wv), wo[cols].contiguous(), pick(bq), pick(bk), pick(bv), bo,
-                   heads=heads, head_dim=head_dim, group=group, **kw)
+        full = {k: t for k, t in dict(wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=bo).items()
+                if t is not None}
+        mine = slice_heads(full, head_range(heads, world, rank), head_dim)
+        return cls(**mine, heads=heads, head_dim=head_dim, group=group, **kw)
 
     @classmethod
     def from_linears(cls, q_proj, k_proj, v_proj, o_proj, *, heads: int, **kw) -> "TensorParallelAttention":

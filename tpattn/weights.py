@@ -40,3 +40,61 @@ def head_weights(heads: range, n_heads: int, head_dim: int, seed: int, dtype, de
 
 def layer_input(batch: int, seq_len: int, model_dim: int, seed: int, dtype, device) -> torch.Tensor:
     return _randn((batch, seq_len, model_dim), seed, "x").to(device=device, dtype=dtype)
+
+
+LOAD_KEYS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "x")
+
+
+def load_inputs(path: str, heads: int, head_dim: int, batch: int, seq_len: int, dtype) -> dict:
+    """Full weights (and optionally x) from a torch.save'd dict, checked: shapes, and no NaN or Inf
+    in the storage dtype. Keys: wq, wk, wv [D, H*d] and wo [H*d, D] ("x @ W" layout), optional
+    bq, bk, bv [H*d], bo [D], x [B, N, D]. Raises ConfigError with a one-line fix."""
+    from .config import ConfigError
+
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same one-line answer
+        raise ConfigError(f"--load {path}: cannot read it ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); "
+                          "give a file written by torch.save({'wq': ..., ...})") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"--load {path}: expected a dict of tensors, found {type(obj).__name__}")
+    D = heads * head_dim
+    shapes = {"wq": (D, D), "wk": (D, D), "wv": (D, D), "wo": (D, D), "bq": (D,), "bk": (D,), "bv": (D,),
+              "bo": (D,), "x": (batch, seq_len, D)}
+    missing = [k for k in ("wq", "wk", "wv", "wo") if k not in obj]
+    if missing:
+        raise ConfigError(f"--load {path}: missing {', '.join(missing)}; it needs wq, wk, wv, wo "
+                          "(optional bq, bk, bv, bo, x)")
+    out = {}
+    for k in LOAD_KEYS:
+        if k not in obj:
+            continue
+        t = obj[k]
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shapes[k]:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ConfigError(f"--load {path}: {k} has shape {got}, expected {shapes[k]} for --heads {heads} "
+                              f"--head-dim {head_dim} --batch {batch} --seq-len {seq_len}")
+        bad = (~torch.isfinite(t.float())).sum().item()
+        if bad:
+            raise ConfigError(f"--load {path}: {k} has {bad} NaN/Inf value(s); fix the input before running")
+        cast = t.to(dtype)
+        bad = (~torch.isfinite(cast)).sum().item()
+        if bad:
+            raise ConfigError(f"--load {path}: {k} has {bad} value(s) beyond the range of {dtype}; "
+                              "scale them or use --dtype fp32 or bf16")
+        out[k] = cast
+    return out
+
+
+def slice_heads(full: dict, heads: range, head_dim: int) -> dict:
+    """This rank's Q/K/V columns, their biases and W_o rows from full "x @ W" weights."""
+    cols = slice(heads.start * head_dim, heads.stop * head_dim)
+    out = {}
+    for k, t in full.items():
+        if k in ("wq", "wk", "wv", "bq", "bk", "bv"):
+            out[k] = t[..., cols].contiguous()
+        elif k == "wo":
+            out[k] = t[cols].contiguous()
+        elif k == "bo":
+            out[k] = t
+    return out
