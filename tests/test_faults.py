@@ -1,0 +1,90 @@
+"""Faults and bad input under a real mpirun (gloo, CPU): one line naming the rank and the cause,
+a non-zero exit well within 60 s, and no process of the job left behind."""
+
+import itertools
+import subprocess
+import time
+
+import pytest
+import torch
+
+from conftest import tpattn
+
+pytestmark = pytest.mark.mpi
+_seeds = itertools.count(424200)
+
+
+def job(args, ranks, fault=None, timeout=90):
+    """Run a job whose processes carry a unique --seed, so leftovers can be found."""
+    seed = next(_seeds)
+    extra = {"TPATTN_DEBUG_INJECT_FAULT": fault} if fault else {}
+    t0 = time.monotonic()
+    r = tpattn(["--seq-len", "64", "--heads", "12", "--head-dim", "16", "--device", "cpu", "--seed", str(seed),
+                *args], ranks=ranks, timeout=timeout, **extra)
+    r.elapsed = time.monotonic() - t0
+    time.sleep(1.0)
+    left = subprocess.run(["pgrep", "-f", f"tpattn.*--seed {seed}"], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes left running: {left}"
+    return r
+
+
+def rank_lines(r):
+    return [ln for ln in r.stderr.splitlines() if ln.startswith("tpattn: rank")]
+
+
+def test_exception_on_one_rank_mid_run():
+    r = job([], 3, fault="2:forward:raise")
+    assert r.returncode != 0 and r.elapsed < 60
+    assert "tpattn: rank 2: failed: InjectedFault: injected fault at step forward" in r.stderr
+
+
+def test_rank_killed_by_a_signal():
+    r = job([], 3, fault="1:forward:kill")
+    assert r.returncode != 0 and r.elapsed < 60
+    # OpenMPI names the rank and the signal
+    assert "rank 1" in r.stderr and ("signal 9" in r.stderr or "Killed" in r.stderr), r.stderr
+
+
+def test_rank_that_never_starts():
+    r = job(["--timeout", "8"], 3, fault="1:start:hang")
+    assert r.returncode != 0 and r.elapsed < 60
+    assert "the MPI rendezvous did not complete within 8 s" in r.stderr
+
+
+def test_collective_that_times_out():
+    r = job(["--timeout", "8"], 2, fault="1:allreduce:skip")
+    assert r.returncode != 0 and r.elapsed < 60
+    lines = rank_lines(r)
+    assert any(ln.startswith("tpattn: rank 0: failed:") for ln in lines), r.stderr
+
+
+def test_nan_in_loaded_weight_refused_on_every_rank(tmp_path):
+    D = 12 * 16
+    w = {k: torch.randn(D, D) / 8 for k in ("wq", "wk", "wv", "wo")}
+    w["wv"][5, 6] = float("inf")
+    torch.save(w, tmp_path / "w.pt")
+    r = job(["--load", str(tmp_path / "w.pt")], 2)
+    assert r.returncode == 2
+    lines = rank_lines(r)
+    assert len(lines) == 2 and all("wv has 1 NaN/Inf value(s)" in ln for ln in lines)
+
+
+def test_loaded_input_beyond_fp16_range(tmp_path):
+    D = 12 * 16
+    w = {k: torch.randn(D, D) / 8 for k in ("wq", "wk", "wv", "wo")}
+    w["x"] = torch.full((1, 64, D), 1e6)
+    torch.save(w, tmp_path / "w.pt")
+    r = job(["--load", str(tmp_path / "w.pt")], 2)
+    assert r.returncode == 2 and "x has 12288 value(s) beyond the range of torch.float16" in r.stderr
+
+
+def test_unwritable_json_checked_before_the_run(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    r = job(["--json", str(ro / "r.json")], 2)
+    if r.returncode == 0:  # root can write anywhere: fall back to a path whose folder is missing
+        r = job(["--json", str(tmp_path / "missing" / "r.json")], 2)
+    assert r.returncode == 2 and r.elapsed < 60
+    assert len(rank_lines(r)) == 2 and "--json" in r.stderr
+    assert "per pass" not in r.stdout  # refused before running
