@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         if tb is not None:
             where = f" (at {os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno})"
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        _say(proc, f"failed: {type(exc).__name__}: {msg}{where}; ending the job")
+        gone = proc.dead_peers()
+        _say(proc, f"failed: {type(exc).__name__}: {msg}{where}{'; ' + gone if gone else ''}; ending the job")
         if os.environ.get("TPATTN_TRACEBACK"):
             import traceback
             traceback.print_exc()
@@ -150,7 +151,8 @@ def _main(argv: list[str], proc) -> int:
     except ConfigError as exc:
         local_error = str(exc)
     timeout = cfg.timeout if cfg is not None and local_error is None else 300.0
-    info = {"rank": proc.rank, "host": proc.hostname, "local_rank": proc.local_rank, "device": str(device),
+    info = {"rank": proc.rank, "host": proc.hostname, "pid": os.getpid(), "local_rank": proc.local_rank,
+            "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     tpdist.rendezvous(proc, timeout)
     error, infos = tpdist.agree(proc, cfg.fingerprint() if cfg else None, local_error, info, timeout)

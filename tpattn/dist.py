@@ -37,6 +37,20 @@ class Proc:
     comm: object = None             # mpi4py COMM_WORLD under MPI
     store: object = None            # the control-plane store once rendezvous() ran
     device: object = None           # set by init_distributed()
+    peers: list = field(default_factory=list)  # every rank's info once agree() ran
+
+    def dead_peers(self) -> str:
+        """After a failed collective: which ranks on this host have exited (their pid is gone)."""
+        gone = []
+        for r, info in enumerate(self.peers):
+            if r != self.rank and info.get("host") == self.hostname and info.get("pid"):
+                try:
+                    os.kill(info["pid"], 0)
+                except ProcessLookupError:
+                    gone.append(r)
+                except PermissionError:
+                    pass
+        return f"rank(s) {_ranges(gone)} on {self.hostname} exited" if gone else ""
 
     @property
     def distributed(self) -> bool:
@@ -248,6 +262,7 @@ def agree(proc: Proc, fingerprint: dict | None, local_error: str | None, info: d
         if diff:
             shown = "; ".join(f"{k}: rank 0 has {ref[k]!r}, rank {r} has {e['fp'].get(k)!r}" for k in diff[:3])
             return f"arguments differ between ranks ({shown}); launch every rank with the same arguments", infos
+    proc.peers = infos
     return None, infos
 
 

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.distributed as dist
 
@@ -133,10 +135,25 @@ class TensorParallelAttention(torch.nn.Module):
         if self.group is not None:
             with section(timer, "allreduce"):
                 if faults.maybe_fail(self.rank, "allreduce") != "skip":
-                    dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=self.group)
+                    try:
+                        dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=self.group)
+                    except RuntimeError as exc:
+                        raise CollectiveError(f"all-reduce over {self.world} ranks failed ({_first_line(exc)}): "
+                                              "a rank died, hangs or never joined it") from None
         if self.bo is not None:
             partial += self.bo.to(part_dtype)
         return partial.to(self.dtype).view(B, N, D)
+
+
+class CollectiveError(RuntimeError):
+    pass
+
+
+def _first_line(exc: BaseException) -> str:
+    """The useful part of a backend's error: no source paths, one line, bounded."""
+    msg = re.sub(r"\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", str(exc)).strip().splitlines()
+    first = msg[0].split(". ")[0] if msg else type(exc).__name__
+    return first[:160]
 
 
 def _resolve_group(group):
