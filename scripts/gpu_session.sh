@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU, in one go: GPU tests, kernel benchmark, the default layer over
-# NCCL (1 rank) and over gloo (4 ranks sharing the GPU). Logs and JSON go to $OUT (default results/).
-# Usage: PYTHONPATH=. bash scripts/gpu_session.sh [tests|bench|layer|all]...
+# Everything that needs the GPU, in one go, for a borrowed GPU machine:
+#   tests   pytest -m gpu
+#   bench   scripts/bench_kernels.py (naive kernels beside torch materialized and SDPA)
+#   layer   the default layer: mpirun -n 1 over NCCL, mpirun -n 4 over gloo sharing the GPU
+#   checks  the refusals that need a GPU: NaN in --load, the memory pre-flight, N^2 > 2^31 run
+# Logs and JSON go to $OUT (default results/). Usage: bash scripts/gpu_session.sh [STEP]... (default all)
 set -u -o pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
@@ -13,7 +16,7 @@ note() { echo "=== $* ($(date +%T))"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 if want tests; then
   note "pytest -m gpu"
-  python3 -m pytest -m gpu -q -x tests/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log" || status=1
+  python3 -m pytest -m gpu -q -p no:warnings tests/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log" || status=1
 fi
 if want bench; then
   note "bench_kernels"
@@ -21,9 +24,21 @@ if want bench; then
 fi
 if want layer; then
   note "mpirun -n 1 python -m tpattn (NCCL)"
-  mpirun -n 1 python3 -m tpattn --json "$OUT/layer_np1_nccl.json" 2>&1 | tee "$OUT/layer_np1_nccl.log" || status=1
+  mpirun -n 1 python3 -m tpattn --json "$OUT/layer_np1_nccl.json" 2>&1 | tee -a "$OUT/layer.log" || status=1
   note "mpirun -n 4 python -m tpattn --dist-backend gloo (4 ranks, one GPU)"
   mpirun --oversubscribe -n 4 python3 -m tpattn --dist-backend gloo --json "$OUT/layer_np4_gloo.json" 2>&1 \
-    | tee "$OUT/layer_np4_gloo.log" || status=1
+    | tee -a "$OUT/layer.log" || status=1
+fi
+if want checks; then
+  {
+    note "NaN in a loaded weight, naive kernels (expect exit 2, one line per rank)"
+    python3 -c "import torch; w={k: torch.randn(4096, 4096) / 64 for k in ('wq','wk','wv','wo')}; \
+w['wk'][7, 7] = float('nan'); torch.save(w, '/tmp/nan.pt')"
+    mpirun -n 1 python3 -m tpattn --kernel naive --load /tmp/nan.pt; echo "exit $?"
+    note "memory pre-flight (expect exit 2 and the largest N that fits)"
+    python3 -m tpattn --kernel naive --seq-len 300000 --heads 32; echo "exit $?"
+    note "N = 50000, one head: N^2 > 2^31, naive kernels, through the CLI"
+    python3 -m tpattn --kernel naive --seq-len 50000 --heads 1 --head-dim 128 --warmup 0 --iters 1; echo "exit $?"
+  } 2>&1 | tee "$OUT/gpu_checks.log"
 fi
 exit $status
