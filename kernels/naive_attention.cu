@@ -8,7 +8,8 @@
 // Storage is the suffix's type (f16, bf16 or f32); every sum is accumulated in float.
 // Causal: scores with key index > query index do not contribute (S holds -inf there, P holds 0).
 //
-// Rules kept here: every offset that can reach N^2 is 64-bit; grids loop with a stride so no
+// Rules kept here: every offset that can reach N^2 is 64-bit (row pointers are formed with 64-bit
+// products, and the inner loops walk pointers, which also keeps 64-bit multiplies out of them); grids loop with a stride so no
 // launch needs more than the hardware's grid limits; the file needs no header at all, so NVRTC
 // (which has no <math.h>, no INFINITY) and nvcc compile it the same way. Conversions to and
 // from half and bfloat16 are written out (round to nearest even, like torch).
@@ -71,11 +72,11 @@ extern "C" __global__ void qkKernel_##SUF(const T *__restrict__ Q, const T *__re
                 TP_STORE_##SUF(S, s_off, TPATTN_NEG_INF);                                       \
                 continue;                                                                       \
             }                                                                                   \
-            const long long q_off = ((long long)bh * N + row) * (long long)d;                   \
-            const long long k_off = ((long long)bh * N + col) * (long long)d;                   \
+            const T *q = Q + ((long long)bh * N + row) * (long long)d;                         \
+            const T *k = K + ((long long)bh * N + col) * (long long)d;                         \
             float acc = 0.0f;                                                                   \
-            for (int k = 0; k < d; ++k)                                                         \
-                acc += TP_LOAD_##SUF(Q, q_off + k) * TP_LOAD_##SUF(K, k_off + k);               \
+            for (int i = 0; i < d; ++i)                                                         \
+                acc = fmaf(TP_LOAD_##SUF(q, i), TP_LOAD_##SUF(k, i), acc);                      \
             TP_STORE_##SUF(S, s_off, acc * scale);                                              \
         }                                                                                       \
     }                                                                                           \
@@ -127,13 +128,12 @@ extern "C" __global__ void pvKernel_##SUF(const T *__restrict__ P, const T *__re
     for (int bh = blockIdx.z; bh < BH; bh += gridDim.z) {                                       \
         for (int row = blockIdx.y * blockDim.y + threadIdx.y; row < N;                          \
              row += gridDim.y * blockDim.y) {                                                   \
-            const long long p_off = ((long long)bh * N + row) * (long long)N;                   \
-            const long long v_off = (long long)bh * N * (long long)d + c;                       \
+            const T *p = P + ((long long)bh * N + row) * (long long)N;                         \
+            const T *v = V + (long long)bh * N * (long long)d + c;                              \
             const int len = causal ? row + 1 : N;                                               \
             float acc = 0.0f;                                                                   \
-            _Pragma("unroll 4")                                                                 \
-            for (int j = 0; j < len; ++j)                                                       \
-                acc += TP_LOAD_##SUF(P, p_off + j) * TP_LOAD_##SUF(V, v_off + (long long)j * d);\
+            for (int j = 0; j < len; ++j, v += d)                                               \
+                acc = fmaf(TP_LOAD_##SUF(p, j), TP_LOAD_##SUF(v, 0), acc);                      \
             TP_STORE_##SUF(O, ((long long)bh * N + row) * (long long)d + c, acc);               \
         }                                                                                       \
     }                                                                                           \
