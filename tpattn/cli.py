@@ -206,14 +206,14 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
         return 0 if verdict != "FAIL" else EXIT_FAIL
     checks = _checks(cfg, proc, layer, w, x, y, device, loaded) if cfg.check else {}
     verdict = "FAIL" if any(not c["pass"] for c in checks.values()) else ("PASS" if checks else "NOT CHECKED")
-    if proc.distributed:
-        proc.store.set("verdict", json.dumps({"verdict": verdict}))
     rep = build(cfg, proc, device, everyone, layer.partial_nbytes(cfg.batch, cfg.seq_len), checks, verdict,
                 ["python", "-m", "tpattn", *argv])
     print(text(rep), flush=True)
     if cfg.json:
         with open(cfg.json, "w") as f:
             json.dump(rep, f, indent=2)
+    if proc.distributed:  # last: on FAIL the others exit as soon as they read it
+        proc.store.set("verdict", json.dumps({"verdict": verdict}))
     return 0 if verdict != "FAIL" else EXIT_FAIL
 
 
