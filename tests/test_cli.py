@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, tpattn
+from conftest import ROOT, run, tpattn
 
 SMALL = ["--seq-len", "64", "--heads", "4", "--head-dim", "16", "--warmup", "0", "--iters", "2"]
 
@@ -125,3 +125,30 @@ def test_installed_package_ships_kernels(tmp_path):
                        env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "naive_attention.cu" in r.stdout
+
+
+def test_mpi4py_missing_under_mpi_names_the_extra():
+    code = ("import sys; sys.modules['mpi4py'] = None; from tpattn.cli import main; "
+            "sys.exit(main(['--seq-len', '8', '--heads', '1']))")
+    r = run([sys.executable, "-c", code], timeout=60, OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK="0")
+    line = one_error_line(r)
+    assert "mpi4py is not installed: pip install 'tpattn[mpi]'" in line
+
+
+def test_more_ranks_than_gpus_with_nccl_is_refused_before_nccl():
+    from tpattn.config import Config, ConfigError, validate
+    cfg = Config(device="cuda", kernel="reference", dist_backend="nccl", seq_len=8, heads=8, head_dim=8)
+    with pytest.raises(ConfigError, match=r"4 ranks on this node but 2 GPU\(s\): NCCL needs one GPU per rank"):
+        validate(cfg, world=4, local_world=4, gpus_on_node=2)
+    validate(cfg, world=4, local_world=2, gpus_on_node=2)  # one rank per GPU is fine
+    cfg.dist_backend = "gloo"
+    validate(cfg, world=4, local_world=4, gpus_on_node=1)  # gloo may share a GPU
+
+
+def test_kernel_head_dim_limit_comes_from_the_backend(monkeypatch):
+    from tpattn.attention import get_backend
+    from tpattn.config import Config, ConfigError, validate
+    monkeypatch.setattr(get_backend("reference"), "max_head_dim", 128)
+    cfg = Config(device="cpu", kernel="reference", dist_backend="gloo", seq_len=8, heads=2, head_dim=160)
+    with pytest.raises(ConfigError, match="--head-dim must be between 1 and 128 for --kernel reference"):
+        validate(cfg)

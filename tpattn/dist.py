@@ -90,7 +90,8 @@ def discover() -> Proc:
             from mpi4py import MPI
         except ImportError:
             if "SLURM_PROCID" not in env:
-                raise LaunchError("launched under MPI but mpi4py is not installed: pip install 'tpattn[mpi]'")
+                from .config import ConfigError
+                raise ConfigError("launched under MPI but mpi4py is not installed: pip install 'tpattn[mpi]'")
         else:
             comm = MPI.COMM_WORLD
             rank, world = comm.Get_rank(), comm.Get_size()
