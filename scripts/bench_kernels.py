@@ -1,12 +1,17 @@
 #!/usr/bin/env python3
-"""Kernel benchmark: the naive three-pass CUDA attention, pass by pass, beside torch's
-materialized attention (matmul, softmax, matmul) and torch SDPA's backends, in one run.
+"""Kernel benchmark: the kernel ladder (naive three passes, tiled three passes, fused), pass by
+pass, beside torch's materialized attention (matmul, softmax, matmul) and torch SDPA's backends,
+in one run.
 
-For each kernel and shape: ms, TFLOP/s (4*B*H*N^2*d), GB/s (bytes it must move) and the ratio to
-the memory floor of the three-pass algorithm (S and P written and read once, at the measured copy
-bandwidth). Writes benchmarks/kernels.json and benchmarks/kernels.md (GPU, versions, command).
+For each kernel and shape: ms, TFLOP/s (4*B*H*N^2*d, halved when causal), GB/s (bytes it must
+move), the ratio to the memory floor of the three-pass algorithm (S and P written and read once,
+at the measured copy bandwidth), and the peak device memory the call allocates beyond its inputs
+(torch.cuda.max_memory_allocated after reset_peak_memory_stats): N^2 for the three-pass rungs, N
+for the fused kernel and SDPA. Writes benchmarks/kernels[_causal].json and .md (GPU, versions,
+command).
 
     PYTHONPATH=. python scripts/bench_kernels.py [--seq-lens 1024 2048 4096 8192] [--heads 1 32]
+        [--causal] [--kernels naive tiled fused ...] [--fused-configs 4,64 8,64]
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -61,6 +67,19 @@ def timed(fn, warmup: int, iters: int) -> dict:
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
+def peak_bytes(fn) -> int:
+    """Device memory one call allocates at its peak, beyond what was allocated before it."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    timer = Timer(torch.device("cuda"))
+    out = fn(timer)
+    timer.collect()
+    del out
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 def materialized(q, k, v, causal, timer):
     scale = 1.0 / math.sqrt(q.shape[-1])
     with timer.section("qk"):
@@ -90,7 +109,20 @@ def run(args) -> dict:
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
     rows = []
-    naive = get_backend("naive")
+    naive, tiled, fused = get_backend("naive"), get_backend("tiled"), get_backend("fused")
+
+    def fused_cfg(cfg):
+        def fn(t, q, k, v):
+            old = os.environ.get("TPATTN_FUSED_CFG")
+            os.environ["TPATTN_FUSED_CFG"] = cfg
+            try:
+                return fused.forward(q, k, v, args.causal, t)
+            finally:
+                if old is None:
+                    os.environ.pop("TPATTN_FUSED_CFG")
+                else:
+                    os.environ["TPATTN_FUSED_CFG"] = old
+        return fn
     for h in args.heads:
         for n in args.seq_lens:
             b, d = args.batch, args.head_dim
@@ -102,28 +134,37 @@ def run(args) -> dict:
             floor_ms = 4 * sp_bytes / (bw * 1e9) * 1e3   # S written + read, P written + read
             kernels = {
                 "naive": (lambda t: naive.forward(q, k, v, args.causal, t), 4 * sp_bytes + qkvo),
+                "tiled": (lambda t: tiled.forward(q, k, v, args.causal, t), 4 * sp_bytes + qkvo),
+                "fused": (lambda t: fused.forward(q, k, v, args.causal, t), qkvo),
                 "torch_materialized": (lambda t: materialized(q, k, v, args.causal, t), 4 * sp_bytes + qkvo),
             }
+            for cfg in args.fused_configs:
+                kernels[f"fused[{cfg}]"] = (lambda t, fn=fused_cfg(cfg): fn(t, q, k, v), qkvo)
             for name, backend in sdpa_backends().items():
                 def fn(t, backend=backend):
                     with sdpa_kernel([backend]):
                         return F.scaled_dot_product_attention(q, k, v, is_causal=args.causal)
                 kernels[name] = (fn, qkvo)
             for name, (fn, nbytes) in kernels.items():
+                if args.kernels and name.split("[")[0] not in args.kernels:
+                    continue
                 try:
+                    mem = peak_bytes(fn)
                     t = timed(fn, args.warmup, args.iters)
-                except RuntimeError as exc:  # a backend that does not support this shape
+                except (RuntimeError, ValueError) as exc:  # a backend that does not support this shape
                     print(f"  {name:<20} H={h:<3} N={n:<6} skipped: {str(exc).splitlines()[0][:80]}", flush=True)
                     continue
                 ms = t["total"]
                 row = {"kernel": name, "batch": b, "heads": h, "seq_len": n, "head_dim": d, "dtype": args.dtype,
-                       "causal": args.causal, "ms": ms, "passes_ms": {p: t[p] for p in ("qk", "softmax", "pv") if p in t},
+                       "causal": args.causal, "ms": ms,
+                       "passes_ms": {p: t[p] for p in ("qk", "softmax", "pv", "fused") if p in t},
                        "tflops": flops / (ms * 1e-3) / 1e12, "gbps": nbytes / (ms * 1e-3) / 1e9,
-                       "floor_ms": floor_ms, "x_floor": ms / floor_ms}
+                       "floor_ms": floor_ms, "x_floor": ms / floor_ms, "peak_bytes": mem}
                 rows.append(row)
                 passes = " ".join(f"{p} {x:.3f}" for p, x in row["passes_ms"].items())
                 print(f"  {name:<20} H={h:<3} N={n:<6} {ms:9.3f} ms  {row['tflops']:7.1f} TFLOP/s "
-                      f"{row['gbps']:8.0f} GB/s  {row['x_floor']:6.2f}x floor  {passes}", flush=True)
+                      f"{row['gbps']:8.0f} GB/s  {row['x_floor']:6.2f}x floor  {mem / 2**20:9.1f} MiB  {passes}",
+                      flush=True)
             del q, k, v
             torch.cuda.empty_cache()
     return {"gpu": torch.cuda.get_device_name(), "copy_GBps": bw, "versions": versions(),
@@ -135,12 +176,14 @@ def markdown(res: dict, target: float) -> str:
              f"Command: `{res['command']}`  ", f"Versions: {res['versions']}  ",
              f"Measured copy bandwidth: {res['copy_GBps']:.0f} GB/s (read + write). Floor = S and P each "
              "written and read once at that bandwidth.", "",
-             "| kernel | H | N | ms | qk / softmax / pv ms | TFLOP/s | GB/s | x floor |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"Causal: {'yes' if res['rows'] and res['rows'][0]['causal'] else 'no'}. Memory = peak device memory "
+             "the call allocates beyond its inputs.", "",
+             "| kernel | H | N | ms | qk / softmax / pv ms | TFLOP/s | GB/s | x floor | memory MiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         p = " / ".join(f"{x:.3f}" for x in r["passes_ms"].values()) or "-"
         lines.append(f"| {r['kernel']} | {r['heads']} | {r['seq_len']} | {r['ms']:.3f} | {p} | {r['tflops']:.1f} "
-                     f"| {r['gbps']:.0f} | {r['x_floor']:.2f} |")
+                     f"| {r['gbps']:.0f} | {r['x_floor']:.2f} | {r.get('peak_bytes', 0) / 2**20:.1f} |")
     one = [r for r in res["rows"] if r["kernel"] == "naive" and r["heads"] == 1 and r["seq_len"] == 4096
            and r["head_dim"] == 128 and not r["causal"]]
     if one:
@@ -160,6 +203,11 @@ def main() -> int:
     p.add_argument("--causal", action="store_true")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--kernels", nargs="+", default=None,
+                   help="rows to run (default all): naive tiled fused torch_materialized sdpa_flash sdpa_cudnn "
+                        "sdpa_efficient")
+    p.add_argument("--fused-configs", nargs="*", default=[], metavar="W,C",
+                   help="extra fused rows with W warps per block and C keys per tile (a sweep)")
     p.add_argument("--out", default="benchmarks", help="folder for kernels.json and kernels.md")
     args = p.parse_args()
     if not torch.cuda.is_available():

@@ -62,20 +62,39 @@ def ptr(t: torch.Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
 
 
-def launch(filename: str, name: str, device: torch.device, grid, block, args) -> None:
-    """Launch kernel `name` of kernels/`filename` on torch's current stream of `device`."""
+def launch(filename: str, name: str, device: torch.device, grid, block, args, shared_mem: int = 0) -> None:
+    """Launch kernel `name` of kernels/`filename` on torch's current stream of `device`, with
+    `shared_mem` bytes of dynamic shared memory (above 48 KiB the function's limit is raised once)."""
     cupy = _cupy()
     idx = device.index if device.index is not None else torch.cuda.current_device()
     fn = get_function(filename, name, idx)
+    if shared_mem > 48 * 1024:
+        _allow_shared_mem(cupy, fn, (idx, filename, name), shared_mem)
     stream = torch.cuda.current_stream(idx)
     for g in grid[1:]:
         assert 1 <= g <= GRID_YZ_MAX, f"grid {grid} beyond the y/z limit"
     assert 1 <= grid[0] <= GRID_X_MAX, f"grid {grid} beyond the x limit"
     with cupy.cuda.Device(idx):
         ext = _external_stream(cupy, stream, idx)
-        fn(tuple(grid), tuple(block), tuple(args), stream=ext)  # raises on a failed launch
+        fn(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem, stream=ext)  # raises on a failed launch
         if os.environ.get("TPATTN_SYNC_LAUNCHES"):  # debugging: surface asynchronous faults here
             ext.synchronize()
+
+
+_smem_limits: dict[tuple[int, str, str], int] = {}
+
+
+def _allow_shared_mem(cupy, fn, key, nbytes: int) -> None:
+    """cudaFuncSetAttribute(MaxDynamicSharedMemorySize), once per function and size."""
+    if _smem_limits.get(key, 0) >= nbytes:
+        return
+    with cupy.cuda.Device(key[0]):
+        try:
+            fn.max_dynamic_shared_size_bytes = nbytes
+        except AttributeError:
+            drv = cupy.cuda.driver
+            drv.funcSetAttribute(fn.ptr, getattr(drv, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8), nbytes)
+    _smem_limits[key] = nbytes
 
 
 _streams: dict[tuple[int, int], object] = {}

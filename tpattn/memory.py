@@ -17,6 +17,8 @@ def coefficients(cfg: Config, world: int, rank: int) -> tuple[float, float, floa
     red = 4 if cfg.reduce_dtype == "fp32" else el
     score_el = el + (12 if cfg.kernel == "reference" else 0)  # the reference keeps float32 copies
     a = 2 * B * h * score_el                                   # S and P of the heads done at once
+    if not _materializes(cfg.kernel):
+        a = 0                                                  # fused: S and P stay on chip, O(N) memory
     b = B * (D * el * 2 + 7 * h * d * el + D * red * 2)       # x, y, q/k/v (+ transposes), o, partials
     c = 4 * D * h * d * el + (h * d * D * 4 if red == 4 else 0)  # weights (+ float32 W_o)
     if cfg.check and rank == 0:
@@ -24,6 +26,14 @@ def coefficients(cfg: Config, world: int, rank: int) -> tuple[float, float, floa
         b += B * (7 * H * d * el + D * red * 2) + B * (3 * D * 8 + 3 * H * MAX_ROWS * 8)
         c += 4 * D * H * d * (el + 8) + (H * d * D * 4 if red == 4 else 0)
     return a, b, c
+
+
+def _materializes(kernel) -> bool:
+    from .attention import get_backend
+    try:
+        return get_backend(kernel).materializes_scores
+    except ConfigError:
+        return True
 
 
 def estimate(cfg: Config, world: int, rank: int) -> int:
@@ -37,6 +47,8 @@ def largest_n(cfg: Config, world: int, rank: int, free: int) -> int:
     budget = free * HEADROOM - c
     if budget <= 0:
         return 0
+    if a == 0:
+        return int(budget / b)
     return int((-b + math.sqrt(b * b + 4 * a * budget)) / (2 * a))
 
 
@@ -44,7 +56,8 @@ def preflight(cfg: Config, world: int, rank: int, free: int) -> None:
     need = estimate(cfg, world, rank)
     if need > free * HEADROOM:
         fit = largest_n(cfg, world, rank, free)
-        raise ConfigError(f"--seq-len {cfg.seq_len} needs about {need / 2**30:.1f} GiB on rank {rank} "
-                          f"(S and P alone {2 * cfg.batch * (cfg.heads // world) * cfg.seq_len**2 * cfg.elem_size / 2**30:.1f} GiB)"
-                          f" but {free / 2**30:.1f} GiB is free; the largest --seq-len that fits is about {fit}"
+        sp = (f"(S and P alone {2 * cfg.batch * (cfg.heads // world) * cfg.seq_len**2 * cfg.elem_size / 2**30:.1f} GiB) "
+              if _materializes(cfg.kernel) else "")
+        raise ConfigError(f"--seq-len {cfg.seq_len} needs about {need / 2**30:.1f} GiB on rank {rank} {sp}"
+                          f"but {free / 2**30:.1f} GiB is free; the largest --seq-len that fits is about {fit}"
                           + (" (or use more ranks)" if cfg.heads // world > 1 else ""))

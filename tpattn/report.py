@@ -10,7 +10,7 @@ import torch
 
 from . import __version__
 
-PASSES = ("qkv_proj", "qk", "softmax", "pv", "out_proj", "allreduce", "total")
+PASSES = ("qkv_proj", "qk", "softmax", "pv", "fused", "out_proj", "allreduce", "total")  # fused: --kernel fused's one pass
 
 
 def versions() -> dict:
@@ -59,6 +59,8 @@ def build(cfg, proc, device, rank_reports: list[dict], allreduce_bytes: int, che
     algbw, busbw = bus_bandwidth(allreduce_bytes, ar, world)
     h = cfg.heads // world
     sp = cfg.batch * h * cfg.seq_len ** 2 * cfg.elem_size
+    if not _materializes(cfg.kernel):
+        sp = 0  # S and P stay on chip
     return {
         "tpattn": __version__,
         "command": command,
@@ -79,6 +81,14 @@ def build(cfg, proc, device, rank_reports: list[dict], allreduce_bytes: int, che
     }
 
 
+def _materializes(kernel: str) -> bool:
+    try:
+        from .attention import get_backend
+        return get_backend(kernel).materializes_scores
+    except Exception:  # noqa: BLE001 - an unknown kernel was refused long before a report
+        return True
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
 
@@ -94,7 +104,10 @@ def text(rep: dict) -> str:
     for r in w["ranks"]:
         lines.append(f"  rank {r['rank']}: host {r['host']} {r['device']} ({r['device_name']}) heads {r['heads']}")
     m = rep["memory"]
-    lines.append(f"S and P: {_mib(m['S_bytes_per_rank'])} each per rank, {_mib(m['S_P_bytes_total'])} in all ranks")
+    if m["S_bytes_per_rank"] or _materializes(c["kernel"]):
+        lines.append(f"S and P: {_mib(m['S_bytes_per_rank'])} each per rank, {_mib(m['S_P_bytes_total'])} in all ranks")
+    else:
+        lines.append("S and P: never in device memory (fused kernel)")
     if w["size"] == 1:
         lines.append(f"per pass, ms over {rep['iterations']['timed']} iterations ({rep['iterations']['warmup']} warm-up):")
         lines.append(f"  {'pass':<10}{'median':>10}{'min':>10}{'max':>10}")

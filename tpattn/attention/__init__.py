@@ -1,5 +1,6 @@
 """Local attention backends, by name. Each takes q, k, v of shape [B, h, N, d] (contiguous, the
-storage dtype) and returns o of the same shape, timing its passes (qk, softmax, pv) on a Timer.
+storage dtype) and returns o of the same shape, timing its passes (qk, softmax, pv; fused: one
+pass, "fused") on a Timer.
 
 Add a backend: subclass Backend in a module here and list it in _BACKENDS.
 """
@@ -13,6 +14,8 @@ from ..config import ConfigError
 _BACKENDS = {
     "reference": "tpattn.attention.reference:ReferenceBackend",
     "naive": "tpattn.attention.naive:NaiveBackend",
+    "tiled": "tpattn.attention.tiled:TiledBackend",
+    "fused": "tpattn.attention.fused:FusedBackend",
 }
 
 

@@ -1,0 +1,305 @@
+// fused_attention.cu -- one kernel: O = softmax(Q K^T * scale) V with S and P never in device memory.
+//
+// A FlashAttention-2-style forward pass, written for this project:
+//   * a block owns BR = 16 * NW query rows of one (batch, head); warp w owns rows 16w..16w+15;
+//   * the block's Q tile is copied to shared memory once and each warp keeps its 16 x D slice in
+//     registers as mma A fragments (ldmatrix);
+//   * K and V stream through shared memory in tiles of BC keys, double buffered with cp.async
+//     (the next K tile is in flight during S = Q K^T, the next V tile during the softmax and PV);
+//   * S = Q K^T and O += P V run on the tensor cores: mma.sync m16n8k16, fp16 or bf16 inputs,
+//     fp32 accumulation; K fragments come from ldmatrix, V fragments from ldmatrix.trans;
+//   * softmax is online: each row keeps its running max m (in log2 units, the 1/sqrt(d) scale
+//     folded into log2(e)) and its running sum l in registers; P is rounded to the storage type
+//     straight from the S accumulators into A fragments, so it never leaves the registers;
+//   * causal: key tiles entirely above the block's last row are never loaded, a warp whose 16 rows
+//     are all above a tile skips it, and only tiles that cross the diagonal (or the end of the
+//     sequence) are masked element by element;
+//   * any N >= 1: rows past N load as zeros (cp.async zero fill) and score -inf; the output is staged
+//     through shared memory and written with 16-byte stores for rows < N only.
+//
+// Layout: Q, K, V, O are [BH, N, D] contiguous 16-bit (fp16 or bf16), BH = batch * heads; D = 64
+// or 128 (the swizzle below needs D / 8 >= 8 chunks of 16 bytes per row). Every offset that
+// scales with BH * N is 64-bit. Shared memory rows are XOR-swizzled (16-byte chunk c of row r is
+// stored at chunk c ^ (r & 7)), so ldmatrix and the cp.async stores are free of bank conflicts.
+//
+// Grid: x over query tiles (reversed when causal, so the longest rows start first), y over
+// batch * heads (with a stride beyond 65535). Block: NW * 32 threads. Dynamic shared memory:
+// (BR + 4 * BC) * D * 2 bytes. No headers, so NVRTC (no <math.h>) and nvcc compile it alike.
+
+#define TPF_NEG_INF __int_as_float(0xff800000)
+
+typedef unsigned short tpf_u16;
+typedef unsigned int tpf_u32;
+
+struct __attribute__((aligned(16))) tpf_u4 {
+    tpf_u32 x, y, z, w;
+};
+
+extern __shared__ __attribute__((aligned(128))) unsigned char tpf_smem[];
+
+__device__ __forceinline__ tpf_u32 tpf_saddr(const void *p) {
+    tpf_u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void tpf_cp16(tpf_u32 dst, const void *src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void tpf_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void tpf_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+
+__device__ __forceinline__ void tpf_ldsm4(tpf_u32 *r, tpf_u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void tpf_ldsm4t(tpf_u32 *r, tpf_u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+
+template <bool BF16>
+__device__ __forceinline__ void tpf_mma(float *c, const tpf_u32 *a, tpf_u32 b0, tpf_u32 b1) {
+    if (BF16)
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    else
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// two floats -> one 32-bit register holding (lo, hi) in the storage type, round to nearest even
+template <bool BF16>
+__device__ __forceinline__ tpf_u32 tpf_pack(float lo, float hi) {
+    tpf_u32 r;
+    if (BF16)
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    else
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ float tpf_exp2(float x) {  // 2^x; -inf -> +0
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ float tpf_shfl_xor(float v, int m) {
+    float r;
+    asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;\n" : "=f"(r) : "f"(v), "r"(m));
+    return r;
+}
+
+// offset (in elements) of 16-byte chunk `ch` of row `r` in a swizzled tile with D elements per row
+template <int D>
+__device__ __forceinline__ int tpf_swz(int r, int ch) {
+    return r * D + ((ch ^ (r & 7)) << 3);
+}
+
+// rows [row0, row0 + ROWS) of a [N, D] matrix into a swizzled shared tile; rows >= N become zeros
+template <int D, int ROWS, int NT>
+__device__ __forceinline__ void tpf_load_tile(tpf_u16 *s, const tpf_u16 *g, int row0, int N, int tid) {
+    constexpr int CH = D / 8;
+#pragma unroll
+    for (int i = 0; i < (ROWS * CH + NT - 1) / NT; ++i) {
+        const int c = tid + i * NT;
+        if ((ROWS * CH) % NT == 0 || c < ROWS * CH) {
+            const int r = c / CH, ch = c % CH;
+            const int gr = row0 + r;
+            const tpf_u16 *src = g + (long long)(gr < N ? gr : 0) * D + ch * 8;
+            tpf_cp16(tpf_saddr(s + tpf_swz<D>(r, ch)), src, gr < N ? 16 : 0);
+        }
+    }
+}
+
+template <int D, int NW, int BC, bool BF16>
+__device__ __forceinline__ void tpf_fused(const tpf_u16 *__restrict__ Q, const tpf_u16 *__restrict__ K,
+                                          const tpf_u16 *__restrict__ V, tpf_u16 *__restrict__ O, int BH,
+                                          int N, float scale_log2, int causal) {
+    constexpr int BR = 16 * NW;
+    constexpr int NT = 32 * NW;
+    constexpr int CH = D / 8;
+    constexpr int KD = D / 16;   // k16 steps of S = Q K^T
+    constexpr int NS = BC / 8;   // n8 tiles of S
+    constexpr int ND = D / 8;    // n8 tiles of O
+    constexpr int KC = BC / 16;  // k16 steps of O += P V
+    tpf_u16 *sQ = (tpf_u16 *)tpf_smem;
+    tpf_u16 *sK = sQ + BR * D;       // [2][BC][D]
+    tpf_u16 *sV = sK + 2 * BC * D;   // [2][BC][D]
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int n_qt = (N + BR - 1) / BR;
+    const int n_kt_all = (N + BC - 1) / BC;
+
+    for (int bh = blockIdx.y; bh < BH; bh += gridDim.y) {
+        const long long base = (long long)bh * N * D;
+        const tpf_u16 *Qh = Q + base, *Kh = K + base, *Vh = V + base;
+        tpf_u16 *Oh = O + base;
+        for (int qi = blockIdx.x; qi < n_qt; qi += gridDim.x) {
+            const int qt = causal ? n_qt - 1 - qi : qi;
+            const int q0 = qt * BR;
+            int n_kt = n_kt_all;
+            if (causal) {
+                const int last = (q0 + BR - 1) / BC + 1;
+                n_kt = last < n_kt ? last : n_kt;
+            }
+            tpf_load_tile<D, BR, NT>(sQ, Qh, q0, N, tid);
+            tpf_load_tile<D, BC, NT>(sK, Kh, 0, N, tid);
+            tpf_commit();
+            tpf_load_tile<D, BC, NT>(sV, Vh, 0, N, tid);
+            tpf_commit();
+            tpf_wait1();
+            __syncthreads();
+
+            tpf_u32 qf[KD][4];
+            {
+                const int r = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+                for (int kk = 0; kk < KD; ++kk) tpf_ldsm4(qf[kk], tpf_saddr(sQ + tpf_swz<D>(r, kk * 2 + (lane >> 4))));
+            }
+            float o[ND][4];
+#pragma unroll
+            for (int j = 0; j < ND; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+            float m[2] = {TPF_NEG_INF, TPF_NEG_INF}, l[2] = {0.0f, 0.0f};
+            const int wr0 = q0 + warp * 16;           // the warp's first row
+            const int r0 = wr0 + (lane >> 2);         // this thread's two rows: r0 and r0 + 8
+
+            for (int j = 0; j < n_kt; ++j) {
+                const int buf = j & 1;
+                const tpf_u16 *cK = sK + buf * BC * D;
+                const tpf_u16 *cV = sV + buf * BC * D;
+                tpf_wait1();          // K tile j has landed (V tile j may still be in flight)
+                __syncthreads();      // ... for every thread; and everyone is done with K tile j - 1
+                if (j + 1 < n_kt) tpf_load_tile<D, BC, NT>(sK + (buf ^ 1) * BC * D, Kh, (j + 1) * BC, N, tid);
+                tpf_commit();
+                const int k0 = j * BC;
+                const bool skip = causal && k0 > wr0 + 15;  // every key of the tile is after every row
+                tpf_u32 pa[KC][4];
+                if (!skip) {
+                    float s[NS][4];
+#pragma unroll
+                    for (int n = 0; n < NS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+                    for (int kk = 0; kk < KD; ++kk) {
+#pragma unroll
+                        for (int n = 0; n < NS; n += 2) {
+                            tpf_u32 b[4];
+                            const int key = n * 8 + (lane & 7) + ((lane >> 4) << 3);
+                            tpf_ldsm4(b, tpf_saddr(cK + tpf_swz<D>(key, kk * 2 + ((lane >> 3) & 1))));
+                            tpf_mma<BF16>(s[n], qf[kk], b[0], b[1]);
+                            tpf_mma<BF16>(s[n + 1], qf[kk], b[2], b[3]);
+                        }
+                    }
+                    if (k0 + BC > N || (causal && k0 + BC - 1 > wr0)) {
+#pragma unroll
+                        for (int n = 0; n < NS; ++n)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const int col = k0 + n * 8 + (lane & 3) * 2 + (e & 1);
+                                const int row = r0 + (e >> 1) * 8;
+                                if (col >= N || (causal && col > row)) s[n][e] = TPF_NEG_INF;
+                            }
+                    }
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        float mx = TPF_NEG_INF;
+#pragma unroll
+                        for (int n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * i], s[n][2 * i + 1]));
+                        mx = fmaxf(mx, tpf_shfl_xor(mx, 1));
+                        mx = fmaxf(mx, tpf_shfl_xor(mx, 2));
+                        const float mn = fmaxf(m[i], mx * scale_log2);
+                        const float ms = mn == TPF_NEG_INF ? 0.0f : mn;  // a row with nothing seen yet
+                        const float alpha = tpf_exp2(m[i] - ms);
+                        m[i] = mn;
+                        float sum = 0.0f;
+#pragma unroll
+                        for (int n = 0; n < NS; ++n) {
+                            const float p0 = tpf_exp2(fmaf(s[n][2 * i], scale_log2, -ms));
+                            const float p1 = tpf_exp2(fmaf(s[n][2 * i + 1], scale_log2, -ms));
+                            s[n][2 * i] = p0;
+                            s[n][2 * i + 1] = p1;
+                            sum += p0 + p1;
+                        }
+                        l[i] = l[i] * alpha + sum;
+#pragma unroll
+                        for (int d = 0; d < ND; ++d) {
+                            o[d][2 * i] *= alpha;
+                            o[d][2 * i + 1] *= alpha;
+                        }
+                    }
+#pragma unroll
+                    for (int t = 0; t < KC; ++t) {
+                        pa[t][0] = tpf_pack<BF16>(s[2 * t][0], s[2 * t][1]);
+                        pa[t][1] = tpf_pack<BF16>(s[2 * t][2], s[2 * t][3]);
+                        pa[t][2] = tpf_pack<BF16>(s[2 * t + 1][0], s[2 * t + 1][1]);
+                        pa[t][3] = tpf_pack<BF16>(s[2 * t + 1][2], s[2 * t + 1][3]);
+                    }
+                }
+                tpf_wait1();          // V tile j has landed (K tile j + 1 may still be in flight)
+                __syncthreads();      // ... for every thread; and everyone is done with V tile j - 1
+                if (j + 1 < n_kt) tpf_load_tile<D, BC, NT>(sV + (buf ^ 1) * BC * D, Vh, (j + 1) * BC, N, tid);
+                tpf_commit();
+                if (!skip) {
+#pragma unroll
+                    for (int t = 0; t < KC; ++t) {
+#pragma unroll
+                        for (int d = 0; d < ND; d += 2) {
+                            tpf_u32 b[4];
+                            const int key = t * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+                            tpf_ldsm4t(b, tpf_saddr(cV + tpf_swz<D>(key, d + (lane >> 4))));
+                            tpf_mma<BF16>(o[d], pa[t], b[0], b[1]);
+                            tpf_mma<BF16>(o[d + 1], pa[t], b[2], b[3]);
+                        }
+                    }
+                }
+            }
+
+            // O = acc / l, staged through the warp's own rows of sQ, then 16-byte stores
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                l[i] += tpf_shfl_xor(l[i], 1);
+                l[i] += tpf_shfl_xor(l[i], 2);
+                l[i] = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+            }
+#pragma unroll
+            for (int d = 0; d < ND; ++d) {
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const int r = warp * 16 + (lane >> 2) + i * 8;
+                    tpf_u32 *dst = (tpf_u32 *)(sQ + tpf_swz<D>(r, d) + (lane & 3) * 2);
+                    *dst = tpf_pack<BF16>(o[d][2 * i] * l[i], o[d][2 * i + 1] * l[i]);
+                }
+            }
+            __syncwarp();
+#pragma unroll
+            for (int i = 0; i < 16 * CH / 32; ++i) {
+                const int c = lane + i * 32;
+                const int r = c / CH, ch = c % CH;
+                const int gr = wr0 + r;
+                if (gr < N)
+                    *(tpf_u4 *)(Oh + (long long)gr * D + ch * 8) = *(const tpf_u4 *)(sQ + tpf_swz<D>(warp * 16 + r, ch));
+            }
+            __syncthreads();  // sQ, sK, sV are reused by the block's next tile (when the grid strides)
+        }
+    }
+}
+
+#define TPF_DEFINE(SUF, BF16, D, NW, BC)                                                              \
+    extern "C" __global__ void __launch_bounds__(NW * 32)                                             \
+        fused_##SUF##_d##D##_w##NW##_c##BC(const tpf_u16 *__restrict__ Q, const tpf_u16 *__restrict__ K, \
+                                           const tpf_u16 *__restrict__ V, tpf_u16 *__restrict__ O,   \
+                                           int BH, int N, float scale_log2, int causal) {            \
+        tpf_fused<D, NW, BC, BF16>(Q, K, V, O, BH, N, scale_log2, causal);                            \
+    }
+
+// Configurations: warps per block (BR = 16 * warps query rows) and keys per tile. BC = 128 at
+// D = 128 spills registers (255 used, 200+ bytes of stack), so it is not built.
+#define TPF_DEFINE_ALL(D, NW, BC) TPF_DEFINE(f16, false, D, NW, BC) TPF_DEFINE(bf16, true, D, NW, BC)
+TPF_DEFINE_ALL(64, 4, 64)
+TPF_DEFINE_ALL(64, 8, 64)
+TPF_DEFINE_ALL(128, 4, 64)
+TPF_DEFINE_ALL(128, 8, 64)

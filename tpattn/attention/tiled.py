@@ -1,0 +1,90 @@
+"""Three passes with S and P in device memory, built for the memory system and the tensor cores
+(kernels/tiled_attention.cu): mma.sync tiles for QK^T and PV, a warp per softmax row with 16-byte
+loads. Launched via CuPy."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ..config import ConfigError, cupy_available, cupy_missing_message
+from ..cuda import GRID_X_MAX, GRID_YZ_MAX, launch, ptr
+from ..timing import section
+from . import Backend
+
+SOURCE = "tiled_attention.cu"
+SUFFIX = {torch.float16: "f16", torch.bfloat16: "bf16"}
+TILE = 128            # query rows (and key columns) per tile; must match the .cu file
+SOFTMAX_WARPS = 8     # rows per softmax block
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def row_stride(n: int) -> int:
+    """Elements per row of S and P: N rounded up to 8, so that every row starts on 16 bytes."""
+    return _cdiv(n, 8) * 8
+
+
+def scratch_shape(b: int, h: int, n: int) -> tuple[int, int, int, int]:
+    return (b, h, n, row_stride(n))
+
+
+def unsupported_head_dim(d: int) -> str:
+    return f"--kernel tiled supports head dims that are multiples of 8 up to 256 (got {d}); use --kernel naive"
+
+
+class TiledBackend(Backend):
+    name = "tiled"
+    devices = ("cuda",)
+    dtypes = ("fp16", "bf16")
+
+    def check_supported(self, cfg) -> None:
+        super().check_supported(cfg)
+        if cfg.head_dim % 8:
+            raise ConfigError(unsupported_head_dim(cfg.head_dim))
+        if not cupy_available():
+            raise ConfigError(cupy_missing_message())
+
+    def forward(self, q, k, v, causal: bool, timer=None, out=None, scratch=None):
+        b, h, n, d = q.shape
+        if q.device.type != "cuda":
+            raise ConfigError("--kernel tiled needs CUDA tensors; use --kernel reference on CPU")
+        if d % 8 or not 8 <= d <= self.max_head_dim:
+            raise ConfigError(unsupported_head_dim(d))
+        if q.dtype not in SUFFIX:
+            raise ConfigError(f"--kernel tiled supports fp16 and bf16 (got {q.dtype})")
+        suf = SUFFIX[q.dtype]
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        ld = row_stride(n)
+        if scratch is None:
+            s = torch.empty(scratch_shape(b, h, n), dtype=q.dtype, device=q.device)
+            p = torch.empty_like(s)
+        else:
+            s, p = scratch
+        o = out if out is not None else torch.empty_like(q)
+        for t in (s, p):
+            assert t.is_contiguous() and t.dtype == q.dtype and t.device == q.device
+            assert tuple(t.shape) == scratch_shape(b, h, n), f"S/P must be {scratch_shape(b, h, n)}"
+        assert o.is_contiguous() and o.dtype == q.dtype and o.device == q.device
+        bh, dev = b * h, q.device
+        tiles = _cdiv(n, TILE)
+        assert tiles <= GRID_YZ_MAX, f"--seq-len {n} beyond {GRID_YZ_MAX * TILE} for --kernel tiled"
+        with section(timer, "qk"):
+            launch(SOURCE, f"tiled_qk_{suf}", dev, (tiles, tiles, min(bh, GRID_YZ_MAX)), (128, 1, 1),
+                   (ptr(q), ptr(k), ptr(s), np.int32(bh), np.int32(n), np.int32(d), np.int32(ld),
+                    np.float32(1.0 / math.sqrt(d)), np.int32(causal)))
+        with section(timer, "softmax"):
+            rows = bh * n
+            launch(SOURCE, f"tiled_softmax_{suf}", dev, (min(_cdiv(rows, SOFTMAX_WARPS), GRID_X_MAX), 1, 1),
+                   (32 * SOFTMAX_WARPS, 1, 1),
+                   (ptr(s), ptr(p), np.int64(rows), np.int32(n), np.int32(ld), np.int32(causal)))
+        with section(timer, "pv"):
+            dn = 64 if d <= 64 else 128
+            launch(SOURCE, f"tiled_pv_{suf}_n{dn}", dev, (_cdiv(d, dn), tiles, min(bh, GRID_YZ_MAX)), (128, 1, 1),
+                   (ptr(p), ptr(v), ptr(o), np.int32(bh), np.int32(n), np.int32(d), np.int32(ld), np.int32(causal)),
+                   shared_mem=2 * (128 * 64 + 64 * dn) * 2)
+        return o
