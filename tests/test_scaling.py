@@ -1,0 +1,160 @@
+"""The scaling sweep on CPU (gloo, real mpirun): table, JSON and plots produced and consistent;
+the PyTorch tensor-parallel peer beside it; failures and hangs recorded, not hidden; the kernel
+plot; and --profile's chrome trace."""
+
+import json
+import re
+import sys
+
+import pytest
+
+from conftest import run, tpattn
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SMALL = ["--seq-len", "256", "--heads", "4", "--head-dim", "32"]
+
+
+def scaling(args, timeout=240, **env):
+    return run([sys.executable, "scripts/scaling.py", *args], timeout=timeout, **env)
+
+
+def table_rows(md: str) -> dict[int, list[str]]:
+    """The first markdown table's rows, by world size."""
+    block = md.split("\n\n")[2]
+    rows = {}
+    for line in block.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[int(cells[0])] = cells
+    return rows
+
+
+def assert_png(path):
+    assert path.is_file(), f"{path} missing"
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 10_000, f"{path} is not a real PNG"
+    import matplotlib.image
+    h, w = matplotlib.image.imread(str(path)).shape[:2]
+    assert w >= 600 and h >= 400
+
+
+@pytest.mark.mpi
+def test_sweep_on_cpu_world_1_2_4(tmp_path):
+    r = scaling(["--world-sizes", "1", "2", "4", *SMALL, "--out", str(tmp_path)])
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    # progress: which shape, which world size, elapsed time
+    for w in (1, 2, 4):
+        assert re.search(rf"\[scaling \+\d+:\d\d\] \[\d/3\] tpattn, world {w} \(gloo, CPU, {w} ranks? x \d+ "
+                         rf"threads?[^)]*\), B=1 N=256 H=4 d=32", r.stdout), r.stdout
+        assert re.search(rf"peer world {w}: PASS in [\d.]+ s", r.stdout)
+    md = (tmp_path / "scaling.md").read_text()
+    sweep = json.loads((tmp_path / "scaling.json").read_text())
+    for name in ("scaling_passes.png", "scaling_speedup.png"):
+        assert_png(tmp_path / name)
+        assert f"]({name})" in md
+    assert sweep["ok"] is True and sweep["images"] == {"per pass": "scaling_passes.png",
+                                                         "speedup": "scaling_speedup.png"}
+    assert sweep["versions"]["torch"] and sweep["command"].startswith("python scripts/scaling.py --world-sizes 1 2 4")
+    assert sweep["machine"]["gpus"] == 0 and sweep["config"]["heads"] == 4
+
+    rows = {row["world"]: row for row in sweep["rows"]}
+    assert sorted(rows) == [1, 2, 4]
+    assert rows[1]["speedup"] == 1.0 and rows[1]["efficiency"] == 1.0
+    for w, row in rows.items():
+        assert row["verify"] == "PASS" and row["report"]["verdict"] == "PASS"
+        assert row["heads_per_rank"] == 4 // w == row["report"]["config"]["heads_per_rank"]
+        assert row["report"]["world"]["size"] == w and row["backend"] == "gloo"
+        assert row["speedup"] == pytest.approx(rows[1]["e2e_ms"] / row["e2e_ms"])
+        assert row["efficiency"] == pytest.approx(row["speedup"] / w)
+        assert row["e2e_ms"] == row["report"]["passes"]["total"]["max"]
+        assert row["compute_ms"] == pytest.approx(sum(row["report"]["passes"][p]["max"]
+                                                      for p in ("qkv_proj", "qk", "softmax", "pv", "out_proj")))
+        assert (row["busbw_GBps"] is None) == (w == 1)
+        if w > 1:
+            assert row["busbw_GBps"] > 0
+        peer = row["peer"]
+        assert peer["verify"] == "PASS" and peer["pass"] is True
+        assert peer["peer_ms"] > 0 and peer["ours_ms"] > 0 and peer["rel_err"] <= peer["tol"]
+        assert peer["report"]["world"]["size"] == w
+        assert "ColwiseParallel" in peer["report"]["peer"] and "RowwiseParallel" in peer["report"]["peer"]
+
+    # the markdown says what the JSON says
+    assert "| ranks | setup | heads/rank | slowest compute ms | all-reduce ms | end to end ms | speedup |" in md
+    assert "PyTorch TP + SDPA ms | peer check |" in md
+    cells = table_rows(md)
+    assert sorted(cells) == [1, 2, 4]
+    for w, c in cells.items():
+        row = rows[w]
+        assert c[1] == row["setup"] and c[2] == str(4 // w)
+        assert c[5] == f"{row['e2e_ms']:.3f}" and c[6] == f"{row['speedup']:.2f}"
+        assert c[9] == "PASS" and c[10] == f"{row['peer']['peer_ms']:.3f}" and c[11].startswith("PASS (")
+    assert cells[1][6] == "1.00" and cells[1][7] == "100%" and cells[1][8] == "-"
+    assert "## Peer in the same processes" in md and "## Commands" in md
+    assert "mpirun --oversubscribe --bind-to none -n 4 python -m tpattn --seq-len 256 --heads 4" in md
+
+
+@pytest.mark.mpi
+def test_sweep_records_failures_and_skips(tmp_path):
+    """A rank that raises: FAIL in the table with the rank's own message, exit 1. A world size
+    that does not divide the heads: skipped, not run."""
+    r = scaling(["--world-sizes", "2", "3", "--seq-len", "64", "--heads", "2", "--head-dim", "16",
+                 "--out", str(tmp_path), "--tag", "bad"], timeout=120,
+                TPATTN_DEBUG_INJECT_FAULT="1:forward:raise")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "world 3: skipped, --heads 2 does not split over 3 ranks" in r.stdout
+    sweep = json.loads((tmp_path / "scaling_bad.json").read_text())
+    rows = {row["world"]: row for row in sweep["rows"]}
+    assert rows[3]["status"] == "SKIP" and "commands" not in rows[3]
+    assert rows[2]["verify"].startswith("FAIL") and rows[2]["peer"]["verify"].startswith("FAIL")
+    assert "InjectedFault" in rows[2]["log_tail"] and "InjectedFault" in rows[2]["peer"]["log_tail"]
+    assert sweep["ok"] is False
+    md = (tmp_path / "scaling_bad.md").read_text()
+    assert re.search(r"\| 2 \| gloo, CPU, 2 ranks x \d+ threads?[^|]* \| 1 \| - \| - \| - \|", md), md
+    assert "## Failed runs" in md
+    assert "| 3 | skipped: --heads 2 does not split over 3 ranks |" in md
+
+
+@pytest.mark.mpi
+def test_sweep_ends_a_hung_run(tmp_path):
+    """A rank that hangs: the run is ended at --timeout, TIMEOUT in the table, nothing left running."""
+    r = scaling(["--world-sizes", "2", "--seq-len", "64", "--heads", "2", "--head-dim", "16", "--no-peer",
+                 "--timeout", "8", "--heartbeat", "3", "--out", str(tmp_path)], timeout=90,
+                TPATTN_DEBUG_INJECT_FAULT="1:forward:hang")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "tpattn world 2: still running" in r.stdout and "tpattn world 2: TIMEOUT (8 s)" in r.stdout
+    row = json.loads((tmp_path / "scaling.json").read_text())["rows"][0]
+    assert row["verify"] == "TIMEOUT (8 s)" and row["peer"] is None
+    ps = run(["ps", "-eo", "args"]).stdout
+    assert not re.search(r"tpattn_scaling_\w+/tpattn_w2\.json", ps), ps
+
+
+def test_bad_arguments_exit_2(tmp_path):
+    r = scaling(["--kernel", "nope", "--out", str(tmp_path)], timeout=60)
+    assert r.returncode == 2 and "scaling: error:" in r.stderr
+
+
+def test_kernel_plot(tmp_path):
+    rows = []
+    for kernel, scale in (("naive", 30.0), ("torch_materialized", 3.0), ("sdpa_flash", 1.0)):
+        for h in (1, 32):
+            for n in (1024, 2048, 4096):
+                ms = scale * h * (n / 1024) ** 2 * 0.01
+                rows.append({"kernel": kernel, "batch": 1, "heads": h, "seq_len": n, "head_dim": 128, "dtype": "fp16",
+                             "causal": False, "ms": ms, "passes_ms": {}, "tflops": 1.0, "gbps": 1.0,
+                             "floor_ms": h * (n / 1024) ** 2 * 0.002, "x_floor": 1.0})
+    src = tmp_path / "kernels.json"
+    src.write_text(json.dumps({"gpu": "Test GPU", "copy_GBps": 4000.0, "versions": {"torch": "x"},
+                               "command": "python scripts/bench_kernels.py", "rows": rows}))
+    r = run([sys.executable, "scripts/plots.py", "kernels", str(src)], timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert_png(tmp_path / "kernels.png")
+
+
+def test_profile_writes_a_chrome_trace(tmp_path):
+    trace = tmp_path / "trace.json"
+    r = tpattn(["--profile", str(trace), "--seq-len", "64", "--heads", "2", "--head-dim", "16"], timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads(trace.read_text())
+    events = data["traceEvents"]
+    assert events and any(str(e.get("name", "")).startswith("aten::") for e in events)
+    assert all("ph" in e for e in events)
+
