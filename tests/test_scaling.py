@@ -157,4 +157,6 @@ def test_profile_writes_a_chrome_trace(tmp_path):
     events = data["traceEvents"]
     assert events and any(str(e.get("name", "")).startswith("aten::") for e in events)
     assert all("ph" in e for e in events)
+    names = {e.get("name") for e in events}
+    assert {"qkv_proj", "qk", "softmax", "pv", "out_proj"} <= names  # every pass is a named range
 

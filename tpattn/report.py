@@ -75,6 +75,7 @@ def build(cfg, proc, device, rank_reports: list[dict], allreduce_bytes: int, che
         "iterations": {"warmup": cfg.warmup, "timed": cfg.iters},
         "passes": stats,
         "rank0_passes": rank_reports[0]["passes"],
+        "per_rank_passes": [r["passes"] for r in rank_reports],
         "allreduce": {"bytes": allreduce_bytes, "dtype": "fp32" if cfg.reduce_dtype == "fp32" else cfg.dtype,
                       "median_ms": ar, "algbw_GBps": algbw, "busbw_GBps": busbw},
         "checks": checks,

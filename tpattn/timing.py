@@ -19,6 +19,12 @@ class Timer:
 
     @contextmanager
     def section(self, name: str):
+        with torch.profiler.record_function(name):  # names the pass in --profile traces
+            with self._timed(name):
+                yield
+
+    @contextmanager
+    def _timed(self, name: str):
         if self.cuda:
             torch.cuda.nvtx.range_push(name)
             start = torch.cuda.Event(enable_timing=True)
