@@ -1,5 +1,9 @@
 // fused_attention.cu -- one kernel: O = softmax(Q K^T * scale) V with S and P never in device memory.
 //
+// Two versions of the same algorithm. fused2_* (below, the one --kernel fused runs) is software
+// pipelined by one key tile; fused_* (this first one) is the straight loop it grew from, kept so the
+// ladder's measurements can be repeated (benchmarks/ladder.md). What both share:
+//
 // A FlashAttention-2-style forward pass, written for this project:
 //   * a block owns BR = 16 * NW query rows of one (batch, head); warp w owns rows 16w..16w+15;
 //   * the block's Q tile is copied to shared memory once and each warp keeps its 16 x D slice in
@@ -48,6 +52,7 @@ __device__ __forceinline__ void tpf_cp16(tpf_u32 dst, const void *src, int bytes
 }
 __device__ __forceinline__ void tpf_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void tpf_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+__device__ __forceinline__ void tpf_wait0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 __device__ __forceinline__ void tpf_ldsm4(tpf_u32 *r, tpf_u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -297,9 +302,243 @@ __device__ __forceinline__ void tpf_fused(const tpf_u16 *__restrict__ Q, const t
     }
 
 // Configurations: warps per block (BR = 16 * warps query rows) and keys per tile. BC = 128 at
-// D = 128 spills registers (255 used, 200+ bytes of stack), so it is not built.
+// D = 128 spills registers (255 used, 200+ bytes of stack), so it is not built; 8 warps measured
+// the same as 4 on the H200.
 #define TPF_DEFINE_ALL(D, NW, BC) TPF_DEFINE(f16, false, D, NW, BC) TPF_DEFINE(bf16, true, D, NW, BC)
 TPF_DEFINE_ALL(64, 4, 64)
-TPF_DEFINE_ALL(64, 8, 64)
 TPF_DEFINE_ALL(128, 4, 64)
-TPF_DEFINE_ALL(128, 8, 64)
+
+// ------------------------------------------------------------------------------------------------
+// Version 2 (fused2_*): software pipelined by one key tile. Iteration j computes S_{j+1} = Q K_{j+1}^T
+// and, in the same basic block, the softmax of S_j and O += P_j V_j: the two are independent, so
+// the scheduler can interleave the tensor-core work of one with the exp2/max/rescale work of the
+// other instead of every warp of the block alternating between them in step. One __syncthreads
+// per key tile (K_{j+2} and V_{j+1} load during iteration j). Each warp owns MT m16 tiles (16 * MT
+// query rows), so every K and V fragment read from shared memory feeds MT mma; Q fragments are
+// re-read from shared memory per tile (registers go to the accumulators). ldmatrix addresses are a
+// few per-lane bases plus compile-time offsets (the swizzle XOR folds: (2k + b) ^ x == 2k ^ (b ^ x)
+// for b < 2).
+template <int D, int NW, int MT, int BC, bool BF16>
+__device__ __forceinline__ void tpf_fused2(const tpf_u16 *__restrict__ Q, const tpf_u16 *__restrict__ K,
+                                           const tpf_u16 *__restrict__ V, tpf_u16 *__restrict__ O, int BH,
+                                           int N, float scale_log2, int causal) {
+    constexpr int WR = 16 * MT;   // rows per warp
+    constexpr int BR = WR * NW;   // rows per block
+    constexpr int NT = 32 * NW;
+    constexpr int CH = D / 8;
+    constexpr int KD = D / 16;
+    constexpr int NS = BC / 8;
+    constexpr int ND = D / 8;
+    constexpr int KC = BC / 16;
+    constexpr int TILE_BYTES = BC * D * 2;
+    tpf_u16 *sQ = (tpf_u16 *)tpf_smem;
+    tpf_u16 *sK = sQ + BR * D;
+    tpf_u16 *sV = sK + 2 * BC * D;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int x = lane & 7;
+    const int n_qt = (N + BR - 1) / BR;
+    const int n_kt_all = (N + BC - 1) / BC;
+    tpf_u32 qa[4], ka[4], va[4];  // per-lane ldmatrix bases (shared window, bytes)
+    {
+        const int qrow = warp * WR + x + ((lane >> 3) & 1) * 8, qy = (lane >> 4) ^ x;
+        const int krow = x + ((lane >> 4) << 3), ky = ((lane >> 3) & 1) ^ x;
+        const int vrow = x + (((lane >> 3) & 1) << 3), vy = (lane >> 4) ^ x;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            qa[i] = tpf_saddr(sQ) + qrow * D * 2 + (((2 * i) ^ qy) << 4);
+            ka[i] = tpf_saddr(sK) + krow * D * 2 + (((2 * i) ^ ky) << 4);
+            va[i] = tpf_saddr(sV) + vrow * D * 2 + (((2 * i) ^ vy) << 4);
+        }
+    }
+
+    for (int bh = blockIdx.y; bh < BH; bh += gridDim.y) {
+        const long long base = (long long)bh * N * D;
+        const tpf_u16 *Qh = Q + base, *Kh = K + base, *Vh = V + base;
+        tpf_u16 *Oh = O + base;
+        for (int qi = blockIdx.x; qi < n_qt; qi += gridDim.x) {
+            const int qt = causal ? n_qt - 1 - qi : qi;
+            const int q0 = qt * BR;
+            int n_kt = n_kt_all;
+            if (causal) {
+                const int last = (q0 + BR - 1) / BC + 1;
+                n_kt = last < n_kt ? last : n_kt;
+            }
+            tpf_load_tile<D, BR, NT>(sQ, Qh, q0, N, tid);
+            tpf_load_tile<D, BC, NT>(sK, Kh, 0, N, tid);
+            tpf_commit();
+            if (n_kt > 1) tpf_load_tile<D, BC, NT>(sK + BC * D, Kh, BC, N, tid);
+            tpf_commit();
+            tpf_load_tile<D, BC, NT>(sV, Vh, 0, N, tid);
+            tpf_commit();
+            asm volatile("cp.async.wait_group 2;\n" ::: "memory");
+            __syncthreads();
+
+            const int wr0 = q0 + warp * WR;          // the warp's first row
+            const int r0 = wr0 + (lane >> 2);        // this thread's rows: r0 + 16 mt + 8 i
+            float o[MT][ND][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int j = 0; j < ND; ++j) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.0f;
+            float m[MT][2], l[MT][2];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = TPF_NEG_INF, l[mt][0] = l[mt][1] = 0.0f;
+            float sc[MT][NS][4], sn[MT][NS][4];
+
+            auto qk = [&](float (*acc)[NS][4], int kb) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int n = 0; n < NS; ++n) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.0f;
+#pragma unroll
+                for (int kk = 0; kk < KD; ++kk) {
+                    tpf_u32 a[MT][4];
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) tpf_ldsm4(a[mt], qa[kk & 3] + (kk >> 2) * 128 + mt * 16 * D * 2);
+#pragma unroll
+                    for (int n = 0; n < NS; n += 2) {
+                        tpf_u32 b[4];
+                        tpf_ldsm4(b, ka[kk & 3] + kb * TILE_BYTES + (kk >> 2) * 128 + n * 8 * D * 2);
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt) {
+                            tpf_mma<BF16>(acc[mt][n], a[mt], b[0], b[1]);
+                            tpf_mma<BF16>(acc[mt][n + 1], a[mt], b[2], b[3]);
+                        }
+                    }
+                }
+            };
+            auto mask = [&](float (*acc)[NS][4], int k0) {
+                if (k0 + BC > N || (causal && k0 + BC - 1 > wr0)) {
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int n = 0; n < NS; ++n)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const int col = k0 + n * 8 + (lane & 3) * 2 + (e & 1);
+                                const int row = r0 + mt * 16 + (e >> 1) * 8;
+                                if (col >= N || (causal && col > row)) acc[mt][n][e] = TPF_NEG_INF;
+                            }
+                }
+            };
+            qk(sc, 0);
+            mask(sc, 0);
+
+            for (int j = 0; j < n_kt; ++j) {
+                tpf_wait0();       // K tile j + 1 and V tile j have landed ...
+                __syncthreads();   // ... for all; everyone is done with K tile j and V tile j - 1
+                if (j + 2 < n_kt) tpf_load_tile<D, BC, NT>(sK + (j & 1) * BC * D, Kh, (j + 2) * BC, N, tid);
+                if (j + 1 < n_kt) tpf_load_tile<D, BC, NT>(sV + ((j + 1) & 1) * BC * D, Vh, (j + 1) * BC, N, tid);
+                tpf_commit();
+                // S_{j+1} (on the last tile this reads a stale buffer and is discarded)
+                qk(sn, (j + 1) & 1);
+                // softmax of S_j, then O += P_j V_j
+                tpf_u32 pa[MT][KC][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        float mx = TPF_NEG_INF;
+#pragma unroll
+                        for (int n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(sc[mt][n][2 * i], sc[mt][n][2 * i + 1]));
+                        mx = fmaxf(mx, tpf_shfl_xor(mx, 1));
+                        mx = fmaxf(mx, tpf_shfl_xor(mx, 2));
+                        const float mn = fmaxf(m[mt][i], mx * scale_log2);
+                        const float ms = mn == TPF_NEG_INF ? 0.0f : mn;  // a row with nothing seen yet
+                        const float alpha = tpf_exp2(m[mt][i] - ms);
+                        m[mt][i] = mn;
+                        float sum = 0.0f;
+#pragma unroll
+                        for (int n = 0; n < NS; ++n) {
+                            const float p0 = tpf_exp2(fmaf(sc[mt][n][2 * i], scale_log2, -ms));
+                            const float p1 = tpf_exp2(fmaf(sc[mt][n][2 * i + 1], scale_log2, -ms));
+                            sc[mt][n][2 * i] = p0;
+                            sc[mt][n][2 * i + 1] = p1;
+                            sum += p0 + p1;
+                        }
+                        l[mt][i] = l[mt][i] * alpha + sum;
+#pragma unroll
+                        for (int d = 0; d < ND; ++d) {
+                            o[mt][d][2 * i] *= alpha;
+                            o[mt][d][2 * i + 1] *= alpha;
+                        }
+                    }
+#pragma unroll
+                    for (int t = 0; t < KC; ++t) {
+                        pa[mt][t][0] = tpf_pack<BF16>(sc[mt][2 * t][0], sc[mt][2 * t][1]);
+                        pa[mt][t][1] = tpf_pack<BF16>(sc[mt][2 * t][2], sc[mt][2 * t][3]);
+                        pa[mt][t][2] = tpf_pack<BF16>(sc[mt][2 * t + 1][0], sc[mt][2 * t + 1][1]);
+                        pa[mt][t][3] = tpf_pack<BF16>(sc[mt][2 * t + 1][2], sc[mt][2 * t + 1][3]);
+                    }
+                }
+#pragma unroll
+                for (int t = 0; t < KC; ++t) {
+#pragma unroll
+                    for (int d = 0; d < ND; d += 2) {
+                        tpf_u32 b[4];
+                        tpf_ldsm4t(b, va[(d >> 1) & 3] + (j & 1) * TILE_BYTES + (d >> 3) * 128 + t * 16 * D * 2);
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt) {
+                            tpf_mma<BF16>(o[mt][d], pa[mt][t], b[0], b[1]);
+                            tpf_mma<BF16>(o[mt][d + 1], pa[mt][t], b[2], b[3]);
+                        }
+                    }
+                }
+                mask(sn, (j + 1) * BC);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int n = 0; n < NS; ++n)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) sc[mt][n][e] = sn[mt][n][e];
+            }
+
+            // O = acc / l, staged through the warp's own rows of sQ, then 16-byte stores
+            __syncthreads();  // the last (discarded) S_{j+1} read K; every warp is past its Q reads
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    float li = l[mt][i];
+                    li += tpf_shfl_xor(li, 1);
+                    li += tpf_shfl_xor(li, 2);
+                    li = li > 0.0f ? 1.0f / li : 0.0f;
+                    const int r = warp * WR + mt * 16 + (lane >> 2) + i * 8;
+#pragma unroll
+                    for (int d = 0; d < ND; ++d) {
+                        tpf_u32 *dst = (tpf_u32 *)(sQ + tpf_swz<D>(r, d) + (lane & 3) * 2);
+                        *dst = tpf_pack<BF16>(o[mt][d][2 * i] * li, o[mt][d][2 * i + 1] * li);
+                    }
+                }
+            }
+            __syncwarp();
+#pragma unroll
+            for (int i = 0; i < WR * CH / 32; ++i) {
+                const int c = lane + i * 32;
+                const int r = c / CH, ch = c % CH;
+                const int gr = wr0 + r;
+                if (gr < N)
+                    *(tpf_u4 *)(Oh + (long long)gr * D + ch * 8) = *(const tpf_u4 *)(sQ + tpf_swz<D>(warp * WR + r, ch));
+            }
+            __syncthreads();  // sQ, sK, sV are reused by the block's next tile (when the grid strides)
+        }
+    }
+}
+
+#define TPF_DEFINE2(SUF, BF16, D, NW, MT, BC)                                                          \
+    extern "C" __global__ void __launch_bounds__(NW * 32)                                             \
+        fused2_##SUF##_d##D##_w##NW##_m##MT##_c##BC(const tpf_u16 *__restrict__ Q, const tpf_u16 *__restrict__ K, \
+                                                    const tpf_u16 *__restrict__ V, tpf_u16 *__restrict__ O, \
+                                                    int BH, int N, float scale_log2, int causal) {   \
+        tpf_fused2<D, NW, MT, BC, BF16>(Q, K, V, O, BH, N, scale_log2, causal);                       \
+    }
+// Configurations (warps, m16 tiles per warp, keys per tile); the default is w4_m1_c64 for both head
+// dims (tpattn/attention/fused.py), the others are there for the benchmark's sweep. MT = 2 with
+// 64 keys at D = 64 spills registers and is not built.
+#define TPF_DEFINE2_ALL(D, NW, MT, BC) TPF_DEFINE2(f16, false, D, NW, MT, BC) TPF_DEFINE2(bf16, true, D, NW, MT, BC)
+TPF_DEFINE2_ALL(64, 4, 1, 64)
+TPF_DEFINE2_ALL(64, 4, 2, 32)
+TPF_DEFINE2_ALL(128, 4, 1, 64)
+TPF_DEFINE2_ALL(128, 8, 1, 64)
+TPF_DEFINE2_ALL(128, 4, 2, 32)
+TPF_DEFINE2_ALL(128, 8, 2, 32)

@@ -4,7 +4,10 @@
 //   tiled_qk_SUF      S = Q K^T * scale   a block computes a 128 x 128 tile of S on the tensor cores
 //                     (mma.sync m16n8k16, fp32 accumulate; 4 warps, 64 x 64 each), Q and K stream
 //                     through shared memory in 64-wide slices of the head dim (cp.async, 16-byte
-//                     chunks), and the tile leaves through shared memory in 16-byte coalesced stores.
+//                     chunks, double buffered), and the tile leaves through shared memory in 16-byte
+//                     coalesced stores (storing straight from the accumulators, 4 bytes a thread,
+//                     was measured 1.5x slower: benchmarks/ladder.md). Dynamic shared memory:
+//                     2 x (128 + 128) x 64 x 2 = 64 KiB.
 //                     Causal: tiles entirely above the diagonal are not computed (nor read later).
 //   tiled_softmax_SUF P = softmax(S)      one warp per row, 16-byte loads, warp-shuffle reductions;
 //                     rows of up to 4096 columns are read once and kept in registers, longer rows
@@ -113,18 +116,19 @@ __device__ __forceinline__ int tpt_swz(int r, int ch) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// S = Q K^T * scale. grid: x over key tiles, y over query tiles, z over BH (stride); block 128.
+// S = Q K^T * scale. grid: x over key tiles, y over query tiles, z over BH (stride); block 128;
+// 64 KiB of dynamic shared memory.
 template <bool BF16>
 __device__ __forceinline__ void tpt_qk(const tpt_u16 *__restrict__ Q, const tpt_u16 *__restrict__ K,
                                        tpt_u16 *__restrict__ S, int BH, int N, int d, int ld, float scale,
                                        int causal) {
-    __shared__ __attribute__((aligned(128))) tpt_u16 smem[2 * 128 * 64];  // Q | K slices; then the S tile
-    tpt_u16 *sA = smem, *sB = smem + 128 * 64;
+    tpt_u16 *smem = (tpt_u16 *)tpt_dsmem;  // 2 stages of (Q slice | K slice); then the S tile
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int wm = warp >> 1, wn = warp & 1;
     const int i0 = blockIdx.y * 128, j0 = blockIdx.x * 128;
     if (causal && j0 > i0 + 127) return;  // every key after every query of the tile
     const int dch = d >> 3;               // 16-byte chunks per row of Q and K
+    const int nsl = (d + 63) >> 6;        // 64-wide slices of the head dim
     for (int bh = blockIdx.z; bh < BH; bh += gridDim.z) {
         const tpt_u16 *Qh = Q + (long long)bh * N * d, *Kh = K + (long long)bh * N * d;
         float acc[4][8][4];
@@ -132,7 +136,8 @@ __device__ __forceinline__ void tpt_qk(const tpt_u16 *__restrict__ Q, const tpt_
         for (int a = 0; a < 4; ++a)
 #pragma unroll
             for (int b = 0; b < 8; ++b) acc[a][b][0] = acc[a][b][1] = acc[a][b][2] = acc[a][b][3] = 0.0f;
-        for (int c0 = 0; c0 < d; c0 += 64) {
+        auto load = [&](int stage, int c0) {
+            tpt_u16 *sA = smem + stage * 2 * 128 * 64, *sB = sA + 128 * 64;
 #pragma unroll
             for (int it = 0; it < 8; ++it) {  // 128 rows x 8 chunks = 1024 chunks per operand
                 const int c = tid + it * 128;
@@ -145,10 +150,16 @@ __device__ __forceinline__ void tpt_qk(const tpt_u16 *__restrict__ Q, const tpt_
                 tpt_cp16(tpt_saddr(sB + tpt_swz<64>(r, ch)), Kh + (long long)(gj < N && okc ? gj : 0) * d + (okc ? gch * 8 : 0),
                          gj < N && okc ? 16 : 0);
             }
+        };
+        load(0, 0);
+        tpt_commit();
+        for (int sl = 0; sl < nsl; ++sl) {
+            if (sl + 1 < nsl) load((sl + 1) & 1, (sl + 1) * 64);  // the next slice lands during this one
             tpt_commit();
-            tpt_wait0();
+            tpt_wait1();
             __syncthreads();
-            const int ks = (d - c0 + 15) >> 4;  // k16 steps with data in this slice
+            const tpt_u16 *sA = smem + (sl & 1) * 2 * 128 * 64, *sB = sA + 128 * 64;
+            const int ks = (d - sl * 64 + 15) >> 4;  // k16 steps with data in this slice
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
                 if (kk < ks) {
@@ -170,7 +181,7 @@ __device__ __forceinline__ void tpt_qk(const tpt_u16 *__restrict__ Q, const tpt_
                     }
                 }
             }
-            __syncthreads();
+            __syncthreads();  // this stage is refilled two slices on (and finally holds the S tile)
         }
         // the 128 x 128 tile, scaled and rounded, into shared memory (16 chunks per row, swizzled)
 #pragma unroll
@@ -242,10 +253,14 @@ __device__ __forceinline__ void tpt_softmax(const tpt_u16 *__restrict__ S, tpt_u
             tpt_u4 buf[TPT_CACHE];
             float mx = TPT_NEG_INF;
 #pragma unroll
+            for (int t = 0; t < TPT_CACHE; ++t) {  // all loads first, unconditionally (clamped address)
+                const int c = lane + 32 * t;
+                buf[t] = *(const tpt_u4 *)(s + (c < nrc ? c : 0) * 8);
+            }
+#pragma unroll
             for (int t = 0; t < TPT_CACHE; ++t) {
                 const int c = lane + 32 * t;
                 if (c < nrc) {
-                    buf[t] = *(const tpt_u4 *)(s + c * 8);
                     float v[8];
                     tpt_row_vals<BF16>(buf[t], v);
 #pragma unroll
@@ -405,7 +420,7 @@ __device__ __forceinline__ void tpt_pv(const tpt_u16 *__restrict__ P, const tpt_
 }
 
 #define TPT_DEFINE(SUF, BF16)                                                                          \
-    extern "C" __global__ void __launch_bounds__(128)                                                  \
+    extern "C" __global__ void __launch_bounds__(128, 3)                                                  \
         tiled_qk_##SUF(const tpt_u16 *__restrict__ Q, const tpt_u16 *__restrict__ K, tpt_u16 *__restrict__ S, \
                        int BH, int N, int d, int ld, float scale, int causal) {                        \
         tpt_qk<BF16>(Q, K, S, BH, N, d, ld, scale, causal);                                            \

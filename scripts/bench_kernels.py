@@ -11,7 +11,7 @@ for the fused kernel and SDPA. Writes benchmarks/kernels[_causal].json and .md (
 command).
 
     PYTHONPATH=. python scripts/bench_kernels.py [--seq-lens 1024 2048 4096 8192] [--heads 1 32]
-        [--causal] [--kernels naive tiled fused ...] [--fused-configs 4,64 8,64]
+        [--causal] [--kernels naive tiled fused ...] [--fused-configs 2:w4_m2_c32 1:w4_c64]
 """
 
 from __future__ import annotations
@@ -112,9 +112,13 @@ def run(args) -> dict:
     naive, tiled, fused = get_backend("naive"), get_backend("tiled"), get_backend("fused")
 
     def fused_cfg(cfg):
+        """A fused kernel by shorthand: 2:w4_m2_c32 is fused2_{suf}_d{d}_w4_m2_c32, 1:w8_c64 is fused_..."""
+        ver, rest = cfg.split(":")
+        name = ("fused2" if ver == "2" else "fused") + "_{suf}_d{d}_" + rest
+
         def fn(t, q, k, v):
             old = os.environ.get("TPATTN_FUSED_CFG")
-            os.environ["TPATTN_FUSED_CFG"] = cfg
+            os.environ["TPATTN_FUSED_CFG"] = name
             try:
                 return fused.forward(q, k, v, args.causal, t)
             finally:
@@ -206,8 +210,9 @@ def main() -> int:
     p.add_argument("--kernels", nargs="+", default=None,
                    help="rows to run (default all): naive tiled fused torch_materialized sdpa_flash sdpa_cudnn "
                         "sdpa_efficient")
-    p.add_argument("--fused-configs", nargs="*", default=[], metavar="W,C",
-                   help="extra fused rows with W warps per block and C keys per tile (a sweep)")
+    p.add_argument("--fused-configs", nargs="*", default=[], metavar="V:wW[_mM]_cC",
+                   help="extra fused rows (a sweep): version 1 or 2, W warps per block, C keys per tile, "
+                        "m16 row tiles per warp (see tpattn/attention/fused.py), e.g. 2:w4_m2_c32")
     p.add_argument("--out", default="benchmarks", help="folder for kernels.json and kernels.md")
     args = p.parse_args()
     if not torch.cuda.is_available():

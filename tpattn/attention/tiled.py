@@ -18,6 +18,7 @@ SOURCE = "tiled_attention.cu"
 SUFFIX = {torch.float16: "f16", torch.bfloat16: "bf16"}
 TILE = 128            # query rows (and key columns) per tile; must match the .cu file
 SOFTMAX_WARPS = 8     # rows per softmax block
+QK_SHARED = 2 * 2 * TILE * 64 * 2  # two stages of 64-wide Q and K slices
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -76,7 +77,7 @@ class TiledBackend(Backend):
         with section(timer, "qk"):
             launch(SOURCE, f"tiled_qk_{suf}", dev, (tiles, tiles, min(bh, GRID_YZ_MAX)), (128, 1, 1),
                    (ptr(q), ptr(k), ptr(s), np.int32(bh), np.int32(n), np.int32(d), np.int32(ld),
-                    np.float32(1.0 / math.sqrt(d)), np.int32(causal)))
+                    np.float32(1.0 / math.sqrt(d)), np.int32(causal)), shared_mem=QK_SHARED)
         with section(timer, "softmax"):
             rows = bh * n
             launch(SOURCE, f"tiled_softmax_{suf}", dev, (min(_cdiv(rows, SOFTMAX_WARPS), GRID_X_MAX), 1, 1),
