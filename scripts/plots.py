@@ -30,10 +30,12 @@ PASS_COLORS = {"qkv_proj": "#8da0cb", "qk": "#e78ac3", "softmax": "#a6d854", "pv
                "out_proj": "#66c2a5", "allreduce": "#fc8d62"}
 KERNEL_LABELS = {"naive": "naive (tpattn, 3 CUDA kernels)", "torch_materialized": "torch matmul/softmax/matmul",
                  "sdpa_flash": "torch SDPA: flash", "sdpa_cudnn": "torch SDPA: cuDNN",
-                 "sdpa_efficient": "torch SDPA: mem-efficient"}
+                 "sdpa_efficient": "torch SDPA: mem-efficient", "tiled": "tiled (tpattn, 3 passes, tensor cores)",
+                 "fused": "fused (tpattn, online softmax)"}
 KERNEL_STYLE = {"naive": ("#d62728", "o", "-"), "torch_materialized": ("#1f77b4", "s", "-"),
                 "sdpa_flash": ("#2ca02c", "^", "--"), "sdpa_cudnn": ("#9467bd", "v", "--"),
-                "sdpa_efficient": ("#8c564b", "D", "--")}
+                "sdpa_efficient": ("#8c564b", "D", "--"), "tiled": ("#ff7f0e", "P", "-"),
+                "fused": ("#17becf", "X", "-")}
 
 
 def _save(fig, path) -> Path:
@@ -67,7 +69,7 @@ def kernels(res: dict, path) -> Path:
         floor = sorted({(r["seq_len"], r["floor_ms"]) for r in mine})
         ax.plot(*zip(*floor), ls=":", lw=2, color="black",
                 label=f"memory floor of the 3-pass algorithm: S and P\nwritten + read once at {res.get('copy_GBps', 0):.0f} GB/s "
-                      "copy bw\n(fused SDPA never writes S or P, so it can go below)")
+                      "copy bw (fused kernels never write S or P, so they can go below)")
         ns = sorted({r["seq_len"] for r in mine})
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -78,7 +80,8 @@ def kernels(res: dict, path) -> Path:
         ax.set_title(f"{h} head{'s' if h > 1 else ''}, d={r0['head_dim']}, B={r0['batch']}, {r0['dtype']}"
                      f"{', causal' if r0.get('causal') else ''}")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="upper center", ncol=3, bbox_to_anchor=(0.5, 0.0))
     fig.suptitle(f"Attention kernels on {res.get('gpu', '?')}: time against N "
                  f"(torch {res.get('versions', {}).get('torch', '?')})")
     return _save(fig, path)

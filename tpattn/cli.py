@@ -59,8 +59,9 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--dtype", default="fp16", choices=list(DTYPES), help="storage dtype of weights, Q, K, V, S, "
                    "P, O (accumulation is always fp32; default fp16)")
     k.add_argument("--kernel", choices=backend_names(), help="local attention backend: naive (the seed's three "
-                   "CUDA kernels via CuPy) or reference (torch, CPU or GPU); default naive on a GPU with CuPy, "
-                   "else reference")
+                   "CUDA kernels via CuPy), reference (torch, same passes and rounding, CPU or GPU), tiled (three "
+                   "passes on tensor cores) or fused (one online-softmax kernel, S and P never stored; head dim 64 "
+                   "or 128); default naive on a GPU with CuPy, else reference")
     k.add_argument("--device", default="auto", choices=list(DEVICES), help="auto picks cuda when a GPU (and CuPy "
                    "for naive) is there, else cpu, and says why (default auto)")
     k.add_argument("--seed", type=int, default=0, help="seed of the weights and input; the same seed gives the "
