@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one go, for a borrowed GPU machine:
-#   tests   pytest -m gpu
-#   bench   scripts/bench_kernels.py (naive kernels beside torch materialized and SDPA)
-#   layer   the default layer: mpirun -n 1 over NCCL, mpirun -n 4 over gloo sharing the GPU
+#   tests   pytest -m gpu (naive, tiled and fused kernels; the CLI over NCCL and gloo)
+#   bench   scripts/bench_kernels.py, non-causal and causal (every rung beside torch and SDPA)
+#   bench16k  the same at N = 16 384, 32 heads, without the naive kernels
+#   layer   the default layer: mpirun -n 1 over NCCL, mpirun -n 4 over gloo sharing the GPU,
+#           and mpirun -n 2 over gloo with --kernel fused
 #   checks  the refusals that need a GPU: NaN in --load, the memory pre-flight, N^2 > 2^31 run
 # Logs and JSON go to $OUT (default results/). Usage: bash scripts/gpu_session.sh [STEP]... (default all)
 set -u -o pipefail
@@ -16,11 +18,20 @@ note() { echo "=== $* ($(date +%T))"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 if want tests; then
   note "pytest -m gpu"
-  python3 -m pytest -m gpu -q -p no:warnings tests/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log" || status=1
+  python3 -m pytest -m gpu -q -p no:warnings --tb=line tests/test_gpu.py tests/test_gpu_ladder.py 2>&1 \
+    | tee "$OUT/pytest_gpu.log" | tail -25 || status=1
 fi
 if want bench; then
-  note "bench_kernels"
+  note "bench_kernels (non-causal, then causal)"
   python3 scripts/bench_kernels.py --out "$OUT" 2>&1 || status=1
+  python3 scripts/bench_kernels.py --causal --seq-lens 4096 8192 --heads 32 --out "$OUT" 2>&1 || status=1
+fi
+if want bench16k; then
+  note "bench_kernels at N = 16384 (non-causal, causal), without the naive kernels"
+  for c in "" "--causal"; do
+    python3 scripts/bench_kernels.py --seq-lens 16384 --heads 32 $c --out "$OUT/n16k" \
+      --kernels tiled fused torch_materialized sdpa_flash sdpa_cudnn sdpa_efficient 2>&1 || status=1
+  done
 fi
 if want layer; then
   note "mpirun -n 1 python -m tpattn (NCCL)"
@@ -28,6 +39,9 @@ if want layer; then
   note "mpirun -n 4 python -m tpattn --dist-backend gloo (4 ranks, one GPU)"
   mpirun --oversubscribe -n 4 python3 -m tpattn --dist-backend gloo --json "$OUT/layer_np4_gloo.json" 2>&1 \
     | tee -a "$OUT/layer.log" || status=1
+  note "mpirun -n 2 python -m tpattn --dist-backend gloo --kernel fused"
+  mpirun --oversubscribe -n 2 python3 -m tpattn --dist-backend gloo --kernel fused \
+    --json "$OUT/layer_np2_fused.json" 2>&1 | tee -a "$OUT/layer.log" || status=1
 fi
 if want checks; then
   {
