@@ -102,12 +102,12 @@ def test_naive_without_cupy_names_the_extra():
 def test_cupy_missing_message_names_extras(monkeypatch):
     from tpattn import config
     from tpattn.attention import get_backend
-    monkeypatch.setattr(config, "cupy_available", lambda: False)
-    import tpattn.attention.naive as naive
-    monkeypatch.setattr(naive, "cupy_available", lambda: False)
-    cfg = config.Config(device="cuda", kernel="naive", seq_len=8, heads=1, head_dim=8)
-    with pytest.raises(config.ConfigError, match=r"pip install 'tpattn\[cuda13\]'"):
-        get_backend("naive").check_supported(cfg)
+    import tpattn.attention as attention
+    monkeypatch.setattr(attention, "cupy_available", lambda: False)
+    for kernel in ("naive", "tiled", "fused"):
+        cfg = config.Config(device="cuda", kernel=kernel, seq_len=8, heads=1, head_dim=64)
+        with pytest.raises(config.ConfigError, match=rf"--kernel {kernel} needs CuPy.*pip install 'tpattn\[cuda13\]'"):
+            get_backend(kernel).check_supported(cfg)
 
 
 def test_installed_package_ships_kernels(tmp_path):
@@ -152,3 +152,18 @@ def test_kernel_head_dim_limit_comes_from_the_backend(monkeypatch):
     cfg = Config(device="cpu", kernel="reference", dist_backend="gloo", seq_len=8, heads=2, head_dim=160)
     with pytest.raises(ConfigError, match="--head-dim must be between 1 and 128 for --kernel reference"):
         validate(cfg)
+
+
+@pytest.mark.parametrize("kernel,dtype,d,needle", [
+    ("fused", "fp32", 64, "--kernel fused does not support --dtype fp32; use one of fp16, bf16"),
+    ("fused", "fp16", 80, "--kernel fused supports head dims 64 and 128 (got 80)"),
+    ("tiled", "fp16", 12, "--kernel tiled supports head dims that are multiples of 8 up to 256 (got 12)"),
+    ("tiled", "fp32", 64, "--kernel tiled does not support --dtype fp32"),
+])
+def test_kernel_that_does_not_support_dtype_or_head_dim(kernel, dtype, d, needle):
+    """Refused from the config alone, before any GPU work (so the same on every rank)."""
+    from tpattn.config import Config, ConfigError, validate
+    cfg = Config(device="cuda", kernel=kernel, dtype=dtype, dist_backend="nccl", seq_len=8, heads=2, head_dim=d)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, gpus_on_node=1)
+    assert needle in str(err.value)

@@ -75,8 +75,8 @@ def cupy_available() -> bool:
     return importlib.util.find_spec("cupy") is not None
 
 
-def cupy_missing_message() -> str:
-    return ("--kernel naive needs CuPy, which is not installed: pip install 'tpattn[cuda13]' "
+def cupy_missing_message(kernel: str = "naive") -> str:
+    return (f"--kernel {kernel} needs CuPy, which is not installed: pip install 'tpattn[cuda13]' "
             "(CUDA 13) or 'tpattn[cuda12]' (CUDA 12), or use --kernel reference")
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-from ..config import ConfigError
+from ..config import ConfigError, cupy_available, cupy_missing_message
 
 _BACKENDS = {
     "reference": "tpattn.attention.reference:ReferenceBackend",
@@ -37,6 +37,38 @@ class Backend:
 
     def forward(self, q, k, v, causal: bool, timer=None):
         raise NotImplementedError
+
+
+class CudaBackend(Backend):
+    """CUDA kernels of kernels/*.cu launched through CuPy: GPU only, CuPy needed."""
+    devices = ("cuda",)
+    suffix = {"fp16": "f16", "bf16": "bf16", "fp32": "f32"}  # kernel name suffix by dtype
+
+    def head_dim_error(self, d: int) -> str | None:
+        """None when the kernels handle head dim d, else the one-line fix."""
+        if not 1 <= d <= self.max_head_dim:
+            return f"--kernel {self.name} supports head dims 1..{self.max_head_dim} (got {d})"
+        return None
+
+    def check_supported(self, cfg) -> None:
+        super().check_supported(cfg)
+        err = self.head_dim_error(cfg.head_dim)
+        if err:
+            raise ConfigError(err)
+        if not cupy_available():
+            raise ConfigError(cupy_missing_message(self.name))
+
+    def kernel_suffix(self, q) -> str:
+        """Check q is a CUDA tensor of a supported dtype and head dim; the kernels' name suffix."""
+        if q.device.type != "cuda":
+            raise ConfigError(f"--kernel {self.name} needs CUDA tensors; use --kernel reference on CPU")
+        err = self.head_dim_error(q.shape[-1])
+        if err:
+            raise ConfigError(err)
+        name = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float32": "fp32"}.get(str(q.dtype))
+        if name not in self.dtypes:
+            raise ConfigError(f"--kernel {self.name} supports {', '.join(self.dtypes)} (got {q.dtype})")
+        return self.suffix[name]
 
 
 def backend_names() -> list[str]:

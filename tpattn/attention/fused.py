@@ -10,13 +10,12 @@ import re
 import numpy as np
 import torch
 
-from ..config import ConfigError, cupy_available, cupy_missing_message
+from ..config import ConfigError
 from ..cuda import GRID_X_MAX, GRID_YZ_MAX, launch, ptr
 from ..timing import section
-from . import Backend
+from . import CudaBackend
 
 SOURCE = "fused_attention.cu"
-SUFFIX = {torch.float16: "f16", torch.bfloat16: "bf16"}
 HEAD_DIMS = (64, 128)
 # The kernel per head dim, "{suf}" standing for f16 or bf16: fused2 is the software-pipelined
 # version, fused the straight one (kept for the ladder's record); _wW: W warps, _mM: M tiles of 16
@@ -55,32 +54,22 @@ def shared_bytes(d: int, rows: int, keys: int) -> int:
     return (rows + 4 * keys) * d * 2  # Q tile + double-buffered K and V tiles
 
 
-class FusedBackend(Backend):
+class FusedBackend(CudaBackend):
     name = "fused"
-    devices = ("cuda",)
     dtypes = ("fp16", "bf16")
     passes = ("fused",)
     materializes_scores = False  # S and P live in registers only
 
-    def check_supported(self, cfg) -> None:
-        super().check_supported(cfg)
-        if cfg.head_dim not in HEAD_DIMS:
-            raise ConfigError(unsupported_head_dim(cfg.head_dim))
-        if not cupy_available():
-            raise ConfigError(cupy_missing_message())
+    def head_dim_error(self, d: int) -> str | None:
+        return None if d in HEAD_DIMS else unsupported_head_dim(d)
 
     def forward(self, q, k, v, causal: bool, timer=None, out=None, scratch=None):
         b, h, n, d = q.shape
-        if q.device.type != "cuda":
-            raise ConfigError("--kernel fused needs CUDA tensors; use --kernel reference on CPU")
-        if d not in HEAD_DIMS:
-            raise ConfigError(unsupported_head_dim(d))
-        if q.dtype not in SUFFIX:
-            raise ConfigError(f"--kernel fused supports fp16 and bf16 (got {q.dtype})")
+        suf = self.kernel_suffix(q)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         o = out if out is not None else torch.empty_like(q)
         assert o.is_contiguous() and o.dtype == q.dtype and o.device == q.device and o.shape == q.shape
-        name, warps, mt, keys = kernel_for(d, SUFFIX[q.dtype])
+        name, warps, mt, keys = kernel_for(d, suf)
         rows = 16 * mt * warps
         bh = b * h
         scale_log2 = np.float32(math.log2(math.e) / math.sqrt(d))

@@ -7,12 +7,10 @@ import math
 import numpy as np
 import torch
 
-from ..config import ConfigError, cupy_available, cupy_missing_message
 from ..cuda import GRID_X_MAX, GRID_YZ_MAX, launch, ptr
 from ..timing import section
-from . import Backend
+from . import CudaBackend
 
-SUFFIX = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
 SOURCE = "naive_attention.cu"
 SOFTMAX_THREADS = 256  # must match the .cu file
 
@@ -21,23 +19,13 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-class NaiveBackend(Backend):
+class NaiveBackend(CudaBackend):
     name = "naive"
-    devices = ("cuda",)
     pv_block_x = 0  # threads per block along the head dim in pvKernel; 0: the head dim, up to 128
-
-    def check_supported(self, cfg) -> None:
-        super().check_supported(cfg)
-        if not cupy_available():
-            raise ConfigError(cupy_missing_message())
 
     def forward(self, q, k, v, causal: bool, timer=None, out=None, scratch=None):
         b, h, n, d = q.shape
-        if q.device.type != "cuda":
-            raise ConfigError("--kernel naive needs CUDA tensors; use --kernel reference on CPU")
-        if not 1 <= d <= self.max_head_dim:
-            raise ConfigError(f"--kernel naive supports head dims 1..{self.max_head_dim} (got {d})")
-        suf = SUFFIX[q.dtype]
+        suf = self.kernel_suffix(q)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         if scratch is None:
             s = torch.empty((b, h, n, n), dtype=q.dtype, device=q.device)

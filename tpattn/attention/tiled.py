@@ -9,13 +9,11 @@ import math
 import numpy as np
 import torch
 
-from ..config import ConfigError, cupy_available, cupy_missing_message
 from ..cuda import GRID_X_MAX, GRID_YZ_MAX, launch, ptr
 from ..timing import section
-from . import Backend
+from . import CudaBackend
 
 SOURCE = "tiled_attention.cu"
-SUFFIX = {torch.float16: "f16", torch.bfloat16: "bf16"}
 TILE = 128            # query rows (and key columns) per tile; must match the .cu file
 SOFTMAX_WARPS = 8     # rows per softmax block
 QK_SHARED = 2 * 2 * TILE * 64 * 2  # two stages of 64-wide Q and K slices
@@ -38,27 +36,16 @@ def unsupported_head_dim(d: int) -> str:
     return f"--kernel tiled supports head dims that are multiples of 8 up to 256 (got {d}); use --kernel naive"
 
 
-class TiledBackend(Backend):
+class TiledBackend(CudaBackend):
     name = "tiled"
-    devices = ("cuda",)
     dtypes = ("fp16", "bf16")
 
-    def check_supported(self, cfg) -> None:
-        super().check_supported(cfg)
-        if cfg.head_dim % 8:
-            raise ConfigError(unsupported_head_dim(cfg.head_dim))
-        if not cupy_available():
-            raise ConfigError(cupy_missing_message())
+    def head_dim_error(self, d: int) -> str | None:
+        return None if d % 8 == 0 and 8 <= d <= self.max_head_dim else unsupported_head_dim(d)
 
     def forward(self, q, k, v, causal: bool, timer=None, out=None, scratch=None):
         b, h, n, d = q.shape
-        if q.device.type != "cuda":
-            raise ConfigError("--kernel tiled needs CUDA tensors; use --kernel reference on CPU")
-        if d % 8 or not 8 <= d <= self.max_head_dim:
-            raise ConfigError(unsupported_head_dim(d))
-        if q.dtype not in SUFFIX:
-            raise ConfigError(f"--kernel tiled supports fp16 and bf16 (got {q.dtype})")
-        suf = SUFFIX[q.dtype]
+        suf = self.kernel_suffix(q)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         ld = row_stride(n)
         if scratch is None:
