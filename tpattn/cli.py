@@ -17,7 +17,7 @@ from . import faults
 from .attention import backend_names
 from .check import TOL_BASELINE, TOL_FLOAT64, compare, layer_float64, sample_rows
 from .config import DEVICES, DIST_BACKENDS, DTYPES, REDUCE_DTYPES, Config, ConfigError, resolve, validate
-from .layer import TensorParallelAttention
+from .layer import WORLD, TensorParallelAttention
 from .memory import preflight
 from .report import build, text
 from .sharding import head_range
@@ -186,7 +186,7 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
     else:
         x = layer_input(cfg.batch, cfg.seq_len, cfg.model_dim, cfg.seed, cfg.torch_dtype, device)
     layer = TensorParallelAttention(**w, heads=cfg.heads, head_dim=cfg.head_dim, backend=cfg.kernel,
-                                    causal=cfg.causal, group="world" if proc.distributed else None,
+                                    causal=cfg.causal, group=WORLD if proc.distributed else None,
                                     reduce_dtype=cfg.reduce_dtype)
     timer = Timer(device)
     for _ in range(cfg.warmup):
