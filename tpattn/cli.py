@@ -159,14 +159,14 @@ def _main(argv: list[str], proc) -> int:
     error, infos = tpdist.agree(proc, cfg.fingerprint() if cfg else None, local_error, info, timeout)
     if error:
         _say(proc, f"error: {error}")
-        tpdist.leave(proc, timeout)
+        tpdist.leave(proc, timeout, EXIT_USAGE)
         return EXIT_USAGE
     if proc.distributed:
         tpdist.init_process_group(proc, cfg.dist_backend, device, cfg.timeout)
     code = _run(cfg, proc, device, infos, argv, loaded)
     if proc.distributed:
         torch.distributed.destroy_process_group()
-    tpdist.leave(proc, cfg.timeout)
+    tpdist.leave(proc, cfg.timeout, code)
     return code
 
 

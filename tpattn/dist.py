@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -231,17 +232,27 @@ def wait_for(proc: Proc, key: str, timeout: float, what: str) -> dict:
     return json.loads(proc.store.get(key))
 
 
-def leave(proc: Proc, timeout: float) -> None:
-    """Rank 0 hosts the store, so it leaves last: the others say they are done, rank 0 waits."""
+def leave(proc: Proc, timeout: float, code: int) -> None:
+    """The last step of every rank, once its exit status is decided: a barrier on the store.
+
+    No rank exits before every rank has decided its status and arrived here, and from here a
+    SIGTERM (srun --kill-on-bad-exit or mpirun ending the job because another rank exited
+    non-zero) makes the rank exit with that status instead of dying by the signal. Rank 0 hosts
+    the store, so it leaves last; a rank that sees the store go away knows rank 0 has left."""
     if not proc.distributed:
         return
-    if proc.rank != 0:
-        proc.store.set(f"done/{proc.rank}", "1")
-        return
-    keys = [f"done/{r}" for r in range(1, proc.world)]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(code))
+    keys = [f"done/{r}" for r in range(proc.world)]
     deadline = time.monotonic() + timeout
-    while keys and not proc.store.check(keys) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    try:
+        proc.store.set(f"done/{proc.rank}", "1")
+        while not proc.store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except Exception:  # noqa: BLE001 - rank 0 left after everyone arrived
+        if proc.rank == 0:
+            raise
 
 
 def agree(proc: Proc, fingerprint: dict | None, local_error: str | None, info: dict, timeout: float):
