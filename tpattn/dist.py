@@ -238,21 +238,24 @@ def leave(proc: Proc, timeout: float, code: int) -> None:
     No rank exits before every rank has decided its status and arrived here, and from here a
     SIGTERM (srun --kill-on-bad-exit or mpirun ending the job because another rank exited
     non-zero) makes the rank exit with that status instead of dying by the signal. Rank 0 hosts
-    the store, so it leaves last; a rank that sees the store go away knows rank 0 has left."""
+    the store, so it leaves last, after the others have said they no longer use it."""
     if not proc.distributed:
         return
     sys.stdout.flush()
     sys.stderr.flush()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(code))
-    keys = [f"done/{r}" for r in range(proc.world)]
     deadline = time.monotonic() + timeout
-    try:
-        proc.store.set(f"done/{proc.rank}", "1")
-        while not proc.store.check(keys) and time.monotonic() < deadline:
+
+    def wait(keys):
+        while keys and not proc.store.check(keys) and time.monotonic() < deadline:
             time.sleep(0.01)
-    except Exception:  # noqa: BLE001 - rank 0 left after everyone arrived
-        if proc.rank == 0:
-            raise
+
+    proc.store.set(f"done/{proc.rank}", "1")
+    wait([f"done/{r}" for r in range(proc.world)])
+    if proc.rank != 0:
+        proc.store.set(f"gone/{proc.rank}", "1")  # this rank's last use of the store
+        return
+    wait([f"gone/{r}" for r in range(1, proc.world)])
 
 
 def agree(proc: Proc, fingerprint: dict | None, local_error: str | None, info: dict, timeout: float):
