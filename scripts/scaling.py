@@ -285,23 +285,18 @@ def run_world(row: dict, cfg: Config, args, mpirun: str, tmp: Path, clock: Clock
     row["commands"] = {"tpattn": pretty(tp_cmd, mpirun, tmp)}
 
     clock.say(f"{step} tpattn, {label}")
-    rc, secs = launch(tp_cmd, env, tmp / f"tpattn_w{W}.log", args.timeout, clock, f"tpattn world {W}",
-                      args.heartbeat)
-    rep = read_json(tp_json) if rc is not None else None
+    rep, verify, secs, log_tail = run_job("tpattn", tp_cmd, tp_json, W, env, tmp, args, clock,
+                                          lambda r: r.get("verdict") == "PASS")
     row["elapsed_s"] = {"tpattn": round(secs, 1)}
-    row["verify"] = _verdict(rc, rep, args.timeout, lambda r: r.get("verdict") == "PASS")
-    row["report"] = rep
+    row["verify"], row["report"] = verify, rep
+    if log_tail:
+        row["log_tail"] = log_tail
+    msg = f"  tpattn world {W}: {verify} in {secs:.1f} s"
     if rep is not None:
         from_report(row, rep)
-    if not row["verify"].startswith("PASS"):
-        row["log_tail"] = tail(tmp / f"tpattn_w{W}.log")
-    msg = f"  tpattn world {W}: {row['verify']} in {secs:.1f} s"
-    if rep is not None:
         msg += (f"; end to end {row['e2e_ms']:.3f} ms, slowest compute {row['compute_ms']:.3f} ms, "
                 f"all-reduce {row['allreduce_ms']:.3f} ms")
-    clock.say(msg)
-    if row.get("log_tail"):
-        print("    " + row["log_tail"].replace("\n", "\n    "), flush=True)
+    say_result(clock, msg, log_tail)
 
     if args.no_peer:
         row["peer"] = None
@@ -310,23 +305,36 @@ def run_world(row: dict, cfg: Config, args, mpirun: str, tmp: Path, clock: Clock
                          "--json", str(peer_json)]
     row["commands"]["peer"] = pretty(peer_cmd, mpirun, tmp)
     clock.say(f"{step} peer ({PEER_NAME}), world {W}")
-    rc, secs = launch(peer_cmd, env, tmp / f"peer_w{W}.log", args.timeout, clock, f"peer world {W}", args.heartbeat)
-    prep = read_json(peer_json) if rc is not None else None
+    prep, verify, secs, log_tail = run_job("peer", peer_cmd, peer_json, W, env, tmp, args, clock,
+                                           lambda r: bool(r.get("pass")))
     row["elapsed_s"]["peer"] = round(secs, 1)
-    peer = {"verify": _verdict(rc, prep, args.timeout, lambda r: bool(r.get("pass"))), "report": prep}
+    peer = {"verify": verify, "report": prep}
+    if log_tail:
+        peer["log_tail"] = log_tail
+    msg = f"  peer world {W}: {verify} in {secs:.1f} s"
     if prep is not None:
         peer.update({k: prep[k] for k in ("peer_ms", "ours_ms", "rel_err", "tol", "pass")})
         peer["rel_err_float64"] = prep["checks"]["peer_vs_float64"]["rel_err"]
-    if not peer["verify"].startswith("PASS"):
-        peer["log_tail"] = tail(tmp / f"peer_w{W}.log")
-    row["peer"] = peer
-    msg = f"  peer world {W}: {peer['verify']} in {secs:.1f} s"
-    if prep is not None:
         msg += (f"; {PEER_NAME} {peer['peer_ms']:.3f} ms, tpattn in the same processes {peer['ours_ms']:.3f} ms, "
                 f"max err vs tpattn {peer['rel_err']:.2g} x rms")
+    row["peer"] = peer
+    say_result(clock, msg, log_tail)
+
+
+def run_job(kind: str, cmd: list[str], json_path: Path, W: int, env: dict, tmp: Path, args, clock: Clock,
+            key_pass) -> tuple[dict | None, str, float, str | None]:
+    """Launch one mpirun job; (its JSON report or None, verdict, seconds, log tail unless PASS)."""
+    log = tmp / f"{kind}_w{W}.log"
+    rc, secs = launch(cmd, env, log, args.timeout, clock, f"{kind} world {W}", args.heartbeat)
+    rep = read_json(json_path) if rc is not None else None
+    verify = _verdict(rc, rep, args.timeout, key_pass)
+    return rep, verify, secs, (None if verify.startswith("PASS") else tail(log))
+
+
+def say_result(clock: Clock, msg: str, log_tail: str | None) -> None:
     clock.say(msg)
-    if peer.get("log_tail"):
-        print("    " + peer["log_tail"].replace("\n", "\n    "), flush=True)
+    if log_tail:
+        print("    " + log_tail.replace("\n", "\n    "), flush=True)
 
 
 # ---- the table -------------------------------------------------------------------------------------------

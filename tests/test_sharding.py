@@ -1,6 +1,6 @@
 import pytest
 
-from tpattn.sharding import check_divisible, column_slice, divisors, head_range
+from tpattn.sharding import check_divisible, divisors, head_columns, head_range
 
 
 def test_head_ranges_tile_the_heads():
@@ -10,7 +10,7 @@ def test_head_ranges_tile_the_heads():
 
 
 def test_columns_follow_heads():
-    assert column_slice(32, 8, 3, 128) == slice(12 * 128, 16 * 128)
+    assert head_columns(head_range(32, 8, 3), 128) == slice(12 * 128, 16 * 128)
 
 
 def test_divisibility_messages():

@@ -17,7 +17,7 @@ def coefficients(cfg: Config, world: int, rank: int) -> tuple[float, float, floa
     red = 4 if cfg.reduce_dtype == "fp32" else el
     score_el = el + (12 if cfg.kernel == "reference" else 0)  # the reference keeps float32 copies
     a = 2 * B * h * score_el                                   # S and P of the heads done at once
-    if not _materializes(cfg.kernel):
+    if not scores_bytes(cfg, world):
         a = 0                                                  # fused: S and P stay on chip, O(N) memory
     b = B * (D * el * 2 + 7 * h * d * el + D * red * 2)       # x, y, q/k/v (+ transposes), o, partials
     c = 4 * D * h * d * el + (h * d * D * 4 if red == 4 else 0)  # weights (+ float32 W_o)
@@ -28,12 +28,12 @@ def coefficients(cfg: Config, world: int, rank: int) -> tuple[float, float, floa
     return a, b, c
 
 
-def _materializes(kernel) -> bool:
+def scores_bytes(cfg: Config, world: int) -> int:
+    """Bytes of S (and as many of P) on one rank; 0 for a kernel that keeps them on chip."""
     from .attention import get_backend
-    try:
-        return get_backend(kernel).materializes_scores
-    except ConfigError:
-        return True
+    if not get_backend(cfg.kernel).materializes_scores:
+        return 0
+    return cfg.batch * (cfg.heads // world) * cfg.seq_len ** 2 * cfg.elem_size
 
 
 def estimate(cfg: Config, world: int, rank: int) -> int:
@@ -56,8 +56,8 @@ def preflight(cfg: Config, world: int, rank: int, free: int) -> None:
     need = estimate(cfg, world, rank)
     if need > free * HEADROOM:
         fit = largest_n(cfg, world, rank, free)
-        sp = (f"(S and P alone {2 * cfg.batch * (cfg.heads // world) * cfg.seq_len**2 * cfg.elem_size / 2**30:.1f} GiB) "
-              if _materializes(cfg.kernel) else "")
+        sp_bytes = 2 * scores_bytes(cfg, world)
+        sp = f"(S and P alone {sp_bytes / 2**30:.1f} GiB) " if sp_bytes else ""
         raise ConfigError(f"--seq-len {cfg.seq_len} needs about {need / 2**30:.1f} GiB on rank {rank} {sp}"
                           f"but {free / 2**30:.1f} GiB is free; the largest --seq-len that fits is about {fit}"
                           + (" (or use more ranks)" if cfg.heads // world > 1 else ""))

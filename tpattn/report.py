@@ -9,6 +9,7 @@ import sys
 import torch
 
 from . import __version__
+from .memory import scores_bytes
 
 PASSES = ("qkv_proj", "qk", "softmax", "pv", "fused", "out_proj", "allreduce", "total")  # fused: --kernel fused's one pass
 
@@ -58,9 +59,7 @@ def build(cfg, proc, device, rank_reports: list[dict], allreduce_bytes: int, che
     ar = stats.get("allreduce", {}).get("median", 0.0)
     algbw, busbw = bus_bandwidth(allreduce_bytes, ar, world)
     h = cfg.heads // world
-    sp = cfg.batch * h * cfg.seq_len ** 2 * cfg.elem_size
-    if not _materializes(cfg.kernel):
-        sp = 0  # S and P stay on chip
+    sp = scores_bytes(cfg, world)
     return {
         "tpattn": __version__,
         "command": command,
@@ -82,14 +81,6 @@ def build(cfg, proc, device, rank_reports: list[dict], allreduce_bytes: int, che
     }
 
 
-def _materializes(kernel: str) -> bool:
-    try:
-        from .attention import get_backend
-        return get_backend(kernel).materializes_scores
-    except Exception:  # noqa: BLE001 - an unknown kernel was refused long before a report
-        return True
-
-
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
 
@@ -105,7 +96,7 @@ def text(rep: dict) -> str:
     for r in w["ranks"]:
         lines.append(f"  rank {r['rank']}: host {r['host']} {r['device']} ({r['device_name']}) heads {r['heads']}")
     m = rep["memory"]
-    if m["S_bytes_per_rank"] or _materializes(c["kernel"]):
+    if m["S_bytes_per_rank"]:
         lines.append(f"S and P: {_mib(m['S_bytes_per_rank'])} each per rank, {_mib(m['S_P_bytes_total'])} in all ranks")
     else:
         lines.append("S and P: never in device memory (fused kernel)")

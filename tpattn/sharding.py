@@ -30,7 +30,6 @@ def head_range(heads: int, world: int, rank: int) -> range:
     return range(rank * h, (rank + 1) * h)
 
 
-def column_slice(heads: int, world: int, rank: int, head_dim: int) -> slice:
-    """Columns of W_q/W_k/W_v (and rows of W_o) that belong to `rank`'s heads."""
-    r = head_range(heads, world, rank)
-    return slice(r.start * head_dim, r.stop * head_dim)
+def head_columns(heads: range, head_dim: int) -> slice:
+    """Columns of W_q/W_k/W_v (and rows of W_o) that belong to a block of heads."""
+    return slice(heads.start * head_dim, heads.stop * head_dim)

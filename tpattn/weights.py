@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from .sharding import head_columns
+
 
 def _generator(seed: int, tag: str, index: int = 0) -> torch.Generator:
     digest = hashlib.sha256(f"tpattn/{seed}/{tag}/{index}".encode()).digest()
@@ -88,7 +90,7 @@ def load_inputs(path: str, heads: int, head_dim: int, batch: int, seq_len: int, 
 
 def slice_heads(full: dict, heads: range, head_dim: int) -> dict:
     """This rank's Q/K/V columns, their biases and W_o rows from full "x @ W" weights."""
-    cols = slice(heads.start * head_dim, heads.stop * head_dim)
+    cols = head_columns(heads, head_dim)
     out = {}
     for k, t in full.items():
         if k in ("wq", "wk", "wv", "bq", "bk", "bv"):

@@ -24,7 +24,6 @@ class Backend:
     max_head_dim = 256
     dtypes = ("fp16", "bf16", "fp32")
     devices = ("cpu", "cuda")
-    passes = ("qk", "softmax", "pv")
     materializes_scores = True  # S and P are written to device memory
 
     def check_supported(self, cfg) -> None:

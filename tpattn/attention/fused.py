@@ -57,7 +57,6 @@ def shared_bytes(d: int, rows: int, keys: int) -> int:
 class FusedBackend(CudaBackend):
     name = "fused"
     dtypes = ("fp16", "bf16")
-    passes = ("fused",)
     materializes_scores = False  # S and P live in registers only
 
     def head_dim_error(self, d: int) -> str | None:

@@ -21,7 +21,6 @@ def _cdiv(a: int, b: int) -> int:
 
 class NaiveBackend(CudaBackend):
     name = "naive"
-    pv_block_x = 0  # threads per block along the head dim in pvKernel; 0: the head dim, up to 128
 
     def forward(self, q, k, v, causal: bool, timer=None, out=None, scratch=None):
         b, h, n, d = q.shape
@@ -47,7 +46,7 @@ class NaiveBackend(CudaBackend):
             launch(SOURCE, f"softmaxKernel_{suf}", dev, (min(rows, GRID_X_MAX), 1, 1), (SOFTMAX_THREADS, 1, 1),
                    (ptr(s), ptr(p), np.int64(rows), np.int32(n), np.int32(causal)))
         with section(timer, "pv"):
-            bx = self.pv_block_x or 32 * min(_cdiv(d, 32), 4)
+            bx = 32 * min(_cdiv(d, 32), 4)  # the head dim (up to 128) along x
             by = max(1, 256 // bx)
             grid = (_cdiv(d, bx), min(_cdiv(n, by), GRID_YZ_MAX), min(bh, GRID_YZ_MAX))
             launch(SOURCE, f"pvKernel_{suf}", dev, grid, (bx, by, 1),
