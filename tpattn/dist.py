@@ -44,13 +44,9 @@ class Proc:
         """After a failed collective: which ranks on this host have exited (their pid is gone)."""
         gone = []
         for r, info in enumerate(self.peers):
-            if r != self.rank and info.get("host") == self.hostname and info.get("pid"):
-                try:
-                    os.kill(info["pid"], 0)
-                except ProcessLookupError:
-                    gone.append(r)
-                except PermissionError:
-                    pass
+            if r != self.rank and info.get("host") == self.hostname and info.get("pid") \
+                    and not _process_alive(info["pid"]):
+                gone.append(r)
         return f"rank(s) {_ranges(gone)} on {self.hostname} exited" if gone else ""
 
     @property
@@ -64,6 +60,23 @@ class Proc:
         if self.comm is not None and self.world > 1:
             self.comm.Abort(code)
         os._exit(code)
+
+
+def _process_alive(pid: int) -> bool:
+    """False once the process has exited, also while it is a zombie its launcher has not reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
 
 
 def _env_int(name: str, default: int | None = None) -> int | None:
