@@ -112,9 +112,10 @@ def run(args) -> dict:
     naive, tiled, fused = get_backend("naive"), get_backend("tiled"), get_backend("fused")
 
     def fused_cfg(cfg):
-        """A fused kernel by shorthand: 2:w4_m2_c32 is fused2_{suf}_d{d}_w4_m2_c32, 1:w8_c64 is fused_..."""
-        ver, rest = cfg.split(":")
-        name = ("fused2" if ver == "2" else "fused") + "_{suf}_d{d}_" + rest
+        """A fused kernel by shorthand: 2:w4_m2_c32 is fused2_{suf}_d{d}_w4_m2_c32, 1:w8_c64 is fused_...,
+        h is fusedh_{suf}_d{d} (wgmma, compute capability 9.0 only)"""
+        ver, _, rest = cfg.partition(":")
+        name = "fusedh_{suf}_d{d}" if ver == "h" else ("fused2" if ver == "2" else "fused") + "_{suf}_d{d}_" + rest
 
         def fn(t, q, k, v):
             old = os.environ.get("TPATTN_FUSED_CFG")
@@ -212,7 +213,8 @@ def main() -> int:
                         "sdpa_efficient")
     p.add_argument("--fused-configs", nargs="*", default=[], metavar="V:wW[_mM]_cC",
                    help="extra fused rows (a sweep): version 1 or 2, W warps per block, C keys per tile, "
-                        "m16 row tiles per warp (see tpattn/attention/fused.py), e.g. 2:w4_m2_c32")
+                        "m16 row tiles per warp (see tpattn/attention/fused.py), e.g. 2:w4_m2_c32; "
+                        "h for the wgmma kernel (compute capability 9.0)")
     p.add_argument("--out", default="benchmarks", help="folder for kernels.json and kernels.md")
     args = p.parse_args()
     if not torch.cuda.is_available():

@@ -22,11 +22,25 @@ def nan_like(shape, dtype):
     return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
 
 
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture(params=["default", "fused2"])
+def fused_impl(request, monkeypatch):
+    """The kernel --kernel fused picks on this GPU (wgmma on compute capability 9.0), and the
+    portable mma.sync one (fused2) on every GPU."""
+    if request.param == "fused2":
+        monkeypatch.setenv("TPATTN_FUSED_CFG", "fused2_{suf}_d{d}_w4_m1_c64")
+    else:
+        monkeypatch.delenv("TPATTN_FUSED_CFG", raising=False)
+    return request.param
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("n", [1, 17, 1000, 4097])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_fused_matches_reference_and_float64(dtype, n, d, causal):
+def test_fused_matches_reference_and_float64(dtype, n, d, causal, fused_impl):
     b, h = 2, 3
     q, k, v = qkv(b, h, n, d, DT[dtype], seed=n * 1000 + d + 1)
     out = nan_like(q.shape, DT[dtype])
@@ -60,6 +74,44 @@ def test_tiled_matches_reference_and_float64(dtype, n, d, causal):
         rows = rows.tril()
     rows = rows.sum(-1)
     assert torch.allclose(rows, torch.ones_like(rows), atol=1e-2)
+
+
+def _wrong(c, ref, what):
+    """An assertion message that says which rows and columns of a probe's output are wrong."""
+    bad = (c - ref).abs() > 1e-2 * (1 + ref.abs())
+    rows = bad.any(1).nonzero().flatten().tolist()
+    cols = bad.any(0).nonzero().flatten().tolist()
+    return (f"{what}: {int(bad.sum())} of {bad.numel()} wrong, max |diff| {(c - ref).abs().max().item():.3g}; "
+            f"rows {rows[:20]}{'...' if len(rows) > 20 else ''}; cols {cols[:20]}{'...' if len(cols) > 20 else ''}")
+
+
+@pytest.mark.skipif(not HOPPER, reason="wgmma kernels need compute capability 9.0")
+def test_wgmma_probes_match_matmul():
+    """The building blocks of the wgmma kernel on their own: one S = A B^T and one O = P V product
+    through the same descriptors and fragment layouts, against torch.matmul."""
+    from tpattn.cuda import launch, ptr
+    g = torch.Generator(device="cuda").manual_seed(3)
+    a, b, p, v = (torch.randn(r, 128, device="cuda", generator=g).half() for r in (64, 128, 64, 128))
+    c = torch.full((64, 128), float("nan"), device="cuda")
+    launch("fused_hopper_attention.cu", "hw_probe_qk_f16", a.device, (1, 1, 1), (128, 1, 1),
+           (ptr(a), ptr(b), ptr(c)), shared_mem=3 * 128 * 128 + 1024)
+    torch.cuda.synchronize()
+    ref = a.float() @ b.float().T
+    assert torch.allclose(c, ref, rtol=1e-2, atol=1e-2), _wrong(c, ref, "S = A B^T")
+    c2 = torch.full((64, 128), float("nan"), device="cuda")
+    launch("fused_hopper_attention.cu", "hw_probe_pv_f16", a.device, (1, 1, 1), (128, 1, 1),
+           (ptr(p), ptr(v), ptr(c2)), shared_mem=2 * 128 * 128 + 1024)
+    torch.cuda.synchronize()
+    ref2 = p.float() @ v.float()
+    assert torch.allclose(c2, ref2, rtol=1e-2, atol=1e-2), _wrong(c2, ref2, "O = P V")
+
+
+@pytest.mark.skipif(not HOPPER, reason="wgmma kernels need compute capability 9.0")
+def test_fused_picks_wgmma_on_hopper(monkeypatch):
+    from tpattn.attention.fused import kernel_for
+    monkeypatch.delenv("TPATTN_FUSED_CFG", raising=False)
+    assert kernel_for(128, "f16", torch.cuda.get_device_capability()).name == "fusedh_f16_d128"
+    assert kernel_for(64, "bf16", (8, 0)).name.startswith("fused2_bf16_d64")
 
 
 def test_tiled_scores_beyond_2_pow_31():

@@ -16,6 +16,9 @@ import torch
 from .config import ConfigError, cupy_missing_message
 
 _modules: dict[tuple[int, str], object] = {}
+# Kernel files written for one GPU generation's own instructions: file -> (compute capability it
+# runs on, the NVRTC architecture it is compiled for). The others compile for whatever GPU runs them.
+ARCH_SPECIFIC = {"fused_hopper_attention.cu": ((9, 0), "sm_90a")}
 _functions: dict[tuple[int, str, str], object] = {}
 GRID_YZ_MAX = 65535
 GRID_X_MAX = 2**31 - 1
@@ -50,12 +53,36 @@ def get_function(filename: str, name: str, device_index: int):
         with cupy.cuda.Device(device_index):
             mod = _modules.get((device_index, filename))
             if mod is None:
-                src = (kernel_dir() / filename).read_text()
-                mod = cupy.RawModule(code=src, options=("--std=c++17",))
+                mod = _compile(cupy, filename, (kernel_dir() / filename).read_text())
                 _modules[(device_index, filename)] = mod
             fn = mod.get_function(name)  # compiles on first use, for this device's architecture
         _functions[key] = fn
     return fn
+
+
+def _compile(cupy, filename: str, src: str):
+    """A module of kernels/`filename` for the current CuPy device. Arch-specific files (sm_90a: wgmma)
+    go through NVRTC directly, since CuPy's RawModule picks the plain architecture (sm_90) itself."""
+    spec = ARCH_SPECIFIC.get(filename)
+    if spec is None:
+        return cupy.RawModule(code=src, options=("--std=c++17",))
+    from cupy.cuda import nvrtc
+
+    cubin = hasattr(nvrtc, "getCUBIN")
+    arch = spec[1] if cubin else spec[1].replace("sm_", "compute_")
+    prog = nvrtc.createProgram(src, filename, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, ["--std=c++17", f"--gpu-architecture={arch}"])
+        except Exception as exc:
+            raise RuntimeError(f"NVRTC could not compile kernels/{filename} for {arch}: {exc}\n"
+                               f"{nvrtc.getProgramLog(prog)}") from exc
+        image = nvrtc.getCUBIN(prog) if cubin else nvrtc.getPTX(prog).encode() + b"\0"
+    finally:
+        nvrtc.destroyProgram(prog)
+    mod = cupy.cuda.function.Module()
+    mod.load(bytes(image))
+    return mod
 
 
 def ptr(t: torch.Tensor) -> np.uint64:

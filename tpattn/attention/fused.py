@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -16,12 +17,16 @@ from ..timing import section
 from . import CudaBackend
 
 SOURCE = "fused_attention.cu"
+HOPPER_SOURCE = "fused_hopper_attention.cu"  # wgmma (sm_90a): runs on compute capability 9.0 only
+HOPPER_CC = (9, 0)
 HEAD_DIMS = (64, 128)
-# The kernel per head dim, "{suf}" standing for f16 or bf16: fused2 is the software-pipelined
-# version, fused the straight one (kept for the ladder's record); _wW: W warps, _mM: M tiles of 16
-# query rows per warp (fused2 only; fused has 1), _cC: C keys per tile.
+# The kernel per head dim, "{suf}" standing for f16 or bf16. On compute capability 9.0 (H100, H200)
+# fusedh (wgmma, 2 warpgroups, 128 query rows, 128 keys per tile); elsewhere fused2, the mma.sync
+# version, software pipelined (fused, the straight one, is kept for the ladder's record); _wW: W
+# warps, _mM: M tiles of 16 query rows per warp (fused2 only; fused has 1), _cC: C keys per tile.
 # Chosen on the H200 (benchmarks/ladder.md); TPATTN_FUSED_CFG=NAME overrides it (the bench's sweep).
 CONFIG = {64: "fused2_{suf}_d64_w4_m1_c64", 128: "fused2_{suf}_d128_w4_m1_c64"}
+HOPPER_CONFIG = "fusedh_{suf}_d{d}"
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -33,25 +38,37 @@ def unsupported_head_dim(d: int) -> str:
             "use --kernel tiled or naive for other head dims")
 
 
-def kernel_for(d: int, suf: str) -> tuple[str, int, int, int]:
-    """(kernel name, warps, m16 tiles per warp, keys per tile)."""
-    key = (d, suf, os.environ.get("TPATTN_FUSED_CFG"))
+class Choice(NamedTuple):
+    source: str
+    name: str
+    threads: int
+    rows: int        # query rows per block
+    shared: int      # dynamic shared memory, bytes
+
+
+def kernel_for(d: int, suf: str, cc: tuple[int, int]) -> Choice:
+    """The kernel for head dim d, dtype suffix suf, on a GPU of compute capability cc."""
+    key = (d, suf, cc, os.environ.get("TPATTN_FUSED_CFG"))
     if key not in _kernels:
-        name = (key[2] or CONFIG[d]).format(suf=suf, d=d)
-        m = re.fullmatch(rf"fused_{suf}_d{d}_w(\d+)_c(\d+)|fused2_{suf}_d{d}_w(\d+)_m(\d+)_c(\d+)", name)
+        name = (key[3] or (HOPPER_CONFIG if cc == HOPPER_CC else CONFIG[d])).format(suf=suf, d=d)
+        m = re.fullmatch(rf"fused_{suf}_d{d}_w(\d+)_c(\d+)|fused2_{suf}_d{d}_w(\d+)_m(\d+)_c(\d+)|fusedh_{suf}_d{d}",
+                         name)
         if not m:
             raise ConfigError(f"TPATTN_FUSED_CFG={name!r} is not a fused kernel for {suf}, d={d}")
-        w, mt, c = (int(m.group(1)), 1, int(m.group(2))) if m.group(1) else (int(m.group(3)), int(m.group(4)),
-                                                                            int(m.group(5)))
-        _kernels[key] = (name, w, mt, c)
+        if name.startswith("fusedh_"):
+            if cc != HOPPER_CC:
+                raise ConfigError(f"TPATTN_FUSED_CFG={name!r} needs compute capability 9.0 (this GPU has "
+                                  f"{cc[0]}.{cc[1]}); unset it")
+            _kernels[key] = Choice(HOPPER_SOURCE, name, 256, 128, (128 + 4 * 128) * d * 2 + 1024)
+        else:
+            w, mt, c = (int(m.group(1)), 1, int(m.group(2))) if m.group(1) else (int(m.group(3)), int(m.group(4)),
+                                                                                int(m.group(5)))
+            rows = 16 * mt * w
+            _kernels[key] = Choice(SOURCE, name, 32 * w, rows, (rows + 4 * c) * d * 2)
     return _kernels[key]
 
 
-_kernels: dict[tuple, tuple[str, int, int, int]] = {}
-
-
-def shared_bytes(d: int, rows: int, keys: int) -> int:
-    return (rows + 4 * keys) * d * 2  # Q tile + double-buffered K and V tiles
+_kernels: dict[tuple, Choice] = {}
 
 
 class FusedBackend(CudaBackend):
@@ -68,13 +85,12 @@ class FusedBackend(CudaBackend):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         o = out if out is not None else torch.empty_like(q)
         assert o.is_contiguous() and o.dtype == q.dtype and o.device == q.device and o.shape == q.shape
-        name, warps, mt, keys = kernel_for(d, suf)
-        rows = 16 * mt * warps
+        ch = kernel_for(d, suf, torch.cuda.get_device_capability(q.device))
         bh = b * h
         scale_log2 = np.float32(math.log2(math.e) / math.sqrt(d))
         with section(timer, "fused"):
-            grid = (min(_cdiv(n, rows), GRID_X_MAX), min(bh, GRID_YZ_MAX), 1)
-            launch(SOURCE, name, q.device, grid, (32 * warps, 1, 1),
+            grid = (min(_cdiv(n, ch.rows), GRID_X_MAX), min(bh, GRID_YZ_MAX), 1)
+            launch(ch.source, ch.name, q.device, grid, (ch.threads, 1, 1),
                    (ptr(q), ptr(k), ptr(v), ptr(o), np.int32(bh), np.int32(n), scale_log2, np.int32(causal)),
-                   shared_mem=shared_bytes(d, rows, keys))
+                   shared_mem=ch.shared)
         return o

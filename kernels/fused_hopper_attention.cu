@@ -1,0 +1,487 @@
+// fused_hopper_attention.cu -- the fused kernel on Hopper's warpgroup tensor-core instructions.
+//
+// The same algorithm as fused_attention.cu (one kernel, online softmax, S and P never leave the
+// registers), rebuilt on wgmma, the asynchronous warpgroup matrix multiply that Hopper (compute
+// capability 9.0, compiled for sm_90a) added beside mma.sync. --kernel fused runs this file on
+// compute capability 9.0 and fused_attention.cu elsewhere (tpattn/attention/fused.py).
+//
+//   * a block is two warpgroups (256 threads) and owns BR = 128 query rows of one (batch, head);
+//     warpgroup w owns rows 64w..64w+63 and keeps its own running max and sum;
+//   * Q (BR x D), and K and V tiles of BC = 128 keys, sit in shared memory in the layout wgmma
+//     reads directly: 64-column panels of 128-byte rows, 128-byte swizzle (16-byte chunk c of row
+//     r stored at chunk c ^ (r & 7)), so no ldmatrix and no bank conflicts; cp.async fills them,
+//     K and V double buffered;
+//   * S = Q K^T: wgmma m64n128k16 with both operands in shared memory (K-major), fp32 accumulators;
+//   * O += P V: wgmma m64nDk16 with P straight from the S accumulators (rounded to the storage
+//     type, the A operand in registers) and V from shared memory read transposed (MN-major);
+//   * software pipeline: iteration j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together
+//     (asynchronously), waits for S_j only, and runs the softmax of S_j while the tensor cores
+//     still work on the PV product; one __syncthreads per key tile, K_{j+1} and V_j load meanwhile;
+//   * causal: key tiles after the block's last row are never visited, the longest query tiles
+//     start first, and only tiles that cross the diagonal (or the end of the sequence) are masked;
+//   * any N >= 1: rows past N load as zeros (cp.async zero fill) and score -inf; O is staged
+//     through shared memory and written with 16-byte stores for rows < N only.
+//
+// Layout: Q, K, V, O are [BH, N, D] contiguous 16-bit (fp16 or bf16), BH = batch * heads,
+// D = 64 or 128. Offsets that scale with BH * N are 64-bit. Grid: x over query tiles, y over
+// batch * heads (with a stride beyond 65535); block 256 threads; dynamic shared memory
+// (BR + 4 * BC) * D * 2 + 1024 bytes (the 1024 aligns the swizzle atoms). No headers.
+// hw_probe_* are one-warpgroup kernels that run a single S or PV product through the same
+// helpers, so a GPU test can check the descriptors and fragment layouts on their own.
+
+#define HW_NEG_INF __int_as_float(0xff800000)
+
+typedef unsigned short hw_u16;
+typedef unsigned int hw_u32;
+typedef unsigned long long hw_u64;
+
+struct __attribute__((aligned(16))) hw_u4 {
+    hw_u32 x, y, z, w;
+};
+
+extern __shared__ __attribute__((aligned(1024))) unsigned char hw_smem[];
+
+__device__ __forceinline__ hw_u32 hw_saddr(const void *p) {
+    hw_u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// the block's shared memory, rounded up to 1024 bytes (the 128-byte swizzle repeats every 8 rows)
+__device__ __forceinline__ hw_u32 hw_smem_base() { return (hw_saddr(hw_smem) + 1023u) & ~1023u; }
+
+__device__ __forceinline__ void hw_cp16(hw_u32 dst, const void *src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void hw_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void hw_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+// cp.async writes shared memory through the generic proxy, wgmma reads it through the async proxy
+__device__ __forceinline__ void hw_fence_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__device__ __forceinline__ void hw_st_shared(hw_u32 addr, hw_u32 v) {
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ hw_u4 hw_ld_shared4(hw_u32 addr) {
+    hw_u4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+    return v;
+}
+
+// Tile layout: ROWS rows of 16-bit values, D / 64 panels of ROWS x 128 bytes; 16-byte chunk c of a
+// row (c < D / 8) is in panel c / 8, stored at chunk (c % 8) ^ (row % 8) of that row.
+template <int ROWS>
+__device__ __forceinline__ hw_u32 hw_swz(int r, int c) {
+    return (hw_u32)((c >> 3) * (ROWS * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+// rows [row0, row0 + ROWS) of a [N, D] matrix into a tile at shared address dst; rows >= N are zeros
+template <int D, int ROWS, int NT>
+__device__ __forceinline__ void hw_load_tile(hw_u32 dst, const hw_u16 *g, int row0, int N, int tid) {
+    constexpr int CH = D / 8;
+    static_assert((ROWS * CH) % NT == 0, "tile chunks must split evenly over the threads");
+#pragma unroll
+    for (int i = 0; i < ROWS * CH / NT; ++i) {
+        const int c = tid + i * NT;
+        const int r = c / CH, ch = c % CH;
+        const int gr = row0 + r;
+        hw_cp16(dst + hw_swz<ROWS>(r, ch), g + (long long)(gr < N ? gr : 0) * D + ch * 8, gr < N ? 16 : 0);
+    }
+}
+
+// wgmma shared-memory matrix descriptor: start address, leading and stride byte offsets (16-byte
+// units), 128-byte swizzle. For K-major operands the 8-row groups are SBO = 1024 bytes apart (LBO
+// unused); for the MN-major V tile LBO is the distance between 64-column panels.
+__device__ __forceinline__ hw_u64 hw_desc(hw_u32 addr, hw_u32 lbo, hw_u32 sbo) {
+    return (hw_u64)((addr & 0x3FFFFu) >> 4) | ((hw_u64)((lbo >> 4) & 0x3FFFu) << 16) |
+           ((hw_u64)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void hw_wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void hw_wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void hw_wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+
+// keep the compiler from moving reads or writes of registers that an asynchronous wgmma owns
+// across the fence / wait that guards them
+template <int R>
+__device__ __forceinline__ void hw_keep(float (&r)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int R>
+__device__ __forceinline__ void hw_keep(hw_u32 (&r)[R][4]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[i][e])::"memory");
+}
+
+// D[32] += A(smem, K-major) * B(smem); m64n64k16, fp32 accumulators; scale_d = 0 ignores D
+template <bool BF16, int TB>
+__device__ __forceinline__ void hw_mma_ss_n64(float (&d)[32], hw_u64 da, hw_u64 db, int scale_d) {
+    if (BF16)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %35;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                     : "l"(da), "l"(db), "r"(scale_d), "n"(TB));
+    else
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %35;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                     : "l"(da), "l"(db), "r"(scale_d), "n"(TB));
+}
+
+// D[32] += A(registers, 4 x b32 per thread) * B(smem); m64n64k16, fp32 accumulators
+template <bool BF16, int TB>
+__device__ __forceinline__ void hw_mma_rs_n64(float (&d)[32], const hw_u32 (&a)[4], hw_u64 db, int scale_d) {
+    if (BF16)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+    else
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+}
+
+// D[64] += A(smem, K-major) * B(smem); m64n128k16, fp32 accumulators; scale_d = 0 ignores D
+template <bool BF16, int TB>
+__device__ __forceinline__ void hw_mma_ss_n128(float (&d)[64], hw_u64 da, hw_u64 db, int scale_d) {
+    if (BF16)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, %67;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                     : "l"(da), "l"(db), "r"(scale_d), "n"(TB));
+    else
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, %67;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                     : "l"(da), "l"(db), "r"(scale_d), "n"(TB));
+}
+
+// D[64] += A(registers, 4 x b32 per thread) * B(smem); m64n128k16, fp32 accumulators
+template <bool BF16, int TB>
+__device__ __forceinline__ void hw_mma_rs_n128(float (&d)[64], const hw_u32 (&a)[4], hw_u64 db, int scale_d) {
+    if (BF16)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+    else
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+}
+
+
+// two floats -> one 32-bit register holding (lo, hi) in the storage type, round to nearest even
+template <bool BF16>
+__device__ __forceinline__ hw_u32 hw_pack(float lo, float hi) {
+    hw_u32 r;
+    if (BF16)
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    else
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ float hw_exp2(float x) {  // 2^x; -inf -> +0
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ float hw_shfl_xor(float v, int m) {
+    float r;
+    asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;\n" : "=f"(r) : "f"(v), "r"(m));
+    return r;
+}
+
+// S (64 x 128, this warpgroup's rows) = Q K^T: sq is the warpgroup's first Q row in panel 0 of a
+// Q tile of QROWS rows, sk the first row of a K tile of 128 rows. Issues D / 16 wgmma.
+template <int D, int QROWS, bool BF16>
+__device__ __forceinline__ void hw_qk(float (&s)[64], hw_u32 sq, hw_u32 sk) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const hw_u32 q = sq + (kk >> 2) * (QROWS * 128) + (kk & 3) * 32;
+        const hw_u32 k = sk + (kk >> 2) * (128 * 128) + (kk & 3) * 32;
+        hw_mma_ss_n128<BF16, 0>(s, hw_desc(q, 16, 1024), hw_desc(k, 16, 1024), kk > 0);
+    }
+}
+
+// O (64 x D) += P V: P as A fragments (one k16 step of keys per pa[kk]), sv the first row of a V tile
+// of 128 keys in the tile layout (read transposed: MN-major, panels 128 * 128 bytes apart).
+template <int D, bool BF16>
+__device__ __forceinline__ void hw_pv(float (&o)[D / 2], const hw_u32 (&pa)[8][4], hw_u32 sv) {
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+        const hw_u64 db = hw_desc(sv + kk * 16 * 128, 128 * 128, 1024);
+        if constexpr (D == 128)
+            hw_mma_rs_n128<BF16, 1>(o, pa[kk], db, 1);
+        else
+            hw_mma_rs_n64<BF16, 1>(o, pa[kk], db, 1);
+    }
+}
+
+// P fragments for O += P V from the S accumulators (n8 block j holds columns 8j..8j+7): k16 step kk
+// takes blocks 2kk and 2kk + 1, the register order of an m16n8k16 A fragment
+template <bool BF16>
+__device__ __forceinline__ void hw_pack_p(hw_u32 (&pa)[8][4], const float (&s)[64]) {
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+        pa[kk][0] = hw_pack<BF16>(s[8 * kk + 0], s[8 * kk + 1]);
+        pa[kk][1] = hw_pack<BF16>(s[8 * kk + 2], s[8 * kk + 3]);
+        pa[kk][2] = hw_pack<BF16>(s[8 * kk + 4], s[8 * kk + 5]);
+        pa[kk][3] = hw_pack<BF16>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+}
+
+template <int D, bool BF16>
+__device__ __forceinline__ void hw_fused(const hw_u16 *__restrict__ Q, const hw_u16 *__restrict__ K,
+                                         const hw_u16 *__restrict__ V, hw_u16 *__restrict__ O, int BH, int N,
+                                         float scale_log2, int causal) {
+    constexpr int BR = 128, BC = 128, NT = 256, CH = D / 8;
+    constexpr hw_u32 QB = BR * D * 2, KB = BC * D * 2;  // bytes of the Q tile and of one K or V tile
+    const hw_u32 sQ = hw_smem_base(), sK = sQ + QB, sV = sK + 2 * KB;
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int n_qt = (N + BR - 1) / BR;
+    const int n_kt_all = (N + BC - 1) / BC;
+    const hw_u32 sq = sQ + wg * 64 * 128;               // this warpgroup's 64 rows of Q
+    const int rl = wg * 64 + warp * 16 + (lane >> 2);  // this thread's rows: rl and rl + 8 (in the tile)
+
+    for (int bh = blockIdx.y; bh < BH; bh += gridDim.y) {
+        const long long base = (long long)bh * N * D;
+        const hw_u16 *Qh = Q + base, *Kh = K + base, *Vh = V + base;
+        hw_u16 *Oh = O + base;
+        for (int qi = blockIdx.x; qi < n_qt; qi += gridDim.x) {
+            const int qt = causal ? n_qt - 1 - qi : qi;
+            const int q0 = qt * BR;
+            int n_kt = n_kt_all;
+            if (causal) {
+                const int last = (q0 + BR - 1) / BC + 1;
+                n_kt = last < n_kt ? last : n_kt;
+            }
+            const int r0 = q0 + rl;           // this thread's first row in the sequence
+            const int wr0 = q0 + wg * 64;     // the warpgroup's first row
+            hw_load_tile<D, BR, NT>(sQ, Qh, q0, N, tid);
+            hw_load_tile<D, BC, NT>(sK, Kh, 0, N, tid);
+            hw_cp_commit();
+            if (n_kt > 1) hw_load_tile<D, BC, NT>(sK + KB, Kh, BC, N, tid);
+            hw_load_tile<D, BC, NT>(sV, Vh, 0, N, tid);
+            hw_cp_commit();
+
+            float o[D / 2], s[64];
+#pragma unroll
+            for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+            float m[2] = {HW_NEG_INF, HW_NEG_INF}, l[2] = {0.0f, 0.0f}, alpha[2];
+
+            // -inf where a key is past N or (causal) after the row; only tiles that cross either
+            auto mask = [&](int k0) {
+                if (k0 + BC > N || (causal && k0 + BC - 1 > wr0)) {
+#pragma unroll
+                    for (int j = 0; j < 16; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int col = k0 + j * 8 + (lane & 3) * 2 + (e & 1);
+                            const int row = r0 + (e >> 1) * 8;
+                            if (col >= N || (causal && col > row)) s[4 * j + e] = HW_NEG_INF;
+                        }
+                }
+            };
+            // online softmax of S in place (S becomes P, relative to the new running max)
+            auto softmax = [&]() {
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    float mx = HW_NEG_INF;
+#pragma unroll
+                    for (int j = 0; j < 16; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
+                    mx = fmaxf(mx, hw_shfl_xor(mx, 1));
+                    mx = fmaxf(mx, hw_shfl_xor(mx, 2));
+                    const float mn = fmaxf(m[i], mx * scale_log2);
+                    const float ms = mn == HW_NEG_INF ? 0.0f : mn;  // a row with nothing seen yet
+                    alpha[i] = hw_exp2(m[i] - ms);
+                    m[i] = mn;
+                    float sum = 0.0f;
+#pragma unroll
+                    for (int j = 0; j < 16; ++j) {
+                        const float p0 = hw_exp2(fmaf(s[4 * j + 2 * i], scale_log2, -ms));
+                        const float p1 = hw_exp2(fmaf(s[4 * j + 2 * i + 1], scale_log2, -ms));
+                        s[4 * j + 2 * i] = p0;
+                        s[4 * j + 2 * i + 1] = p1;
+                        sum += p0 + p1;
+                    }
+                    l[i] = l[i] * alpha[i] + sum;
+                }
+            };
+
+            hw_cp_wait<1>();  // Q and K_0 have landed
+            hw_fence_proxy();
+            __syncthreads();
+            hw_keep(s);
+            hw_wg_fence();
+            hw_qk<D, BR, BF16>(s, sq, sK);
+            hw_wg_commit();
+            hw_wg_wait<0>();
+            hw_keep(s);
+            mask(0);
+            softmax();
+
+            // iteration j (1 <= j < n_kt): S_j = Q K_j^T and O += P_{j-1} V_{j-1}; then the last PV
+            for (int j = 1; j < n_kt; ++j) {
+                hw_cp_wait<0>();  // K_j and V_{j-1} have landed ...
+                hw_fence_proxy();
+                __syncthreads();  // ... for every thread; every warpgroup is done with K_{j-1} and V_{j-2}
+                if (j + 1 < n_kt) hw_load_tile<D, BC, NT>(sK + ((j + 1) & 1) * KB, Kh, (j + 1) * BC, N, tid);
+                hw_load_tile<D, BC, NT>(sV + (j & 1) * KB, Vh, j * BC, N, tid);
+                hw_cp_commit();
+                hw_u32 pa[8][4];
+                hw_pack_p<BF16>(pa, s);
+                hw_keep(o);
+                hw_keep(pa);
+                hw_wg_fence();
+                hw_qk<D, BR, BF16>(s, sq, sK + (j & 1) * KB);
+                hw_wg_commit();
+                hw_pv<D, BF16>(o, pa, sV + ((j - 1) & 1) * KB);
+                hw_wg_commit();
+                hw_wg_wait<1>();  // S_j is done; the PV product may still run
+                hw_keep(s);
+                mask(j * BC);
+                softmax();
+                hw_wg_wait<0>();
+                hw_keep(o);
+                hw_keep(pa);
+#pragma unroll
+                for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+            }
+            {
+                hw_cp_wait<0>();  // V_{n_kt - 1} has landed
+                hw_fence_proxy();
+                __syncthreads();
+                hw_u32 pa[8][4];
+                hw_pack_p<BF16>(pa, s);
+                hw_keep(o);
+                hw_keep(pa);
+                hw_wg_fence();
+                hw_pv<D, BF16>(o, pa, sV + ((n_kt - 1) & 1) * KB);
+                hw_wg_commit();
+                hw_wg_wait<0>();
+                hw_keep(o);
+                hw_keep(pa);
+            }
+
+            // O = acc / l, staged through sQ (this warpgroup's rows), then 16-byte stores
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                l[i] += hw_shfl_xor(l[i], 1);
+                l[i] += hw_shfl_xor(l[i], 2);
+                l[i] = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+            }
+            __syncthreads();  // every warpgroup is past its reads of sQ
+#pragma unroll
+            for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+                for (int i = 0; i < 2; ++i)
+                    hw_st_shared(sQ + hw_swz<BR>(rl + 8 * i, j) + (lane & 3) * 4,
+                                 hw_pack<BF16>(o[4 * j + 2 * i] * l[i], o[4 * j + 2 * i + 1] * l[i]));
+            __syncthreads();
+#pragma unroll
+            for (int i = 0; i < BR * CH / NT; ++i) {
+                const int c = tid + i * NT;
+                const int r = c / CH, ch = c % CH;
+                if (q0 + r < N) *(hw_u4 *)(Oh + (long long)(q0 + r) * D + ch * 8) = hw_ld_shared4(sQ + hw_swz<BR>(r, ch));
+            }
+            __syncthreads();  // sQ, sK, sV are reused by the block's next tile (when the grid strides)
+        }
+    }
+}
+
+#define HW_DEFINE(SUF, BF16, D)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                              \
+        fusedh_##SUF##_d##D(const hw_u16 *__restrict__ Q, const hw_u16 *__restrict__ K,              \
+                            const hw_u16 *__restrict__ V, hw_u16 *__restrict__ O, int BH, int N,      \
+                            float scale_log2, int causal) {                                           \
+        hw_fused<D, BF16>(Q, K, V, O, BH, N, scale_log2, causal);                                     \
+    }
+HW_DEFINE(f16, false, 64)
+HW_DEFINE(bf16, true, 64)
+HW_DEFINE(f16, false, 128)
+HW_DEFINE(bf16, true, 128)
+
+// ------------------------------------------------------------------------------------------------
+// Probes (one block of one warpgroup, fp16, D = 128): C[64 x 128] (fp32) = A[64 x 128] B[128 x 128]^T
+// through hw_qk, and C[64 x 128] = P[64 x 128] V[128 x 128] through hw_pack_p and hw_pv. A test
+// compares them with torch.matmul, so a wrong descriptor or fragment layout shows on its own.
+
+__device__ __forceinline__ void hw_store_acc(float *C, const float (&acc)[64], int tid) {
+    const int warp = tid >> 5, lane = tid & 31;
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            C[(warp * 16 + (lane >> 2) + (e >> 1) * 8) * 128 + j * 8 + (lane & 3) * 2 + (e & 1)] = acc[4 * j + e];
+}
+
+extern "C" __global__ void __launch_bounds__(128) hw_probe_qk_f16(const hw_u16 *A, const hw_u16 *B, float *C) {
+    const hw_u32 sA = hw_smem_base(), sB = sA + 64 * 128 * 2;
+    const int tid = threadIdx.x;
+    hw_load_tile<128, 64, 128>(sA, A, 0, 64, tid);
+    hw_load_tile<128, 128, 128>(sB, B, 0, 128, tid);
+    hw_cp_commit();
+    hw_cp_wait<0>();
+    hw_fence_proxy();
+    __syncthreads();
+    float s[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) s[i] = 0.0f;
+    hw_keep(s);
+    hw_wg_fence();
+    hw_qk<128, 64, false>(s, sA, sB);
+    hw_wg_commit();
+    hw_wg_wait<0>();
+    hw_keep(s);
+    hw_store_acc(C, s, tid);
+}
+
+extern "C" __global__ void __launch_bounds__(128) hw_probe_pv_f16(const hw_u16 *P, const hw_u16 *V, float *C) {
+    const hw_u32 sV = hw_smem_base();
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    hw_load_tile<128, 128, 128>(sV, V, 0, 128, tid);
+    hw_cp_commit();
+    // P as fp32 accumulators would hold it, then packed exactly as the fused kernel packs it
+    float s[64];
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const hw_u16 h = P[(warp * 16 + (lane >> 2) + (e >> 1) * 8) * 128 + j * 8 + (lane & 3) * 2 + (e & 1)];
+            asm("cvt.f32.f16 %0, %1;\n" : "=f"(s[4 * j + e]) : "h"(h));
+        }
+    hw_u32 pa[8][4];
+    hw_pack_p<false>(pa, s);
+    hw_cp_wait<0>();
+    hw_fence_proxy();
+    __syncthreads();
+    float o[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+    hw_keep(o);
+    hw_keep(pa);
+    hw_wg_fence();
+    hw_pv<128, false>(o, pa, sV);
+    hw_wg_commit();
+    hw_wg_wait<0>();
+    hw_keep(o);
+    hw_store_acc(C, o, tid);
+}
