@@ -111,23 +111,27 @@ def run(args) -> dict:
     rows = []
     naive, tiled, fused = get_backend("naive"), get_backend("tiled"), get_backend("fused")
 
+    def with_env(var, value, backend):
+        """backend.forward with environment variable var set to value for the call."""
+        def fn(t, q, k, v):
+            old = os.environ.get(var)
+            os.environ[var] = value
+            try:
+                return backend.forward(q, k, v, args.causal, t)
+            finally:
+                if old is None:
+                    os.environ.pop(var)
+                else:
+                    os.environ[var] = old
+        return fn
+
     def fused_cfg(cfg):
         """A fused kernel by shorthand: 2:w4_m2_c32 is fused2_{suf}_d{d}_w4_m2_c32, 1:w8_c64 is fused_...,
         h is fusedh_{suf}_d{d} (wgmma, compute capability 9.0 only)"""
         ver, _, rest = cfg.partition(":")
         name = "fusedh_{suf}_d{d}" if ver == "h" else ("fused2" if ver == "2" else "fused") + "_{suf}_d{d}_" + rest
-
-        def fn(t, q, k, v):
-            old = os.environ.get("TPATTN_FUSED_CFG")
-            os.environ["TPATTN_FUSED_CFG"] = name
-            try:
-                return fused.forward(q, k, v, args.causal, t)
-            finally:
-                if old is None:
-                    os.environ.pop("TPATTN_FUSED_CFG")
-                else:
-                    os.environ["TPATTN_FUSED_CFG"] = old
-        return fn
+        return with_env("TPATTN_FUSED_CFG", name, fused)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
     for h in args.heads:
         for n in args.seq_lens:
             b, d = args.batch, args.head_dim
@@ -143,6 +147,9 @@ def run(args) -> dict:
                 "fused": (lambda t: fused.forward(q, k, v, args.causal, t), qkvo),
                 "torch_materialized": (lambda t: materialized(q, k, v, args.causal, t), 4 * sp_bytes + qkvo),
             }
+            if hopper:  # the mma.sync QK and PV passes beside the wgmma ones tiled runs here
+                kernels["tiled[mma]"] = (lambda t, fn=with_env("TPATTN_TILED_IMPL", "mma", tiled): fn(t, q, k, v),
+                                         4 * sp_bytes + qkvo)
             for cfg in args.fused_configs:
                 kernels[f"fused[{cfg}]"] = (lambda t, fn=fused_cfg(cfg): fn(t, q, k, v), qkvo)
             for name, backend in sdpa_backends().items():

@@ -52,13 +52,27 @@ def test_fused_matches_reference_and_float64(dtype, n, d, causal, fused_impl):
     assert rel_err(o, attention64(q, k, v, causal)) <= TOL_F64[dtype]
 
 
+@pytest.fixture(params=["default", "mma"])
+def tiled_impl(request, monkeypatch):
+    """The passes --kernel tiled picks on this GPU (wgmma QK and PV on compute capability 9.0 for
+    d = 64 and 128), and the mma.sync ones on every GPU."""
+    monkeypatch.setenv("TPATTN_TILED_IMPL", "mma" if request.param == "mma" else "auto")
+    return request.param
+
+
+# d = 64 and 128 twice: the passes tiled picks on this GPU (wgmma on compute capability 9.0) and
+# the mma.sync ones; other head dims always run the mma.sync passes
+TILED_D_IMPL = [(32, "auto"), (64, "auto"), (64, "mma"), (80, "auto"), (128, "auto"), (128, "mma"), (256, "auto")]
+
+
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [32, 64, 80, 128, 256])
+@pytest.mark.parametrize("d,impl", TILED_D_IMPL)
 @pytest.mark.parametrize("n", [1, 17, 1000, 4097])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_tiled_matches_reference_and_float64(dtype, n, d, causal):
+def test_tiled_matches_reference_and_float64(dtype, n, d, impl, causal, monkeypatch):
     if n == 4097 and d in (32, 80, 256) and dtype == "bf16":
         pytest.skip("bf16 at N=4097 covered by d=64 and 128")
+    monkeypatch.setenv("TPATTN_TILED_IMPL", impl)
     b, h = 2, 3
     q, k, v = qkv(b, h, n, d, DT[dtype], seed=n * 1000 + d + 2)
     s, p = nan_like(scratch_shape(b, h, n), DT[dtype]), nan_like(scratch_shape(b, h, n), DT[dtype])
@@ -114,7 +128,7 @@ def test_fused_picks_wgmma_on_hopper(monkeypatch):
     assert kernel_for(64, "bf16", (8, 0)).name.startswith("fused2_bf16_d64")
 
 
-def test_tiled_scores_beyond_2_pow_31():
+def test_tiled_scores_beyond_2_pow_31(tiled_impl):
     """One head at N = 50 000: N^2 = 2.5e9 > 2^31, so 32-bit offsets would wrap."""
     n, d = 50_000, 64
     assert n * n > 2**31

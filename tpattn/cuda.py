@@ -18,7 +18,7 @@ from .config import ConfigError, cupy_missing_message
 _modules: dict[tuple[int, str], object] = {}
 # Kernel files written for one GPU generation's own instructions: file -> (compute capability it
 # runs on, the NVRTC architecture it is compiled for). The others compile for whatever GPU runs them.
-ARCH_SPECIFIC = {"fused_hopper_attention.cu": ((9, 0), "sm_90a")}
+ARCH_SPECIFIC = {"fused_hopper_attention.cu": ((9, 0), "sm_90a"), "tiled_hopper_attention.cu": ((9, 0), "sm_90a")}
 _functions: dict[tuple[int, str, str], object] = {}
 GRID_YZ_MAX = 65535
 GRID_X_MAX = 2**31 - 1
@@ -73,7 +73,7 @@ def _compile(cupy, filename: str, src: str):
     prog = nvrtc.createProgram(src, filename, (), ())
     try:
         try:
-            nvrtc.compileProgram(prog, ["--std=c++17", f"--gpu-architecture={arch}"])
+            nvrtc.compileProgram(prog, ["--std=c++17", f"--gpu-architecture={arch}", f"--include-path={kernel_dir()}"])
         except Exception as exc:
             raise RuntimeError(f"NVRTC could not compile kernels/{filename} for {arch}: {exc}\n"
                                f"{nvrtc.getProgramLog(prog)}") from exc

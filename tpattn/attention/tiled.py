@@ -1,22 +1,28 @@
 """Three passes with S and P in device memory, built for the memory system and the tensor cores
 (kernels/tiled_attention.cu): mma.sync tiles for QK^T and PV, a warp per softmax row with 16-byte
-loads. Launched via CuPy."""
+loads. On compute capability 9.0 with head dim 64 or 128 the QK and PV passes run on wgmma instead
+(kernels/tiled_hopper_attention.cu); TPATTN_TILED_IMPL=mma keeps the mma.sync ones. Launched via CuPy."""
 
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import torch
 
+from ..config import ConfigError
 from ..cuda import GRID_X_MAX, GRID_YZ_MAX, launch, ptr
 from ..timing import section
 from . import CudaBackend
 
 SOURCE = "tiled_attention.cu"
+HOPPER_SOURCE = "tiled_hopper_attention.cu"  # wgmma (sm_90a) QK and PV passes
+HOPPER_HEAD_DIMS = (64, 128)
 TILE = 128            # query rows (and key columns) per tile; must match the .cu file
 SOFTMAX_WARPS = 8     # rows per softmax block
 QK_SHARED = 2 * 2 * TILE * 64 * 2  # two stages of 64-wide Q and K slices
+HOPPER_KG = 8         # key tiles per block in the wgmma QK pass; must match the .cu file
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -30,6 +36,24 @@ def row_stride(n: int) -> int:
 
 def scratch_shape(b: int, h: int, n: int) -> tuple[int, int, int, int]:
     return (b, h, n, row_stride(n))
+
+
+def hopper_passes(d: int, device) -> bool:
+    """Whether the QK and PV passes run on wgmma (compute capability 9.0, head dim 64 or 128)."""
+    impl = os.environ.get("TPATTN_TILED_IMPL", "auto")
+    if impl not in ("auto", "mma"):
+        raise ConfigError(f"TPATTN_TILED_IMPL={impl!r}: use auto (wgmma where it runs) or mma")
+    return impl == "auto" and d in HOPPER_HEAD_DIMS and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def hopper_qk_shared(d: int) -> int:
+    """Q tile, two K tiles and (d < 128: the K tile is too small to stage S in) an S tile; +1 KiB alignment."""
+    return (3 * TILE * d + (TILE * TILE if d < TILE else 0)) * 2 + 1024
+
+
+def hopper_pv_shared(d: int) -> int:
+    """Three stages of a 128 x 64 P tile and a 64 x d V tile; +1 KiB alignment."""
+    return 3 * (TILE * 64 + 64 * d) * 2 + 1024
 
 
 def unsupported_head_dim(d: int) -> str:
@@ -61,18 +85,30 @@ class TiledBackend(CudaBackend):
         bh, dev = b * h, q.device
         tiles = _cdiv(n, TILE)
         assert tiles <= GRID_YZ_MAX, f"--seq-len {n} beyond {GRID_YZ_MAX * TILE} for --kernel tiled"
+        hopper = hopper_passes(d, dev)
         with section(timer, "qk"):
-            launch(SOURCE, f"tiled_qk_{suf}", dev, (tiles, tiles, min(bh, GRID_YZ_MAX)), (128, 1, 1),
-                   (ptr(q), ptr(k), ptr(s), np.int32(bh), np.int32(n), np.int32(d), np.int32(ld),
-                    np.float32(1.0 / math.sqrt(d)), np.int32(causal)), shared_mem=QK_SHARED)
+            if hopper:
+                launch(HOPPER_SOURCE, f"tiledh_qk_{suf}_d{d}", dev, (_cdiv(tiles, HOPPER_KG), tiles, min(bh, GRID_YZ_MAX)),
+                       (256, 1, 1), (ptr(q), ptr(k), ptr(s), np.int32(bh), np.int32(n), np.int32(ld),
+                                     np.float32(1.0 / math.sqrt(d)), np.int32(causal)),
+                       shared_mem=hopper_qk_shared(d))
+            else:
+                launch(SOURCE, f"tiled_qk_{suf}", dev, (tiles, tiles, min(bh, GRID_YZ_MAX)), (128, 1, 1),
+                       (ptr(q), ptr(k), ptr(s), np.int32(bh), np.int32(n), np.int32(d), np.int32(ld),
+                        np.float32(1.0 / math.sqrt(d)), np.int32(causal)), shared_mem=QK_SHARED)
         with section(timer, "softmax"):
             rows = bh * n
             launch(SOURCE, f"tiled_softmax_{suf}", dev, (min(_cdiv(rows, SOFTMAX_WARPS), GRID_X_MAX), 1, 1),
                    (32 * SOFTMAX_WARPS, 1, 1),
                    (ptr(s), ptr(p), np.int64(rows), np.int32(n), np.int32(ld), np.int32(causal)))
         with section(timer, "pv"):
-            dn = 64 if d <= 64 else 128
-            launch(SOURCE, f"tiled_pv_{suf}_n{dn}", dev, (_cdiv(d, dn), tiles, min(bh, GRID_YZ_MAX)), (128, 1, 1),
-                   (ptr(p), ptr(v), ptr(o), np.int32(bh), np.int32(n), np.int32(d), np.int32(ld), np.int32(causal)),
-                   shared_mem=2 * (128 * 64 + 64 * dn) * 2)
+            if hopper:
+                launch(HOPPER_SOURCE, f"tiledh_pv_{suf}_d{d}", dev, (tiles, min(bh, GRID_YZ_MAX), 1), (256, 1, 1),
+                       (ptr(p), ptr(v), ptr(o), np.int32(bh), np.int32(n), np.int32(ld), np.int32(causal)),
+                       shared_mem=hopper_pv_shared(d))
+            else:
+                dn = 64 if d <= 64 else 128
+                launch(SOURCE, f"tiled_pv_{suf}_n{dn}", dev, (_cdiv(d, dn), tiles, min(bh, GRID_YZ_MAX)), (128, 1, 1),
+                       (ptr(p), ptr(v), ptr(o), np.int32(bh), np.int32(n), np.int32(d), np.int32(ld),
+                        np.int32(causal)), shared_mem=2 * (128 * 64 + 64 * dn) * 2)
         return o
