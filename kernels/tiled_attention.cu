@@ -10,7 +10,8 @@
 //                     2 x (128 + 128) x 64 x 2 = 64 KiB.
 //                     Causal: tiles entirely above the diagonal are not computed (nor read later).
 //   tiled_softmax_SUF P = softmax(S)      one warp per row, 16-byte loads, warp-shuffle reductions;
-//                     rows of up to 4096 columns are read once and kept in registers, longer rows
+//                     rows of up to 4096 columns are read once and kept in registers (and each
+//                     exponential computed once), longer rows
 //                     are read twice (an online max/sum pass, then the write pass).
 //   tiled_pv_SUF_nDN  O = P V             a block computes 128 rows x DN (64 or 128) columns of O
 //                     on the tensor cores; P tiles (128 x 64) and V tiles (64 x DN) are double
@@ -211,7 +212,9 @@ __device__ __forceinline__ void tpt_qk(const tpt_u16 *__restrict__ Q, const tpt_
 
 // ------------------------------------------------------------------------------------------------
 // P = softmax(S) over the first len columns of each row (len = N, or i + 1 when causal).
-// grid: x over rows / 8 (stride); block 256 = 8 warps, one row per warp.
+// grid: x over rows / 4 (stride); block 128 = 4 warps, one row per warp. A row of up to 4096 columns
+// is read once into registers and each exponential is computed once and kept (fp32) for the write:
+// about 170 registers, so blocks of 4 warps (8-warp blocks fit one per SM and ran 1.3x slower).
 template <bool BF16>
 __device__ __forceinline__ void tpt_row_vals(const tpt_u4 &u, float *v) {
     tpt_unpack<BF16>(u.x, v[0], v[1]);
@@ -271,29 +274,36 @@ __device__ __forceinline__ void tpt_softmax(const tpt_u16 *__restrict__ S, tpt_u
             mx = tpt_warp_max(mx);
             const float mb = mx * TPT_LOG2E;
             float sum = 0.0f;
+            {  // each exponential once, kept in registers (fp32) for the write
+                float ex[TPT_CACHE][8];
 #pragma unroll
-            for (int t = 0; t < TPT_CACHE; ++t) {
-                const int c = lane + 32 * t;
-                if (c < nrc) {
-                    float v[8];
-                    tpt_row_vals<BF16>(buf[t], v);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e)
-                        if (c * 8 + e < len) sum += tpt_exp2(fmaf(v[e], TPT_LOG2E, -mb));
-                }
-            }
-            const float inv = 1.0f / tpt_warp_sum(sum);
-#pragma unroll
-            for (int t = 0; t < TPT_CACHE; ++t) {
-                const int c = lane + 32 * t;
-                if (c < nwc) {
-                    float v[8];
-                    if (c < nrc)
+                for (int t = 0; t < TPT_CACHE; ++t) {
+                    const int c = lane + 32 * t;
+                    if (c < nrc) {
+                        float v[8];
                         tpt_row_vals<BF16>(buf[t], v);
-                    else
 #pragma unroll
-                        for (int e = 0; e < 8; ++e) v[e] = 0.0f;
-                    tpt_store_p<BF16>(p, c, v, len, mb, inv);
+                        for (int e = 0; e < 8; ++e) {
+                            ex[t][e] = c * 8 + e < len ? tpt_exp2(fmaf(v[e], TPT_LOG2E, -mb)) : 0.0f;
+                            sum += ex[t][e];
+                        }
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) ex[t][e] = 0.0f;
+                    }
+                }
+                const float inv = 1.0f / tpt_warp_sum(sum);
+#pragma unroll
+                for (int t = 0; t < TPT_CACHE; ++t) {
+                    const int c = lane + 32 * t;
+                    if (c < nwc) {
+                        tpt_u4 o;
+                        o.x = tpt_pack<BF16>(ex[t][0] * inv, ex[t][1] * inv);
+                        o.y = tpt_pack<BF16>(ex[t][2] * inv, ex[t][3] * inv);
+                        o.z = tpt_pack<BF16>(ex[t][4] * inv, ex[t][5] * inv);
+                        o.w = tpt_pack<BF16>(ex[t][6] * inv, ex[t][7] * inv);
+                        *(tpt_u4 *)(p + c * 8) = o;
+                    }
                 }
             }
         } else {
@@ -425,7 +435,7 @@ __device__ __forceinline__ void tpt_pv(const tpt_u16 *__restrict__ P, const tpt_
                        int BH, int N, int d, int ld, float scale, int causal) {                        \
         tpt_qk<BF16>(Q, K, S, BH, N, d, ld, scale, causal);                                            \
     }                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256)                                                  \
+    extern "C" __global__ void __launch_bounds__(128)                                                  \
         tiled_softmax_##SUF(const tpt_u16 *__restrict__ S, tpt_u16 *__restrict__ P, long long rows, int N, \
                             int ld, int causal) {                                                      \
         tpt_softmax<BF16>(S, P, rows, N, ld, causal);                                                  \

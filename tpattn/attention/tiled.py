@@ -20,7 +20,7 @@ SOURCE = "tiled_attention.cu"
 HOPPER_SOURCE = "tiled_hopper_attention.cu"  # wgmma (sm_90a) QK and PV passes
 HOPPER_HEAD_DIMS = (64, 128)
 TILE = 128            # query rows (and key columns) per tile; must match the .cu file
-SOFTMAX_WARPS = 8     # rows per softmax block
+SOFTMAX_WARPS = 4     # rows per softmax block; must match the .cu file's launch bounds
 QK_SHARED = 2 * 2 * TILE * 64 * 2  # two stages of 64-wide Q and K slices
 HOPPER_KG = 8         # key tiles per block in the wgmma QK pass; must match the .cu file
 
