@@ -1,6 +1,7 @@
 // fused_attention.cu -- one kernel: O = softmax(Q K^T * scale) V with S and P never in device memory.
 //
-// Two versions of the same algorithm. fused2_* (below, the one --kernel fused runs) is software
+// Two versions of the same algorithm (on compute capability 9.0 --kernel fused runs the wgmma kernel
+// of fused_hopper_attention.cu instead). fused2_* (below, the one --kernel fused runs elsewhere) is software
 // pipelined by one key tile; fused_* (this first one) is the straight loop it grew from, kept so the
 // ladder's measurements can be repeated (benchmarks/ladder.md). What both share:
 //

@@ -1,5 +1,6 @@
 // tiled_attention.cu -- still three passes with S and P in device memory, but each pass is built
-// for the memory system and the tensor cores:
+// for the memory system and the tensor cores (on compute capability 9.0 with d = 64 or 128 the QK
+// and PV passes of tiled_hopper_attention.cu, on wgmma, replace the two below; the softmax is shared):
 //
 //   tiled_qk_SUF      S = Q K^T * scale   a block computes a 128 x 128 tile of S on the tensor cores
 //                     (mma.sync m16n8k16, fp32 accumulate; 4 warps, 64 x 64 each), Q and K stream

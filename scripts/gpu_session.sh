@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one go, for a borrowed GPU machine:
 #   tests   pytest -m gpu (naive, tiled and fused kernels; the CLI over NCCL and gloo)
-#   bench   scripts/bench_kernels.py, non-causal and causal (every rung beside torch and SDPA)
+#   bench   scripts/bench_kernels.py, non-causal and causal (every rung beside torch and SDPA;
+#           the portable mma.sync fused2 and, on compute capability 9.0, tiled[mma] beside the
+#           wgmma kernels there)
 #   bench16k  the same at N = 16 384, 32 heads, without the naive kernels
-#   layer   the default layer: mpirun -n 1 over NCCL, mpirun -n 4 over gloo sharing the GPU,
-#           and mpirun -n 2 over gloo with --kernel fused
+#   layer   the default layer: mpirun -n 1 over NCCL (naive, fused, tiled), mpirun -n 4 over gloo
+#           sharing the GPU, and mpirun -n 2 over gloo with --kernel fused
 #   checks  the refusals that need a GPU: NaN in --load, the memory pre-flight, N^2 > 2^31 run
 # Logs and JSON go to $OUT (default results/). Usage: bash scripts/gpu_session.sh [STEP]... (default all)
 set -u -o pipefail
@@ -23,19 +25,24 @@ if want tests; then
 fi
 if want bench; then
   note "bench_kernels (non-causal, then causal)"
-  python3 scripts/bench_kernels.py --out "$OUT" 2>&1 || status=1
-  python3 scripts/bench_kernels.py --causal --seq-lens 4096 8192 --heads 32 --out "$OUT" 2>&1 || status=1
+  python3 scripts/bench_kernels.py --fused-configs 2:w4_m1_c64 --out "$OUT" 2>&1 || status=1
+  python3 scripts/bench_kernels.py --causal --seq-lens 4096 8192 --heads 32 --fused-configs 2:w4_m1_c64 \
+    --out "$OUT" 2>&1 || status=1
 fi
 if want bench16k; then
   note "bench_kernels at N = 16384 (non-causal, causal), without the naive kernels"
   for c in "" "--causal"; do
-    python3 scripts/bench_kernels.py --seq-lens 16384 --heads 32 $c --out "$OUT/n16k" \
+    python3 scripts/bench_kernels.py --seq-lens 16384 --heads 32 $c --out "$OUT/n16k" --fused-configs 2:w4_m1_c64 \
       --kernels tiled fused torch_materialized sdpa_flash sdpa_cudnn sdpa_efficient 2>&1 || status=1
   done
 fi
 if want layer; then
   note "mpirun -n 1 python -m tpattn (NCCL)"
   mpirun -n 1 python3 -m tpattn --json "$OUT/layer_np1_nccl.json" 2>&1 | tee -a "$OUT/layer.log" || status=1
+  for k in fused tiled; do
+    note "mpirun -n 1 python -m tpattn --kernel $k (NCCL)"
+    mpirun -n 1 python3 -m tpattn --kernel $k --json "$OUT/layer_np1_$k.json" 2>&1 | tee -a "$OUT/layer.log" || status=1
+  done
   note "mpirun -n 4 python -m tpattn --dist-backend gloo (4 ranks, one GPU)"
   mpirun --oversubscribe -n 4 python3 -m tpattn --dist-backend gloo --json "$OUT/layer_np4_gloo.json" 2>&1 \
     | tee -a "$OUT/layer.log" || status=1

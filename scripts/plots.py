@@ -31,7 +31,8 @@ PASS_COLORS = {"qkv_proj": "#8da0cb", "qk": "#e78ac3", "softmax": "#a6d854", "pv
 KERNEL_LABELS = {"naive": "naive (tpattn, 3 CUDA kernels)", "torch_materialized": "torch matmul/softmax/matmul",
                  "sdpa_flash": "torch SDPA: flash", "sdpa_cudnn": "torch SDPA: cuDNN",
                  "sdpa_efficient": "torch SDPA: mem-efficient", "tiled": "tiled (tpattn, 3 passes, tensor cores)",
-                 "fused": "fused (tpattn, online softmax)"}
+                 "fused": "fused (tpattn, online softmax)", "tiled[mma]": "tiled, mma.sync QK/PV (any GPU)",
+                 "fused[2:w4_m1_c64]": "fused2, mma.sync (any GPU)"}
 KERNEL_STYLE = {"naive": ("#d62728", "o", "-"), "torch_materialized": ("#1f77b4", "s", "-"),
                 "sdpa_flash": ("#2ca02c", "^", "--"), "sdpa_cudnn": ("#9467bd", "v", "--"),
                 "sdpa_efficient": ("#8c564b", "D", "--"), "tiled": ("#ff7f0e", "P", "-"),

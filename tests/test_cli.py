@@ -110,7 +110,7 @@ def test_cupy_missing_message_names_extras(monkeypatch):
 
 
 def test_installed_package_ships_kernels(tmp_path):
-    """`pip install .` (not editable) must carry kernels/*.cu."""
+    """`pip install .` (not editable) must carry kernels/*.cu and the header the Hopper ones include."""
     target = tmp_path / "site"
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                         "--target", str(target), str(ROOT)], capture_output=True, text=True, timeout=300)
@@ -119,11 +119,13 @@ def test_installed_package_ships_kernels(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     shutil.rmtree(tmp_path / "site" / "bin", ignore_errors=True)
     code = ("import tpattn.cuda as c; p = c.kernel_dir(); print(p); "
-            "assert 'site' in str(p), p; print([f.name for f in c.kernel_sources()])")
+            "assert 'site' in str(p), p; print([f.name for f in c.kernel_sources()]); "
+            "print([f.name for f in p.glob('*.cuh')])")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "naive_attention.cu" in r.stdout
+    for name in ("naive_attention.cu", "fused_hopper_attention.cu", "tiled_hopper_attention.cu", "hopper_common.cuh"):
+        assert name in r.stdout, r.stdout
 
 
 def test_mpi4py_missing_under_mpi_names_the_extra():

@@ -1,5 +1,6 @@
-"""One fused CUDA kernel (kernels/fused_attention.cu): Q tiles against streamed K and V tiles,
-online softmax, tensor cores; S and P never reach device memory. Launched via CuPy."""
+"""One fused CUDA kernel: Q tiles against streamed K and V tiles, online softmax, tensor cores; S and
+P never reach device memory. kernels/fused_hopper_attention.cu (wgmma) on compute capability 9.0,
+kernels/fused_attention.cu (mma.sync) elsewhere. Launched via CuPy."""
 
 from __future__ import annotations
 
