@@ -215,7 +215,7 @@ __device__ __forceinline__ void tpt_qk(const tpt_u16 *__restrict__ Q, const tpt_
 // P = softmax(S) over the first len columns of each row (len = N, or i + 1 when causal).
 // grid: x over rows / 4 (stride); block 128 = 4 warps, one row per warp. A row of up to 4096 columns
 // is read once into registers and each exponential is computed once and kept (fp32) for the write:
-// about 170 registers, so blocks of 4 warps (8-warp blocks fit one per SM and ran 1.3x slower).
+// about 150 registers, so blocks of 4 warps (8-warp blocks fit one per SM and ran 1.3x slower).
 template <bool BF16>
 __device__ __forceinline__ void tpt_row_vals(const tpt_u4 &u, float *v) {
     tpt_unpack<BF16>(u.x, v[0], v[1]);

@@ -25,12 +25,16 @@ def nan_like(shape, dtype):
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.fixture(params=["default", "fused2"])
+@pytest.fixture(params=["default", "fused2", "fusedh"])
 def fused_impl(request, monkeypatch):
-    """The kernel --kernel fused picks on this GPU (wgmma on compute capability 9.0), and the
-    portable mma.sync one (fused2) on every GPU."""
-    if request.param == "fused2":
-        monkeypatch.setenv("TPATTN_FUSED_CFG", "fused2_{suf}_d{d}_w4_m1_c64")
+    """The kernel --kernel fused picks for the call (on compute capability 9.0: wgmma for calls that
+    fill the GPU, fused2 for small ones such as these tests'), the portable mma.sync one (fused2) on
+    every GPU, and the wgmma one (fusedh) forced, where it runs."""
+    if request.param == "fusedh" and not HOPPER:
+        pytest.skip("the wgmma kernel needs compute capability 9.0")
+    cfg = {"fused2": "fused2_{suf}_d{d}_w4_m1_c64", "fusedh": "fusedh_{suf}_d{d}"}.get(request.param)
+    if cfg:
+        monkeypatch.setenv("TPATTN_FUSED_CFG", cfg)
     else:
         monkeypatch.delenv("TPATTN_FUSED_CFG", raising=False)
     return request.param
@@ -125,6 +129,7 @@ def test_fused_picks_wgmma_on_hopper(monkeypatch):
     from tpattn.attention.fused import kernel_for
     monkeypatch.delenv("TPATTN_FUSED_CFG", raising=False)
     assert kernel_for(128, "f16", torch.cuda.get_device_capability()).name == "fusedh_f16_d128"
+    assert kernel_for(128, "f16", torch.cuda.get_device_capability(), wide=False).name.startswith("fused2_")
     assert kernel_for(64, "bf16", (8, 0)).name.startswith("fused2_bf16_d64")
 
 
@@ -145,7 +150,7 @@ def test_tiled_scores_beyond_2_pow_31(tiled_impl):
     assert abs(s[0, 0, n - 1, n - 1].float().item() - s_last.item()) < 1e-2 * (1 + abs(s_last.item()))
 
 
-def test_fused_long_sequence_causal():
+def test_fused_long_sequence_causal(fused_impl):
     """N = 16 384, causal, a few heads: many tiles, the causal skip, and rows far from the start."""
     n, d = 16_384, 128
     q, k, v = qkv(1, 2, n, d, torch.float16, seed=11)
@@ -153,6 +158,25 @@ def test_fused_long_sequence_causal():
     torch.cuda.synchronize()
     rows = torch.tensor([0, 5, 8191, 12_000, n - 1], device="cuda")
     assert rel_err(o[..., rows, :], attention64(q, k, v, True, rows)) <= TOL_F64["fp16"]
+
+
+BIG_BH = [("fused", None), ("fused", "TPATTN_FUSED_CFG=fused2_{suf}_d{d}_w4_m1_c64"), ("tiled", None),
+          ("tiled", "TPATTN_TILED_IMPL=mma")] + ([("fused", "TPATTN_FUSED_CFG=fusedh_{suf}_d{d}")] if HOPPER else [])
+
+
+@pytest.mark.parametrize("kernel,env", BIG_BH)
+def test_more_heads_than_the_grid_holds(kernel, env, monkeypatch):
+    """batch x heads = 65 600 > 65 535, the grid's y/z limit: the kernels stride over the rest."""
+    if env:
+        monkeypatch.setenv(*env.split("=", 1))
+    b, h, n, d = 2, 32_800, 20, 64
+    q, k, v = qkv(b, h, n, d, torch.float16, seed=5)
+    o = get_backend(kernel).forward(q, k, v, False, out=nan_like(q.shape, torch.float16))
+    torch.cuda.synchronize()
+    assert torch.isfinite(o).all(), "heads past the grid's limit were left unwritten"
+    ref = get_backend("reference").forward(q, k, v, False)
+    assert rel_err(o[1, -8:], ref[1, -8:]) <= TOL_REF["fp16"]
+    assert rel_err(o, ref) <= TOL_REF["fp16"]
 
 
 @pytest.mark.parametrize("d", [32, 80, 96, 256])

@@ -46,7 +46,66 @@ def test_hopper_kernels_exist_and_are_refused_elsewhere(monkeypatch):
     assert HOPPER_SOURCE in ARCH_SPECIFIC and ARCH_SPECIFIC[HOPPER_SOURCE][0] == (9, 0)
     monkeypatch.delenv("TPATTN_FUSED_CFG", raising=False)
     assert kernel_for(128, "f16", (9, 0)).source == HOPPER_SOURCE
+    assert kernel_for(128, "f16", (9, 0), wide=False).source != HOPPER_SOURCE  # too few tiles for it
     assert kernel_for(128, "f16", (8, 0)).source != HOPPER_SOURCE
     monkeypatch.setenv("TPATTN_FUSED_CFG", "fusedh_{suf}_d{d}")
     with pytest.raises(ConfigError, match="compute capability 9.0"):
         kernel_for(64, "bf16", (8, 9))
+
+
+class _FakeNvrtc:
+    """Stands in for cupy.cuda.nvrtc: records the options, returns a PTX string or fails."""
+    def __init__(self, fail=False, cubin=True):
+        self.fail, self.options, self.destroyed = fail, None, False
+        if cubin:
+            self.getCUBIN = lambda prog: b"CUBIN"
+
+    def createProgram(self, src, name, headers, include_names):
+        return 1
+
+    def compileProgram(self, prog, options):
+        self.options = options
+        if self.fail:
+            raise RuntimeError("NVRTC_ERROR_COMPILATION (6)")
+
+    def getPTX(self, prog):
+        return ".target sm_90a"
+
+    def getProgramLog(self, prog):
+        return "kern.cu(1): error: something"
+
+    def destroyProgram(self, prog):
+        self.destroyed = True
+
+
+def _fake_cupy(monkeypatch, nvrtc):
+    import sys
+    import types
+    loaded = []
+    module = types.SimpleNamespace(load=loaded.append, get_function=lambda name: name)
+    cuda = types.SimpleNamespace(nvrtc=nvrtc, function=types.SimpleNamespace(Module=lambda: module))
+    cupy = types.SimpleNamespace(cuda=cuda)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nvrtc", nvrtc)
+    return cupy, loaded
+
+
+@pytest.mark.parametrize("cubin", [True, False])
+def test_hopper_files_compile_for_sm_90a_through_nvrtc(monkeypatch, cubin):
+    from tpattn import cuda
+    nv = _FakeNvrtc(cubin=cubin)
+    cupy, loaded = _fake_cupy(monkeypatch, nv)
+    cuda._compile(cupy, "fused_hopper_attention.cu", "// source")
+    assert f"--gpu-architecture={'sm_90a' if cubin else 'compute_90a'}" in nv.options
+    assert f"--include-path={cuda.kernel_dir()}" in nv.options and nv.destroyed
+    assert loaded == [b"CUBIN" if cubin else b".target sm_90a\0"]
+
+
+def test_hopper_compile_failure_names_the_portable_kernels(monkeypatch):
+    from tpattn import cuda
+    nv = _FakeNvrtc(fail=True)
+    cupy, _ = _fake_cupy(monkeypatch, nv)
+    with pytest.raises(RuntimeError, match="TPATTN_TILED_IMPL=mma") as e:
+        cuda._compile(cupy, "tiled_hopper_attention.cu", "// source")
+    assert "error: something" in str(e.value) and nv.destroyed

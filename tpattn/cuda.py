@@ -68,16 +68,21 @@ def _compile(cupy, filename: str, src: str):
         return cupy.RawModule(code=src, options=("--std=c++17",))
     from cupy.cuda import nvrtc
 
-    cubin = hasattr(nvrtc, "getCUBIN")
+    cubin = hasattr(nvrtc, "getCUBIN")  # CuPy 9+; before it, PTX that the driver compiles on load
     arch = spec[1] if cubin else spec[1].replace("sm_", "compute_")
     prog = nvrtc.createProgram(src, filename, (), ())
     try:
         try:
             nvrtc.compileProgram(prog, ["--std=c++17", f"--gpu-architecture={arch}", f"--include-path={kernel_dir()}"])
         except Exception as exc:
-            raise RuntimeError(f"NVRTC could not compile kernels/{filename} for {arch}: {exc}\n"
-                               f"{nvrtc.getProgramLog(prog)}") from exc
-        image = nvrtc.getCUBIN(prog) if cubin else nvrtc.getPTX(prog).encode() + b"\0"
+            raise RuntimeError(f"NVRTC could not compile kernels/{filename} for {arch}: {exc}; the portable "
+                               "kernels avoid it: TPATTN_FUSED_CFG=fused2_{suf}_d{d}_w4_m1_c64 for --kernel fused, "
+                               f"TPATTN_TILED_IMPL=mma for --kernel tiled\n{nvrtc.getProgramLog(prog)}") from exc
+        if cubin:
+            image = nvrtc.getCUBIN(prog)
+        else:
+            image = nvrtc.getPTX(prog)
+            image = (image.encode() if isinstance(image, str) else bytes(image)).rstrip(b"\0") + b"\0"
     finally:
         nvrtc.destroyProgram(prog)
     mod = cupy.cuda.function.Module()

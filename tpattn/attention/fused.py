@@ -22,7 +22,8 @@ HOPPER_SOURCE = "fused_hopper_attention.cu"  # wgmma (sm_90a): runs on compute c
 HOPPER_CC = (9, 0)
 HEAD_DIMS = (64, 128)
 # The kernel per head dim, "{suf}" standing for f16 or bf16. On compute capability 9.0 (H100, H200)
-# fusedh (wgmma, 2 warpgroups, 128 query rows, 128 keys per tile); elsewhere fused2, the mma.sync
+# fusedh (wgmma, 2 warpgroups, 128 query rows, 128 keys per tile) unless the call is too small to
+# fill half the GPU with it (see kernel_for); elsewhere fused2, the mma.sync
 # version, software pipelined (fused, the straight one, is kept for the ladder's record); _wW: W
 # warps, _mM: M tiles of 16 query rows per warp (fused2 only; fused has 1), _cC: C keys per tile.
 # Chosen on the H200 (benchmarks/ladder.md); TPATTN_FUSED_CFG=NAME overrides it (the bench's sweep).
@@ -47,11 +48,13 @@ class Choice(NamedTuple):
     shared: int      # dynamic shared memory, bytes
 
 
-def kernel_for(d: int, suf: str, cc: tuple[int, int]) -> Choice:
-    """The kernel for head dim d, dtype suffix suf, on a GPU of compute capability cc."""
-    key = (d, suf, cc, os.environ.get("TPATTN_FUSED_CFG"))
+def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True) -> Choice:
+    """The kernel for head dim d, dtype suffix suf, on a GPU of compute capability cc. wide: the call
+    has enough 128-row query tiles for the wgmma kernel to fill at least half the GPU's SMs; with
+    fewer (one head at N = 4096: 32 tiles on 132 SMs) fused2's 64-row blocks spread wider and win."""
+    key = (d, suf, cc, wide, os.environ.get("TPATTN_FUSED_CFG"))
     if key not in _kernels:
-        name = (key[3] or (HOPPER_CONFIG if cc == HOPPER_CC else CONFIG[d])).format(suf=suf, d=d)
+        name = (key[4] or (HOPPER_CONFIG if cc == HOPPER_CC and wide else CONFIG[d])).format(suf=suf, d=d)
         m = re.fullmatch(rf"fused_{suf}_d{d}_w(\d+)_c(\d+)|fused2_{suf}_d{d}_w(\d+)_m(\d+)_c(\d+)|fusedh_{suf}_d{d}",
                          name)
         if not m:
@@ -86,8 +89,9 @@ class FusedBackend(CudaBackend):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         o = out if out is not None else torch.empty_like(q)
         assert o.is_contiguous() and o.dtype == q.dtype and o.device == q.device and o.shape == q.shape
-        ch = kernel_for(d, suf, torch.cuda.get_device_capability(q.device))
         bh = b * h
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        ch = kernel_for(d, suf, torch.cuda.get_device_capability(q.device), wide=2 * _cdiv(n, 128) * bh >= sms)
         scale_log2 = np.float32(math.log2(math.e) / math.sqrt(d))
         with section(timer, "fused"):
             grid = (min(_cdiv(n, ch.rows), GRID_X_MAX), min(bh, GRID_YZ_MAX), 1)
