@@ -12,8 +12,9 @@
 //                     Causal: tiles entirely above the diagonal are not computed (nor read later).
 //   tiled_softmax_SUF P = softmax(S)      one warp per row, 16-byte loads, warp-shuffle reductions;
 //                     rows of up to 4096 columns are read once and kept in registers (and each
-//                     exponential computed once), longer rows
-//                     are read twice (an online max/sum pass, then the write pass).
+//                     exponential computed once); rows of up to 16384 columns are
+//                     staged in shared memory (ld * 2 bytes a warp), longer rows are read twice
+//                     (an online max/sum pass, then the write pass).
 //   tiled_pv_SUF_nDN  O = P V             a block computes 128 rows x DN (64 or 128) columns of O
 //                     on the tensor cores; P tiles (128 x 64) and V tiles (64 x DN) are double
 //                     buffered in shared memory with cp.async.
@@ -29,6 +30,7 @@
 #define TPT_LOG2E 1.4426950408889634f
 #define TPT_BM 128   // query rows per tile, in the QK and PV passes (and the causal write bound)
 #define TPT_CACHE 16 // 16-byte chunks of a row each lane keeps in registers in the softmax
+#define TPT_SMEM_COLS 16384  // longer rows than 32 * TPT_CACHE * 8, up to this, go through shared memory
 
 typedef unsigned short tpt_u16;
 typedef unsigned int tpt_u32;
@@ -307,6 +309,44 @@ __device__ __forceinline__ void tpt_softmax(const tpt_u16 *__restrict__ S, tpt_u
                     }
                 }
             }
+        } else if (ld <= TPT_SMEM_COLS) {
+            // the row goes to this warp's slice of shared memory (ld elements; cp.async, all of its
+            // 16-byte chunks in flight at once), then max, sum and write read it from there: S is
+            // read from device memory once
+            tpt_u16 *row = (tpt_u16 *)tpt_dsmem + (long long)(threadIdx.x >> 5) * ld;
+            for (int c = lane; c < nrc; c += 32) tpt_cp16(tpt_saddr(row + c * 8), s + c * 8, 16);
+            tpt_commit();
+            tpt_wait0();
+            __syncwarp();
+            float mx = TPT_NEG_INF;
+            for (int c = lane; c < nrc; c += 32) {
+                float v[8];
+                tpt_row_vals<BF16>(*(const tpt_u4 *)(row + c * 8), v);
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                    if (c * 8 + e < len) mx = fmaxf(mx, v[e]);
+            }
+            mx = tpt_warp_max(mx);
+            const float mb = mx * TPT_LOG2E;
+            float sum = 0.0f;
+            for (int c = lane; c < nrc; c += 32) {
+                float v[8];
+                tpt_row_vals<BF16>(*(const tpt_u4 *)(row + c * 8), v);
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                    if (c * 8 + e < len) sum += tpt_exp2(fmaf(v[e], TPT_LOG2E, -mb));
+            }
+            const float inv = 1.0f / tpt_warp_sum(sum);
+            for (int c = lane; c < nwc; c += 32) {
+                float v[8];
+                if (c < nrc)
+                    tpt_row_vals<BF16>(*(const tpt_u4 *)(row + c * 8), v);
+                else
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) v[e] = 0.0f;
+                tpt_store_p<BF16>(p, c, v, len, mb, inv);
+            }
+            __syncwarp();  // every lane is done with the row before the warp's next row lands
         } else {
             float m = TPT_NEG_INF, l = 0.0f;
             for (int c = lane; c < nrc; c += 32) {

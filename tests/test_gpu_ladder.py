@@ -133,6 +133,23 @@ def test_fused_picks_wgmma_on_hopper(monkeypatch):
     assert kernel_for(64, "bf16", (8, 0)).name.startswith("fused2_bf16_d64")
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [4100, 8191, 16384])
+def test_tiled_softmax_long_rows(n, causal):
+    """Rows past the register cache (4096 columns) and up to 16384 go through shared memory."""
+    d = 64
+    q, k, v = qkv(1, 2, n, d, torch.float16, seed=n + 3)
+    s, p = nan_like(scratch_shape(1, 2, n), torch.float16), nan_like(scratch_shape(1, 2, n), torch.float16)
+    o = get_backend("tiled").forward(q, k, v, causal, out=nan_like(q.shape, torch.float16), scratch=(s, p))
+    torch.cuda.synchronize()
+    assert torch.isfinite(o).all()
+    rows = torch.tensor([0, 1, n // 2, n - 2, n - 1], device="cuda")
+    assert rel_err(o[..., rows, :], attention64(q, k, v, causal, rows)) <= TOL_F64["fp16"]
+    for r in rows.tolist():  # each row of P sums to 1 over the keys it may see
+        total = p[0, 1, r, : (r + 1 if causal else n)].float().sum().item()
+        assert abs(total - 1.0) < 1e-2, (r, total)
+
+
 def test_tiled_scores_beyond_2_pow_31(tiled_impl):
     """One head at N = 50 000: N^2 = 2.5e9 > 2^31, so 32-bit offsets would wrap."""
     n, d = 50_000, 64

@@ -21,6 +21,8 @@ HOPPER_SOURCE = "tiled_hopper_attention.cu"  # wgmma (sm_90a) QK and PV passes
 HOPPER_HEAD_DIMS = (64, 128)
 TILE = 128            # query rows (and key columns) per tile; must match the .cu file
 SOFTMAX_WARPS = 4     # rows per softmax block; must match the .cu file's launch bounds
+SOFTMAX_CACHE_COLS = 4096   # rows up to this are held in registers (TPT_CACHE in the .cu file)
+SOFTMAX_SMEM_COLS = 16384   # longer rows up to this go through shared memory (TPT_SMEM_COLS)
 QK_SHARED = 2 * 2 * TILE * 64 * 2  # two stages of 64-wide Q and K slices
 HOPPER_KG = 8         # key tiles per block in the wgmma QK pass; must match the .cu file
 
@@ -44,6 +46,11 @@ def hopper_passes(d: int, device) -> bool:
     if impl not in ("auto", "mma"):
         raise ConfigError(f"TPATTN_TILED_IMPL={impl!r}: use auto (wgmma where it runs) or mma")
     return impl == "auto" and d in HOPPER_HEAD_DIMS and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def softmax_shared(ld: int) -> int:
+    """Rows longer than the register cache, up to SOFTMAX_SMEM_COLS, are staged in shared memory."""
+    return SOFTMAX_WARPS * ld * 2 if SOFTMAX_CACHE_COLS < ld <= SOFTMAX_SMEM_COLS else 0
 
 
 def hopper_qk_shared(d: int) -> int:
@@ -100,7 +107,8 @@ class TiledBackend(CudaBackend):
             rows = bh * n
             launch(SOURCE, f"tiled_softmax_{suf}", dev, (min(_cdiv(rows, SOFTMAX_WARPS), GRID_X_MAX), 1, 1),
                    (32 * SOFTMAX_WARPS, 1, 1),
-                   (ptr(s), ptr(p), np.int64(rows), np.int32(n), np.int32(ld), np.int32(causal)))
+                   (ptr(s), ptr(p), np.int64(rows), np.int32(n), np.int32(ld), np.int32(causal)),
+                   shared_mem=softmax_shared(ld))
         with section(timer, "pv"):
             if hopper:
                 launch(HOPPER_SOURCE, f"tiledh_pv_{suf}_d{d}", dev, (tiles, min(bh, GRID_YZ_MAX), 1), (256, 1, 1),
