@@ -1,24 +1,22 @@
 // fused_attention.cu -- one kernel: O = softmax(Q K^T * scale) V with S and P never in device memory.
 //
-// Two versions of the same algorithm (on compute capability 9.0 --kernel fused runs the wgmma kernel
-// of fused_hopper_attention.cu instead). fused2_* (below, the one --kernel fused runs elsewhere) is software
-// pipelined by one key tile; fused_* (this first one) is the straight loop it grew from, kept so the
-// ladder's measurements can be repeated (benchmarks/ladder.md). What both share:
+// fused2_* is what --kernel fused runs on GPUs other than compute capability 9.0 (there it runs the
+// wgmma kernel of fused_hopper_attention.cu, except for calls too small to fill the GPU with it).
+// The straight, unpipelined loop it grew from (fused_*, 1.29 ms in benchmarks/ladder.md) is in the
+// git history up to commit 5d28927.
 //
 // A FlashAttention-2-style forward pass, written for this project:
 //   * a block owns BR = 16 * NW query rows of one (batch, head); warp w owns rows 16w..16w+15;
-//   * the block's Q tile is copied to shared memory once and each warp keeps its 16 x D slice in
-//     registers as mma A fragments (ldmatrix);
-//   * K and V stream through shared memory in tiles of BC keys, double buffered with cp.async
-//     (the next K tile is in flight during S = Q K^T, the next V tile during the softmax and PV);
+//   * the block's Q tile is copied to shared memory once; each warp reads its rows' mma A
+//     fragments from there (ldmatrix) for every key tile;
+//   * K and V stream through shared memory in tiles of BC keys, double buffered with cp.async;
 //   * S = Q K^T and O += P V run on the tensor cores: mma.sync m16n8k16, fp16 or bf16 inputs,
 //     fp32 accumulation; K fragments come from ldmatrix, V fragments from ldmatrix.trans;
 //   * softmax is online: each row keeps its running max m (in log2 units, the 1/sqrt(d) scale
 //     folded into log2(e)) and its running sum l in registers; P is rounded to the storage type
 //     straight from the S accumulators into A fragments, so it never leaves the registers;
-//   * causal: key tiles entirely above the block's last row are never loaded, a warp whose 16 rows
-//     are all above a tile skips it, and only tiles that cross the diagonal (or the end of the
-//     sequence) are masked element by element;
+//   * causal: key tiles entirely above the block's last row are never loaded, and only tiles that
+//     cross the diagonal (or the end of the sequence) are masked element by element;
 //   * any N >= 1: rows past N load as zeros (cp.async zero fill) and score -inf; the output is staged
 //     through shared memory and written with 16-byte stores for rows < N only.
 //
@@ -29,87 +27,15 @@
 //
 // Grid: x over query tiles (reversed when causal, so the longest rows start first), y over
 // batch * heads (with a stride beyond 65535). Block: NW * 32 threads. Dynamic shared memory:
-// (BR + 4 * BC) * D * 2 bytes. No headers, so NVRTC (no <math.h>) and nvcc compile it alike.
+// (BR + 4 * BC) * D * 2 bytes. Shared helpers: tc_common.cuh.
 
-#define TPF_NEG_INF __int_as_float(0xff800000)
-
-typedef unsigned short tpf_u16;
-typedef unsigned int tpf_u32;
-
-struct __attribute__((aligned(16))) tpf_u4 {
-    tpf_u32 x, y, z, w;
-};
+#include "tc_common.cuh"
 
 extern __shared__ __attribute__((aligned(128))) unsigned char tpf_smem[];
 
-__device__ __forceinline__ tpf_u32 tpf_saddr(const void *p) {
-    tpf_u32 r;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-    return r;
-}
-
-__device__ __forceinline__ void tpf_cp16(tpf_u32 dst, const void *src, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void tpf_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void tpf_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
-__device__ __forceinline__ void tpf_wait0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
-__device__ __forceinline__ void tpf_ldsm4(tpf_u32 *r, tpf_u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
-}
-__device__ __forceinline__ void tpf_ldsm4t(tpf_u32 *r, tpf_u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
-}
-
-template <bool BF16>
-__device__ __forceinline__ void tpf_mma(float *c, const tpf_u32 *a, tpf_u32 b0, tpf_u32 b1) {
-    if (BF16)
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    else
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// two floats -> one 32-bit register holding (lo, hi) in the storage type, round to nearest even
-template <bool BF16>
-__device__ __forceinline__ tpf_u32 tpf_pack(float lo, float hi) {
-    tpf_u32 r;
-    if (BF16)
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    else
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-__device__ __forceinline__ float tpf_exp2(float x) {  // 2^x; -inf -> +0
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-__device__ __forceinline__ float tpf_shfl_xor(float v, int m) {
-    float r;
-    asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;\n" : "=f"(r) : "f"(v), "r"(m));
-    return r;
-}
-
-// offset (in elements) of 16-byte chunk `ch` of row `r` in a swizzled tile with D elements per row
-template <int D>
-__device__ __forceinline__ int tpf_swz(int r, int ch) {
-    return r * D + ((ch ^ (r & 7)) << 3);
-}
-
 // rows [row0, row0 + ROWS) of a [N, D] matrix into a swizzled shared tile; rows >= N become zeros
 template <int D, int ROWS, int NT>
-__device__ __forceinline__ void tpf_load_tile(tpf_u16 *s, const tpf_u16 *g, int row0, int N, int tid) {
+__device__ __forceinline__ void tpf_load_tile(tc_u16 *s, const tc_u16 *g, int row0, int N, int tid) {
     constexpr int CH = D / 8;
 #pragma unroll
     for (int i = 0; i < (ROWS * CH + NT - 1) / NT; ++i) {
@@ -117,200 +43,13 @@ __device__ __forceinline__ void tpf_load_tile(tpf_u16 *s, const tpf_u16 *g, int 
         if ((ROWS * CH) % NT == 0 || c < ROWS * CH) {
             const int r = c / CH, ch = c % CH;
             const int gr = row0 + r;
-            const tpf_u16 *src = g + (long long)(gr < N ? gr : 0) * D + ch * 8;
-            tpf_cp16(tpf_saddr(s + tpf_swz<D>(r, ch)), src, gr < N ? 16 : 0);
+            const tc_u16 *src = g + (long long)(gr < N ? gr : 0) * D + ch * 8;
+            tc_cp16(tc_saddr(s + tc_swz<D>(r, ch)), src, gr < N ? 16 : 0);
         }
     }
 }
 
-template <int D, int NW, int BC, bool BF16>
-__device__ __forceinline__ void tpf_fused(const tpf_u16 *__restrict__ Q, const tpf_u16 *__restrict__ K,
-                                          const tpf_u16 *__restrict__ V, tpf_u16 *__restrict__ O, int BH,
-                                          int N, float scale_log2, int causal) {
-    constexpr int BR = 16 * NW;
-    constexpr int NT = 32 * NW;
-    constexpr int CH = D / 8;
-    constexpr int KD = D / 16;   // k16 steps of S = Q K^T
-    constexpr int NS = BC / 8;   // n8 tiles of S
-    constexpr int ND = D / 8;    // n8 tiles of O
-    constexpr int KC = BC / 16;  // k16 steps of O += P V
-    tpf_u16 *sQ = (tpf_u16 *)tpf_smem;
-    tpf_u16 *sK = sQ + BR * D;       // [2][BC][D]
-    tpf_u16 *sV = sK + 2 * BC * D;   // [2][BC][D]
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int n_qt = (N + BR - 1) / BR;
-    const int n_kt_all = (N + BC - 1) / BC;
-
-    for (int bh = blockIdx.y; bh < BH; bh += gridDim.y) {
-        const long long base = (long long)bh * N * D;
-        const tpf_u16 *Qh = Q + base, *Kh = K + base, *Vh = V + base;
-        tpf_u16 *Oh = O + base;
-        for (int qi = blockIdx.x; qi < n_qt; qi += gridDim.x) {
-            const int qt = causal ? n_qt - 1 - qi : qi;
-            const int q0 = qt * BR;
-            int n_kt = n_kt_all;
-            if (causal) {
-                const int last = (q0 + BR - 1) / BC + 1;
-                n_kt = last < n_kt ? last : n_kt;
-            }
-            tpf_load_tile<D, BR, NT>(sQ, Qh, q0, N, tid);
-            tpf_load_tile<D, BC, NT>(sK, Kh, 0, N, tid);
-            tpf_commit();
-            tpf_load_tile<D, BC, NT>(sV, Vh, 0, N, tid);
-            tpf_commit();
-            tpf_wait1();
-            __syncthreads();
-
-            tpf_u32 qf[KD][4];
-            {
-                const int r = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-#pragma unroll
-                for (int kk = 0; kk < KD; ++kk) tpf_ldsm4(qf[kk], tpf_saddr(sQ + tpf_swz<D>(r, kk * 2 + (lane >> 4))));
-            }
-            float o[ND][4];
-#pragma unroll
-            for (int j = 0; j < ND; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
-            float m[2] = {TPF_NEG_INF, TPF_NEG_INF}, l[2] = {0.0f, 0.0f};
-            const int wr0 = q0 + warp * 16;           // the warp's first row
-            const int r0 = wr0 + (lane >> 2);         // this thread's two rows: r0 and r0 + 8
-
-            for (int j = 0; j < n_kt; ++j) {
-                const int buf = j & 1;
-                const tpf_u16 *cK = sK + buf * BC * D;
-                const tpf_u16 *cV = sV + buf * BC * D;
-                tpf_wait1();          // K tile j has landed (V tile j may still be in flight)
-                __syncthreads();      // ... for every thread; and everyone is done with K tile j - 1
-                if (j + 1 < n_kt) tpf_load_tile<D, BC, NT>(sK + (buf ^ 1) * BC * D, Kh, (j + 1) * BC, N, tid);
-                tpf_commit();
-                const int k0 = j * BC;
-                const bool skip = causal && k0 > wr0 + 15;  // every key of the tile is after every row
-                tpf_u32 pa[KC][4];
-                if (!skip) {
-                    float s[NS][4];
-#pragma unroll
-                    for (int n = 0; n < NS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-#pragma unroll
-                    for (int kk = 0; kk < KD; ++kk) {
-#pragma unroll
-                        for (int n = 0; n < NS; n += 2) {
-                            tpf_u32 b[4];
-                            const int key = n * 8 + (lane & 7) + ((lane >> 4) << 3);
-                            tpf_ldsm4(b, tpf_saddr(cK + tpf_swz<D>(key, kk * 2 + ((lane >> 3) & 1))));
-                            tpf_mma<BF16>(s[n], qf[kk], b[0], b[1]);
-                            tpf_mma<BF16>(s[n + 1], qf[kk], b[2], b[3]);
-                        }
-                    }
-                    if (k0 + BC > N || (causal && k0 + BC - 1 > wr0)) {
-#pragma unroll
-                        for (int n = 0; n < NS; ++n)
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) {
-                                const int col = k0 + n * 8 + (lane & 3) * 2 + (e & 1);
-                                const int row = r0 + (e >> 1) * 8;
-                                if (col >= N || (causal && col > row)) s[n][e] = TPF_NEG_INF;
-                            }
-                    }
-#pragma unroll
-                    for (int i = 0; i < 2; ++i) {
-                        float mx = TPF_NEG_INF;
-#pragma unroll
-                        for (int n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * i], s[n][2 * i + 1]));
-                        mx = fmaxf(mx, tpf_shfl_xor(mx, 1));
-                        mx = fmaxf(mx, tpf_shfl_xor(mx, 2));
-                        const float mn = fmaxf(m[i], mx * scale_log2);
-                        const float ms = mn == TPF_NEG_INF ? 0.0f : mn;  // a row with nothing seen yet
-                        const float alpha = tpf_exp2(m[i] - ms);
-                        m[i] = mn;
-                        float sum = 0.0f;
-#pragma unroll
-                        for (int n = 0; n < NS; ++n) {
-                            const float p0 = tpf_exp2(fmaf(s[n][2 * i], scale_log2, -ms));
-                            const float p1 = tpf_exp2(fmaf(s[n][2 * i + 1], scale_log2, -ms));
-                            s[n][2 * i] = p0;
-                            s[n][2 * i + 1] = p1;
-                            sum += p0 + p1;
-                        }
-                        l[i] = l[i] * alpha + sum;
-#pragma unroll
-                        for (int d = 0; d < ND; ++d) {
-                            o[d][2 * i] *= alpha;
-                            o[d][2 * i + 1] *= alpha;
-                        }
-                    }
-#pragma unroll
-                    for (int t = 0; t < KC; ++t) {
-                        pa[t][0] = tpf_pack<BF16>(s[2 * t][0], s[2 * t][1]);
-                        pa[t][1] = tpf_pack<BF16>(s[2 * t][2], s[2 * t][3]);
-                        pa[t][2] = tpf_pack<BF16>(s[2 * t + 1][0], s[2 * t + 1][1]);
-                        pa[t][3] = tpf_pack<BF16>(s[2 * t + 1][2], s[2 * t + 1][3]);
-                    }
-                }
-                tpf_wait1();          // V tile j has landed (K tile j + 1 may still be in flight)
-                __syncthreads();      // ... for every thread; and everyone is done with V tile j - 1
-                if (j + 1 < n_kt) tpf_load_tile<D, BC, NT>(sV + (buf ^ 1) * BC * D, Vh, (j + 1) * BC, N, tid);
-                tpf_commit();
-                if (!skip) {
-#pragma unroll
-                    for (int t = 0; t < KC; ++t) {
-#pragma unroll
-                        for (int d = 0; d < ND; d += 2) {
-                            tpf_u32 b[4];
-                            const int key = t * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-                            tpf_ldsm4t(b, tpf_saddr(cV + tpf_swz<D>(key, d + (lane >> 4))));
-                            tpf_mma<BF16>(o[d], pa[t], b[0], b[1]);
-                            tpf_mma<BF16>(o[d + 1], pa[t], b[2], b[3]);
-                        }
-                    }
-                }
-            }
-
-            // O = acc / l, staged through the warp's own rows of sQ, then 16-byte stores
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                l[i] += tpf_shfl_xor(l[i], 1);
-                l[i] += tpf_shfl_xor(l[i], 2);
-                l[i] = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-            }
-#pragma unroll
-            for (int d = 0; d < ND; ++d) {
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    const int r = warp * 16 + (lane >> 2) + i * 8;
-                    tpf_u32 *dst = (tpf_u32 *)(sQ + tpf_swz<D>(r, d) + (lane & 3) * 2);
-                    *dst = tpf_pack<BF16>(o[d][2 * i] * l[i], o[d][2 * i + 1] * l[i]);
-                }
-            }
-            __syncwarp();
-#pragma unroll
-            for (int i = 0; i < 16 * CH / 32; ++i) {
-                const int c = lane + i * 32;
-                const int r = c / CH, ch = c % CH;
-                const int gr = wr0 + r;
-                if (gr < N)
-                    *(tpf_u4 *)(Oh + (long long)gr * D + ch * 8) = *(const tpf_u4 *)(sQ + tpf_swz<D>(warp * 16 + r, ch));
-            }
-            __syncthreads();  // sQ, sK, sV are reused by the block's next tile (when the grid strides)
-        }
-    }
-}
-
-#define TPF_DEFINE(SUF, BF16, D, NW, BC)                                                              \
-    extern "C" __global__ void __launch_bounds__(NW * 32)                                             \
-        fused_##SUF##_d##D##_w##NW##_c##BC(const tpf_u16 *__restrict__ Q, const tpf_u16 *__restrict__ K, \
-                                           const tpf_u16 *__restrict__ V, tpf_u16 *__restrict__ O,   \
-                                           int BH, int N, float scale_log2, int causal) {            \
-        tpf_fused<D, NW, BC, BF16>(Q, K, V, O, BH, N, scale_log2, causal);                            \
-    }
-
-// Configurations: warps per block (BR = 16 * warps query rows) and keys per tile. BC = 128 at
-// D = 128 spills registers (255 used, 200+ bytes of stack), so it is not built; 8 warps measured
-// the same as 4 on the H200.
-#define TPF_DEFINE_ALL(D, NW, BC) TPF_DEFINE(f16, false, D, NW, BC) TPF_DEFINE(bf16, true, D, NW, BC)
-TPF_DEFINE_ALL(64, 4, 64)
-TPF_DEFINE_ALL(128, 4, 64)
-
-// ------------------------------------------------------------------------------------------------
-// Version 2 (fused2_*): software pipelined by one key tile. Iteration j computes S_{j+1} = Q K_{j+1}^T
+// Software pipelined by one key tile: iteration j computes S_{j+1} = Q K_{j+1}^T
 // and, in the same basic block, the softmax of S_j and O += P_j V_j: the two are independent, so
 // the scheduler can interleave the tensor-core work of one with the exp2/max/rescale work of the
 // other instead of every warp of the block alternating between them in step. One __syncthreads
@@ -320,8 +59,8 @@ TPF_DEFINE_ALL(128, 4, 64)
 // few per-lane bases plus compile-time offsets (the swizzle XOR folds: (2k + b) ^ x == 2k ^ (b ^ x)
 // for b < 2).
 template <int D, int NW, int MT, int BC, bool BF16>
-__device__ __forceinline__ void tpf_fused2(const tpf_u16 *__restrict__ Q, const tpf_u16 *__restrict__ K,
-                                           const tpf_u16 *__restrict__ V, tpf_u16 *__restrict__ O, int BH,
+__device__ __forceinline__ void tpf_fused2(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
+                                           const tc_u16 *__restrict__ V, tc_u16 *__restrict__ O, int BH,
                                            int N, float scale_log2, int causal) {
     constexpr int WR = 16 * MT;   // rows per warp
     constexpr int BR = WR * NW;   // rows per block
@@ -332,30 +71,30 @@ __device__ __forceinline__ void tpf_fused2(const tpf_u16 *__restrict__ Q, const 
     constexpr int ND = D / 8;
     constexpr int KC = BC / 16;
     constexpr int TILE_BYTES = BC * D * 2;
-    tpf_u16 *sQ = (tpf_u16 *)tpf_smem;
-    tpf_u16 *sK = sQ + BR * D;
-    tpf_u16 *sV = sK + 2 * BC * D;
+    tc_u16 *sQ = (tc_u16 *)tpf_smem;
+    tc_u16 *sK = sQ + BR * D;
+    tc_u16 *sV = sK + 2 * BC * D;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int x = lane & 7;
     const int n_qt = (N + BR - 1) / BR;
     const int n_kt_all = (N + BC - 1) / BC;
-    tpf_u32 qa[4], ka[4], va[4];  // per-lane ldmatrix bases (shared window, bytes)
+    tc_u32 qa[4], ka[4], va[4];  // per-lane ldmatrix bases (shared window, bytes)
     {
         const int qrow = warp * WR + x + ((lane >> 3) & 1) * 8, qy = (lane >> 4) ^ x;
         const int krow = x + ((lane >> 4) << 3), ky = ((lane >> 3) & 1) ^ x;
         const int vrow = x + (((lane >> 3) & 1) << 3), vy = (lane >> 4) ^ x;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            qa[i] = tpf_saddr(sQ) + qrow * D * 2 + (((2 * i) ^ qy) << 4);
-            ka[i] = tpf_saddr(sK) + krow * D * 2 + (((2 * i) ^ ky) << 4);
-            va[i] = tpf_saddr(sV) + vrow * D * 2 + (((2 * i) ^ vy) << 4);
+            qa[i] = tc_saddr(sQ) + qrow * D * 2 + (((2 * i) ^ qy) << 4);
+            ka[i] = tc_saddr(sK) + krow * D * 2 + (((2 * i) ^ ky) << 4);
+            va[i] = tc_saddr(sV) + vrow * D * 2 + (((2 * i) ^ vy) << 4);
         }
     }
 
     for (int bh = blockIdx.y; bh < BH; bh += gridDim.y) {
         const long long base = (long long)bh * N * D;
-        const tpf_u16 *Qh = Q + base, *Kh = K + base, *Vh = V + base;
-        tpf_u16 *Oh = O + base;
+        const tc_u16 *Qh = Q + base, *Kh = K + base, *Vh = V + base;
+        tc_u16 *Oh = O + base;
         for (int qi = blockIdx.x; qi < n_qt; qi += gridDim.x) {
             const int qt = causal ? n_qt - 1 - qi : qi;
             const int q0 = qt * BR;
@@ -366,11 +105,11 @@ __device__ __forceinline__ void tpf_fused2(const tpf_u16 *__restrict__ Q, const 
             }
             tpf_load_tile<D, BR, NT>(sQ, Qh, q0, N, tid);
             tpf_load_tile<D, BC, NT>(sK, Kh, 0, N, tid);
-            tpf_commit();
+            tc_cp_commit();
             if (n_kt > 1) tpf_load_tile<D, BC, NT>(sK + BC * D, Kh, BC, N, tid);
-            tpf_commit();
+            tc_cp_commit();
             tpf_load_tile<D, BC, NT>(sV, Vh, 0, N, tid);
-            tpf_commit();
+            tc_cp_commit();
             asm volatile("cp.async.wait_group 2;\n" ::: "memory");
             __syncthreads();
 
@@ -383,7 +122,7 @@ __device__ __forceinline__ void tpf_fused2(const tpf_u16 *__restrict__ Q, const 
                 for (int j = 0; j < ND; ++j) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.0f;
             float m[MT][2], l[MT][2];
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = TPF_NEG_INF, l[mt][0] = l[mt][1] = 0.0f;
+            for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = TC_NEG_INF, l[mt][0] = l[mt][1] = 0.0f;
             float sc[MT][NS][4], sn[MT][NS][4];
 
             auto qk = [&](float (*acc)[NS][4], int kb) {
@@ -393,17 +132,17 @@ __device__ __forceinline__ void tpf_fused2(const tpf_u16 *__restrict__ Q, const 
                     for (int n = 0; n < NS; ++n) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.0f;
 #pragma unroll
                 for (int kk = 0; kk < KD; ++kk) {
-                    tpf_u32 a[MT][4];
+                    tc_u32 a[MT][4];
 #pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) tpf_ldsm4(a[mt], qa[kk & 3] + (kk >> 2) * 128 + mt * 16 * D * 2);
+                    for (int mt = 0; mt < MT; ++mt) tc_ldsm4(a[mt], qa[kk & 3] + (kk >> 2) * 128 + mt * 16 * D * 2);
 #pragma unroll
                     for (int n = 0; n < NS; n += 2) {
-                        tpf_u32 b[4];
-                        tpf_ldsm4(b, ka[kk & 3] + kb * TILE_BYTES + (kk >> 2) * 128 + n * 8 * D * 2);
+                        tc_u32 b[4];
+                        tc_ldsm4(b, ka[kk & 3] + kb * TILE_BYTES + (kk >> 2) * 128 + n * 8 * D * 2);
 #pragma unroll
                         for (int mt = 0; mt < MT; ++mt) {
-                            tpf_mma<BF16>(acc[mt][n], a[mt], b[0], b[1]);
-                            tpf_mma<BF16>(acc[mt][n + 1], a[mt], b[2], b[3]);
+                            tc_mma<BF16>(acc[mt][n], a[mt], b[0], b[1]);
+                            tc_mma<BF16>(acc[mt][n + 1], a[mt], b[2], b[3]);
                         }
                     }
                 }
@@ -418,7 +157,7 @@ __device__ __forceinline__ void tpf_fused2(const tpf_u16 *__restrict__ Q, const 
                             for (int e = 0; e < 4; ++e) {
                                 const int col = k0 + n * 8 + (lane & 3) * 2 + (e & 1);
                                 const int row = r0 + mt * 16 + (e >> 1) * 8;
-                                if (col >= N || (causal && col > row)) acc[mt][n][e] = TPF_NEG_INF;
+                                if (col >= N || (causal && col > row)) acc[mt][n][e] = TC_NEG_INF;
                             }
                 }
             };
@@ -426,33 +165,33 @@ __device__ __forceinline__ void tpf_fused2(const tpf_u16 *__restrict__ Q, const 
             mask(sc, 0);
 
             for (int j = 0; j < n_kt; ++j) {
-                tpf_wait0();       // K tile j + 1 and V tile j have landed ...
+                tc_cp_wait<0>();       // K tile j + 1 and V tile j have landed ...
                 __syncthreads();   // ... for all; everyone is done with K tile j and V tile j - 1
                 if (j + 2 < n_kt) tpf_load_tile<D, BC, NT>(sK + (j & 1) * BC * D, Kh, (j + 2) * BC, N, tid);
                 if (j + 1 < n_kt) tpf_load_tile<D, BC, NT>(sV + ((j + 1) & 1) * BC * D, Vh, (j + 1) * BC, N, tid);
-                tpf_commit();
+                tc_cp_commit();
                 // S_{j+1} (on the last tile this reads a stale buffer and is discarded)
                 qk(sn, (j + 1) & 1);
                 // softmax of S_j, then O += P_j V_j
-                tpf_u32 pa[MT][KC][4];
+                tc_u32 pa[MT][KC][4];
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
                     for (int i = 0; i < 2; ++i) {
-                        float mx = TPF_NEG_INF;
+                        float mx = TC_NEG_INF;
 #pragma unroll
                         for (int n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(sc[mt][n][2 * i], sc[mt][n][2 * i + 1]));
-                        mx = fmaxf(mx, tpf_shfl_xor(mx, 1));
-                        mx = fmaxf(mx, tpf_shfl_xor(mx, 2));
+                        mx = fmaxf(mx, tc_shfl_xor(mx, 1));
+                        mx = fmaxf(mx, tc_shfl_xor(mx, 2));
                         const float mn = fmaxf(m[mt][i], mx * scale_log2);
-                        const float ms = mn == TPF_NEG_INF ? 0.0f : mn;  // a row with nothing seen yet
-                        const float alpha = tpf_exp2(m[mt][i] - ms);
+                        const float ms = mn == TC_NEG_INF ? 0.0f : mn;  // a row with nothing seen yet
+                        const float alpha = tc_exp2(m[mt][i] - ms);
                         m[mt][i] = mn;
                         float sum = 0.0f;
 #pragma unroll
                         for (int n = 0; n < NS; ++n) {
-                            const float p0 = tpf_exp2(fmaf(sc[mt][n][2 * i], scale_log2, -ms));
-                            const float p1 = tpf_exp2(fmaf(sc[mt][n][2 * i + 1], scale_log2, -ms));
+                            const float p0 = tc_exp2(fmaf(sc[mt][n][2 * i], scale_log2, -ms));
+                            const float p1 = tc_exp2(fmaf(sc[mt][n][2 * i + 1], scale_log2, -ms));
                             sc[mt][n][2 * i] = p0;
                             sc[mt][n][2 * i + 1] = p1;
                             sum += p0 + p1;
@@ -466,22 +205,22 @@ __device__ __forceinline__ void tpf_fused2(const tpf_u16 *__restrict__ Q, const 
                     }
 #pragma unroll
                     for (int t = 0; t < KC; ++t) {
-                        pa[mt][t][0] = tpf_pack<BF16>(sc[mt][2 * t][0], sc[mt][2 * t][1]);
-                        pa[mt][t][1] = tpf_pack<BF16>(sc[mt][2 * t][2], sc[mt][2 * t][3]);
-                        pa[mt][t][2] = tpf_pack<BF16>(sc[mt][2 * t + 1][0], sc[mt][2 * t + 1][1]);
-                        pa[mt][t][3] = tpf_pack<BF16>(sc[mt][2 * t + 1][2], sc[mt][2 * t + 1][3]);
+                        pa[mt][t][0] = tc_pack<BF16>(sc[mt][2 * t][0], sc[mt][2 * t][1]);
+                        pa[mt][t][1] = tc_pack<BF16>(sc[mt][2 * t][2], sc[mt][2 * t][3]);
+                        pa[mt][t][2] = tc_pack<BF16>(sc[mt][2 * t + 1][0], sc[mt][2 * t + 1][1]);
+                        pa[mt][t][3] = tc_pack<BF16>(sc[mt][2 * t + 1][2], sc[mt][2 * t + 1][3]);
                     }
                 }
 #pragma unroll
                 for (int t = 0; t < KC; ++t) {
 #pragma unroll
                     for (int d = 0; d < ND; d += 2) {
-                        tpf_u32 b[4];
-                        tpf_ldsm4t(b, va[(d >> 1) & 3] + (j & 1) * TILE_BYTES + (d >> 3) * 128 + t * 16 * D * 2);
+                        tc_u32 b[4];
+                        tc_ldsm4t(b, va[(d >> 1) & 3] + (j & 1) * TILE_BYTES + (d >> 3) * 128 + t * 16 * D * 2);
 #pragma unroll
                         for (int mt = 0; mt < MT; ++mt) {
-                            tpf_mma<BF16>(o[mt][d], pa[mt][t], b[0], b[1]);
-                            tpf_mma<BF16>(o[mt][d + 1], pa[mt][t], b[2], b[3]);
+                            tc_mma<BF16>(o[mt][d], pa[mt][t], b[0], b[1]);
+                            tc_mma<BF16>(o[mt][d + 1], pa[mt][t], b[2], b[3]);
                         }
                     }
                 }
@@ -501,14 +240,14 @@ __device__ __forceinline__ void tpf_fused2(const tpf_u16 *__restrict__ Q, const 
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
                     float li = l[mt][i];
-                    li += tpf_shfl_xor(li, 1);
-                    li += tpf_shfl_xor(li, 2);
+                    li += tc_shfl_xor(li, 1);
+                    li += tc_shfl_xor(li, 2);
                     li = li > 0.0f ? 1.0f / li : 0.0f;
                     const int r = warp * WR + mt * 16 + (lane >> 2) + i * 8;
 #pragma unroll
                     for (int d = 0; d < ND; ++d) {
-                        tpf_u32 *dst = (tpf_u32 *)(sQ + tpf_swz<D>(r, d) + (lane & 3) * 2);
-                        *dst = tpf_pack<BF16>(o[mt][d][2 * i] * li, o[mt][d][2 * i + 1] * li);
+                        tc_u32 *dst = (tc_u32 *)(sQ + tc_swz<D>(r, d) + (lane & 3) * 2);
+                        *dst = tc_pack<BF16>(o[mt][d][2 * i] * li, o[mt][d][2 * i + 1] * li);
                     }
                 }
             }
@@ -519,7 +258,7 @@ __device__ __forceinline__ void tpf_fused2(const tpf_u16 *__restrict__ Q, const 
                 const int r = c / CH, ch = c % CH;
                 const int gr = wr0 + r;
                 if (gr < N)
-                    *(tpf_u4 *)(Oh + (long long)gr * D + ch * 8) = *(const tpf_u4 *)(sQ + tpf_swz<D>(warp * WR + r, ch));
+                    *(tc_u4 *)(Oh + (long long)gr * D + ch * 8) = *(const tc_u4 *)(sQ + tc_swz<D>(warp * WR + r, ch));
             }
             __syncthreads();  // sQ, sK, sV are reused by the block's next tile (when the grid strides)
         }
@@ -528,8 +267,8 @@ __device__ __forceinline__ void tpf_fused2(const tpf_u16 *__restrict__ Q, const 
 
 #define TPF_DEFINE2(SUF, BF16, D, NW, MT, BC)                                                          \
     extern "C" __global__ void __launch_bounds__(NW * 32)                                             \
-        fused2_##SUF##_d##D##_w##NW##_m##MT##_c##BC(const tpf_u16 *__restrict__ Q, const tpf_u16 *__restrict__ K, \
-                                                    const tpf_u16 *__restrict__ V, tpf_u16 *__restrict__ O, \
+        fused2_##SUF##_d##D##_w##NW##_m##MT##_c##BC(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, \
+                                                    const tc_u16 *__restrict__ V, tc_u16 *__restrict__ O, \
                                                     int BH, int N, float scale_log2, int causal) {   \
         tpf_fused2<D, NW, MT, BC, BF16>(Q, K, V, O, BH, N, scale_log2, causal);                       \
     }

@@ -35,10 +35,10 @@
 // O (64 x D) += P V: P as A fragments (one k16 step of keys per pa[kk]), sv the first row of a V tile
 // of 128 keys in the tile layout (read transposed: MN-major, panels 128 * 128 bytes apart).
 template <int D, bool BF16>
-__device__ __forceinline__ void hw_pv(float (&o)[D / 2], const hw_u32 (&pa)[8][4], hw_u32 sv) {
+__device__ __forceinline__ void hw_pv(float (&o)[D / 2], const tc_u32 (&pa)[8][4], tc_u32 sv) {
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
-        const hw_u64 db = hw_desc(sv + kk * 16 * 128, 128 * 128, 1024);
+        const tc_u64 db = hw_desc(sv + kk * 16 * 128, 128 * 128, 1024);
         if constexpr (D == 128)
             hw_mma_rs_n128<BF16, 1>(o, pa[kk], db, 1);
         else
@@ -49,33 +49,33 @@ __device__ __forceinline__ void hw_pv(float (&o)[D / 2], const hw_u32 (&pa)[8][4
 // P fragments for O += P V from the S accumulators (n8 block j holds columns 8j..8j+7): k16 step kk
 // takes blocks 2kk and 2kk + 1, the register order of an m16n8k16 A fragment
 template <bool BF16>
-__device__ __forceinline__ void hw_pack_p(hw_u32 (&pa)[8][4], const float (&s)[64]) {
+__device__ __forceinline__ void hw_pack_p(tc_u32 (&pa)[8][4], const float (&s)[64]) {
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
-        pa[kk][0] = hw_pack<BF16>(s[8 * kk + 0], s[8 * kk + 1]);
-        pa[kk][1] = hw_pack<BF16>(s[8 * kk + 2], s[8 * kk + 3]);
-        pa[kk][2] = hw_pack<BF16>(s[8 * kk + 4], s[8 * kk + 5]);
-        pa[kk][3] = hw_pack<BF16>(s[8 * kk + 6], s[8 * kk + 7]);
+        pa[kk][0] = tc_pack<BF16>(s[8 * kk + 0], s[8 * kk + 1]);
+        pa[kk][1] = tc_pack<BF16>(s[8 * kk + 2], s[8 * kk + 3]);
+        pa[kk][2] = tc_pack<BF16>(s[8 * kk + 4], s[8 * kk + 5]);
+        pa[kk][3] = tc_pack<BF16>(s[8 * kk + 6], s[8 * kk + 7]);
     }
 }
 
 template <int D, bool BF16>
-__device__ __forceinline__ void hw_fused(const hw_u16 *__restrict__ Q, const hw_u16 *__restrict__ K,
-                                         const hw_u16 *__restrict__ V, hw_u16 *__restrict__ O, int BH, int N,
+__device__ __forceinline__ void hw_fused(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
+                                         const tc_u16 *__restrict__ V, tc_u16 *__restrict__ O, int BH, int N,
                                          float scale_log2, int causal) {
-    constexpr int BR = 128, BC = 128, NT = 256, CH = D / 8;
-    constexpr hw_u32 QB = BR * D * 2, KB = BC * D * 2;  // bytes of the Q tile and of one K or V tile
-    const hw_u32 sQ = hw_smem_base(), sK = sQ + QB, sV = sK + 2 * KB;
+    constexpr int BR = 128, BC = 128, NT = 256;
+    constexpr tc_u32 QB = BR * D * 2, KB = BC * D * 2;  // bytes of the Q tile and of one K or V tile
+    const tc_u32 sQ = hw_smem_base(), sK = sQ + QB, sV = sK + 2 * KB;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int n_qt = (N + BR - 1) / BR;
     const int n_kt_all = (N + BC - 1) / BC;
-    const hw_u32 sq = sQ + wg * 64 * 128;               // this warpgroup's 64 rows of Q
+    const tc_u32 sq = sQ + wg * 64 * 128;               // this warpgroup's 64 rows of Q
     const int rl = wg * 64 + warp * 16 + (lane >> 2);  // this thread's rows: rl and rl + 8 (in the tile)
 
     for (int bh = blockIdx.y; bh < BH; bh += gridDim.y) {
         const long long base = (long long)bh * N * D;
-        const hw_u16 *Qh = Q + base, *Kh = K + base, *Vh = V + base;
-        hw_u16 *Oh = O + base;
+        const tc_u16 *Qh = Q + base, *Kh = K + base, *Vh = V + base;
+        tc_u16 *Oh = O + base;
         for (int qi = blockIdx.x; qi < n_qt; qi += gridDim.x) {
             const int qt = causal ? n_qt - 1 - qi : qi;
             const int q0 = qt * BR;
@@ -88,15 +88,15 @@ __device__ __forceinline__ void hw_fused(const hw_u16 *__restrict__ Q, const hw_
             const int wr0 = q0 + wg * 64;     // the warpgroup's first row
             hw_load_tile<D, BR, NT>(sQ, Qh, q0, N, tid);
             hw_load_tile<D, BC, NT>(sK, Kh, 0, N, tid);
-            hw_cp_commit();
+            tc_cp_commit();
             if (n_kt > 1) hw_load_tile<D, BC, NT>(sK + KB, Kh, BC, N, tid);
             hw_load_tile<D, BC, NT>(sV, Vh, 0, N, tid);
-            hw_cp_commit();
+            tc_cp_commit();
 
             float o[D / 2], s[64];
 #pragma unroll
             for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
-            float m[2] = {HW_NEG_INF, HW_NEG_INF}, l[2] = {0.0f, 0.0f}, alpha[2];
+            float m[2] = {TC_NEG_INF, TC_NEG_INF}, l[2] = {0.0f, 0.0f}, alpha[2];
 
             // -inf where a key is past N or (causal) after the row; only tiles that cross either
             auto mask = [&](int k0) {
@@ -107,7 +107,7 @@ __device__ __forceinline__ void hw_fused(const hw_u16 *__restrict__ Q, const hw_
                         for (int e = 0; e < 4; ++e) {
                             const int col = k0 + j * 8 + (lane & 3) * 2 + (e & 1);
                             const int row = r0 + (e >> 1) * 8;
-                            if (col >= N || (causal && col > row)) s[4 * j + e] = HW_NEG_INF;
+                            if (col >= N || (causal && col > row)) s[4 * j + e] = TC_NEG_INF;
                         }
                 }
             };
@@ -115,20 +115,20 @@ __device__ __forceinline__ void hw_fused(const hw_u16 *__restrict__ Q, const hw_
             auto softmax = [&]() {
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
-                    float mx = HW_NEG_INF;
+                    float mx = TC_NEG_INF;
 #pragma unroll
                     for (int j = 0; j < 16; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
-                    mx = fmaxf(mx, hw_shfl_xor(mx, 1));
-                    mx = fmaxf(mx, hw_shfl_xor(mx, 2));
+                    mx = fmaxf(mx, tc_shfl_xor(mx, 1));
+                    mx = fmaxf(mx, tc_shfl_xor(mx, 2));
                     const float mn = fmaxf(m[i], mx * scale_log2);
-                    const float ms = mn == HW_NEG_INF ? 0.0f : mn;  // a row with nothing seen yet
-                    alpha[i] = hw_exp2(m[i] - ms);
+                    const float ms = mn == TC_NEG_INF ? 0.0f : mn;  // a row with nothing seen yet
+                    alpha[i] = tc_exp2(m[i] - ms);
                     m[i] = mn;
                     float sum = 0.0f;
 #pragma unroll
                     for (int j = 0; j < 16; ++j) {
-                        const float p0 = hw_exp2(fmaf(s[4 * j + 2 * i], scale_log2, -ms));
-                        const float p1 = hw_exp2(fmaf(s[4 * j + 2 * i + 1], scale_log2, -ms));
+                        const float p0 = tc_exp2(fmaf(s[4 * j + 2 * i], scale_log2, -ms));
+                        const float p1 = tc_exp2(fmaf(s[4 * j + 2 * i + 1], scale_log2, -ms));
                         s[4 * j + 2 * i] = p0;
                         s[4 * j + 2 * i + 1] = p1;
                         sum += p0 + p1;
@@ -137,7 +137,7 @@ __device__ __forceinline__ void hw_fused(const hw_u16 *__restrict__ Q, const hw_
                 }
             };
 
-            hw_cp_wait<1>();  // Q and K_0 have landed
+            tc_cp_wait<1>();  // Q and K_0 have landed
             hw_fence_proxy();
             __syncthreads();
             hw_keep(s);
@@ -151,13 +151,13 @@ __device__ __forceinline__ void hw_fused(const hw_u16 *__restrict__ Q, const hw_
 
             // iteration j (1 <= j < n_kt): S_j = Q K_j^T and O += P_{j-1} V_{j-1}; then the last PV
             for (int j = 1; j < n_kt; ++j) {
-                hw_cp_wait<0>();  // K_j and V_{j-1} have landed ...
+                tc_cp_wait<0>();  // K_j and V_{j-1} have landed ...
                 hw_fence_proxy();
                 __syncthreads();  // ... for every thread; every warpgroup is done with K_{j-1} and V_{j-2}
                 if (j + 1 < n_kt) hw_load_tile<D, BC, NT>(sK + ((j + 1) & 1) * KB, Kh, (j + 1) * BC, N, tid);
                 hw_load_tile<D, BC, NT>(sV + (j & 1) * KB, Vh, j * BC, N, tid);
-                hw_cp_commit();
-                hw_u32 pa[8][4];
+                tc_cp_commit();
+                tc_u32 pa[8][4];
                 hw_pack_p<BF16>(pa, s);
                 hw_keep(o);
                 hw_keep(pa);
@@ -177,10 +177,10 @@ __device__ __forceinline__ void hw_fused(const hw_u16 *__restrict__ Q, const hw_
                 for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
             }
             {
-                hw_cp_wait<0>();  // V_{n_kt - 1} has landed
+                tc_cp_wait<0>();  // V_{n_kt - 1} has landed
                 hw_fence_proxy();
                 __syncthreads();
-                hw_u32 pa[8][4];
+                tc_u32 pa[8][4];
                 hw_pack_p<BF16>(pa, s);
                 hw_keep(o);
                 hw_keep(pa);
@@ -192,27 +192,14 @@ __device__ __forceinline__ void hw_fused(const hw_u16 *__restrict__ Q, const hw_
                 hw_keep(pa);
             }
 
-            // O = acc / l, staged through sQ (this warpgroup's rows), then 16-byte stores
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-                l[i] += hw_shfl_xor(l[i], 1);
-                l[i] += hw_shfl_xor(l[i], 2);
+                l[i] += tc_shfl_xor(l[i], 1);
+                l[i] += tc_shfl_xor(l[i], 2);
                 l[i] = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
             }
-            __syncthreads();  // every warpgroup is past its reads of sQ
-#pragma unroll
-            for (int j = 0; j < D / 8; ++j)
-#pragma unroll
-                for (int i = 0; i < 2; ++i)
-                    hw_st_shared(sQ + hw_swz<BR>(rl + 8 * i, j) + (lane & 3) * 4,
-                                 hw_pack<BF16>(o[4 * j + 2 * i] * l[i], o[4 * j + 2 * i + 1] * l[i]));
-            __syncthreads();
-#pragma unroll
-            for (int i = 0; i < BR * CH / NT; ++i) {
-                const int c = tid + i * NT;
-                const int r = c / CH, ch = c % CH;
-                if (q0 + r < N) *(hw_u4 *)(Oh + (long long)(q0 + r) * D + ch * 8) = hw_ld_shared4(sQ + hw_swz<BR>(r, ch));
-            }
+            // O = acc / l, staged through sQ (every warpgroup is past its reads of it), 16-byte stores
+            hw_store_tile<D, BF16>(Oh, D, q0, N, 0, D, sQ, o, l[0], l[1], rl, tid);
             __syncthreads();  // sQ, sK, sV are reused by the block's next tile (when the grid strides)
         }
     }
@@ -220,8 +207,8 @@ __device__ __forceinline__ void hw_fused(const hw_u16 *__restrict__ Q, const hw_
 
 #define HW_DEFINE(SUF, BF16, D)                                                                        \
     extern "C" __global__ void __launch_bounds__(256, 1)                                              \
-        fusedh_##SUF##_d##D(const hw_u16 *__restrict__ Q, const hw_u16 *__restrict__ K,              \
-                            const hw_u16 *__restrict__ V, hw_u16 *__restrict__ O, int BH, int N,      \
+        fusedh_##SUF##_d##D(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,              \
+                            const tc_u16 *__restrict__ V, tc_u16 *__restrict__ O, int BH, int N,      \
                             float scale_log2, int causal) {                                           \
         hw_fused<D, BF16>(Q, K, V, O, BH, N, scale_log2, causal);                                     \
     }
@@ -244,13 +231,13 @@ __device__ __forceinline__ void hw_store_acc(float *C, const float (&acc)[64], i
             C[(warp * 16 + (lane >> 2) + (e >> 1) * 8) * 128 + j * 8 + (lane & 3) * 2 + (e & 1)] = acc[4 * j + e];
 }
 
-extern "C" __global__ void __launch_bounds__(128) hw_probe_qk_f16(const hw_u16 *A, const hw_u16 *B, float *C) {
-    const hw_u32 sA = hw_smem_base(), sB = sA + 64 * 128 * 2;
+extern "C" __global__ void __launch_bounds__(128) hw_probe_qk_f16(const tc_u16 *A, const tc_u16 *B, float *C) {
+    const tc_u32 sA = hw_smem_base(), sB = sA + 64 * 128 * 2;
     const int tid = threadIdx.x;
     hw_load_tile<128, 64, 128>(sA, A, 0, 64, tid);
     hw_load_tile<128, 128, 128>(sB, B, 0, 128, tid);
-    hw_cp_commit();
-    hw_cp_wait<0>();
+    tc_cp_commit();
+    tc_cp_wait<0>();
     hw_fence_proxy();
     __syncthreads();
     float s[64];
@@ -265,23 +252,23 @@ extern "C" __global__ void __launch_bounds__(128) hw_probe_qk_f16(const hw_u16 *
     hw_store_acc(C, s, tid);
 }
 
-extern "C" __global__ void __launch_bounds__(128) hw_probe_pv_f16(const hw_u16 *P, const hw_u16 *V, float *C) {
-    const hw_u32 sV = hw_smem_base();
+extern "C" __global__ void __launch_bounds__(128) hw_probe_pv_f16(const tc_u16 *P, const tc_u16 *V, float *C) {
+    const tc_u32 sV = hw_smem_base();
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     hw_load_tile<128, 128, 128>(sV, V, 0, 128, tid);
-    hw_cp_commit();
+    tc_cp_commit();
     // P as fp32 accumulators would hold it, then packed exactly as the fused kernel packs it
     float s[64];
 #pragma unroll
     for (int j = 0; j < 16; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const hw_u16 h = P[(warp * 16 + (lane >> 2) + (e >> 1) * 8) * 128 + j * 8 + (lane & 3) * 2 + (e & 1)];
+            const tc_u16 h = P[(warp * 16 + (lane >> 2) + (e >> 1) * 8) * 128 + j * 8 + (lane & 3) * 2 + (e & 1)];
             asm("cvt.f32.f16 %0, %1;\n" : "=f"(s[4 * j + e]) : "h"(h));
         }
-    hw_u32 pa[8][4];
+    tc_u32 pa[8][4];
     hw_pack_p<false>(pa, s);
-    hw_cp_wait<0>();
+    tc_cp_wait<0>();
     hw_fence_proxy();
     __syncthreads();
     float o[64];

@@ -28,14 +28,14 @@
 #define TH_KG 8  // key tiles per block in the QK pass
 
 template <int D, bool BF16>
-__device__ __forceinline__ void th_qk(const hw_u16 *__restrict__ Q, const hw_u16 *__restrict__ K,
-                                      hw_u16 *__restrict__ S, int BH, int N, int ld, float scale, int causal) {
+__device__ __forceinline__ void th_qk(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
+                                      tc_u16 *__restrict__ S, int BH, int N, int ld, float scale, int causal) {
     constexpr int BR = 128, BC = 128, NT = 256;
-    constexpr hw_u32 QB = BR * D * 2, KB = BC * D * 2;
+    constexpr tc_u32 QB = BR * D * 2, KB = BC * D * 2;
     // the S tile (128 x 128) is staged in the K tile it was computed from when that is large enough
     // (D = 128), so that Q and two K tiles are all the shared memory and two blocks share an SM
     constexpr bool STAGE_IN_K = KB >= BR * BC * 2;
-    const hw_u32 sQ = hw_smem_base(), sK = sQ + QB;
+    const tc_u32 sQ = hw_smem_base(), sK = sQ + QB;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int rl = wg * 64 + warp * 16 + (lane >> 2);  // this thread's rows in the tile: rl, rl + 8
     const int n_kt = (N + BC - 1) / BC;
@@ -47,87 +47,72 @@ __device__ __forceinline__ void th_qk(const hw_u16 *__restrict__ Q, const hw_u16
 
     for (int bh = blockIdx.z; bh < BH; bh += gridDim.z) {
         const long long base = (long long)bh * N * D;
-        const hw_u16 *Qh = Q + base, *Kh = K + base;
-        hw_u16 *Sh = S + (long long)bh * N * ld;
+        const tc_u16 *Qh = Q + base, *Kh = K + base;
+        tc_u16 *Sh = S + (long long)bh * N * ld;
         hw_load_tile<D, BR, NT>(sQ, Qh, q0, N, tid);
         hw_load_tile<D, BC, NT>(sK, Kh, t0 * BC, N, tid);
-        hw_cp_commit();
+        tc_cp_commit();
         for (int t = t0; t < t1; ++t) {
-            hw_cp_wait<0>();  // K_t (and Q) have landed ...
+            tc_cp_wait<0>();  // K_t (and Q) have landed ...
             hw_fence_proxy();
             __syncthreads();  // ... for all; everyone is done with K_{t-1} and the tile staged in it
             if (t + 1 < t1) hw_load_tile<D, BC, NT>(sK + ((t + 1 - t0) & 1) * KB, Kh, (t + 1) * BC, N, tid);
-            hw_cp_commit();
+            tc_cp_commit();
             float s[64];
             hw_keep(s);
             hw_wg_fence();
-            const hw_u32 kt = sK + ((t - t0) & 1) * KB;
+            const tc_u32 kt = sK + ((t - t0) & 1) * KB;
             hw_qk<D, BR, BF16>(s, sQ + wg * 64 * 128, kt);
             hw_wg_commit();
             hw_wg_wait<0>();
             hw_keep(s);
-            const hw_u32 sS = STAGE_IN_K ? kt : sK + 2 * KB;
-            if (STAGE_IN_K) __syncthreads();  // both warpgroups are done reading K_t
-#pragma unroll
-            for (int j = 0; j < 16; ++j)
-#pragma unroll
-                for (int i = 0; i < 2; ++i)
-                    hw_st_shared(sS + hw_swz<BR>(rl + 8 * i, j) + (lane & 3) * 4,
-                                 hw_pack<BF16>(s[4 * j + 2 * i] * scale, s[4 * j + 2 * i + 1] * scale));
-            __syncthreads();
-#pragma unroll
-            for (int i = 0; i < BR * 16 / NT; ++i) {
-                const int c = tid + i * NT;
-                const int r = c >> 4, ch = c & 15;
-                const int col = t * BC + ch * 8;
-                if (q0 + r < N && col < ld)
-                    *(hw_u4 *)(Sh + (long long)(q0 + r) * ld + col) = hw_ld_shared4(sS + hw_swz<BR>(r, ch));
-            }
+            // staged in K_t (once both warpgroups are done reading it) or in its own tile
+            hw_store_tile<BC, BF16>(Sh, ld, q0, N, t * BC, ld, STAGE_IN_K ? kt : sK + 2 * KB, s, scale, scale, rl, tid);
         }
         __syncthreads();  // the shared tiles are reused for the next (batch, head) when the grid strides
     }
 }
 
 template <int D, bool BF16>
-__device__ __forceinline__ void th_pv(const hw_u16 *__restrict__ P, const hw_u16 *__restrict__ V,
-                                      hw_u16 *__restrict__ O, int BH, int N, int ld, int causal) {
-    constexpr int BR = 128, BC = 64, NT = 256, CH = D / 8, ST = 3;  // BC keys per stage, ST stages
-    constexpr hw_u32 PB = BR * BC * 2, VB = BC * D * 2, STAGE = PB + VB;
+__device__ __forceinline__ void th_pv(const tc_u16 *__restrict__ P, const tc_u16 *__restrict__ V,
+                                      tc_u16 *__restrict__ O, int BH, int N, int ld, int causal) {
+    constexpr int BR = 128, BC = 64, NT = 256, ST = 3;  // BC keys per stage, ST stages
+    constexpr tc_u32 PB = BR * BC * 2, VB = BC * D * 2, STAGE = PB + VB;
     static_assert(ST * STAGE >= BR * D * 2, "O is staged in the stages' shared memory");
-    const hw_u32 sP = hw_smem_base(), sV = sP + PB;  // stage i at + i * STAGE
+    const tc_u32 sP = hw_smem_base(), sV = sP + PB;  // stage i at + i * STAGE
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int rl = wg * 64 + warp * 16 + (lane >> 2);
     const int qt = blockIdx.x, q0 = qt * BR;
     int n_kt = (N + BC - 1) / BC;
     if (causal && n_kt > (qt + 1) * (BR / BC)) n_kt = (qt + 1) * (BR / BC);
-    auto load = [&](const hw_u16 *Ph, const hw_u16 *Vh, int t) {
+    auto load = [&](const tc_u16 *Ph, const tc_u16 *Vh, int t) {
         if (t < n_kt) {
-            const hw_u32 st = (t % ST) * STAGE;
+            const tc_u32 st = (t % ST) * STAGE;
             hw_load<BC, BR, NT>(sP + st, Ph, ld, q0, N, t * BC, ld, tid);
             hw_load_tile<D, BC, NT>(sV + st, Vh + (long long)t * BC * D, 0, N - t * BC, tid);
         }
-        hw_cp_commit();
+        tc_cp_commit();
     };
 
     for (int bh = blockIdx.y; bh < BH; bh += gridDim.y) {
-        const hw_u16 *Ph = P + (long long)bh * N * ld, *Vh = V + (long long)bh * N * D;
-        hw_u16 *Oh = O + (long long)bh * N * D;
+        const tc_u16 *Ph = P + (long long)bh * N * ld, *Vh = V + (long long)bh * N * D;
+        tc_u16 *Oh = O + (long long)bh * N * D;
         for (int t = 0; t < ST - 1; ++t) load(Ph, Vh, t);
         float o[D / 2];
 #pragma unroll
         for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
         for (int t = 0; t < n_kt; ++t) {
-            hw_cp_wait<ST - 2>();  // P_t and V_t have landed ...
+            tc_cp_wait<ST - 2>();  // P_t and V_t have landed ...
             hw_fence_proxy();
             __syncthreads();       // ... for all; everyone is done with stage (t - 1) % ST
             load(Ph, Vh, t + ST - 1);
-            const hw_u32 st = (t % ST) * STAGE;
+            const tc_u32 st = (t % ST) * STAGE;
             hw_keep(o);
             hw_wg_fence();
 #pragma unroll
             for (int kk = 0; kk < BC / 16; ++kk) {
-                const hw_u64 da = hw_desc(sP + st + wg * 64 * 128 + kk * 32, 16, 1024);
-                const hw_u64 db = hw_desc(sV + st + kk * 16 * 128, BC * 128, 1024);
+                const tc_u64 da = hw_desc(sP + st + wg * 64 * 128 + kk * 32, 16, 1024);
+                const tc_u64 db = hw_desc(sV + st + kk * 16 * 128, BC * 128, 1024);
                 if constexpr (D == 128)
                     hw_mma_ss_n128<BF16, 1>(o, da, db, 1);
                 else
@@ -138,33 +123,21 @@ __device__ __forceinline__ void th_pv(const hw_u16 *__restrict__ P, const hw_u16
             hw_keep(o);
         }
         // O staged through the first stages (128 rows x D), then 16-byte stores for rows < N
-        hw_cp_wait<0>();
-        __syncthreads();
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j)
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-                hw_st_shared(sP + hw_swz<BR>(rl + 8 * i, j) + (lane & 3) * 4, hw_pack<BF16>(o[4 * j + 2 * i], o[4 * j + 2 * i + 1]));
-        __syncthreads();
-#pragma unroll
-        for (int i = 0; i < BR * CH / NT; ++i) {
-            const int c = tid + i * NT;
-            const int r = c / CH, ch = c % CH;
-            if (q0 + r < N) *(hw_u4 *)(Oh + (long long)(q0 + r) * D + ch * 8) = hw_ld_shared4(sP + hw_swz<BR>(r, ch));
-        }
+        tc_cp_wait<0>();
+        hw_store_tile<D, BF16>(Oh, D, q0, N, 0, D, sP, o, 1.0f, 1.0f, rl, tid);
         __syncthreads();
     }
 }
 
 #define TH_DEFINE(SUF, BF16, D)                                                                        \
     extern "C" __global__ void __launch_bounds__(256, 2)                                              \
-        tiledh_qk_##SUF##_d##D(const hw_u16 *__restrict__ Q, const hw_u16 *__restrict__ K,            \
-                               hw_u16 *__restrict__ S, int BH, int N, int ld, float scale, int causal) { \
+        tiledh_qk_##SUF##_d##D(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,            \
+                               tc_u16 *__restrict__ S, int BH, int N, int ld, float scale, int causal) { \
         th_qk<D, BF16>(Q, K, S, BH, N, ld, scale, causal);                                            \
     }                                                                                                 \
     extern "C" __global__ void __launch_bounds__(256, 2)                                              \
-        tiledh_pv_##SUF##_d##D(const hw_u16 *__restrict__ P, const hw_u16 *__restrict__ V,            \
-                               hw_u16 *__restrict__ O, int BH, int N, int ld, int causal) {          \
+        tiledh_pv_##SUF##_d##D(const tc_u16 *__restrict__ P, const tc_u16 *__restrict__ V,            \
+                               tc_u16 *__restrict__ O, int BH, int N, int ld, int causal) {          \
         th_pv<D, BF16>(P, V, O, BH, N, ld, causal);                                                   \
     }
 TH_DEFINE(f16, false, 64)

@@ -11,7 +11,7 @@ for the fused kernel and SDPA. Writes benchmarks/kernels[_causal].json and .md (
 command).
 
     PYTHONPATH=. python scripts/bench_kernels.py [--seq-lens 1024 2048 4096 8192] [--heads 1 32]
-        [--causal] [--kernels naive tiled fused ...] [--fused-configs 2:w4_m2_c32 1:w4_c64]
+        [--causal] [--kernels naive tiled fused ...] [--fused-configs 2:w4_m2_c32 h]
 """
 
 from __future__ import annotations
@@ -126,10 +126,12 @@ def run(args) -> dict:
         return fn
 
     def fused_cfg(cfg):
-        """A fused kernel by shorthand: 2:w4_m2_c32 is fused2_{suf}_d{d}_w4_m2_c32, 1:w8_c64 is fused_...,
-        h is fusedh_{suf}_d{d} (wgmma, compute capability 9.0 only)"""
+        """A fused kernel by shorthand: 2:w4_m2_c32 is fused2_{suf}_d{d}_w4_m2_c32, h is fusedh_{suf}_d{d}
+        (wgmma, compute capability 9.0 only)"""
         ver, _, rest = cfg.partition(":")
-        name = "fusedh_{suf}_d{d}" if ver == "h" else ("fused2" if ver == "2" else "fused") + "_{suf}_d{d}_" + rest
+        if ver not in ("2", "h"):
+            raise SystemExit(f"--fused-configs {cfg}: use 2:wW_mM_cC or h")
+        name = "fusedh_{suf}_d{d}" if ver == "h" else "fused2_{suf}_d{d}_" + rest
         return with_env("TPATTN_FUSED_CFG", name, fused)
     hopper = torch.cuda.get_device_capability() == (9, 0)
     for h in args.heads:
@@ -218,10 +220,10 @@ def main() -> int:
     p.add_argument("--kernels", nargs="+", default=None,
                    help="rows to run (default all): naive tiled fused torch_materialized sdpa_flash sdpa_cudnn "
                         "sdpa_efficient")
-    p.add_argument("--fused-configs", nargs="*", default=[], metavar="V:wW[_mM]_cC",
-                   help="extra fused rows (a sweep): version 1 or 2, W warps per block, C keys per tile, "
-                        "m16 row tiles per warp (see tpattn/attention/fused.py), e.g. 2:w4_m2_c32; "
-                        "h for the wgmma kernel (compute capability 9.0)")
+    p.add_argument("--fused-configs", nargs="*", default=[], metavar="2:wW_mM_cC|h",
+                   help="extra fused rows (a sweep): 2:wW_mM_cC is the mma.sync kernel with W warps per block, "
+                        "M m16 row tiles per warp and C keys per tile (see tpattn/attention/fused.py), "
+                        "e.g. 2:w4_m2_c32; h is the wgmma kernel (compute capability 9.0)")
     p.add_argument("--out", default="benchmarks", help="folder for kernels.json and kernels.md")
     args = p.parse_args()
     if not torch.cuda.is_available():

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tpattn.config import ConfigError
-from tpattn.cuda import ARCH_SPECIFIC, kernel_sources
+from tpattn.cuda import ARCH_SPECIFIC, kernel_dir, kernel_source, kernel_sources
 
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
 
@@ -29,7 +29,9 @@ def _targets():
 @pytest.mark.parametrize("src,arch", list(_targets()))
 def test_kernel_compiles(src, arch, tmp_path):
     gencode = f"arch={arch.replace('sm_', 'compute_')},code={arch}"
-    r = subprocess.run([NVCC, "-gencode", gencode, "-Werror", "all-warnings", "-Xptxas", "-v", "-c", str(src),
+    inlined = tmp_path / src.name  # the source as NVRTC gets it: local headers inlined
+    inlined.write_text(kernel_source(src.name))
+    r = subprocess.run([NVCC, "-gencode", gencode, "-Werror", "all-warnings", "-Xptxas", "-v", "-c", str(inlined),
                         "-o", str(tmp_path / "k.o")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     # ptxas says so when it has to serialize wgmma (a pipeline the kernel relies on, lost)
@@ -61,6 +63,7 @@ class _FakeNvrtc:
             self.getCUBIN = lambda prog: b"CUBIN"
 
     def createProgram(self, src, name, headers, include_names):
+        self.src = src
         return 1
 
     def compileProgram(self, prog, options):
@@ -97,8 +100,7 @@ def test_hopper_files_compile_for_sm_90a_through_nvrtc(monkeypatch, cubin):
     nv = _FakeNvrtc(cubin=cubin)
     cupy, loaded = _fake_cupy(monkeypatch, nv)
     cuda._compile(cupy, "fused_hopper_attention.cu", "// source")
-    assert f"--gpu-architecture={'sm_90a' if cubin else 'compute_90a'}" in nv.options
-    assert f"--include-path={cuda.kernel_dir()}" in nv.options and nv.destroyed
+    assert f"--gpu-architecture={'sm_90a' if cubin else 'compute_90a'}" in nv.options and nv.destroyed
     assert loaded == [b"CUBIN" if cubin else b".target sm_90a\0"]
 
 
@@ -109,3 +111,12 @@ def test_hopper_compile_failure_names_the_portable_kernels(monkeypatch):
     with pytest.raises(RuntimeError, match="TPATTN_TILED_IMPL=mma") as e:
         cuda._compile(cupy, "tiled_hopper_attention.cu", "// source")
     assert "error: something" in str(e.value) and nv.destroyed
+
+
+def test_kernel_source_inlines_the_local_headers_once():
+    src = kernel_source("fused_hopper_attention.cu")
+    assert '#include "' not in src
+    # hopper_common.cuh and tc_common.cuh, each once, before the kernel that uses them
+    assert src.count("struct __attribute__((aligned(16))) tc_u4") == 1
+    assert src.index("hw_desc(tc_u32 addr") < src.index("extern \"C\" __global__")
+    assert kernel_source("naive_attention.cu") == (kernel_dir() / "naive_attention.cu").read_text()

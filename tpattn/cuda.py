@@ -8,6 +8,7 @@ tensor's device, so kernels, torch ops and NCCL are ordered with each other.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -53,11 +54,29 @@ def get_function(filename: str, name: str, device_index: int):
         with cupy.cuda.Device(device_index):
             mod = _modules.get((device_index, filename))
             if mod is None:
-                mod = _compile(cupy, filename, (kernel_dir() / filename).read_text())
+                mod = _compile(cupy, filename, kernel_source(filename))
                 _modules[(device_index, filename)] = mod
             fn = mod.get_function(name)  # compiles on first use, for this device's architecture
         _functions[key] = fn
     return fn
+
+
+_INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.M)
+_PRAGMA_ONCE = re.compile(r"^#pragma once[ \t]*\n", re.M)
+
+
+def kernel_source(filename: str, _seen: set[str] | None = None) -> str:
+    """kernels/`filename` with each local `#include "x.cuh"` replaced by that header's text (once per
+    header), so NVRTC needs no include path and CuPy's compile cache keys on the headers too."""
+    seen = set() if _seen is None else _seen
+
+    def inline(m: re.Match) -> str:
+        name = m.group(1)
+        if name in seen:
+            return ""
+        seen.add(name)
+        return _PRAGMA_ONCE.sub("", kernel_source(name, seen))  # the seen set does its work now
+    return _INCLUDE.sub(inline, (kernel_dir() / filename).read_text())
 
 
 def _compile(cupy, filename: str, src: str):
@@ -73,7 +92,7 @@ def _compile(cupy, filename: str, src: str):
     prog = nvrtc.createProgram(src, filename, (), ())
     try:
         try:
-            nvrtc.compileProgram(prog, ["--std=c++17", f"--gpu-architecture={arch}", f"--include-path={kernel_dir()}"])
+            nvrtc.compileProgram(prog, ["--std=c++17", f"--gpu-architecture={arch}"])
         except Exception as exc:
             raise RuntimeError(f"NVRTC could not compile kernels/{filename} for {arch}: {exc}; the portable "
                                "kernels avoid it: TPATTN_FUSED_CFG=fused2_{suf}_d{d}_w4_m1_c64 for --kernel fused, "

@@ -23,9 +23,8 @@ HOPPER_CC = (9, 0)
 HEAD_DIMS = (64, 128)
 # The kernel per head dim, "{suf}" standing for f16 or bf16. On compute capability 9.0 (H100, H200)
 # fusedh (wgmma, 2 warpgroups, 128 query rows, 128 keys per tile) unless the call is too small to
-# fill half the GPU with it (see kernel_for); elsewhere fused2, the mma.sync
-# version, software pipelined (fused, the straight one, is kept for the ladder's record); _wW: W
-# warps, _mM: M tiles of 16 query rows per warp (fused2 only; fused has 1), _cC: C keys per tile.
+# fill half the GPU with it (see kernel_for); elsewhere fused2, the mma.sync version, software
+# pipelined; _wW: W warps, _mM: M tiles of 16 query rows per warp, _cC: C keys per tile.
 # Chosen on the H200 (benchmarks/ladder.md); TPATTN_FUSED_CFG=NAME overrides it (the bench's sweep).
 CONFIG = {64: "fused2_{suf}_d64_w4_m1_c64", 128: "fused2_{suf}_d128_w4_m1_c64"}
 HOPPER_CONFIG = "fusedh_{suf}_d{d}"
@@ -55,8 +54,7 @@ def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True) -> Choi
     key = (d, suf, cc, wide, os.environ.get("TPATTN_FUSED_CFG"))
     if key not in _kernels:
         name = (key[4] or (HOPPER_CONFIG if cc == HOPPER_CC and wide else CONFIG[d])).format(suf=suf, d=d)
-        m = re.fullmatch(rf"fused_{suf}_d{d}_w(\d+)_c(\d+)|fused2_{suf}_d{d}_w(\d+)_m(\d+)_c(\d+)|fusedh_{suf}_d{d}",
-                         name)
+        m = re.fullmatch(rf"fused2_{suf}_d{d}_w(\d+)_m(\d+)_c(\d+)|fusedh_{suf}_d{d}", name)
         if not m:
             raise ConfigError(f"TPATTN_FUSED_CFG={name!r} is not a fused kernel for {suf}, d={d}")
         if name.startswith("fusedh_"):
@@ -65,8 +63,7 @@ def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True) -> Choi
                                   f"{cc[0]}.{cc[1]}); unset it")
             _kernels[key] = Choice(HOPPER_SOURCE, name, 256, 128, (128 + 4 * 128) * d * 2 + 1024)
         else:
-            w, mt, c = (int(m.group(1)), 1, int(m.group(2))) if m.group(1) else (int(m.group(3)), int(m.group(4)),
-                                                                                int(m.group(5)))
+            w, mt, c = (int(g) for g in m.groups())
             rows = 16 * mt * w
             _kernels[key] = Choice(SOURCE, name, 32 * w, rows, (rows + 4 * c) * d * 2)
     return _kernels[key]
