@@ -45,7 +45,7 @@ def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m tpattn", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                 description="One multi-head attention layer, split by heads across ranks (tensor parallelism): "
                             "column-parallel Q/K/V, local attention (the seed's naive three-kernel CUDA "
-                            "attention, or a torch reference), row-parallel output projection, one all-reduce. "
+                            "attention, the faster tiled or fused CUDA kernels, or a torch reference), row-parallel output projection, one all-reduce. "
                             "Times every pass and checks the output against the single-process baseline "
                             "and a float64 reference.")
     s = p.add_argument_group("shape")
@@ -60,7 +60,7 @@ def parser() -> argparse.ArgumentParser:
                    "P, O (accumulation is always fp32; default fp16)")
     k.add_argument("--kernel", choices=backend_names(), help="local attention backend: naive (the seed's three "
                    "CUDA kernels via CuPy), reference (torch, same passes and rounding, CPU or GPU), tiled (three "
-                   "passes on tensor cores) or fused (one online-softmax kernel, S and P never stored; head dim 64 "
+                   "passes on tensor cores, wgmma on compute capability 9.0) or fused (one online-softmax kernel, S and P never stored; head dim 64 "
                    "or 128); default naive on a GPU with CuPy, else reference")
     k.add_argument("--device", default="auto", choices=list(DEVICES), help="auto picks cuda when a GPU (and CuPy "
                    "for naive) is there, else cpu, and says why (default auto)")
