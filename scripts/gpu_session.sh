@@ -7,6 +7,9 @@
 #   bench16k  the same at N = 16 384, 32 heads, without the naive kernels
 #   layer   the default layer: mpirun -n 1 over NCCL (naive, fused, tiled), mpirun -n 4 over gloo
 #           sharing the GPU, and mpirun -n 2 over gloo with --kernel fused
+#   speed   the layer at the default shape on 1 and 2 GPUs, each style (overlap, sequence parallel,
+#           CUDA graph), a table of them (scripts/layer_table.py)
+#   layertests  pytest -m gpu for the layer's styles and for faults over NCCL (2 GPUs)
 #   checks  the refusals that need a GPU: NaN in --load, the memory pre-flight, N^2 > 2^31 run
 # Logs and JSON go to $OUT (default results/). Usage: bash scripts/gpu_session.sh [STEP]... (default all)
 set -u -o pipefail
@@ -49,6 +52,43 @@ if want layer; then
   note "mpirun -n 2 python -m tpattn --dist-backend gloo --kernel fused"
   mpirun --oversubscribe -n 2 python3 -m tpattn --dist-backend gloo --kernel fused \
     --json "$OUT/layer_np2_fused.json" 2>&1 | tee -a "$OUT/layer.log" || status=1
+fi
+if want speed; then
+  # The layer at the default shape on 1 and 2 GPUs (NCCL), in each style; one JSON per run.
+  note "layer speed: mpirun -n W python -m tpattn ... (W = 1, 2 where there are 2 GPUs)"
+  mkdir -p "$OUT/speed"
+  gpus=$(nvidia-smi -L | wc -l)
+  i=0
+  while read -r w args; do
+    [ "$w" -gt "$gpus" ] && continue
+    i=$((i + 1))
+    echo "--- mpirun -n $w python -m tpattn $args"
+    mpirun -n "$w" python3 -m tpattn $args --iters 20 --json "$OUT/speed/$(printf %02d $i).json" 2>&1 \
+      | grep -E "RESULT|check|error|failed" || status=1
+  done <<'RUNS'
+1 --kernel fused
+1 --kernel fused --cuda-graph
+2 --kernel fused
+2 --kernel fused --reduce-dtype model
+2 --kernel fused --overlap 2
+2 --kernel fused --overlap 4
+2 --kernel fused --cuda-graph
+2 --kernel fused --cuda-graph --overlap 2
+2 --kernel fused --sequence-parallel
+2 --kernel fused --sequence-parallel --overlap 2
+2 --kernel fused --sequence-parallel --overlap 4
+1 --kernel fused --causal
+2 --kernel fused --causal
+1 --kernel naive
+2 --kernel naive
+2 --kernel naive --overlap 4
+RUNS
+  python3 scripts/layer_table.py "$OUT"/speed/*.json --md "$OUT/speed/table.md" || status=1
+fi
+if want layertests; then
+  note "pytest -m gpu: the layer (styles, overlap, graph) and faults over NCCL"
+  python3 -m pytest -m gpu -q -p no:warnings --tb=short tests/test_gpu_layer.py tests/test_gpu_faults.py 2>&1 \
+    | tee "$OUT/pytest_gpu_layer.log" | tail -40 || status=1
 fi
 if want checks; then
   {

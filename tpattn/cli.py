@@ -9,11 +9,12 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
 from . import dist as tpdist
-from . import faults
+from . import faults, watch
 from .attention import backend_names
 from .check import TOL_BASELINE, TOL_FLOAT64, compare, layer_float64, sample_rows
 from .config import DEVICES, DIST_BACKENDS, DTYPES, REDUCE_DTYPES, Config, ConfigError, resolve, validate
@@ -75,6 +76,16 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--reduce-dtype", default="fp32", choices=list(REDUCE_DTYPES), help="dtype of the partial "
                    "outputs and the all-reduce: fp32 (default; the article's full-precision sum, 2x the "
                    "bytes) or model (the storage dtype, half the bytes, one more rounding)")
+    d.add_argument("--sequence-parallel", action="store_true", help="second parallel style: input and "
+                   "output sharded along the sequence ([B, N/W, D] per rank); an all-gather before the QKV "
+                   "projection and a reduce-scatter after the output projection replace the all-reduce "
+                   "(needs --seq-len divisible by the world size)")
+    d.add_argument("--overlap", type=int, default=1, metavar="K", help="pipeline the output projection and "
+                   "the collective over K row chunks, the collectives on a side CUDA stream (sequence "
+                   "parallel: the all-gather with the QKV projection too); 1 = off (default; see README for "
+                   "when it pays)")
+    d.add_argument("--cuda-graph", action="store_true", help="capture the whole layer (kernels, GEMMs, "
+                   "collectives) in one CUDA graph and time its replays: no host launch cost, total time only")
     d.add_argument("--timeout", type=float, default=300.0, metavar="S", help="seconds to wait for the "
                    "rendezvous and for any collective before the job fails (default 300)")
     m = p.add_argument_group("measure and report")
@@ -94,6 +105,7 @@ def parse(argv: list[str]) -> Config:
     return Config(seq_len=a.seq_len, heads=a.heads, head_dim=a.head_dim, batch=a.batch, dtype=a.dtype,
                   kernel=a.kernel, causal=a.causal, device=a.device, warmup=a.warmup, iters=a.iters, seed=a.seed,
                   check=a.check, json=a.json, dist_backend=a.dist_backend, reduce_dtype=a.reduce_dtype,
+                  sequence_parallel=a.sequence_parallel, overlap=a.overlap, cuda_graph=a.cuda_graph,
                   timeout=a.timeout, profile=a.profile, load=a.load)
 
 
@@ -113,8 +125,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return _main(argv, proc)
     except (ConfigError, tpdist.LaunchError) as exc:
-        _say(proc, f"error: {exc}")
-        proc.abort(EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_FAIL)
+        if not watch.ending():  # else the watch has printed why
+            _say(proc, f"error: {exc}")
+        code = EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_FAIL
+        watch.end_job(f"{type(exc).__name__}: {exc}", code)  # a no-op before the process group exists
+        proc.abort(code)
     except KeyboardInterrupt:
         _say(proc, "interrupted")
         proc.abort(130)
@@ -129,10 +144,13 @@ def main(argv: list[str] | None = None) -> int:
             where = f" (at {os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno})"
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         gone = proc.dead_peers()
-        _say(proc, f"failed: {type(exc).__name__}: {msg}{where}{'; ' + gone if gone else ''}; ending the job")
+        line = f"{type(exc).__name__}: {msg}{where}{'; ' + gone if gone else ''}"
+        if not watch.ending():
+            _say(proc, f"failed: {line}; ending the job")
         if os.environ.get("TPATTN_TRACEBACK"):
             import traceback
             traceback.print_exc()
+        watch.end_job(line, EXIT_FAIL)  # the other ranks print it too, then the job ends
         proc.abort(EXIT_FAIL)
     return EXIT_FAIL  # not reached
 
@@ -163,8 +181,10 @@ def _main(argv: list[str], proc) -> int:
         return EXIT_USAGE
     if proc.distributed:
         tpdist.init_process_group(proc, cfg.dist_backend, device, cfg.timeout)
+        watch.start(proc, cfg.timeout, lambda m: _say(proc, m))
     code = _run(cfg, proc, device, infos, argv, loaded)
     if proc.distributed:
+        watch.stop()
         torch.distributed.destroy_process_group()
     tpdist.leave(proc, cfg.timeout, code)
     return code
@@ -187,18 +207,25 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
         x = layer_input(cfg.batch, cfg.seq_len, cfg.model_dim, cfg.seed, cfg.torch_dtype, device)
     layer = TensorParallelAttention(**w, heads=cfg.heads, head_dim=cfg.head_dim, backend=cfg.kernel,
                                     causal=cfg.causal, group=WORLD if proc.distributed else None,
-                                    reduce_dtype=cfg.reduce_dtype)
+                                    reduce_dtype=cfg.reduce_dtype, sequence_parallel=cfg.sequence_parallel,
+                                    overlap=cfg.overlap)
+    x_in = layer.shard_sequence(x) if cfg.sequence_parallel else x  # sequence parallel: N/W rows each
     timer = Timer(device)
     for _ in range(cfg.warmup):
-        layer(x)
+        layer(x_in)
+    call = layer.graphed(x_in) if cfg.cuda_graph else (lambda: layer(x_in, timer))
     samples: dict[str, list[float]] = {}
     for _ in range(cfg.iters):
         with timer.section("total"):
-            y = layer(x, timer)
-        for name, ms in timer.collect().items():
+            t0 = time.perf_counter()
+            y = call()
+            host = (time.perf_counter() - t0) * 1e3  # returns once everything is queued on the GPU
+        for name, ms in {**timer.collect(), "host": host}.items():
             samples.setdefault(name, []).append(ms)
+    if cfg.sequence_parallel:
+        y = layer.gather_sequence(y)  # the whole output, for the checks (every rank joins)
     if cfg.profile:
-        _profile(cfg, proc, layer, x)
+        _profile(cfg, proc, layer, x_in)
     infos[proc.rank]["heads"] = f"{heads.start}-{heads.stop - 1}"
     mine = {"info": infos[proc.rank], "passes": {k: summarize(v) for k, v in samples.items()}}
     everyone = tpdist.exchange(proc, "report", mine, cfg.timeout, "report")
@@ -207,7 +234,7 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
         return 0 if verdict != "FAIL" else EXIT_FAIL
     checks = _checks(cfg, proc, layer, w, x, y, device, loaded) if cfg.check else {}
     verdict = "FAIL" if any(not c["pass"] for c in checks.values()) else ("PASS" if checks else "NOT CHECKED")
-    rep = build(cfg, proc, device, everyone, layer.partial_nbytes(cfg.batch, cfg.seq_len), checks, verdict,
+    rep = build(cfg, proc, device, everyone, collective_bytes(cfg, layer), checks, verdict,
                 ["python", "-m", "tpattn", *argv])
     print(text(rep), flush=True)
     if cfg.json:
@@ -216,6 +243,14 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
     if proc.distributed:  # last: on FAIL the others exit as soon as they read it
         proc.store.set("verdict", json.dumps({"verdict": verdict}))
     return 0 if verdict != "FAIL" else EXIT_FAIL
+
+
+def collective_bytes(cfg: Config, layer) -> dict:
+    """Bytes of each collective the layer runs per call (the whole tensor, nccl-tests' "size")."""
+    if not cfg.sequence_parallel:
+        return {"allreduce": layer.partial_nbytes(cfg.batch, cfg.seq_len)}
+    return {"allgather": layer.gather_nbytes(cfg.batch, cfg.seq_len),
+            "reducescatter": layer.partial_nbytes(cfg.batch, cfg.seq_len)}
 
 
 def _checks(cfg: Config, proc, layer, w, x, y, device, loaded) -> dict:

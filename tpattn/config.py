@@ -45,6 +45,9 @@ class Config:
     json: str | None = None
     dist_backend: str = "auto"
     reduce_dtype: str = "fp32"
+    sequence_parallel: bool = False    # x and y sharded along the sequence: all-gather + reduce-scatter
+    overlap: int = 1                   # row chunks that pipeline the output projection and the collective
+    cuda_graph: bool = False           # capture the whole layer in a CUDA graph and replay it
     timeout: float = 300.0
     profile: str | None = None
     load: str | None = None            # full weights (and optionally x) from a torch.save'd dict
@@ -142,6 +145,7 @@ def validate(cfg: Config, world: int = 1, local_world: int = 1, gpus_on_node: in
         raise ConfigError(f"--timeout must be positive seconds (got {cfg.timeout})")
     if cfg.reduce_dtype not in REDUCE_DTYPES:
         raise ConfigError(f"unknown --reduce-dtype {cfg.reduce_dtype!r}; choose fp32 or model")
+    check_parallel_style(cfg, world)
     if cfg.dist_backend not in ("nccl", "gloo"):
         raise ConfigError(f"unknown --dist-backend {cfg.dist_backend!r}; choose one of {', '.join(DIST_BACKENDS)}")
     backend = get_backend(cfg.kernel)
@@ -163,6 +167,31 @@ def validate(cfg: Config, world: int = 1, local_world: int = 1, gpus_on_node: in
         check_writable(cfg.json, "--json")
     if check_json and cfg.profile:
         check_writable(cfg.profile, "--profile")
+
+
+def check_parallel_style(cfg: Config, world: int) -> None:
+    """--sequence-parallel, --overlap and --cuda-graph: what each needs of the shape and device."""
+    if cfg.overlap < 1:
+        raise ConfigError(f"--overlap must be at least 1 chunk (got {cfg.overlap}); 1 turns it off")
+    if cfg.sequence_parallel:
+        if cfg.seq_len % world:
+            lo = cfg.seq_len - cfg.seq_len % world
+            raise ConfigError(f"--sequence-parallel needs --seq-len divisible by the world size {world} (got "
+                              f"{cfg.seq_len}); use --seq-len {lo or world} or {lo + world}, or drop --sequence-parallel")
+        n = cfg.seq_len // world
+        if n % cfg.overlap:
+            ok = [k for k in range(1, min(n, 64) + 1) if n % k == 0]
+            raise ConfigError(f"--overlap {cfg.overlap} with --sequence-parallel needs the {n} rows of each rank "
+                              f"divisible by it; use --overlap in {{{', '.join(map(str, ok))}}}")
+    elif cfg.overlap > cfg.batch * cfg.seq_len:
+        raise ConfigError(f"--overlap {cfg.overlap} is more chunks than the {cfg.batch * cfg.seq_len} rows; "
+                          "use fewer")
+    if cfg.cuda_graph:
+        if cfg.device != "cuda":
+            raise ConfigError("--cuda-graph needs --device cuda; drop it on CPU")
+        if world > 1 and cfg.dist_backend != "nccl":
+            raise ConfigError("--cuda-graph needs --dist-backend nccl (gloo collectives cannot be captured); "
+                              "drop --cuda-graph or use one GPU per rank with nccl")
 
 
 def check_writable(path: str, flag: str) -> None:

@@ -1,50 +1,85 @@
 """The tensor-parallel attention layer: the only module that calls a collective.
 
-    x [B, N, D]                      replicated on every rank
-    column-parallel Q/K/V projection rank r owns the columns of heads [r*h, (r+1)*h)
-    local attention                  a backend from tpattn.attention (naive CUDA, reference, ...)
-    row-parallel output projection   rank r owns the rows of W_o for its heads
-    all_reduce(SUM)                  partial [B, N, D] summed over ranks; b_o added once, after it
-    y [B, N, D]                      identical on every rank
+Two parallel styles, each one method read top to bottom (diagrams in README.md):
+
+head-parallel (default), _forward_heads: one collective
+    x [B, N, D]            replicated on every rank
+    QKV GEMM               one GEMM with this rank's packed q, k, v columns (heads [r*h, (r+1)*h))
+    local attention        a backend from tpattn.attention (naive CUDA, fused, reference, ...)
+    output GEMM            this rank's rows of W_o, fp32 result for --reduce-dtype fp32
+    all_reduce(SUM)        partial [B, N, D] summed over ranks; b_o added once, after it
+    y [B, N, D]            identical on every rank
+
+sequence-parallel, _forward_sequence: two collectives
+    x [B, N/W, D]          this rank's block of the sequence
+    all_gather             x [B, N, D] for the QKV GEMM
+    QKV GEMM, attention, output GEMM as above
+    reduce_scatter(SUM)    each rank keeps the sum of its own block of rows
+    y [B, N/W, D]          this rank's block of the output
+
+Overlap (overlap=K > 1): the output GEMM runs in K row chunks and chunk c's collective runs on a
+communication stream while chunk c+1 is projected; in sequence parallel the all-gather is chunked
+the same way and the QKV GEMM of chunk c runs while chunk c+1 is gathered. On CPU the chunks run
+in order (same math, nothing to overlap with).
 """
 
 from __future__ import annotations
 
 import re
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 
-from . import faults
+from . import faults, watch
 from .attention import Backend, get_backend
 from .sharding import check_divisible, head_range
 from .timing import section
 from .weights import slice_heads
 
 WORLD = "world"  # group=WORLD: the default process group if one is initialized, else none
+# The single-tensor all-gather and reduce-scatter (concatenated along dim 0): torch >= 2.13 names
+# them *_single and deprecates the older names, which torch 2.11 (the GPU machines) still has only.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _linear(x2d: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out_dtype) -> torch.Tensor:
-    """x2d @ w (+ b), accumulated in float32 and rounded once to out_dtype."""
-    if x2d.is_cuda and x2d.dtype == w.dtype == out_dtype:
-        return torch.addmm(b, x2d, w) if b is not None else torch.mm(x2d, w)
-    y = torch.mm(x2d.float(), w.float())  # CPU half matmuls, and float32 partials
-    if b is not None:
-        y += b.float()
-    return y.to(out_dtype)
+def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+        out: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b (+ bias), accumulated in fp32 and rounded once to out_dtype. On a GPU an fp16/bf16
+    product runs on tensor cores, also for an fp32 result (torch.mm's out_dtype); the bias rides in
+    the GEMM's epilogue when the result has the inputs' dtype. On CPU through fp32."""
+    if a.is_cuda and a.dtype == b.dtype:
+        if out_dtype == a.dtype:
+            if bias is not None:
+                return torch.addmm(bias, a, b, out=out) if out is not None else torch.addmm(bias, a, b)
+            return torch.mm(a, b, out=out) if out is not None else torch.mm(a, b)
+        if out_dtype == torch.float32 and a.dtype in (torch.float16, torch.bfloat16) and bias is None:
+            y = torch.mm(a, b, out_dtype=torch.float32)
+            return out.copy_(y) if out is not None else y
+    y = torch.mm(a.float(), b.float())
+    if bias is not None:
+        y += bias.float()
+    y = y.to(out_dtype)
+    return out.copy_(y) if out is not None else y
 
 
 class TensorParallelAttention(torch.nn.Module):
     """Multi-head attention whose heads are split over the ranks of `group`.
 
     Weights are this rank's slices in "x @ W" layout: wq/wk/wv [D, h*d], wo [h*d, D], biases
-    bq/bk/bv [h*d] and bo [D] (b_o is added once, after the all-reduce). Build it from full
+    bq/bk/bv [h*d] and bo [D] (b_o is added once, after the collective). Build it from full
     matrices with from_full(), from_multihead_attention() or from_linears().
+
+    sequence_parallel: inputs and outputs are this rank's block of N/W rows (see the module doc).
+    overlap: K > 1 pipelines the output projection (and in sequence parallel the all-gather) over K
+    row chunks with the collectives on a side stream; 1 (default) runs each collective once.
     """
 
     def __init__(self, wq, wk, wv, wo, bq=None, bk=None, bv=None, bo=None, *, heads: int, head_dim: int,
                  backend: str | Backend = "reference", causal: bool = False, group=WORLD,
-                 reduce_dtype: str = "fp32", head_chunk: int | None = None):
+                 reduce_dtype: str = "fp32", head_chunk: int | None = None, sequence_parallel: bool = False,
+                 overlap: int = 1):
         super().__init__()
         self.group, self.rank, self.world = _resolve_group(group)
         err = check_divisible(heads, self.world)
@@ -61,15 +96,24 @@ class TensorParallelAttention(torch.nn.Module):
                                  f"of {self.world} ({self.local_heads} heads of dim {head_dim})")
         if reduce_dtype not in ("fp32", "model"):
             raise ValueError(f"reduce_dtype must be 'fp32' or 'model' (got {reduce_dtype!r})")
+        if overlap < 1:
+            raise ValueError(f"overlap must be at least 1 chunk (got {overlap})")
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.causal = causal
         self.reduce_dtype = reduce_dtype
         self.head_chunk = head_chunk or self.local_heads
+        self.sequence_parallel = sequence_parallel
+        self.overlap = overlap
         self.dtype = wq.dtype
-        self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
-        self.bq, self.bk, self.bv, self.bo = bq, bk, bv, bo
-        # float32 partials (the article's choice) multiply by a float32 copy of W_o, made once.
-        self.wo_reduce = wo.float() if reduce_dtype == "fp32" else wo
+        self.part_dtype = torch.float32 if reduce_dtype == "fp32" else self.dtype
+        # Q, K and V columns packed once, so the projection is one GEMM (bias fused into it).
+        self.wqkv = torch.cat([wq, wk, wv], dim=1)
+        biases = (bq, bk, bv)
+        self.bqkv = None if all(b is None for b in biases) else torch.cat(
+            [torch.zeros(hd, dtype=self.dtype, device=wq.device) if b is None else b for b in biases])
+        self.wo, self.bo = wo, bo
+        self._comm_stream = None  # made on the first overlapped forward on a GPU
+        self._nccl = self.group is not None and dist.get_backend(self.group) == "nccl"
 
     # ---- construction from full weights -------------------------------------------------------
 
@@ -107,42 +151,183 @@ class TensorParallelAttention(torch.nn.Module):
         return cls.from_full(w[:e].T, w[e:2 * e].T, w[2 * e:].T, mha.out_proj.weight.detach().T,
                              bq, bk, bv, ob, heads=mha.num_heads, **kw)
 
-    # ---- forward -----------------------------------------------------------------------------
+    # ---- what the collectives move ------------------------------------------------------------
 
     def partial_nbytes(self, batch: int, seq_len: int) -> int:
-        """Bytes of the partial output that the all-reduce sums."""
-        size = 4 if self.reduce_dtype == "fp32" else torch.empty((), dtype=self.dtype).element_size()
-        return batch * seq_len * self.model_dim * size
+        """Bytes of the partial output that the all-reduce (or reduce-scatter) sums: [B, N, D]."""
+        return batch * seq_len * self.model_dim * torch.empty((), dtype=self.part_dtype).element_size()
+
+    def gather_nbytes(self, batch: int, seq_len: int) -> int:
+        """Bytes of the gathered input [B, N, D] (sequence parallel's all-gather)."""
+        return batch * seq_len * self.model_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def shard_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's block of N/W rows of a full [B, N, D] tensor (sequence parallel's input)."""
+        n = t.shape[1] // self.world
+        return t[:, self.rank * n:(self.rank + 1) * n].contiguous()
+
+    def gather_sequence(self, y: torch.Tensor) -> torch.Tensor:
+        """The full [B, N, D] from every rank's block (for checks: forward itself never needs it)."""
+        if self.group is None:
+            return y
+        B, n, D = y.shape
+        parts = torch.empty((self.world * B, n, D), dtype=y.dtype, device=y.device)
+        self._collective("allgather", None, lambda: _all_gather(parts, y.contiguous(), group=self.group))
+        self._join_comm()
+        return parts.view(self.world, B, n, D).transpose(0, 1).reshape(B, self.world * n, D)
+
+    # ---- forward -----------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, timer=None) -> torch.Tensor:
-        B, N, D = x.shape
-        if D != self.model_dim:
-            raise ValueError(f"input has model dim {D}, the layer expects {self.model_dim}")
-        h, d = self.local_heads, self.head_dim
-        x2d = x.reshape(B * N, D)
+        if x.shape[-1] != self.model_dim or x.dim() != 3:
+            raise ValueError(f"input has shape {tuple(x.shape)}, the layer expects [B, N, {self.model_dim}]")
         faults.maybe_fail(self.rank, "forward")
+        if self.sequence_parallel:
+            return self._forward_sequence(x, timer)
+        return self._forward_heads(x, timer)
+
+    def _forward_heads(self, x: torch.Tensor, timer) -> torch.Tensor:
+        """Head-parallel: x [B, N, D] on every rank -> y [B, N, D] on every rank, one all-reduce."""
+        B, N, D = x.shape
         with section(timer, "qkv_proj"):
-            q, k, v = (_linear(x2d, w, b, self.dtype).view(B, N, h, d).transpose(1, 2).contiguous()
-                       for w, b in ((self.wq, self.bq), (self.wk, self.bk), (self.wv, self.bv)))
+            qkv = _mm(x.reshape(B * N, D), self.wqkv, self.dtype, self.bqkv)   # [B*N, 3*h*d]
+            q, k, v = self._heads_first(qkv.view(B, N, 3, self.local_heads, self.head_dim), (0, 1))
+        o = self._attention(q, k, v, timer)
+        rows = o.transpose(1, 2).reshape(B * N, -1)            # [B*N, h*d], the GEMM's rows
+        partial = torch.empty(B * N, D, dtype=self.part_dtype, device=x.device)
+        for part_rows, part in zip(rows.tensor_split(self.overlap), partial.tensor_split(self.overlap)):
+            with section(timer, "out_proj"):
+                _mm(part_rows, self.wo, self.part_dtype, out=part)
+            self._output_collective("allreduce", timer, lambda p=part: dist.all_reduce(p, group=self.group))
+        self._join_comm()
+        if self.bo is not None:
+            partial += self.bo.to(self.part_dtype)
+        return partial.to(self.dtype).view(B, N, D)
+
+    def _forward_sequence(self, x: torch.Tensor, timer) -> torch.Tensor:
+        """Sequence-parallel: x [B, N/W, D] per rank -> all-gather -> y [B, N/W, D], reduce-scatter.
+
+        Rows travel as [K chunks, W ranks, B, m rows]: chunk c of every rank's block goes in one
+        all-gather and comes back in one reduce-scatter; the relayout before attention puts row
+        (w, c, i) at sequence position w*N/W + c*m + i."""
+        B, n, D = x.shape
+        W, K, h, d = self.world, self.overlap, self.local_heads, self.head_dim
+        m = n // K
+        xs = x.view(B, K, m, D)
+        gathered = torch.empty(K, W, B, m, D, dtype=self.dtype, device=x.device)
+        arrived = [self._collective("allgather", timer, lambda c=c: _all_gather(
+            gathered[c].view(W * B, m, D), xs[:, c].contiguous(), group=self.group),
+            fallback=lambda c=c: gathered[c].copy_(xs[:, c])) for c in range(K)]                              # all K gathers queued; chunk c's QKV waits for c
+        qkv = torch.empty(K, W, B, m, 3 * h * d, dtype=self.dtype, device=x.device)
+        for c in range(K):
+            self._wait(arrived[c])
+            with section(timer, "qkv_proj"):
+                _mm(gathered[c].view(W * B * m, D), self.wqkv, self.dtype, self.bqkv, out=qkv[c].view(W * B * m, -1))
+        with section(timer, "qkv_proj"):                    # rows (c, w, b, i) -> sequence position w*n + c*m + i
+            q, k, v = self._heads_first(qkv.view(K, W, B, m, 3, h, d), (2, 1, 0, 3))
+        o = self._attention(q, k, v, timer)                  # [B, h, N, d] -> rows [K, W, B, m, h*d]
+        rows = o.view(B, h, W, K, m, d).permute(3, 2, 0, 4, 1, 5).reshape(K, W * B * m, h * d)
+        partial = torch.empty(K, W * B * m, D, dtype=self.part_dtype, device=x.device)
+        y = torch.empty(K, B * m, D, dtype=self.part_dtype, device=x.device)
+        for c in range(K):
+            with section(timer, "out_proj"):
+                _mm(rows[c], self.wo, self.part_dtype, out=partial[c])
+            self._output_collective("reducescatter", timer, lambda c=c: _reduce_scatter(
+                y[c], partial[c], group=self.group), fallback=lambda c=c: y[c].copy_(partial[c]))
+        self._join_comm()
+        y = y.view(K, B, m, D).transpose(0, 1).reshape(B, n, D)
+        if self.bo is not None:
+            y = y + self.bo.to(self.part_dtype)
+        return y.to(self.dtype)
+
+    # ---- the local pieces, shared by both styles -----------------------------------------------
+
+    def _heads_first(self, qkv: torch.Tensor, seq_dims: tuple[int, ...]):
+        """q, k, v [B, h, N, d], contiguous, in one copy from the QKV GEMM's output viewed as
+        [..., 3, h, d] whose leading dims seq_dims (batch first, then the sequence's dims in order)."""
+        b, *seq = seq_dims
+        nd = qkv.dim()
+        qkv = qkv.permute(nd - 3, b, nd - 2, *seq, nd - 1).contiguous()
+        B, h, d = qkv.shape[1], qkv.shape[2], qkv.shape[-1]
+        return qkv.view(3, B, h, -1, d).unbind(0)
+
+    def _attention(self, q, k, v, timer) -> torch.Tensor:
+        h = self.local_heads
+        if self.head_chunk >= h:
+            return self.backend.forward(q, k, v, self.causal, timer, out=torch.empty_like(q))
         o = torch.empty_like(q)
         for h0 in range(0, h, self.head_chunk):
             sl = slice(h0, min(h, h0 + self.head_chunk))
             o[:, sl] = self.backend.forward(q[:, sl].contiguous(), k[:, sl].contiguous(), v[:, sl].contiguous(),
                                             self.causal, timer)
-        part_dtype = torch.float32 if self.reduce_dtype == "fp32" else self.dtype
-        with section(timer, "out_proj"):
-            partial = _linear(o.transpose(1, 2).reshape(B * N, h * d), self.wo_reduce, None, part_dtype)
-        if self.group is not None:
-            with section(timer, "allreduce"):
-                if faults.maybe_fail(self.rank, "allreduce") != "skip":
-                    try:
-                        dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=self.group)
-                    except RuntimeError as exc:
-                        raise CollectiveError(f"all-reduce over {self.world} ranks failed ({_first_line(exc)}): "
-                                              "a rank died, hangs or never joined it") from None
-        if self.bo is not None:
-            partial += self.bo.to(part_dtype)
-        return partial.to(self.dtype).view(B, N, D)
+        return o
+
+    # ---- the collectives ---------------------------------------------------------------------
+
+    def _output_collective(self, name: str, timer, call, fallback=None) -> None:
+        """The collective that sums the partial outputs (fault injection step "allreduce")."""
+        if faults.maybe_fail(self.rank, "allreduce") == "skip":
+            return
+        self._collective(name, timer, call, fallback)
+
+    def _collective(self, name: str, timer, call, fallback=None):
+        """Run one collective after the work queued so far: on the communication stream when
+        overlapping on a GPU (returns an event that marks its end), else in line (returns None).
+        Without a process group (one process) `fallback` does the local equivalent."""
+        if self.group is None:
+            if fallback is not None:
+                fallback()
+            return None
+        stream = self._side_stream()
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        with (torch.cuda.stream(stream) if stream is not None else nullcontext()), section(timer, name), \
+                watch.collective(name, self.world, self._nccl):
+            try:
+                call()
+            except RuntimeError as exc:
+                raise CollectiveError(watch.explain(name, self.world, _first_line(exc))) from None
+        return stream.record_event() if stream is not None else None
+
+    def _side_stream(self):
+        if self.overlap == 1 or not self.wqkv.is_cuda:
+            return None
+        if self._comm_stream is None:
+            self._comm_stream = torch.cuda.Stream(device=self.wqkv.device)
+        return self._comm_stream
+
+    @staticmethod
+    def _wait(event) -> None:
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def _join_comm(self) -> None:
+        """The compute stream waits for every collective issued so far."""
+        if self._comm_stream is not None and self.overlap > 1:
+            torch.cuda.current_stream().wait_stream(self._comm_stream)
+
+    # ---- a CUDA graph of the whole layer -----------------------------------------------------
+
+    def graphed(self, x: torch.Tensor):
+        """Capture forward(x) (kernels, GEMMs and the collective) in one CUDA graph; returns a
+        function that replays it on the same input buffer and returns the same output tensor.
+        Copy new inputs into `x` in place before calling it."""
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream(device=x.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compile and load every kernel, create NCCL's communicator
+                self(x)
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = self(x)
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return y
+        replay.graph = graph
+        return replay
 
 
 class CollectiveError(RuntimeError):

@@ -20,11 +20,11 @@ def coefficients(cfg: Config, world: int, rank: int) -> tuple[float, float, floa
     if not scores_bytes(cfg, world):
         a = 0                                                  # fused: S and P stay on chip, O(N) memory
     b = B * (D * el * 2 + 7 * h * d * el + D * red * 2)       # x, y, q/k/v (+ transposes), o, partials
-    c = 4 * D * h * d * el + (h * d * D * 4 if red == 4 else 0)  # weights (+ float32 W_o)
+    c = 4 * D * h * d * el                                     # weights (W_o stays in el: tensor cores)
     if cfg.check and rank == 0:
         # the single-process baseline (all heads, same chunk), and the float64 reference
         b += B * (7 * H * d * el + D * red * 2) + B * (3 * D * 8 + 3 * H * MAX_ROWS * 8)
-        c += 4 * D * H * d * (el + 8) + (H * d * D * 4 if red == 4 else 0)
+        c += 4 * D * H * d * (el + 8)
     return a, b, c
 
 

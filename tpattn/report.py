@@ -11,7 +11,9 @@ import torch
 from . import __version__
 from .memory import scores_bytes
 
-PASSES = ("qkv_proj", "qk", "softmax", "pv", "fused", "out_proj", "allreduce", "total")  # fused: --kernel fused's one pass
+COMPUTE = ("qkv_proj", "qk", "softmax", "pv", "fused", "out_proj")  # fused: --kernel fused's one pass
+COLLECTIVES = {"allreduce": "all-reduce", "allgather": "all-gather", "reducescatter": "reduce-scatter"}
+PASSES = (*COMPUTE, *COLLECTIVES, "total", "host")  # host: time for the call to return (work queued)
 
 
 def versions() -> dict:
@@ -34,12 +36,45 @@ def versions() -> dict:
     return v
 
 
-def bus_bandwidth(nbytes: int, ms: float, world: int) -> tuple[float, float]:
-    """(algbw, busbw) in GB/s by the nccl-tests convention: busbw = algbw * 2(n-1)/n."""
+def bus_bandwidth(nbytes: int, ms: float, world: int, kind: str = "allreduce") -> tuple[float, float]:
+    """(algbw, busbw) in GB/s by the nccl-tests convention: busbw = algbw * 2(n-1)/n for an
+    all-reduce, algbw * (n-1)/n for an all-gather or reduce-scatter (nbytes: the whole tensor)."""
     if ms <= 0 or world < 2:
         return 0.0, 0.0
     algbw = nbytes / (ms * 1e-3) / 1e9
-    return algbw, algbw * 2 * (world - 1) / world
+    return algbw, algbw * (2 if kind == "allreduce" else 1) * (world - 1) / world
+
+
+def collective_stats(stats: dict, nbytes: dict, world: int, dtype: dict) -> dict:
+    """Per collective: bytes, the median over ranks and the last-arriving rank's time (the minimum
+    over ranks: the others also wait for it, so its time is the transfer's), and bandwidths."""
+    out = {}
+    for name, n in nbytes.items():
+        s = stats.get(name, {})
+        med, last = s.get("median", 0.0), s.get("min", 0.0)
+        algbw, busbw = bus_bandwidth(n, med, world, name)
+        _, busbw_last = bus_bandwidth(n, last, world, name)
+        out[name] = {"bytes": n, "dtype": dtype[name], "median_ms": med, "last_rank_ms": last,
+                     "algbw_GBps": algbw, "busbw_GBps": busbw, "busbw_last_rank_GBps": busbw_last}
+    return out
+
+
+def exposure(rank_reports: list[dict]) -> dict | None:
+    """Communication the layer waits for: per rank, total - the compute passes (clamped at 0),
+    against the collectives' own time; the median over ranks. None without per-pass times."""
+    exposed, comm = [], []
+    for r in rank_reports:
+        p = r["passes"]
+        if "total" not in p or not any(c in p for c in COMPUTE):
+            return None
+        coll = sum(p[c]["median"] for c in COLLECTIVES if c in p)
+        if not coll:
+            return None
+        busy = sum(p[c]["median"] for c in COMPUTE if c in p)
+        exposed.append(max(0.0, p["total"]["median"] - busy))
+        comm.append(coll)
+    e, c = statistics.median(exposed), statistics.median(comm)
+    return {"exposed_ms": e, "collectives_ms": c, "hidden_share": max(0.0, min(1.0, 1 - e / c)) if c else 0.0}
 
 
 def across_ranks(rank_reports: list[dict]) -> dict:
@@ -52,20 +87,23 @@ def across_ranks(rank_reports: list[dict]) -> dict:
     return out
 
 
-def build(cfg, proc, device, rank_reports: list[dict], allreduce_bytes: int, checks: dict,
+def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, checks: dict,
           verdict: str, command: list[str]) -> dict:
     world = proc.world
     stats = across_ranks(rank_reports)
-    ar = stats.get("allreduce", {}).get("median", 0.0)
-    algbw, busbw = bus_bandwidth(allreduce_bytes, ar, world)
+    model = cfg.dtype
+    dtypes = {"allreduce": "fp32" if cfg.reduce_dtype == "fp32" else model, "allgather": model,
+              "reducescatter": "fp32" if cfg.reduce_dtype == "fp32" else model}
+    colls = collective_stats(stats, collective_bytes, world, dtypes) if proc.distributed else {}
     h = cfg.heads // world
     sp = scores_bytes(cfg, world)
+    style = "sequence-parallel" if cfg.sequence_parallel else "head-parallel"
     return {
         "tpattn": __version__,
         "command": command,
         "verdict": verdict,
         "notes": cfg.notes,
-        "config": {**cfg.fingerprint(), "model_dim": cfg.model_dim, "heads_per_rank": h},
+        "config": {**cfg.fingerprint(), "model_dim": cfg.model_dim, "heads_per_rank": h, "style": style},
         "world": {"size": world, "launcher": proc.launcher, "backend": cfg.dist_backend if proc.distributed
                   else "none", "device": str(device.type),
                   "ranks": [r["info"] for r in rank_reports]},
@@ -75,8 +113,12 @@ def build(cfg, proc, device, rank_reports: list[dict], allreduce_bytes: int, che
         "passes": stats,
         "rank0_passes": rank_reports[0]["passes"],
         "per_rank_passes": [r["passes"] for r in rank_reports],
-        "allreduce": {"bytes": allreduce_bytes, "dtype": "fp32" if cfg.reduce_dtype == "fp32" else cfg.dtype,
-                      "median_ms": ar, "algbw_GBps": algbw, "busbw_GBps": busbw},
+        # the first collective's numbers under the old key (head-parallel: the all-reduce)
+        "allreduce": colls.get("allreduce") or colls.get("reducescatter") or
+                     {"bytes": collective_bytes.get("allreduce", 0), "dtype": dtypes["allreduce"], "median_ms": 0.0,
+                      "algbw_GBps": 0.0, "busbw_GBps": 0.0},
+        "collectives": colls,
+        "exposure": exposure(rank_reports) if proc.distributed else None,
         "checks": checks,
     }
 
@@ -93,6 +135,8 @@ def text(rep: dict) -> str:
     lines.append(f"config: B={c['batch']} N={c['seq_len']} H={c['heads']} d={c['head_dim']} D={c['model_dim']} "
                  f"dtype={c['dtype']} causal={c['causal']} heads/rank={c['heads_per_rank']} "
                  f"reduce={c['reduce_dtype']} seed={c['seed']}")
+    lines.append(f"style: {c['style']}, overlap {c['overlap']} chunk(s)"
+                 + (", CUDA graph (total time only)" if c["cuda_graph"] else ""))
     for r in w["ranks"]:
         lines.append(f"  rank {r['rank']}: host {r['host']} {r['device']} ({r['device_name']}) heads {r['heads']}")
     m = rep["memory"]
@@ -111,9 +155,14 @@ def text(rep: dict) -> str:
         lines.append(f"  {'pass':<10}{'min':>10}{'median':>10}{'max':>10}")
         for p, s in rep["passes"].items():
             lines.append(f"  {p:<10}{s['min']:>10.3f}{s['median']:>10.3f}{s['max']:>10.3f}")
-        a = rep["allreduce"]
-        lines.append(f"all-reduce: {_mib(a['bytes'])} of {a['dtype']} partials, {a['median_ms']:.3f} ms, "
-                     f"algbw {a['algbw_GBps']:.2f} GB/s, busbw {a['busbw_GBps']:.2f} GB/s")
+        for name, a in rep.get("collectives", {}).items():
+            lines.append(f"{COLLECTIVES[name]}: {_mib(a['bytes'])} of {a['dtype']}, {a['median_ms']:.3f} ms median over "
+                         f"ranks (busbw {a['busbw_GBps']:.1f} GB/s); {a['last_rank_ms']:.3f} ms on the last rank to "
+                         f"arrive (busbw {a['busbw_last_rank_GBps']:.1f} GB/s), the others also wait for it")
+        e = rep.get("exposure")
+        if e:
+            lines.append(f"communication: {e['collectives_ms']:.3f} ms of collectives, {e['exposed_ms']:.3f} ms exposed "
+                         f"(total - compute passes), {100 * e['hidden_share']:.0f}% hidden behind compute")
     for name, ch in rep["checks"].items():
         lines.append(f"check {name}: max err {ch['max_abs_err']:.3g} = {ch['rel_err']:.3g} x rms "
                      f"(tol {ch['tol']:g}) {'PASS' if ch['pass'] else 'FAIL'}{'  ' + ch['what'] if 'what' in ch else ''}")

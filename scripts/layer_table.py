@@ -1,0 +1,53 @@
+#!/usr/bin/env python3
+"""A table of layer runs from their --json reports: end to end, per pass, the collectives' busbw and
+how much of the communication was hidden.
+
+    python scripts/layer_table.py results/speed/*.json [--md OUT.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+PASSES = ("qkv_proj", "fused", "qk", "softmax", "pv", "out_proj", "allreduce", "allgather", "reducescatter")
+
+
+def row(rep: dict) -> dict:
+    c, p = rep["config"], rep["passes"]
+    cmd = " ".join(rep["command"][3:]) or "(defaults)"
+    colls = rep.get("collectives") or {}
+    e = rep.get("exposure") or {}
+    return {"world": rep["world"]["size"], "args": cmd, "verdict": rep["verdict"],
+            "total": p["total"]["max"], "host": p.get("host", {}).get("median"),
+            **{k: p[k]["median"] for k in PASSES if k in p},
+            "busbw": ", ".join(f"{k} {v['busbw_last_rank_GBps']:.0f}" for k, v in colls.items()),
+            "exposed": e.get("exposed_ms"), "hidden": e.get("hidden_share"), "kernel": c["kernel"]}
+
+
+def fmt(v, spec="{:.3f}"):
+    return "" if v is None else spec.format(v)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("reports", nargs="+")
+    ap.add_argument("--md", help="also write the table as markdown here")
+    a = ap.parse_args()
+    rows = [row(json.loads(Path(f).read_text())) for f in a.reports]
+    head = ["W", "python -m tpattn ...", "total ms (max over ranks)", "host ms", *PASSES,
+            "busbw GB/s (last rank)", "exposed ms", "hidden", "check"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join([str(r["world"]), r["args"], fmt(r["total"]), fmt(r["host"]),
+                                         *(fmt(r.get(k)) for k in PASSES), r["busbw"], fmt(r["exposed"]),
+                                         fmt(r["hidden"], "{:.0%}"), r["verdict"]]) + " |")
+    text = "\n".join(lines)
+    print(text)
+    if a.md:
+        Path(a.md).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
