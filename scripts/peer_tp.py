@@ -1,32 +1,81 @@
 #!/usr/bin/env python3
-"""The peer: the same attention layer written the way a PyTorch user would, timed and checked
-against tpattn's in the same processes.
+"""The peers: the same attention layer written the way PyTorch users write it, timed and checked
+against tpattn's in the same processes, beside a bare all-reduce of the same bytes.
 
     mpirun -n W python scripts/peer_tp.py [python -m tpattn's shape/compute options] --json PATH
 
-The peer is a plain nn.Module (four nn.Linear and F.scaled_dot_product_attention) split with
-PyTorch's own tensor-parallel API: parallelize_module with ColwiseParallel for q, k and v (each
-rank keeps the output features of its heads) and RowwiseParallel for o (each rank keeps the input
-features of its heads; DTensor all-reduces the partial outputs). Its weights come from
-tpattn.weights with the same seed as `python -m tpattn`, and tpattn's TensorParallelAttention is
-built from the very same nn.Linear layers (from_linears) in the same process group, so both see
-the same numbers. Each timed iteration runs the peer, then ours; rank 0 compares the outputs
-(and the peer against float64 on sampled rows) and writes JSON:
-{peer_ms, ours_ms, rel_err, pass, ...}. Exit status: 0 PASS, 1 FAIL, 2 bad input.
+Two peers, built from the same four nn.Linear (weights from tpattn.weights with the same seed as
+`python -m tpattn`), and tpattn's TensorParallelAttention built from those Linear too
+(from_linears), all in the same process group:
+
+- dtensor: a plain nn.Module (four nn.Linear and F.scaled_dot_product_attention) split with
+  PyTorch's tensor-parallel API: parallelize_module with ColwiseParallel for q, k and v (each rank
+  keeps the output features of its heads) and RowwiseParallel for o (each rank keeps the input
+  features of its heads; DTensor all-reduces the partial outputs).
+- plain: tensor parallelism by hand, gpt-fast style: this rank's heads of W_q, W_k, W_v packed
+  into one Linear (one GEMM), SDPA over the local heads, the output Linear on the local rows
+  without bias, one dist.all_reduce in the model dtype, the bias added once after it. Timed with
+  SDPA's own backend choice (plain_default) and restricted to flash (plain_flash) and cuDNN
+  (plain_cudnn) where those run (CUDA only; elsewhere reported as not available).
+
+Each timed iteration runs the DTensor peer, the plain peer per SDPA backend, then tpattn (CUDA
+events on a GPU). Then a bare dist.all_reduce of exactly the bytes of tpattn's all-reduce
+(layer.partial_nbytes: fp32 by default) and of the peers' (model dtype), on the same group, after
+a barrier each, with its algbw and busbw. One more forward of each peer is recorded: the
+collectives it dispatches (op, dtype, bytes), the ops it runs (torch.profiler) and which SDPA
+kernel ran. Rank 0 compares every peer's output with tpattn's and with float64 on sampled rows
+and writes JSON: {peer_ms (the DTensor peer), ours_ms, plain_ms, peers: {dtensor, plain_default,
+plain_flash, plain_cudnn}, host_ms, bare_allreduce: {ours, peer: {bytes, dtype, ms, algbw_GBps,
+busbw_GBps}}, ours_allreduce, per_forward, rel_err, pass, checks, ...}. Exit status: 0 PASS,
+1 FAIL, 2 bad input.
+
+Why the DTensor peer is slower on 2 GPUs than on 1 (2.63 -> 4.46 ms on H200s): not from how we
+use the API, as far as a CPU run (gloo, the same dispatch and the same collectives) shows it.
+- One collective per forward, none with one rank: RowwiseParallel's output is a Partial DTensor
+  that redistribute() sums with one functional all_reduce in the model dtype (fp16, B*N*D*2
+  bytes: the plain peer's bytes, half of tpattn's fp32 all-reduce). x is not moved:
+  ColwiseParallel annotates it as Replicate (from_local, no collective). No all-gather anywhere.
+- ColwiseParallel's default use_local_output=True hands q, k and v back as plain local tensors,
+  so view(B, N, -1, d), the transposes and SDPA run on plain tensors: the profiler shows the same
+  SDPA kernel in both peers (no DTensor SDPA, no math fallback).
+- What DTensor adds is host time. Per forward: 16 DTensor dispatches, 4 from_local, 4
+  redistribute (3 of them no-ops: ColwiseParallel compares the output's Shard(2) with its default
+  Shard(-1) without normalizing the dim), 104 aten ops against the plain peer's 66. With two ranks
+  the Partial -> Replicate redistribute really runs and adds the bias divided by the world size
+  (a Replicate bias made Partial), an out-of-place copy of the output for the functional
+  all_reduce, the AsyncCollectiveTensor and the wait: 113 aten ops. Host time per forward on a
+  2-core CPU (1 thread per rank, N=16 H=2 d=8, medians of 300, alternating): one rank, DTensor
+  1.0-1.25 ms against 0.12-0.17 ms for the plain peer; two ranks, DTensor 1.9-2.7 ms just to
+  issue the forward (before its wait) against 0.2-0.27 ms for the plain peer's local part.
+- On the GPU the timed region is CUDA events, so a forward whose host dispatch takes longer than
+  its GPU work is timed at the host's pace. One H200 has ~2.3 ms of GPU work, which hides ~1 ms
+  of dispatch; two have ~1.1 ms each, less than DTensor's 2-rank dispatch, so the DTensor peer
+  gets slower while the plain peer should get faster. The run measures it: host_ms beside ms for
+  each peer (DTensor host-bound when its host_ms is about its ms), the plain peer with the same
+  all-reduce and GEMM shapes, and the bare all-reduce of the peers' bytes (to rule out the link).
+The tensor-parallel API has no eager switch that removes this cost (PyTorch's answer is to
+torch.compile the module); ColwiseParallel(output_layouts=Shard(2)) and
+RowwiseParallel(input_layouts=Shard(2)) skip the no-op redistributes but saved only 0.06 ms (one
+rank) to 0.3 ms (two) here, so the peer keeps the defaults a user writes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import statistics
 import sys
+import time
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tpattn import dist as tpdist  # noqa: E402
@@ -34,7 +83,8 @@ from tpattn.check import TOL_FLOAT64, compare, layer_float64, sample_rows  # noq
 from tpattn.cli import parse  # noqa: E402 - the same options as python -m tpattn
 from tpattn.config import ConfigError, resolve, validate  # noqa: E402
 from tpattn.layer import TensorParallelAttention  # noqa: E402
-from tpattn.report import versions  # noqa: E402
+from tpattn.report import bus_bandwidth, versions  # noqa: E402
+from tpattn.sharding import head_columns, head_range  # noqa: E402
 from tpattn.timing import Timer  # noqa: E402
 from tpattn.weights import head_weights, layer_input  # noqa: E402
 
@@ -121,72 +171,311 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAIL
 
 
+# ---- the plain peer: tensor parallelism by hand, gpt-fast style -------------------------------------
+
+class PlainTP(nn.Module):
+    """The layer as a PyTorch user writes tensor parallelism by hand (gpt-fast style): this rank's
+    heads of W_q, W_k and W_v packed into ONE nn.Linear [D -> 3*h*d] (one GEMM), the heads viewed
+    out of it, F.scaled_dot_product_attention over the local heads, the output nn.Linear on this
+    rank's rows of W_o without bias, one dist.all_reduce of the output in the model dtype, and the
+    output bias added once, after it. With one rank there is nothing to sum and no collective runs.
+    Built from the same four full nn.Linear as the DTensor peer (before parallelize_module)."""
+
+    def __init__(self, q: nn.Linear, k: nn.Linear, v: nn.Linear, o: nn.Linear, heads: int, causal: bool):
+        super().__init__()
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        D, self.d = q.in_features, q.out_features // heads
+        self.h, self.causal = heads // self.world, causal
+        cols = head_columns(head_range(heads, self.world, rank), self.d)
+        w = q.weight
+        hd = self.h * self.d
+        self.wqkv = nn.Linear(D, 3 * hd, bias=q.bias is not None, dtype=w.dtype, device=w.device)
+        self.wo = nn.Linear(hd, D, bias=False, dtype=w.dtype, device=w.device)
+        with torch.no_grad():
+            self.wqkv.weight.copy_(torch.cat([lin.weight[cols] for lin in (q, k, v)]))
+            if q.bias is not None:
+                self.wqkv.bias.copy_(torch.cat([lin.bias[cols] for lin in (q, k, v)]))
+            self.wo.weight.copy_(o.weight[:, cols])
+        self.register_buffer("bo", None if o.bias is None else o.bias.detach().clone())
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's heads, up to the output projection: the part without a collective."""
+        B, N, _ = x.shape
+        hd = self.h * self.d
+        q, k, v = (t.view(B, N, self.h, self.d).transpose(1, 2) for t in self.wqkv(x).split(hd, dim=-1))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return self.wo(o.transpose(1, 2).reshape(B, N, hd))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.partial(x)
+        if self.world > 1:
+            dist.all_reduce(y)
+        if self.bo is not None:
+            y += self.bo
+        return y
+
+
+SDPA_VARIANTS = {"default": None, "flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
+
+
+def sdpa_context(variant: str):
+    """SDPA's own choice of backend (default), or SDPA restricted to one backend."""
+    if SDPA_VARIANTS[variant] is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([getattr(SDPBackend, SDPA_VARIANTS[variant])])
+
+
+def sdpa_unavailable(variant: str, plain: PlainTP, x: torch.Tensor) -> str | None:
+    """None when SDPA restricted to this backend runs this rank's heads (same shapes, strides and
+    dtype as the timed call, no collective), else why not."""
+    if SDPA_VARIANTS[variant] is None:
+        return None
+    if x.device.type != "cuda":
+        return f"not available on {x.device.type} (a CUDA backend)"
+    try:
+        from torch.nn.attention import SDPBackend
+        getattr(SDPBackend, SDPA_VARIANTS[variant])
+    except (ImportError, AttributeError):
+        return f"not available in torch {torch.__version__}"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # SDPA warns why each backend refused: the message below says it
+            with torch.no_grad(), sdpa_context(variant):
+                plain.partial(x)
+            if x.is_cuda:
+                torch.cuda.synchronize(x.device)
+    except RuntimeError as exc:
+        return "not available for this call: " + " ".join(str(exc).split())[:200]
+    return None
+
+
+# ---- what one forward does: collectives, ops, SDPA kernels -----------------------------------------
+
+COLLECTIVES = ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast", "reduce", "scatter", "gather")
+
+
+class _Collectives(TorchDispatchMode):
+    """Records every collective dispatched (c10d and functional collectives): op, dtype, bytes."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[dict] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        ns = getattr(func, "namespace", "")
+        name = str(getattr(func, "overloadpacket", func))
+        collective = any(c in name.replace("_", "") for c in COLLECTIVES)
+        if ns in ("c10d", "_c10d_functional", "c10d_functional") and collective:
+            t = next((a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, torch.Tensor)), None)
+            self.seen.append({"op": name, "dtype": None if t is None else str(t.dtype).replace("torch.", ""),
+                              "bytes": None if t is None else t.numel() * t.element_size()})
+        return func(*args, **(kwargs or {}))
+
+
+def per_forward(fn) -> dict:
+    """One more forward under a dispatch mode (its collectives) and one under torch.profiler (the
+    ops it runs, nested ones included, and which SDPA kernel ran)."""
+    from torch.profiler import ProfilerActivity, profile
+    mode = _Collectives()
+    with torch.no_grad(), mode:
+        fn()
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    counts: dict[str, int] = {}
+    for e in prof.events():
+        counts[e.name] = counts.get(e.name, 0) + 1
+    return {"collectives": mode.seen,
+            "aten_ops": sum(c for n, c in counts.items() if n.startswith("aten::")),
+            "dtensor_dispatches": counts.get("PythonSubclass", 0),
+            "sdpa_kernels": sorted(n for n in counts if n.startswith("aten::_") and "attention" in n),
+            "ops": dict(sorted(counts.items(), key=lambda kv: -kv[1]))}
+
+
+# ---- a bare all-reduce of the same bytes ------------------------------------------------------------
+
+def bare_allreduce(nbytes: int, dtype: torch.dtype, device, world: int, warmup: int, iters: int) -> dict:
+    """dist.all_reduce of a tensor of exactly nbytes on the default group, on its own: a barrier,
+    then the timed call (CUDA events on a GPU); this rank's median over the timed iterations."""
+    size = torch.empty((), dtype=dtype).element_size()
+    t = torch.zeros(nbytes // size, dtype=dtype, device=device)
+    timer = Timer(device)
+    ms = []
+    for i in range(warmup + iters):
+        dist.barrier()
+        with timer.section("allreduce"):
+            dist.all_reduce(t)
+        got = timer.collect()["allreduce"]
+        if i >= warmup:
+            ms.append(got)
+    return {"bytes": t.numel() * size, "dtype": str(dtype).replace("torch.", ""), "ms": statistics.median(ms)}
+
+
+def _bandwidth(entry: dict, world: int) -> dict:
+    """algbw and busbw (nccl-tests convention) of {bytes, ms}; None with one rank (nothing moves)."""
+    algbw, busbw = bus_bandwidth(entry["bytes"], entry["ms"], world)
+    return {**entry, "algbw_GBps": algbw if world > 1 else None, "busbw_GBps": busbw if world > 1 else None}
+
+
+# ---- the run ----------------------------------------------------------------------------------------------
+
 def run(cfg, proc, device) -> int:
     from torch.distributed.device_mesh import init_device_mesh
     H, d, D, dtype = cfg.heads, cfg.head_dim, cfg.model_dim, cfg.torch_dtype
+    B, N = cfg.batch, cfg.seq_len
     full = head_weights(range(H), H, d, cfg.seed, dtype, device)
-    x = layer_input(cfg.batch, cfg.seq_len, D, cfg.seed, dtype, device)
+    x = layer_input(B, N, D, cfg.seed, dtype, device)
 
     peer = Attention(D, H, d, cfg.causal, dtype, device)
     load(peer, full)
+    # Both other layers are built from the DTensor peer's own full nn.Linear, before parallelize_module
+    # replaces their weights with DTensor shards.
     ours = TensorParallelAttention.from_linears(peer.q, peer.k, peer.v, peer.o, heads=H, backend=cfg.kernel,
                                                 causal=cfg.causal, reduce_dtype=cfg.reduce_dtype)
+    plain = PlainTP(peer.q, peer.k, peer.v, peer.o, H, cfg.causal)
     mesh = init_device_mesh(device.type, (proc.world,))
     peer = parallelize(peer, mesh)
 
+    # Which SDPA backends run here: every rank must agree, or a collective would be left waiting.
+    mine = {v: sdpa_unavailable(v, plain, x) for v in SDPA_VARIANTS}
+    verdicts: list = [None] * proc.world
+    dist.all_gather_object(verdicts, mine)
+    unavailable = {v: next((r[v] for r in verdicts if r[v]), None) for v in SDPA_VARIANTS}
+    variants = [v for v in SDPA_VARIANTS if unavailable[v] is None]
+
+    def plain_call(v):
+        def call():
+            with sdpa_context(v):
+                return plain(x)
+        return call
+
+    calls = {"dtensor": lambda: done(peer(x)), **{f"plain_{v}": plain_call(v) for v in variants},
+             "ours": lambda: ours(x, timer=timer)}
     timer = Timer(device)
+    samples: dict[str, list[float]] = {}
+    host: dict[str, list[float]] = {k: [] for k in calls}
+    outs: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for _ in range(cfg.warmup):
-            done(peer(x))
-            ours(x)
-        samples: dict[str, list[float]] = {"peer": [], "ours": []}
-        for _ in range(cfg.iters):  # alternate, so drift in clocks or neighbours hits both alike
-            with timer.section("peer"):
-                y_peer = done(peer(x))
-            with timer.section("ours"):
-                y_ours = ours(x)
-            for k, ms in timer.collect().items():
-                samples[k].append(ms)
-    mine = {k: statistics.median(v) for k, v in samples.items()}
+        for i in range(cfg.warmup + cfg.iters):  # alternate, so drift in clocks or neighbours hits all alike
+            for name, call in calls.items():
+                with timer.section(name):
+                    t0 = time.perf_counter()
+                    outs[name] = call()
+                    host[name].append((time.perf_counter() - t0) * 1e3)
+            got = timer.collect()
+            if i < cfg.warmup:
+                for v in host.values():
+                    v.pop()
+                continue
+            for k, ms in got.items():
+                samples.setdefault(k, []).append(ms)
+    probe = {"dtensor": per_forward(calls["dtensor"]), "plain_default": per_forward(calls["plain_default"]),
+             "ours": per_forward(lambda: ours(x))}
+
+    part_dtype = getattr(ours, "part_dtype", torch.float32 if cfg.reduce_dtype == "fp32" else dtype)
+    bare_spec = {"ours": (ours.partial_nbytes(B, N), part_dtype),
+                 "peer": (B * N * D * torch.empty((), dtype=dtype).element_size(), dtype)}
+    bare_warmup, bare_iters = max(cfg.warmup, 3), max(cfg.iters, 10)
+    bare = {}
+    for k, (nbytes, dt) in bare_spec.items():
+        same = next((b for b in bare.values() if b["bytes"] == nbytes and b["dtype"] == str(dt).replace("torch.", "")),
+                    None)
+        bare[k] = dict(same) if same else bare_allreduce(nbytes, dt, device, proc.world, bare_warmup, bare_iters)
+
+    mine_stats = {"ms": {k: statistics.median(v) for k, v in samples.items()},
+                  "host_ms": {k: statistics.median(v) for k, v in host.items()},
+                  "bare_ms": {k: b["ms"] for k, b in bare.items()}}
     everyone: list = [None] * proc.world
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, mine_stats)
     if proc.rank != 0:
         return 0
+    return report(cfg, proc, device, x, full, outs, everyone, unavailable, probe, bare, bare_spec,
+                  ours.partial_nbytes(B, N), (bare_warmup, bare_iters))
 
+
+def report(cfg, proc, device, x, full, outs, everyone, unavailable, probe, bare, bare_spec, ours_bytes,
+           bare_iters) -> int:
+    H, W = cfg.heads, proc.world
+    worst = (lambda key, k: max(r[key][k] for r in everyone) if all(k in r[key] for r in everyone) else None)
     tol = TOL_FLOAT64[cfg.dtype]
     rows = sample_rows(cfg.seq_len)
     ref = layer_float64(x, full, H, cfg.causal, rows)
-    checks = {
-        "peer_vs_ours": {**compare(y_peer, y_ours.double(), tol), "what": f"all {cfg.seq_len} rows"},
-        "peer_vs_float64": {**compare(y_peer[:, rows.to(y_peer.device)], ref, tol),
-                            "what": f"{len(rows)} of {cfg.seq_len} rows"},
-    }
+    y_ours = outs["ours"].double()
+    checks = {}
+    for name, y in outs.items():
+        if name == "ours":
+            continue
+        label = "peer" if name == "dtensor" else name  # "peer_*": the names scaling.py has always read
+        checks[f"{label}_vs_ours"] = {**compare(y, y_ours, tol), "what": f"all {cfg.seq_len} rows"}
+        checks[f"{label}_vs_float64"] = {**compare(y[:, rows.to(y.device)], ref, tol),
+                                         "what": f"{len(rows)} of {cfg.seq_len} rows"}
     ok = all(c["pass"] for c in checks.values())
-    peer_ms = max(r["peer"] for r in everyone)
-    ours_ms = max(r["ours"] for r in everyone)
+    peers = {"dtensor": worst("ms", "dtensor"),
+             **{f"plain_{v}": worst("ms", f"plain_{v}") for v in SDPA_VARIANTS}}
+    peer_ms, ours_ms = peers["dtensor"], worst("ms", "ours")
+    for k, b in bare.items():
+        b["ms"] = max(r["bare_ms"][k] for r in everyone)
+        bare[k] = _bandwidth(b, W)
+    ar_ms = worst("ms", "allreduce")
+    ours_ar = _bandwidth({"bytes": ours_bytes, "dtype": str(bare_spec["ours"][1]).replace("torch.", ""),
+                          "ms": ar_ms or 0.0}, W) if ar_ms is not None else None
     res = {
         "peer": "PyTorch tensor parallel (parallelize_module: ColwiseParallel q/k/v, RowwiseParallel o) "
                 "+ F.scaled_dot_product_attention",
+        "plain_peer": "plain PyTorch tensor parallel, gpt-fast style: one packed QKV nn.Linear on the local heads, "
+                      "F.scaled_dot_product_attention, output nn.Linear on the local rows (no bias), one "
+                      "dist.all_reduce in the model dtype, output bias added once after it",
         "peer_ms": peer_ms, "ours_ms": ours_ms, "ratio_peer_over_ours": peer_ms / ours_ms if ours_ms else None,
+        "plain_ms": peers["plain_default"],
+        "peers": peers,
+        "peers_unavailable": {f"plain_{v}": why for v, why in unavailable.items() if why},
+        "host_ms": {k: worst("host_ms", k) for k in everyone[0]["host_ms"]},
+        "ours_allreduce": ours_ar,
+        "bare_allreduce": {**bare, "timing": f"dist.all_reduce on the default group after a barrier, each rank's "
+                                             f"median over {bare_iters[1]} calls ({bare_iters[0]} warm-up), then max "
+                                             "over ranks; busbw = algbw x 2(n-1)/n"},
+        "per_forward": probe,
         "rel_err": checks["peer_vs_ours"]["rel_err"], "tol": tol, "pass": ok,
         "per_rank_ms": everyone,
-        "timing": f"each rank's median over {cfg.iters} iterations ({cfg.warmup} warm-up), then max over ranks",
+        "timing": f"each rank's median over {cfg.iters} iterations ({cfg.warmup} warm-up), then max over ranks; "
+                  "in each iteration the DTensor peer, the plain peer with each SDPA backend, then tpattn, one after "
+                  "the other; host_ms: time for the Python call to return (on a GPU the launch and dispatch cost, "
+                  "the GPU runs behind it; on CPU it includes the compute)",
         "checks": checks,
-        "world": {"size": proc.world, "launcher": proc.launcher, "backend": cfg.dist_backend,
+        "world": {"size": W, "launcher": proc.launcher, "backend": cfg.dist_backend,
                   "device": device.type,
                   "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"},
-        "config": {**cfg.fingerprint(), "model_dim": D, "heads_per_rank": H // proc.world},
+        "config": {**cfg.fingerprint(), "model_dim": cfg.model_dim, "heads_per_rank": H // W},
         "versions": versions(),
         "command": ["python", "scripts/peer_tp.py", *sys.argv[1:]],
     }
-    line = (f"peer_tp: {proc.world} rank(s), {cfg.dist_backend} on {device.type}, B={cfg.batch} N={cfg.seq_len} "
-            f"H={H} d={d} {cfg.dtype}: PyTorch TP + SDPA {peer_ms:.3f} ms, tpattn ({cfg.kernel}) "
-            f"{ours_ms:.3f} ms in the same processes")
-    print(line, flush=True)
+    say = (lambda s: print(s, flush=True))
+    say(f"peer_tp: {W} rank(s), {cfg.dist_backend} on {device.type}, B={cfg.batch} N={cfg.seq_len} H={H} "
+        f"d={cfg.head_dim} {cfg.dtype}; ms, each rank's median then the slowest rank, same processes:")
+    say(f"  tpattn ({cfg.kernel}, {cfg.reduce_dtype} all-reduce)  {ours_ms:.3f} ms  "
+        f"(host {res['host_ms']['ours']:.3f})")
+    say(f"  PyTorch TP (DTensor) + SDPA  {peer_ms:.3f} ms  (host {res['host_ms']['dtensor']:.3f})")
+    for v in SDPA_VARIANTS:
+        k = f"plain_{v}"
+        say(f"  plain TP + SDPA {v:<8}     " + (f"{peers[k]:.3f} ms  (host {res['host_ms'][k]:.3f})"
+                                               if peers[k] is not None else unavailable[v]))
+    for k, b in bare.items():
+        if k == "timing":
+            continue
+        bw = f", algbw {b['algbw_GBps']:.2f} GB/s, busbw {b['busbw_GBps']:.2f} GB/s" if b["busbw_GBps"] else ""
+        whose = "tpattn's" if k == "ours" else "the peers'"
+        say(f"  bare all-reduce of {whose} bytes: {b['bytes']} B of {b['dtype']}, {b['ms']:.3f} ms{bw}")
+    if ours_ar and ours_ar["busbw_GBps"]:
+        say(f"  tpattn's all-reduce in the layer: {ours_ar['ms']:.3f} ms, busbw {ours_ar['busbw_GBps']:.2f} GB/s")
+    for k, p in probe.items():
+        coll = ", ".join(f"{c['op']} {c['dtype']} {c['bytes']} B" for c in p["collectives"]) or "none"
+        say(f"  per forward, {k}: collectives: {coll}; {p['aten_ops']} aten ops (nested included), "
+            f"{p['dtensor_dispatches']} DTensor dispatches, SDPA kernel {', '.join(p['sdpa_kernels']) or '-'}")
     for name, c in checks.items():
-        print(f"check {name}: max err {c['max_abs_err']:.3g} = {c['rel_err']:.3g} x rms (tol {tol:g}) "
-              f"{'PASS' if c['pass'] else 'FAIL'}  {c['what']}", flush=True)
-    print(f"RESULT: {'PASS' if ok else 'FAIL'}", flush=True)
+        say(f"check {name}: max err {c['max_abs_err']:.3g} = {c['rel_err']:.3g} x rms (tol {tol:g}) "
+            f"{'PASS' if c['pass'] else 'FAIL'}  {c['what']}")
+    say(f"RESULT: {'PASS' if ok else 'FAIL'}")
     if cfg.json:
         with open(cfg.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -107,8 +107,10 @@ def scaling_passes(sweep: dict, path) -> Path:
     fig, ax = plt.subplots(figsize=(max(6.5, 2.2 * len(rows) + 2.5), 5.2))
     xs = list(range(len(rows)))
     has_peer = any((r.get("peer") or {}).get("peer_ms") for r in rows)
-    w = 0.38 if has_peer else 0.6
-    off = -w / 2 if has_peer else 0.0
+    has_plain = any((r.get("peer") or {}).get("plain_ms") for r in rows)
+    nbar = 1 + has_peer + has_plain
+    w = {1: 0.6, 2: 0.38, 3: 0.27}[nbar]
+    off = -w * (nbar - 1) / 2
     stacked = (*COMPUTE_PASSES, "allreduce")
     bottoms = [0.0] * len(rows)
     for p in stacked:
@@ -122,14 +124,19 @@ def scaling_passes(sweep: dict, path) -> Path:
         ax.text(x + off, max(b, r["e2e_ms"]), f"{r['e2e_ms']:.3g} ms\nend to end", ha="center", va="bottom",
                 fontsize=8)
     top = max(max(bottoms), max(r["e2e_ms"] for r in rows))
-    if has_peer:
-        pv = [(r.get("peer") or {}).get("peer_ms") or 0.0 for r in rows]
-        ax.bar([x + w / 2 for x in xs], pv, w, color="#bbbbbb", hatch="//", edgecolor="#555555",
-               label="peer: PyTorch TP + SDPA (end to end)")
+    shift = off + w
+    for key, show, color, hatch, label in (
+            ("peer_ms", has_peer, "#bbbbbb", "//", "peer: PyTorch TP (DTensor) + SDPA (end to end)"),
+            ("plain_ms", has_plain, "#9ecae1", "\\\\", "peer: plain TP + SDPA, gpt-fast style (end to end)")):
+        if not show:
+            continue
+        pv = [(r.get("peer") or {}).get(key) or 0.0 for r in rows]
+        ax.bar([x + shift for x in xs], pv, w, color=color, hatch=hatch, edgecolor="#555555", label=label)
         for x, v in zip(xs, pv):
             if v:
-                ax.text(x + w / 2, v, f"{v:.3g} ms", ha="center", va="bottom", fontsize=8)
+                ax.text(x + shift, v, f"{v:.3g} ms", ha="center", va="bottom", fontsize=7)
         top = max(top, max(pv))
+        shift += w
     ax.set_ylim(0, top * 1.25)
     ax.set_xticks(xs)
     ax.set_xticklabels([_world_label(r) for r in rows], fontsize=8)
@@ -155,7 +162,11 @@ def scaling_speedup(sweep: dict, path) -> Path:
                     textcoords="offset points", xytext=(6, -18), fontsize=8)
     peer = [(r["world"], r["peer_speedup"]) for r in rows if r.get("peer_speedup") is not None]
     if peer:
-        ax.plot(*zip(*peer), marker="s", ls="-", color="#7f7f7f", label="peer: PyTorch TP + SDPA")
+        ax.plot(*zip(*peer), marker="s", ls="-", color="#7f7f7f", label="peer: PyTorch TP (DTensor) + SDPA")
+    plain = [(r["world"], r["plain_speedup"]) for r in rows if r.get("plain_speedup") is not None]
+    if plain:
+        ax.plot(*zip(*plain), marker="^", ls="-", color="#3182bd", label="peer: plain TP + SDPA (gpt-fast style)")
+    peer = peer + plain
     shared = [r["world"] for r in rows if r.get("shares_gpu")]
     if shared:
         ax.axvspan(min(shared) - 0.3, max(shared) + 0.3, color="#fdd49e", alpha=0.35,

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Scaling sweep: the tensor-parallel layer at world sizes 1, 2, 4, 8, each under mpirun, with the
-PyTorch peer (scripts/peer_tp.py) at the same sizes, collected into one table and two plots.
+PyTorch peers (scripts/peer_tp.py: the DTensor peer, the plain gpt-fast-style peer per SDPA backend,
+and a bare all-reduce of the same bytes) at the same sizes, collected into tables and two plots.
 
     PYTHONPATH=. python scripts/scaling.py [--world-sizes 1 2 4 8] [--tag h200] [--out benchmarks]
                                            [--seq-len N --heads H --head-dim d --dtype fp16 ...]
@@ -45,7 +46,8 @@ from tpattn.sharding import check_divisible  # noqa: E402
 
 COMPUTE_PASSES = ("qkv_proj", "qk", "softmax", "pv", "out_proj")
 CONTEXT_BYTES = 1 << 30  # per process sharing a GPU: CUDA context, cuBLAS workspace, CuPy pools
-PEER_NAME = "PyTorch TP + SDPA"
+PEER_NAME = "PyTorch TP (DTensor) + SDPA"
+PLAIN_NAME = "plain TP + SDPA"
 
 LEGEND = [
     "**ranks**: processes launched by mpirun; **setup** says how they run: NCCL with one GPU per rank, or gloo "
@@ -59,13 +61,18 @@ LEGEND = [
     "**end to end** = the slowest rank's median time of the whole layer call.",
     "**speedup** = end to end at 1 rank / end to end at n ranks; **efficiency** = speedup / n.",
     "**busbw** = the all-reduce's bus bandwidth by the nccl-tests convention, bytes / time x 2(n-1)/n "
-    "(nothing to move at 1 rank).",
+    "(nothing to move at 1 rank). **bare busbw**: a bare torch.distributed all_reduce of exactly the same bytes "
+    "(same dtype) on the same process group, timed alone after a barrier in the peer run (scripts/peer_tp.py).",
     "**verify**: tpattn's own checks (the output against the 1-process baseline and against float64 on sampled "
     "rows) and the run's exit status.",
     "**" + PEER_NAME + "**: scripts/peer_tp.py, the same layer written with PyTorch's tensor-parallel API "
     "(parallelize_module: ColwiseParallel for q, k, v and RowwiseParallel for o, F.scaled_dot_product_attention "
     "over the local heads), the same weights, input and world size; its end to end is the slowest rank's median. "
-    "**peer check**: its output against tpattn's (max error / rms of the output), and against float64.",
+    "**" + PLAIN_NAME + "**: the same run's plain peer, tensor parallelism by hand (gpt-fast style: one packed QKV "
+    "GEMM on the local heads, SDPA with its own backend choice, output GEMM on the local rows, one "
+    "dist.all_reduce in the model dtype). "
+    "**peer check**: every peer's output against tpattn's (the largest max error / rms of the output over the "
+    "peers), and against float64.",
 ]
 
 
@@ -304,7 +311,7 @@ def run_world(row: dict, cfg: Config, args, mpirun: str, tmp: Path, clock: Clock
     peer_cmd = common + [sys.executable, str(ROOT / "scripts" / "peer_tp.py"), *shape_args(cfg), *extra,
                          "--json", str(peer_json)]
     row["commands"]["peer"] = pretty(peer_cmd, mpirun, tmp)
-    clock.say(f"{step} peer ({PEER_NAME}), world {W}")
+    clock.say(f"{step} peers ({PEER_NAME}; {PLAIN_NAME}), world {W}")
     prep, verify, secs, log_tail = run_job("peer", peer_cmd, peer_json, W, env, tmp, args, clock,
                                            lambda r: bool(r.get("pass")))
     row["elapsed_s"]["peer"] = round(secs, 1)
@@ -315,10 +322,31 @@ def run_world(row: dict, cfg: Config, args, mpirun: str, tmp: Path, clock: Clock
     if prep is not None:
         peer.update({k: prep[k] for k in ("peer_ms", "ours_ms", "rel_err", "tol", "pass")})
         peer["rel_err_float64"] = prep["checks"]["peer_vs_float64"]["rel_err"]
-        msg += (f"; {PEER_NAME} {peer['peer_ms']:.3f} ms, tpattn in the same processes {peer['ours_ms']:.3f} ms, "
-                f"max err vs tpattn {peer['rel_err']:.2g} x rms")
+        peer.update(peer_extras(prep))
+        msg += (f"; {PEER_NAME} {peer['peer_ms']:.3f} ms, {PLAIN_NAME} {_f(peer.get('plain_ms'))} ms, "
+                f"tpattn in the same processes {peer['ours_ms']:.3f} ms, "
+                f"max err vs tpattn {peer['rel_err_max']:.2g} x rms")
     row["peer"] = peer
     say_result(clock, msg, log_tail)
+
+
+def peer_extras(prep: dict) -> dict:
+    """The plain peer, the SDPA backends, host times, the bare all-reduce and what one forward does,
+    from scripts/peer_tp.py's JSON (absent keys stay absent: a report from an older peer_tp)."""
+    out = {k: prep[k] for k in ("plain_ms", "peers", "peers_unavailable", "host_ms", "bare_allreduce",
+                                "ours_allreduce") if k in prep}
+    checks = prep.get("checks", {})
+    out["rel_err_max"] = max((c["rel_err"] for k, c in checks.items() if k.endswith("_vs_ours")),
+                             default=prep.get("rel_err"))
+    out["rel_err_float64_max"] = max((c["rel_err"] for k, c in checks.items() if k.endswith("_vs_float64")),
+                                     default=None)
+    if "plain_default_vs_ours" in checks:
+        out["plain_rel_err"] = checks["plain_default_vs_ours"]["rel_err"]
+        out["plain_rel_err_float64"] = checks["plain_default_vs_float64"]["rel_err"]
+    if "per_forward" in prep:
+        out["per_forward"] = {k: {x: v[x] for x in ("collectives", "aten_ops", "dtensor_dispatches", "sdpa_kernels")}
+                              for k, v in prep["per_forward"].items()}
+    return out
 
 
 def run_job(kind: str, cmd: list[str], json_path: Path, W: int, env: dict, tmp: Path, args, clock: Clock,
@@ -352,25 +380,103 @@ def _f(x, fmt="{:.3f}") -> str:
 def finish(rows: list[dict]) -> None:
     base = next((r for r in rows if r["world"] == 1 and r.get("e2e_ms")), None)
     pbase = next((r for r in rows if r["world"] == 1 and (r.get("peer") or {}).get("peer_ms")), None)
+    qbase = next((r for r in rows if r["world"] == 1 and (r.get("peer") or {}).get("plain_ms")), None)
     for r in rows:
-        r["speedup"] = r["efficiency"] = r["peer_speedup"] = None
+        r["speedup"] = r["efficiency"] = r["peer_speedup"] = r["plain_speedup"] = None
         if base and r.get("e2e_ms"):
             r["speedup"] = base["e2e_ms"] / r["e2e_ms"]
             r["efficiency"] = r["speedup"] / r["world"]
         if pbase and (r.get("peer") or {}).get("peer_ms"):
             r["peer_speedup"] = pbase["peer"]["peer_ms"] / r["peer"]["peer_ms"]
+        if qbase and (r.get("peer") or {}).get("plain_ms"):
+            r["plain_speedup"] = qbase["peer"]["plain_ms"] / r["peer"]["plain_ms"]
 
 
-def peer_cell(r: dict) -> tuple[str, str]:
+def peer_cell(r: dict) -> tuple[str, str, str]:
+    """(DTensor peer ms, plain peer ms, check) for the main table."""
     p = r.get("peer")
     if r.get("status") == "SKIP":
-        return "-", "-"
+        return "-", "-", "-"
     if p is None:
-        return "not run", "-"
+        return "not run", "not run", "-"
     if p.get("peer_ms") is None:
-        return "-", p["verify"]
-    check = f"{p['verify']} ({p['rel_err']:.1e})" if p["verify"] == "PASS" else p["verify"]
-    return f"{p['peer_ms']:.3f}", check
+        return "-", "-", p["verify"]
+    err = p.get("rel_err_max", p["rel_err"])
+    check = f"{p['verify']} ({err:.1e})" if p["verify"] == "PASS" else p["verify"]
+    return f"{p['peer_ms']:.3f}", _f(p.get("plain_ms")), check
+
+
+def bare_busbw(r: dict, which: str = "ours"):
+    b = ((r.get("peer") or {}).get("bare_allreduce") or {}).get(which)
+    return b.get("busbw_GBps") if b else None
+
+
+def _ms_or_why(p: dict, key: str) -> str:
+    ms = (p.get("peers") or {}).get(key)
+    if ms is not None:
+        return f"{ms:.3f}"
+    return "n/a" if (p.get("peers_unavailable") or {}).get(key) else "-"
+
+
+def peer_sections(peers: list[dict], cfg: dict) -> list[str]:
+    """The peers against tpattn, the all-reduce beside a bare one, and what one forward does."""
+    L = ["", f"## Peers in the same processes: {PEER_NAME} and {PLAIN_NAME} against tpattn", "",
+         "scripts/peer_tp.py builds tpattn's layer and the plain peer from the DTensor peer's own nn.Linear weights "
+         "and times all of them in the same ranks, one after the other in every iteration; each is the slowest "
+         "rank's median. Both peers all-reduce their partial outputs in the model dtype "
+         f"({cfg['dtype']}), tpattn in {cfg['reduce_dtype']} (--reduce-dtype). plain flash / plain cuDNN: SDPA "
+         "restricted to that backend (n/a: it does not run here, see the JSON's peers_unavailable). host ms: the "
+         "time for the Python call to return (on a GPU the launch and dispatch cost; when it is about the time "
+         "itself the layer is host-bound; on CPU it includes the compute).", "",
+         f"| ranks | setup | tpattn ms | {PEER_NAME} ms | {PLAIN_NAME} ms (SDPA default) | plain flash ms "
+         "| plain cuDNN ms | DTensor / tpattn | plain / tpattn | DTensor speedup | plain speedup "
+         "| DTensor host ms | plain host ms |",
+         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in peers:
+        p = r["peer"]
+        host = p.get("host_ms") or {}
+        plain = p.get("plain_ms")
+        L.append(f"| {r['world']} | {r['setup']} | {p['ours_ms']:.3f} | {p['peer_ms']:.3f} | {_f(plain)} "
+                 f"| {_ms_or_why(p, 'plain_flash')} | {_ms_or_why(p, 'plain_cudnn')} "
+                 f"| {p['peer_ms'] / p['ours_ms']:.2f} | {_f(plain / p['ours_ms'] if plain else None, '{:.2f}')} "
+                 f"| {_f(r.get('peer_speedup'), '{:.2f}')} | {_f(r.get('plain_speedup'), '{:.2f}')} "
+                 f"| {_f(host.get('dtensor'))} | {_f(host.get('plain_default'))} |")
+    L += ["", "| ranks | DTensor vs tpattn err / rms | DTensor vs float64 | plain vs tpattn | plain vs float64 |",
+          "|---:|---:|---:|---:|---:|"]
+    for r in peers:
+        p = r["peer"]
+        L.append(f"| {r['world']} | {p['rel_err']:.2e} (tol {p['tol']:g}) | {p['rel_err_float64']:.2e} "
+                 f"| {_f(p.get('plain_rel_err'), '{:.2e}')} | {_f(p.get('plain_rel_err_float64'), '{:.2e}')} |")
+    bares = [r for r in peers if r["peer"].get("bare_allreduce")]
+    if bares:
+        L += ["", "## All-reduce: in the layer and bare, the same bytes", "",
+              "tpattn's all-reduce inside the layer (from its own run: median over ranks) beside a bare "
+              "dist.all_reduce of exactly those bytes, and of the peers' bytes (model dtype), in the peer run on "
+              "the same kind of process group (barrier, then the timed call; slowest rank's median). "
+              "busbw = bytes / time x 2(n-1)/n.", "",
+              "| ranks | setup | tpattn bytes | tpattn all-reduce ms | busbw GB/s | bare, same bytes: ms "
+              "| bare busbw GB/s | peers' bytes | bare ms | bare busbw GB/s |",
+              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in bares:
+            b = r["peer"]["bare_allreduce"]
+            o, q = b.get("ours") or {}, b.get("peer") or {}
+            L.append(f"| {r['world']} | {r['setup']} | {_f(r.get('allreduce_bytes'), '{}')} ({o.get('dtype', '-')}) "
+                     f"| {_f(r.get('allreduce_ms'))} | {_f(r.get('busbw_GBps'), '{:.2f}')} | {_f(o.get('ms'))} "
+                     f"| {_f(o.get('busbw_GBps'), '{:.2f}')} | {_f(q.get('bytes'), '{}')} ({q.get('dtype', '-')}) "
+                     f"| {_f(q.get('ms'))} | {_f(q.get('busbw_GBps'), '{:.2f}')} |")
+    probes = [r for r in peers if r["peer"].get("per_forward")]
+    if probes:
+        L += ["", "## One forward: collectives and ops", "",
+              "One more forward of each, under a dispatch mode (collectives: op, dtype, bytes) and torch.profiler "
+              "(aten ops, nested ones included; DTensor dispatches; the SDPA kernel that ran).", "",
+              "| ranks | layer | collectives | aten ops | DTensor dispatches | SDPA kernel |",
+              "|---:|---|---|---:|---:|---|"]
+        for r in probes:
+            for who, f in r["peer"]["per_forward"].items():
+                coll = "; ".join(f"{c['op']} {c['dtype']} {c['bytes']} B" for c in f["collectives"]) or "none"
+                L.append(f"| {r['world']} | {who} | {coll} | {f['aten_ops']} | {f['dtensor_dispatches']} "
+                         f"| {', '.join(f['sdpa_kernels']) or '-'} |")
+    return L
 
 
 def markdown(sweep: dict, images: dict) -> str:
@@ -388,18 +494,20 @@ def markdown(sweep: dict, images: dict) -> str:
          + (f"{sweep['machine']['gpus']} x {sweep['machine']['gpu']}" if sweep["machine"]["gpus"] else "no GPU")
          + f"; date {sweep['date']}.", "",
          f"| ranks | setup | heads/rank | slowest compute ms | all-reduce ms | end to end ms | speedup | efficiency "
-         f"| all-reduce busbw GB/s | verify | {PEER_NAME} ms | peer check |",
-         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|"]
+         f"| all-reduce busbw GB/s | bare busbw GB/s | verify | {PEER_NAME} ms | {PLAIN_NAME} ms | peer check |",
+         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
     for r in rows:
-        pm, pc = peer_cell(r)
+        pm, qm, pc = peer_cell(r)
         if r.get("status") == "SKIP":
             L.append(f"| {r['world']} | skipped: {r['reason']} | {_f(r.get('heads_per_rank'), '{}')} | - | - | - | - "
-                     f"| - | - | SKIP | - | - |")
+                     f"| - | - | - | SKIP | - | - | - |")
             continue
         L.append(f"| {r['world']} | {r['setup']} | {r['heads_per_rank']} | {_f(r.get('compute_ms'))} "
                  f"| {_f(r.get('allreduce_ms'))} | {_f(r.get('e2e_ms'))} "
                  f"| {_f(r.get('speedup'), '{:.2f}')} | {_f(r.get('efficiency'), '{:.0%}')} "
-                 f"| {_f(r.get('busbw_GBps'), '{:.2f}')} | {r['verify']} | {pm} | {pc} |")
+                 f"| {_f(r.get('busbw_GBps'), '{:.2f}')} "
+                 f"| {_f(bare_busbw(r) if r['world'] > 1 else None, '{:.2f}')} "
+                 f"| {r['verify']} | {pm} | {qm} | {pc} |")
     L += [""] + [f"- {x.format(compute_how=how)}" for x in LEGEND]
     ran = [r for r in rows if r.get("passes_ms")]
     if ran:
@@ -413,20 +521,7 @@ def markdown(sweep: dict, images: dict) -> str:
                      + f" | {_f(p.get('allreduce'))} | {_f(r['e2e_ms'])} |")
     peers = [r for r in rows if (r.get("peer") or {}).get("peer_ms")]
     if peers:
-        L += ["", f"## Peer in the same processes: {PEER_NAME} against tpattn", "",
-              "scripts/peer_tp.py builds tpattn's layer from the peer's own nn.Linear weights "
-              "(TensorParallelAttention.from_linears) and times both in the same ranks, alternating iterations; "
-              "each is the slowest rank's median. The peer all-reduces its partial outputs in the model dtype "
-              f"({sweep['config']['dtype']}: DTensor's choice), tpattn in {sweep['config']['reduce_dtype']} "
-              "(--reduce-dtype).", "",
-              f"| ranks | setup | {PEER_NAME} ms | tpattn ms (same processes) | peer / tpattn | peer speedup "
-              "| peer vs tpattn err / rms | peer vs float64 err / rms |",
-              "|---:|---|---:|---:|---:|---:|---:|---:|"]
-        for r in peers:
-            p = r["peer"]
-            L.append(f"| {r['world']} | {r['setup']} | {p['peer_ms']:.3f} | {p['ours_ms']:.3f} "
-                     f"| {p['peer_ms'] / p['ours_ms']:.2f} | {_f(r.get('peer_speedup'), '{:.2f}')} "
-                     f"| {p['rel_err']:.2e} (tol {p['tol']:g}) | {p['rel_err_float64']:.2e} |")
+        L += peer_sections(peers, sweep["config"])
     if images:
         L += ["", "## Plots", ""] + [f"![{k}]({Path(v).name})" for k, v in images.items()]
     fails = [r for r in rows if r.get("log_tail") or (r.get("peer") or {}).get("log_tail")]

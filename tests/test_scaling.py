@@ -1,6 +1,7 @@
 """The scaling sweep on CPU (gloo, real mpirun): table, JSON and plots produced and consistent;
-the PyTorch tensor-parallel peer beside it; failures and hangs recorded, not hidden; the kernel
-plot; and --profile's chrome trace."""
+the PyTorch tensor-parallel peers (DTensor and plain) and the bare all-reduce beside it; the peers
+on their own at world sizes 1 and 2; failures and hangs recorded, not hidden; the kernel plot; and
+--profile's chrome trace."""
 
 import json
 import re
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import run, tpattn
+from conftest import mpirun_cmd, run, tpattn
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SMALL = ["--seq-len", "256", "--heads", "4", "--head-dim", "32"]
@@ -79,20 +80,86 @@ def test_sweep_on_cpu_world_1_2_4(tmp_path):
         assert peer["peer_ms"] > 0 and peer["ours_ms"] > 0 and peer["rel_err"] <= peer["tol"]
         assert peer["report"]["world"]["size"] == w
         assert "ColwiseParallel" in peer["report"]["peer"] and "RowwiseParallel" in peer["report"]["peer"]
+        assert peer["plain_ms"] > 0 and peer["peers"]["plain_default"] == peer["plain_ms"]
+        assert peer["plain_rel_err"] <= peer["tol"] and peer["rel_err_max"] <= peer["tol"]
+        assert peer["peers"]["plain_flash"] is None and "not available" in peer["peers_unavailable"]["plain_flash"]
+        bare = peer["bare_allreduce"]
+        assert bare["ours"]["bytes"] == row["allreduce_bytes"] and bare["ours"]["ms"] > 0
+        assert (bare["ours"]["busbw_GBps"] is None) == (w == 1)
+        if w > 1:
+            assert bare["ours"]["busbw_GBps"] > 0 and bare["peer"]["busbw_GBps"] > 0
 
     # the markdown says what the JSON says
     assert "| ranks | setup | heads/rank | slowest compute ms | all-reduce ms | end to end ms | speedup |" in md
-    assert "PyTorch TP + SDPA ms | peer check |" in md
+    assert ("| all-reduce busbw GB/s | bare busbw GB/s | verify | PyTorch TP (DTensor) + SDPA ms "
+            "| plain TP + SDPA ms | peer check |") in md
     cells = table_rows(md)
     assert sorted(cells) == [1, 2, 4]
     for w, c in cells.items():
         row = rows[w]
         assert c[1] == row["setup"] and c[2] == str(4 // w)
         assert c[5] == f"{row['e2e_ms']:.3f}" and c[6] == f"{row['speedup']:.2f}"
-        assert c[9] == "PASS" and c[10] == f"{row['peer']['peer_ms']:.3f}" and c[11].startswith("PASS (")
-    assert cells[1][6] == "1.00" and cells[1][7] == "100%" and cells[1][8] == "-"
-    assert "## Peer in the same processes" in md and "## Commands" in md
+        assert c[10] == "PASS" and c[11] == f"{row['peer']['peer_ms']:.3f}" and c[13].startswith("PASS (")
+        assert c[12] == f"{row['peer']['plain_ms']:.3f}"
+        if w > 1:
+            bare = row["peer"]["bare_allreduce"]["ours"]["busbw_GBps"]
+            assert c[8] == f"{row['busbw_GBps']:.2f}" and c[9] == f"{bare:.2f}"
+    assert cells[1][6] == "1.00" and cells[1][7] == "100%" and cells[1][8] == "-" and cells[1][9] == "-"
+    assert rows[2]["plain_speedup"] == pytest.approx(rows[1]["peer"]["plain_ms"] / rows[2]["peer"]["plain_ms"])
+    for heading in ("## Peers in the same processes", "## All-reduce: in the layer and bare", "## One forward",
+                    "## Commands"):
+        assert heading in md
     assert "mpirun --oversubscribe --bind-to none -n 4 python -m tpattn --seq-len 256 --heads 4" in md
+
+
+def peer_tp(args, ranks, timeout=180):
+    return run(mpirun_cmd(ranks) + [sys.executable, "scripts/peer_tp.py", *args], timeout=timeout)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_peers_match_ours_and_time_a_bare_allreduce(tmp_path, ranks):
+    """Both peers (DTensor and plain) run beside tpattn and match it and float64; the bare all-reduce of
+    tpattn's bytes and of the peers' is timed; one forward's collectives are what the layers promise."""
+    out = tmp_path / "peer.json"
+    r = peer_tp(["--device", "cpu", "--seq-len", "64", "--heads", "4", "--head-dim", "16", "--warmup", "1",
+                 "--iters", "3", "--json", str(out)], ranks)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "RESULT: PASS" in r.stdout
+    assert re.search(r"plain TP \+ SDPA flash +not available on cpu", r.stdout), r.stdout
+    rep = json.loads(out.read_text())
+    assert rep["pass"] is True and rep["world"]["size"] == ranks
+    for key in ("peer_ms", "ours_ms", "plain_ms"):  # scaling.py reads these
+        assert rep[key] > 0
+    assert rep["peers"]["dtensor"] == rep["peer_ms"] and rep["peers"]["plain_default"] == rep["plain_ms"]
+    assert rep["peers"]["plain_flash"] is None and rep["peers"]["plain_cudnn"] is None
+    assert set(rep["peers_unavailable"]) == {"plain_flash", "plain_cudnn"}
+    for name in ("peer_vs_ours", "peer_vs_float64", "plain_default_vs_ours", "plain_default_vs_float64"):
+        assert rep["checks"][name]["pass"] is True and rep["checks"][name]["rel_err"] <= rep["tol"], name
+    assert all(rep["host_ms"][k] > 0 for k in ("dtensor", "plain_default", "ours"))
+
+    D = 4 * 16
+    bare = rep["bare_allreduce"]
+    assert bare["ours"]["bytes"] == 64 * D * 4 and bare["ours"]["dtype"] == "float32"  # fp32 partials by default
+    assert bare["peer"]["bytes"] == 64 * D * 2 and bare["peer"]["dtype"] == "float16"
+    for b in (bare["ours"], bare["peer"]):
+        assert b["ms"] > 0
+        if ranks == 1:
+            assert b["busbw_GBps"] is None
+        else:
+            assert b["algbw_GBps"] > 0 and b["busbw_GBps"] == pytest.approx(b["algbw_GBps"])  # 2(n-1)/n = 1 at n=2
+            assert b["algbw_GBps"] == pytest.approx(b["bytes"] / (b["ms"] * 1e-3) / 1e9)
+
+    fwd = rep["per_forward"]
+    coll = {k: [(c["dtype"], c["bytes"]) for c in v["collectives"]] for k, v in fwd.items()}
+    assert coll["ours"] == [("float32", 64 * D * 4)]  # tpattn always calls its one all-reduce
+    if ranks == 1:
+        assert coll["dtensor"] == [] and coll["plain_default"] == []
+    else:  # one all-reduce in the model dtype for each peer, nothing else (no all-gather, no input redistribute)
+        assert coll["dtensor"] == [("float16", 64 * D * 2)] and coll["plain_default"] == [("float16", 64 * D * 2)]
+    assert fwd["dtensor"]["dtensor_dispatches"] > 0 and fwd["plain_default"]["dtensor_dispatches"] == 0
+    # SDPA runs on plain local tensors in both peers: the same kernel
+    assert fwd["dtensor"]["sdpa_kernels"] == fwd["plain_default"]["sdpa_kernels"] != []
 
 
 @pytest.mark.mpi
