@@ -1,5 +1,6 @@
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,3 +46,20 @@ def tpattn(args: list[str], ranks: int | None = None, timeout: float = 120, **en
     if ranks is not None:
         cmd = mpirun_cmd(ranks) + cmd
     return run(cmd, timeout=timeout, **env)
+
+
+_RANK_LINE = re.compile(r"tpattn: rank \d+: ")
+
+
+def rank_lines(stderr: str) -> list[str]:
+    """Every `tpattn: rank N: ...` message in a launcher's stderr, each from its prefix on.
+
+    The launcher merges the ranks' stderr with its own: a message can follow other text on the same
+    line (a space or the tail of Open MPI's MPI_ABORT box) or be followed by another rank's message
+    without a newline. So a message is found where its prefix is, not only at the start of a line, and
+    a line holding two is split in two; the texts the tests then look for are unchanged."""
+    found = []
+    for line in stderr.splitlines():
+        starts = [m.start() for m in _RANK_LINE.finditer(line)]
+        found += [line[a:b].rstrip() for a, b in zip(starts, starts[1:] + [len(line)])]
+    return found

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from conftest import tpattn
+from conftest import rank_lines as conftest_rank_lines, tpattn
 
 pytestmark = pytest.mark.mpi
 _seeds = itertools.count(424200)
@@ -29,7 +29,8 @@ def job(args, ranks, fault=None, timeout=90):
 
 
 def rank_lines(r):
-    return [ln for ln in r.stderr.splitlines() if ln.startswith("tpattn: rank")]
+    """The ranks' `tpattn: rank N: ...` lines, wherever the launcher's interleaving put them."""
+    return conftest_rank_lines(r.stderr)
 
 
 def test_exception_on_one_rank_mid_run():

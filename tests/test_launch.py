@@ -39,7 +39,8 @@ def clean_env(**extra) -> dict:
     change the launch (an enclosing SLURM job or MPI or torchrun rank, sbatch defaults)."""
     env = run_env()
     for k in list(env):
-        if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "OMPI_COMM_", "PMI_", "PMIX_", "TPATTN_")) or \
+        if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "OMPI_COMM_", "PMI_", "PMIX_", "TPATTN_",
+                         "MPI_LOCAL", "MV2_", "HYDRA_", "MPI4PY_")) or \
                 k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             del env[k]
     env["PATH"] = str(VENV_BIN) + os.pathsep + env.get("PATH", "")

@@ -20,6 +20,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# Set in every rank by an MPI launcher: Open MPI's mpirun (OMPI_COMM_WORLD_*, PMIX_RANK), MPICH's hydra
+# mpiexec/mpirun and Intel MPI (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS), srun --mpi=pmi2 or
+# pmix, MVAPICH (MV2_COMM_WORLD_*).
 MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_SIZE")
 
 
@@ -100,22 +103,81 @@ def discover() -> Proc:
     """Rank, world and local rank from MPI, then srun, then torchrun, else a single process."""
     env = os.environ
     if any(k in env for k in MPI_ENV):
+        from .config import ConfigError
+        fix = ("pip install 'tpattn[mpi]' (Open MPI wheel, with its mpirun) or 'tpattn[mpich]' (MPICH wheel, with "
+               "its mpiexec), or point mpi4py at your cluster's MPI: module load it, or export "
+               "MPI4PY_LIBMPI=/path/to/libmpi.so")
+        # the launcher's world size, checked against MPI's own: another MPI's library makes each rank a world of 1
+        size_var = next((k for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE") if k in env), None)
         try:
-            from mpi4py import MPI
-        except ImportError:
-            if "SLURM_PROCID" not in env:
-                from .config import ConfigError
+            import warnings
+            with warnings.catch_warnings():  # mpi4py's "suspicious MPI execution environment": checked below
+                warnings.simplefilter("ignore", RuntimeWarning)
+                from mpi4py import MPI
+        except ImportError as exc:
+            if exc.name != "mpi4py":  # mpi4py is there, its MPI extension is not loadable
+                problem = f"mpi4py cannot load its MPI module ({str(exc).strip().splitlines()[0]})"
+            elif "SLURM_PROCID" in env:  # srun without mpi4py: SLURM's variables below
+                problem = None
+            else:
                 raise ConfigError("launched under MPI but mpi4py is not installed: pip install 'tpattn[mpi]'")
+        except (RuntimeError, OSError) as exc:  # mpi4py 4: no libmpi.so.40 / .so.12 found (or it failed to load)
+            lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()] or [type(exc).__name__]
+            problem = f"mpi4py finds no MPI library to load ({lines[-1]})"
         else:
+            problem = None
             comm = MPI.COMM_WORLD
             rank, world = comm.Get_rank(), comm.Get_size()
-            local_rank = _env_int("OMPI_COMM_WORLD_LOCAL_RANK")
-            local_world = _env_int("OMPI_COMM_WORLD_LOCAL_SIZE")
+            launched = _env_int(size_var) if size_var else None
+            if launched is not None and launched != world:
+                try:  # "Open MPI v5.0.11" / "MPICH Version: 5.0.2", and the file where the system has /proc
+                    lib = " ".join(MPI.Get_library_version().strip().splitlines()[0].split(",")[0].split())
+                    with open("/proc/self/maps") as f:
+                        libs = {ln.split()[-1] for ln in f if "/libmpi" in ln}
+                    lib += f" ({', '.join(sorted(libs))})" if libs else ""
+                except Exception:  # noqa: BLE001 - only for the message
+                    lib = lib if "lib" in locals() else "an MPI library"
+                raise ConfigError(f"the launcher started {launched} ranks ({size_var}={launched}) but MPI says this "
+                                  f"process is rank {rank} of {world}: mpi4py loaded {lib}, which does not belong "
+                                  f"to this launcher; use the launcher of that MPI, or {fix}")
+            local_rank = local_world = None  # Open MPI's, then MPICH's / Intel MPI's, else a shared-memory split
+            for rank_var, local_size_var in (("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+                                             ("MPI_LOCALRANKID", "MPI_LOCALNRANKS")):
+                local_rank, local_world = _env_int(rank_var), _env_int(local_size_var)
+                if local_rank is not None and local_world is not None:
+                    break
             if local_rank is None or local_world is None:
                 node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
                 local_rank, local_world = node.Get_rank(), node.Get_size()
                 node.Free()
             return Proc("mpi", rank, world, local_rank, local_world, comm=comm)
+        if problem and "SLURM_PROCID" not in env:
+            rank = env.get("OMPI_COMM_WORLD_RANK") or env.get("PMI_RANK") or env.get("PMIX_RANK") or "?"
+            where = f"rank {rank}" + (f" of {env[size_var]}" if size_var else "")
+            # No MPI to abort with, and the launcher ends the job when the first rank exits: every rank
+            # must print its line before any exits. So a rank here survives the launcher's SIGTERM, and
+            # waits (10 s at most) until the other ranks of its node are here too (a file each, in a
+            # folder named after the launcher's process on this node).
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            local = _env_int("OMPI_COMM_WORLD_LOCAL_SIZE", _env_int("MPI_LOCALNRANKS"))
+            if local and local > 1:
+                import tempfile
+                launcher = str(os.getppid())
+                try:  # the launcher's start time too: a pid used again later is another folder
+                    with open(f"/proc/{launcher}/stat") as f:
+                        launcher += "-" + f.read().rsplit(")", 1)[1].split()[19]
+                except (OSError, IndexError):
+                    pass
+                here = os.path.join(tempfile.gettempdir(), f"tpattn-nompi-{os.getuid()}-{launcher}")
+                deadline = time.monotonic() + 10
+                try:
+                    os.makedirs(here, exist_ok=True)
+                    open(os.path.join(here, rank if rank != "?" else str(os.getpid())), "w").close()
+                    while len(os.listdir(here)) < local and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                except OSError:
+                    pass
+            raise ConfigError(f"launched under MPI ({where}) but {problem}: {fix}")
     if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env and "SLURM_STEP_ID" in env:
         world = _env_int("SLURM_STEP_NUM_TASKS")
         node = _env_int("SLURM_NODEID", 0)
