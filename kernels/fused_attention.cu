@@ -20,22 +20,25 @@
 //   * any N >= 1: rows past N load as zeros (cp.async zero fill) and score -inf; the output is staged
 //     through shared memory and written with 16-byte stores for rows < N only.
 //
-// Layout: Q, K, V, O are [BH, N, D] contiguous 16-bit (fp16 or bf16), BH = batch * heads; D = 64
+// Layout: Q, K, V, O are [B, H, N, D] 16-bit (fp16 or bf16), BH = B * H, element (b, h, n, c) at
+// b * sb + h * sh + n * ld + c (in_* for Q, K, V; o_* for O: contiguous, or the layer's in-place
+// views of its QKV GEMM output and of the output projection's input rows); D = 64
 // or 128 (the swizzle below needs D / 8 >= 8 chunks of 16 bytes per row). Every offset that
 // scales with BH * N is 64-bit. Shared memory rows are XOR-swizzled (16-byte chunk c of row r is
 // stored at chunk c ^ (r & 7)), so ldmatrix and the cp.async stores are free of bank conflicts.
 //
-// Grid: x over query tiles (reversed when causal, so the longest rows start first), y over
-// batch * heads (with a stride beyond 65535). Block: NW * 32 threads. Dynamic shared memory:
+// Grid: x over the query tiles [qt_begin, qt_end) (a chunk of the rows, or all; reversed when
+// causal, so the longest rows start first), y over batch * heads (with a stride beyond 65535). Block: NW * 32 threads. Dynamic shared memory:
 // (BR + 4 * BC) * D * 2 bytes. Shared helpers: tc_common.cuh.
 
 #include "tc_common.cuh"
 
 extern __shared__ __attribute__((aligned(128))) unsigned char tpf_smem[];
 
-// rows [row0, row0 + ROWS) of a [N, D] matrix into a swizzled shared tile; rows >= N become zeros
+// rows [row0, row0 + ROWS) of a [N, D] matrix (rows ld elements apart) into a swizzled shared
+// tile; rows >= N become zeros
 template <int D, int ROWS, int NT>
-__device__ __forceinline__ void tpf_load_tile(tc_u16 *s, const tc_u16 *g, int row0, int N, int tid) {
+__device__ __forceinline__ void tpf_load_tile(tc_u16 *s, const tc_u16 *g, int row0, int N, int tid, long long ld) {
     constexpr int CH = D / 8;
 #pragma unroll
     for (int i = 0; i < (ROWS * CH + NT - 1) / NT; ++i) {
@@ -43,7 +46,7 @@ __device__ __forceinline__ void tpf_load_tile(tc_u16 *s, const tc_u16 *g, int ro
         if ((ROWS * CH) % NT == 0 || c < ROWS * CH) {
             const int r = c / CH, ch = c % CH;
             const int gr = row0 + r;
-            const tc_u16 *src = g + (long long)(gr < N ? gr : 0) * D + ch * 8;
+            const tc_u16 *src = g + (gr < N ? gr : 0) * ld + ch * 8;
             tc_cp16(tc_saddr(s + tc_swz<D>(r, ch)), src, gr < N ? 16 : 0);
         }
     }
@@ -61,7 +64,9 @@ __device__ __forceinline__ void tpf_load_tile(tc_u16 *s, const tc_u16 *g, int ro
 template <int D, int NW, int MT, int BC, bool BF16>
 __device__ __forceinline__ void tpf_fused2(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
                                            const tc_u16 *__restrict__ V, tc_u16 *__restrict__ O, int BH,
-                                           int N, float scale_log2, int causal) {
+                                           int N, float scale_log2, int causal, int qt_begin,
+                                           int qt_end, int H, long long in_sb, long long in_sh, int in_ld,
+                                           long long o_sb, long long o_sh, int o_ld) {
     constexpr int WR = 16 * MT;   // rows per warp
     constexpr int BR = WR * NW;   // rows per block
     constexpr int NT = 32 * NW;
@@ -76,7 +81,6 @@ __device__ __forceinline__ void tpf_fused2(const tc_u16 *__restrict__ Q, const t
     tc_u16 *sV = sK + 2 * BC * D;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int x = lane & 7;
-    const int n_qt = (N + BR - 1) / BR;
     const int n_kt_all = (N + BC - 1) / BC;
     tc_u32 qa[4], ka[4], va[4];  // per-lane ldmatrix bases (shared window, bytes)
     {
@@ -92,23 +96,24 @@ __device__ __forceinline__ void tpf_fused2(const tc_u16 *__restrict__ Q, const t
     }
 
     for (int bh = blockIdx.y; bh < BH; bh += gridDim.y) {
-        const long long base = (long long)bh * N * D;
-        const tc_u16 *Qh = Q + base, *Kh = K + base, *Vh = V + base;
-        tc_u16 *Oh = O + base;
-        for (int qi = blockIdx.x; qi < n_qt; qi += gridDim.x) {
-            const int qt = causal ? n_qt - 1 - qi : qi;
+        const int b = bh / H, hh = bh - b * H;
+        const long long in = b * in_sb + hh * in_sh;
+        const tc_u16 *Qh = Q + in, *Kh = K + in, *Vh = V + in;
+        tc_u16 *Oh = O + b * o_sb + hh * o_sh;
+        for (int qi = blockIdx.x; qi < qt_end - qt_begin; qi += gridDim.x) {
+            const int qt = causal ? qt_end - 1 - qi : qt_begin + qi;  // causal: the longest rows first
             const int q0 = qt * BR;
             int n_kt = n_kt_all;
             if (causal) {
                 const int last = (q0 + BR - 1) / BC + 1;
                 n_kt = last < n_kt ? last : n_kt;
             }
-            tpf_load_tile<D, BR, NT>(sQ, Qh, q0, N, tid);
-            tpf_load_tile<D, BC, NT>(sK, Kh, 0, N, tid);
+            tpf_load_tile<D, BR, NT>(sQ, Qh, q0, N, tid, in_ld);
+            tpf_load_tile<D, BC, NT>(sK, Kh, 0, N, tid, in_ld);
             tc_cp_commit();
-            if (n_kt > 1) tpf_load_tile<D, BC, NT>(sK + BC * D, Kh, BC, N, tid);
+            if (n_kt > 1) tpf_load_tile<D, BC, NT>(sK + BC * D, Kh, BC, N, tid, in_ld);
             tc_cp_commit();
-            tpf_load_tile<D, BC, NT>(sV, Vh, 0, N, tid);
+            tpf_load_tile<D, BC, NT>(sV, Vh, 0, N, tid, in_ld);
             tc_cp_commit();
             asm volatile("cp.async.wait_group 2;\n" ::: "memory");
             __syncthreads();
@@ -167,8 +172,8 @@ __device__ __forceinline__ void tpf_fused2(const tc_u16 *__restrict__ Q, const t
             for (int j = 0; j < n_kt; ++j) {
                 tc_cp_wait<0>();       // K tile j + 1 and V tile j have landed ...
                 __syncthreads();   // ... for all; everyone is done with K tile j and V tile j - 1
-                if (j + 2 < n_kt) tpf_load_tile<D, BC, NT>(sK + (j & 1) * BC * D, Kh, (j + 2) * BC, N, tid);
-                if (j + 1 < n_kt) tpf_load_tile<D, BC, NT>(sV + ((j + 1) & 1) * BC * D, Vh, (j + 1) * BC, N, tid);
+                if (j + 2 < n_kt) tpf_load_tile<D, BC, NT>(sK + (j & 1) * BC * D, Kh, (j + 2) * BC, N, tid, in_ld);
+                if (j + 1 < n_kt) tpf_load_tile<D, BC, NT>(sV + ((j + 1) & 1) * BC * D, Vh, (j + 1) * BC, N, tid, in_ld);
                 tc_cp_commit();
                 // S_{j+1} (on the last tile this reads a stale buffer and is discarded)
                 qk(sn, (j + 1) & 1);
@@ -258,7 +263,7 @@ __device__ __forceinline__ void tpf_fused2(const tc_u16 *__restrict__ Q, const t
                 const int r = c / CH, ch = c % CH;
                 const int gr = wr0 + r;
                 if (gr < N)
-                    *(tc_u4 *)(Oh + (long long)gr * D + ch * 8) = *(const tc_u4 *)(sQ + tc_swz<D>(warp * WR + r, ch));
+                    *(tc_u4 *)(Oh + (long long)gr * o_ld + ch * 8) = *(const tc_u4 *)(sQ + tc_swz<D>(warp * WR + r, ch));
             }
             __syncthreads();  // sQ, sK, sV are reused by the block's next tile (when the grid strides)
         }
@@ -269,8 +274,12 @@ __device__ __forceinline__ void tpf_fused2(const tc_u16 *__restrict__ Q, const t
     extern "C" __global__ void __launch_bounds__(NW * 32)                                             \
         fused2_##SUF##_d##D##_w##NW##_m##MT##_c##BC(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, \
                                                     const tc_u16 *__restrict__ V, tc_u16 *__restrict__ O, \
-                                                    int BH, int N, float scale_log2, int causal) {   \
-        tpf_fused2<D, NW, MT, BC, BF16>(Q, K, V, O, BH, N, scale_log2, causal);                       \
+                                                    int BH, int N, float scale_log2, int causal,     \
+                                                    int qt_begin, int qt_end, int H, long long in_sb, \
+                                                    long long in_sh, int in_ld, long long o_sb,      \
+                                                    long long o_sh, int o_ld) {                      \
+        tpf_fused2<D, NW, MT, BC, BF16>(Q, K, V, O, BH, N, scale_log2, causal, qt_begin, qt_end, H,   \
+                                        in_sb, in_sh, in_ld, o_sb, o_sh, o_ld);                       \
     }
 // Configurations (warps, m16 tiles per warp, keys per tile); the default is w4_m1_c64 for both head
 // dims (tpattn/attention/fused.py), the others are there for the benchmark's sweep. MT = 2 with

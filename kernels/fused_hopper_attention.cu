@@ -22,9 +22,14 @@
 //   * any N >= 1: rows past N load as zeros (cp.async zero fill) and score -inf; O is staged
 //     through shared memory and written with 16-byte stores for rows < N only.
 //
-// Layout: Q, K, V, O are [BH, N, D] contiguous 16-bit (fp16 or bf16), BH = batch * heads,
-// D = 64 or 128. Offsets that scale with BH * N are 64-bit. Grid: x over query tiles, y over
-// batch * heads (with a stride beyond 65535); block 256 threads; dynamic shared memory
+// Layout: Q, K, V, O are [B, H, N, D] 16-bit (fp16 or bf16), BH = B * H, element (b, h, n, c) at
+// b * sb + h * sh + n * ld + c (in_* for Q, K and V, which share them; o_* for O): contiguous
+// tensors, or Q, K and V read in place from the QKV GEMM's [B, N, 3, H, D] output and O written
+// straight into the [B, N, H, D] rows the output projection reads (no relayout copies);
+// D = 64 or 128. Offsets that scale with BH * N are 64-bit. Grid: x over the query tiles
+// [qt_begin, qt_end) (all of them: 0 and ceil(N / 128); fewer: a chunk of the rows, which the layer
+// uses to overlap its communication with the next chunk), y over batch * heads (with a stride
+// beyond 65535); block 256 threads; dynamic shared memory
 // (BR + 4 * BC) * D * 2 + 1024 bytes (the 1024 aligns the swizzle atoms). Shared helpers:
 // hopper_common.cuh.
 // hw_probe_* are one-warpgroup kernels that run a single S or PV product through the same
@@ -62,22 +67,24 @@ __device__ __forceinline__ void hw_pack_p(tc_u32 (&pa)[8][4], const float (&s)[6
 template <int D, bool BF16>
 __device__ __forceinline__ void hw_fused(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
                                          const tc_u16 *__restrict__ V, tc_u16 *__restrict__ O, int BH, int N,
-                                         float scale_log2, int causal) {
+                                         float scale_log2, int causal, int qt_begin, int qt_end, int H,
+                                         long long in_sb, long long in_sh, int in_ld, long long o_sb,
+                                         long long o_sh, int o_ld) {
     constexpr int BR = 128, BC = 128, NT = 256;
     constexpr tc_u32 QB = BR * D * 2, KB = BC * D * 2;  // bytes of the Q tile and of one K or V tile
     const tc_u32 sQ = hw_smem_base(), sK = sQ + QB, sV = sK + 2 * KB;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-    const int n_qt = (N + BR - 1) / BR;
     const int n_kt_all = (N + BC - 1) / BC;
     const tc_u32 sq = sQ + wg * 64 * 128;               // this warpgroup's 64 rows of Q
     const int rl = wg * 64 + warp * 16 + (lane >> 2);  // this thread's rows: rl and rl + 8 (in the tile)
 
     for (int bh = blockIdx.y; bh < BH; bh += gridDim.y) {
-        const long long base = (long long)bh * N * D;
-        const tc_u16 *Qh = Q + base, *Kh = K + base, *Vh = V + base;
-        tc_u16 *Oh = O + base;
-        for (int qi = blockIdx.x; qi < n_qt; qi += gridDim.x) {
-            const int qt = causal ? n_qt - 1 - qi : qi;
+        const int b = bh / H, hh = bh - b * H;
+        const long long in = b * in_sb + hh * in_sh;
+        const tc_u16 *Qh = Q + in, *Kh = K + in, *Vh = V + in;
+        tc_u16 *Oh = O + b * o_sb + hh * o_sh;
+        for (int qi = blockIdx.x; qi < qt_end - qt_begin; qi += gridDim.x) {
+            const int qt = causal ? qt_end - 1 - qi : qt_begin + qi;  // causal: the longest rows first
             const int q0 = qt * BR;
             int n_kt = n_kt_all;
             if (causal) {
@@ -86,11 +93,11 @@ __device__ __forceinline__ void hw_fused(const tc_u16 *__restrict__ Q, const tc_
             }
             const int r0 = q0 + rl;           // this thread's first row in the sequence
             const int wr0 = q0 + wg * 64;     // the warpgroup's first row
-            hw_load_tile<D, BR, NT>(sQ, Qh, q0, N, tid);
-            hw_load_tile<D, BC, NT>(sK, Kh, 0, N, tid);
+            hw_load_tile<D, BR, NT>(sQ, Qh, q0, N, tid, in_ld);
+            hw_load_tile<D, BC, NT>(sK, Kh, 0, N, tid, in_ld);
             tc_cp_commit();
-            if (n_kt > 1) hw_load_tile<D, BC, NT>(sK + KB, Kh, BC, N, tid);
-            hw_load_tile<D, BC, NT>(sV, Vh, 0, N, tid);
+            if (n_kt > 1) hw_load_tile<D, BC, NT>(sK + KB, Kh, BC, N, tid, in_ld);
+            hw_load_tile<D, BC, NT>(sV, Vh, 0, N, tid, in_ld);
             tc_cp_commit();
 
             float o[D / 2], s[64];
@@ -154,8 +161,8 @@ __device__ __forceinline__ void hw_fused(const tc_u16 *__restrict__ Q, const tc_
                 tc_cp_wait<0>();  // K_j and V_{j-1} have landed ...
                 hw_fence_proxy();
                 __syncthreads();  // ... for every thread; every warpgroup is done with K_{j-1} and V_{j-2}
-                if (j + 1 < n_kt) hw_load_tile<D, BC, NT>(sK + ((j + 1) & 1) * KB, Kh, (j + 1) * BC, N, tid);
-                hw_load_tile<D, BC, NT>(sV + (j & 1) * KB, Vh, j * BC, N, tid);
+                if (j + 1 < n_kt) hw_load_tile<D, BC, NT>(sK + ((j + 1) & 1) * KB, Kh, (j + 1) * BC, N, tid, in_ld);
+                hw_load_tile<D, BC, NT>(sV + (j & 1) * KB, Vh, j * BC, N, tid, in_ld);
                 tc_cp_commit();
                 tc_u32 pa[8][4];
                 hw_pack_p<BF16>(pa, s);
@@ -199,7 +206,7 @@ __device__ __forceinline__ void hw_fused(const tc_u16 *__restrict__ Q, const tc_
                 l[i] = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
             }
             // O = acc / l, staged through sQ (every warpgroup is past its reads of it), 16-byte stores
-            hw_store_tile<D, BF16>(Oh, D, q0, N, 0, D, sQ, o, l[0], l[1], rl, tid);
+            hw_store_tile<D, BF16>(Oh, o_ld, q0, N, 0, D, sQ, o, l[0], l[1], rl, tid);
             __syncthreads();  // sQ, sK, sV are reused by the block's next tile (when the grid strides)
         }
     }
@@ -209,8 +216,11 @@ __device__ __forceinline__ void hw_fused(const tc_u16 *__restrict__ Q, const tc_
     extern "C" __global__ void __launch_bounds__(256, 1)                                              \
         fusedh_##SUF##_d##D(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,              \
                             const tc_u16 *__restrict__ V, tc_u16 *__restrict__ O, int BH, int N,      \
-                            float scale_log2, int causal) {                                           \
-        hw_fused<D, BF16>(Q, K, V, O, BH, N, scale_log2, causal);                                     \
+                            float scale_log2, int causal, int qt_begin, int qt_end, int H,            \
+                            long long in_sb, long long in_sh, int in_ld, long long o_sb, long long o_sh, \
+                            int o_ld) {                                                               \
+        hw_fused<D, BF16>(Q, K, V, O, BH, N, scale_log2, causal, qt_begin, qt_end, H, in_sb, in_sh,    \
+                          in_ld, o_sb, o_sh, o_ld);                                                   \
     }
 HW_DEFINE(f16, false, 64)
 HW_DEFINE(bf16, true, 64)

@@ -46,9 +46,11 @@ __device__ __forceinline__ void hw_load(tc_u32 dst, const tc_u16 *g, long long l
     }
 }
 
-// rows [row0, row0 + ROWS) of a [N, D] matrix (all D columns); rows >= N are zeros
+// rows [row0, row0 + ROWS) of a [N, D] matrix (all D columns) whose rows are ld elements apart;
+// rows >= N are zeros
 template <int D, int ROWS, int NT>
-__device__ __forceinline__ void hw_load_tile(tc_u32 dst, const tc_u16 *g, int row0, int N, int tid) {
+__device__ __forceinline__ void hw_load_tile(tc_u32 dst, const tc_u16 *g, int row0, int N, int tid,
+                                             long long ld = D) {
     constexpr int CH = D / 8;
     static_assert((ROWS * CH) % NT == 0, "tile chunks must split evenly over the threads");
 #pragma unroll
@@ -56,7 +58,7 @@ __device__ __forceinline__ void hw_load_tile(tc_u32 dst, const tc_u16 *g, int ro
         const int c = tid + i * NT;
         const int r = c / CH, ch = c % CH;
         const int gr = row0 + r;
-        tc_cp16(dst + hw_swz<ROWS>(r, ch), g + (long long)(gr < N ? gr : 0) * D + ch * 8, gr < N ? 16 : 0);
+        tc_cp16(dst + hw_swz<ROWS>(r, ch), g + (gr < N ? gr : 0) * ld + ch * 8, gr < N ? 16 : 0);
     }
 }
 

@@ -8,26 +8,27 @@ T=${1:-15}
 L=${2:-mpirun}
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONFAULTHANDLER=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 seed=777000
-for fault in 1:forward:kill 1:forward:raise 1:start:hang 1:forward:hang 0:forward:hang 1:allreduce:skip; do
+for fault in ${FAULTS:-1:forward:kill 1:forward:raise 1:start:hang 1:forward:hang 0:forward:hang 1:allreduce:skip}; do
   seed=$((seed + 1))
   if [ "$L" = torchrun ]; then
     cmd=(torchrun --nproc-per-node 2 -m tpattn)
   else
     cmd=(mpirun -n 2 python3 -m tpattn)
   fi
-  start=$(date +%s.%N)
+  start=$(date +%s%N)
   TPATTN_DEBUG_INJECT_FAULT=$fault "${cmd[@]}" --kernel fused --timeout "$T" --seed $seed >/tmp/f.out 2>/tmp/f.err &
   pid=$!
   ( sleep $((T + 45)); pkill -ABRT -f "tpattn.*--seed $seed" ; sleep 5; pkill -9 -f "tpattn.*--seed $seed" ) &
   killer=$!
   wait $pid
   rc=$?
-  end=$(date +%s.%N)
+  end=$(date +%s%N)
   kill $killer 2>/dev/null; wait $killer 2>/dev/null
   sleep 1
   left=$(pgrep -f "tpattn.*--seed $seed" | wc -l)
-  printf '### %s via %s, --timeout %s%s: rc %s after %.1f s, %s process(es) left\n' "$fault" "$L" "$T" \
-    "${TPATTN_NO_WATCH:+ (watch off)}" "$rc" "$(echo "$end - $start" | bc)" "$left"
+  ms=$(( (end - start) / 1000000 ))
+  printf '### %s via %s, --timeout %s%s: rc %s after %d.%d s, %s process(es) left\n' "$fault" "$L" "$T" \
+    "${TPATTN_NO_WATCH:+ (watch off)}" "$rc" $((ms / 1000)) $((ms % 1000 / 100)) "$left"
   grep -E "tpattn: rank|process rank|exited on signal|Watchdog|watchdog|timed out|Timeout|NCCL WARN|File \"|Thread 0x|Current thread" /tmp/f.err \
     | grep -v "site-packages/torch/" | head -40
   pkill -9 -f "tpattn.*--seed $seed" 2>/dev/null

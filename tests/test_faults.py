@@ -54,11 +54,26 @@ def test_rank_that_never_starts():
 
 
 def test_collective_that_times_out():
-    r = job(["--timeout", "8"], 2, fault="1:allreduce:skip")
+    """Rank 1 leaves the all-reduce out: rank 0 waits in it until --timeout, and the line names
+    rank 1 (the rank that never joined), not rank 0 (the one waiting); the others say it too."""
+    r = job(["--timeout", "8"], 3, fault="1:allreduce:skip")
     assert r.returncode != 0 and r.elapsed < 60
     lines = rank_lines(r)
-    assert any(ln.startswith("tpattn: rank 0: failed: CollectiveError: all-reduce over 2 ranks failed") and
-               "a rank died, hangs or never joined it" in ln for ln in lines), r.stderr
+    assert any(ln.startswith("tpattn: rank 0: failed: CollectiveError: all-reduce over 3 ranks failed") and
+               "rank(s) 1 never joined it" in ln for ln in lines), r.stderr
+    assert any(ln.startswith("tpattn: rank 2:") and "rank(s) 1 never joined it" in ln for ln in lines), r.stderr
+    assert not any("rank(s) 0 did not reach" in ln or "rank(s) 0 never joined" in ln for ln in lines), r.stderr
+
+
+@pytest.mark.parametrize("fault,stalled", [("1:forward:hang", 1), ("0:forward:hang", 0)])
+def test_rank_that_stalls_before_the_collective(fault, stalled):
+    """A rank that hangs before the all-reduce: every other rank names it, the job ends."""
+    r = job(["--timeout", "6"], 3, fault=fault)
+    assert r.returncode != 0 and r.elapsed < 6 + 30
+    lines = rank_lines(r)
+    for rank in {0, 1, 2} - {stalled}:
+        assert any(ln.startswith(f"tpattn: rank {rank}:") and f"rank(s) {stalled} never joined it" in ln
+                   for ln in lines), r.stderr
 
 
 def test_nan_in_loaded_weight_refused_on_every_rank(tmp_path):

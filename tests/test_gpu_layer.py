@@ -21,17 +21,38 @@ def two_gpus():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_tensor_core_projection_with_fp32_result_matches_fp32_gemm(dtype):
+def test_tensor_core_projection_with_fp32_result_keeps_fp32_accuracy(dtype):
+    """The output GEMM on tensor cores with an fp32 result: its error is far below the storage
+    dtype's own rounding of the result (what --reduce-dtype fp32 exists to avoid before the sum)."""
     g = torch.Generator(device="cuda").manual_seed(1)
     a = torch.randn(512, 1024, device="cuda", generator=g).to(dtype)
     b = (torch.randn(1024, 768, device="cuda", generator=g) / 32).to(dtype)
     y = _mm(a, b, torch.float32)
     assert y.dtype == torch.float32
     ref = a.double() @ b.double()
-    fp32 = a.float() @ b.float()
     err = (y.double() - ref).abs().max().item()
-    err32 = (fp32.double() - ref).abs().max().item()
-    assert err <= 4 * err32 + 1e-6, (err, err32)  # one fp32 rounding, as the fp32 GEMM
+    rounding = (ref.to(dtype).double() - ref).abs().max().item()  # the storage dtype's rounding of y
+    print(f"{dtype}: tensor-core fp32 result err {err:.3g}, storage rounding {rounding:.3g}")
+    assert err < rounding / 50, (err, rounding)
+    out = torch.empty_like(y)
+    assert torch.equal(_mm(a, b, torch.float32, out=out), y) and torch.equal(out, y)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_fused_reads_qkv_in_place_and_writes_token_major_rows(causal, d):
+    """The layer hands the fused kernel strided views of its QKV GEMM output and of the output
+    GEMM's rows: the same bits as contiguous copies."""
+    from tpattn.attention import get_backend
+    B, N, h = 2, 700, 3
+    g = torch.Generator(device="cuda").manual_seed(5)
+    qkv = torch.randn(B, N, 3, h, d, device="cuda", generator=g).half()
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    rows = torch.full((B, N, h, d), float("nan"), device="cuda", dtype=torch.half)
+    fused = get_backend("fused")
+    fused.forward(q, k, v, causal, out=rows.permute(0, 2, 1, 3))
+    whole = fused.forward(q.contiguous(), k.contiguous(), v.contiguous(), causal)
+    assert torch.equal(rows.permute(0, 2, 1, 3), whole)
 
 
 @pytest.mark.parametrize("kernel", ["naive", "fused"])
@@ -80,3 +101,23 @@ def test_graph_replay_follows_new_input_and_matches_eager():
     x.copy_(x2)
     y = run().clone()
     assert torch.equal(y, layer(x2))  # same kernels, same order: bit-identical
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n,d", [(1000, 128), (640, 64)])
+@pytest.mark.parametrize("cfg", [None, "fused2_{suf}_d{d}_w4_m1_c64"])
+def test_fused_row_chunks_match_the_whole_call(monkeypatch, causal, n, d, cfg):
+    """The layer's overlap computes query rows in chunks: the same bits as one call, any N."""
+    from tpattn.attention import get_backend
+    if cfg:
+        monkeypatch.setenv("TPATTN_FUSED_CFG", cfg.format(suf="f16", d=d))
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(2, 3, n, d, device="cuda", generator=g).half() for _ in range(3))
+    fused = get_backend("fused")
+    whole = fused.forward(q, k, v, causal)
+    o = torch.full_like(q, float("nan"))
+    for r0, r1 in ((0, 256), (256, 384), (384, n)):
+        fused.forward(q, k, v, causal, out=o, rows=(r0, r1))
+    assert torch.equal(o, whole)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fused.forward(q, k, v, causal, out=o, rows=(100, 300))

@@ -292,6 +292,10 @@ def exchange(proc: Proc, key: str, payload: dict, timeout: float, what: str) -> 
     while not store.check(keys):
         if time.monotonic() > deadline:
             missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            from . import watch  # they may wait in a collective this rank never joined
+            why = watch.blame(missing)
+            if why:
+                raise LaunchError(why)
             raise LaunchError(f"rank(s) {_ranges(missing)} did not reach the {what} within {timeout:g} s "
                               "(did they start, or did they die? see the launcher's log; --timeout sets the wait)")
         time.sleep(0.05)

@@ -55,13 +55,24 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias: torch.Te
                 return torch.addmm(bias, a, b, out=out) if out is not None else torch.addmm(bias, a, b)
             return torch.mm(a, b, out=out) if out is not None else torch.mm(a, b)
         if out_dtype == torch.float32 and a.dtype in (torch.float16, torch.bfloat16) and bias is None:
-            y = torch.mm(a, b, out_dtype=torch.float32)
-            return out.copy_(y) if out is not None else y
+            if out is None:
+                return torch.mm(a, b, out_dtype=torch.float32)
+            try:
+                return torch.mm(a, b, out_dtype=torch.float32, out=out)
+            except (TypeError, RuntimeError):  # a torch without the out= form of it
+                return out.copy_(torch.mm(a, b, out_dtype=torch.float32))
     y = torch.mm(a.float(), b.float())
     if bias is not None:
         y += bias.float()
     y = y.to(out_dtype)
     return out.copy_(y) if out is not None else y
+
+
+def _add_bias(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """out = part (+ bias), cast to out's dtype, in one elementwise pass."""
+    if bias is None:
+        return out.copy_(part)
+    return torch.add(part, bias.to(part.dtype), out=out)
 
 
 class TensorParallelAttention(torch.nn.Module):
@@ -182,27 +193,44 @@ class TensorParallelAttention(torch.nn.Module):
         if x.shape[-1] != self.model_dim or x.dim() != 3:
             raise ValueError(f"input has shape {tuple(x.shape)}, the layer expects [B, N, {self.model_dim}]")
         faults.maybe_fail(self.rank, "forward")
-        if self.sequence_parallel:
+        if self.sequence_parallel and self.world > 1:  # with one rank both styles are the same
             return self._forward_sequence(x, timer)
         return self._forward_heads(x, timer)
 
     def _forward_heads(self, x: torch.Tensor, timer) -> torch.Tensor:
-        """Head-parallel: x [B, N, D] on every rank -> y [B, N, D] on every rank, one all-reduce."""
+        """Head-parallel: x [B, N, D] on every rank -> y [B, N, D] on every rank, one all-reduce.
+        With overlap, query-row chunk c's all-reduce runs while chunk c+1's attention (when the
+        backend computes row chunks, as fused does) and output projection run."""
         B, N, D = x.shape
+        h, d = self.local_heads, self.head_dim
         with section(timer, "qkv_proj"):
             qkv = _mm(x.reshape(B * N, D), self.wqkv, self.dtype, self.bqkv)   # [B*N, 3*h*d]
-            q, k, v = self._heads_first(qkv.view(B, N, 3, self.local_heads, self.head_dim), (0, 1))
-        o = self._attention(q, k, v, timer)
-        rows = o.transpose(1, 2).reshape(B * N, -1)            # [B*N, h*d], the GEMM's rows
-        partial = torch.empty(B * N, D, dtype=self.part_dtype, device=x.device)
-        for part_rows, part in zip(rows.tensor_split(self.overlap), partial.tensor_split(self.overlap)):
+            q, k, v = self._split_heads(qkv.view(B, N, 3, h, d))              # [B, h, N, d] each
+        o_rows = torch.empty(B, N, h, d, dtype=self.dtype, device=x.device)   # the output GEMM's rows
+        o = o_rows.permute(0, 2, 1, 3)                                      # seen as [B, h, N, d]
+        if self.world == 1:  # nothing to sum: the output GEMM writes y (+ b_o) in the model dtype, one rounding
+            self._attention(q, k, v, o, timer)
             with section(timer, "out_proj"):
-                _mm(part_rows, self.wo, self.part_dtype, out=part)
+                return _mm(o_rows.view(B * N, h * d), self.wo, self.dtype, self.bo).view(B, N, D)
+        chunks = self._row_chunks(N)
+        by_rows = len(chunks) > 1 and self.backend.row_chunks is not None
+        if not by_rows:
+            self._attention(q, k, v, o, timer)
+        partial = torch.empty(B, N, D, dtype=self.part_dtype, device=x.device)
+        parts = [partial[:, r0:r1] if B == 1 else torch.empty(B, r1 - r0, D, dtype=self.part_dtype,
+                                                              device=x.device) for r0, r1 in chunks]
+        for (r0, r1), part in zip(chunks, parts):
+            if by_rows:
+                self._attention(q, k, v, o, timer, rows=(r0, r1))
+            with section(timer, "out_proj"):
+                _mm(o_rows[:, r0:r1].reshape(B * (r1 - r0), h * d), self.wo, self.part_dtype,
+                    out=part.view(B * (r1 - r0), D))
             self._output_collective("allreduce", timer, lambda p=part: dist.all_reduce(p, group=self.group))
         self._join_comm()
-        if self.bo is not None:
-            partial += self.bo.to(self.part_dtype)
-        return partial.to(self.dtype).view(B, N, D)
+        y = torch.empty(B, N, D, dtype=self.dtype, device=x.device)
+        for (r0, r1), part in zip(chunks, parts):  # + b_o and the cast to the model dtype in one pass
+            _add_bias(part, self.bo, out=y[:, r0:r1])
+        return y
 
     def _forward_sequence(self, x: torch.Tensor, timer) -> torch.Tensor:
         """Sequence-parallel: x [B, N/W, D] per rank -> all-gather -> y [B, N/W, D], reduce-scatter.
@@ -217,50 +245,60 @@ class TensorParallelAttention(torch.nn.Module):
         gathered = torch.empty(K, W, B, m, D, dtype=self.dtype, device=x.device)
         arrived = [self._collective("allgather", timer, lambda c=c: _all_gather(
             gathered[c].view(W * B, m, D), xs[:, c].contiguous(), group=self.group),
-            fallback=lambda c=c: gathered[c].copy_(xs[:, c])) for c in range(K)]                              # all K gathers queued; chunk c's QKV waits for c
+            fallback=lambda c=c: gathered[c].copy_(xs[:, c])) for c in range(K)]  # all queued; QKV c waits for c
         qkv = torch.empty(K, W, B, m, 3 * h * d, dtype=self.dtype, device=x.device)
         for c in range(K):
             self._wait(arrived[c])
             with section(timer, "qkv_proj"):
                 _mm(gathered[c].view(W * B * m, D), self.wqkv, self.dtype, self.bqkv, out=qkv[c].view(W * B * m, -1))
-        with section(timer, "qkv_proj"):                    # rows (c, w, b, i) -> sequence position w*n + c*m + i
-            q, k, v = self._heads_first(qkv.view(K, W, B, m, 3, h, d), (2, 1, 0, 3))
-        o = self._attention(q, k, v, timer)                  # [B, h, N, d] -> rows [K, W, B, m, h*d]
-        rows = o.view(B, h, W, K, m, d).permute(3, 2, 0, 4, 1, 5).reshape(K, W * B * m, h * d)
+        with section(timer, "qkv_proj"):  # rows (c, w, b, i) -> sequence position w*n + c*m + i (a view if K=B=1)
+            q, k, v = self._split_heads(qkv.view(K, W, B, m, 3, h, d).permute(2, 1, 0, 3, 4, 5, 6)
+                                        .reshape(B, W * n, 3, h, d))
+        o_rows = torch.empty(B, W, K, m, h * d, dtype=self.dtype, device=x.device)
+        self._attention(q, k, v, o_rows.view(B, W * n, h, d).permute(0, 2, 1, 3), timer)
         partial = torch.empty(K, W * B * m, D, dtype=self.part_dtype, device=x.device)
         y = torch.empty(K, B * m, D, dtype=self.part_dtype, device=x.device)
         for c in range(K):
-            with section(timer, "out_proj"):
-                _mm(rows[c], self.wo, self.part_dtype, out=partial[c])
+            with section(timer, "out_proj"):  # rows (c, w, b, i): [W, B, m, h*d]
+                _mm(o_rows[:, :, c].transpose(0, 1).reshape(W * B * m, h * d), self.wo, self.part_dtype,
+                    out=partial[c])
             self._output_collective("reducescatter", timer, lambda c=c: _reduce_scatter(
                 y[c], partial[c], group=self.group), fallback=lambda c=c: y[c].copy_(partial[c]))
         self._join_comm()
-        y = y.view(K, B, m, D).transpose(0, 1).reshape(B, n, D)
-        if self.bo is not None:
-            y = y + self.bo.to(self.part_dtype)
-        return y.to(self.dtype)
+        return _add_bias(y.view(K, B, m, D).transpose(0, 1), self.bo,
+                         out=torch.empty(B, K, m, D, dtype=self.dtype, device=x.device)).view(B, n, D)
 
     # ---- the local pieces, shared by both styles -----------------------------------------------
 
-    def _heads_first(self, qkv: torch.Tensor, seq_dims: tuple[int, ...]):
-        """q, k, v [B, h, N, d], contiguous, in one copy from the QKV GEMM's output viewed as
-        [..., 3, h, d] whose leading dims seq_dims (batch first, then the sequence's dims in order)."""
-        b, *seq = seq_dims
-        nd = qkv.dim()
-        qkv = qkv.permute(nd - 3, b, nd - 2, *seq, nd - 1).contiguous()
-        B, h, d = qkv.shape[1], qkv.shape[2], qkv.shape[-1]
-        return qkv.view(3, B, h, -1, d).unbind(0)
+    def _split_heads(self, qkv: torch.Tensor):
+        """q, k, v [B, h, N, d] from the QKV GEMM's output [B, N, 3, h, d]: strided views for a
+        backend that reads them in place (fused), else contiguous copies."""
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        if getattr(self.backend, "strided", False):
+            return q, k, v
+        return q.contiguous(), k.contiguous(), v.contiguous()
 
-    def _attention(self, q, k, v, timer) -> torch.Tensor:
+    def _attention(self, q, k, v, o, timer, rows=None) -> None:
+        """o = attention(q, k, v) for this rank's heads (a head_chunk at a time), all query rows or
+        rows (r0, r1) only. o may be a strided view; a backend that needs contiguous memory
+        writes a contiguous copy that is then relaid into it."""
         h = self.local_heads
-        if self.head_chunk >= h:
-            return self.backend.forward(q, k, v, self.causal, timer, out=torch.empty_like(q))
-        o = torch.empty_like(q)
+        kw = {} if rows is None else {"rows": rows}
+        strided = getattr(self.backend, "strided", False)
         for h0 in range(0, h, self.head_chunk):
             sl = slice(h0, min(h, h0 + self.head_chunk))
-            o[:, sl] = self.backend.forward(q[:, sl].contiguous(), k[:, sl].contiguous(), v[:, sl].contiguous(),
-                                            self.causal, timer)
-        return o
+            qs, ks, vs, os_ = (t if self.head_chunk >= h else t[:, sl] for t in (q, k, v, o))
+            if strided:
+                self.backend.forward(qs, ks, vs, self.causal, timer, out=os_, **kw)
+            else:
+                os_.copy_(self.backend.forward(qs.contiguous(), ks.contiguous(), vs.contiguous(), self.causal,
+                                               timer, **kw))
+
+    def _row_chunks(self, n: int) -> list[tuple[int, int]]:
+        """overlap chunks of the query rows [0, n), at multiples of the backend's row_chunks."""
+        a = self.backend.row_chunks or 1
+        cuts = sorted({min(n, round(n * c / self.overlap / a) * a) for c in range(self.overlap + 1)} | {n})
+        return [(r0, r1) for r0, r1 in zip(cuts, cuts[1:]) if r1 > r0]
 
     # ---- the collectives ---------------------------------------------------------------------
 

@@ -25,6 +25,8 @@ class Backend:
     dtypes = ("fp16", "bf16", "fp32")
     devices = ("cpu", "cuda")
     materializes_scores = True  # S and P are written to device memory
+    row_chunks = None           # a backend that computes a chunk of query rows (forward(rows=(r0, r1)))
+                                # sets the multiple r0 must be; the layer then overlaps per chunk
 
     def check_supported(self, cfg) -> None:
         if cfg.device not in self.devices:

@@ -70,29 +70,55 @@ def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True) -> Choi
 
 
 _kernels: dict[tuple, Choice] = {}
+_devices: dict[int, tuple[int, tuple[int, int]]] = {}
+
+
+def _device_info(device) -> tuple[int, tuple[int, int]]:
+    """(SM count, compute capability), asked of the driver once per device."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _devices:
+        _devices[idx] = (torch.cuda.get_device_properties(idx).multi_processor_count,
+                         torch.cuda.get_device_capability(idx))
+    return _devices[idx]
+
+
+def _rows_aligned(*ts) -> bool:
+    """Each head's rows are contiguous and every row starts on 16 bytes (the kernels' cp.async)."""
+    return all(t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:3]) for t in ts)
 
 
 class FusedBackend(CudaBackend):
     name = "fused"
     dtypes = ("fp16", "bf16")
     materializes_scores = False  # S and P live in registers only
+    row_chunks = 128             # forward(rows=(r0, r1)) computes only those query rows: r0 a multiple of this
+    strided = True               # q, k, v (sharing strides) and o may be strided views: row and head strides
 
     def head_dim_error(self, d: int) -> str | None:
         return None if d in HEAD_DIMS else unsupported_head_dim(d)
 
-    def forward(self, q, k, v, causal: bool, timer=None, out=None, scratch=None):
+    def forward(self, q, k, v, causal: bool, timer=None, out=None, scratch=None, rows=None):
+        """rows=(r0, r1): only query rows [r0, r1) of o are computed (against all keys, causal by
+        their position in the sequence); r0 a multiple of row_chunks, r1 too or N."""
         b, h, n, d = q.shape
         suf = self.kernel_suffix(q)
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if not (k.stride() == v.stride() == q.stride() and _rows_aligned(q, k, v)):
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         o = out if out is not None else torch.empty_like(q)
-        assert o.is_contiguous() and o.dtype == q.dtype and o.device == q.device and o.shape == q.shape
+        assert o.dtype == q.dtype and o.device == q.device and o.shape == q.shape and _rows_aligned(o)
         bh = b * h
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        ch = kernel_for(d, suf, torch.cuda.get_device_capability(q.device), wide=2 * _cdiv(n, 128) * bh >= sms)
+        r0, r1 = rows or (0, n)
+        if r0 % self.row_chunks or not 0 <= r0 < r1 <= n or (r1 % self.row_chunks and r1 != n):
+            raise ValueError(f"rows {rows}: a chunk starts at a multiple of {self.row_chunks} and ends at one or at N={n}")
+        sms, cc = _device_info(q.device)
+        ch = kernel_for(d, suf, cc, wide=2 * _cdiv(r1 - r0, 128) * bh >= sms)
         scale_log2 = np.float32(math.log2(math.e) / math.sqrt(d))
+        t0, t1 = r0 // ch.rows, _cdiv(r1, ch.rows)
         with section(timer, "fused"):
-            grid = (min(_cdiv(n, ch.rows), GRID_X_MAX), min(bh, GRID_YZ_MAX), 1)
+            grid = (min(t1 - t0, GRID_X_MAX), min(bh, GRID_YZ_MAX), 1)
             launch(ch.source, ch.name, q.device, grid, (ch.threads, 1, 1),
-                   (ptr(q), ptr(k), ptr(v), ptr(o), np.int32(bh), np.int32(n), scale_log2, np.int32(causal)),
+                   (ptr(q), ptr(k), ptr(v), ptr(o), np.int32(bh), np.int32(n), scale_log2, np.int32(causal),
+                    np.int32(t0), np.int32(t1), np.int32(h), np.int64(q.stride(0)), np.int64(q.stride(1)),
+                    np.int32(q.stride(2)), np.int64(o.stride(0)), np.int64(o.stride(1)), np.int32(o.stride(2))),
                    shared_mem=ch.shared)
         return o
