@@ -9,6 +9,8 @@
 #           sharing the GPU, and mpirun -n 2 over gloo with --kernel fused
 #   speed   the layer at the default shape on 1 and 2 GPUs, each style (overlap, sequence parallel,
 #           CUDA graph), a table of them (scripts/layer_table.py)
+#   sweep   scripts/scaling.py at world sizes 1 and 2 (fused, naive) with the PyTorch peers
+#   faults  every fault of the README's table over NCCL (scripts/nccl_faults.sh), the GPU fault tests
 #   layertests  pytest -m gpu for the layer's styles and for faults over NCCL (2 GPUs)
 #   checks  the refusals that need a GPU: NaN in --load, the memory pre-flight, N^2 > 2^31 run
 # Logs and JSON go to $OUT (default results/). Usage: bash scripts/gpu_session.sh [STEP]... (default all)
@@ -63,27 +65,39 @@ if want speed; then
     [ "$w" -gt "$gpus" ] && continue
     i=$((i + 1))
     echo "--- mpirun -n $w python -m tpattn $args"
-    mpirun -n "$w" python3 -m tpattn $args --iters 20 --json "$OUT/speed/$(printf %02d $i).json" 2>&1 \
+    mpirun -n "$w" python3 -m tpattn $args --iters 20 --json "$OUT/speed/$(printf %02d $i).json" </dev/null 2>&1 \
       | grep -E "RESULT|check|error|failed" || status=1
   done <<'RUNS'
 1 --kernel fused
 1 --kernel fused --cuda-graph
 2 --kernel fused
-2 --kernel fused --reduce-dtype model
-2 --kernel fused --overlap 2
-2 --kernel fused --overlap 4
 2 --kernel fused --cuda-graph
-2 --kernel fused --cuda-graph --overlap 2
+2 --kernel fused --reduce-dtype model
+2 --kernel fused --reduce-dtype model --cuda-graph
+2 --kernel fused --overlap 2
 2 --kernel fused --sequence-parallel
 2 --kernel fused --sequence-parallel --overlap 2
-2 --kernel fused --sequence-parallel --overlap 4
 1 --kernel fused --causal
 2 --kernel fused --causal
+2 --kernel fused --causal --cuda-graph
 1 --kernel naive
 2 --kernel naive
-2 --kernel naive --overlap 4
 RUNS
   python3 scripts/layer_table.py "$OUT"/speed/*.json --md "$OUT/speed/table.md" || status=1
+fi
+if want sweep; then
+  # The sweep at world sizes 1 and 2 with the peers (DTensor, plain TP + SDPA default/flash/cuDNN,
+  # a bare all-reduce of the same bytes), for --kernel fused and for the naive kernels.
+  note "scaling sweep, fused and naive, world sizes 1 2"
+  python3 scripts/scaling.py --world-sizes 1 2 --kernel fused --warmup 5 --iters 20 --tag h200x2_fused \
+    --out "$OUT/bench" 2>&1 | tail -30 || status=1
+  python3 scripts/scaling.py --world-sizes 1 2 --kernel naive --tag h200x2 --out "$OUT/bench" 2>&1 | tail -30 || status=1
+fi
+if want faults; then
+  note "faults over NCCL: every row of the fault table (mpirun), the stalls under torchrun, the GPU fault tests"
+  bash scripts/nccl_faults.sh 15 2>&1 | tee "$OUT/nccl_faults.log"
+  FAULTS="1:forward:hang" bash scripts/nccl_faults.sh 15 torchrun 2>&1 | tee -a "$OUT/nccl_faults.log"
+  python3 -m pytest -m gpu -q -p no:warnings --tb=short tests/test_gpu_faults.py 2>&1 | tail -5 || status=1
 fi
 if want layertests; then
   note "pytest -m gpu: the layer (styles, overlap, graph) and faults over NCCL"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every fault of the fault table over NCCL on 2 GPUs, timed: rc, seconds, and the tpattn lines.
-#   bash scripts/nccl_faults.sh [TIMEOUT] [LAUNCHER]   (LAUNCHER: mpirun (default) or torchrun)
+#   bash scripts/nccl_faults.sh [TIMEOUT] [LAUNCHER]   (LAUNCHER: mpirun (default) or torchrun; ARGS: the
+#   run's options, default --kernel fused; FAULTS: which faults)
 # TPATTN_NO_WATCH=1 turns tpattn's collective watch off, to see what NCCL alone does: such a job is
 # killed after TIMEOUT + 45 s, its Python stacks dumped first (faulthandler on SIGABRT).
 set -u
@@ -16,7 +17,7 @@ for fault in ${FAULTS:-1:forward:kill 1:forward:raise 1:start:hang 1:forward:han
     cmd=(mpirun -n 2 python3 -m tpattn)
   fi
   start=$(date +%s%N)
-  TPATTN_DEBUG_INJECT_FAULT=$fault "${cmd[@]}" --kernel fused --timeout "$T" --seed $seed >/tmp/f.out 2>/tmp/f.err &
+  TPATTN_DEBUG_INJECT_FAULT=$fault "${cmd[@]}" ${ARGS:---kernel fused} --timeout "$T" --seed $seed </dev/null >/tmp/f.out 2>/tmp/f.err &
   pid=$!
   ( sleep $((T + 45)); pkill -ABRT -f "tpattn.*--seed $seed" ; sleep 5; pkill -9 -f "tpattn.*--seed $seed" ) &
   killer=$!

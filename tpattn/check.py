@@ -8,7 +8,8 @@ import math
 import torch
 
 # max |y - ref| / rms(ref). Against float64 the error is the storage dtype's rounding of q, k, v,
-# S, P, O and y; against the single-process baseline only the order of sums differs.
+# S, P, O and y; against the single-process baseline only the order of sums differs (and each
+# element may differ by one unit in its last place, see compare()).
 TOL_FLOAT64 = {"fp16": 2e-2, "bf16": 1e-1, "fp32": 1e-4}
 TOL_BASELINE = {"fp16": 1e-2, "bf16": 5e-2, "fp32": 1e-5}
 MAX_ROWS = 64
@@ -46,12 +47,21 @@ def layer_float64(x, w: dict, heads: int, causal: bool, rows: torch.Tensor) -> t
     return y + w64["bo"] if "bo" in w64 else y
 
 
-def compare(y: torch.Tensor, ref: torch.Tensor, tol: float) -> dict:
+def compare(y: torch.Tensor, ref: torch.Tensor, tol: float, ulp_of=None) -> dict:
+    """max |y - ref| / rms(ref) <= tol. ulp_of (a dtype): each element may also differ by one unit
+    in the last place of that dtype at its own size: two roundings of the same sum computed in
+    another order (tensor cores, a split over ranks) land on neighbouring values now and then, and
+    at the layer's largest outputs one such step alone can exceed tol * rms."""
     y = y.to(ref.device, torch.float64)
     err = (y - ref).abs()
     rms = ref.pow(2).mean().sqrt().item()
     finite = bool(torch.isfinite(y).all())
     max_err = err.max().item() if finite else float("inf")
     rel = max_err / max(rms, 1e-30)
-    return {"max_abs_err": max_err, "rms_ref": rms, "rel_err": rel, "tol": tol, "finite": finite,
-            "pass": finite and rel <= tol}
+    ok = rel <= tol
+    if ulp_of is not None and finite and not ok:
+        ok = bool((err <= tol * rms + torch.finfo(ulp_of).eps * ref.abs()).all())
+    out = {"max_abs_err": max_err, "rms_ref": rms, "rel_err": rel, "tol": tol, "finite": finite, "pass": finite and ok}
+    if ulp_of is not None:
+        out["ulp_allowed"] = True
+    return out

@@ -213,13 +213,16 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
     timer = Timer(device)
     for _ in range(cfg.warmup):
         layer(x_in)
-    call = layer.graphed(x_in) if cfg.cuda_graph else (lambda: layer(x_in, timer))
+    call = layer.graphed(x_in) if cfg.cuda_graph else (lambda: layer(x_in))
     samples: dict[str, list[float]] = {}
     for _ in range(cfg.iters):
+        # "total" and "host": the layer as a user calls it, no per-pass timing inside
         with timer.section("total"):
             t0 = time.perf_counter()
             y = call()
             host = (time.perf_counter() - t0) * 1e3  # returns once everything is queued on the GPU
+        if not cfg.cuda_graph:  # then one call with an event pair around every pass
+            y = layer(x_in, timer)
         for name, ms in {**timer.collect(), "host": host}.items():
             samples.setdefault(name, []).append(ms)
     if cfg.sequence_parallel:
@@ -264,7 +267,7 @@ def _checks(cfg: Config, proc, layer, w, x, y, device, loaded) -> dict:
                                        causal=cfg.causal, group=None, reduce_dtype=cfg.reduce_dtype,
                                        head_chunk=layer.local_heads)
         y_base = base(x)
-        checks["vs_single_process"] = {**compare(y, y_base.double(), TOL_BASELINE[cfg.dtype]),
+        checks["vs_single_process"] = {**compare(y, y_base.double(), TOL_BASELINE[cfg.dtype], ulp_of=cfg.torch_dtype),
                                        "what": f"all {cfg.seq_len} rows, world {proc.world} vs 1"}
         del base, y_base
     rows = sample_rows(cfg.seq_len)

@@ -179,7 +179,7 @@ class TensorParallelAttention(torch.nn.Module):
 
     def gather_sequence(self, y: torch.Tensor) -> torch.Tensor:
         """The full [B, N, D] from every rank's block (for checks: forward itself never needs it)."""
-        if self.group is None:
+        if self.group is None or self.world == 1:
             return y
         B, n, D = y.shape
         parts = torch.empty((self.world * B, n, D), dtype=y.dtype, device=y.device)
@@ -208,10 +208,6 @@ class TensorParallelAttention(torch.nn.Module):
             q, k, v = self._split_heads(qkv.view(B, N, 3, h, d))              # [B, h, N, d] each
         o_rows = torch.empty(B, N, h, d, dtype=self.dtype, device=x.device)   # the output GEMM's rows
         o = o_rows.permute(0, 2, 1, 3)                                      # seen as [B, h, N, d]
-        if self.world == 1:  # nothing to sum: the output GEMM writes y (+ b_o) in the model dtype, one rounding
-            self._attention(q, k, v, o, timer)
-            with section(timer, "out_proj"):
-                return _mm(o_rows.view(B * N, h * d), self.wo, self.dtype, self.bo).view(B, N, D)
         chunks = self._row_chunks(N)
         by_rows = len(chunks) > 1 and self.backend.row_chunks is not None
         if not by_rows:
@@ -311,8 +307,8 @@ class TensorParallelAttention(torch.nn.Module):
     def _collective(self, name: str, timer, call, fallback=None):
         """Run one collective after the work queued so far: on the communication stream when
         overlapping on a GPU (returns an event that marks its end), else in line (returns None).
-        Without a process group (one process) `fallback` does the local equivalent."""
-        if self.group is None:
+        Without a process group, or in a group of one, `fallback` does the local equivalent."""
+        if self.group is None or self.world == 1:
             if fallback is not None:
                 fallback()
             return None

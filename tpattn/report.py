@@ -156,6 +156,8 @@ def text(rep: dict) -> str:
         for p, s in rep["passes"].items():
             lines.append(f"  {p:<10}{s['min']:>10.3f}{s['median']:>10.3f}{s['max']:>10.3f}")
         for name, a in rep.get("collectives", {}).items():
+            if not a["median_ms"]:  # a CUDA graph: no per-pass times
+                continue
             lines.append(f"{COLLECTIVES[name]}: {_mib(a['bytes'])} of {a['dtype']}, {a['median_ms']:.3f} ms median over "
                          f"ranks (busbw {a['busbw_GBps']:.1f} GB/s); {a['last_rank_ms']:.3f} ms on the last rank to "
                          f"arrive (busbw {a['busbw_last_rank_GBps']:.1f} GB/s), the others also wait for it")
@@ -165,6 +167,6 @@ def text(rep: dict) -> str:
                          f"(total - compute passes), {100 * e['hidden_share']:.0f}% hidden behind compute")
     for name, ch in rep["checks"].items():
         lines.append(f"check {name}: max err {ch['max_abs_err']:.3g} = {ch['rel_err']:.3g} x rms "
-                     f"(tol {ch['tol']:g}) {'PASS' if ch['pass'] else 'FAIL'}{'  ' + ch['what'] if 'what' in ch else ''}")
+                     f"(tol {ch['tol']:g}{' or 1 ulp' if ch.get('ulp_allowed') else ''}) {'PASS' if ch['pass'] else 'FAIL'}{'  ' + ch['what'] if 'what' in ch else ''}")
     lines.append(f"RESULT: {rep['verdict']}")
     return "\n".join(lines)
