@@ -5,11 +5,10 @@ TensorParallelAttention.from_multihead_attention, and compares the all-reduced o
 unsharded module's. Prints 'API PASS rank R err E' and exits 0, or exits 1.
 """
 
-import sys
 
 import torch
 
-from tpattn.dist import init_distributed
+from tpattn.dist import exit_now, init_distributed
 from tpattn.layer import TensorParallelAttention
 
 proc = init_distributed(backend="gloo", timeout=60)
@@ -29,7 +28,18 @@ for causal in (False, True):
         y = layer(x)
         ref, _ = mha(x, x, x, need_weights=False, attn_mask=mask if causal else None)
     errs.append((y - ref).abs().max().item())
+# the second style through the API: each rank passes its block of the sequence and gets its block back
+x2 = torch.randn(B, 36, E)
+for kw in ({"sequence_parallel": True}, {"sequence_parallel": True, "overlap": 2}, {"overlap": 3}):
+    layer = TensorParallelAttention.from_multihead_attention(mha, backend="reference", causal=True, **kw)
+    if kw.get("overlap", 1) > 1 and kw.get("sequence_parallel") and (36 // proc.world) % kw["overlap"]:
+        continue
+    with torch.no_grad():
+        mine = layer.shard_sequence(x2) if kw.get("sequence_parallel") else x2
+        y = layer.gather_sequence(layer(mine)) if kw.get("sequence_parallel") else layer(mine)
+        ref, _ = mha(x2, x2, x2, need_weights=False, attn_mask=torch.ones(36, 36, dtype=torch.bool).triu(1))
+    errs.append((y - ref).abs().max().item())
 ok = max(errs) < 1e-5
 print(f"API {'PASS' if ok else 'FAIL'} rank {proc.rank} of {proc.world} err {max(errs):.2e}", flush=True)
 torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
-sys.exit(0 if ok else 1)
+exit_now(0 if ok else 1)  # not sys.exit: see tpattn.dist.exit_now

@@ -77,6 +77,8 @@ def test_no_check_is_not_a_pass():
     (["--json", "/nonexistent-dir/r.json"], "does not exist"),
     (["--device", "cpu", "--kernel", "naive"], "does not run on cpu"),
     (["--device", "cpu", "--dist-backend", "nccl"], "needs --device cuda"),
+    (["--overlap", "0"], "--overlap must be at least 1 chunk"),
+    (["--device", "cpu", "--cuda-graph"], "--cuda-graph needs --device cuda"),
 ])
 def test_bad_input_is_one_line(args, needle):
     line = one_error_line(tpattn(SMALL + args))

@@ -32,6 +32,41 @@ def test_cli_matches_baseline(world, tmp_path):
     assert r.stdout.count("RESULT: PASS") == 1  # only rank 0 reports
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("style", [["--sequence-parallel"], ["--overlap", "3", "--causal"],
+                                   ["--sequence-parallel", "--overlap", "2", "--causal"]])
+def test_sequence_parallel_and_overlap_match_baseline(world, style, tmp_path):
+    """The second parallel style and the overlapped collectives: the same output as one process."""
+    out = tmp_path / "r.json"
+    r = tpattn(SHAPE + style + ["--json", str(out)], ranks=world, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["verdict"] == "PASS" and rep["world"]["size"] == world
+    sp = "--sequence-parallel" in style
+    assert rep["config"]["style"] == ("sequence-parallel" if sp else "head-parallel")
+    if world > 1:
+        assert rep["checks"]["vs_single_process"]["pass"]
+        colls = rep["collectives"]
+        if sp:  # the same bytes as the all-reduce, in two collectives: x gathered (fp16), partials scattered (fp32)
+            assert colls["allgather"]["bytes"] == 96 * 12 * 16 * 2 and colls["reducescatter"]["bytes"] == 96 * 12 * 16 * 4
+            assert "all-gather:" in r.stdout and "reduce-scatter:" in r.stdout
+        else:
+            assert set(colls) == {"allreduce"}
+        assert all(c["busbw_GBps"] > 0 for c in colls.values())
+        assert "communication:" in r.stdout and "hidden behind compute" in r.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--sequence-parallel", "--seq-len", "97"], "--sequence-parallel needs --seq-len divisible by the world size 2"),
+    (["--sequence-parallel", "--overlap", "5"], "--overlap 5 with --sequence-parallel needs the 48 rows"),
+])
+def test_sequence_parallel_refusals_on_every_rank(args, needle):
+    r = tpattn(SHAPE + args, ranks=2, timeout=60)
+    assert r.returncode == 2
+    lines = [ln for ln in error_lines(r) if needle in ln]
+    assert sorted(ln.split(":")[1] for ln in lines) == [" rank 0", " rank 1"], r.stderr
+
+
 def test_model_dtype_reduce_passes(tmp_path):
     out = tmp_path / "r.json"
     r = tpattn(SHAPE + ["--reduce-dtype", "model", "--json", str(out)], ranks=2, timeout=120)
@@ -52,7 +87,8 @@ def test_api_single_process_matches_multihead_attention():
 
 
 def error_lines(r):
-    return [ln for ln in r.stderr.splitlines() if ln.startswith("tpattn: rank")]
+    from conftest import rank_lines
+    return rank_lines(r.stderr)
 
 
 def test_heads_not_divisible_errors_on_every_rank():

@@ -1,3 +1,4 @@
 from .cli import main
+from .dist import exit_now
 
-raise SystemExit(main())
+exit_now(main())  # without the interpreter's finalization: see exit_now

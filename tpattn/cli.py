@@ -288,5 +288,10 @@ def _profile(cfg: Config, proc, layer, x) -> None:
     prof.export_chrome_trace(path)
 
 
+def run() -> None:
+    """The `tpattn` console script: main(), then the exit without finalization (dist.exit_now)."""
+    tpdist.exit_now(main())
+
+
 if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())
+    run()

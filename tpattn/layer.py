@@ -183,7 +183,7 @@ class TensorParallelAttention(torch.nn.Module):
             return y
         B, n, D = y.shape
         parts = torch.empty((self.world * B, n, D), dtype=y.dtype, device=y.device)
-        self._collective("allgather", None, lambda: _all_gather(parts, y.contiguous(), group=self.group))
+        self._collective("allgather", None, _all_gather, parts, y.contiguous())
         self._join_comm()
         return parts.view(self.world, B, n, D).transpose(0, 1).reshape(B, self.world * n, D)
 
@@ -221,7 +221,7 @@ class TensorParallelAttention(torch.nn.Module):
             with section(timer, "out_proj"):
                 _mm(o_rows[:, r0:r1].reshape(B * (r1 - r0), h * d), self.wo, self.part_dtype,
                     out=part.view(B * (r1 - r0), D))
-            self._output_collective("allreduce", timer, lambda p=part: dist.all_reduce(p, group=self.group))
+            self._output_collective("allreduce", timer, dist.all_reduce, part)
         self._join_comm()
         y = torch.empty(B, N, D, dtype=self.dtype, device=x.device)
         for (r0, r1), part in zip(chunks, parts):  # + b_o and the cast to the model dtype in one pass
@@ -239,9 +239,8 @@ class TensorParallelAttention(torch.nn.Module):
         m = n // K
         xs = x.view(B, K, m, D)
         gathered = torch.empty(K, W, B, m, D, dtype=self.dtype, device=x.device)
-        arrived = [self._collective("allgather", timer, lambda c=c: _all_gather(
-            gathered[c].view(W * B, m, D), xs[:, c].contiguous(), group=self.group),
-            fallback=lambda c=c: gathered[c].copy_(xs[:, c])) for c in range(K)]  # all queued; QKV c waits for c
+        arrived = [self._collective("allgather", timer, _all_gather, gathered[c].view(W * B, m, D),
+                                    xs[:, c].contiguous()) for c in range(K)]  # all queued; QKV c waits for c
         qkv = torch.empty(K, W, B, m, 3 * h * d, dtype=self.dtype, device=x.device)
         for c in range(K):
             self._wait(arrived[c])
@@ -258,8 +257,7 @@ class TensorParallelAttention(torch.nn.Module):
             with section(timer, "out_proj"):  # rows (c, w, b, i): [W, B, m, h*d]
                 _mm(o_rows[:, :, c].transpose(0, 1).reshape(W * B * m, h * d), self.wo, self.part_dtype,
                     out=partial[c])
-            self._output_collective("reducescatter", timer, lambda c=c: _reduce_scatter(
-                y[c], partial[c], group=self.group), fallback=lambda c=c: y[c].copy_(partial[c]))
+            self._output_collective("reducescatter", timer, _reduce_scatter, y[c], partial[c])
         self._join_comm()
         return _add_bias(y.view(K, B, m, D).transpose(0, 1), self.bo,
                          out=torch.empty(B, K, m, D, dtype=self.dtype, device=x.device)).view(B, n, D)
@@ -298,19 +296,20 @@ class TensorParallelAttention(torch.nn.Module):
 
     # ---- the collectives ---------------------------------------------------------------------
 
-    def _output_collective(self, name: str, timer, call, fallback=None) -> None:
+    def _output_collective(self, name: str, timer, op, *tensors) -> None:
         """The collective that sums the partial outputs (fault injection step "allreduce")."""
         if faults.maybe_fail(self.rank, "allreduce") == "skip":
             return
-        self._collective(name, timer, call, fallback)
+        self._collective(name, timer, op, *tensors)
 
-    def _collective(self, name: str, timer, call, fallback=None):
-        """Run one collective after the work queued so far: on the communication stream when
+    def _collective(self, name: str, timer, op, *tensors):
+        """op(*tensors, group) after the work queued so far: on the communication stream when
         overlapping on a GPU (returns an event that marks its end), else in line (returns None).
-        Without a process group, or in a group of one, `fallback` does the local equivalent."""
+        Without a process group, or in a group of one, the local equivalent: an all-reduce or a
+        reduce-scatter leaves its input as it is, an all-gather copies it."""
         if self.group is None or self.world == 1:
-            if fallback is not None:
-                fallback()
+            if op is _all_gather or op is _reduce_scatter:
+                tensors[0].copy_(tensors[1].view(tensors[0].shape))
             return None
         stream = self._side_stream()
         if stream is not None:
@@ -318,7 +317,7 @@ class TensorParallelAttention(torch.nn.Module):
         with (torch.cuda.stream(stream) if stream is not None else nullcontext()), section(timer, name), \
                 watch.collective(name, self.world, self._nccl):
             try:
-                call()
+                op(*tensors, group=self.group)
             except RuntimeError as exc:
                 raise CollectiveError(watch.explain(name, self.world, _first_line(exc))) from None
         return stream.record_event() if stream is not None else None
