@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             where = f" (at {os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno})"
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         gone = proc.dead_peers()
+        if gone and gone in msg:  # the collective's own line already says it
+            gone = ""
         line = f"{type(exc).__name__}: {msg}{where}{'; ' + gone if gone else ''}"
         if not watch.ending():
             _say(proc, f"failed: {line}; ending the job")

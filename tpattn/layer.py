@@ -268,7 +268,7 @@ class TensorParallelAttention(torch.nn.Module):
         """q, k, v [B, h, N, d] from the QKV GEMM's output [B, N, 3, h, d]: strided views for a
         backend that reads them in place (fused), else contiguous copies."""
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        if getattr(self.backend, "strided", False):
+        if self.backend.strided:
             return q, k, v
         return q.contiguous(), k.contiguous(), v.contiguous()
 
@@ -278,7 +278,7 @@ class TensorParallelAttention(torch.nn.Module):
         writes a contiguous copy that is then relaid into it."""
         h = self.local_heads
         kw = {} if rows is None else {"rows": rows}
-        strided = getattr(self.backend, "strided", False)
+        strided = self.backend.strided
         for h0 in range(0, h, self.head_chunk):
             sl = slice(h0, min(h, h0 + self.head_chunk))
             qs, ks, vs, os_ = (t if self.head_chunk >= h else t[:, sl] for t in (q, k, v, o))

@@ -207,13 +207,15 @@ def explain(name: str, world: int, error: str) -> str:
     what = f"{NAMES.get(name, name)} over {world} ranks failed ({error})"
     if _watch is None:
         return f"{what}: a rank died, hangs or never joined it"
+    gone = _watch.proc.dead_peers()
+    if gone:
+        return f"{what}: {gone}"
     with _watch.lock:
         number = _watch.count
     behind = laggards(_watch.proc, number)
     if behind:
         return f"{what}: rank(s) {_ranges(behind)} never joined it (#{number}: stalled before it, or skipped it)"
-    gone = _watch.proc.dead_peers()
-    return f"{what}: {gone}" if gone else f"{what}: a rank died, hangs or never joined it"
+    return f"{what}: a rank died, hangs or never joined it"
 
 
 def blame(missing: list[int]) -> str | None:

@@ -27,6 +27,7 @@ class Backend:
     materializes_scores = True  # S and P are written to device memory
     row_chunks = None           # a backend that computes a chunk of query rows (forward(rows=(r0, r1)))
                                 # sets the multiple r0 must be; the layer then overlaps per chunk
+    strided = False             # True: q, k, v and out= may be strided [B, h, N, d] views (rows contiguous)
 
     def check_supported(self, cfg) -> None:
         if cfg.device not in self.devices:
