@@ -201,7 +201,8 @@ def test_mpi4py_libmpi_picks_another_mpi(openmpi_clone, mpich_clone):
     assert libmpi.exists()
     r = in_venv(mpich_clone, ["mpiexec", "-n", "2", python, "-m", "mpi4py", "--mpi-library"], timeout=60,
                 MPI4PY_LIBMPI=str(libmpi))
-    assert r.returncode == 0 and r.stdout.split() == [str(libmpi)] * 2, r.stdout + r.stderr
+    # each rank prints the library's path; hydra may join the two lines, so count them
+    assert r.returncode == 0 and r.stdout.count(str(libmpi)) == 2, r.stdout + r.stderr
     r = in_venv(mpich_clone, ["mpiexec", "-n", "2", python, "-m", "tpattn", "--seq-len", "128", "--heads", "4",
                               "--head-dim", "32"], timeout=120, MPI4PY_LIBMPI=str(libmpi))
     assert r.returncode == 0 and "RESULT: PASS" in r.stdout and "2 rank(s) via mpi" in r.stdout, \

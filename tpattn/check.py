@@ -9,7 +9,7 @@ import torch
 
 # max |y - ref| / rms(ref). Against float64 the error is the storage dtype's rounding of q, k, v,
 # S, P, O and y; against the single-process baseline only the order of sums differs (and each
-# element may differ by one unit in its last place, see compare()).
+# element may differ by an epsilon relative to its size, see compare()).
 TOL_FLOAT64 = {"fp16": 2e-2, "bf16": 1e-1, "fp32": 1e-4}
 TOL_BASELINE = {"fp16": 1e-2, "bf16": 5e-2, "fp32": 1e-5}
 MAX_ROWS = 64
@@ -48,10 +48,11 @@ def layer_float64(x, w: dict, heads: int, causal: bool, rows: torch.Tensor) -> t
 
 
 def compare(y: torch.Tensor, ref: torch.Tensor, tol: float, ulp_of=None) -> dict:
-    """max |y - ref| / rms(ref) <= tol. ulp_of (a dtype): each element may also differ by one unit
-    in the last place of that dtype at its own size: two roundings of the same sum computed in
-    another order (tensor cores, a split over ranks) land on neighbouring values now and then, and
-    at the layer's largest outputs one such step alone can exceed tol * rms."""
+    """max |y - ref| / rms(ref) <= tol. ulp_of (a dtype): each element may also differ by that
+    dtype's epsilon relative to its own size (one to two units in its last place): the same sums
+    computed in another order (GEMMs of other shapes, tensor cores, a split over ranks) round to
+    neighbouring values now and then, and at the layer's largest outputs such steps alone can
+    exceed tol * rms."""
     y = y.to(ref.device, torch.float64)
     err = (y - ref).abs()
     rms = ref.pow(2).mean().sqrt().item()

@@ -125,10 +125,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return _main(argv, proc)
     except (ConfigError, tpdist.LaunchError) as exc:
-        if not watch.ending():  # else the watch has printed why
-            _say(proc, f"error: {exc}")
         code = EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_FAIL
-        watch.end_job(f"{type(exc).__name__}: {exc}", code)  # a no-op before the process group exists
+        if watch.claim():  # else the watch is printing another rank's reason and ends the job
+            _say(proc, f"error: {exc}")
+            watch.end_job(f"{type(exc).__name__}: {exc}", code)  # no watch before the process group
+        else:
+            watch.wait_for_end()
         proc.abort(code)
     except KeyboardInterrupt:
         _say(proc, "interrupted")
@@ -147,8 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         if gone and gone in msg:  # the collective's own line already says it
             gone = ""
         line = f"{type(exc).__name__}: {msg}{where}{'; ' + gone if gone else ''}"
-        if not watch.ending():
-            _say(proc, f"failed: {line}; ending the job")
+        if not watch.claim():  # the watch is printing another rank's reason and ends the job
+            watch.wait_for_end()
+            proc.abort(EXIT_FAIL)
+        _say(proc, f"failed: {line}; ending the job")
         if os.environ.get("TPATTN_TRACEBACK"):
             import traceback
             traceback.print_exc()

@@ -183,8 +183,8 @@ def check_parallel_style(cfg: Config, world: int) -> None:
             ok = [k for k in range(1, min(n, 64) + 1) if n % k == 0]
             raise ConfigError(f"--overlap {cfg.overlap} with --sequence-parallel needs the {n} rows of each rank "
                               f"divisible by it; use --overlap in {{{', '.join(map(str, ok))}}}")
-    elif cfg.overlap > cfg.batch * cfg.seq_len:
-        raise ConfigError(f"--overlap {cfg.overlap} is more chunks than the {cfg.batch * cfg.seq_len} rows; "
+    elif cfg.overlap > cfg.seq_len:
+        raise ConfigError(f"--overlap {cfg.overlap} is more chunks than the {cfg.seq_len} rows of --seq-len; "
                           "use fewer")
     if cfg.cuda_graph:
         if cfg.device != "cuda":

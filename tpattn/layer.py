@@ -212,9 +212,11 @@ class TensorParallelAttention(torch.nn.Module):
         by_rows = len(chunks) > 1 and self.backend.row_chunks is not None
         if not by_rows:
             self._attention(q, k, v, o, timer)
-        partial = torch.empty(B, N, D, dtype=self.part_dtype, device=x.device)
-        parts = [partial[:, r0:r1] if B == 1 else torch.empty(B, r1 - r0, D, dtype=self.part_dtype,
-                                                              device=x.device) for r0, r1 in chunks]
+        if B == 1:  # chunks are views of one partial output
+            partial = torch.empty(N, D, dtype=self.part_dtype, device=x.device)
+            parts = [partial[None, r0:r1] for r0, r1 in chunks]
+        else:       # a chunk of rows of every batch element is not one block of memory: one each
+            parts = [torch.empty(B, r1 - r0, D, dtype=self.part_dtype, device=x.device) for r0, r1 in chunks]
         for (r0, r1), part in zip(chunks, parts):
             if by_rows:
                 self._attention(q, k, v, o, timer, rows=(r0, r1))
@@ -239,8 +241,11 @@ class TensorParallelAttention(torch.nn.Module):
         m = n // K
         xs = x.view(B, K, m, D)
         gathered = torch.empty(K, W, B, m, D, dtype=self.dtype, device=x.device)
-        arrived = [self._collective("allgather", timer, _all_gather, gathered[c].view(W * B, m, D),
-                                    xs[:, c].contiguous()) for c in range(K)]  # all queued; QKV c waits for c
+        # (B > 1: each chunk's rows are copied first; the copies live until _join_comm below, so the
+        # allocator cannot hand their memory to the compute stream while a gather still reads it)
+        sources = [xs[:, c].contiguous() for c in range(K)]
+        arrived = [self._collective("allgather", timer, _all_gather, gathered[c].view(W * B, m, D), sources[c])
+                   for c in range(K)]  # all queued at once; chunk c's QKV GEMM waits for gather c only
         qkv = torch.empty(K, W, B, m, 3 * h * d, dtype=self.dtype, device=x.device)
         for c in range(K):
             self._wait(arrived[c])
@@ -311,6 +316,9 @@ class TensorParallelAttention(torch.nn.Module):
             if op is _all_gather or op is _reduce_scatter:
                 tensors[0].copy_(tensors[1].view(tensors[0].shape))
             return None
+        # Ordering: the side stream first waits for everything queued on the compute stream (the
+        # inputs exist), and the compute stream reads an output only after _wait(its event) or
+        # _join_comm(). Every tensor a collective touches stays referenced by forward() until then.
         stream = self._side_stream()
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())

@@ -167,6 +167,6 @@ def text(rep: dict) -> str:
                          f"(total - compute passes), {100 * e['hidden_share']:.0f}% hidden behind compute")
     for name, ch in rep["checks"].items():
         lines.append(f"check {name}: max err {ch['max_abs_err']:.3g} = {ch['rel_err']:.3g} x rms "
-                     f"(tol {ch['tol']:g}{' or 1 ulp' if ch.get('ulp_allowed') else ''}) {'PASS' if ch['pass'] else 'FAIL'}{'  ' + ch['what'] if 'what' in ch else ''}")
+                     f"(tol {ch['tol']:g}{' + eps*|y| each' if ch.get('ulp_allowed') else ''}) {'PASS' if ch['pass'] else 'FAIL'}{'  ' + ch['what'] if 'what' in ch else ''}")
     lines.append(f"RESULT: {rep['verdict']}")
     return "\n".join(lines)

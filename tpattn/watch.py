@@ -42,6 +42,10 @@ class _Watch:
         self.lock = threading.Lock()
         self.ending = threading.Event()
         self.stopped = threading.Event()
+        # the thread queries CUDA events of this rank's GPU: it must use that device (a thread
+        # starts on device 0, and a query there would open a second context on GPU 0)
+        self.device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() \
+            else None
         self.thread = threading.Thread(target=self._run, name="tpattn-watch", daemon=True)
 
     # ---- the main thread's side ---------------------------------------------------------------
@@ -73,7 +77,17 @@ class _Watch:
 
     # ---- the thread ---------------------------------------------------------------------------
 
+    def claim(self) -> bool:
+        """True for the first caller only (thread or main): that one says why the job ends."""
+        with self.lock:
+            if self.ending.is_set():
+                return False
+            self.ending.set()
+            return True
+
     def _run(self) -> None:
+        if self.device is not None:
+            torch.cuda.set_device(self.device)
         store, rank = self.proc.store, self.proc.rank
         published = -1
         started: dict[int, float] = {}
@@ -113,9 +127,8 @@ class _Watch:
 
     def _echo(self, message: str) -> None:
         """Another rank decided the job is stuck: say so here too, and end."""
-        if self.ending.is_set():
+        if not self.claim():
             return
-        self.ending.set()
         self.say(f"ending the job: {message}")
         try:
             self.proc.store.set(f"fault_seen/{self.proc.rank}", "1")
@@ -124,12 +137,11 @@ class _Watch:
         time.sleep(ACK_WAIT_S)  # the rank that published it ends the job; if it is gone, end here
         self.proc.abort(1)
 
-    def end_job(self, message: str, code: int = 1, say: bool = True) -> None:
+    def end_job(self, message: str, code: int = 1, say: bool = True, claimed: bool = False) -> None:
         """Print the line, publish it for the other ranks, give them a moment to print theirs,
         then end the whole job."""
-        if self.ending.is_set():
+        if not claimed and not self.claim():
             return
-        self.ending.set()
         if say:
             self.say(f"failed: {message}; ending the job")
         store = self.proc.store
@@ -236,16 +248,22 @@ def blame(missing: list[int]) -> str | None:
     return None
 
 
-def ending() -> bool:
-    """True once the watch has said why the job ends (the caller need not say it again)."""
-    return _watch is not None and _watch.ending.is_set()
+def claim() -> bool:
+    """The main thread is about to say why the job ends: True if it should (no watch, or the watch
+    has not said it yet); False if the watch already says it (then wait_for_end())."""
+    return _watch is None or _watch.claim()
+
+
+def wait_for_end() -> None:
+    """The watch is printing another rank's reason and will end the job: let it."""
+    time.sleep(ACK_WAIT_S + 2)
 
 
 def end_job(message: str, code: int) -> bool:
-    """If the watch runs: publish this rank's failure line for the others and end the job (does not
-    return). False when there is no watch (the caller ends the job itself)."""
+    """After claim(): publish this rank's failure line for the others, give them a moment to print
+    it, and end the job (does not return). False when there is no watch."""
     if _watch is None:
         return False
-    _watch.end_job(message, code, say=False)
+    _watch.end_job(message, code, say=False, claimed=True)
     return True
 
