@@ -483,4 +483,4 @@ def report(cfg, proc, device, x, full, outs, everyone, unavailable, probe, bare,
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    tpdist.exit_now(main())  # not SystemExit: gloo's worker threads can abort the interpreter's finalization
