@@ -79,3 +79,23 @@ def test_sample_rows():
     assert sample_rows(10).tolist() == list(range(10))
     r = sample_rows(50_000)
     assert len(r) == 64 and r[0] == 0 and r[-1] == 49_999
+
+
+def test_baseline_check_allows_an_epsilon_per_element_and_nothing_more():
+    """compare(ulp_of=): the vs-single-process check lets each element differ by the dtype's epsilon
+    relative to its size (neighbouring fp16 values at the largest outputs) on top of tol * rms, and
+    still fails an error of a few such steps at a large output, or a wrong value at rms scale."""
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(4096, generator=g, dtype=torch.float64)
+    ref[7] = 12.0                                   # one large output, 12 x rms
+    rms = ref.pow(2).mean().sqrt().item()
+    eps = torch.finfo(torch.float16).eps            # 2^-10: one fp16 step at [1, 2), 8 steps at 12
+    y = ref.clone()
+    y[7] += 1e-2 * rms + 0.5 * eps * 12             # beyond tol * rms, within tol * rms + eps * |y|
+    assert not compare(y, ref, 1e-2)["pass"]
+    assert compare(y, ref, 1e-2, ulp_of=torch.float16)["pass"]
+    y[7] = ref[7] + 1e-2 * rms + 3 * eps * 12       # three times the allowance: a real error
+    assert not compare(y, ref, 1e-2, ulp_of=torch.float16)["pass"]
+    y = ref.clone()
+    y[100] += 0.05 * rms                            # a small value wrong by 5 % of rms
+    assert not compare(y, ref, 1e-2, ulp_of=torch.float16)["pass"]

@@ -80,10 +80,10 @@ def parser() -> argparse.ArgumentParser:
                    "output sharded along the sequence ([B, N/W, D] per rank); an all-gather before the QKV "
                    "projection and a reduce-scatter after the output projection replace the all-reduce "
                    "(needs --seq-len divisible by the world size)")
-    d.add_argument("--overlap", type=int, default=1, metavar="K", help="pipeline the output projection and "
-                   "the collective over K row chunks, the collectives on a side CUDA stream (sequence "
-                   "parallel: the all-gather with the QKV projection too); 1 = off (default; see README for "
-                   "when it pays)")
+    d.add_argument("--overlap", type=int, default=1, metavar="K", help="pipeline the output projection "
+                   "(with --kernel fused the attention too) and the collective over K row chunks, the "
+                   "collectives on a side CUDA stream (sequence parallel: the all-gather with the QKV "
+                   "projection too); 1 = off (default; it lost on the H200s, see README)")
     d.add_argument("--cuda-graph", action="store_true", help="capture the whole layer (kernels, GEMMs, "
                    "collectives) in one CUDA graph and time its replays: no host launch cost, total time only")
     d.add_argument("--timeout", type=float, default=300.0, metavar="S", help="seconds to wait for the "
@@ -243,7 +243,7 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
         return 0 if verdict != "FAIL" else EXIT_FAIL
     checks = _checks(cfg, proc, layer, w, x, y, device, loaded) if cfg.check else {}
     verdict = "FAIL" if any(not c["pass"] for c in checks.values()) else ("PASS" if checks else "NOT CHECKED")
-    rep = build(cfg, proc, device, everyone, collective_bytes(cfg, layer), checks, verdict,
+    rep = build(cfg, proc, device, everyone, layer.collective_nbytes(cfg.batch, cfg.seq_len), checks, verdict,
                 ["python", "-m", "tpattn", *argv])
     print(text(rep), flush=True)
     if cfg.json:
@@ -252,14 +252,6 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
     if proc.distributed:  # last: on FAIL the others exit as soon as they read it
         proc.store.set("verdict", json.dumps({"verdict": verdict}))
     return 0 if verdict != "FAIL" else EXIT_FAIL
-
-
-def collective_bytes(cfg: Config, layer) -> dict:
-    """Bytes of each collective the layer runs per call (the whole tensor, nccl-tests' "size")."""
-    if not cfg.sequence_parallel:
-        return {"allreduce": layer.partial_nbytes(cfg.batch, cfg.seq_len)}
-    return {"allgather": layer.gather_nbytes(cfg.batch, cfg.seq_len),
-            "reducescatter": layer.partial_nbytes(cfg.batch, cfg.seq_len)}
 
 
 def _checks(cfg: Config, proc, layer, w, x, y, device, loaded) -> dict:

@@ -168,9 +168,14 @@ class TensorParallelAttention(torch.nn.Module):
         """Bytes of the partial output that the all-reduce (or reduce-scatter) sums: [B, N, D]."""
         return batch * seq_len * self.model_dim * torch.empty((), dtype=self.part_dtype).element_size()
 
-    def gather_nbytes(self, batch: int, seq_len: int) -> int:
-        """Bytes of the gathered input [B, N, D] (sequence parallel's all-gather)."""
-        return batch * seq_len * self.model_dim * torch.empty((), dtype=self.dtype).element_size()
+    def collective_nbytes(self, batch: int, seq_len: int) -> dict[str, int]:
+        """Bytes of each collective one call runs (the whole tensor, nccl-tests' "size"):
+        head-parallel the all-reduce of the partials; sequence-parallel the all-gather of x [B, N, D]
+        and the reduce-scatter of the partials."""
+        if not self.sequence_parallel:
+            return {"allreduce": self.partial_nbytes(batch, seq_len)}
+        x_bytes = batch * seq_len * self.model_dim * torch.empty((), dtype=self.dtype).element_size()
+        return {"allgather": x_bytes, "reducescatter": self.partial_nbytes(batch, seq_len)}
 
     def shard_sequence(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's block of N/W rows of a full [B, N, D] tensor (sequence parallel's input)."""

@@ -118,7 +118,7 @@ class _Watch:
                     else:
                         t0, limit = host_start, self.timeout + HOST_GRACE_S
                     if now - t0 > limit:
-                        self.end_job(stuck_message(self.proc, number, name, world, now - t0))
+                        self.end_job(stuck_message(self.proc, number, name, world, now - t0, self.timeout))
                         return
             except Exception:  # noqa: BLE001 - the store went away: the job is ending anyway
                 if self.stopped.is_set() or self.ending.is_set():
@@ -156,14 +156,14 @@ class _Watch:
         self.proc.abort(code)
 
 
-def stuck_message(proc, number: int, name: str, world: int, waited: float) -> str:
+def stuck_message(proc, number: int, name: str, world: int, waited: float, timeout: float) -> str:
     what = f"{NAMES.get(name, name)} #{number} over {world} ranks"
     behind = laggards(proc, number)
     if behind:
         who = f"rank(s) {_ranges(behind)} never joined it (stalled before it, or skipped it)"
     else:
         who = "every rank joined it, so the collective itself hangs (the network or NCCL: try NCCL_DEBUG=WARN)"
-    return f"CollectiveError: {what} did not complete within {waited:.0f} s (--timeout {_watch.timeout:g}): {who}"
+    return f"CollectiveError: {what} did not complete within {waited:.0f} s (--timeout {timeout:g}): {who}"
 
 
 def laggards(proc, number: int) -> list[int]:
@@ -243,8 +243,8 @@ def blame(missing: list[int]) -> str | None:
     except Exception:  # noqa: BLE001
         return None
     if ahead:
-        return (f"rank(s) {_ranges(ahead)} wait in collective #{_watch.count + 1} ({NAMES['allreduce']} or the "
-                f"style's collective) that rank {proc.rank} (this rank) never joined: it skipped or left it")
+        return (f"rank(s) {_ranges(ahead)} wait in the layer's collective #{_watch.count + 1}, which rank "
+                f"{proc.rank} (this rank) never joined: it skipped or left it")
     return None
 
 
