@@ -20,9 +20,11 @@
 //   * any N >= 1: rows past N load as zeros (cp.async zero fill) and score -inf; the output is staged
 //     through shared memory and written with 16-byte stores for rows < N only.
 //
-// Layout: Q, K, V, O are [B, H, N, D] 16-bit (fp16 or bf16), BH = B * H, element (b, h, n, c) at
-// b * sb + h * sh + n * ld + c (in_* for Q, K, V; o_* for O: contiguous, or the layer's in-place
-// views of its QKV GEMM output and of the output projection's input rows); D = 64
+// Layout: Q and O are [B, H, N, D], K and V [B, H / group, N, D], 16-bit (fp16 or bf16), BH = B * H,
+// element (b, h, n, c) at b * sb + h * sh + n * ld + c (q_* for Q; kv_* for K and V, which share
+// them; o_* for O: contiguous, or the layer's in-place views of its QKV GEMM output and of the
+// output projection's input rows). Grouped-query attention: query head h reads K/V head h / group
+// (group = 1: one K/V head per query head; group = H: one for all), in place, never repeated; D = 64
 // or 128 (the swizzle below needs D / 8 >= 8 chunks of 16 bytes per row). Every offset that
 // scales with BH * N is 64-bit. Shared memory rows are XOR-swizzled (16-byte chunk c of row r is
 // stored at chunk c ^ (r & 7)), so ldmatrix and the cp.async stores are free of bank conflicts.
@@ -65,7 +67,8 @@ template <int D, int NW, int MT, int BC, bool BF16>
 __device__ __forceinline__ void tpf_fused2(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
                                            const tc_u16 *__restrict__ V, tc_u16 *__restrict__ O, int BH,
                                            int N, float scale_log2, int causal, int qt_begin,
-                                           int qt_end, int H, long long in_sb, long long in_sh, int in_ld,
+                                           int qt_end, int H, int group, long long q_sb, long long q_sh,
+                                           int q_ld, long long kv_sb, long long kv_sh, int kv_ld,
                                            long long o_sb, long long o_sh, int o_ld) {
     constexpr int WR = 16 * MT;   // rows per warp
     constexpr int BR = WR * NW;   // rows per block
@@ -97,8 +100,8 @@ __device__ __forceinline__ void tpf_fused2(const tc_u16 *__restrict__ Q, const t
 
     for (int bh = blockIdx.y; bh < BH; bh += gridDim.y) {
         const int b = bh / H, hh = bh - b * H;
-        const long long in = b * in_sb + hh * in_sh;
-        const tc_u16 *Qh = Q + in, *Kh = K + in, *Vh = V + in;
+        const long long kv = b * kv_sb + (hh / group) * kv_sh;  // the K/V head of query head hh
+        const tc_u16 *Kh = K + kv, *Vh = V + kv;
         tc_u16 *Oh = O + b * o_sb + hh * o_sh;
         for (int qi = blockIdx.x; qi < qt_end - qt_begin; qi += gridDim.x) {
             const int qt = causal ? qt_end - 1 - qi : qt_begin + qi;  // causal: the longest rows first
@@ -108,12 +111,15 @@ __device__ __forceinline__ void tpf_fused2(const tc_u16 *__restrict__ Q, const t
                 const int last = (q0 + BR - 1) / BC + 1;
                 n_kt = last < n_kt ? last : n_kt;
             }
-            tpf_load_tile<D, BR, NT>(sQ, Qh, q0, N, tid, in_ld);
-            tpf_load_tile<D, BC, NT>(sK, Kh, 0, N, tid, in_ld);
+            {  // Q's offset is recomputed per tile: not live across the key loop (fewer spills at D = 128)
+                const int bq = tc_opaque(bh) / H, hq = tc_opaque(bh) - bq * H;
+                tpf_load_tile<D, BR, NT>(sQ, Q + bq * q_sb + hq * q_sh, q0, N, tid, q_ld);
+            }
+            tpf_load_tile<D, BC, NT>(sK, Kh, 0, N, tid, kv_ld);
             tc_cp_commit();
-            if (n_kt > 1) tpf_load_tile<D, BC, NT>(sK + BC * D, Kh, BC, N, tid, in_ld);
+            if (n_kt > 1) tpf_load_tile<D, BC, NT>(sK + BC * D, Kh, BC, N, tid, kv_ld);
             tc_cp_commit();
-            tpf_load_tile<D, BC, NT>(sV, Vh, 0, N, tid, in_ld);
+            tpf_load_tile<D, BC, NT>(sV, Vh, 0, N, tid, kv_ld);
             tc_cp_commit();
             asm volatile("cp.async.wait_group 2;\n" ::: "memory");
             __syncthreads();
@@ -172,8 +178,8 @@ __device__ __forceinline__ void tpf_fused2(const tc_u16 *__restrict__ Q, const t
             for (int j = 0; j < n_kt; ++j) {
                 tc_cp_wait<0>();       // K tile j + 1 and V tile j have landed ...
                 __syncthreads();   // ... for all; everyone is done with K tile j and V tile j - 1
-                if (j + 2 < n_kt) tpf_load_tile<D, BC, NT>(sK + (j & 1) * BC * D, Kh, (j + 2) * BC, N, tid, in_ld);
-                if (j + 1 < n_kt) tpf_load_tile<D, BC, NT>(sV + ((j + 1) & 1) * BC * D, Vh, (j + 1) * BC, N, tid, in_ld);
+                if (j + 2 < n_kt) tpf_load_tile<D, BC, NT>(sK + (j & 1) * BC * D, Kh, (j + 2) * BC, N, tid, kv_ld);
+                if (j + 1 < n_kt) tpf_load_tile<D, BC, NT>(sV + ((j + 1) & 1) * BC * D, Vh, (j + 1) * BC, N, tid, kv_ld);
                 tc_cp_commit();
                 // S_{j+1} (on the last tile this reads a stale buffer and is discarded)
                 qk(sn, (j + 1) & 1);
@@ -275,11 +281,13 @@ __device__ __forceinline__ void tpf_fused2(const tc_u16 *__restrict__ Q, const t
         fused2_##SUF##_d##D##_w##NW##_m##MT##_c##BC(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, \
                                                     const tc_u16 *__restrict__ V, tc_u16 *__restrict__ O, \
                                                     int BH, int N, float scale_log2, int causal,     \
-                                                    int qt_begin, int qt_end, int H, long long in_sb, \
-                                                    long long in_sh, int in_ld, long long o_sb,      \
-                                                    long long o_sh, int o_ld) {                      \
+                                                    int qt_begin, int qt_end, int H, int group,      \
+                                                    long long q_sb, long long q_sh, int q_ld,        \
+                                                    long long kv_sb, long long kv_sh, int kv_ld,     \
+                                                    long long o_sb, long long o_sh, int o_ld) {      \
         tpf_fused2<D, NW, MT, BC, BF16>(Q, K, V, O, BH, N, scale_log2, causal, qt_begin, qt_end, H,   \
-                                        in_sb, in_sh, in_ld, o_sb, o_sh, o_ld);                       \
+                                        group, q_sb, q_sh, q_ld, kv_sb, kv_sh, kv_ld, o_sb, o_sh,     \
+                                        o_ld);                                                        \
     }
 // Configurations (warps, m16 tiles per warp, keys per tile); the default is w4_m1_c64 for both head
 // dims (tpattn/attention/fused.py), the others are there for the benchmark's sweep. MT = 2 with

@@ -22,10 +22,12 @@
 //   * any N >= 1: rows past N load as zeros (cp.async zero fill) and score -inf; O is staged
 //     through shared memory and written with 16-byte stores for rows < N only.
 //
-// Layout: Q, K, V, O are [B, H, N, D] 16-bit (fp16 or bf16), BH = B * H, element (b, h, n, c) at
-// b * sb + h * sh + n * ld + c (in_* for Q, K and V, which share them; o_* for O): contiguous
-// tensors, or Q, K and V read in place from the QKV GEMM's [B, N, 3, H, D] output and O written
-// straight into the [B, N, H, D] rows the output projection reads (no relayout copies);
+// Layout: Q and O are [B, H, N, D], K and V [B, H / group, N, D], 16-bit (fp16 or bf16), BH = B * H,
+// element (b, h, n, c) at b * sb + h * sh + n * ld + c (q_* for Q; kv_* for K and V, which share
+// them; o_* for O). Grouped-query attention: query head h reads K/V head h / group in place (the
+// group's query heads share it; K and V are never repeated). Contiguous tensors, or Q, K and V read
+// in place from the QKV GEMM's [B, N, H + 2 H / group, D] output and O written straight into the
+// [B, N, H, D] rows the output projection reads (no relayout copies);
 // D = 64 or 128. Offsets that scale with BH * N are 64-bit. Grid: x over the query tiles
 // [qt_begin, qt_end) (all of them: 0 and ceil(N / 128); fewer: a chunk of the rows, which the layer
 // uses to overlap its communication with the next chunk), y over batch * heads (with a stride
@@ -68,8 +70,8 @@ template <int D, bool BF16>
 __device__ __forceinline__ void hw_fused(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
                                          const tc_u16 *__restrict__ V, tc_u16 *__restrict__ O, int BH, int N,
                                          float scale_log2, int causal, int qt_begin, int qt_end, int H,
-                                         long long in_sb, long long in_sh, int in_ld, long long o_sb,
-                                         long long o_sh, int o_ld) {
+                                         int group, long long q_sb, long long q_sh, int q_ld, long long kv_sb,
+                                         long long kv_sh, int kv_ld, long long o_sb, long long o_sh, int o_ld) {
     constexpr int BR = 128, BC = 128, NT = 256;
     constexpr tc_u32 QB = BR * D * 2, KB = BC * D * 2;  // bytes of the Q tile and of one K or V tile
     const tc_u32 sQ = hw_smem_base(), sK = sQ + QB, sV = sK + 2 * KB;
@@ -80,8 +82,8 @@ __device__ __forceinline__ void hw_fused(const tc_u16 *__restrict__ Q, const tc_
 
     for (int bh = blockIdx.y; bh < BH; bh += gridDim.y) {
         const int b = bh / H, hh = bh - b * H;
-        const long long in = b * in_sb + hh * in_sh;
-        const tc_u16 *Qh = Q + in, *Kh = K + in, *Vh = V + in;
+        const long long kv = b * kv_sb + (hh / group) * kv_sh;  // the K/V head of query head hh
+        const tc_u16 *Kh = K + kv, *Vh = V + kv;
         tc_u16 *Oh = O + b * o_sb + hh * o_sh;
         for (int qi = blockIdx.x; qi < qt_end - qt_begin; qi += gridDim.x) {
             const int qt = causal ? qt_end - 1 - qi : qt_begin + qi;  // causal: the longest rows first
@@ -93,11 +95,14 @@ __device__ __forceinline__ void hw_fused(const tc_u16 *__restrict__ Q, const tc_
             }
             const int r0 = q0 + rl;           // this thread's first row in the sequence
             const int wr0 = q0 + wg * 64;     // the warpgroup's first row
-            hw_load_tile<D, BR, NT>(sQ, Qh, q0, N, tid, in_ld);
-            hw_load_tile<D, BC, NT>(sK, Kh, 0, N, tid, in_ld);
+            {  // Q's offset is recomputed per tile: not live across the key loop (fewer spills at D = 128)
+                const int bq = tc_opaque(bh) / H, hq = tc_opaque(bh) - bq * H;
+                hw_load_tile<D, BR, NT>(sQ, Q + bq * q_sb + hq * q_sh, q0, N, tid, q_ld);
+            }
+            hw_load_tile<D, BC, NT>(sK, Kh, 0, N, tid, kv_ld);
             tc_cp_commit();
-            if (n_kt > 1) hw_load_tile<D, BC, NT>(sK + KB, Kh, BC, N, tid, in_ld);
-            hw_load_tile<D, BC, NT>(sV, Vh, 0, N, tid, in_ld);
+            if (n_kt > 1) hw_load_tile<D, BC, NT>(sK + KB, Kh, BC, N, tid, kv_ld);
+            hw_load_tile<D, BC, NT>(sV, Vh, 0, N, tid, kv_ld);
             tc_cp_commit();
 
             float o[D / 2], s[64];
@@ -161,8 +166,8 @@ __device__ __forceinline__ void hw_fused(const tc_u16 *__restrict__ Q, const tc_
                 tc_cp_wait<0>();  // K_j and V_{j-1} have landed ...
                 hw_fence_proxy();
                 __syncthreads();  // ... for every thread; every warpgroup is done with K_{j-1} and V_{j-2}
-                if (j + 1 < n_kt) hw_load_tile<D, BC, NT>(sK + ((j + 1) & 1) * KB, Kh, (j + 1) * BC, N, tid, in_ld);
-                hw_load_tile<D, BC, NT>(sV + (j & 1) * KB, Vh, j * BC, N, tid, in_ld);
+                if (j + 1 < n_kt) hw_load_tile<D, BC, NT>(sK + ((j + 1) & 1) * KB, Kh, (j + 1) * BC, N, tid, kv_ld);
+                hw_load_tile<D, BC, NT>(sV + (j & 1) * KB, Vh, j * BC, N, tid, kv_ld);
                 tc_cp_commit();
                 tc_u32 pa[8][4];
                 hw_pack_p<BF16>(pa, s);
@@ -216,11 +221,11 @@ __device__ __forceinline__ void hw_fused(const tc_u16 *__restrict__ Q, const tc_
     extern "C" __global__ void __launch_bounds__(256, 1)                                              \
         fusedh_##SUF##_d##D(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,              \
                             const tc_u16 *__restrict__ V, tc_u16 *__restrict__ O, int BH, int N,      \
-                            float scale_log2, int causal, int qt_begin, int qt_end, int H,            \
-                            long long in_sb, long long in_sh, int in_ld, long long o_sb, long long o_sh, \
-                            int o_ld) {                                                               \
-        hw_fused<D, BF16>(Q, K, V, O, BH, N, scale_log2, causal, qt_begin, qt_end, H, in_sb, in_sh,    \
-                          in_ld, o_sb, o_sh, o_ld);                                                   \
+                            float scale_log2, int causal, int qt_begin, int qt_end, int H, int group, \
+                            long long q_sb, long long q_sh, int q_ld, long long kv_sb, long long kv_sh, \
+                            int kv_ld, long long o_sb, long long o_sh, int o_ld) {                   \
+        hw_fused<D, BF16>(Q, K, V, O, BH, N, scale_log2, causal, qt_begin, qt_end, H, group, q_sb, q_sh, \
+                          q_ld, kv_sb, kv_sh, kv_ld, o_sb, o_sh, o_ld);                              \
     }
 HW_DEFINE(f16, false, 64)
 HW_DEFINE(bf16, true, 64)

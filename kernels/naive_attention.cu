@@ -4,7 +4,11 @@
 //   softmaxKernel  P = softmax(S)        one block per row: max, sum of exp(x - max), normalize
 //   pvKernel       O = P V               one thread per output element (reads P, writes O)
 //
-// Layout: Q, K, V, O are [BH, N, d] and S, P are [BH, N, N], all contiguous, BH = batch * heads.
+// Layout: Q and O are [BH, N, d], K and V are [BH / group, N, d] and S, P are [BH, N, N], all
+// contiguous, BH = batch * heads. Grouped-query attention: group query heads share one K/V head
+// (group = 1: multi-head attention; group = heads: multi-query); query head bh reads K/V head
+// bh / group, which is b * (heads / group) + h / group for bh = b * heads + h. K and V are never
+// repeated in memory: the query heads of a group read the same rows.
 // Storage is the suffix's type (f16, bf16 or f32); every sum is accumulated in float.
 // Causal: scores with key index > query index do not contribute (S holds -inf there, P holds 0).
 //
@@ -61,7 +65,7 @@ __device__ __forceinline__ void tp_store(float *p, long long i, float f) { p[i] 
 /* grid: x over key columns, y over query rows, z over batch*heads; block 16 x 16 */            \
 extern "C" __global__ void qkKernel_##SUF(const T *__restrict__ Q, const T *__restrict__ K,    \
                                          T *__restrict__ S, int BH, int N, int d, float scale, \
-                                         int causal) {                                          \
+                                         int causal, int group) {                               \
     const int col = blockIdx.x * blockDim.x + threadIdx.x;                                      \
     if (col >= N) return;                                                                       \
     for (int bh = blockIdx.z; bh < BH; bh += gridDim.z) {                                       \
@@ -73,7 +77,7 @@ extern "C" __global__ void qkKernel_##SUF(const T *__restrict__ Q, const T *__re
                 continue;                                                                       \
             }                                                                                   \
             const T *q = Q + ((long long)bh * N + row) * (long long)d;                         \
-            const T *k = K + ((long long)bh * N + col) * (long long)d;                         \
+            const T *k = K + ((long long)(bh / group) * N + col) * (long long)d;               \
             float acc = 0.0f;                                                                   \
             for (int i = 0; i < d; ++i)                                                         \
                 acc = fmaf(TP_LOAD_##SUF(q, i), TP_LOAD_##SUF(k, i), acc);                      \
@@ -122,14 +126,15 @@ extern "C" __global__ void softmaxKernel_##SUF(const T *__restrict__ S, T *__res
 /* grid: x over head-dim columns, y over query rows, z over batch*heads; the block's x spans   \
    the head dim (up to 128) so the warps of one row share its P reads in L1 */                   \
 extern "C" __global__ void pvKernel_##SUF(const T *__restrict__ P, const T *__restrict__ V,    \
-                                         T *__restrict__ O, int BH, int N, int d, int causal) { \
+                                         T *__restrict__ O, int BH, int N, int d, int causal,   \
+                                         int group) {                                           \
     const int c = blockIdx.x * blockDim.x + threadIdx.x;                                        \
     if (c >= d) return;                                                                         \
     for (int bh = blockIdx.z; bh < BH; bh += gridDim.z) {                                       \
         for (int row = blockIdx.y * blockDim.y + threadIdx.y; row < N;                          \
              row += gridDim.y * blockDim.y) {                                                   \
             const T *p = P + ((long long)bh * N + row) * (long long)N;                         \
-            const T *v = V + (long long)bh * N * (long long)d + c;                              \
+            const T *v = V + (long long)(bh / group) * N * (long long)d + c;                    \
             const int len = causal ? row + 1 : N;                                               \
             float acc = 0.0f;                                                                   \
             for (int j = 0; j < len; ++j, v += d)                                               \

@@ -85,6 +85,13 @@ __device__ __forceinline__ void tc_unpack(tc_u32 v, float &lo, float &hi) {
     }
 }
 
+// v, through a value the compiler cannot see into: an offset recomputed from it inside a loop stays
+// there instead of being hoisted out and kept live (in registers the inner loops need) across it
+__device__ __forceinline__ int tc_opaque(int v) {
+    asm volatile("" : "+r"(v));
+    return v;
+}
+
 __device__ __forceinline__ float tc_exp2(float x) {  // 2^x; -inf -> +0
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

@@ -19,7 +19,9 @@
 //                     on the tensor cores; P tiles (128 x 64) and V tiles (64 x DN) are double
 //                     buffered in shared memory with cp.async.
 //
-// Layout: Q, K, V, O are [BH, N, d] contiguous; S and P are [BH, N, ld] with ld = N rounded up to a
+// Layout: Q and O are [BH, N, d] contiguous, K and V [BH / group, N, d] contiguous (grouped-query
+// attention: query head bh reads K/V head bh / group, shared in place by the group's query heads;
+// group = 1 is multi-head attention); S and P are [BH, N, ld] with ld = N rounded up to a
 // multiple of 8, so that every row starts on 16 bytes. d is a multiple of 8, at most 256. fp16 and
 // bf16 only (the tensor-core types). Causal: the softmax writes zeros after the diagonal up to the
 // end of the row's 128-row tile, which is as far as the PV pass reads; padding columns [N, ld)
@@ -41,7 +43,7 @@ extern __shared__ __attribute__((aligned(128))) unsigned char tpt_dsmem[];
 template <bool BF16>
 __device__ __forceinline__ void tpt_qk(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
                                        tc_u16 *__restrict__ S, int BH, int N, int d, int ld, float scale,
-                                       int causal) {
+                                       int causal, int group) {
     tc_u16 *smem = (tc_u16 *)tpt_dsmem;  // 2 stages of (Q slice | K slice); then the S tile
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int wm = warp >> 1, wn = warp & 1;
@@ -50,7 +52,7 @@ __device__ __forceinline__ void tpt_qk(const tc_u16 *__restrict__ Q, const tc_u1
     const int dch = d >> 3;               // 16-byte chunks per row of Q and K
     const int nsl = (d + 63) >> 6;        // 64-wide slices of the head dim
     for (int bh = blockIdx.z; bh < BH; bh += gridDim.z) {
-        const tc_u16 *Qh = Q + (long long)bh * N * d, *Kh = K + (long long)bh * N * d;
+        const tc_u16 *Qh = Q + (long long)bh * N * d, *Kh = K + (long long)(bh / group) * N * d;
         float acc[4][8][4];
 #pragma unroll
         for (int a = 0; a < 4; ++a)
@@ -282,7 +284,8 @@ __device__ __forceinline__ void tpt_softmax(const tc_u16 *__restrict__ S, tc_u16
 // Dynamic shared memory: 2 stages x (128 x 64 of P + 64 x DN of V) x 2 bytes.
 template <int DN, bool BF16>
 __device__ __forceinline__ void tpt_pv(const tc_u16 *__restrict__ P, const tc_u16 *__restrict__ V,
-                                       tc_u16 *__restrict__ O, int BH, int N, int d, int ld, int causal) {
+                                       tc_u16 *__restrict__ O, int BH, int N, int d, int ld, int causal,
+                                       int group) {
     constexpr int STAGE = 128 * 64 + 64 * DN;  // elements per stage
     constexpr int VCH = DN / 8;                // 16-byte chunks per V row in the tile
     constexpr int WN = DN / 2;                 // columns per warp
@@ -295,7 +298,7 @@ __device__ __forceinline__ void tpt_pv(const tc_u16 *__restrict__ P, const tc_u1
     if (causal && i0 + 128 < N) kend = i0 + 128;
     const int nk = (kend + 63) >> 6;
     for (int bh = blockIdx.z; bh < BH; bh += gridDim.z) {
-        const tc_u16 *Ph = P + (long long)bh * N * ld, *Vh = V + (long long)bh * N * d;
+        const tc_u16 *Ph = P + (long long)bh * N * ld, *Vh = V + (long long)(bh / group) * N * d;
         float acc[4][WN / 8][4];
 #pragma unroll
         for (int a = 0; a < 4; ++a)
@@ -368,8 +371,8 @@ __device__ __forceinline__ void tpt_pv(const tc_u16 *__restrict__ P, const tc_u1
 #define TPT_DEFINE(SUF, BF16)                                                                          \
     extern "C" __global__ void __launch_bounds__(128, 3)                                                  \
         tiled_qk_##SUF(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, tc_u16 *__restrict__ S, \
-                       int BH, int N, int d, int ld, float scale, int causal) {                        \
-        tpt_qk<BF16>(Q, K, S, BH, N, d, ld, scale, causal);                                            \
+                       int BH, int N, int d, int ld, float scale, int causal, int group) {             \
+        tpt_qk<BF16>(Q, K, S, BH, N, d, ld, scale, causal, group);                                     \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(128)                                                  \
         tiled_softmax_##SUF(const tc_u16 *__restrict__ S, tc_u16 *__restrict__ P, long long rows, int N, \
@@ -378,13 +381,13 @@ __device__ __forceinline__ void tpt_pv(const tc_u16 *__restrict__ P, const tc_u1
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(128)                                                  \
         tiled_pv_##SUF##_n64(const tc_u16 *__restrict__ P, const tc_u16 *__restrict__ V, tc_u16 *__restrict__ O, \
-                             int BH, int N, int d, int ld, int causal) {                               \
-        tpt_pv<64, BF16>(P, V, O, BH, N, d, ld, causal);                                               \
+                             int BH, int N, int d, int ld, int causal, int group) {                    \
+        tpt_pv<64, BF16>(P, V, O, BH, N, d, ld, causal, group);                                        \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(128)                                                  \
         tiled_pv_##SUF##_n128(const tc_u16 *__restrict__ P, const tc_u16 *__restrict__ V, tc_u16 *__restrict__ O, \
-                              int BH, int N, int d, int ld, int causal) {                              \
-        tpt_pv<128, BF16>(P, V, O, BH, N, d, ld, causal);                                              \
+                              int BH, int N, int d, int ld, int causal, int group) {                   \
+        tpt_pv<128, BF16>(P, V, O, BH, N, d, ld, causal, group);                                       \
     }
 
 TPT_DEFINE(f16, false)

@@ -18,7 +18,9 @@
 //                     Causal: key tiles after the query tile are not read (the softmax left zeros
 //                     after the diagonal up to the end of the 128-row tile).
 //
-// Layout: Q, K, V, O are [BH, N, D] contiguous; S and P are [BH, N, ld], ld = N rounded up to 8
+// Layout: Q and O are [BH, N, D] contiguous, K and V [BH / group, N, D] contiguous (query head bh
+// reads K/V head bh / group: grouped-query attention, K and V never repeated); S and P are
+// [BH, N, ld], ld = N rounded up to 8
 // (padding columns of P are zeros, written by the softmax). Offsets that can reach N^2 are 64-bit.
 // Grids: qk (ceil(key tiles / KG), query tiles, BH), pv (query tiles, BH); BH beyond 65535 strides.
 // Shared helpers: hopper_common.cuh (compiled for sm_90a).
@@ -29,7 +31,8 @@
 
 template <int D, bool BF16>
 __device__ __forceinline__ void th_qk(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
-                                      tc_u16 *__restrict__ S, int BH, int N, int ld, float scale, int causal) {
+                                      tc_u16 *__restrict__ S, int BH, int N, int ld, float scale, int causal,
+                                      int group) {
     constexpr int BR = 128, BC = 128, NT = 256;
     constexpr tc_u32 QB = BR * D * 2, KB = BC * D * 2;
     // the S tile (128 x 128) is staged in the K tile it was computed from when that is large enough
@@ -46,8 +49,7 @@ __device__ __forceinline__ void th_qk(const tc_u16 *__restrict__ Q, const tc_u16
     if (t0 >= t1) return;
 
     for (int bh = blockIdx.z; bh < BH; bh += gridDim.z) {
-        const long long base = (long long)bh * N * D;
-        const tc_u16 *Qh = Q + base, *Kh = K + base;
+        const tc_u16 *Qh = Q + (long long)bh * N * D, *Kh = K + (long long)(bh / group) * N * D;
         tc_u16 *Sh = S + (long long)bh * N * ld;
         hw_load_tile<D, BR, NT>(sQ, Qh, q0, N, tid);
         hw_load_tile<D, BC, NT>(sK, Kh, t0 * BC, N, tid);
@@ -75,7 +77,7 @@ __device__ __forceinline__ void th_qk(const tc_u16 *__restrict__ Q, const tc_u16
 
 template <int D, bool BF16>
 __device__ __forceinline__ void th_pv(const tc_u16 *__restrict__ P, const tc_u16 *__restrict__ V,
-                                      tc_u16 *__restrict__ O, int BH, int N, int ld, int causal) {
+                                      tc_u16 *__restrict__ O, int BH, int N, int ld, int causal, int group) {
     constexpr int BR = 128, BC = 64, NT = 256, ST = 3;  // BC keys per stage, ST stages
     constexpr tc_u32 PB = BR * BC * 2, VB = BC * D * 2, STAGE = PB + VB;
     static_assert(ST * STAGE >= BR * D * 2, "O is staged in the stages' shared memory");
@@ -95,7 +97,7 @@ __device__ __forceinline__ void th_pv(const tc_u16 *__restrict__ P, const tc_u16
     };
 
     for (int bh = blockIdx.y; bh < BH; bh += gridDim.y) {
-        const tc_u16 *Ph = P + (long long)bh * N * ld, *Vh = V + (long long)bh * N * D;
+        const tc_u16 *Ph = P + (long long)bh * N * ld, *Vh = V + (long long)(bh / group) * N * D;
         tc_u16 *Oh = O + (long long)bh * N * D;
         for (int t = 0; t < ST - 1; ++t) load(Ph, Vh, t);
         float o[D / 2];
@@ -132,13 +134,14 @@ __device__ __forceinline__ void th_pv(const tc_u16 *__restrict__ P, const tc_u16
 #define TH_DEFINE(SUF, BF16, D)                                                                        \
     extern "C" __global__ void __launch_bounds__(256, 2)                                              \
         tiledh_qk_##SUF##_d##D(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,            \
-                               tc_u16 *__restrict__ S, int BH, int N, int ld, float scale, int causal) { \
-        th_qk<D, BF16>(Q, K, S, BH, N, ld, scale, causal);                                            \
+                               tc_u16 *__restrict__ S, int BH, int N, int ld, float scale, int causal, \
+                               int group) {                                                           \
+        th_qk<D, BF16>(Q, K, S, BH, N, ld, scale, causal, group);                                     \
     }                                                                                                 \
     extern "C" __global__ void __launch_bounds__(256, 2)                                              \
         tiledh_pv_##SUF##_d##D(const tc_u16 *__restrict__ P, const tc_u16 *__restrict__ V,            \
-                               tc_u16 *__restrict__ O, int BH, int N, int ld, int causal) {          \
-        th_pv<D, BF16>(P, V, O, BH, N, ld, causal);                                                   \
+                               tc_u16 *__restrict__ O, int BH, int N, int ld, int causal, int group) { \
+        th_pv<D, BF16>(P, V, O, BH, N, ld, causal, group);                                            \
     }
 TH_DEFINE(f16, false, 64)
 TH_DEFINE(bf16, true, 64)

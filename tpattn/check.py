@@ -23,7 +23,8 @@ def sample_rows(n: int, limit: int = MAX_ROWS) -> torch.Tensor:
 
 
 def layer_float64(x, w: dict, heads: int, causal: bool, rows: torch.Tensor) -> torch.Tensor:
-    """y[:, rows] of the full layer in float64 from the (already rounded) weights and input."""
+    """y[:, rows] of the full layer in float64 from the (already rounded) weights and input. W_k
+    and W_v may have fewer heads (grouped-query attention): each is repeated for its query heads."""
     dev = x.device
     x64 = x.to(dev, torch.float64)
     w64 = {k: v.to(dev, torch.float64) for k, v in w.items()}
@@ -31,14 +32,16 @@ def layer_float64(x, w: dict, heads: int, causal: bool, rows: torch.Tensor) -> t
     d = w64["wq"].shape[1] // heads
     rows = rows.to(dev)
 
-    def proj(t, name):
+    kv_heads = w64["wk"].shape[1] // d
+
+    def proj(t, name, n_heads):
         y = t @ w64["w" + name]
         if "b" + name in w64:
             y = y + w64["b" + name]
-        return y.view(t.shape[0], t.shape[1], heads, d).transpose(1, 2)
+        return y.view(t.shape[0], t.shape[1], n_heads, d).transpose(1, 2)
 
-    q = proj(x64[:, rows], "q")                      # [B, H, r, d]
-    k, v = proj(x64, "k"), proj(x64, "v")            # [B, H, N, d]
+    q = proj(x64[:, rows], "q", heads)               # [B, H, r, d]
+    k, v = (proj(x64, n, kv_heads).repeat_interleave(heads // kv_heads, dim=1) for n in "kv")  # [B, H, N, d]
     s = q @ k.transpose(-1, -2) / math.sqrt(d)       # [B, H, r, N]
     if causal:
         s.masked_fill_(torch.arange(N, device=dev)[None, :] > rows[:, None], float("-inf"))

@@ -1,9 +1,11 @@
 """Deterministic weights and input: any rank can build any head's slice, and the same seed gives
 the same numbers whatever the world size.
 
-Layout is "x @ W": W_q, W_k, W_v are [D, H*d] (head h owns columns h*d .. (h+1)*d), W_o is
-[H*d, D] (head h owns rows h*d .. (h+1)*d). Each head's block comes from its own generator, so
-a rank generates only its own heads; b_o and x are shared by all ranks.
+Layout is "x @ W": W_q is [D, H*d] (head h owns columns h*d .. (h+1)*d), W_k and W_v are
+[D, G*d] for G K/V heads (G = H: multi-head attention; fewer: grouped-query attention, K/V head
+j owning columns j*d .. (j+1)*d), W_o is [H*d, D] (head h owns rows h*d .. (h+1)*d). Each head's
+block comes from its own generator, so a rank generates only its own heads (and K/V heads); b_o and
+x are shared by all ranks.
 """
 
 from __future__ import annotations
@@ -25,15 +27,20 @@ def _randn(shape, seed: int, tag: str, index: int = 0, std: float = 1.0) -> torc
     return torch.randn(shape, generator=_generator(seed, tag, index), dtype=torch.float32) * std
 
 
-def head_weights(heads: range, n_heads: int, head_dim: int, seed: int, dtype, device) -> dict:
-    """Q/K/V column blocks, their biases, and W_o row blocks for the given heads; plus b_o."""
+def head_weights(heads: range, n_heads: int, head_dim: int, seed: int, dtype, device,
+                 kv_heads: range | None = None) -> dict:
+    """Q column blocks and W_o row blocks of the given query heads, K/V column blocks of the given
+    K/V heads (default: the same heads, multi-head attention), their biases; plus b_o. Head h's
+    block is the same numbers whichever heads are asked for, and K/V head j's too."""
     D = n_heads * head_dim
+    kv_heads = heads if kv_heads is None else kv_heads
     parts = {name: [] for name in ("wq", "wk", "wv", "bq", "bk", "bv", "wo")}
+    for names, idx in ((("q",), heads), (("k", "v"), kv_heads)):
+        for h in idx:
+            for n in names:
+                parts["w" + n].append(_randn((D, head_dim), seed, "w" + n, h, std=1.0 / math.sqrt(D)))
+                parts["b" + n].append(_randn((head_dim,), seed, "b" + n, h, std=0.1))
     for h in heads:
-        for name in ("wq", "wk", "wv"):
-            parts[name].append(_randn((D, head_dim), seed, name, h, std=1.0 / math.sqrt(D)))
-        for name in ("bq", "bk", "bv"):
-            parts[name].append(_randn((head_dim,), seed, name, h, std=0.1))
         parts["wo"].append(_randn((head_dim, D), seed, "wo", h, std=1.0 / math.sqrt(D)))
     out = {name: torch.cat(blocks, dim=0 if name == "wo" else -1) for name, blocks in parts.items()}
     out["bo"] = _randn((D,), seed, "bo", std=0.1)
@@ -47,10 +54,12 @@ def layer_input(batch: int, seq_len: int, model_dim: int, seed: int, dtype, devi
 LOAD_KEYS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "x")
 
 
-def load_inputs(path: str, heads: int, head_dim: int, batch: int, seq_len: int, dtype) -> dict:
+def load_inputs(path: str, heads: int, head_dim: int, batch: int, seq_len: int, dtype,
+                kv_heads: int | None = None) -> dict:
     """Full weights (and optionally x) from a torch.save'd dict, checked: shapes, and no NaN or Inf
-    in the storage dtype. Keys: wq, wk, wv [D, H*d] and wo [H*d, D] ("x @ W" layout), optional
-    bq, bk, bv [H*d], bo [D], x [B, N, D]. Raises ConfigError with a one-line fix."""
+    in the storage dtype. Keys: wq [D, H*d], wk, wv [D, G*d] and wo [H*d, D] ("x @ W" layout; G =
+    kv_heads, default H), optional bq [H*d], bk, bv [G*d], bo [D], x [B, N, D]. Raises ConfigError
+    with a one-line fix."""
     from .config import ConfigError
 
     try:
@@ -61,7 +70,9 @@ def load_inputs(path: str, heads: int, head_dim: int, batch: int, seq_len: int, 
     if not isinstance(obj, dict):
         raise ConfigError(f"--load {path}: expected a dict of tensors, found {type(obj).__name__}")
     D = heads * head_dim
-    shapes = {"wq": (D, D), "wk": (D, D), "wv": (D, D), "wo": (D, D), "bq": (D,), "bk": (D,), "bv": (D,),
+    G = heads if kv_heads is None else kv_heads
+    kv = G * head_dim
+    shapes = {"wq": (D, D), "wk": (D, kv), "wv": (D, kv), "wo": (D, D), "bq": (D,), "bk": (kv,), "bv": (kv,),
               "bo": (D,), "x": (batch, seq_len, D)}
     missing = [k for k in ("wq", "wk", "wv", "wo") if k not in obj]
     if missing:
@@ -74,7 +85,8 @@ def load_inputs(path: str, heads: int, head_dim: int, batch: int, seq_len: int, 
         t = obj[k]
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != shapes[k]:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ConfigError(f"--load {path}: {k} has shape {got}, expected {shapes[k]} for --heads {heads} "
+            kvh = f" --kv-heads {G}" if G != heads else ""
+            raise ConfigError(f"--load {path}: {k} has shape {got}, expected {shapes[k]} for --heads {heads}{kvh} "
                               f"--head-dim {head_dim} --batch {batch} --seq-len {seq_len}")
         bad = (~torch.isfinite(t.float())).sum().item()
         if bad:
@@ -88,13 +100,17 @@ def load_inputs(path: str, heads: int, head_dim: int, batch: int, seq_len: int, 
     return out
 
 
-def slice_heads(full: dict, heads: range, head_dim: int) -> dict:
-    """This rank's Q/K/V columns, their biases and W_o rows from full "x @ W" weights."""
+def slice_heads(full: dict, heads: range, head_dim: int, kv_heads: range | None = None) -> dict:
+    """This rank's Q columns and W_o rows (query heads `heads`), its K/V columns (K/V heads
+    `kv_heads`, default the same heads) and their biases from full "x @ W" weights."""
     cols = head_columns(heads, head_dim)
+    kv_cols = cols if kv_heads is None else head_columns(kv_heads, head_dim)
     out = {}
     for k, t in full.items():
-        if k in ("wq", "wk", "wv", "bq", "bk", "bv"):
+        if k in ("wq", "bq"):
             out[k] = t[..., cols].contiguous()
+        elif k in ("wk", "wv", "bk", "bv"):
+            out[k] = t[..., kv_cols].contiguous()
         elif k == "wo":
             out[k] = t[cols].contiguous()
         elif k == "bo":

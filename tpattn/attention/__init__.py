@@ -1,6 +1,8 @@
-"""Local attention backends, by name. Each takes q, k, v of shape [B, h, N, d] (contiguous, the
-storage dtype) and returns o of the same shape, timing its passes (qk, softmax, pv; fused: one
-pass, "fused") on a Timer.
+"""Local attention backends, by name. Each takes q of shape [B, h, N, d] and k, v of shape
+[B, g, N, d] (contiguous, the storage dtype) with g dividing h, and returns o of q's shape, timing
+its passes (qk, softmax, pv; fused: one pass, "fused") on a Timer. g < h is grouped-query
+attention (g = 1: multi-query): query head i attends with K/V head i // (h / g), which every
+backend reads in place (K and V are never repeated h / g times in memory).
 
 Add a backend: subclass Backend in a module here and list it in _BACKENDS.
 """
@@ -71,6 +73,20 @@ class CudaBackend(Backend):
         if name not in self.dtypes:
             raise ConfigError(f"--kernel {self.name} supports {', '.join(self.dtypes)} (got {q.dtype})")
         return self.suffix[name]
+
+
+def kv_group(q, k, v) -> int:
+    """Query heads per K/V head (1 for multi-head attention), after checking that k and v have q's
+    batch, sequence and head dim and a head count that divides q's."""
+    if k.shape != v.shape or k.dim() != 4 or q.dim() != 4:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape [B, g, N, d] "
+                         f"(q is {tuple(q.shape)})")
+    b, h, n, d = q.shape
+    g = k.shape[1]
+    if (k.shape[0], k.shape[2], k.shape[3]) != (b, n, d) or g < 1 or h % g:
+        raise ValueError(f"k and v {tuple(k.shape)} do not fit q {tuple(q.shape)}: they need q's batch, "
+                         f"sequence and head dim and a head count that divides its {h} heads")
+    return h // g
 
 
 def backend_names() -> list[str]:

@@ -1,6 +1,8 @@
 """One fused CUDA kernel: Q tiles against streamed K and V tiles, online softmax, tensor cores; S and
 P never reach device memory. kernels/fused_hopper_attention.cu (wgmma) on compute capability 9.0,
-kernels/fused_attention.cu (mma.sync) elsewhere. Launched via CuPy."""
+kernels/fused_attention.cu (mma.sync) elsewhere. Launched via CuPy. Grouped-query attention: each
+query head's blocks stream its group's K/V head, in place; the blocks of a group's query heads run
+close together in the grid, so that head's K and V tiles are mostly read from L2."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch
 from ..config import ConfigError
 from ..cuda import GRID_X_MAX, GRID_YZ_MAX, launch, ptr
 from ..timing import section
-from . import CudaBackend
+from . import CudaBackend, kv_group
 
 SOURCE = "fused_attention.cu"
 HOPPER_SOURCE = "fused_hopper_attention.cu"  # wgmma (sm_90a): runs on compute capability 9.0 only
@@ -92,7 +94,8 @@ class FusedBackend(CudaBackend):
     dtypes = ("fp16", "bf16")
     materializes_scores = False  # S and P live in registers only
     row_chunks = 128             # forward(rows=(r0, r1)) computes only those query rows: r0 a multiple of this
-    strided = True               # q, k, v (sharing strides) and o may be strided views: row and head strides
+    strided = True               # q, k and v (k and v sharing strides) and o may be strided views:
+                                 # batch, head and row strides, rows contiguous
 
     def head_dim_error(self, d: int) -> str | None:
         return None if d in HEAD_DIMS else unsupported_head_dim(d)
@@ -102,9 +105,12 @@ class FusedBackend(CudaBackend):
         their position in the sequence); r0 a multiple of row_chunks, r1 too or N."""
         b, h, n, d = q.shape
         suf = self.kernel_suffix(q)
-        if not (k.stride() == v.stride() == q.stride() and _rows_aligned(q, k, v)):
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o = out if out is not None else torch.empty_like(q)
+        group = kv_group(q, k, v)  # query heads per K/V head: query head i reads K/V head i // group
+        if not _rows_aligned(q):
+            q = q.contiguous()
+        if not (k.stride() == v.stride() and _rows_aligned(k, v)):
+            k, v = k.contiguous(), v.contiguous()
+        o = out if out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
         assert o.dtype == q.dtype and o.device == q.device and o.shape == q.shape and _rows_aligned(o)
         bh = b * h
         r0, r1 = rows or (0, n)
@@ -118,7 +124,9 @@ class FusedBackend(CudaBackend):
             grid = (min(t1 - t0, GRID_X_MAX), min(bh, GRID_YZ_MAX), 1)
             launch(ch.source, ch.name, q.device, grid, (ch.threads, 1, 1),
                    (ptr(q), ptr(k), ptr(v), ptr(o), np.int32(bh), np.int32(n), scale_log2, np.int32(causal),
-                    np.int32(t0), np.int32(t1), np.int32(h), np.int64(q.stride(0)), np.int64(q.stride(1)),
-                    np.int32(q.stride(2)), np.int64(o.stride(0)), np.int64(o.stride(1)), np.int32(o.stride(2))),
+                    np.int32(t0), np.int32(t1), np.int32(h), np.int32(group),
+                    np.int64(q.stride(0)), np.int64(q.stride(1)), np.int32(q.stride(2)),
+                    np.int64(k.stride(0)), np.int64(k.stride(1)), np.int32(k.stride(2)),
+                    np.int64(o.stride(0)), np.int64(o.stride(1)), np.int32(o.stride(2))),
                    shared_mem=ch.shared)
         return o

@@ -1,4 +1,5 @@
-"""The seed's naive three-kernel CUDA attention (kernels/naive_attention.cu), launched via CuPy."""
+"""The seed's naive three-kernel CUDA attention (kernels/naive_attention.cu), launched via CuPy.
+Grouped-query attention: each query head's qkKernel and pvKernel threads read its group's K/V head."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from ..cuda import GRID_X_MAX, GRID_YZ_MAX, launch, ptr
 from ..timing import section
-from . import CudaBackend
+from . import CudaBackend, kv_group
 
 SOURCE = "naive_attention.cu"
 SOFTMAX_THREADS = 256  # must match the .cu file
@@ -25,6 +26,7 @@ class NaiveBackend(CudaBackend):
     def forward(self, q, k, v, causal: bool, timer=None, out=None, scratch=None):
         b, h, n, d = q.shape
         suf = self.kernel_suffix(q)
+        group = kv_group(q, k, v)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         if scratch is None:
             s = torch.empty((b, h, n, n), dtype=q.dtype, device=q.device)
@@ -40,7 +42,8 @@ class NaiveBackend(CudaBackend):
         with section(timer, "qk"):
             grid = (_cdiv(n, 16), min(_cdiv(n, 16), GRID_YZ_MAX), min(bh, GRID_YZ_MAX))
             launch(SOURCE, f"qkKernel_{suf}", dev, grid, (16, 16, 1),
-                   (ptr(q), ptr(k), ptr(s), np.int32(bh), np.int32(n), np.int32(d), scale, np.int32(causal)))
+                   (ptr(q), ptr(k), ptr(s), np.int32(bh), np.int32(n), np.int32(d), scale, np.int32(causal),
+                    np.int32(group)))
         with section(timer, "softmax"):
             rows = bh * n
             launch(SOURCE, f"softmaxKernel_{suf}", dev, (min(rows, GRID_X_MAX), 1, 1), (SOFTMAX_THREADS, 1, 1),
@@ -50,5 +53,6 @@ class NaiveBackend(CudaBackend):
             by = max(1, 256 // bx)
             grid = (_cdiv(d, bx), min(_cdiv(n, by), GRID_YZ_MAX), min(bh, GRID_YZ_MAX))
             launch(SOURCE, f"pvKernel_{suf}", dev, grid, (bx, by, 1),
-                   (ptr(p), ptr(v), ptr(o), np.int32(bh), np.int32(n), np.int32(d), np.int32(causal)))
+                   (ptr(p), ptr(v), ptr(o), np.int32(bh), np.int32(n), np.int32(d), np.int32(causal),
+                    np.int32(group)))
         return o

@@ -1,6 +1,7 @@
 """The torch reference: the seed's three passes with the same rounding points as the CUDA
 kernels (S and P are stored in the storage dtype; products and sums in float32). Runs on CPU
-and GPU; this is what a machine without a GPU runs."""
+and GPU; this is what a machine without a GPU runs. Grouped-query attention: a group's query
+heads are multiplied with its one K/V head by broadcasting (K and V are never repeated)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import math
 import torch
 
 from ..timing import section
-from . import Backend
+from . import Backend, kv_group
 
 # Heads are processed in chunks so the float32 scores of one chunk stay below this many bytes.
 CHUNK_BYTES = {"cpu": 256 << 20, "cuda": 2 << 30}
@@ -21,21 +22,36 @@ def causal_mask(n: int, device) -> torch.Tensor:
     return idx[None, :] > idx[:, None]
 
 
+def head_chunks(h: int, group: int, chunk: int) -> list[tuple[int, int]]:
+    """Query-head ranges [h0, h1) of about `chunk` heads, each either whole groups (a multiple of
+    `group` heads, starting at a group's first head) or heads of one group only, so that the K/V
+    heads of a chunk are one contiguous range and every query head of it maps onto them evenly."""
+    if chunk >= group:
+        step = chunk // group * group
+        return [(h0, min(h, h0 + step)) for h0 in range(0, h, step)]
+    return [(h0, min(g0 + group, h0 + chunk)) for g0 in range(0, h, group) for h0 in range(g0, g0 + group, chunk)]
+
+
 class ReferenceBackend(Backend):
     name = "reference"
 
     def forward(self, q, k, v, causal: bool, timer=None, out=None):
         b, h, n, d = q.shape
+        group = kv_group(q, k, v)
         dtype = q.dtype
         scale = 1.0 / math.sqrt(d)
         o = out if out is not None else torch.empty_like(q)
         per_head = b * n * n * 4
         chunk = max(1, min(h, CHUNK_BYTES[q.device.type] // max(per_head, 1)))
         mask = causal_mask(n, q.device) if causal else None
-        for h0 in range(0, h, chunk):
-            sl = slice(h0, min(h, h0 + chunk))
+        for h0, h1 in head_chunks(h, group, chunk):
+            # [b, kv heads, query heads per K/V head, n, d]: the K/V heads broadcast over the last
+            kv = slice(h0 // group, (h1 - 1) // group + 1)
+            per = (h1 - h0) // (kv.stop - kv.start)
+            qc = q[:, h0:h1].float().view(b, kv.stop - kv.start, per, n, d)
+            kc, vc = k[:, kv].float().unsqueeze(2), v[:, kv].float().unsqueeze(2)
             with section(timer, "qk"):
-                s = torch.matmul(q[:, sl].float(), k[:, sl].float().transpose(-1, -2)).mul_(scale)
+                s = torch.matmul(qc, kc.transpose(-1, -2)).mul_(scale)
                 if mask is not None:
                     s.masked_fill_(mask, float("-inf"))
                 s = s.to(dtype)
@@ -43,6 +59,6 @@ class ReferenceBackend(Backend):
                 p = torch.softmax(s.float(), dim=-1).to(dtype)
             del s
             with section(timer, "pv"):
-                o[:, sl] = torch.matmul(p.float(), v[:, sl].float()).to(dtype)
+                o[:, h0:h1] = torch.matmul(p.float(), vc).to(dtype).view(b, h1 - h0, n, d)
             del p
         return o

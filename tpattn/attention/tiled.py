@@ -14,7 +14,7 @@ import torch
 from ..config import ConfigError
 from ..cuda import GRID_X_MAX, GRID_YZ_MAX, launch, ptr
 from ..timing import section
-from . import CudaBackend
+from . import CudaBackend, kv_group
 
 SOURCE = "tiled_attention.cu"
 HOPPER_SOURCE = "tiled_hopper_attention.cu"  # wgmma (sm_90a) QK and PV passes
@@ -77,6 +77,7 @@ class TiledBackend(CudaBackend):
     def forward(self, q, k, v, causal: bool, timer=None, out=None, scratch=None):
         b, h, n, d = q.shape
         suf = self.kernel_suffix(q)
+        group = kv_group(q, k, v)  # query heads per K/V head: query head i reads K/V head i // group
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         ld = row_stride(n)
         if scratch is None:
@@ -97,12 +98,12 @@ class TiledBackend(CudaBackend):
             if hopper:
                 launch(HOPPER_SOURCE, f"tiledh_qk_{suf}_d{d}", dev, (_cdiv(tiles, HOPPER_KG), tiles, min(bh, GRID_YZ_MAX)),
                        (256, 1, 1), (ptr(q), ptr(k), ptr(s), np.int32(bh), np.int32(n), np.int32(ld),
-                                     np.float32(1.0 / math.sqrt(d)), np.int32(causal)),
+                                     np.float32(1.0 / math.sqrt(d)), np.int32(causal), np.int32(group)),
                        shared_mem=hopper_qk_shared(d))
             else:
                 launch(SOURCE, f"tiled_qk_{suf}", dev, (tiles, tiles, min(bh, GRID_YZ_MAX)), (128, 1, 1),
                        (ptr(q), ptr(k), ptr(s), np.int32(bh), np.int32(n), np.int32(d), np.int32(ld),
-                        np.float32(1.0 / math.sqrt(d)), np.int32(causal)), shared_mem=QK_SHARED)
+                        np.float32(1.0 / math.sqrt(d)), np.int32(causal), np.int32(group)), shared_mem=QK_SHARED)
         with section(timer, "softmax"):
             rows = bh * n
             launch(SOURCE, f"tiled_softmax_{suf}", dev, (min(_cdiv(rows, SOFTMAX_WARPS), GRID_X_MAX), 1, 1),
@@ -112,11 +113,12 @@ class TiledBackend(CudaBackend):
         with section(timer, "pv"):
             if hopper:
                 launch(HOPPER_SOURCE, f"tiledh_pv_{suf}_d{d}", dev, (tiles, min(bh, GRID_YZ_MAX), 1), (256, 1, 1),
-                       (ptr(p), ptr(v), ptr(o), np.int32(bh), np.int32(n), np.int32(ld), np.int32(causal)),
+                       (ptr(p), ptr(v), ptr(o), np.int32(bh), np.int32(n), np.int32(ld), np.int32(causal),
+                        np.int32(group)),
                        shared_mem=hopper_pv_shared(d))
             else:
                 dn = 64 if d <= 64 else 128
                 launch(SOURCE, f"tiled_pv_{suf}_n{dn}", dev, (_cdiv(d, dn), tiles, min(bh, GRID_YZ_MAX)), (128, 1, 1),
                        (ptr(p), ptr(v), ptr(o), np.int32(bh), np.int32(n), np.int32(d), np.int32(ld),
-                        np.int32(causal)), shared_mem=2 * (128 * 64 + 64 * dn) * 2)
+                        np.int32(causal), np.int32(group)), shared_mem=2 * (128 * 64 + 64 * dn) * 2)
         return o

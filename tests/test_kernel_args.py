@@ -1,0 +1,147 @@
+"""Every CUDA launch passes the arguments its kernel takes (CPU, no GPU needed).
+
+The kernels' parameter lists are read from kernels/*.cu after the C preprocessor (the kernels are
+defined by macros); each backend's forward() runs on CPU tensors with `launch` replaced by a
+recorder, and every recorded launch is checked against its kernel: the name exists in that file,
+as many arguments as parameters, each of the numpy type the parameter needs (a pointer: uint64,
+int: int32, long long: int64, float: float32). A launch that passes one argument too few or of the
+wrong width would read garbage on the GPU; this catches it here. The values that say which K/V
+head a query head reads (group, K/V strides) are checked too, for grouped-query shapes.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from tpattn.attention import CudaBackend, fused, naive, tiled
+from tpattn.cuda import kernel_source
+
+CPP = shutil.which("cpp")
+NVCC = shutil.which("nvcc")
+pytestmark = pytest.mark.skipif(CPP is None and NVCC is None, reason="no C preprocessor (cpp or nvcc) here")
+
+_KERNEL = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\([^()]*\)\s*)?(\w+)\s*\(([^)]*)\)')
+_NP = {"ptr": np.uint64, "int": np.int32, "long long": np.int64, "float": np.float32}
+
+
+def _param_kind(p: str) -> str:
+    p = " ".join(p.replace("__restrict__", "").split())
+    if "*" in p:
+        return "ptr"
+    for kind in ("long long", "int", "float"):
+        if p.startswith(kind + " ") or p.startswith("const " + kind + " "):
+            return kind
+    raise AssertionError(f"unknown parameter type: {p!r}")
+
+
+_signatures: dict[str, dict[str, list[str]]] = {}
+
+
+def signatures(filename: str) -> dict[str, list[str]]:
+    """kernel name -> parameter kinds, for every extern "C" kernel of kernels/`filename`."""
+    if filename not in _signatures:
+        src = kernel_source(filename)
+        cmd = [CPP, "-P"] if CPP else [NVCC, "-E", "-x", "cu", "-"]
+        r = subprocess.run(cmd, input=src, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        text = " ".join(r.stdout.split())
+        _signatures[filename] = {m.group(1): [_param_kind(p) for p in m.group(2).split(",")]
+                                 for m in _KERNEL.finditer(text)}
+        assert _signatures[filename], f"no kernels found in {filename}"
+    return _signatures[filename]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Backends run on CPU tensors; every launch is recorded (source, name, grid, block, args)."""
+    calls = []
+
+    def record(source, name, device, grid, block, args, shared_mem=0):
+        calls.append((source, name, grid, block, args))
+    for mod in (naive, tiled, fused):
+        monkeypatch.setattr(mod, "launch", record)
+    suffix = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
+    monkeypatch.setattr(CudaBackend, "kernel_suffix", lambda self, q: suffix[q.dtype])
+    monkeypatch.delenv("TPATTN_FUSED_CFG", raising=False)
+    return calls
+
+
+def check_launch(source, name, grid, block, args):
+    sig = signatures(source)
+    assert name in sig, f"{name} is not a kernel of kernels/{source}"
+    kinds = sig[name]
+    assert len(args) == len(kinds), f"{name}: {len(args)} arguments for {len(kinds)} parameters {kinds}"
+    for i, (a, kind) in enumerate(zip(args, kinds)):
+        assert type(a) is _NP[kind], f"{name} argument {i}: {type(a).__name__} for a {kind} parameter"
+    assert all(1 <= g for g in grid) and all(1 <= b for b in block)
+
+
+def qkv(b, h, g, n, d, dtype=torch.float16):
+    return (torch.randn(b, h, n, d).to(dtype), torch.randn(b, g, n, d).to(dtype), torch.randn(b, g, n, d).to(dtype))
+
+
+@pytest.mark.parametrize("h,g", [(6, 6), (6, 2), (6, 1)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_naive_launches(launches, h, g, dtype):
+    q, k, v = qkv(2, h, g, 20, 32, dtype)
+    naive.NaiveBackend().forward(q, k, v, True)
+    assert [c[1].split("_")[0] for c in launches] == ["qkKernel", "softmaxKernel", "pvKernel"]
+    for c in launches:
+        check_launch(*c)
+    assert launches[0][4][-1] == h // g and launches[2][4][-1] == h // g  # group: query heads per K/V head
+
+
+@pytest.mark.parametrize("hopper", [False, True])
+@pytest.mark.parametrize("h,g,d", [(4, 4, 64), (4, 2, 128), (4, 1, 80)])
+def test_tiled_launches(launches, monkeypatch, hopper, h, g, d):
+    monkeypatch.setattr(tiled, "hopper_passes", lambda d, dev: hopper and d in tiled.HOPPER_HEAD_DIMS)
+    q, k, v = qkv(2, h, g, 300, d)
+    tiled.TiledBackend().forward(q, k, v, False)
+    assert len(launches) == 3
+    for c in launches:
+        check_launch(*c)
+    group = np.int32(h // g)
+    assert launches[0][4][-1] == group and launches[2][4][-1] == group
+
+
+@pytest.mark.parametrize("cc,wide", [((8, 0), True), ((9, 0), True), ((9, 0), False)])
+@pytest.mark.parametrize("h,g", [(4, 4), (4, 2), (4, 1)])
+def test_fused_launches_contiguous(launches, monkeypatch, cc, wide, h, g):
+    monkeypatch.setattr(fused, "_device_info", lambda dev: (1 if wide else 10**6, cc))
+    b, n, d = 2, 300, 128
+    q, k, v = qkv(b, h, g, n, d)
+    fused.FusedBackend().forward(q, k, v, True)
+    (source, name, grid, block, args), = launches
+    check_launch(source, name, grid, block, args)
+    assert name.startswith("fusedh_" if cc == (9, 0) and wide else "fused2_")
+    H, group = args[10], args[11]
+    assert (H, group) == (h, h // g)
+    assert tuple(args[12:15]) == (h * n * d, n * d, d)      # Q: batch, head, row strides
+    assert tuple(args[15:18]) == (g * n * d, n * d, d)      # K and V: their own
+    assert tuple(args[18:21]) == (h * n * d, n * d, d)      # O
+
+
+@pytest.mark.parametrize("h,g", [(4, 4), (4, 2), (4, 1)])
+def test_fused_launch_reads_the_packed_projection_in_place(launches, monkeypatch, h, g):
+    """The layer's QKV GEMM output [B, N, h + 2g, d]: q, k and v are strided views of it, which the
+    fused kernel reads in place (pointers into the one buffer, its strides)."""
+    monkeypatch.setattr(fused, "_device_info", lambda dev: (1, (9, 0)))
+    b, n, d = 2, 130, 64
+    qkv_out = torch.randn(b, n, h + 2 * g, d).half()
+    q, k, v = (t.permute(0, 2, 1, 3) for t in qkv_out.split([h, g, g], dim=2))
+    o_rows = torch.empty(b, n, h, d).half()
+    fused.FusedBackend().forward(q, k, v, False, out=o_rows.permute(0, 2, 1, 3))
+    (source, name, grid, block, args), = launches
+    check_launch(source, name, grid, block, args)
+    base, el = qkv_out.data_ptr(), 2
+    assert (int(args[0]), int(args[1]), int(args[2])) == (base, base + h * d * el, base + (h + g) * d * el)
+    assert int(args[3]) == o_rows.data_ptr()
+    row = (h + 2 * g) * d
+    assert tuple(args[12:15]) == (n * row, d, row) and tuple(args[15:18]) == (n * row, d, row)
+    assert tuple(args[18:21]) == (n * h * d, d, h * d)
