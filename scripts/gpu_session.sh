@@ -63,19 +63,29 @@ if want speed; then
   i=0
   while read -r w args; do
     [ "$w" -gt "$gpus" ] && continue
+    envs=()  # leading NAME=value words go to every rank (mpirun -x)
+    while [[ $args =~ ^([A-Z_]+=[^ ]*)\ (.*)$ ]]; do envs+=(-x "${BASH_REMATCH[1]}"); args=${BASH_REMATCH[2]}; done
     i=$((i + 1))
-    echo "--- mpirun -n $w python -m tpattn $args"
-    mpirun -n "$w" python3 -m tpattn $args --iters 20 --json "$OUT/speed/$(printf %02d $i).json" </dev/null 2>&1 \
-      | grep -E "RESULT|check|error|failed" || status=1
+    echo "--- mpirun ${envs[*]} -n $w python -m tpattn $args"
+    mpirun "${envs[@]}" -n "$w" python3 -m tpattn $args --iters 20 --json "$OUT/speed/$(printf %02d $i).json" \
+      </dev/null 2>&1 | grep -E "RESULT|check|error|failed" || status=1
   done <<'RUNS'
 1 --kernel fused
 1 --kernel fused --cuda-graph
 2 --kernel fused
 2 --kernel fused --cuda-graph
+2 --kernel fused --output-collective allreduce
+2 --kernel fused --output-collective allreduce --cuda-graph
 2 --kernel fused --reduce-dtype model
 2 --kernel fused --reduce-dtype model --cuda-graph
 2 --kernel fused --overlap 2
+2 --kernel fused --overlap 2 --cuda-graph
+2 --kernel fused --overlap 4 --cuda-graph
+2 --kernel fused --reduce-dtype model --overlap 2 --cuda-graph
+2 NCCL_MAX_NCHANNELS=8 --kernel fused --overlap 2 --cuda-graph
+2 NCCL_MAX_NCHANNELS=8 --kernel fused --cuda-graph
 2 --kernel fused --sequence-parallel
+2 --kernel fused --sequence-parallel --cuda-graph
 2 --kernel fused --sequence-parallel --overlap 2
 1 --kernel fused --causal
 2 --kernel fused --causal

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
 
-from tpattn.config import DTYPES, REDUCE_DTYPES, Config, ConfigError, resolve, validate  # noqa: E402
+from tpattn.config import DTYPES, OUTPUT_COLLECTIVES, REDUCE_DTYPES, Config, ConfigError, resolve, validate  # noqa: E402
 from tpattn.sharding import check_divisible  # noqa: E402
 
 COMPUTE_PASSES = ("qkv_proj", "qk", "softmax", "pv", "out_proj")
@@ -244,7 +244,7 @@ def plan(world: int, cfg: Config, gpus: int, cores: int, gpu_mem: int | None) ->
 def shape_args(cfg: Config) -> list[str]:
     a = ["--seq-len", str(cfg.seq_len), "--heads", str(cfg.heads), "--head-dim", str(cfg.head_dim),
          "--batch", str(cfg.batch), "--dtype", cfg.dtype, "--kernel", cfg.kernel, "--device", cfg.device,
-         "--reduce-dtype", cfg.reduce_dtype, "--seed", str(cfg.seed), "--warmup", str(cfg.warmup),
+         "--reduce-dtype", cfg.reduce_dtype, "--output-collective", cfg.output_collective, "--seed", str(cfg.seed), "--warmup", str(cfg.warmup),
          "--iters", str(cfg.iters)]
     return a + (["--causal"] if cfg.causal else [])
 
@@ -564,6 +564,9 @@ def parse_args(argv):
     s.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     s.add_argument("--causal", action="store_true")
     s.add_argument("--reduce-dtype", default="fp32", choices=list(REDUCE_DTYPES))
+    s.add_argument("--output-collective", default="allreduce", choices=list(OUTPUT_COLLECTIVES),
+                   help="default allreduce here (the article's one all-reduce, tabled beside a bare one of the "
+                   "same bytes), where python -m tpattn's default is auto")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--warmup", type=int, default=2)
     s.add_argument("--iters", type=int, default=5)
@@ -577,7 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = resolve(Config(seq_len=args.seq_len, heads=args.heads, head_dim=args.head_dim, batch=args.batch,
                              dtype=args.dtype, kernel=args.kernel, causal=args.causal, device=args.device,
-                             warmup=args.warmup, iters=args.iters, seed=args.seed, reduce_dtype=args.reduce_dtype))
+                             warmup=args.warmup, iters=args.iters, seed=args.seed, reduce_dtype=args.reduce_dtype,
+                             output_collective=args.output_collective))
         validate(cfg, 1, 1, check_json=False)
     except ConfigError as exc:
         print(f"scaling: error: {exc}", file=sys.stderr)

@@ -65,6 +65,15 @@ def test_collective_that_times_out():
     assert not any("rank(s) 0 did not reach" in ln or "rank(s) 0 never joined" in ln for ln in lines), r.stderr
 
 
+def test_split_output_collective_that_times_out():
+    """The same with the partials reduce-scattered (64 rows over 2 ranks): rank 1 leaves both of
+    its collectives out, rank 0 waits in the reduce-scatter and names rank 1."""
+    r = job(["--timeout", "8"], 2, fault="1:allreduce:skip")
+    assert r.returncode != 0 and r.elapsed < 60
+    assert any(ln.startswith("tpattn: rank 0: failed: CollectiveError: reduce-scatter over 2 ranks failed") and
+               "rank(s) 1 never joined it" in ln for ln in rank_lines(r)), r.stderr
+
+
 @pytest.mark.parametrize("fault,stalled", [("1:forward:hang", 1), ("0:forward:hang", 0)])
 def test_rank_that_stalls_before_the_collective(fault, stalled):
     """A rank that hangs before the all-reduce: every other rank names it, the job ends."""

@@ -1,6 +1,7 @@
 """GPU tests of the layer around the kernels (`pytest -m gpu`): tensor-core projections against the
 fp32 path they replace, sequence parallelism and overlap over NCCL (2+ GPUs) and over gloo
-sharing one GPU, and the CUDA graph of the whole layer."""
+sharing one GPU, and the CUDA graph of the whole layer; grouped-query attention (`-k gqa`): the
+fused kernel reading grouped K/V in place, the layer with fewer K/V heads over NCCL on 2 GPUs."""
 
 import json
 
@@ -67,8 +68,24 @@ def test_styles_over_nccl_on_two_gpus(tmp_path, kernel, style, causal):
     rep = json.loads(out.read_text())
     assert rep["verdict"] == "PASS" and rep["world"]["backend"] == "nccl"
     colls = rep["collectives"]
-    assert set(colls) == ({"allgather", "reducescatter"} if style[:1] == ["--sequence-parallel"] else {"allreduce"})
+    # head-parallel with fp32 partials and 1024 rows (any chunking here divides by 2): split
+    assert set(colls) == {"allgather", "reducescatter"}
     assert all(c["busbw_GBps"] > 0 for c in colls.values())
+
+
+@pytest.mark.parametrize("how", ["allreduce", "split"])
+@pytest.mark.parametrize("overlap", ["1", "4"])
+def test_output_collectives_over_nccl(tmp_path, how, overlap):
+    """Both ways of summing the partials over NCCL (the split's bias pass runs on the side stream
+    when overlapping): the baseline's output."""
+    two_gpus()
+    out = tmp_path / "r.json"
+    r = tpattn([*SMALL, "--kernel", "fused", "--output-collective", how, "--overlap", overlap, "--json", str(out)],
+               ranks=2, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["verdict"] == "PASS" and rep["checks"]["vs_single_process"]["pass"]
+    assert list(rep["collectives"]) == (["allreduce"] if how == "allreduce" else ["reducescatter", "allgather"])
 
 
 @pytest.mark.parametrize("style", [["--sequence-parallel", "--overlap", "2"], ["--overlap", "3"]])
@@ -121,3 +138,62 @@ def test_fused_row_chunks_match_the_whole_call(monkeypatch, causal, n, d, cfg):
     assert torch.equal(o, whole)
     with pytest.raises(ValueError, match="multiple of 128"):
         fused.forward(q, k, v, causal, out=o, rows=(100, 300))
+
+
+# ---- grouped-query attention -------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("h,g", [(4, 2), (4, 1)])
+def test_fused_gqa_reads_packed_qkv_in_place(causal, h, g):
+    """The layer's QKV GEMM output with fewer K/V heads, [B, N, h + 2g, d]: the fused kernel reads
+    q, k and v as strided views of it (K/V strides of their own) and writes O as the output GEMM's
+    rows; the same bits as contiguous copies."""
+    from tpattn.attention import get_backend
+    B, N, d = 2, 700, 128
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    qkv = torch.randn(B, N, h + 2 * g, d, device="cuda", generator=gen).half()
+    q, k, v = (t.permute(0, 2, 1, 3) for t in qkv.split([h, g, g], dim=2))
+    rows = torch.full((B, N, h, d), float("nan"), device="cuda", dtype=torch.half)
+    fused = get_backend("fused")
+    fused.forward(q, k, v, causal, out=rows.permute(0, 2, 1, 3))
+    whole = fused.forward(q.contiguous(), k.contiguous(), v.contiguous(), causal)
+    assert torch.equal(rows.permute(0, 2, 1, 3), whole)
+
+
+@pytest.mark.parametrize("kernel", ["naive", "tiled", "fused"])
+@pytest.mark.parametrize("kv_heads", [8, 1])
+def test_gqa_layer_over_nccl_on_two_gpus(tmp_path, kernel, kv_heads):
+    """32 query heads on 8 K/V heads (4 each per rank) and on 1 (replicated on both ranks), 2 GPUs."""
+    two_gpus()
+    out = tmp_path / "r.json"
+    r = tpattn(["--seq-len", "2048", "--heads", "32", "--kv-heads", str(kv_heads), "--head-dim", "128", "--kernel",
+                kernel, "--json", str(out)], ranks=2, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["verdict"] == "PASS" and rep["world"]["backend"] == "nccl" and rep["config"]["kv_heads"] == kv_heads
+    assert rep["checks"]["vs_single_process"]["pass"] and rep["checks"]["vs_float64"]["pass"]
+    want = ["0-3", "4-7"] if kv_heads == 8 else ["0-0", "0-0"]
+    assert [x["kv_heads"] for x in rep["world"]["ranks"]] == want
+
+
+@pytest.mark.parametrize("style", [["--causal"], ["--sequence-parallel"], ["--overlap", "2", "--causal"],
+                                   ["--cuda-graph"]])
+def test_gqa_layer_default_shape_styles_over_nccl(tmp_path, style):
+    """The issue's shape: H = 32, G = 8, d = 128, N = 4096, --kernel fused, on 2 GPUs, each style."""
+    two_gpus()
+    out = tmp_path / "r.json"
+    r = tpattn(["--kernel", "fused", "--kv-heads", "8", *style, "--json", str(out)], ranks=2, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["verdict"] == "PASS" and rep["config"]["heads"] == 32 and rep["config"]["kv_heads"] == 8
+
+
+def test_gqa_graph_replay_matches_eager():
+    """A grouped layer (4 query heads on 1 K/V head) captured in a CUDA graph: bit-identical."""
+    w = head_weights(range(4), 4, 64, 0, torch.float16, "cuda", kv_heads=range(1))
+    layer = TensorParallelAttention(**w, heads=4, kv_heads=1, head_dim=64, backend="fused", group=None)
+    x = layer_input(1, 512, 256, 0, torch.float16, "cuda")
+    run = layer.graphed(x)
+    x2 = layer_input(1, 512, 256, 7, torch.float16, "cuda")
+    x.copy_(x2)
+    assert torch.equal(run().clone(), layer(x2))

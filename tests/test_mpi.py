@@ -8,6 +8,7 @@ import time
 import pytest
 
 from conftest import ROOT, mpirun_cmd, run, tpattn
+from tpattn.sharding import row_chunks
 
 pytestmark = pytest.mark.mpi
 SHAPE = ["--seq-len", "96", "--heads", "12", "--head-dim", "16", "--warmup", "1", "--iters", "2", "--device", "cpu"]
@@ -28,7 +29,7 @@ def test_cli_matches_baseline(world, tmp_path):
         base = rep["checks"]["vs_single_process"]
         assert base["pass"] and base["rel_err"] <= base["tol"]
         assert rep["allreduce"]["bytes"] == 96 * 12 * 16 * 4  # fp32 partials [1, N, D]
-        assert "all-reduce:" in r.stdout and "busbw" in r.stdout
+        assert "reduce-scatter:" in r.stdout and "all-gather:" in r.stdout and "busbw" in r.stdout
     assert r.stdout.count("RESULT: PASS") == 1  # only rank 0 reports
 
 
@@ -43,22 +44,49 @@ def test_sequence_parallel_and_overlap_match_baseline(world, style, tmp_path):
     rep = json.loads(out.read_text())
     assert rep["verdict"] == "PASS" and rep["world"]["size"] == world
     sp = "--sequence-parallel" in style
-    assert rep["config"]["style"] == ("sequence-parallel" if sp else "head-parallel")
+    assert rep["config"]["style"].startswith("sequence-parallel" if sp else "head-parallel")
     if world > 1:
         assert rep["checks"]["vs_single_process"]["pass"]
         colls = rep["collectives"]
         if sp:  # the same bytes as the all-reduce, in two collectives: x gathered (fp16), partials scattered (fp32)
             assert colls["allgather"]["bytes"] == 96 * 12 * 16 * 2 and colls["reducescatter"]["bytes"] == 96 * 12 * 16 * 4
             assert "all-gather:" in r.stdout and "reduce-scatter:" in r.stdout
-        else:
-            assert set(colls) == {"allreduce"}
+        elif all((r1 - r0) % world == 0 for r0, r1 in row_chunks(96, int(style[1]) if len(style) > 1 else 1)):
+            # fp32 partials: reduce-scattered in fp32, the rounded rows all-gathered (3/4 of the bytes)
+            assert list(colls) == ["reducescatter", "allgather"]
+            assert colls["reducescatter"]["bytes"] == 96 * 12 * 16 * 4 and colls["allgather"]["bytes"] == 96 * 12 * 16 * 2
+            assert "(reduce-scatter + all-gather)" in r.stdout
+        else:  # a chunk's rows do not divide by the world size (32 rows, 3 ranks): the all-reduce
+            assert list(colls) == ["allreduce"]
         assert all(c["busbw_GBps"] > 0 for c in colls.values())
         assert "communication:" in r.stdout and "hidden behind compute" in r.stdout
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("how,colls", [("allreduce", ["allreduce"]), ("split", ["reducescatter", "allgather"])])
+def test_output_collective_choice(world, how, colls, tmp_path):
+    """Both ways of summing the partials give the baseline's output; the report names what ran."""
+    out = tmp_path / "r.json"
+    r = tpattn(SHAPE + ["--output-collective", how, "--overlap", "2", "--json", str(out)], ranks=world, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["verdict"] == "PASS" and rep["checks"]["vs_single_process"]["pass"]
+    assert list(rep["collectives"]) == colls
+
+
+def test_auto_keeps_the_all_reduce_when_rows_do_not_split(tmp_path):
+    """97 rows over 2 ranks: no reduce-scatter of equal blocks, so auto runs the all-reduce."""
+    out = tmp_path / "r.json"
+    r = tpattn(SHAPE + ["--seq-len", "97", "--json", str(out)], ranks=2, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert list(json.loads(out.read_text())["collectives"]) == ["allreduce"]
 
 
 @pytest.mark.parametrize("args,needle", [
     (["--sequence-parallel", "--seq-len", "97"], "--sequence-parallel needs --seq-len divisible by the world size 2"),
     (["--sequence-parallel", "--overlap", "5"], "--overlap 5 with --sequence-parallel needs the 48 rows"),
+    (["--output-collective", "split", "--seq-len", "97"], "--output-collective split needs --batch x the rows"),
+    (["--output-collective", "allreduce", "--sequence-parallel"], "is for the head-parallel style"),
 ])
 def test_sequence_parallel_refusals_on_every_rank(args, needle):
     r = tpattn(SHAPE + args, ranks=2, timeout=60)

@@ -17,7 +17,7 @@ from . import dist as tpdist
 from . import faults, watch
 from .attention import backend_names
 from .check import TOL_BASELINE, TOL_FLOAT64, compare, layer_float64, sample_rows
-from .config import DEVICES, DIST_BACKENDS, DTYPES, REDUCE_DTYPES, Config, ConfigError, resolve, validate
+from .config import DEVICES, DIST_BACKENDS, DTYPES, OUTPUT_COLLECTIVES, REDUCE_DTYPES, Config, ConfigError, resolve, validate
 from .layer import WORLD, TensorParallelAttention
 from .memory import preflight
 from .report import build, text
@@ -76,6 +76,11 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--reduce-dtype", default="fp32", choices=list(REDUCE_DTYPES), help="dtype of the partial "
                    "outputs and the all-reduce: fp32 (default; the article's full-precision sum, 2x the "
                    "bytes) or model (the storage dtype, half the bytes, one more rounding)")
+    d.add_argument("--output-collective", default="auto", choices=list(OUTPUT_COLLECTIVES), help="how "
+                   "head-parallel sums the partial outputs: allreduce (one all-reduce, then b_o and the cast), "
+                   "split (a reduce-scatter of the partials; each rank adds b_o to and rounds its 1/W of the "
+                   "rows; an all-gather of those: the same y, 3/4 of the bytes with fp32 partials), auto "
+                   "(default: split when the partials are fp32 and the rows divide by the world size)")
     d.add_argument("--sequence-parallel", action="store_true", help="second parallel style: input and "
                    "output sharded along the sequence ([B, N/W, D] per rank); an all-gather before the QKV "
                    "projection and a reduce-scatter after the output projection replace the all-reduce "
@@ -105,7 +110,8 @@ def parse(argv: list[str]) -> Config:
     return Config(seq_len=a.seq_len, heads=a.heads, head_dim=a.head_dim, batch=a.batch, dtype=a.dtype,
                   kernel=a.kernel, causal=a.causal, device=a.device, warmup=a.warmup, iters=a.iters, seed=a.seed,
                   check=a.check, json=a.json, dist_backend=a.dist_backend, reduce_dtype=a.reduce_dtype,
-                  sequence_parallel=a.sequence_parallel, overlap=a.overlap, cuda_graph=a.cuda_graph,
+                  sequence_parallel=a.sequence_parallel, overlap=a.overlap,
+                  output_collective=a.output_collective, cuda_graph=a.cuda_graph,
                   timeout=a.timeout, profile=a.profile, load=a.load)
 
 
@@ -214,7 +220,7 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
     layer = TensorParallelAttention(**w, heads=cfg.heads, head_dim=cfg.head_dim, backend=cfg.kernel,
                                     causal=cfg.causal, group=WORLD if proc.distributed else None,
                                     reduce_dtype=cfg.reduce_dtype, sequence_parallel=cfg.sequence_parallel,
-                                    overlap=cfg.overlap)
+                                    overlap=cfg.overlap, output_collective=cfg.output_collective)
     x_in = layer.shard_sequence(x) if cfg.sequence_parallel else x  # sequence parallel: N/W rows each
     timer = Timer(device)
     for _ in range(cfg.warmup):

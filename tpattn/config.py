@@ -16,6 +16,7 @@ import torch
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 REDUCE_DTYPES = ("fp32", "model")
+OUTPUT_COLLECTIVES = ("auto", "allreduce", "split")  # head-parallel: how the partial outputs are summed
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 DEVICES = ("auto", "cuda", "cpu")
 
@@ -47,6 +48,7 @@ class Config:
     reduce_dtype: str = "fp32"
     sequence_parallel: bool = False    # x and y sharded along the sequence: all-gather + reduce-scatter
     overlap: int = 1                   # row chunks that pipeline the output projection and the collective
+    output_collective: str = "auto"    # head-parallel: all-reduce, or reduce-scatter + all-gather ("split")
     cuda_graph: bool = False           # capture the whole layer in a CUDA graph and replay it
     timeout: float = 300.0
     profile: str | None = None
@@ -186,6 +188,21 @@ def check_parallel_style(cfg: Config, world: int) -> None:
     elif cfg.overlap > cfg.seq_len:
         raise ConfigError(f"--overlap {cfg.overlap} is more chunks than the {cfg.seq_len} rows of --seq-len; "
                           "use fewer")
+    if cfg.output_collective not in OUTPUT_COLLECTIVES:
+        raise ConfigError(f"unknown --output-collective {cfg.output_collective!r}; choose one of "
+                          f"{', '.join(OUTPUT_COLLECTIVES)}")
+    if cfg.output_collective != "auto" and cfg.sequence_parallel:
+        raise ConfigError(f"--output-collective {cfg.output_collective} is for the head-parallel style; "
+                          "--sequence-parallel always reduce-scatters: drop one of them")
+    if cfg.output_collective == "split" and world > 1:
+        from .attention import get_backend
+        from .sharding import row_chunks
+        align = get_backend(cfg.kernel).row_chunks or 1 if cfg.kernel else 1
+        bad = [r1 - r0 for r0, r1 in row_chunks(cfg.seq_len, cfg.overlap, align) if cfg.batch * (r1 - r0) % world]
+        if bad:
+            raise ConfigError(f"--output-collective split needs --batch x the rows of each chunk divisible by the "
+                              f"world size {world} (a chunk has {bad[0]} rows); use --output-collective allreduce "
+                              f"or auto, or a --seq-len divisible by {world}")
     if cfg.cuda_graph:
         if cfg.device != "cuda":
             raise ConfigError("--cuda-graph needs --device cuda; drop it on CPU")

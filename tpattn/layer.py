@@ -2,12 +2,15 @@
 
 Two parallel styles, each one method read top to bottom (diagrams in README.md):
 
-head-parallel (default), _forward_heads: one collective
+head-parallel (default), _forward_heads: one collective, or two
     x [B, N, D]            replicated on every rank
     QKV GEMM               one GEMM with this rank's packed q, k, v columns (heads [r*h, (r+1)*h))
     local attention        a backend from tpattn.attention (naive CUDA, fused, reference, ...)
     output GEMM            this rank's rows of W_o, fp32 result for --reduce-dtype fp32
     all_reduce(SUM)        partial [B, N, D] summed over ranks; b_o added once, after it
+      or, "split" (the default when the partials are wider than the model dtype):
+    reduce_scatter(SUM)    each rank sums 1/W of the partial's rows in fp32, adds b_o, rounds
+    all_gather             the rounded rows to every rank: the same y, 3/4 of the all-reduce's bytes
     y [B, N, D]            identical on every rank
 
 sequence-parallel, _forward_sequence: two collectives
@@ -33,7 +36,8 @@ import torch.distributed as dist
 
 from . import faults, watch
 from .attention import Backend, get_backend
-from .sharding import check_divisible, head_range
+from .config import OUTPUT_COLLECTIVES
+from .sharding import check_divisible, head_range, row_chunks
 from .timing import section
 from .weights import slice_heads
 
@@ -85,12 +89,16 @@ class TensorParallelAttention(torch.nn.Module):
     sequence_parallel: inputs and outputs are this rank's block of N/W rows (see the module doc).
     overlap: K > 1 pipelines the output projection (and in sequence parallel the all-gather) over K
     row chunks with the collectives on a side stream; 1 (default) runs each collective once.
+    output_collective (head-parallel): "allreduce" sums the partials with one all-reduce; "split"
+    with a reduce-scatter of the partials and an all-gather of the rounded output (the same y,
+    fewer bytes when the partials are fp32); "auto" (default) splits when the partials are wider
+    than the model dtype and every row chunk divides by the world size.
     """
 
     def __init__(self, wq, wk, wv, wo, bq=None, bk=None, bv=None, bo=None, *, heads: int, head_dim: int,
                  backend: str | Backend = "reference", causal: bool = False, group=WORLD,
                  reduce_dtype: str = "fp32", head_chunk: int | None = None, sequence_parallel: bool = False,
-                 overlap: int = 1):
+                 overlap: int = 1, output_collective: str = "auto"):
         super().__init__()
         self.group, self.rank, self.world = _resolve_group(group)
         err = check_divisible(heads, self.world)
@@ -109,6 +117,9 @@ class TensorParallelAttention(torch.nn.Module):
             raise ValueError(f"reduce_dtype must be 'fp32' or 'model' (got {reduce_dtype!r})")
         if overlap < 1:
             raise ValueError(f"overlap must be at least 1 chunk (got {overlap})")
+        if output_collective not in OUTPUT_COLLECTIVES:
+            raise ValueError(f"output_collective must be one of {', '.join(OUTPUT_COLLECTIVES)} "
+                             f"(got {output_collective!r})")
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.causal = causal
         self.reduce_dtype = reduce_dtype
@@ -117,6 +128,7 @@ class TensorParallelAttention(torch.nn.Module):
         self.overlap = overlap
         self.dtype = wq.dtype
         self.part_dtype = torch.float32 if reduce_dtype == "fp32" else self.dtype
+        self.output_collective = output_collective
         # Q, K and V columns packed once, so the projection is one GEMM (bias fused into it).
         self.wqkv = torch.cat([wq, wk, wv], dim=1)
         biases = (bq, bk, bv)
@@ -172,10 +184,26 @@ class TensorParallelAttention(torch.nn.Module):
         """Bytes of each collective one call runs (the whole tensor, nccl-tests' "size"):
         head-parallel the all-reduce of the partials; sequence-parallel the all-gather of x [B, N, D]
         and the reduce-scatter of the partials."""
-        if not self.sequence_parallel:
-            return {"allreduce": self.partial_nbytes(batch, seq_len)}
         x_bytes = batch * seq_len * self.model_dim * torch.empty((), dtype=self.dtype).element_size()
-        return {"allgather": x_bytes, "reducescatter": self.partial_nbytes(batch, seq_len)}
+        if self.sequence_parallel and self.world > 1:
+            return {"allgather": x_bytes, "reducescatter": self.partial_nbytes(batch, seq_len)}
+        if self.world > 1 and self.splits_output(batch, self._row_chunks(seq_len)):
+            return {"reducescatter": self.partial_nbytes(batch, seq_len), "allgather": x_bytes}
+        return {"allreduce": self.partial_nbytes(batch, seq_len)}
+
+    def splits_output(self, batch: int, chunks: list[tuple[int, int]]) -> bool:
+        """Head-parallel: whether the partials are summed by a reduce-scatter and an all-gather
+        (see output_collective) rather than one all-reduce. The same answer on every rank: it
+        depends on the shape and the settings only."""
+        if self.world == 1 or self.output_collective == "allreduce":
+            return False
+        divides = all(batch * (r1 - r0) % self.world == 0 for r0, r1 in chunks)
+        if self.output_collective == "split":
+            if not divides:
+                raise ValueError(f"output_collective='split' needs batch x rows of every chunk divisible by the "
+                                 f"world size {self.world}; use 'allreduce' or 'auto'")
+            return True
+        return divides and self.part_dtype.itemsize > self.dtype.itemsize
 
     def shard_sequence(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's block of N/W rows of a full [B, N, D] tensor (sequence parallel's input)."""
@@ -203,11 +231,12 @@ class TensorParallelAttention(torch.nn.Module):
         return self._forward_heads(x, timer)
 
     def _forward_heads(self, x: torch.Tensor, timer) -> torch.Tensor:
-        """Head-parallel: x [B, N, D] on every rank -> y [B, N, D] on every rank, one all-reduce.
-        With overlap, query-row chunk c's all-reduce runs while chunk c+1's attention (when the
-        backend computes row chunks, as fused does) and output projection run."""
+        """Head-parallel: x [B, N, D] on every rank -> y [B, N, D] on every rank, one all-reduce
+        (or a reduce-scatter and an all-gather, see splits_output). With overlap, query-row chunk
+        c's collectives run while chunk c+1's attention (when the backend computes row chunks, as
+        fused does) and output projection run."""
         B, N, D = x.shape
-        h, d = self.local_heads, self.head_dim
+        h, d, W = self.local_heads, self.head_dim, self.world
         with section(timer, "qkv_proj"):
             qkv = _mm(x.reshape(B * N, D), self.wqkv, self.dtype, self.bqkv)   # [B*N, 3*h*d]
             q, k, v = self._split_heads(qkv.view(B, N, 3, h, d))              # [B, h, N, d] each
@@ -215,24 +244,55 @@ class TensorParallelAttention(torch.nn.Module):
         o = o_rows.permute(0, 2, 1, 3)                                      # seen as [B, h, N, d]
         chunks = self._row_chunks(N)
         by_rows = len(chunks) > 1 and self.backend.row_chunks is not None
+        split = self.splits_output(B, chunks)  # decided before communicating, from the shape only
+        y = torch.empty(B, N, D, dtype=self.dtype, device=x.device)
         if not by_rows:
             self._attention(q, k, v, o, timer)
-        if B == 1:  # chunks are views of one partial output
-            partial = torch.empty(N, D, dtype=self.part_dtype, device=x.device)
-            parts = [partial[None, r0:r1] for r0, r1 in chunks]
-        else:       # a chunk of rows of every batch element is not one block of memory: one each
-            parts = [torch.empty(B, r1 - r0, D, dtype=self.part_dtype, device=x.device) for r0, r1 in chunks]
-        for (r0, r1), part in zip(chunks, parts):
+        if W == 1 and not faults.planned(self.rank, "allreduce"):
+            # one rank: nothing to sum, so the output GEMM rounds straight to the model dtype with
+            # b_o in its epilogue (fp32 accumulation, one rounding, as the fp32 partial path)
+            for r0, r1 in chunks:
+                if by_rows:
+                    self._attention(q, k, v, o, timer, rows=(r0, r1))
+                dst = y[:, r0:r1]
+                with section(timer, "out_proj"):
+                    out = _mm(o_rows[:, r0:r1].reshape(B * (r1 - r0), h * d), self.wo, self.dtype, self.bo,
+                              out=dst.view(-1, D) if dst.is_contiguous() else None)
+                if not dst.is_contiguous():
+                    dst.copy_(out.view(dst.shape))
+            return y
+        late = []  # (gathered rows, where they go in y) to copy once the collectives are joined
+        parts = []
+        for r0, r1 in chunks:
             if by_rows:
                 self._attention(q, k, v, o, timer, rows=(r0, r1))
+            rows = B * (r1 - r0)
+            part = torch.empty(rows, D, dtype=self.part_dtype, device=x.device)  # [B, r1-r0, D] flat
             with section(timer, "out_proj"):
-                _mm(o_rows[:, r0:r1].reshape(B * (r1 - r0), h * d), self.wo, self.part_dtype,
-                    out=part.view(B * (r1 - r0), D))
-            self._output_collective("allreduce", timer, dist.all_reduce, part)
+                _mm(o_rows[:, r0:r1].reshape(rows, h * d), self.wo, self.part_dtype, out=part)
+            if not split:
+                self._output_collective("allreduce", timer, dist.all_reduce, part)
+                parts.append(part)
+                continue
+            mine = torch.empty(rows // W, D, dtype=self.part_dtype, device=x.device)
+            if not self._output_collective("reducescatter", timer, _reduce_scatter, mine, part):
+                continue  # a fault left this rank's collectives out (both of them)
+            mine_out = torch.empty(rows // W, D, dtype=self.dtype, device=x.device)
+            with self._comm_context():  # where the reduce-scatter ran: + b_o, rounded once
+                _add_bias(mine, self.bo, out=mine_out)
+            dst = y[:, r0:r1]
+            whole = dst.is_contiguous()
+            gathered = dst.view(rows, D) if whole else torch.empty(rows, D, dtype=self.dtype, device=x.device)
+            self._collective("allgather", timer, _all_gather, gathered, mine_out)
+            parts += [part, mine, mine_out]  # referenced until the join below
+            if not whole:
+                late.append((gathered, dst))
         self._join_comm()
-        y = torch.empty(B, N, D, dtype=self.dtype, device=x.device)
-        for (r0, r1), part in zip(chunks, parts):  # + b_o and the cast to the model dtype in one pass
-            _add_bias(part, self.bo, out=y[:, r0:r1])
+        if not split:  # + b_o and the cast to the model dtype in one pass
+            for (r0, r1), part in zip(chunks, parts):
+                _add_bias(part.view(B, r1 - r0, D), self.bo, out=y[:, r0:r1])
+        for gathered, dst in late:
+            dst.copy_(gathered.view(dst.shape))
         return y
 
     def _forward_sequence(self, x: torch.Tensor, timer) -> torch.Tensor:
@@ -300,17 +360,17 @@ class TensorParallelAttention(torch.nn.Module):
 
     def _row_chunks(self, n: int) -> list[tuple[int, int]]:
         """overlap chunks of the query rows [0, n), at multiples of the backend's row_chunks."""
-        a = self.backend.row_chunks or 1
-        cuts = sorted({min(n, round(n * c / self.overlap / a) * a) for c in range(self.overlap + 1)} | {n})
-        return [(r0, r1) for r0, r1 in zip(cuts, cuts[1:]) if r1 > r0]
+        return row_chunks(n, self.overlap, self.backend.row_chunks or 1)
 
     # ---- the collectives ---------------------------------------------------------------------
 
-    def _output_collective(self, name: str, timer, op, *tensors) -> None:
-        """The collective that sums the partial outputs (fault injection step "allreduce")."""
+    def _output_collective(self, name: str, timer, op, *tensors) -> bool:
+        """The collective that sums the partial outputs (fault injection step "allreduce"); False
+        when an injected fault left it out."""
         if faults.maybe_fail(self.rank, "allreduce") == "skip":
-            return
+            return False
         self._collective(name, timer, op, *tensors)
+        return True
 
     def _collective(self, name: str, timer, op, *tensors):
         """op(*tensors, group) after the work queued so far: on the communication stream when
@@ -334,6 +394,11 @@ class TensorParallelAttention(torch.nn.Module):
             except RuntimeError as exc:
                 raise CollectiveError(watch.explain(name, self.world, _first_line(exc))) from None
         return stream.record_event() if stream is not None else None
+
+    def _comm_context(self):
+        """Run the enclosed work where the collectives run (the side stream when overlapping)."""
+        stream = self._side_stream()
+        return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
     def _side_stream(self):
         if self.overlap == 1 or not self.wqkv.is_cuda:

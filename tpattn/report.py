@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import sys
@@ -98,6 +99,8 @@ def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, c
     h = cfg.heads // world
     sp = scores_bytes(cfg, world)
     style = "sequence-parallel" if cfg.sequence_parallel else "head-parallel"
+    if world > 1:  # the collectives one call runs, in order
+        style += " (" + " + ".join(COLLECTIVES[k] for k in collective_bytes) + ")"
     return {
         "tpattn": __version__,
         "command": command,
@@ -108,6 +111,7 @@ def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, c
                   else "none", "device": str(device.type),
                   "ranks": [r["info"] for r in rank_reports]},
         "versions": versions(),
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},  # rank 0's NCCL settings
         "memory": {"S_bytes_per_rank": sp, "P_bytes_per_rank": sp, "S_P_bytes_total": 2 * sp * world},
         "iterations": {"warmup": cfg.warmup, "timed": cfg.iters},
         "passes": stats,

@@ -87,3 +87,8 @@ def kv_head_range(heads: int, kv_heads: int, world: int, rank: int) -> range:
     first = head_range(heads, world, rank).start // (heads // kv_heads)
     return range(first, first + 1)
 
+
+def row_chunks(n: int, chunks: int, align: int = 1) -> list[tuple[int, int]]:
+    """`chunks` nearly equal ranges of the rows [0, n), cut at multiples of `align` (empty ones dropped)."""
+    cuts = sorted({min(n, round(n * c / chunks / align) * align) for c in range(chunks + 1)} | {n})
+    return [(r0, r1) for r0, r1 in zip(cuts, cuts[1:]) if r1 > r0]
