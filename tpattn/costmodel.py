@@ -76,10 +76,21 @@ class Shape:
     overlap: int = 1
     cuda_graph: bool = False
     output_collective: str = "auto"
+    kv_heads: int | None = None       # GQA: K/V heads (None: as many as query heads)
 
     @property
     def model_dim(self) -> int:
         return self.heads * self.head_dim
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads or self.heads
+
+    def kv_per_rank(self, world: int) -> int:
+        """K/V heads one rank holds: G/W of them, or (more ranks than K/V heads) a copy of one."""
+        if self.kv == self.heads:
+            return self.heads // world
+        return self.kv // world if self.kv % world == 0 else 1
 
     @property
     def elem(self) -> int:
@@ -119,32 +130,34 @@ def copy_step(name: str, key: str, nbytes: float, what: str) -> Step:
     return Step(name, key, bytes=float(nbytes), what=what)
 
 
-def attention_steps(kernel: str, b: int, h: int, n: int, d: int, dtype: str, causal: bool) -> list[Step]:
-    """The local attention passes of h heads, with the bytes each kernel really moves to and from
-    device memory (not the re-reads that the caches absorb)."""
+def attention_steps(kernel: str, b: int, h: int, n: int, d: int, dtype: str, causal: bool,
+                    kv_h: int | None = None) -> list[Step]:
+    """The local attention passes of h query heads (kv_h K/V heads, GQA), with the bytes each
+    kernel really moves to and from device memory (not the re-reads that the caches absorb)."""
     e = ELEM[dtype]
     bh = b * h
     flops_mm = 2.0 * bh * n * n * d                      # one of the two products, all of it
     tri = (n + 1) / (2 * n) if causal else 1.0            # causal: keys j <= i of each row
     tiles = -(-n // TILE)
     tri_t = (tiles + 1) / (2 * tiles) if causal else 1.0  # causal: tiles on or below the diagonal
-    qkv_io = bh * n * d * e                               # one of Q, K, V or O
-    steps = _attention_steps(kernel, bh, n, d, e, causal, flops_mm, tri, tri_t, qkv_io)
+    qkv_io = bh * n * d * e                               # Q or O
+    kv_io = b * (kv_h or h) * n * d * e                   # K or V
+    steps = _attention_steps(kernel, bh, n, d, e, causal, flops_mm, tri, tri_t, qkv_io, kv_io)
     for s in steps:
         s.bh, s.n = bh, n
     return steps
 
 
-def _attention_steps(kernel, bh, n, d, e, causal, flops_mm, tri, tri_t, qkv_io) -> list[Step]:
+def _attention_steps(kernel, bh, n, d, e, causal, flops_mm, tri, tri_t, qkv_io, kv_io) -> list[Step]:
     if kernel == "naive":
         s = bh * n * n * e                                 # S (and as many for P), written in full
         unit = "fp32"                                      # one thread per score: CUDA-core FMA
         return [
-            Step("qk", "naive.qk", flops=flops_mm * tri, bytes=2 * qkv_io + s, unit=unit, causal=causal,
+            Step("qk", "naive.qk", flops=flops_mm * tri, bytes=qkv_io + kv_io + s, unit=unit, causal=causal,
                  what="one thread per score: reads Q, K, writes S (N x N)"),
             Step("softmax", "naive.softmax", flops=5.0 * bh * n * n * tri, bytes=s * tri + s, unit="fp32",
                  causal=causal, what="one block per row: reads S, writes P"),
-            Step("pv", "naive.pv", flops=flops_mm * tri, bytes=s * tri + 2 * qkv_io, unit=unit, causal=causal,
+            Step("pv", "naive.pv", flops=flops_mm * tri, bytes=s * tri + kv_io + qkv_io, unit=unit, causal=causal,
                  what="one thread per output: reads P, V, writes O"),
         ]
     if kernel == "tiled":
@@ -152,15 +165,15 @@ def _attention_steps(kernel, bh, n, d, e, causal, flops_mm, tri, tri_t, qkv_io) 
         s = bh * n * ld * e
         reads = 2 if n > TILED_SMEM_COLS else 1            # longer rows are read twice by the softmax
         return [
-            Step("qk", "tiled.qk", flops=flops_mm * tri_t, bytes=2 * qkv_io + s * tri_t, unit="tensor",
+            Step("qk", "tiled.qk", flops=flops_mm * tri_t, bytes=qkv_io + kv_io + s * tri_t, unit="tensor",
                  causal=causal, what="tensor-core tiles: reads Q, K, writes S"),
             Step("softmax", "tiled.softmax", flops=5.0 * bh * n * n * tri, bytes=s * tri * reads + s * tri_t,
                  unit="fp32", causal=causal, what=f"a warp per row: reads S{' twice' if reads == 2 else ''}, writes P"),
-            Step("pv", "tiled.pv", flops=flops_mm * tri_t, bytes=s * tri_t + 2 * qkv_io, unit="tensor",
+            Step("pv", "tiled.pv", flops=flops_mm * tri_t, bytes=s * tri_t + kv_io + qkv_io, unit="tensor",
                  causal=causal, what="tensor-core tiles: reads P, V, writes O"),
         ]
     if kernel == "fused":
-        return [Step("fused", "fused.fused", flops=2 * flops_mm * tri_t, bytes=4 * qkv_io, unit="tensor",
+        return [Step("fused", "fused.fused", flops=2 * flops_mm * tri_t, bytes=2 * qkv_io + 2 * kv_io, unit="tensor",
                      causal=causal, what="one kernel, online softmax: reads Q, K, V, writes O (S, P on chip)")]
     raise ModelError(f"no cost model for --kernel {kernel}; the model covers {', '.join(KERNELS)}")
 
@@ -208,20 +221,29 @@ def _collectives_from_layer(shape: Shape, world: int) -> dict[str, int]:
     return dict(got)
 
 
+def _layout_error(shape: Shape, world: int) -> str | None:
+    """Why H query heads (and G K/V heads) cannot be laid out over `world` ranks, or None."""
+    from . import sharding
+    if shape.kv != shape.heads and hasattr(sharding, "check_kv_heads"):
+        return sharding.check_kv_heads(shape.heads, shape.kv, world)
+    return sharding.check_divisible(shape.heads, world)
+
+
 def layer_steps(shape: Shape, world: int) -> tuple[list[Step], dict[str, int]]:
     """(compute steps of one rank, {collective: bytes}) for one call of the layer at world size W."""
-    if shape.heads % world:
-        raise ModelError(f"--heads {shape.heads} is not divisible by world size {world}")
+    err = _layout_error(shape, world)
+    if err:
+        raise ModelError(err)
     B, N, D, d, dt = shape.batch, shape.seq_len, shape.model_dim, shape.head_dim, shape.dtype
-    h = shape.heads // world
+    h, g = shape.heads // world, shape.kv_per_rank(world)
     e = shape.elem
     colls = layer_collectives(shape, world)
     rows = B * N                                       # both styles: every rank projects all N rows
-    steps = [gemm_step("qkv_proj", "qkv_proj", rows, D, 3 * h * d, dt, dt)]
+    steps = [gemm_step("qkv_proj", "qkv_proj", rows, D, (h + 2 * g) * d, dt, dt)]
     if not STRIDED.get(shape.kernel, False):
-        steps.append(copy_step("qkv_proj", "relayout", 2 * 3 * B * h * N * d * e,
-                               "q, k, v copied out of the QKV GEMM's [B, N, 3, h, d] rows"))
-    steps += attention_steps(shape.kernel, B, h, N, d, dt, shape.causal)
+        steps.append(copy_step("qkv_proj", "relayout", 2 * (h + 2 * g) * B * N * d * e,
+                               "q, k, v copied out of the QKV GEMM's rows"))
+    steps += attention_steps(shape.kernel, B, h, N, d, dt, shape.causal, g)
     if not STRIDED.get(shape.kernel, False):
         steps.append(copy_step("other", "relayout", 2 * B * h * N * d * e, "o copied into the output GEMM's rows"))
     pe = shape.part_elem(world)

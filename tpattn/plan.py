@@ -1,0 +1,772 @@
+"""`python -m tpattn.plan`: predict the layer before it runs, per pass and per world size, from a
+machine description (tpattn/costmodel.py has the model); `--calibrate` measures a machine file.
+
+    python -m tpattn.plan --machine h200 --world-sizes 1 2 4 8 [shape options of python -m tpattn]
+    python -m tpattn.plan --machine h100_cluster --nodes 1 2 4 --json plan.json --plot speedup.png
+    python -m tpattn.plan --calibrate --out my_gpu.json                 # on one GPU
+    mpirun -n 2 python -m tpattn.plan --calibrate --out my_node.json    # + NCCL collectives
+
+Exit status: 0, or 2 for a bad input (an option, a machine file) with one line that names the fix;
+1 when the calibration fails on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+from . import costmodel as cm
+
+EXIT_FAIL, EXIT_USAGE = 1, 2
+# the shape and style options, taken from python -m tpattn's own parser (same names, choices, help)
+SHAPE_OPTIONS = ("seq_len", "heads", "head_dim", "kv_heads", "batch", "causal", "dtype", "kernel", "reduce_dtype",
+                 "sequence_parallel", "output_collective", "overlap", "cuda_graph")
+EPILOG = """\
+machine files: a path, or a shipped name: {names}
+  (tpattn/machines/*.json; fields in docs/plan.md). --calibrate writes one for the machine it runs on.
+examples:
+  python -m tpattn.plan --machine h200 --world-sizes 1 2 4 8
+  python -m tpattn.plan --machine h100_cluster --nodes 1 2 4 --seq-len 32768 --kernel fused
+  mpirun -n 2 python -m tpattn.plan --calibrate --out node.json
+exit status: 0, 2 bad input (one line that names the fix), 1 a calibration that failed.
+"""
+
+
+class PlanError(ValueError):
+    """A bad input: one line that names the fix (exit 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise PlanError(f"{message} (see python -m tpattn.plan --help)")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m tpattn.plan", formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog=EPILOG.format(names=", ".join(cm.machine_names())),
+                description="Predict the tensor-parallel attention layer before it runs: the time of every pass "
+                            "(QKV projection, qk / softmax / pv or fused, output projection, each collective), end "
+                            "to end, speedup and efficiency per world size, memory per rank and the largest "
+                            "sequence that fits, from a machine description (roofline x calibrated efficiency "
+                            "for compute, alpha-beta ring model for NCCL). --calibrate measures a machine file.")
+    _shape_options(p.add_argument_group("shape and style (as python -m tpattn)"))
+    m = p.add_argument_group("machine and world sizes")
+    m.add_argument("--machine", default="h200", metavar="NAME|FILE",
+                   help="machine description: a JSON file or a shipped name (default h200: 8 H200s per node, "
+                        "400 Gb/s per GPU between nodes)")
+    w = m.add_mutually_exclusive_group()
+    w.add_argument("--world-sizes", type=int, nargs="+", metavar="W", help="total ranks (GPUs) to predict "
+                   "(default 1 2 4 8, or those that split the heads); above one node's GPUs, whole nodes")
+    w.add_argument("--nodes", type=int, nargs="+", metavar="N", help="predict N nodes of --gpus-per-node GPUs each "
+                   "(world size N x G) instead of --world-sizes")
+    m.add_argument("--gpus-per-node", type=int, metavar="G", help="GPUs used per node (default: the machine's)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write the prediction as JSON to PATH "
+                   "(no PATH: print JSON instead of the table)")
+    o.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    o.add_argument("--plot", metavar="FILE", help="plot predicted speedup against ideal and the time per pass "
+                   "(PNG; needs matplotlib)")
+    c = p.add_argument_group("calibration (on a GPU machine)")
+    c.add_argument("--calibrate", action="store_true", help="measure this machine (GEMM and copy peaks, every "
+                   "kernel pass inside the layer at several sizes, the layer's overhead and host time, NCCL "
+                   "all-reduce / all-gather / reduce-scatter at 8-256 MiB when launched with several ranks) and "
+                   "write a machine file to --out")
+    c.add_argument("--out", metavar="FILE", help="where --calibrate writes the machine file")
+    c.add_argument("--name", help="the calibrated machine's name (default: GPU name and count)")
+    c.add_argument("--kernels", nargs="+", default=list(cm.KERNELS), choices=list(cm.KERNELS),
+                   help="kernels to calibrate (default all)")
+    c.add_argument("--quick", action="store_true", help="fewer sizes and iterations (a smoke test)")
+    return p
+
+
+def _shape_options(group) -> None:
+    """The shape options of python -m tpattn's parser, as they are there (names, choices, help)."""
+    taken = set()
+    try:
+        from .cli import parser as tpattn_parser
+        for action in tpattn_parser()._actions:
+            if action.dest in SHAPE_OPTIONS:
+                group._add_action(action)
+                taken.add(action.dest)
+    except Exception:  # noqa: BLE001 - the CLI cannot be imported: own definitions below
+        pass
+    own = {
+        "seq_len": (("--seq-len",), dict(type=int, metavar="N", help="sequence length (default 4096)")),
+        "heads": (("--heads",), dict(type=int, metavar="H", help="attention heads (default 32)")),
+        "head_dim": (("--head-dim",), dict(type=int, metavar="d", help="head dim (default 128)")),
+        "kv_heads": (("--kv-heads",), dict(type=int, metavar="G", help="K/V heads, GQA (default: --heads)")),
+        "batch": (("--batch",), dict(type=int, default=1, metavar="B", help="batch size (default 1)")),
+        "causal": (("--causal",), dict(action="store_true", help="causal mask")),
+        "dtype": (("--dtype",), dict(default="fp16", choices=list(cm.ELEM), help="storage dtype (default fp16)")),
+        "kernel": (("--kernel",), dict(choices=list(cm.KERNELS), help="attention kernel (default naive)")),
+        "reduce_dtype": (("--reduce-dtype",), dict(default="fp32", choices=["fp32", "model"],
+                                                   help="dtype of the partial outputs (default fp32)")),
+        "sequence_parallel": (("--sequence-parallel",), dict(action="store_true", help="sequence parallelism")),
+        "output_collective": (("--output-collective",), dict(default="auto", choices=["auto", "allreduce", "split"],
+                                                             help="head-parallel: all-reduce or reduce-scatter + all-gather")),
+        "overlap": (("--overlap",), dict(type=int, default=1, metavar="K", help="row chunks (not modeled)")),
+        "cuda_graph": (("--cuda-graph",), dict(action="store_true", help="no host time (a CUDA graph)")),
+    }
+    for dest, (flags, kw) in own.items():
+        if dest not in taken:
+            group.add_argument(*flags, dest=dest, **kw)
+
+
+def shape_from(a) -> cm.Shape:
+    from .config import GPU_DEFAULTS
+    kernel = a.kernel or "naive"
+    if kernel not in cm.KERNELS:
+        raise PlanError(f"--kernel {kernel} has no cost model; use one of {', '.join(cm.KERNELS)} (reference is "
+                        "the torch check, not a kernel to plan for)")
+    s = cm.Shape(seq_len=a.seq_len or GPU_DEFAULTS["seq_len"], heads=a.heads or GPU_DEFAULTS["heads"],
+                 head_dim=a.head_dim or GPU_DEFAULTS["head_dim"], batch=a.batch, dtype=a.dtype, kernel=kernel,
+                 causal=a.causal, reduce_dtype=a.reduce_dtype, sequence_parallel=a.sequence_parallel,
+                 overlap=a.overlap, cuda_graph=a.cuda_graph, output_collective=getattr(a, "output_collective", "auto"),
+                 kv_heads=getattr(a, "kv_heads", None))
+    for flag, v in (("--seq-len", s.seq_len), ("--heads", s.heads), ("--head-dim", s.head_dim),
+                    ("--batch", s.batch), ("--overlap", s.overlap)):
+        if v < 1:
+            raise PlanError(f"{flag} must be at least 1 (got {v})")
+    if s.kv_heads is not None and (s.kv_heads < 1 or s.heads % s.kv_heads):
+        raise PlanError(f"--kv-heads {s.kv_heads} must divide --heads {s.heads}")
+    from .attention import get_backend
+    backend = get_backend(kernel)
+    err = backend.head_dim_error(s.head_dim) if hasattr(backend, "head_dim_error") else None
+    if err:
+        raise PlanError(err)
+    if s.dtype not in backend.dtypes:
+        raise PlanError(f"--kernel {kernel} does not support --dtype {s.dtype}; use one of {', '.join(backend.dtypes)}")
+    return s
+
+
+def world_sizes(a, shape: cm.Shape, g: int) -> list[int]:
+    if a.nodes:
+        if any(n < 1 for n in a.nodes):
+            raise PlanError(f"--nodes must be at least 1 (got {min(a.nodes)})")
+        return [n * g for n in a.nodes]
+    if a.world_sizes:
+        if any(w < 1 for w in a.world_sizes):
+            raise PlanError(f"--world-sizes must be at least 1 (got {min(a.world_sizes)})")
+        return list(a.world_sizes)
+    return [w for w in (1, 2, 4, 8) if shape.heads % w == 0]
+
+
+# ---- the table ---------------------------------------------------------------------------------------
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+COLL_LABEL = {"allreduce": "all-reduce", "allgather": "all-gather", "reducescatter": "reduce-scatter"}
+
+
+def columns(rows: list[dict]) -> tuple[list[str], list[str]]:
+    ok = [r for r in rows if "error" not in r]
+    comp = [p for p in cm.COMPUTE_ORDER if any(p in r["passes"] for r in ok)]
+    coll = [c for c in cm.COLLECTIVE_NAMES if any(c in r["collectives"] for r in ok)]
+    coll.sort(key=lambda c: min((list(r["collectives"]).index(c) for r in ok if c in r["collectives"]), default=9))
+    return comp, coll
+
+
+def header(m: cm.Machine, shape: cm.Shape, g: int) -> list[str]:
+    style = "sequence-parallel" if shape.sequence_parallel else "head-parallel"
+    kv = f" G={shape.kv}" if shape.kv != shape.heads else ""
+    lines = [f"tpattn plan: kernel {shape.kernel}, B={shape.batch} N={shape.seq_len} H={shape.heads}{kv} "
+             f"d={shape.head_dim} D={shape.model_dim} {shape.dtype}{' causal' if shape.causal else ''}, {style}, "
+             f"partials {shape.reduce_dtype}" + (", CUDA graph" if shape.cuda_graph else ""),
+             f"machine {m.name}: {m.data['gpu']}, {g} GPU(s)/node"
+             + (f" (of {m.gpus_per_node})" if g != m.gpus_per_node else "")
+             + f", {m.data['memory_GiB']:g} GiB each; {m.path}"]
+    if shape.overlap > 1:
+        lines.append(f"note: --overlap {shape.overlap} is not modeled: the prediction runs the collectives after the "
+                     "compute, as --overlap 1 does")
+    return lines
+
+
+def table(m: cm.Machine, shape: cm.Shape, rows: list[dict], g: int, markdown: bool = False) -> str:
+    comp, coll = columns(rows)
+    heads = (["GPUs", "nodes", "heads/rank"] + comp + [COLL_LABEL[c] for c in coll]
+             + ["other", "end to end", "ideal", "speedup", "efficiency", "memory/rank", "largest N", "dominant"])
+    body, missing = [], []
+    for r in rows:
+        if "error" in r:
+            missing.append(f"W={r['world']}: not predicted: {r['error']}")
+            continue
+        f = lambda v: f"{v:.3f}" if v < 100 else f"{v:.1f}"  # noqa: E731
+        cells = [str(r["world"]), str(r["nodes"]), str(r["heads_per_rank"])]
+        cells += [f(r["passes"][p]) if p in r["passes"] else "-" for p in comp]
+        cells += [f(r["collectives"][c]["ms"]) if c in r["collectives"] else "-" for c in coll]
+        cells += [f(r["other_ms"]), f(r["end_to_end_ms"]) + (" (host)" if r["host_bound"] else ""),
+                  f(r["ideal_ms"]) if "ideal_ms" in r else "-",
+                  f"{r['speedup']:.2f}" if "speedup" in r else "-",
+                  f"{100 * r['efficiency']:.0f}%" if "efficiency" in r else "-",
+                  _gib(r["memory_bytes"]) + ("" if r["fits"] else " (does not fit)"),
+                  str(r["largest_seq_len"]), r["dominant"]]
+        body.append(cells)
+    out = header(m, shape, g)
+    if markdown:
+        out += ["", "| " + " | ".join(heads) + " |", "|" + "|".join("---:" if i < len(heads) - 1 else "---"
+                                                                  for i in range(len(heads))) + "|"]
+        out += ["| " + " | ".join(c) + " |" for c in body]
+        out.append("")
+    elif body:
+        out.append("predicted ms per call on one rank (every rank does the same work):")
+        widths = [max(len(h), *(len(c[i]) for c in body)) for i, h in enumerate(heads)]
+        out.append("  " + "  ".join(h.rjust(w) for h, w in zip(heads, widths)))
+        for c in body:
+            out.append("  " + "  ".join(x.rjust(w) if i < len(c) - 1 else x for i, (x, w) in enumerate(zip(c, widths))))
+    out += missing
+    for r in rows:
+        if "error" in r:
+            continue
+        for c, info in r["collectives"].items():
+            out.append(f"W={r['world']}: {COLL_LABEL[c]} of {_gib(info['bytes'])}: {info['algorithm']}, "
+                       f"{info['ms'] * 1e3:.0f} us ({info['bound']}-bound)")
+    out.append("other = the bias + cast of the partials, the o relayout (naive, tiled) and the per-call overhead; "
+               "end to end = max(GPU, host); (host): the Python call takes longer than the GPU work; memory/rank "
+               "by tpattn.memory (the CLI's pre-flight, without --check's baseline)")
+    return "\n".join(out)
+
+
+def as_json(m: cm.Machine, shape: cm.Shape, rows: list[dict], g: int, argv: list[str]) -> dict:
+    from . import __version__
+    return {
+        "tpattn": __version__, "command": ["python", "-m", "tpattn.plan", *argv],
+        "machine": {"name": m.name, "path": m.path, "gpu": m.data["gpu"], "gpus_per_node": g,
+                    "memory_GiB": m.data["memory_GiB"], "peaks": m.data["peaks"], "links": m.data.get("links", {})},
+        "config": {**{k: getattr(shape, k) for k in cm.Shape.__dataclass_fields__}, "model_dim": shape.model_dim},
+        "rows": rows,
+    }
+
+
+def plot(path: str, m: cm.Machine, shape: cm.Shape, rows: list[dict]) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlanError("--plot needs matplotlib, which is not installed: pip install matplotlib "
+                        "(or pip install 'tpattn[plot]'), or drop --plot") from None
+    ok = [r for r in rows if "error" not in r and "speedup" in r]
+    if not ok:
+        raise PlanError("--plot: no world size could be predicted, nothing to plot")
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 5))
+    ws = [r["world"] for r in ok]
+    a1.plot(ws, ws, "--", color="gray", label="ideal")
+    a1.plot(ws, [r["speedup"] for r in ok], "o-", label=f"predicted ({shape.kernel})")
+    a1.set_xscale("log", base=2)
+    a1.set_yscale("log", base=2)
+    a1.set_xticks(ws, [str(w) for w in ws])
+    a1.set_xlabel("GPUs")
+    a1.set_ylabel("speedup over 1 GPU")
+    a1.set_title(f"predicted speedup, {m.name}")
+    a1.legend()
+    comp, coll = columns(rows)
+    bottom = [0.0] * len(ok)
+    for name in comp + coll + ["other"]:
+        vals = [r["passes"].get(name, r["collectives"].get(name, {}).get("ms", 0.0)) if name != "other"
+                else r["other_ms"] for r in ok]
+        a2.bar([str(w) for w in ws], vals, bottom=bottom, label=COLL_LABEL.get(name, name))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    a2.set_yscale("log")
+    a2.set_xlabel("GPUs")
+    a2.set_ylabel("ms per call (stacked)")
+    a2.set_title(f"N={shape.seq_len} H={shape.heads} d={shape.head_dim}, {shape.kernel}")
+    a2.legend(fontsize=8)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise PlanError(f"--plot {path}: cannot write it ({exc.strerror}); choose another path") from None
+    plt.close(fig)
+
+
+def _write(path: str, text: str, flag: str) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as exc:
+        raise PlanError(f"{flag} {path}: cannot write it ({exc.strerror}); choose another path") from None
+
+
+def run_plan(a, argv: list[str]) -> int:
+    shape = shape_from(a)
+    try:
+        m = cm.load_machine(a.machine)
+    except cm.MachineError as exc:
+        raise PlanError(str(exc)) from None
+    g = a.gpus_per_node or m.gpus_per_node
+    if g < 1 or g > m.gpus_per_node:
+        raise PlanError(f"--gpus-per-node {g}: machine {m.name} has {m.gpus_per_node} GPU(s) per node; use 1 to "
+                        f"{m.gpus_per_node}")
+    worlds = world_sizes(a, shape, g)
+    rows = cm.plan(m, shape, worlds, g)
+    if a.plot:
+        plot(a.plot, m, shape, rows)
+    doc = as_json(m, shape, rows, g, argv)
+    if a.json == "-":
+        print(json.dumps(doc, indent=1))
+    else:
+        if a.json:
+            _write(a.json, json.dumps(doc, indent=1), "--json")
+        print(table(m, shape, rows, g, a.markdown))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        a = parser().parse_args(argv)
+        if a.calibrate:
+            return calibrate(a, argv)
+        if a.out:
+            raise PlanError("--out is where --calibrate writes; add --calibrate (or use --json for a prediction)")
+        return run_plan(a, argv)
+    except (PlanError, cm.MachineError) as exc:
+        print(f"tpattn.plan: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except cm.ModelError as exc:
+        print(f"tpattn.plan: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+
+
+# ---- measuring on a GPU: shared by --calibrate and scripts/validate_model.py ---------------------------
+
+MiB = 2**20
+COLLECTIVE_SIZES = [8 * MiB, 16 * MiB, 32 * MiB, 64 * MiB, 128 * MiB, 256 * MiB]
+
+
+def events_ms(fn, warmup: int, iters: int) -> float:
+    """Median over iters of fn() between two CUDA events, after warmup calls."""
+    import torch
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def build_layer(h: int, heads: int, head_dim: int, kernel: str, causal: bool, device, dtype="fp16", group=None,
+                reduce_dtype: str = "fp32", seed: int = 0):
+    """A layer whose rank holds h of `heads` query heads: with group=None the compute of one rank of an
+    (heads/h)-way layer, without its collective; with a group of W ranks, h = heads/W."""
+    import torch
+
+    from .layer import TensorParallelAttention
+    from .sharding import head_range
+    from .weights import head_weights
+    dt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    if group is not None:
+        import torch.distributed as dist
+        rng = head_range(heads, dist.get_world_size(group), dist.get_rank(group))
+        w = head_weights(rng, heads, head_dim, seed, dt, device)
+        return TensorParallelAttention(**w, heads=heads, head_dim=head_dim, backend=kernel, causal=causal,
+                                       group=group, reduce_dtype=reduce_dtype)
+    w = head_weights(range(h), heads, head_dim, seed, dt, device)
+    return TensorParallelAttention(**w, heads=h, head_dim=head_dim, backend=kernel, causal=causal, group=None,
+                                   reduce_dtype=reduce_dtype)
+
+
+def time_layer(layer, x, warmup: int, iters: int) -> dict[str, float]:
+    """The layer as python -m tpattn times it: per iteration one call timed whole (CUDA events,
+    "total") and its host time ("host": until the call returns), then one call with a timer around
+    every pass. Medians over the iterations, ms."""
+    import torch
+
+    from .timing import Timer
+    timer = Timer(x.device)
+    for _ in range(warmup):
+        layer(x)
+    torch.cuda.synchronize(x.device)
+    samples: dict[str, list[float]] = {}
+    for _ in range(iters):
+        with timer.section("total"):
+            t0 = time.perf_counter()
+            layer(x)
+            host = (time.perf_counter() - t0) * 1e3
+        layer(x, timer)
+        for k, v in {**timer.collect(), "host": host}.items():
+            samples.setdefault(k, []).append(v)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def _collective_fns():
+    import torch.distributed as dist
+    ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return dist, ag, rs
+
+
+def time_collective(kind: str, nbytes: int, device, warmup: int, iters: int) -> float:
+    """This rank's median ms of one collective of nbytes (the whole tensor, nccl-tests' size) on the
+    default group: a barrier, then the call between two CUDA events."""
+    import torch
+    dist, ag, rs = _collective_fns()
+    W = dist.get_world_size()
+    dt = torch.float16 if kind == "allgather" else torch.float32
+    n = nbytes // torch.empty((), dtype=dt).element_size()
+    n -= n % W
+    whole = torch.ones(n, dtype=dt, device=device)
+    part = torch.ones(n // W, dtype=dt, device=device)
+    op = {"allreduce": lambda: dist.all_reduce(whole), "allgather": lambda: ag(whole, part),
+          "reducescatter": lambda: rs(part, whole)}[kind]
+    ts = []
+    for i in range(warmup + iters):
+        dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        op()
+        b.record()
+        b.synchronize()
+        if i >= warmup:
+            ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def gather(obj) -> list:
+    """Every rank's obj on every rank (one rank without a process group: [obj])."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def start_ranks(timeout: float = 600.0):
+    """(proc, device) for a GPU measurement: launcher discovery, this rank's GPU, and an NCCL process
+    group when there are several ranks. One node only: the measurements are of one node."""
+    import torch
+
+    from . import dist as tpdist
+    if not torch.cuda.is_available():
+        raise PlanError(f"--calibrate needs a CUDA GPU and none is visible to torch (torch {torch.__version__}); "
+                        "run it on the GPU machine")
+    proc = tpdist.discover()
+    if proc.world > 1 and proc.local_world != proc.world:
+        raise PlanError(f"{proc.world} ranks over several nodes: calibrate one node (its GPUs and NVLink); "
+                        "describe the network in the machine file")
+    if proc.local_world > torch.cuda.device_count():
+        raise PlanError(f"{proc.local_world} ranks but {torch.cuda.device_count()} GPU(s): one rank per GPU")
+    device = tpdist.pick_device(proc, "cuda")
+    tpdist.rendezvous(proc, timeout)
+    if proc.world > 1:
+        tpdist.init_process_group(proc, "nccl", device, timeout)
+    return proc, device
+
+
+def finish_ranks(proc, code: int) -> None:
+    import torch.distributed as dist
+
+    from . import dist as tpdist
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    if proc.distributed:
+        tpdist.exit_now(code)
+
+
+# ---- --calibrate -------------------------------------------------------------------------------------
+
+GRID_N = (1024, 2048, 4096, 8192, 16384)
+GRID_H = (4, 8, 16, 32)
+CAUSAL_GRID = ((16, 4096), (32, 4096), (32, 8192))
+
+
+def calibration_shapes(kernel: str, quick: bool = False, free_bytes: int | None = None) -> list[tuple[int, int, bool]]:
+    """(h, N, causal) at which a kernel is calibrated: a grid over heads per rank and sequence length
+    (naive kept to <= 32 heads x 8192^2 of work, the score matrices to half the free memory), and
+    three causal shapes."""
+    grid_n, grid_h = ((1024, 4096), (8, 32)) if quick else (GRID_N, GRID_H)
+    out = []
+    for causal, shapes in ((False, [(h, n) for h in grid_h for n in grid_n]),
+                           (True, CAUSAL_GRID[:1] if quick else CAUSAL_GRID)):
+        for h, n in shapes:
+            if kernel == "naive" and h * n * n > 32 * 8192 ** 2:
+                continue
+            if free_bytes is not None and cm.STRIDED.get(kernel) is False and 2 * h * n * n * 2 > free_bytes // 2:
+                continue
+            out.append((h, n, causal))
+    return out
+
+
+def build_machine(meas: dict) -> dict:
+    """The machine file from calibration measurements (pure: testable on CPU).
+
+    meas: {"gpu", "gpus_per_node", "free_bytes", "command", "date", "versions",
+           "peaks": {"tensor": [(m, k, n, ms)], "fp32": [(m, k, n, ms)], "copy": [(bytes, ms)]},
+           "layer": [{"kernel", "h", "N", "d", "heads", "causal", "passes": {name: ms}}],   # W = 1, rank 0
+           "out_fp32": [(m, k, n, ms)], "relayout": [(bytes, ms)], "epilogue": [(bytes, ms)],
+           "collectives": {kind: [(bytes, ms)]}, "world": W, "layer_multi": [{"kernel", "h", "N", "passes"}]}"""
+    peaks = meas["peaks"]
+    tensor = max(2.0 * m * k * n / (ms * 1e9) for m, k, n, ms in peaks["tensor"])
+    fp32 = max(2.0 * m * k * n / (ms * 1e9) for m, k, n, ms in peaks["fp32"])
+    bw = max(b / (ms * 1e6) for b, ms in peaks["copy"])
+    how = f"measured by `{meas['command']}` on {meas['gpu']}, {meas['date']}"
+    passes: dict[str, list] = {}
+    add = lambda key, pt: passes.setdefault(key, []).append(pt)  # noqa: E731
+    for m_, k_, n_, ms in peaks["tensor"]:
+        add("qkv_proj", {"M": m_, "K": k_, "N": n_, "dtype": "fp16", "out": "fp16", "ms": round(ms, 5), "src": "peak GEMM"})
+    for run in meas["layer"]:
+        h, n, d, causal = run["h"], run["N"], run["d"], run["causal"]
+        D = run["heads"] * d
+        p = run["passes"]
+        suffix = ":causal" if causal else ""
+        for name in ("qk", "softmax", "pv", "fused"):
+            if name in p:
+                add(f"{run['kernel']}.{name}{suffix}", {"B": 1, "h": h, "N": n, "d": d, "dtype": "fp16", "causal": causal,
+                                                       "ms": round(p[name], 5), "src": "layer, 1 rank"})
+        if causal:
+            continue
+        if cm.STRIDED[run["kernel"]] and "qkv_proj" in p:  # no relayout inside the pass
+            add("qkv_proj", {"M": n, "K": D, "N": 3 * h * d, "dtype": "fp16", "out": "fp16", "ms": round(p["qkv_proj"], 5),
+                             "src": f"layer, 1 rank, {run['kernel']}"})
+        if "out_proj" in p:
+            add("out_proj", {"M": n, "K": h * d, "N": D, "dtype": "fp16", "out": "fp16", "ms": round(p["out_proj"], 5),
+                             "src": "layer, 1 rank (fp16 result, bias in the epilogue)"})
+    for m_, k_, n_, ms in meas.get("out_fp32", []):
+        add("out_proj", {"M": m_, "K": k_, "N": n_, "dtype": "fp16", "out": "fp32", "ms": round(ms, 5),
+                         "src": "output GEMM with an fp32 result (the partials)"})
+    for key in ("relayout", "epilogue"):
+        for b, ms in meas.get(key, []):
+            add(key, {"bytes": b, "ms": round(ms, 5), "src": key})
+    name = meas.get("name") or f"{meas['gpu'].replace('NVIDIA ', '').replace(' ', '_').lower()}x{meas['world']}"
+    data = {
+        "name": name,
+        "description": f"calibrated: {meas['world']} rank(s) on {meas['gpu']}; {meas['date']}; "
+                       + ", ".join(f"{k} {v}" for k, v in meas.get("versions", {}).items()),
+        "gpu": meas["gpu"], "gpus_per_node": int(meas["gpus_per_node"]), "max_nodes": 1,
+        "memory_GiB": round(meas["free_bytes"] / 2**30, 2),
+        "peaks": {"tensor_tflops": round(tensor, 1), "fp32_tflops": round(fp32, 2), "mem_GBps": round(bw, 0)},
+        "passes": passes,
+        "sources": {
+            "peaks.tensor_tflops": f"{how}: the best fp16 torch.mm of {', '.join(f'{m}x{k}x{n}' for m, k, n, _ in peaks['tensor'])}",
+            "peaks.fp32_tflops": f"{how}: fp32 torch.mm (TF32 off) {', '.join(f'{m}x{k}x{n}' for m, k, n, _ in peaks['fp32'])}",
+            "peaks.mem_GBps": f"{how}: device-to-device copy, bytes read + written / time",
+            "memory_GiB": f"{how}: torch.cuda.mem_get_info free bytes before the calibration",
+            "passes": f"{how}: each pass timed inside the layer (1 rank, h heads of {meas['layer'][0]['heads'] if meas['layer'] else '?'}), "
+                      "CUDA events, medians",
+        },
+    }
+    colls = meas.get("collectives") or {}
+    W = meas["world"]
+    if W > 1 and colls.get("allreduce"):
+        step = 3.4  # NCCL's Ring/Simple latency per NVLink step (src/graph/tuning.cc)
+        main = cm.fit_alpha_beta(colls["allreduce"], "allreduce", W, step)
+        per = {}
+        for kind in ("allgather", "reducescatter"):
+            if colls.get(kind):
+                per[kind] = cm.fit_alpha_beta(colls[kind], kind, W, step)
+        data["links"] = {"nvlink": {**main, "step_us": step, "per_collective": per,
+                                    "measured": {k: [[b, round(ms, 5)] for b, ms in v] for k, v in colls.items()}}}
+        data["sources"]["links.nvlink"] = (f"{how}: NCCL all-reduce, all-gather, reduce-scatter over {W} GPUs at "
+                                           f"{', '.join(f'{b // MiB}' for b, _ in colls['allreduce'])} MiB (barrier, "
+                                           "then CUDA events; the slowest rank's median), fitted by least squares on "
+                                           "the relative error with step_us = 3.4 us (NVIDIA/nccl src/graph/tuning.cc, "
+                                           "Ring/Simple over NVLink)")
+    # the layer's per-call overhead and host time: end to end minus what the model says the passes and
+    # the untimed steps cost, with the efficiencies just measured
+    tmp = cm.Machine(name=name, data=data, path="(calibration)")
+    tmp.curves = cm._curves(tmp, passes)
+    over: dict[str, list] = {}
+    host: dict[str, list] = {}
+    for run in meas["layer"]:
+        if run["causal"] or "total" not in run["passes"]:
+            continue
+        p = run["passes"]
+        shape = cm.Shape(seq_len=run["N"], heads=run["h"], head_dim=run["d"], kernel=run["kernel"])
+        try:
+            steps, _ = cm.layer_steps(shape, 1)
+            untimed = sum(cm.step_ms(tmp, s)["ms"] for s in steps if s.name == "other")
+        except cm.ModelError:
+            continue
+        timed = sum(v for k, v in p.items() if k in cm.COMPUTE_ORDER)
+        over.setdefault(run["kernel"], []).append(max(0.0, p["total"] - timed - untimed))
+        host.setdefault(run["kernel"], []).append(p.get("host", 0.0))
+    layer = {"overhead_ms": {k: round(statistics.median(v), 4) for k, v in over.items()},
+             "host_ms": {k: round(statistics.median(v), 4) for k, v in host.items()},
+             "host_ms_per_collective": 0.1, "launch_us": 3.0}
+    extra = []
+    for run in meas.get("layer_multi", []):
+        base = [r for r in meas["layer"] if r["kernel"] == run["kernel"] and not r["causal"]
+                and r["h"] == run["h"] and r["N"] == run["N"]]
+        if base and run.get("collectives"):
+            extra.append((run["passes"]["host"] - base[0]["passes"]["host"]) / run["collectives"])
+    if extra:
+        layer["host_ms_per_collective"] = round(max(0.0, statistics.median(extra)), 4)
+    data["layer"] = layer
+    data["sources"]["layer"] = (f"{how}: overhead = the layer's end to end - its timed passes - the modeled untimed "
+                                "steps (median over the sizes); host = the time for the call to return; per "
+                                "collective: the host time of the W-rank layer over the 1-rank one"
+                                + ("" if extra else " (not measured with one rank: 0.1 ms assumed)"))
+    cm.validate_machine(data, "the calibrated machine")
+    return data
+
+
+def calibrate(a, argv: list[str]) -> int:
+    if not a.out:
+        raise PlanError("--calibrate needs --out FILE: where to write the machine file")
+    from .config import check_writable, ConfigError
+    try:
+        check_writable(a.out, "--out")
+    except ConfigError as exc:
+        raise PlanError(str(exc)) from None
+    proc, device = start_ranks()
+    code = EXIT_FAIL
+    try:
+        meas = _measure(a, proc, device, argv)
+        if proc.rank == 0:
+            data = build_machine(meas)
+            with open(a.out, "w") as f:
+                json.dump(data, f, indent=1)
+            lk = data.get("links", {}).get("nvlink")
+            print(f"[calibrate] wrote {a.out}: tensor {data['peaks']['tensor_tflops']} TFLOP/s, fp32 "
+                  f"{data['peaks']['fp32_tflops']} TFLOP/s, copy {data['peaks']['mem_GBps']} GB/s"
+                  + (f", NVLink all-reduce busbw {lk['busbw_GBps']} GB/s + {lk['base_us']} us" if lk else
+                     " (one rank: no collectives; run it under mpirun -n 2 for those)"), flush=True)
+            print(f"[calibrate] layer overhead {data['layer']['overhead_ms']} ms, host {data['layer']['host_ms']} ms",
+                  flush=True)
+        code = 0
+    except Exception as exc:  # noqa: BLE001 - one line, then end every rank
+        print(f"tpattn.plan: rank {proc.rank}: calibration failed: {type(exc).__name__}: "
+              f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}", file=sys.stderr, flush=True)
+        if os.environ.get("TPATTN_TRACEBACK"):
+            import traceback
+            traceback.print_exc()
+        proc.abort(EXIT_FAIL)
+    finish_ranks(proc, code)
+    return code
+
+
+def _say(proc, msg: str) -> None:
+    if proc.rank == 0:
+        print(f"[calibrate +{time.monotonic() - _T0:.0f}s] {msg}", flush=True)
+
+
+_T0 = time.monotonic()
+
+
+def _measure(a, proc, device, argv) -> dict:
+    import torch
+
+    from . import report
+    from .weights import layer_input
+    global _T0
+    _T0 = time.monotonic()
+    warm, iters = (1, 3) if a.quick else (2, 5)
+    free, _ = torch.cuda.mem_get_info(device)
+    gpu = torch.cuda.get_device_name(device)
+    _say(proc, f"{proc.world} rank(s), {gpu}, {free / 2**30:.1f} GiB free")
+    peaks = {"tensor": [], "fp32": [], "copy": []}
+    for n in ((4096,) if a.quick else (4096, 8192)):
+        x, y = (torch.randn(n, n, device=device, dtype=torch.float16) for _ in range(2))
+        out = torch.empty_like(x)
+        peaks["tensor"].append((n, n, n, events_ms(lambda: torch.mm(x, y, out=out), 3, 10)))
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        x, y = (torch.randn(4096, 4096, device=device) for _ in range(2))
+        out = torch.empty_like(x)
+        peaks["fp32"].append((4096, 4096, 4096, events_ms(lambda: torch.mm(x, y, out=out), 2, 5)))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    src = torch.empty(2**28, device=device)  # 1 GiB
+    dst = torch.empty_like(src)
+    peaks["copy"].append((2 * src.numel() * 4, events_ms(lambda: dst.copy_(src), 3, 10)))
+    del x, y, out, src, dst
+    torch.cuda.empty_cache()
+    _say(proc, f"peaks: fp16 GEMM {max(2 * m ** 3 / (ms * 1e9) for m, _, _, ms in peaks['tensor']):.0f} TFLOP/s, "
+               f"copy {peaks['copy'][0][0] / (peaks['copy'][0][1] * 1e6):.0f} GB/s")
+    heads, d = 32, 128
+    D = heads * d
+    runs = []
+    for kernel in a.kernels:
+        shapes = calibration_shapes(kernel, a.quick, free)
+        t0 = time.monotonic()
+        for h, n, causal in shapes:
+            layer = build_layer(h, heads, d, kernel, causal, device)
+            x = layer_input(1, n, D, 0, torch.float16, device)
+            kw, ki = (1, 3) if kernel == "naive" else (warm, iters)
+            p = time_layer(layer, x, kw, ki)
+            runs.append({"kernel": kernel, "h": h, "N": n, "d": d, "heads": heads, "causal": causal, "passes": p})
+            del layer, x
+            torch.cuda.empty_cache()
+        _say(proc, f"{kernel}: {len(shapes)} shapes in {time.monotonic() - t0:.0f} s")
+    try:
+        from .layer import _mm
+    except ImportError:  # the layer's GEMM helper renamed: torch's own fp32-result GEMM
+        def _mm(a_, b_, dt, out=None):
+            return torch.mm(a_, b_, out_dtype=dt, out=out)
+    out_fp32, relayout, epilogue = [], [], []
+    for h in (4, 8, 16, 32):
+        for n in ((4096,) if a.quick else (1024, 4096, 16384)):
+            o = torch.randn(n, h * d, device=device, dtype=torch.float16)
+            wo = torch.randn(h * d, D, device=device, dtype=torch.float16) / 64
+            part = torch.empty(n, D, device=device, dtype=torch.float32)
+            out_fp32.append((n, h * d, D, events_ms(lambda: _mm(o, wo, torch.float32, out=part), warm, iters)))
+            qkv = torch.randn(1, n, 3, h, d, device=device, dtype=torch.float16)
+            relayout.append((2 * qkv.numel() * 2, events_ms(
+                lambda: [t.contiguous() for t in qkv.permute(2, 0, 3, 1, 4).unbind(0)], warm, iters)))
+            oc = torch.randn(1, h, n, d, device=device, dtype=torch.float16)
+            orow = torch.empty(1, n, h, d, device=device, dtype=torch.float16)
+            relayout.append((2 * oc.numel() * 2, events_ms(lambda: orow.permute(0, 2, 1, 3).copy_(oc), warm, iters)))
+            del o, wo, part, qkv, oc, orow
+    bo = torch.randn(D, device=device, dtype=torch.float16)
+    for rows in ((4096,) if a.quick else (512, 2048, 4096, 16384)):
+        part = torch.randn(rows, D, device=device)
+        y = torch.empty(rows, D, device=device, dtype=torch.float16)
+        epilogue.append((rows * D * 6, events_ms(lambda: torch.add(part, bo.to(part.dtype), out=y), warm, iters)))
+        del part, y
+    torch.cuda.empty_cache()
+    _say(proc, "GEMM with fp32 result, relayouts and the bias + cast timed")
+    colls: dict[str, list] = {}
+    multi = []
+    if proc.world > 1:
+        for kind in ("allreduce", "allgather", "reducescatter"):
+            for nbytes in (COLLECTIVE_SIZES[2:5] if a.quick else COLLECTIVE_SIZES):
+                mine = time_collective(kind, nbytes, device, 3, 5 if a.quick else 10)
+                colls.setdefault(kind, []).append((nbytes, max(gather(mine))))
+            torch.cuda.empty_cache()
+        _say(proc, "collectives: " + ", ".join(f"{k} {b // MiB} MiB {ms * 1e3:.0f} us" for k, v in colls.items()
+                                               for b, ms in v if b == 64 * MiB))
+        import torch.distributed as dist
+        for kernel in [k for k in ("fused", "tiled", "naive") if k in a.kernels][:1]:
+            n, h = 4096, heads // proc.world
+            layer = build_layer(h, heads, d, kernel, False, device, group=dist.group.WORLD)
+            x = layer_input(1, n, D, 0, torch.float16, device)
+            p = gather(time_layer(layer, x, warm, iters))[0]
+            ncoll = len(layer.collective_nbytes(1, n))
+            multi.append({"kernel": kernel, "h": h, "N": n, "passes": p, "collectives": ncoll})
+            del layer, x
+            if not any(r["kernel"] == kernel and r["h"] == h and r["N"] == n and not r["causal"] for r in runs):
+                lay1 = build_layer(h, heads, d, kernel, False, device)
+                x = layer_input(1, n, D, 0, torch.float16, device)
+                runs.append({"kernel": kernel, "h": h, "N": n, "d": d, "heads": heads, "causal": False,
+                             "passes": time_layer(lay1, x, warm, iters)})
+                del lay1, x
+    everyone = gather(runs)
+    return {"gpu": gpu, "gpus_per_node": torch.cuda.device_count(), "free_bytes": free, "world": proc.world,
+            "command": "python -m tpattn.plan " + " ".join(argv) + (f" ({proc.world} ranks)" if proc.world > 1 else ""),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "versions": {k: v for k, v in report.versions().items() if k in ("torch", "cuda", "cupy", "nccl")},
+            "name": a.name, "peaks": peaks, "layer": everyone[0], "out_fp32": out_fp32, "relayout": relayout,
+            "epilogue": epilogue, "collectives": colls, "layer_multi": multi,
+            "host": platform.node()}
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
