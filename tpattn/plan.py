@@ -125,8 +125,9 @@ def shape_from(a) -> cm.Shape:
     if kernel not in cm.KERNELS:
         raise PlanError(f"--kernel {kernel} has no cost model; use one of {', '.join(cm.KERNELS)} (reference is "
                         "the torch check, not a kernel to plan for)")
-    s = cm.Shape(seq_len=a.seq_len or GPU_DEFAULTS["seq_len"], heads=a.heads or GPU_DEFAULTS["heads"],
-                 head_dim=a.head_dim or GPU_DEFAULTS["head_dim"], batch=a.batch, dtype=a.dtype, kernel=kernel,
+    pick = lambda v, k: GPU_DEFAULTS[k] if v is None else v  # noqa: E731
+    s = cm.Shape(seq_len=pick(a.seq_len, "seq_len"), heads=pick(a.heads, "heads"),
+                 head_dim=pick(a.head_dim, "head_dim"), batch=a.batch, dtype=a.dtype, kernel=kernel,
                  causal=a.causal, reduce_dtype=a.reduce_dtype, sequence_parallel=a.sequence_parallel,
                  overlap=a.overlap, cuda_graph=a.cuda_graph, output_collective=getattr(a, "output_collective", "auto"),
                  kv_heads=getattr(a, "kv_heads", None))

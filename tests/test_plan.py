@@ -1,0 +1,445 @@
+"""The cost model and python -m tpattn.plan on CPU: the model's arithmetic on a fixed machine file
+(FLOPs and bytes of each pass counted by hand, the roofline, the calibrated efficiency, NCCL's ring
+and the hierarchical collective), the shipped machine files, the CLI's table, --json and --plot,
+bad machine files refused with one line and exit 2, and --calibrate's CPU side (the machine file
+it builds from measurements)."""
+
+import json
+import math
+import sys
+
+import pytest
+
+from conftest import ROOT, run
+
+sys.path.insert(0, str(ROOT))
+
+from tpattn import costmodel as cm  # noqa: E402
+from tpattn import plan  # noqa: E402
+
+MiB = 2**20
+PEAKS = {"tensor_tflops": 100.0, "fp32_tflops": 10.0, "mem_GBps": 1000.0}
+SOURCES = {"peaks.tensor_tflops": "test", "peaks.fp32_tflops": "test", "peaks.mem_GBps": "test",
+           "memory_GiB": "test", "links.nvlink": "test", "links.network": "test"}
+ATTN = ("naive.qk", "naive.softmax", "naive.pv", "tiled.qk", "tiled.softmax", "tiled.pv", "fused.fused")
+
+
+def by_hand_roofline(flops: float, nbytes: float, unit: str) -> float:
+    """ms: max(FLOPs / peak, bytes / bandwidth) with the toy machine's peaks."""
+    peak = PEAKS["tensor_tflops"] if unit == "tensor" else PEAKS["fp32_tflops"]
+    return max(flops / (peak * 1e12), nbytes / (PEAKS["mem_GBps"] * 1e9)) * 1e3
+
+
+def toy_machine(eff: float = 0.5) -> dict:
+    """A machine whose every pass runs at `eff` of its roofline (one calibration point per pass,
+    whose time is exactly roofline / eff), 4 GPUs per node, NVLink and a network."""
+    bare = cm.Machine("toy", {"peaks": PEAKS}, "-")
+    passes = {}
+    pt_a = {"B": 1, "h": 2, "N": 128, "d": 64, "dtype": "fp16", "causal": False}
+    for key in ATTN:
+        passes[key] = [{**pt_a, "ms": cm.roofline_ms(bare, cm._point_step(key, {**pt_a, "ms": 1}))[0] / eff}]
+    for key in ("qkv_proj", "out_proj"):
+        pt = {"M": 256, "K": 256, "N": 256, "dtype": "fp16", "out": "fp16"}
+        passes[key] = [{**pt, "ms": cm.roofline_ms(bare, cm._point_step(key, {**pt, "ms": 1}))[0] / eff}]
+    for key in ("relayout", "epilogue"):
+        passes[key] = [{"bytes": 1e6, "ms": 1e6 / (PEAKS["mem_GBps"] * 1e6) / eff}]
+    return {"name": "toy", "gpu": "Toy GPU", "gpus_per_node": 4, "max_nodes": None, "memory_GiB": 16,
+            "peaks": dict(PEAKS),
+            "links": {"nvlink": {"busbw_GBps": 100.0, "step_us": 2.0, "base_us": 10.0},
+                      "network": {"busbw_GBps": 10.0, "step_us": 5.0, "base_us": 20.0}},
+            "layer": {"overhead_ms": 0.05, "host_ms": 0.2, "host_ms_per_collective": 0.1, "launch_us": 0.0},
+            "passes": passes, "sources": dict(SOURCES)}
+
+
+@pytest.fixture
+def toy(tmp_path):
+    path = tmp_path / "toy.json"
+    path.write_text(json.dumps(toy_machine()))
+    return path
+
+
+# ---- FLOPs, bytes, roofline ---------------------------------------------------------------------------
+
+def test_gemm_and_attention_counts_by_hand():
+    g = cm.gemm_step("qkv_proj", "qkv_proj", 256, 512, 768, "fp16", "fp32")
+    assert g.flops == 2 * 256 * 512 * 768
+    assert g.bytes == 2 * (256 * 512 + 512 * 768) + 4 * 256 * 768
+    B, h, N, d = 2, 3, 100, 64
+    qk, sm, pv = cm.attention_steps("naive", B, h, N, d, "fp16", False)
+    qo = B * h * N * d * 2           # Q (or O, K, V) in fp16
+    S = B * h * N * N * 2            # S (or P) in fp16
+    assert (qk.flops, qk.bytes, qk.unit) == (2 * B * h * N * N * d, 2 * qo + S, "fp32")
+    assert sm.bytes == 2 * S          # S read once, P written once
+    assert (pv.flops, pv.bytes) == (2 * B * h * N * N * d, S + 2 * qo)
+    (fu,) = cm.attention_steps("fused", B, h, N, d, "bf16", False)
+    assert (fu.flops, fu.bytes, fu.unit) == (4 * B * h * N * N * d, 4 * qo, "tensor")  # S and P never stored
+    t_qk, t_sm, _ = cm.attention_steps("tiled", B, h, N, d, "fp16", False)
+    assert t_qk.bytes == 2 * qo + B * h * N * 104 * 2  # S rows padded to a multiple of 8 columns
+    assert t_sm.bytes == 2 * B * h * N * 104 * 2
+    # causal: the naive qk computes keys <= query only, but writes all of S
+    cqk = cm.attention_steps("naive", B, h, N, d, "fp16", True)[0]
+    assert cqk.flops == pytest.approx(qk.flops * (N + 1) / (2 * N)) and cqk.bytes == qk.bytes
+    # GQA: 4 query heads sharing 1 K/V head read a quarter of the K bytes
+    g_qk = cm.attention_steps("naive", 1, 4, N, d, "fp16", False, kv_h=1)[0]
+    assert g_qk.bytes == 4 * N * d * 2 + 1 * N * d * 2 + 4 * N * N * 2
+
+
+def test_tiled_softmax_reads_long_rows_twice():
+    n = cm.TILED_SMEM_COLS + 8
+    sm = cm.attention_steps("tiled", 1, 1, n, 64, "fp16", False)[1]
+    assert sm.bytes == 3 * n * n * 2
+
+
+def test_layer_steps_head_parallel(toy):
+    shape = cm.Shape(seq_len=256, heads=8, head_dim=32, kernel="naive")
+    steps, colls = cm.layer_steps(shape, 2)
+    D, h, d, N = 256, 4, 32, 256
+    qkv = [s for s in steps if s.key == "qkv_proj"][0]
+    assert qkv.flops == 2 * N * D * 3 * h * d
+    relayouts = [s for s in steps if s.key == "relayout"]
+    assert [s.name for s in relayouts] == ["qkv_proj", "other"]      # q, k, v copies in the pass; o outside it
+    assert relayouts[0].bytes == 2 * 3 * N * h * d * 2
+    out = [s for s in steps if s.key == "out_proj"][0]
+    assert out.bytes == 2 * (N * h * d + h * d * D) + 4 * N * D       # fp32 partials at W > 1
+    # the bytes the layer itself says it moves: all-reduce of the fp32 partials, or reduce-scatter of
+    # them + all-gather of the fp16 output
+    x = N * D
+    assert colls in ({"allreduce": 4 * x}, {"reducescatter": 4 * x, "allgather": 2 * x})
+    steps1, colls1 = cm.layer_steps(shape, 1)
+    assert colls1 == {} and [s for s in steps1 if s.key == "out_proj"][0].bytes == 2 * (N * h * 2 * d + 2 * h * d * D) \
+        + 2 * N * D                                                  # W = 1: fp16 result, no collective
+    assert not [s for s in steps1 if s.key == "epilogue"]
+    fused = cm.layer_steps(cm.Shape(seq_len=256, heads=8, head_dim=32, kernel="fused"), 2)[0]
+    assert not [s for s in fused if s.key == "relayout"]             # fused reads q, k, v in place
+
+
+def test_layer_collectives_follow_the_layer():
+    x = 1 * 512 * 256
+    sp = cm.layer_collectives(cm.Shape(seq_len=512, heads=8, head_dim=32, sequence_parallel=True), 4)
+    assert sp == {"allgather": 2 * x, "reducescatter": 4 * x}
+    model = cm.layer_collectives(cm.Shape(seq_len=512, heads=8, head_dim=32, reduce_dtype="model"), 4)
+    assert model == {"allreduce": 2 * x}
+    assert cm.layer_collectives(cm.Shape(seq_len=512, heads=8, head_dim=32), 1) == {}
+
+
+def test_roofline_and_efficiency(toy):
+    m = cm.load_machine(str(toy))
+    g = cm.gemm_step("qkv_proj", "qkv_proj", 256, 256, 768, "fp16", "fp16")
+    roof, bound = cm.roofline_ms(m, g)
+    assert roof == pytest.approx(by_hand_roofline(g.flops, g.bytes, "tensor")) and bound == "compute"
+    r = cm.step_ms(m, g)
+    assert r["efficiency"] == pytest.approx(0.5) and r["ms"] == pytest.approx(2 * roof)
+    sm = cm.attention_steps("naive", 1, 2, 4096, 64, "fp16", False)[1]
+    assert cm.roofline_ms(m, sm)[1] == "memory"
+    assert cm.step_ms(m, sm)["ms"] == pytest.approx(2 * sm.bytes / 1e9)
+
+
+def test_efficiency_interpolates_and_clamps(toy):
+    data = toy_machine()
+    # two copy points: 50 % at 1 MB, 100 % at 100 MB (log-spaced); half way in log -> 75 %
+    data["passes"]["relayout"] = [{"bytes": 1e6, "ms": 1e6 / 1e9 / 0.5}, {"bytes": 1e8, "ms": 1e8 / 1e9}]
+    toy.write_text(json.dumps(data))
+    m = cm.load_machine(str(toy))
+    eff = lambda nbytes: cm.step_ms(m, cm.copy_step("other", "relayout", nbytes, ""))["efficiency"]  # noqa: E731
+    assert eff(1e7) == pytest.approx(0.75)
+    assert eff(1e3) == pytest.approx(0.5) and eff(1e12) == pytest.approx(1.0)
+    # attention: a grid over batch x heads and N; between h = 1 and h = 4 at the same N, halfway in log
+    pt = {"B": 1, "N": 1024, "d": 64, "dtype": "fp16", "causal": False}
+    bare = cm.Machine("t", {"peaks": PEAKS}, "-")
+    roof = lambda h: cm.roofline_ms(bare, cm._point_step("fused.fused", {**pt, "h": h, "ms": 1}))[0]  # noqa: E731
+    data["passes"]["fused.fused"] = [{**pt, "h": 1, "ms": roof(1) / 0.2}, {**pt, "h": 4, "ms": roof(4) / 0.6}]
+    toy.write_text(json.dumps(data))
+    m = cm.load_machine(str(toy))
+    step = lambda h, n: cm.attention_steps("fused", 1, h, n, 64, "fp16", False)[0]  # noqa: E731
+    assert cm.step_ms(m, step(2, 1024))["efficiency"] == pytest.approx(0.4)
+    assert cm.step_ms(m, step(16, 1 << 20))["efficiency"] == pytest.approx(0.6)   # clamped both ways
+    # a causal step without causal points uses the non-causal ones
+    c = cm.attention_steps("fused", 1, 4, 1024, 64, "fp16", True)[0]
+    assert cm.step_ms(m, c)["efficiency"] == pytest.approx(0.6)
+
+
+# ---- collectives ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind,steps,share", [("allreduce", 6, 1.5), ("allgather", 3, 0.75), ("reducescatter", 3, 0.75)])
+def test_ring_formula(toy, kind, steps, share):
+    m = cm.load_machine(str(toy))
+    S = 64 * MiB
+    us = 10.0 + steps * 2.0 + share * S / (100.0 * 1e3)     # base + steps x alpha + share x bytes / busbw
+    got = cm.collective_ms(m, kind, S, 4)
+    assert got["ms"] == pytest.approx(us / 1e3)
+    assert got["bound"] == "NVLink" and "ring over 4" in got["algorithm"]
+    assert cm.collective_ms(m, kind, S, 1)["ms"] == 0.0
+
+
+def test_hierarchical_collective(toy):
+    m = cm.load_machine(str(toy))
+    S = 64 * MiB
+    # 16 ranks = 4 nodes x 4 GPUs: NVLink ring of 4 over the whole tensor, network ring of 4 over 1/4 of it
+    nvl_us = 2 * 3 / 4 * S / (100.0 * 1e3)
+    net_us = 2 * 3 / 4 * (S / 4) / (10.0 * 1e3)
+    lat = max(10.0, 20.0) + 6 * 2.0 + 6 * 5.0
+    got = cm.collective_ms(m, "allreduce", S, 16)
+    assert got["ms"] == pytest.approx((lat + max(nvl_us, net_us)) / 1e3)
+    assert got["bound"] == "network" and got["network_us"] == pytest.approx(net_us)
+    # one GPU per node: the network alone carries the whole tensor
+    one = cm.collective_ms(m, "allgather", S, 4, gpus_per_node=1)
+    assert one["ms"] == pytest.approx((20.0 + 3 * 5.0 + 0.75 * S / 1e4) / 1e3)
+
+
+def test_fit_recovers_alpha_beta():
+    base, bw, step, W = 15.0, 250.0, 3.4, 2
+    pts = [(s, (base + 2 * (W - 1) * step + 2 * (W - 1) / W * s / (bw * 1e3)) / 1e3) for s in plan.COLLECTIVE_SIZES]
+    fit = cm.fit_alpha_beta(pts, "allreduce", W, step)
+    assert fit["base_us"] == pytest.approx(base, abs=0.05) and fit["busbw_GBps"] == pytest.approx(bw, rel=1e-3)
+    ag = [(s, (base + 7 * step + 7 / 8 * s / (bw * 1e3)) / 1e3) for s in plan.COLLECTIVE_SIZES]
+    fit = cm.fit_alpha_beta(ag, "allgather", 8, step)
+    assert fit["base_us"] == pytest.approx(base, abs=0.05) and fit["busbw_GBps"] == pytest.approx(bw, rel=1e-3)
+
+
+# ---- the whole prediction --------------------------------------------------------------------------------
+
+def test_prediction_adds_up(toy):
+    m = cm.load_machine(str(toy))
+    shape = cm.Shape(seq_len=512, heads=8, head_dim=64, kernel="tiled")
+    rows = cm.plan(m, shape, [1, 2, 4, 8, 3])
+    r1, r8, r3 = rows[0], rows[3], rows[4]
+    for r in rows[:4]:
+        comm = sum(c["ms"] for c in r["collectives"].values())
+        assert r["gpu_ms"] == pytest.approx(sum(r["passes"].values()) + comm + r["other_ms"])
+        assert r["end_to_end_ms"] == pytest.approx(max(r["gpu_ms"], r["host_ms"]))
+        assert r["speedup"] == pytest.approx(r1["end_to_end_ms"] / r["end_to_end_ms"])
+        assert r["efficiency"] == pytest.approx(r["speedup"] / r["world"])
+        assert sum(s["ms"] for s in r["steps"] if s["pass"] == "qk") == pytest.approx(r["passes"]["qk"])
+    assert r1["collectives"] == {} and r1["host_ms"] == pytest.approx(0.2)
+    assert r8["nodes"] == 2 and r8["host_ms"] == pytest.approx(0.2 + 0.1 * len(r8["collectives"]))
+    assert "network" in next(iter(r8["collectives"].values()))["algorithm"]
+    assert "divisible" in r3["error"]
+    # per pass: 2 x the roofline of the hand-counted qk at 4 heads per rank (efficiency 0.5)
+    h = 4
+    qk = by_hand_roofline(2 * h * 512 * 512 * 64, 2 * h * 512 * 64 * 2 + h * 512 * 512 * 2, "tensor")
+    assert rows[1]["passes"]["qk"] == pytest.approx(2 * qk)
+
+
+def test_memory_is_the_cli_preflight(toy):
+    from tpattn import memory
+    from tpattn.config import Config
+    m = cm.load_machine(str(toy))
+    r = cm.predict(m, cm.Shape(seq_len=2048, heads=8, head_dim=64, kernel="naive"), 2)
+    cfg = Config(seq_len=2048, heads=8, head_dim=64, kernel="naive", check=False, device="cuda")
+    assert r["memory_bytes"] == memory.estimate(cfg, 2, 1)
+    assert r["largest_seq_len"] == memory.largest_n(cfg, 2, 1, 16 * 2**30)
+    big = cm.predict(m, cm.Shape(seq_len=r["largest_seq_len"] + 64, heads=8, head_dim=64, kernel="naive"), 2)
+    assert not big["fits"]
+
+
+def test_shipped_machines_load_and_reproduce_their_anchors():
+    assert {"h200x2", "h200", "dgx_h100", "h100_cluster"} <= set(cm.machine_names())
+    for name in cm.machine_names():
+        m = cm.load_machine(name)
+        assert m.data["sources"] and m.curves, name
+    h200 = cm.load_machine("h200x2")
+    # the measured 1-GPU naive layer (benchmarks/layer_h200x2.md): qk 148.805, softmax 1.635, pv 27.326, total 179.188
+    r = cm.predict(h200, cm.Shape(kernel="naive"), 1)
+    assert r["passes"]["qk"] == pytest.approx(148.8, rel=0.01) and r["passes"]["pv"] == pytest.approx(27.3, rel=0.01)
+    assert r["end_to_end_ms"] == pytest.approx(179.188, rel=0.02)
+    # the bare NCCL all-reduce on the 2 H200s: 139 us at 32 MiB, 253 us at 64 MiB
+    for nbytes, us in ((32 * MiB, 139), (64 * MiB, 253)):
+        assert cm.collective_ms(h200, "allreduce", nbytes, 2)["ms"] * 1e3 == pytest.approx(us, rel=0.02)
+    # the DGX H100 uses the H200's efficiencies on its own peaks: a compute-bound pass takes the same
+    # time, a memory-bound one longer by the bandwidth ratio
+    h100 = cm.load_machine("dgx_h100")
+    r100 = cm.predict(h100, cm.Shape(kernel="naive"), 1)
+    assert r100["passes"]["qk"] == pytest.approx(r["passes"]["qk"])
+    ratio = h200.peak("mem_GBps") / h100.peak("mem_GBps")
+    assert r100["passes"]["softmax"] == pytest.approx(r["passes"]["softmax"] * ratio, rel=1e-6)
+    with pytest.raises(cm.ModelError, match="h100_cluster"):
+        cm.predict(h100, cm.Shape(), 16)
+    assert cm.predict(cm.load_machine("h100_cluster"), cm.Shape(), 16)["nodes"] == 2
+
+
+# ---- bad machine files: one line that names the fix ---------------------------------------------------
+
+NOT_JSON = object()
+
+
+def _bad(tmp_path, mutate, name="bad.json"):
+    data = toy_machine()
+    out = mutate(data)
+    path = tmp_path / name
+    path.write_text("{ not json" if out is NOT_JSON else json.dumps(data))
+    return path
+
+
+BAD = [
+    (lambda d: NOT_JSON, "not valid JSON"),
+    (lambda d: d.pop("peaks"), 'missing field "peaks"'),
+    (lambda d: d["peaks"].update(mem_GBps=-1), '"peaks.mem_GBps" must be a positive number'),
+    (lambda d: d["links"]["nvlink"].pop("busbw_GBps"), '"links.nvlink.busbw_GBps"'),
+    (lambda d: d["links"].update(infiniband={}), 'unknown link "links.infiniband"'),
+    (lambda d: d["sources"].pop("links.network"), '"sources" has no entry for "links.network"'),
+    (lambda d: d["passes"].update(flash=[{"ms": 1}]), 'unknown pass "passes.flash"'),
+    (lambda d: d["passes"]["naive.qk"][0].pop("N"), '"passes.naive.qk[0]" lacks a field'),
+    (lambda d: d["passes"]["qkv_proj"][0].update(ms=0), '"passes.qkv_proj[0]" needs a positive "ms"'),
+    (lambda d: d.update(gpus_per_node="8"), '"gpus_per_node" must be a int'),
+    (lambda d: d.update(base="bad.json"), "loops back"),
+    (lambda d: d.update(passes={}), 'no "passes"'),
+]
+
+
+@pytest.mark.parametrize("mutate,says", BAD)
+def test_bad_machine_file_refused_with_one_line(tmp_path, capsys, mutate, says):
+    path = _bad(tmp_path, mutate)
+    assert plan.main(["--machine", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("tpattn.plan: error: ") and says in err, err
+    assert str(path) in err
+
+
+def test_unknown_machine_name_lists_the_shipped_ones(capsys):
+    assert plan.main(["--machine", "nosuch"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "h200x2" in err and "dgx_h100" in err
+
+
+def test_bad_options_one_line(capsys, toy):
+    for argv, says in ((["--kernel", "reference"], "no cost model"), (["--seq-len", "0"], "--seq-len must be"),
+                       (["--gpus-per-node", "9"], "has 4 GPU(s) per node"), (["--out", "x.json"], "add --calibrate"),
+                       (["--calibrate"], "needs --out"), (["--kernel", "fused", "--head-dim", "80"], "head dims"),
+                       (["--world-sizes", "1", "--nodes", "2"], "not allowed with")):
+        assert plan.main(["--machine", str(toy), *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err, (argv, err)
+
+
+# ---- the CLI, as a user runs it -------------------------------------------------------------------------
+
+def plan_cli(args, timeout=120, **env):
+    return run([sys.executable, "-m", "tpattn.plan", *args], timeout=timeout, **env)
+
+
+def test_cli_table_and_json(toy, tmp_path):
+    args = ["--machine", str(toy), "--seq-len", "512", "--heads", "8", "--head-dim", "64", "--kernel", "naive",
+            "--world-sizes", "1", "2", "4", "8", "16"]
+    out = plan_cli([*args, "--json", str(tmp_path / "p.json")])
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("tpattn plan: kernel naive, B=1 N=512 H=8 d=64")
+    head = next(i for i, ln in enumerate(lines) if ln.strip().startswith("GPUs"))
+    cols = [c.strip() for c in lines[head].split("  ") if c.strip()]
+    for c in ("qkv_proj", "qk", "softmax", "pv", "out_proj", "other", "end to end", "speedup", "efficiency",
+              "memory/rank", "largest N", "dominant"):
+        assert c in cols, c
+    rows = {int(ln.split()[0]): ln.split() for ln in lines[head + 1:head + 5]}
+    assert sorted(rows) == [1, 2, 4, 8]
+    assert any(ln.startswith("W=16: not predicted:") and "--heads 8" in ln for ln in lines)
+    doc = json.loads((tmp_path / "p.json").read_text())
+    m = cm.load_machine(str(toy))
+    shape = cm.Shape(seq_len=512, heads=8, head_dim=64, kernel="naive")
+    for r in doc["rows"][:4]:
+        want = cm.predict(m, shape, r["world"])
+        assert r["end_to_end_ms"] == pytest.approx(want["end_to_end_ms"])
+        assert r["passes"] == pytest.approx(want["passes"])
+        e2e = float(rows[r["world"]][cols.index("end to end")])  # the cells before it have no spaces
+        assert e2e == pytest.approx(want["end_to_end_ms"], rel=2e-3, abs=1e-3), rows[r["world"]]
+    assert doc["rows"][3]["nodes"] == 2 and doc["machine"]["name"] == "toy"
+    # --json with no path: JSON instead of the table
+    js = plan_cli([*args[:-6], "--world-sizes", "2", "--json"])
+    assert js.returncode == 0, js.stderr
+    assert json.loads(js.stdout)["rows"][0]["world"] == 2
+
+
+def test_cli_nodes_and_markdown():
+    out = plan_cli(["--machine", "h100_cluster", "--nodes", "1", "2", "--kernel", "fused", "--markdown"])
+    assert out.returncode == 0, out.stderr
+    md = [ln for ln in out.stdout.splitlines() if ln.startswith("|")]
+    assert md[0].startswith("| GPUs | nodes |") and len(md) == 4
+    assert md[2].startswith("| 8 | 1 | 4 |") and md[3].startswith("| 16 | 2 | 2 |")
+
+
+def test_cli_plot(tmp_path, toy):
+    png = tmp_path / "s.png"
+    out = plan_cli(["--machine", str(toy), "--heads", "8", "--plot", str(png)])
+    assert out.returncode == 0, out.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    # without matplotlib: one line that says how to install it, exit 2
+    fake = tmp_path / "fake"
+    (fake / "matplotlib").mkdir(parents=True)
+    (fake / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    out = plan_cli(["--machine", str(toy), "--heads", "8", "--plot", str(png)],
+                   PYTHONPATH=f"{fake}:{ROOT}")
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "--plot needs matplotlib" in out.stderr and "pip install" in out.stderr
+
+
+def test_cli_bad_machine_file_exit_2(tmp_path):
+    path = _bad(tmp_path, lambda d: d["links"]["nvlink"].update(step_us="fast"))
+    out = plan_cli(["--machine", str(path)])
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and '"links.nvlink.step_us" must be a non-negative number' in out.stderr
+
+
+# ---- --calibrate's CPU side -------------------------------------------------------------------------------
+
+def fake_measurements(world=2):
+    """Measurements as _measure returns them: every pass at 50 % of the roofline of the peaks they
+    give (a 4096^3 fp16 GEMM in 0.2 ms, fp32 in 2.75 ms, 2 GiB copied in 0.5 ms)."""
+    peaks = {"tensor_tflops": round(2 * 4096**3 / 0.2e9, 1), "fp32_tflops": round(2 * 4096**3 / 2.75e9, 2),
+             "mem_GBps": round(2 * 2**30 / 0.5e6, 0)}
+    m = cm.Machine("fake", {"peaks": peaks}, "-")
+    half = lambda nbytes: 2 * nbytes / (peaks["mem_GBps"] * 1e6)  # noqa: E731 - a copy at 50 %
+    layer = []
+    for kernel in cm.KERNELS:
+        for h, n, causal in plan.calibration_shapes(kernel, quick=True):
+            shape = cm.Shape(seq_len=n, heads=h, head_dim=128, kernel=kernel, causal=causal)
+            steps, _ = cm.layer_steps(shape, 1)
+            p = {}
+            for s in steps:
+                if s.name != "other":
+                    p[s.name] = p.get(s.name, 0.0) + 2 * cm.roofline_ms(m, s)[0]
+            p["total"] = sum(p.values()) + 0.3 + sum(2 * cm.roofline_ms(m, s)[0] for s in steps if s.name == "other")
+            p["host"] = 0.5
+            layer.append({"kernel": kernel, "h": h, "N": n, "d": 128, "heads": 32, "causal": causal, "passes": p})
+    coll = {k: [(s, (18 + (2 if k == "allreduce" else 1) * 3.4 + (1.0 if k == "allreduce" else 0.5) * s / 300e3) / 1e3)
+                for s in plan.COLLECTIVE_SIZES] for k in cm.COLLECTIVE_NAMES}
+    return {"gpu": "NVIDIA Test", "gpus_per_node": 2, "free_bytes": 100 * 2**30, "world": world,
+            "command": "python -m tpattn.plan --calibrate --out x.json", "date": "2026-12-01", "versions": {},
+            "name": None, "peaks": {"tensor": [(4096, 4096, 4096, 0.2)], "fp32": [(4096, 4096, 4096, 2.75)],
+                                    "copy": [(2 * 2**30, 0.5)]},
+            "layer": layer, "out_fp32": [(4096, 4096, 4096, 0.2)], "relayout": [(2**27, half(2**27))],
+            "epilogue": [(6 * 2**24, half(6 * 2**24))], "collectives": coll if world > 1 else {},
+            "layer_multi": [{"kernel": "fused", "h": 32, "N": 4096, "passes": {"host": 0.9}, "collectives": 2}]
+            if world > 1 else []}
+
+
+def test_build_machine_from_measurements(tmp_path):
+    data = plan.build_machine(fake_measurements())
+    assert data["peaks"]["tensor_tflops"] == pytest.approx(2 * 4096**3 / 0.2e9, rel=1e-3)
+    assert data["peaks"]["mem_GBps"] == pytest.approx(2 * 2**30 / 0.5e6, rel=1e-3)
+    nvl = data["links"]["nvlink"]
+    assert nvl["busbw_GBps"] == pytest.approx(300, rel=1e-3) and nvl["base_us"] == pytest.approx(18, abs=0.05)
+    assert nvl["per_collective"]["allgather"]["busbw_GBps"] == pytest.approx(300, rel=1e-3)
+    assert data["layer"]["overhead_ms"]["naive"] == pytest.approx(0.3, abs=1e-3)
+    assert data["layer"]["host_ms"]["fused"] == 0.5 and data["layer"]["host_ms_per_collective"] == pytest.approx(0.2)
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(data))
+    m = cm.load_machine(str(path))
+    # every kernel pass runs at the 50 % it was measured at
+    shape = cm.Shape(seq_len=4096, heads=32, head_dim=128, kernel="naive")
+    for s in cm.predict(m, shape, 1)["steps"]:
+        if s["key"].startswith("naive."):
+            assert s["efficiency"] == pytest.approx(0.5, rel=1e-4), s
+    one = plan.build_machine(fake_measurements(world=1))
+    assert "links" not in one
+    path.write_text(json.dumps(one))
+    r = cm.plan(cm.load_machine(str(path)), shape, [1, 2])
+    assert "end_to_end_ms" in r[0] and "NVLink numbers" in r[1]["error"]
+
+
+def test_calibration_shapes_bound_the_naive_work_and_the_memory():
+    naive = plan.calibration_shapes("naive")
+    assert (32, 8192, False) in naive and all(h * n * n <= 32 * 8192**2 for h, n, _ in naive)
+    assert any(c for _, _, c in naive)
+    tiled = plan.calibration_shapes("tiled", free_bytes=40 * 2**30)
+    assert all(2 * h * n * n * 2 <= 20 * 2**30 for h, n, _ in tiled) and (32, 16384, False) not in tiled
+    assert (32, 16384, False) in plan.calibration_shapes("fused", free_bytes=40 * 2**30)
+    assert math.prod(len(x) for x in (plan.GRID_N, plan.GRID_H)) == 20
