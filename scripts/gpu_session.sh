@@ -13,6 +13,10 @@
 #   faults  every fault of the README's table over NCCL (scripts/nccl_faults.sh), the GPU fault tests
 #   layertests  pytest -m gpu for the layer's styles and for faults over NCCL (2 GPUs)
 #   checks  the refusals that need a GPU: NaN in --load, the memory pre-flight, N^2 > 2^31 run
+#   gqa     grouped-query attention: pytest -m gpu -k gqa (naive, tiled, fused; the layer over gloo on
+#           one GPU and, with 2 GPUs, over NCCL), scripts/bench_gqa.py (fused with H = 32, G = 32, 8, 1,
+#           d = 128, N = 4096 and 16384 beside SDPA flash/cuDNN given the same grouped K/V, causal and
+#           not), and the layer with --kv-heads 8 under mpirun (1 GPU; 2 GPUs where there are 2)
 # Logs and JSON go to $OUT (default results/). Usage: bash scripts/gpu_session.sh [STEP]... (default all)
 set -u -o pipefail
 OUT=${OUT:-results}
@@ -125,5 +129,26 @@ w['wk'][7, 7] = float('nan'); torch.save(w, '/tmp/nan.pt')"
     note "N = 50000, one head: N^2 > 2^31, naive kernels, through the CLI"
     python3 -m tpattn --kernel naive --seq-len 50000 --heads 1 --head-dim 128 --warmup 0 --iters 1; echo "exit $?"
   } 2>&1 | tee "$OUT/gpu_checks.log"
+fi
+if want gqa; then
+  mkdir -p "$OUT/gqa"
+  note "pytest -m gpu -k gqa"
+  python3 -m pytest -m gpu -k gqa -q -p no:warnings --tb=short tests/test_gpu.py tests/test_gpu_ladder.py \
+    tests/test_gpu_layer.py 2>&1 | tee "$OUT/pytest_gpu_gqa.log" | tail -30 || status=1
+  note "bench_gqa (non-causal, then causal)"
+  for c in "" "--causal"; do
+    python3 scripts/bench_gqa.py $c --fused-configs 2:w4_m1_c64 --out "$OUT/gqa" 2>&1 | tee -a "$OUT/gqa.log" \
+      | grep -vE "^\| " || status=1
+  done
+  note "the layer with --kv-heads 8 (and 1): mpirun -n 1, and -n 2 over NCCL where there are 2 GPUs"
+  gpus=$(nvidia-smi -L | wc -l)
+  for w in 1 2; do
+    [ "$w" -gt "$gpus" ] && continue
+    for g in 8 1; do
+      mpirun -n "$w" python3 -m tpattn --kernel fused --kv-heads "$g" --iters 20 \
+        --json "$OUT/gqa/layer_np${w}_kv${g}.json" </dev/null 2>&1 | tee -a "$OUT/gqa.log" \
+        | grep -E "rank [0-9]+:|RESULT|check|error|failed" || status=1
+    done
+  done
 fi
 exit $status

@@ -140,3 +140,69 @@ def test_memory_preflight_names_largest_n():
     assert r.returncode == 2
     assert "the largest --seq-len that fits is about" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+# ---- grouped-query attention: g K/V heads shared by groups of query heads ----------------------
+
+def gqa_qkv(b, h, g, n, d, dtype, seed=0):
+    """q [b, h, n, d] and k, v [b, g, n, d]."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, h, n, d, device="cuda", generator=gen).to(dtype)
+    k, v = (torch.randn(b, g, n, d, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    return q, k, v
+
+
+def expand_kv(q, k, v):
+    """k and v repeated for their query heads (the oracle's layout; the kernels never build it)."""
+    r = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+
+
+def sdpa_oracle(q, k, v, causal):
+    """torch's SDPA in float64 on K/V expanded to every query head (the math backend)."""
+    import torch.nn.functional as F
+    ke, ve = expand_kv(q, k, v)
+    return F.scaled_dot_product_attention(q.double(), ke.double(), ve.double(), is_causal=causal)
+
+
+def check_gqa(backend, q, k, v, causal, dtype, **kw):
+    """The backend on grouped K/V: every output written, bit-identical to the same backend on K/V
+    expanded to every query head (same arithmetic per head: only the K/V head index differs),
+    and against the reference and the SDPA oracle."""
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+    o = get_backend(backend).forward(q, k, v, causal, out=out, **kw)
+    torch.cuda.synchronize()
+    assert o.data_ptr() == out.data_ptr()
+    assert torch.isfinite(o).all(), "query heads left unwritten"
+    ke, ve = expand_kv(q, k, v)
+    assert torch.equal(o, get_backend(backend).forward(q, ke, ve, causal)), "not the K/V head of its group"
+    assert rel_err(o, get_backend("reference").forward(q, k, v, causal)) <= TOL_REF[dtype]
+    assert rel_err(o, sdpa_oracle(q, k, v, causal)) <= TOL_F64[dtype]
+    return o
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("h,g", [(6, 3), (6, 2), (6, 1)])
+@pytest.mark.parametrize("n,d", [(17, 64), (1000, 80), (1000, 128)])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_naive_gqa(dtype, n, d, h, g, causal):
+    q, k, v = gqa_qkv(2, h, g, n, d, DT[dtype], seed=n + d + g)
+    check_gqa("naive", q, k, v, causal, dtype)
+
+
+def test_naive_gqa_scores_beyond_2_pow_31():
+    """Two query heads on one K/V head at N = 50 000: head 1's scores start at 2.5e9 > 2^31."""
+    n, d = 50_000, 64
+    q, k, v = gqa_qkv(1, 2, 1, n, d, torch.float16, seed=9)
+    o = get_backend("naive").forward(q, k, v, False)
+    torch.cuda.synchronize()
+    rows = torch.tensor([0, 12_345, n - 1], device="cuda")
+    ref = attention64(q, k.expand(1, 2, n, d), v.expand(1, 2, n, d), False, rows)
+    assert rel_err(o[..., rows, :], ref) <= TOL_F64["fp16"]
+
+
+def test_reference_gqa_against_sdpa_on_gpu():
+    for causal in (False, True):
+        q, k, v = gqa_qkv(2, 8, 2, 300, 64, torch.float16, seed=4)
+        o = get_backend("reference").forward(q, k, v, causal)
+        assert rel_err(o, sdpa_oracle(q, k, v, causal)) <= TOL_F64["fp16"]

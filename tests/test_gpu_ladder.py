@@ -1,7 +1,8 @@
 """GPU tests (`pytest -m gpu`) for the kernel ladder: the tiled three-pass kernels and the fused
 online-softmax kernel, against float64 and against the torch reference, on odd shapes, causal and
 not, with poisoned outputs (and poisoned S and P for the tiled kernels); N^2 > 2^31 for the tiled
-kernels; a clear error for a head dim the fused kernel does not build; the layer under mpirun."""
+kernels; a clear error for a head dim the fused kernel does not build; the layer under mpirun;
+grouped-query attention (fewer K/V heads than query heads) for both kernels (`-k gqa`)."""
 
 import json
 import math
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from conftest import tpattn
-from test_gpu import DT, TOL_F64, TOL_REF, attention64, qkv, rel_err
+from test_gpu import DT, TOL_F64, TOL_REF, attention64, check_gqa, gqa_qkv, qkv, rel_err
 from tpattn.attention import get_backend
 from tpattn.attention.tiled import scratch_shape
 from tpattn.config import ConfigError
@@ -218,3 +219,81 @@ def test_tensor_parallel_layer(tmp_path, kernel):
     assert rep["verdict"] == "PASS" and rep["world"]["size"] == 2 and rep["config"]["kernel"] == kernel
     if kernel == "fused":
         assert "fused" in rep["passes"] and rep["memory"]["S_bytes_per_rank"] == 0
+
+
+# ---- grouped-query attention -------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("h,g", [(6, 2), (6, 1)])
+@pytest.mark.parametrize("d,impl", [(64, "auto"), (64, "mma"), (80, "auto"), (128, "auto"), (128, "mma")])
+@pytest.mark.parametrize("n", [17, 1000])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_tiled_gqa(dtype, n, d, impl, h, g, causal, monkeypatch):
+    monkeypatch.setenv("TPATTN_TILED_IMPL", impl)
+    q, k, v = gqa_qkv(2, h, g, n, d, DT[dtype], seed=n + d + g + 2)
+    check_gqa("tiled", q, k, v, causal, dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("h,g", [(8, 4), (8, 2), (8, 1)])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("n", [17, 1000, 4097])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_fused_gqa(dtype, n, d, h, g, causal, fused_impl):
+    if n == 4097 and (dtype, h // g) != ("fp16", 4):
+        pytest.skip("N = 4097 once per head dim and kernel: fp16, group 4")
+    q, k, v = gqa_qkv(2, h, g, n, d, DT[dtype], seed=n + d + g + 3)
+    check_gqa("fused", q, k, v, causal, dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_gqa_row_chunks(causal, fused_impl):
+    """The layer's overlap: query-row chunks of a grouped call, the same bits as the whole call."""
+    q, k, v = gqa_qkv(2, 8, 2, 1000, 128, torch.float16, seed=8)
+    fused = get_backend("fused")
+    whole = fused.forward(q, k, v, causal)
+    o = torch.full_like(q, float("nan"))
+    for r0, r1 in ((0, 256), (256, 384), (384, 1000)):
+        fused.forward(q, k, v, causal, out=o, rows=(r0, r1))
+    assert torch.equal(o, whole)
+
+
+@pytest.mark.parametrize("kernel,env", [("naive", None)] + BIG_BH)
+def test_gqa_more_heads_than_the_grid_holds(kernel, env, monkeypatch):
+    """batch x heads = 65 600 > 65 535 with 4 query heads per K/V head: the heads past the grid's
+    limit (the kernels stride over them) still read their own group's K/V head."""
+    if env:
+        monkeypatch.setenv(*env.split("=", 1))
+    b, h, g, n, d = 2, 32_800, 8_200, 20, 64
+    q, k, v = gqa_qkv(b, h, g, n, d, torch.float16, seed=6)
+    o = get_backend(kernel).forward(q, k, v, False, out=nan_like(q.shape, torch.float16))
+    torch.cuda.synchronize()
+    assert torch.isfinite(o).all(), "heads past the grid's limit were left unwritten"
+    ref = get_backend("reference").forward(q[1:, -16:], k[1:, -4:], v[1:, -4:], False)  # the last 4 groups
+    assert rel_err(o[1:, -16:], ref) <= TOL_REF["fp16"]
+    ref0 = get_backend("reference").forward(q[:1, :16], k[:1, :4], v[:1, :4], False)
+    assert rel_err(o[:1, :16], ref0) <= TOL_REF["fp16"]
+
+
+def test_fused_gqa_long_sequence_causal(fused_impl):
+    """N = 16 384, causal, 4 query heads on 1 K/V head (the benchmark's shape, fewer heads)."""
+    n, d = 16_384, 128
+    q, k, v = gqa_qkv(1, 4, 1, n, d, torch.float16, seed=12)
+    o = get_backend("fused").forward(q, k, v, True, out=nan_like(q.shape, torch.float16))
+    torch.cuda.synchronize()
+    rows = torch.tensor([0, 5, 8191, 12_000, n - 1], device="cuda")
+    ke, ve = k.expand(1, 4, n, d), v.expand(1, 4, n, d)
+    assert rel_err(o[..., rows, :], attention64(q, ke, ve, True, rows)) <= TOL_F64["fp16"]
+
+
+@pytest.mark.parametrize("kernel", ["naive", "tiled", "fused"])
+@pytest.mark.parametrize("kv_heads,ranks", [(2, 2), (2, 4), (1, 4)])
+def test_gqa_tensor_parallel_layer_sharing_one_gpu(tmp_path, kernel, kv_heads, ranks):
+    """The layer with K/V heads split (2 over 2 ranks) and replicated (2 and 1 over 4), gloo."""
+    r = tpattn(["--kernel", kernel, "--dist-backend", "gloo", "--seq-len", "1024", "--heads", "8",
+                "--kv-heads", str(kv_heads), "--head-dim", "64", "--causal", "--json", str(tmp_path / "r.json")],
+               ranks=ranks, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["verdict"] == "PASS" and rep["config"]["kv_heads"] == kv_heads
+    assert rep["checks"]["vs_single_process"]["pass"] and rep["checks"]["vs_float64"]["pass"]

@@ -41,7 +41,9 @@ def layer_float64(x, w: dict, heads: int, causal: bool, rows: torch.Tensor) -> t
         return y.view(t.shape[0], t.shape[1], n_heads, d).transpose(1, 2)
 
     q = proj(x64[:, rows], "q", heads)               # [B, H, r, d]
-    k, v = (proj(x64, n, kv_heads).repeat_interleave(heads // kv_heads, dim=1) for n in "kv")  # [B, H, N, d]
+    k, v = proj(x64, "k", kv_heads), proj(x64, "v", kv_heads)         # [B, G, N, d]
+    if kv_heads != heads:                                               # each K/V head for its H/G query heads
+        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
     s = q @ k.transpose(-1, -2) / math.sqrt(d)       # [B, H, r, N]
     if causal:
         s.masked_fill_(torch.arange(N, device=dev)[None, :] > rows[:, None], float("-inf"))

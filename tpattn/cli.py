@@ -21,7 +21,7 @@ from .config import DEVICES, DIST_BACKENDS, DTYPES, OUTPUT_COLLECTIVES, REDUCE_D
 from .layer import WORLD, TensorParallelAttention
 from .memory import preflight
 from .report import build, text
-from .sharding import head_range
+from .sharding import head_range, kv_head_range
 from .timing import Timer, summarize
 from .weights import head_weights, layer_input, load_inputs, slice_heads
 
@@ -54,6 +54,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--heads", type=int, metavar="H", help="attention heads H (default 32 on GPU, 8 on CPU)")
     s.add_argument("--head-dim", type=int, metavar="d", help="head dim d, 1..256; model dim D = H*d "
                    "(default 128 on GPU, 64 on CPU)")
+    s.add_argument("--kv-heads", type=int, metavar="G", help="K/V heads G (grouped-query attention; default "
+                   "--heads): G divides H and query head q uses K/V head q // (H/G); 1 is multi-query attention. "
+                   "Over W ranks the K/V heads are split when W divides G (G/W per rank) and replicated when W is "
+                   "a multiple of G (each rank holds the one its query heads use); other world sizes are refused")
     s.add_argument("--batch", type=int, default=1, metavar="B", help="batch size (default 1)")
     s.add_argument("--causal", action="store_true", help="causal mask: key j > query i does not contribute")
     k = p.add_argument_group("compute")
@@ -67,9 +71,9 @@ def parser() -> argparse.ArgumentParser:
                    "for naive) is there, else cpu, and says why (default auto)")
     k.add_argument("--seed", type=int, default=0, help="seed of the weights and input; the same seed gives the "
                    "same numbers for any world size (default 0)")
-    k.add_argument("--load", metavar="PATH", help="use these weights instead: a torch.save'd dict with wq, wk, wv "
-                   "[D, D] and wo [D, D] in x @ W layout, optional bq, bk, bv, bo [D] and x [B, N, D]; "
-                   "refused if any value is NaN or Inf")
+    k.add_argument("--load", metavar="PATH", help="use these weights instead: a torch.save'd dict with wq [D, D], "
+                   "wk, wv [D, G*d] (G = --kv-heads, default H) and wo [D, D] in x @ W layout, optional bq, bo [D], "
+                   "bk, bv [G*d] and x [B, N, D]; refused if any value is NaN or Inf")
     d = p.add_argument_group("parallel")
     d.add_argument("--dist-backend", default="auto", choices=list(DIST_BACKENDS), help="collective backend: "
                    "nccl on CUDA, gloo on CPU or with several ranks sharing one GPU (default auto)")
@@ -107,7 +111,8 @@ def parser() -> argparse.ArgumentParser:
 
 def parse(argv: list[str]) -> Config:
     a = parser().parse_args(argv)
-    return Config(seq_len=a.seq_len, heads=a.heads, head_dim=a.head_dim, batch=a.batch, dtype=a.dtype,
+    return Config(seq_len=a.seq_len, heads=a.heads, head_dim=a.head_dim, kv_heads=a.kv_heads, batch=a.batch,
+                  dtype=a.dtype,
                   kernel=a.kernel, causal=a.causal, device=a.device, warmup=a.warmup, iters=a.iters, seed=a.seed,
                   check=a.check, json=a.json, dist_backend=a.dist_backend, reduce_dtype=a.reduce_dtype,
                   sequence_parallel=a.sequence_parallel, overlap=a.overlap,
@@ -174,7 +179,8 @@ def _main(argv: list[str], proc) -> int:
         cfg = resolve(parse(argv))
         validate(cfg, proc.world, proc.local_world, check_json=proc.rank == 0)
         if cfg.load:  # every rank reads and checks the whole file, so all reach the same answer
-            loaded = load_inputs(cfg.load, cfg.heads, cfg.head_dim, cfg.batch, cfg.seq_len, cfg.torch_dtype)
+            loaded = load_inputs(cfg.load, cfg.heads, cfg.head_dim, cfg.batch, cfg.seq_len, cfg.torch_dtype,
+                                 cfg.kv_heads)
         device = tpdist.pick_device(proc, cfg.device)
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
@@ -202,23 +208,24 @@ def _main(argv: list[str], proc) -> int:
     return code
 
 
-def _weights(cfg: Config, heads: range, device, loaded: dict | None) -> dict:
-    """The given heads' weights: generated from --seed, or sliced from --load."""
+def _weights(cfg: Config, heads: range, kv_heads: range, device, loaded: dict | None) -> dict:
+    """The given query heads' and K/V heads' weights: generated from --seed, or sliced from --load."""
     if loaded is None:
-        return head_weights(heads, cfg.heads, cfg.head_dim, cfg.seed, cfg.torch_dtype, device)
-    w = slice_heads({k: t for k, t in loaded.items() if k != "x"}, heads, cfg.head_dim)
+        return head_weights(heads, cfg.heads, cfg.head_dim, cfg.seed, cfg.torch_dtype, device, kv_heads)
+    w = slice_heads({k: t for k, t in loaded.items() if k != "x"}, heads, cfg.head_dim, kv_heads)
     return {k: t.to(device) for k, t in w.items()}
 
 
 def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
     heads = head_range(cfg.heads, proc.world, proc.rank)
-    w = _weights(cfg, heads, device, loaded)
+    kv_heads = kv_head_range(cfg.heads, cfg.kv_heads, proc.world, proc.rank)
+    w = _weights(cfg, heads, kv_heads, device, loaded)
     if loaded is not None and "x" in loaded:
         x = loaded["x"].to(device)
     else:
         x = layer_input(cfg.batch, cfg.seq_len, cfg.model_dim, cfg.seed, cfg.torch_dtype, device)
-    layer = TensorParallelAttention(**w, heads=cfg.heads, head_dim=cfg.head_dim, backend=cfg.kernel,
-                                    causal=cfg.causal, group=WORLD if proc.distributed else None,
+    layer = TensorParallelAttention(**w, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                                    backend=cfg.kernel, causal=cfg.causal, group=WORLD if proc.distributed else None,
                                     reduce_dtype=cfg.reduce_dtype, sequence_parallel=cfg.sequence_parallel,
                                     overlap=cfg.overlap, output_collective=cfg.output_collective)
     x_in = layer.shard_sequence(x) if cfg.sequence_parallel else x  # sequence parallel: N/W rows each
@@ -242,6 +249,7 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
     if cfg.profile:
         _profile(cfg, proc, layer, x_in)
     infos[proc.rank]["heads"] = f"{heads.start}-{heads.stop - 1}"
+    infos[proc.rank]["kv_heads"] = f"{kv_heads.start}-{kv_heads.stop - 1}"
     mine = {"info": infos[proc.rank], "passes": {k: summarize(v) for k, v in samples.items()}}
     everyone = tpdist.exchange(proc, "report", mine, cfg.timeout, "report")
     if proc.rank != 0:
@@ -266,9 +274,9 @@ def _checks(cfg: Config, proc, layer, w, x, y, device, loaded) -> dict:
     checks = {}
     full = w
     if proc.world > 1:
-        full = _weights(cfg, range(cfg.heads), device, loaded)
-        base = TensorParallelAttention(**full, heads=cfg.heads, head_dim=cfg.head_dim, backend=cfg.kernel,
-                                       causal=cfg.causal, group=None, reduce_dtype=cfg.reduce_dtype,
+        full = _weights(cfg, range(cfg.heads), range(cfg.kv_heads), device, loaded)
+        base = TensorParallelAttention(**full, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                                       backend=cfg.kernel, causal=cfg.causal, group=None, reduce_dtype=cfg.reduce_dtype,
                                        head_chunk=layer.local_heads)
         y_base = base(x)
         checks["vs_single_process"] = {**compare(y, y_base.double(), TOL_BASELINE[cfg.dtype], ulp_of=cfg.torch_dtype),

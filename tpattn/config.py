@@ -34,6 +34,7 @@ class Config:
     seq_len: int | None = None
     heads: int | None = None
     head_dim: int | None = None
+    kv_heads: int | None = None        # K/V heads (grouped-query attention); None: as many as --heads
     batch: int = 1
     dtype: str = "fp16"
     kernel: str | None = None          # None: chosen with the device
@@ -127,6 +128,8 @@ def resolve(cfg: Config) -> Config:
     if cfg.device == "cpu" and shrunk:
         cfg.notes.append("CPU run: using the smaller default shape " + ", ".join(shrunk)
                          + " (the GPU default is N 4096, 32 heads, d 128; pass them to override)")
+    if cfg.kv_heads is None:
+        cfg.kv_heads = cfg.heads
     if cfg.dist_backend == "auto":
         cfg.dist_backend = "nccl" if cfg.device == "cuda" else "gloo"
     return cfg
@@ -136,7 +139,7 @@ def validate(cfg: Config, world: int = 1, local_world: int = 1, gpus_on_node: in
              check_json: bool = True) -> None:
     """Raise ConfigError for the first bad input. Call after resolve()."""
     from .attention import get_backend
-    from .sharding import check_divisible
+    from .sharding import check_kv_heads
 
     for name, value, least in (("--seq-len", cfg.seq_len, 1), ("--heads", cfg.heads, 1),
                                ("--batch", cfg.batch, 1), ("--iters", cfg.iters, 1),
@@ -155,7 +158,8 @@ def validate(cfg: Config, world: int = 1, local_world: int = 1, gpus_on_node: in
         raise ConfigError(f"--head-dim must be between 1 and {backend.max_head_dim} for --kernel {cfg.kernel} "
                           f"(got {cfg.head_dim})")
     backend.check_supported(cfg)  # dtype, device, CuPy
-    err = check_divisible(cfg.heads, world)
+    kv_heads = cfg.heads if cfg.kv_heads is None else cfg.kv_heads
+    err = check_kv_heads(cfg.heads, kv_heads, world)  # query heads and K/V heads over the ranks
     if err:
         raise ConfigError(err)
     if cfg.dist_backend == "nccl":

@@ -4,7 +4,8 @@ Two parallel styles, each one method read top to bottom (diagrams in README.md):
 
 head-parallel (default), _forward_heads: one collective, or two
     x [B, N, D]            replicated on every rank
-    QKV GEMM               one GEMM with this rank's packed q, k, v columns (heads [r*h, (r+1)*h))
+    QKV GEMM               one GEMM with this rank's packed q, k, v columns (query heads [r*h, (r+1)*h)
+                           and the K/V heads they use, see "K/V heads" below)
     local attention        a backend from tpattn.attention (naive CUDA, fused, reference, ...)
     output GEMM            this rank's rows of W_o, fp32 result for --reduce-dtype fp32
     all_reduce(SUM)        partial [B, N, D] summed over ranks; b_o added once, after it
@@ -24,6 +25,12 @@ Overlap (overlap=K > 1): the output GEMM runs in K row chunks and chunk c's coll
 communication stream while chunk c+1 is projected; in sequence parallel the all-gather is chunked
 the same way and the QKV GEMM of chunk c runs while chunk c+1 is gathered. On CPU the chunks run
 in order (same math, nothing to overlap with).
+
+K/V heads (grouped-query attention, kv_heads G < H): query head q uses K/V head q // (H/G). Over W
+ranks the K/V columns are split when W divides G (rank r owns K/V heads [r*G/W, (r+1)*G/W), the
+ones its query heads use) and replicated when W is a multiple of G (each rank holds the one K/V
+head its query heads use); tpattn.sharding.check_kv_heads refuses the rest. Either way a rank's
+attention needs no other rank's K or V: the collectives are the same as with G = H.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import torch.distributed as dist
 from . import faults, watch
 from .attention import Backend, get_backend
 from .config import OUTPUT_COLLECTIVES
-from .sharding import check_divisible, head_range, row_chunks
+from .sharding import check_kv_heads, head_range, kv_head_range, kv_replicated, row_chunks
 from .timing import section
 from .weights import slice_heads
 
@@ -93,26 +100,34 @@ class TensorParallelAttention(torch.nn.Module):
     with a reduce-scatter of the partials and an all-gather of the rounded output (the same y,
     fewer bytes when the partials are fp32); "auto" (default) splits when the partials are wider
     than the model dtype and every row chunk divides by the world size.
+    kv_heads: G K/V heads in all (default heads: multi-head attention; fewer: grouped-query, 1:
+    multi-query); wk and wv are then [D, g*d] for this rank's g K/V heads (kv_head_range: G/W of
+    them when the world size W divides G, else the one its query heads use).
     """
 
     def __init__(self, wq, wk, wv, wo, bq=None, bk=None, bv=None, bo=None, *, heads: int, head_dim: int,
                  backend: str | Backend = "reference", causal: bool = False, group=WORLD,
                  reduce_dtype: str = "fp32", head_chunk: int | None = None, sequence_parallel: bool = False,
-                 overlap: int = 1, output_collective: str = "auto"):
+                 overlap: int = 1, output_collective: str = "auto", kv_heads: int | None = None):
         super().__init__()
         self.group, self.rank, self.world = _resolve_group(group)
-        err = check_divisible(heads, self.world)
+        self.kv_heads = heads if kv_heads is None else kv_heads
+        err = check_kv_heads(heads, self.kv_heads, self.world)
         if err:
             raise ValueError(err)
         self.heads, self.head_dim = heads, head_dim
         self.local_heads = heads // self.world
+        self.local_kv_heads = len(kv_head_range(heads, self.kv_heads, self.world, self.rank))
+        self.kv_replicated = kv_replicated(heads, self.kv_heads, self.world)
+        self.local_group = self.local_heads // self.local_kv_heads  # this rank's query heads per K/V head
         self.model_dim = wq.shape[0]
-        hd = self.local_heads * head_dim
-        for name, t, shape in (("wq", wq, (self.model_dim, hd)), ("wk", wk, (self.model_dim, hd)),
-                               ("wv", wv, (self.model_dim, hd)), ("wo", wo, (hd, self.model_dim))):
+        hd, kvd = self.local_heads * head_dim, self.local_kv_heads * head_dim
+        for name, t, shape in (("wq", wq, (self.model_dim, hd)), ("wk", wk, (self.model_dim, kvd)),
+                               ("wv", wv, (self.model_dim, kvd)), ("wo", wo, (hd, self.model_dim))):
             if tuple(t.shape) != shape:
+                kv = f" and {self.local_kv_heads} K/V heads" if self.kv_heads != heads else ""
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape} for rank {self.rank} "
-                                 f"of {self.world} ({self.local_heads} heads of dim {head_dim})")
+                                 f"of {self.world} ({self.local_heads} heads{kv} of dim {head_dim})")
         if reduce_dtype not in ("fp32", "model"):
             raise ValueError(f"reduce_dtype must be 'fp32' or 'model' (got {reduce_dtype!r})")
         if overlap < 1:
@@ -123,17 +138,18 @@ class TensorParallelAttention(torch.nn.Module):
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.causal = causal
         self.reduce_dtype = reduce_dtype
-        self.head_chunk = head_chunk or self.local_heads
+        self.head_chunk = _group_chunk(head_chunk or self.local_heads, self.local_group)
         self.sequence_parallel = sequence_parallel
         self.overlap = overlap
         self.dtype = wq.dtype
         self.part_dtype = torch.float32 if reduce_dtype == "fp32" else self.dtype
         self.output_collective = output_collective
-        # Q, K and V columns packed once, so the projection is one GEMM (bias fused into it).
+        # Q, K and V columns packed once, so the projection is one GEMM (bias fused into it): its
+        # output rows are [h query heads | g K heads | g V heads] x d.
         self.wqkv = torch.cat([wq, wk, wv], dim=1)
-        biases = (bq, bk, bv)
-        self.bqkv = None if all(b is None for b in biases) else torch.cat(
-            [torch.zeros(hd, dtype=self.dtype, device=wq.device) if b is None else b for b in biases])
+        biases = ((bq, hd), (bk, kvd), (bv, kvd))
+        self.bqkv = None if all(b is None for b, _ in biases) else torch.cat(
+            [torch.zeros(n, dtype=self.dtype, device=wq.device) if b is None else b for b, n in biases])
         self.wo, self.bo = wo, bo
         self._comm_stream = None  # made on the first overlapped forward on a GPU
         self._nccl = self.group is not None and dist.get_backend(self.group) == "nccl"
@@ -143,17 +159,30 @@ class TensorParallelAttention(torch.nn.Module):
     @classmethod
     def from_full(cls, wq, wk, wv, wo, bq=None, bk=None, bv=None, bo=None, *, heads: int, group=WORLD,
                   **kw) -> "TensorParallelAttention":
-        """Keep this rank's slice of full weights in "x @ W" layout (wq: [D, H*d], wo: [H*d, D])."""
+        """Keep this rank's slice of full weights in "x @ W" layout (wq: [D, H*d], wk and wv: [D, G*d]
+        for G K/V heads (G = H unless grouped-query), wo: [H*d, D])."""
         _, rank, world = _resolve_group(group)
         head_dim = wq.shape[1] // heads
+        if wq.shape[1] != heads * head_dim or wk.shape != wv.shape or wk.shape[1] % head_dim or not wk.shape[1]:
+            raise ValueError(f"wq {tuple(wq.shape)}, wk {tuple(wk.shape)}, wv {tuple(wv.shape)}: wq needs {heads} "
+                             "heads of d columns and wk, wv one shape of a whole number of heads of d columns")
+        kv_heads = wk.shape[1] // head_dim
+        if kw.get("kv_heads") not in (None, kv_heads):
+            raise ValueError(f"kv_heads={kw['kv_heads']} but wk and wv have {kv_heads} heads of dim {head_dim}")
+        kw["kv_heads"] = kv_heads
+        err = check_kv_heads(heads, kv_heads, world)
+        if err:
+            raise ValueError(err)
         full = {k: t for k, t in dict(wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=bo).items()
                 if t is not None}
-        mine = slice_heads(full, head_range(heads, world, rank), head_dim)
+        mine = slice_heads(full, head_range(heads, world, rank), head_dim,
+                           kv_head_range(heads, kv_heads, world, rank))
         return cls(**mine, heads=heads, head_dim=head_dim, group=group, **kw)
 
     @classmethod
     def from_linears(cls, q_proj, k_proj, v_proj, o_proj, *, heads: int, **kw) -> "TensorParallelAttention":
-        """From four torch.nn.Linear layers (weights [out, in], y = x W^T + b)."""
+        """From four torch.nn.Linear layers (weights [out, in], y = x W^T + b); k_proj and v_proj
+        may have fewer output features (G*d for G K/V heads: grouped-query attention)."""
         b = (lambda lin: None if lin.bias is None else lin.bias.detach())
         return cls.from_full(q_proj.weight.detach().T, k_proj.weight.detach().T, v_proj.weight.detach().T,
                              o_proj.weight.detach().T, b(q_proj), b(k_proj), b(v_proj), b(o_proj),
@@ -238,8 +267,8 @@ class TensorParallelAttention(torch.nn.Module):
         B, N, D = x.shape
         h, d, W = self.local_heads, self.head_dim, self.world
         with section(timer, "qkv_proj"):
-            qkv = _mm(x.reshape(B * N, D), self.wqkv, self.dtype, self.bqkv)   # [B*N, 3*h*d]
-            q, k, v = self._split_heads(qkv.view(B, N, 3, h, d))              # [B, h, N, d] each
+            qkv = _mm(x.reshape(B * N, D), self.wqkv, self.dtype, self.bqkv)   # [B*N, (h+2g)*d]
+            q, k, v = self._split_heads(qkv.view(B, N, -1, d))                # [B, h|g|g, N, d]
         o_rows = torch.empty(B, N, h, d, dtype=self.dtype, device=x.device)   # the output GEMM's rows
         o = o_rows.permute(0, 2, 1, 3)                                      # seen as [B, h, N, d]
         chunks = self._row_chunks(N)
@@ -302,7 +331,7 @@ class TensorParallelAttention(torch.nn.Module):
         all-gather and comes back in one reduce-scatter; the relayout before attention puts row
         (w, c, i) at sequence position w*N/W + c*m + i."""
         B, n, D = x.shape
-        W, K, h, d = self.world, self.overlap, self.local_heads, self.head_dim
+        W, K, h, g, d = self.world, self.overlap, self.local_heads, self.local_kv_heads, self.head_dim
         m = n // K
         xs = x.view(B, K, m, D)
         gathered = torch.empty(K, W, B, m, D, dtype=self.dtype, device=x.device)
@@ -311,14 +340,14 @@ class TensorParallelAttention(torch.nn.Module):
         sources = [xs[:, c].contiguous() for c in range(K)]
         arrived = [self._collective("allgather", timer, _all_gather, gathered[c].view(W * B, m, D), sources[c])
                    for c in range(K)]  # all queued at once; chunk c's QKV GEMM waits for gather c only
-        qkv = torch.empty(K, W, B, m, 3 * h * d, dtype=self.dtype, device=x.device)
+        qkv = torch.empty(K, W, B, m, (h + 2 * g) * d, dtype=self.dtype, device=x.device)
         for c in range(K):
             self._wait(arrived[c])
             with section(timer, "qkv_proj"):
                 _mm(gathered[c].view(W * B * m, D), self.wqkv, self.dtype, self.bqkv, out=qkv[c].view(W * B * m, -1))
         with section(timer, "qkv_proj"):  # rows (c, w, b, i) -> sequence position w*n + c*m + i (a view if K=B=1)
-            q, k, v = self._split_heads(qkv.view(K, W, B, m, 3, h, d).permute(2, 1, 0, 3, 4, 5, 6)
-                                        .reshape(B, W * n, 3, h, d))
+            q, k, v = self._split_heads(qkv.view(K, W, B, m, h + 2 * g, d).permute(2, 1, 0, 3, 4, 5)
+                                        .reshape(B, W * n, h + 2 * g, d))
         o_rows = torch.empty(B, W, K, m, h * d, dtype=self.dtype, device=x.device)
         self._attention(q, k, v, o_rows.view(B, W * n, h, d).permute(0, 2, 1, 3), timer)
         partial = torch.empty(K, W * B * m, D, dtype=self.part_dtype, device=x.device)
@@ -335,23 +364,27 @@ class TensorParallelAttention(torch.nn.Module):
     # ---- the local pieces, shared by both styles -----------------------------------------------
 
     def _split_heads(self, qkv: torch.Tensor):
-        """q, k, v [B, h, N, d] from the QKV GEMM's output [B, N, 3, h, d]: strided views for a
-        backend that reads them in place (fused), else contiguous copies."""
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        """q [B, h, N, d] and k, v [B, g, N, d] from the QKV GEMM's output [B, N, h + 2g, d]:
+        strided views for a backend that reads them in place (fused), else contiguous copies."""
+        h, g = self.local_heads, self.local_kv_heads
+        q, k, v = (t.permute(0, 2, 1, 3) for t in qkv.split([h, g, g], dim=2))
         if self.backend.strided:
             return q, k, v
         return q.contiguous(), k.contiguous(), v.contiguous()
 
     def _attention(self, q, k, v, o, timer, rows=None) -> None:
-        """o = attention(q, k, v) for this rank's heads (a head_chunk at a time), all query rows or
-        rows (r0, r1) only. o may be a strided view; a backend that needs contiguous memory
-        writes a contiguous copy that is then relaid into it."""
-        h = self.local_heads
+        """o = attention(q, k, v) for this rank's heads (a head_chunk at a time, with the K/V heads
+        those query heads use), all query rows or rows (r0, r1) only. o may be a strided view; a
+        backend that needs contiguous memory writes a contiguous copy that is then relaid into it."""
+        h, gs = self.local_heads, self.local_group
         kw = {} if rows is None else {"rows": rows}
         strided = self.backend.strided
         for h0 in range(0, h, self.head_chunk):
-            sl = slice(h0, min(h, h0 + self.head_chunk))
-            qs, ks, vs, os_ = (t if self.head_chunk >= h else t[:, sl] for t in (q, k, v, o))
+            h1 = min(h, h0 + self.head_chunk)  # whole groups, or heads of one group (_group_chunk)
+            sl, kv = slice(h0, h1), slice(h0 // gs, (h1 - 1) // gs + 1)
+            whole = self.head_chunk >= h
+            qs, os_ = (t if whole else t[:, sl] for t in (q, o))
+            ks, vs = (t if whole else t[:, kv] for t in (k, v))
             if strided:
                 self.backend.forward(qs, ks, vs, self.causal, timer, out=os_, **kw)
             else:
@@ -443,6 +476,15 @@ class TensorParallelAttention(torch.nn.Module):
 
 class CollectiveError(RuntimeError):
     pass
+
+
+def _group_chunk(chunk: int, group: int) -> int:
+    """A head chunk of whole groups of `group` query heads (a multiple of it) or of part of one (a
+    divisor of it), at most `chunk` (and at least 1): so every chunk's query heads share a whole
+    number of K/V heads, each used by the same number of them."""
+    if chunk >= group:
+        return chunk // group * group
+    return max(c for c in range(1, chunk + 1) if group % c == 0)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -10,21 +10,36 @@ from .config import Config, ConfigError
 HEADROOM = 0.92  # leave room for the CUDA context, cuBLAS workspaces and fragmentation
 
 
+def kv_heads_per_rank(cfg: Config, world: int) -> int:
+    """K/V heads one rank holds: G/W when the world size divides G, else (replicated) one."""
+    G = cfg.kv_heads or cfg.heads
+    return G // world if G % world == 0 else 1
+
+
+def kv_bytes(cfg: Config, world: int) -> int:
+    """Bytes of one rank's K and V activations, [B, g, N, d] each."""
+    return 2 * cfg.batch * kv_heads_per_rank(cfg, world) * cfg.seq_len * cfg.head_dim * cfg.elem_size
+
+
 def coefficients(cfg: Config, world: int, rank: int) -> tuple[float, float, float]:
     """Bytes as a*N^2 + b*N + c for this rank."""
     el, B, H, d = cfg.elem_size, cfg.batch, cfg.heads, cfg.head_dim
     D, h = cfg.model_dim, cfg.heads // world
+    G, g = cfg.kv_heads or H, kv_heads_per_rank(cfg, world)  # K/V heads in all and on this rank
     red = 4 if cfg.reduce_dtype == "fp32" else el
     score_el = el + (12 if cfg.kernel == "reference" else 0)  # the reference keeps float32 copies
     a = 2 * B * h * score_el                                   # S and P of the heads done at once
     if not scores_bytes(cfg, world):
         a = 0                                                  # fused: S and P stay on chip, O(N) memory
-    b = B * (D * el * 2 + 7 * h * d * el + D * red * 2)       # x, y, q/k/v (+ transposes), o, partials
-    c = 4 * D * h * d * el                                     # weights (W_o stays in el: tensor cores)
+    # x, y, the QKV GEMM's output and its q/k/v copies ((h + 2g) d each), o, partials
+    b = B * (D * el * 2 + (3 * h + 4 * g) * d * el + D * red * 2)
+    c = 2 * D * (h + g) * d * el                               # W_q, W_o (h heads), W_k, W_v (g heads), in el
     if cfg.check and rank == 0:
-        # the single-process baseline (all heads, same chunk), and the float64 reference
-        b += B * (7 * H * d * el + D * red * 2) + B * (3 * D * 8 + 3 * H * MAX_ROWS * 8)
-        c += 4 * D * H * d * (el + 8)
+        # the single-process baseline (all heads, same chunk), and the float64 reference: x, k and v
+        # (G heads; repeated to H heads when G < H), q, S and P of the sampled rows
+        f64 = D + 2 * G * d + (2 * H * d if G < H else 0)
+        b += B * ((3 * H + 4 * G) * d * el + D * red * 2) + B * (f64 * 8 + 3 * H * MAX_ROWS * 8)
+        c += 2 * D * (H + G) * d * (el + 8)
     return a, b, c
 
 

@@ -10,7 +10,7 @@ import sys
 import torch
 
 from . import __version__
-from .memory import scores_bytes
+from .memory import kv_bytes, kv_heads_per_rank, scores_bytes
 
 COMPUTE = ("qkv_proj", "qk", "softmax", "pv", "fused", "out_proj")  # fused: --kernel fused's one pass
 COLLECTIVES = {"allreduce": "all-reduce", "allgather": "all-gather", "reducescatter": "reduce-scatter"}
@@ -97,7 +97,11 @@ def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, c
               "reducescatter": "fp32" if cfg.reduce_dtype == "fp32" else model}
     colls = collective_stats(stats, collective_bytes, world, dtypes) if proc.distributed else {}
     h = cfg.heads // world
+    g = kv_heads_per_rank(cfg, world)
+    G = cfg.kv_heads or cfg.heads
+    kv_layout = "one per query head" if G == cfg.heads else ("split" if G % world == 0 else "replicated")
     sp = scores_bytes(cfg, world)
+    kvb = kv_bytes(cfg, world)
     style = "sequence-parallel" if cfg.sequence_parallel else "head-parallel"
     if world > 1:  # the collectives one call runs, in order
         style += " (" + " + ".join(COLLECTIVES[k] for k in collective_bytes) + ")"
@@ -106,13 +110,15 @@ def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, c
         "command": command,
         "verdict": verdict,
         "notes": cfg.notes,
-        "config": {**cfg.fingerprint(), "model_dim": cfg.model_dim, "heads_per_rank": h, "style": style},
+        "config": {**cfg.fingerprint(), "model_dim": cfg.model_dim, "heads_per_rank": h, "kv_heads_per_rank": g,
+                   "kv_layout": kv_layout, "style": style},
         "world": {"size": world, "launcher": proc.launcher, "backend": cfg.dist_backend if proc.distributed
                   else "none", "device": str(device.type),
                   "ranks": [r["info"] for r in rank_reports]},
         "versions": versions(),
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},  # rank 0's NCCL settings
-        "memory": {"S_bytes_per_rank": sp, "P_bytes_per_rank": sp, "S_P_bytes_total": 2 * sp * world},
+        "memory": {"S_bytes_per_rank": sp, "P_bytes_per_rank": sp, "S_P_bytes_total": 2 * sp * world,
+                   "K_V_bytes_per_rank": kvb, "K_V_bytes_total": kvb * world},
         "iterations": {"warmup": cfg.warmup, "timed": cfg.iters},
         "passes": stats,
         "rank0_passes": rank_reports[0]["passes"],
@@ -127,6 +133,12 @@ def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, c
     }
 
 
+def _heads(span: str) -> str:
+    """'2-3' -> 'heads 2-3', '1-1' -> 'head 1'."""
+    a, _, b = span.partition("-")
+    return f"head {a}" if a == b else f"heads {span}"
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
 
@@ -136,18 +148,29 @@ def text(rep: dict) -> str:
     lines = [f"tpattn {rep['tpattn']}: {w['size']} rank(s) via {w['launcher']}, backend {w['backend']}, "
              f"kernel {c['kernel']} on {w['device']}"]
     lines += [f"note: {n}" for n in rep["notes"]]
-    lines.append(f"config: B={c['batch']} N={c['seq_len']} H={c['heads']} d={c['head_dim']} D={c['model_dim']} "
-                 f"dtype={c['dtype']} causal={c['causal']} heads/rank={c['heads_per_rank']} "
-                 f"reduce={c['reduce_dtype']} seed={c['seed']}")
+    G = c.get("kv_heads") or c["heads"]
+    gqa = G != c["heads"]
+    lines.append(f"config: B={c['batch']} N={c['seq_len']} H={c['heads']}" + (f" G={G}" if gqa else "")
+                 + f" d={c['head_dim']} D={c['model_dim']} dtype={c['dtype']} causal={c['causal']} "
+                 f"heads/rank={c['heads_per_rank']}" + (f" kv-heads/rank={c['kv_heads_per_rank']}" if gqa else "")
+                 + f" reduce={c['reduce_dtype']} seed={c['seed']}")
+    if gqa:
+        lines.append(f"K/V heads: {G} for {c['heads']} query heads ({c['heads'] // G} each), {c['kv_layout']} over "
+                     f"{w['size']} rank(s)" + (f": each K/V head held by {w['size'] // G} ranks"
+                                               if c["kv_layout"] == "replicated" else ""))
     lines.append(f"style: {c['style']}, overlap {c['overlap']} chunk(s)"
                  + (", CUDA graph (total time only)" if c["cuda_graph"] else ""))
     for r in w["ranks"]:
-        lines.append(f"  rank {r['rank']}: host {r['host']} {r['device']} ({r['device_name']}) heads {r['heads']}")
+        lines.append(f"  rank {r['rank']}: host {r['host']} {r['device']} ({r['device_name']}) heads {r['heads']}"
+                     + (f", K/V {_heads(r['kv_heads'])}" if gqa and "kv_heads" in r else ""))
     m = rep["memory"]
     if m["S_bytes_per_rank"]:
         lines.append(f"S and P: {_mib(m['S_bytes_per_rank'])} each per rank, {_mib(m['S_P_bytes_total'])} in all ranks")
     else:
         lines.append("S and P: never in device memory (fused kernel)")
+    if "K_V_bytes_per_rank" in m:
+        lines.append(f"K and V: {_mib(m['K_V_bytes_per_rank'])} per rank ({c['kv_heads_per_rank']} K/V head(s)), "
+                     f"{_mib(m['K_V_bytes_total'])} in all ranks")
     if w["size"] == 1:
         lines.append(f"per pass, ms over {rep['iterations']['timed']} iterations ({rep['iterations']['warmup']} warm-up):")
         lines.append(f"  {'pass':<10}{'median':>10}{'min':>10}{'max':>10}")
