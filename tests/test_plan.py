@@ -383,8 +383,8 @@ def test_cli_bad_machine_file_exit_2(tmp_path):
 def fake_measurements(world=2):
     """Measurements as _measure returns them: every pass at 50 % of the roofline of the peaks they
     give (a 4096^3 fp16 GEMM in 0.2 ms, fp32 in 2.75 ms, 2 GiB copied in 0.5 ms)."""
-    peaks = {"tensor_tflops": round(2 * 4096**3 / 0.2e9, 1), "fp32_tflops": round(2 * 4096**3 / 2.75e9, 2),
-             "mem_GBps": round(2 * 2**30 / 0.5e6, 0)}
+    peaks = {"tensor_tflops": cm.sig(2 * 4096**3 / 0.2e9), "fp32_tflops": cm.sig(2 * 4096**3 / 2.75e9),
+             "mem_GBps": cm.sig(2 * 2**30 / 0.5e6)}
     m = cm.Machine("fake", {"peaks": peaks}, "-")
     half = lambda nbytes: 2 * nbytes / (peaks["mem_GBps"] * 1e6)  # noqa: E731 - a copy at 50 %
     layer = []
@@ -443,3 +443,83 @@ def test_calibration_shapes_bound_the_naive_work_and_the_memory():
     assert all(2 * h * n * n * 2 <= 20 * 2**30 for h, n, _ in tiled) and (32, 16384, False) not in tiled
     assert (32, 16384, False) in plan.calibration_shapes("fused", free_bytes=40 * 2**30)
     assert math.prod(len(x) for x in (plan.GRID_N, plan.GRID_H)) == 20
+
+
+def test_calibrate_without_a_gpu_one_line(tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: --calibrate would run")
+    out = plan_cli(["--calibrate", "--out", str(tmp_path / "m.json")])
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "needs a CUDA GPU" in out.stderr
+    assert not (tmp_path / "m.json").exists()
+
+
+def test_validation_report_from_comparisons():
+    """scripts/validate_model.py's table and verdicts, from a made-up measurement: the model's own
+    prediction x 1.1 (error -9.1 %) except one pass x 2 (error -50 %)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import validate_model as vm
+    m = cm.load_machine("h200x2")
+
+    class A:
+        heads, head_dim = 32, 128
+    comps = []
+    for kernel in ("naive", "fused"):
+        for w in (1, 2):
+            pred = cm.predict(m, cm.Shape(kernel=kernel), w)
+            passes = {**{k: 1.1 * v for k, v in pred["passes"].items()},
+                      **{k: 1.1 * c["ms"] for k, c in pred["collectives"].items()},
+                      "total": 1.1 * pred["end_to_end_ms"], "host": 0.6}
+            if kernel == "fused" and w == 2:
+                passes["out_proj"] = 2 * pred["passes"]["out_proj"]
+            meas = {"passes": passes, "collectives": cm.layer_collectives(cm.Shape(kernel=kernel), w)}
+            comps.append(vm.compare(m, kernel, 4096, w, A, meas))
+    ar = cm.collective_ms(m, "allreduce", 64 * MiB, 2)["ms"]
+    doc = {"command": "python scripts/validate_model.py --machine h200x2", "date": "d", "gpu": "NVIDIA H200",
+           "ranks": 2, "versions": {"torch": "x"}, "heads": 32, "head_dim": 128, "seq_lens": [4096],
+           "machines": [{"name": "h200x2", "path": m.path}], "comparisons": comps,
+           "bare": [{"kind": "allreduce", "bytes": 64 * MiB, "measured_ms": ar / 0.7, "busbw_GBps": 200.0,
+                     "predictions": [{"machine": "h200x2", "predicted_ms": ar, "error_pct": vm.err_pct(ar, ar / 0.7)}]}]}
+    doc["summary"] = s = vm.summarize(doc)
+    assert (s["e2e_n"], s["e2e_ok"]) == (4, 4) and s["e2e_worst"] == pytest.approx(-100 / 11)
+    assert s["pass_ok"] == s["pass_n"] - 1 and s["pass_worst"] == pytest.approx(-50)
+    assert s["pass_worst_what"] == "fused N=4096 W=2 out_proj"
+    assert (s["ar_n"], s["ar_ok"]) == (1, 0) and s["ar_worst"] == pytest.approx(-30)
+    assert comps[0]["calibrated_here"] and comps[1]["calibrated_here"]   # 32 and 16 heads at N = 4096
+    md = vm.markdown(doc)
+    assert "| end to end within 15 %" in md and "**met**: 4 of 4" in md
+    assert "each pass within 25 % | **not met**" in md and "all-reduce within 20 % at 8–256 MiB | **not met**" in md
+    assert "| fused | 4096 | 2 | out_proj |" in md and "-50.0%" in md
+    assert "| allreduce | 64 |" in md
+
+
+@pytest.mark.mpi
+def test_calibrate_plan_validate_flow_under_mpirun(tmp_path):
+    """The GPU flow end to end on CPU (TPATTN_PLAN_ALLOW_CPU=1: gloo, the torch reference standing in
+    for the kernels, toy sizes): mpirun -n 2 --calibrate writes a machine file that loads, the plan
+    predicts from it, and scripts/validate_model.py writes its report. The numbers mean nothing here;
+    what is checked is that every step runs and produces what the next one reads."""
+    from conftest import mpirun_cmd
+    cal = tmp_path / "cal.json"
+    out = run([*mpirun_cmd(2), sys.executable, "-m", "tpattn.plan", "--calibrate", "--out", str(cal),
+               "--kernels", "naive", "--name", "smoke"], timeout=240, TPATTN_PLAN_ALLOW_CPU="1")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"[calibrate] wrote {cal}" in out.stdout
+    m = cm.load_machine(str(cal))
+    assert m.name == "smoke" and m.gpus_per_node == 2 and "nvlink" in m.data["links"]
+    assert {"naive.qk", "naive.softmax", "naive.pv", "naive.qk:causal", "out_proj", "relayout", "epilogue"} <= set(m.curves)
+    assert set(m.data["links"]["nvlink"]["measured"]) == set(cm.COLLECTIVE_NAMES)
+    p = plan_cli(["--machine", str(cal), "--heads", "8", "--head-dim", "32", "--seq-len", "128", "--world-sizes", "1", "2"])
+    assert p.returncode == 0 and "not predicted" not in p.stdout, p.stdout + p.stderr
+    val = tmp_path / "val"
+    out = run([*mpirun_cmd(2), sys.executable, "scripts/validate_model.py", "--machine", str(cal), "h200x2",
+               "--out", str(val), "--kernels", "naive", "--seq-lens", "128", "--heads", "8", "--head-dim", "32",
+               "--sizes-mib", "1", "--iters", "2"], timeout=240, TPATTN_PLAN_ALLOW_CPU="1")
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads((val / "model_validation.json").read_text())
+    assert [(c["machine"], c["world"]) for c in doc["comparisons"]] == [("smoke", 1), ("h200x2", 1), ("smoke", 2),
+                                                                         ("h200x2", 2)]
+    assert all(c["collectives_as_predicted"] for c in doc["comparisons"])
+    assert {b["kind"] for b in doc["bare"]} == set(cm.COLLECTIVE_NAMES)
+    md = (val / "model_validation.md").read_text()
+    assert "## End to end (smoke)" in md and "## Bare NCCL collectives over 2 GPUs" in md

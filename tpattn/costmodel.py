@@ -672,7 +672,12 @@ def fit_alpha_beta(points: list[tuple[int, float]], kind: str, world: int, step_
     if b <= 0:  # one point, or times that do not grow with the bytes: the largest point's bandwidth
         nbytes, ms = max(points)
         b, a = ms * 1e3 / (share * nbytes), 0.0
-    return {"base_us": round(max(0.0, a - steps * step_us), 2), "busbw_GBps": round(1.0 / b / 1e3, 1)}
+    return {"base_us": round(max(0.0, a - steps * step_us), 2), "busbw_GBps": sig(1.0 / b / 1e3)}
+
+
+def sig(x: float, digits: int = 4) -> float:
+    """x to `digits` significant digits (a rate of 0.004 GB/s stays 0.004, not 0.0)."""
+    return float(f"{x:.{digits}g}")
 
 
 # ---- the prediction ------------------------------------------------------------------------------------

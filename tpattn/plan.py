@@ -163,7 +163,9 @@ def world_sizes(a, shape: cm.Shape, g: int) -> list[int]:
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
 
 COLL_LABEL = {"allreduce": "all-reduce", "allgather": "all-gather", "reducescatter": "reduce-scatter"}
@@ -340,25 +342,45 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ---- measuring on a GPU: shared by --calibrate and scripts/validate_model.py ---------------------------
+# (they also run on CPU, gloo and the torch reference standing in for every kernel, when
+# TPATTN_PLAN_ALLOW_CPU=1: a smoke test of the whole flow for CI; the numbers mean nothing)
 
 MiB = 2**20
 COLLECTIVE_SIZES = [8 * MiB, 16 * MiB, 32 * MiB, 64 * MiB, 128 * MiB, 256 * MiB]
+CPU_SMOKE = "TPATTN_PLAN_ALLOW_CPU"
 
 
-def events_ms(fn, warmup: int, iters: int) -> float:
-    """Median over iters of fn() between two CUDA events, after warmup calls."""
+def _sync(device) -> None:
     import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def events_ms(fn, warmup: int, iters: int, device=None) -> float:
+    """Median over iters of fn() between two CUDA events (on CPU: the clock), after warmup calls."""
+    import torch
+    cuda = device is None or torch.device(device).type == "cuda"
     for _ in range(warmup):
         fn()
     ts = []
     for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(ts)
+
+
+def backend_for(kernel: str, device) -> str:
+    """The backend that runs `kernel` here: itself on a GPU, the torch reference on CPU (smoke test)."""
+    return kernel if device.type == "cuda" else "reference"
 
 
 def build_layer(h: int, heads: int, head_dim: int, kernel: str, causal: bool, device, dtype="fp16", group=None,
@@ -369,30 +391,41 @@ def build_layer(h: int, heads: int, head_dim: int, kernel: str, causal: bool, de
 
     from .layer import TensorParallelAttention
     from .sharding import head_range
-    from .weights import head_weights
     dt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    backend = backend_for(kernel, device)
     if group is not None:
         import torch.distributed as dist
         rng = head_range(heads, dist.get_world_size(group), dist.get_rank(group))
-        w = head_weights(rng, heads, head_dim, seed, dt, device)
-        return TensorParallelAttention(**w, heads=heads, head_dim=head_dim, backend=kernel, causal=causal,
+        w = _weights(rng, heads, head_dim, seed, dt, device)
+        return TensorParallelAttention(**w, heads=heads, head_dim=head_dim, backend=backend, causal=causal,
                                        group=group, reduce_dtype=reduce_dtype)
-    w = head_weights(range(h), heads, head_dim, seed, dt, device)
-    return TensorParallelAttention(**w, heads=h, head_dim=head_dim, backend=kernel, causal=causal, group=None,
+    w = _weights(range(h), heads, head_dim, seed, dt, device)
+    return TensorParallelAttention(**w, heads=h, head_dim=head_dim, backend=backend, causal=causal, group=None,
                                    reduce_dtype=reduce_dtype)
+
+
+_weight_cache: dict = {}
+
+
+def _weights(rng: range, heads: int, head_dim: int, seed: int, dt, device) -> dict:
+    """head_weights, generated once per set of heads (they are made on the CPU: seconds at D = 4096)."""
+    from .weights import head_weights
+    key = (rng.start, rng.stop, heads, head_dim, seed, str(dt), str(device))
+    if key not in _weight_cache:
+        _weight_cache.clear()  # one set at a time: a few hundred MiB of device memory each
+        _weight_cache[key] = head_weights(rng, heads, head_dim, seed, dt, device)
+    return _weight_cache[key]
 
 
 def time_layer(layer, x, warmup: int, iters: int) -> dict[str, float]:
     """The layer as python -m tpattn times it: per iteration one call timed whole (CUDA events,
     "total") and its host time ("host": until the call returns), then one call with a timer around
     every pass. Medians over the iterations, ms."""
-    import torch
-
     from .timing import Timer
     timer = Timer(x.device)
     for _ in range(warmup):
         layer(x)
-    torch.cuda.synchronize(x.device)
+    _sync(x.device)
     samples: dict[str, list[float]] = {}
     for _ in range(iters):
         with timer.section("total"):
@@ -414,7 +447,7 @@ def _collective_fns():
 
 def time_collective(kind: str, nbytes: int, device, warmup: int, iters: int) -> float:
     """This rank's median ms of one collective of nbytes (the whole tensor, nccl-tests' size) on the
-    default group: a barrier, then the call between two CUDA events."""
+    default group: a barrier, then the call between two CUDA events (on CPU: the clock)."""
     import torch
     dist, ag, rs = _collective_fns()
     W = dist.get_world_size()
@@ -425,16 +458,24 @@ def time_collective(kind: str, nbytes: int, device, warmup: int, iters: int) -> 
     part = torch.ones(n // W, dtype=dt, device=device)
     op = {"allreduce": lambda: dist.all_reduce(whole), "allgather": lambda: ag(whole, part),
           "reducescatter": lambda: rs(part, whole)}[kind]
+    cuda = device.type == "cuda"
     ts = []
     for i in range(warmup + iters):
-        dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        op()
-        b.record()
-        b.synchronize()
+        if cuda:
+            dist.barrier(device_ids=[device.index])
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            op()
+            b.record()
+            b.synchronize()
+            ms = a.elapsed_time(b)
+        else:
+            dist.barrier()
+            t0 = time.perf_counter()
+            op()
+            ms = (time.perf_counter() - t0) * 1e3
         if i >= warmup:
-            ts.append(a.elapsed_time(b))
+            ts.append(ms)
     return statistics.median(ts)
 
 
@@ -448,25 +489,26 @@ def gather(obj) -> list:
     return out
 
 
-def start_ranks(timeout: float = 600.0):
-    """(proc, device) for a GPU measurement: launcher discovery, this rank's GPU, and an NCCL process
+def start_ranks(timeout: float = 600.0, what: str = "--calibrate"):
+    """(proc, device) for a measurement: launcher discovery, this rank's GPU, and an NCCL process
     group when there are several ranks. One node only: the measurements are of one node."""
     import torch
 
     from . import dist as tpdist
-    if not torch.cuda.is_available():
-        raise PlanError(f"--calibrate needs a CUDA GPU and none is visible to torch (torch {torch.__version__}); "
+    cpu = not torch.cuda.is_available()
+    if cpu and os.environ.get(CPU_SMOKE) != "1":
+        raise PlanError(f"{what} needs a CUDA GPU and none is visible to torch (torch {torch.__version__}); "
                         "run it on the GPU machine")
     proc = tpdist.discover()
     if proc.world > 1 and proc.local_world != proc.world:
         raise PlanError(f"{proc.world} ranks over several nodes: calibrate one node (its GPUs and NVLink); "
                         "describe the network in the machine file")
-    if proc.local_world > torch.cuda.device_count():
+    if not cpu and proc.local_world > torch.cuda.device_count():
         raise PlanError(f"{proc.local_world} ranks but {torch.cuda.device_count()} GPU(s): one rank per GPU")
-    device = tpdist.pick_device(proc, "cuda")
+    device = tpdist.pick_device(proc, "cpu" if cpu else "cuda")
     tpdist.rendezvous(proc, timeout)
     if proc.world > 1:
-        tpdist.init_process_group(proc, "nccl", device, timeout)
+        tpdist.init_process_group(proc, "gloo" if cpu else "nccl", device, timeout)
     return proc, device
 
 
@@ -483,21 +525,44 @@ def finish_ranks(proc, code: int) -> None:
 
 # ---- --calibrate -------------------------------------------------------------------------------------
 
-GRID_N = (1024, 2048, 4096, 8192, 16384)
-GRID_H = (4, 8, 16, 32)
-CAUSAL_GRID = ((16, 4096), (32, 4096), (32, 8192))
+
+class Sizes:
+    """What --calibrate measures: full, --quick, or the CPU smoke test's toy sizes."""
+    heads, head_dim = 32, 128
+    gemm, fp32_gemm, copy_elems = (4096, 8192), 4096, 2**28
+    grid_n, grid_h = (1024, 2048, 4096, 8192, 16384), (4, 8, 16, 32)
+    causal = ((16, 4096), (32, 4096), (32, 8192))
+    out_heads, out_rows, epilogue_rows = (4, 8, 16, 32), (1024, 4096, 16384), (512, 2048, 4096, 16384)
+    collectives, multi_n, warmup, iters = tuple(COLLECTIVE_SIZES), 4096, 2, 5
+    naive_work = 32 * 8192**2   # h x N^2 at most: ~0.7 s a call
 
 
-def calibration_shapes(kernel: str, quick: bool = False, free_bytes: int | None = None) -> list[tuple[int, int, bool]]:
+class QuickSizes(Sizes):
+    gemm, grid_n, grid_h, causal = (4096,), (1024, 4096), (8, 32), ((32, 4096),)
+    out_rows, epilogue_rows, collectives, warmup, iters = (4096,), (4096,), tuple(COLLECTIVE_SIZES[2:5]), 1, 3
+
+
+class CpuSizes(Sizes):
+    heads, head_dim = 8, 32
+    gemm, fp32_gemm, copy_elems = (256,), 256, 2**20
+    grid_n, grid_h, causal = (64, 128), (2, 4), ((4, 128),)
+    out_heads, out_rows, epilogue_rows = (2, 4), (128,), (128,)
+    collectives, multi_n, warmup, iters = (MiB // 4, MiB // 2), 128, 1, 2
+
+
+GRID_N, GRID_H, CAUSAL_GRID = Sizes.grid_n, Sizes.grid_h, Sizes.causal
+
+
+def calibration_shapes(kernel: str, quick: bool = False, free_bytes: int | None = None,
+                       sizes: type[Sizes] | None = None) -> list[tuple[int, int, bool]]:
     """(h, N, causal) at which a kernel is calibrated: a grid over heads per rank and sequence length
     (naive kept to <= 32 heads x 8192^2 of work, the score matrices to half the free memory), and
-    three causal shapes."""
-    grid_n, grid_h = ((1024, 4096), (8, 32)) if quick else (GRID_N, GRID_H)
+    a few causal shapes."""
+    sz = sizes or (QuickSizes if quick else Sizes)
     out = []
-    for causal, shapes in ((False, [(h, n) for h in grid_h for n in grid_n]),
-                           (True, CAUSAL_GRID[:1] if quick else CAUSAL_GRID)):
+    for causal, shapes in ((False, [(h, n) for h in sz.grid_h for n in sz.grid_n]), (True, sz.causal)):
         for h, n in shapes:
-            if kernel == "naive" and h * n * n > 32 * 8192 ** 2:
+            if kernel == "naive" and h * n * n > sz.naive_work:
                 continue
             if free_bytes is not None and cm.STRIDED.get(kernel) is False and 2 * h * n * n * 2 > free_bytes // 2:
                 continue
@@ -521,7 +586,7 @@ def build_machine(meas: dict) -> dict:
     passes: dict[str, list] = {}
     add = lambda key, pt: passes.setdefault(key, []).append(pt)  # noqa: E731
     for m_, k_, n_, ms in peaks["tensor"]:
-        add("qkv_proj", {"M": m_, "K": k_, "N": n_, "dtype": "fp16", "out": "fp16", "ms": round(ms, 5), "src": "peak GEMM"})
+        add("qkv_proj", {"M": m_, "K": k_, "N": n_, "dtype": "fp16", "out": "fp16", "ms": cm.sig(ms, 5), "src": "peak GEMM"})
     for run in meas["layer"]:
         h, n, d, causal = run["h"], run["N"], run["d"], run["causal"]
         D = run["heads"] * d
@@ -530,29 +595,30 @@ def build_machine(meas: dict) -> dict:
         for name in ("qk", "softmax", "pv", "fused"):
             if name in p:
                 add(f"{run['kernel']}.{name}{suffix}", {"B": 1, "h": h, "N": n, "d": d, "dtype": "fp16", "causal": causal,
-                                                       "ms": round(p[name], 5), "src": "layer, 1 rank"})
+                                                       "ms": cm.sig(p[name], 5), "src": "layer, 1 rank"})
         if causal:
             continue
         if cm.STRIDED[run["kernel"]] and "qkv_proj" in p:  # no relayout inside the pass
-            add("qkv_proj", {"M": n, "K": D, "N": 3 * h * d, "dtype": "fp16", "out": "fp16", "ms": round(p["qkv_proj"], 5),
+            add("qkv_proj", {"M": n, "K": D, "N": 3 * h * d, "dtype": "fp16", "out": "fp16", "ms": cm.sig(p["qkv_proj"], 5),
                              "src": f"layer, 1 rank, {run['kernel']}"})
         if "out_proj" in p:
-            add("out_proj", {"M": n, "K": h * d, "N": D, "dtype": "fp16", "out": "fp16", "ms": round(p["out_proj"], 5),
+            add("out_proj", {"M": n, "K": h * d, "N": D, "dtype": "fp16", "out": "fp16", "ms": cm.sig(p["out_proj"], 5),
                              "src": "layer, 1 rank (fp16 result, bias in the epilogue)"})
     for m_, k_, n_, ms in meas.get("out_fp32", []):
-        add("out_proj", {"M": m_, "K": k_, "N": n_, "dtype": "fp16", "out": "fp32", "ms": round(ms, 5),
+        add("out_proj", {"M": m_, "K": k_, "N": n_, "dtype": "fp16", "out": "fp32", "ms": cm.sig(ms, 5),
                          "src": "output GEMM with an fp32 result (the partials)"})
     for key in ("relayout", "epilogue"):
         for b, ms in meas.get(key, []):
-            add(key, {"bytes": b, "ms": round(ms, 5), "src": key})
-    name = meas.get("name") or f"{meas['gpu'].replace('NVIDIA ', '').replace(' ', '_').lower()}x{meas['world']}"
+            add(key, {"bytes": b, "ms": cm.sig(ms, 5), "src": key})
+    gpu_word = "".join(c if c.isalnum() else "_" for c in meas["gpu"].replace("NVIDIA ", "").split(" (")[0]).lower()
+    name = meas.get("name") or f"{gpu_word}x{meas['world']}"
     data = {
         "name": name,
         "description": f"calibrated: {meas['world']} rank(s) on {meas['gpu']}; {meas['date']}; "
                        + ", ".join(f"{k} {v}" for k, v in meas.get("versions", {}).items()),
         "gpu": meas["gpu"], "gpus_per_node": int(meas["gpus_per_node"]), "max_nodes": 1,
-        "memory_GiB": round(meas["free_bytes"] / 2**30, 2),
-        "peaks": {"tensor_tflops": round(tensor, 1), "fp32_tflops": round(fp32, 2), "mem_GBps": round(bw, 0)},
+        "memory_GiB": cm.sig(meas["free_bytes"] / 2**30),
+        "peaks": {"tensor_tflops": cm.sig(tensor), "fp32_tflops": cm.sig(fp32), "mem_GBps": cm.sig(bw)},
         "passes": passes,
         "sources": {
             "peaks.tensor_tflops": f"{how}: the best fp16 torch.mm of {', '.join(f'{m}x{k}x{n}' for m, k, n, _ in peaks['tensor'])}",
@@ -573,7 +639,7 @@ def build_machine(meas: dict) -> dict:
             if colls.get(kind):
                 per[kind] = cm.fit_alpha_beta(colls[kind], kind, W, step)
         data["links"] = {"nvlink": {**main, "step_us": step, "per_collective": per,
-                                    "measured": {k: [[b, round(ms, 5)] for b, ms in v] for k, v in colls.items()}}}
+                                    "measured": {k: [[b, cm.sig(ms, 5)] for b, ms in v] for k, v in colls.items()}}}
         data["sources"]["links.nvlink"] = (f"{how}: NCCL all-reduce, all-gather, reduce-scatter over {W} GPUs at "
                                            f"{', '.join(f'{b // MiB}' for b, _ in colls['allreduce'])} MiB (barrier, "
                                            "then CUDA events; the slowest rank's median), fitted by least squares on "
@@ -668,99 +734,111 @@ def _measure(a, proc, device, argv) -> dict:
     from .weights import layer_input
     global _T0
     _T0 = time.monotonic()
-    warm, iters = (1, 3) if a.quick else (2, 5)
-    free, _ = torch.cuda.mem_get_info(device)
-    gpu = torch.cuda.get_device_name(device)
+    cuda = device.type == "cuda"
+    sz = (QuickSizes if a.quick else Sizes) if cuda else CpuSizes
+    warm, iters = sz.warmup, sz.iters
+    timed = lambda fn, w=warm, i=iters: events_ms(fn, w, i, device)  # noqa: E731
+    empty_cache = torch.cuda.empty_cache if cuda else (lambda: None)
+    if cuda:
+        free, _ = torch.cuda.mem_get_info(device)
+        gpu = torch.cuda.get_device_name(device)
+    else:
+        free, gpu = 8 * 2**30, "cpu (smoke test: the torch reference stands in for every kernel)"
     _say(proc, f"{proc.world} rank(s), {gpu}, {free / 2**30:.1f} GiB free")
+    f16 = torch.float16 if cuda else torch.float32  # CPU: fp32 GEMMs (fp16 matmul on CPU is slow or missing)
     peaks = {"tensor": [], "fp32": [], "copy": []}
-    for n in ((4096,) if a.quick else (4096, 8192)):
-        x, y = (torch.randn(n, n, device=device, dtype=torch.float16) for _ in range(2))
+    for n in sz.gemm:
+        x, y = (torch.randn(n, n, device=device, dtype=f16) for _ in range(2))
         out = torch.empty_like(x)
-        peaks["tensor"].append((n, n, n, events_ms(lambda: torch.mm(x, y, out=out), 3, 10)))
+        peaks["tensor"].append((n, n, n, timed(lambda: torch.mm(x, y, out=out), 3, 10)))
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        x, y = (torch.randn(4096, 4096, device=device) for _ in range(2))
+        n = sz.fp32_gemm
+        x, y = (torch.randn(n, n, device=device) for _ in range(2))
         out = torch.empty_like(x)
-        peaks["fp32"].append((4096, 4096, 4096, events_ms(lambda: torch.mm(x, y, out=out), 2, 5)))
+        peaks["fp32"].append((n, n, n, timed(lambda: torch.mm(x, y, out=out), 2, 5)))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    src = torch.empty(2**28, device=device)  # 1 GiB
+    src = torch.empty(sz.copy_elems, device=device)
     dst = torch.empty_like(src)
-    peaks["copy"].append((2 * src.numel() * 4, events_ms(lambda: dst.copy_(src), 3, 10)))
+    peaks["copy"].append((2 * src.numel() * 4, timed(lambda: dst.copy_(src), 3, 10)))
     del x, y, out, src, dst
-    torch.cuda.empty_cache()
+    empty_cache()
     _say(proc, f"peaks: fp16 GEMM {max(2 * m ** 3 / (ms * 1e9) for m, _, _, ms in peaks['tensor']):.0f} TFLOP/s, "
                f"copy {peaks['copy'][0][0] / (peaks['copy'][0][1] * 1e6):.0f} GB/s")
-    heads, d = 32, 128
+    heads, d = sz.heads, sz.head_dim
     D = heads * d
+    dt = torch.float16 if cuda else torch.float32
     runs = []
     for kernel in a.kernels:
-        shapes = calibration_shapes(kernel, a.quick, free)
+        shapes = calibration_shapes(kernel, free_bytes=free, sizes=sz)
         t0 = time.monotonic()
         for h, n, causal in shapes:
-            layer = build_layer(h, heads, d, kernel, causal, device)
-            x = layer_input(1, n, D, 0, torch.float16, device)
-            kw, ki = (1, 3) if kernel == "naive" else (warm, iters)
+            layer = build_layer(h, heads, d, kernel, causal, device, dtype="fp16" if cuda else "fp32")
+            x = layer_input(1, n, D, 0, dt, device)
+            kw, ki = (1, min(iters, 3)) if kernel == "naive" else (warm, iters)
             p = time_layer(layer, x, kw, ki)
             runs.append({"kernel": kernel, "h": h, "N": n, "d": d, "heads": heads, "causal": causal, "passes": p})
             del layer, x
-            torch.cuda.empty_cache()
+            empty_cache()
         _say(proc, f"{kernel}: {len(shapes)} shapes in {time.monotonic() - t0:.0f} s")
     try:
         from .layer import _mm
     except ImportError:  # the layer's GEMM helper renamed: torch's own fp32-result GEMM
-        def _mm(a_, b_, dt, out=None):
-            return torch.mm(a_, b_, out_dtype=dt, out=out)
+        def _mm(a_, b_, out_dtype, out=None):
+            return torch.mm(a_, b_, out_dtype=out_dtype, out=out)
     out_fp32, relayout, epilogue = [], [], []
-    for h in (4, 8, 16, 32):
-        for n in ((4096,) if a.quick else (1024, 4096, 16384)):
-            o = torch.randn(n, h * d, device=device, dtype=torch.float16)
-            wo = torch.randn(h * d, D, device=device, dtype=torch.float16) / 64
+    for h in sz.out_heads:
+        for n in sz.out_rows:
+            o = torch.randn(n, h * d, device=device, dtype=dt)
+            wo = torch.randn(h * d, D, device=device, dtype=dt) / 64
             part = torch.empty(n, D, device=device, dtype=torch.float32)
-            out_fp32.append((n, h * d, D, events_ms(lambda: _mm(o, wo, torch.float32, out=part), warm, iters)))
-            qkv = torch.randn(1, n, 3, h, d, device=device, dtype=torch.float16)
-            relayout.append((2 * qkv.numel() * 2, events_ms(
-                lambda: [t.contiguous() for t in qkv.permute(2, 0, 3, 1, 4).unbind(0)], warm, iters)))
-            oc = torch.randn(1, h, n, d, device=device, dtype=torch.float16)
-            orow = torch.empty(1, n, h, d, device=device, dtype=torch.float16)
-            relayout.append((2 * oc.numel() * 2, events_ms(lambda: orow.permute(0, 2, 1, 3).copy_(oc), warm, iters)))
+            out_fp32.append((n, h * d, D, timed(lambda: _mm(o, wo, torch.float32, out=part))))
+            qkv = torch.randn(1, n, 3, h, d, device=device, dtype=dt)
+            relayout.append((2 * qkv.numel() * qkv.element_size(), timed(
+                lambda: [t.contiguous() for t in qkv.permute(2, 0, 3, 1, 4).unbind(0)])))
+            oc = torch.randn(1, h, n, d, device=device, dtype=dt)
+            orow = torch.empty(1, n, h, d, device=device, dtype=dt)
+            relayout.append((2 * oc.numel() * oc.element_size(), timed(lambda: orow.permute(0, 2, 1, 3).copy_(oc))))
             del o, wo, part, qkv, oc, orow
-    bo = torch.randn(D, device=device, dtype=torch.float16)
-    for rows in ((4096,) if a.quick else (512, 2048, 4096, 16384)):
+    bo = torch.randn(D, device=device, dtype=dt)
+    for rows in sz.epilogue_rows:
         part = torch.randn(rows, D, device=device)
-        y = torch.empty(rows, D, device=device, dtype=torch.float16)
-        epilogue.append((rows * D * 6, events_ms(lambda: torch.add(part, bo.to(part.dtype), out=y), warm, iters)))
+        y = torch.empty(rows, D, device=device, dtype=dt)
+        epilogue.append((rows * D * (4 + y.element_size()), timed(lambda: torch.add(part, bo.to(part.dtype), out=y))))
         del part, y
-    torch.cuda.empty_cache()
+    empty_cache()
     _say(proc, "GEMM with fp32 result, relayouts and the bias + cast timed")
     colls: dict[str, list] = {}
     multi = []
     if proc.world > 1:
         for kind in ("allreduce", "allgather", "reducescatter"):
-            for nbytes in (COLLECTIVE_SIZES[2:5] if a.quick else COLLECTIVE_SIZES):
-                mine = time_collective(kind, nbytes, device, 3, 5 if a.quick else 10)
+            for nbytes in sz.collectives:
+                mine = time_collective(kind, nbytes, device, 3, 10 if cuda and not a.quick else iters)
                 colls.setdefault(kind, []).append((nbytes, max(gather(mine))))
-            torch.cuda.empty_cache()
-        _say(proc, "collectives: " + ", ".join(f"{k} {b // MiB} MiB {ms * 1e3:.0f} us" for k, v in colls.items()
-                                               for b, ms in v if b == 64 * MiB))
+            empty_cache()
+        _say(proc, "collectives: " + ", ".join(f"{k} {b / MiB:g} MiB {ms * 1e3:.0f} us" for k, v in colls.items()
+                                               for b, ms in v[-1:]))
         import torch.distributed as dist
         for kernel in [k for k in ("fused", "tiled", "naive") if k in a.kernels][:1]:
-            n, h = 4096, heads // proc.world
-            layer = build_layer(h, heads, d, kernel, False, device, group=dist.group.WORLD)
-            x = layer_input(1, n, D, 0, torch.float16, device)
+            n, h = sz.multi_n, heads // proc.world
+            layer = build_layer(h, heads, d, kernel, False, device, dtype="fp16" if cuda else "fp32",
+                                group=dist.group.WORLD)
+            x = layer_input(1, n, D, 0, dt, device)
             p = gather(time_layer(layer, x, warm, iters))[0]
             ncoll = len(layer.collective_nbytes(1, n))
             multi.append({"kernel": kernel, "h": h, "N": n, "passes": p, "collectives": ncoll})
             del layer, x
             if not any(r["kernel"] == kernel and r["h"] == h and r["N"] == n and not r["causal"] for r in runs):
-                lay1 = build_layer(h, heads, d, kernel, False, device)
-                x = layer_input(1, n, D, 0, torch.float16, device)
+                lay1 = build_layer(h, heads, d, kernel, False, device, dtype="fp16" if cuda else "fp32")
+                x = layer_input(1, n, D, 0, dt, device)
                 runs.append({"kernel": kernel, "h": h, "N": n, "d": d, "heads": heads, "causal": False,
                              "passes": time_layer(lay1, x, warm, iters)})
                 del lay1, x
     everyone = gather(runs)
-    return {"gpu": gpu, "gpus_per_node": torch.cuda.device_count(), "free_bytes": free, "world": proc.world,
+    return {"gpu": gpu, "gpus_per_node": torch.cuda.device_count() if cuda else proc.local_world,
+            "free_bytes": free, "world": proc.world,
             "command": "python -m tpattn.plan " + " ".join(argv) + (f" ({proc.world} ranks)" if proc.world > 1 else ""),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "versions": {k: v for k, v in report.versions().items() if k in ("torch", "cuda", "cupy", "nccl")},
