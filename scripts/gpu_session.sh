@@ -13,6 +13,8 @@
 #   faults  every fault of the README's table over NCCL (scripts/nccl_faults.sh), the GPU fault tests
 #   layertests  pytest -m gpu for the layer's styles and for faults over NCCL (2 GPUs)
 #   checks  the refusals that need a GPU: NaN in --load, the memory pre-flight, N^2 > 2^31 run
+#   model   the cost model: python -m tpattn.plan --calibrate on 1 GPU and (mpirun) on 2, then
+#           scripts/validate_model.py (the layer and the bare NCCL collectives against the predictions)
 #   gqa     grouped-query attention: pytest -m gpu -k gqa (naive, tiled, fused; the layer over gloo on
 #           one GPU and, with 2 GPUs, over NCCL), scripts/bench_gqa.py (fused with H = 32, G = 32, 8, 1,
 #           d = 128, N = 4096 and 16384 beside SDPA flash/cuDNN given the same grouped K/V, causal and
@@ -149,6 +151,29 @@ if want gqa; then
         --json "$OUT/gqa/layer_np${w}_kv${g}.json" </dev/null 2>&1 | tee -a "$OUT/gqa.log" \
         | grep -E "rank [0-9]+:|RESULT|check|error|failed" || status=1
     done
+  done
+fi
+if want model; then
+  # The cost model (python -m tpattn.plan): calibrate on one GPU, then on two (NCCL collectives too),
+  # then the layer on 1 and 2 GPUs and the bare collectives at 8-256 MiB against the predictions of the
+  # 2-GPU calibration (judged), the shipped h200x2 file and the 1-GPU calibration. All under $OUT/model.
+  note "cost model: calibrate on 1 GPU, on 2 GPUs, validate"
+  mkdir -p "$OUT/model"
+  gpus=$(nvidia-smi -L | wc -l)
+  python3 -m tpattn.plan --calibrate --name h200_1gpu --out "$OUT/model/h200_1gpu.json" </dev/null 2>&1 \
+    | tee "$OUT/model/calibrate_1gpu.log" || status=1
+  if [ "$gpus" -ge 2 ]; then
+    mpirun -n 2 python3 -m tpattn.plan --calibrate --name h200x2_cal --out "$OUT/model/h200x2_cal.json" </dev/null 2>&1 \
+      | tee "$OUT/model/calibrate_2gpu.log" || status=1
+    mpirun -n 2 python3 scripts/validate_model.py --machine "$OUT/model/h200x2_cal.json" h200x2 "$OUT/model/h200_1gpu.json" \
+      --out "$OUT/model" </dev/null 2>&1 | tee "$OUT/model/validate.log" || status=1
+  else
+    python3 scripts/validate_model.py --machine "$OUT/model/h200_1gpu.json" h200x2 --out "$OUT/model" </dev/null 2>&1 \
+      | tee "$OUT/model/validate.log" || status=1
+  fi
+  for k in naive fused; do
+    python3 -m tpattn.plan --machine "$OUT/model/h200x2_cal.json" --kernel "$k" --world-sizes 1 2 </dev/null 2>&1 \
+      | tee -a "$OUT/model/plan.log" || status=1
   done
 fi
 exit $status
