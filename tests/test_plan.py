@@ -442,7 +442,7 @@ def test_calibration_shapes_bound_the_naive_work_and_the_memory():
     tiled = plan.calibration_shapes("tiled", free_bytes=40 * 2**30)
     assert all(2 * h * n * n * 2 <= 20 * 2**30 for h, n, _ in tiled) and (32, 16384, False) not in tiled
     assert (32, 16384, False) in plan.calibration_shapes("fused", free_bytes=40 * 2**30)
-    assert math.prod(len(x) for x in (plan.GRID_N, plan.GRID_H)) == 20
+    assert math.prod(len(x) for x in (plan.GRID_N, plan.GRID_H)) == 30 and 1 in plan.GRID_H
 
 
 def test_calibrate_without_a_gpu_one_line(tmp_path):

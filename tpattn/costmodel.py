@@ -689,7 +689,7 @@ def _config(shape: Shape):
     kw = dict(seq_len=shape.seq_len, heads=shape.heads, head_dim=shape.head_dim, batch=shape.batch,
               dtype=shape.dtype, kernel=shape.kernel, causal=shape.causal, device="cuda", check=False,
               reduce_dtype=shape.reduce_dtype, sequence_parallel=shape.sequence_parallel, overlap=shape.overlap,
-              output_collective=shape.output_collective)
+              output_collective=shape.output_collective, kv_heads=shape.kv)
     return Config(**{k: v for k, v in kw.items() if k in names})
 
 

@@ -530,7 +530,7 @@ class Sizes:
     """What --calibrate measures: full, --quick, or the CPU smoke test's toy sizes."""
     heads, head_dim = 32, 128
     gemm, fp32_gemm, copy_elems = (4096, 8192), 4096, 2**28
-    grid_n, grid_h = (1024, 2048, 4096, 8192, 16384), (4, 8, 16, 32)
+    grid_n, grid_h = (1024, 2048, 4096, 8192, 16384), (1, 2, 4, 8, 16, 32)
     causal = ((16, 4096), (32, 4096), (32, 8192))
     out_heads, out_rows, epilogue_rows = (4, 8, 16, 32), (1024, 4096, 16384), (512, 2048, 4096, 16384)
     collectives, multi_n, warmup, iters = tuple(COLLECTIVE_SIZES), 4096, 2, 5
