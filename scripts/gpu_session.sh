@@ -15,10 +15,12 @@
 #   checks  the refusals that need a GPU: NaN in --load, the memory pre-flight, N^2 > 2^31 run
 #   model   the cost model: python -m tpattn.plan --calibrate on 1 GPU and (mpirun) on 2, then
 #           scripts/validate_model.py (the layer and the bare NCCL collectives against the predictions)
-#   gqa     grouped-query attention: pytest -m gpu -k gqa (naive, tiled, fused; the layer over gloo on
-#           one GPU and, with 2 GPUs, over NCCL), scripts/bench_gqa.py (fused with H = 32, G = 32, 8, 1,
-#           d = 128, N = 4096 and 16384 beside SDPA flash/cuDNN given the same grouped K/V, causal and
-#           not), and the layer with --kv-heads 8 under mpirun (1 GPU; 2 GPUs where there are 2)
+#   gqa     grouped-query attention, both of:
+#     gqatests  pytest -m gpu -k gqa (naive, tiled, fused; the layer over gloo on one GPU and, with 2
+#               GPUs, over NCCL)
+#     gqabench  scripts/bench_gqa.py (fused with H = 32, G = 32, 8, 1, d = 128, N = 4096 and 16384
+#               beside SDPA flash/cuDNN given the same grouped K/V, causal and not), and the layer
+#               with --kv-heads 8 and 1 under mpirun (1 GPU; 2 GPUs where there are 2)
 # Logs and JSON go to $OUT (default results/). Usage: bash scripts/gpu_session.sh [STEP]... (default all)
 set -u -o pipefail
 OUT=${OUT:-results}
@@ -132,11 +134,13 @@ w['wk'][7, 7] = float('nan'); torch.save(w, '/tmp/nan.pt')"
     python3 -m tpattn --kernel naive --seq-len 50000 --heads 1 --head-dim 128 --warmup 0 --iters 1; echo "exit $?"
   } 2>&1 | tee "$OUT/gpu_checks.log"
 fi
-if want gqa; then
-  mkdir -p "$OUT/gqa"
+if want gqa || want gqatests; then
   note "pytest -m gpu -k gqa"
   python3 -m pytest -m gpu -k gqa -q -p no:warnings --tb=short tests/test_gpu.py tests/test_gpu_ladder.py \
     tests/test_gpu_layer.py 2>&1 | tee "$OUT/pytest_gpu_gqa.log" | tail -30 || status=1
+fi
+if want gqa || want gqabench; then
+  mkdir -p "$OUT/gqa"
   note "bench_gqa (non-causal, then causal)"
   for c in "" "--causal"; do
     python3 scripts/bench_gqa.py $c --fused-configs 2:w4_m1_c64 --out "$OUT/gqa" 2>&1 | tee -a "$OUT/gqa.log" \

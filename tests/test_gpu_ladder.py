@@ -286,8 +286,8 @@ def test_fused_gqa_long_sequence_causal(fused_impl):
     assert rel_err(o[..., rows, :], attention64(q, ke, ve, True, rows)) <= TOL_F64["fp16"]
 
 
-@pytest.mark.parametrize("kernel", ["naive", "tiled", "fused"])
-@pytest.mark.parametrize("kv_heads,ranks", [(2, 2), (2, 4), (1, 4)])
+@pytest.mark.parametrize("kernel,kv_heads,ranks", [("naive", 2, 4), ("tiled", 2, 2), ("tiled", 1, 4),
+                                                    ("fused", 2, 2), ("fused", 1, 4)])
 def test_gqa_tensor_parallel_layer_sharing_one_gpu(tmp_path, kernel, kv_heads, ranks):
     """The layer with K/V heads split (2 over 2 ranks) and replicated (2 and 1 over 4), gloo."""
     r = tpattn(["--kernel", kernel, "--dist-backend", "gloo", "--seq-len", "1024", "--heads", "8",

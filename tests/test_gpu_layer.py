@@ -160,8 +160,7 @@ def test_fused_gqa_reads_packed_qkv_in_place(causal, h, g):
     assert torch.equal(rows.permute(0, 2, 1, 3), whole)
 
 
-@pytest.mark.parametrize("kernel", ["naive", "tiled", "fused"])
-@pytest.mark.parametrize("kv_heads", [8, 1])
+@pytest.mark.parametrize("kernel,kv_heads", [("naive", 8), ("tiled", 8), ("fused", 8), ("fused", 1)])
 def test_gqa_layer_over_nccl_on_two_gpus(tmp_path, kernel, kv_heads):
     """32 query heads on 8 K/V heads (4 each per rank) and on 1 (replicated on both ranks), 2 GPUs."""
     two_gpus()
@@ -176,8 +175,7 @@ def test_gqa_layer_over_nccl_on_two_gpus(tmp_path, kernel, kv_heads):
     assert [x["kv_heads"] for x in rep["world"]["ranks"]] == want
 
 
-@pytest.mark.parametrize("style", [["--causal"], ["--sequence-parallel"], ["--overlap", "2", "--causal"],
-                                   ["--cuda-graph"]])
+@pytest.mark.parametrize("style", [[], ["--overlap", "2", "--causal"], ["--sequence-parallel"], ["--cuda-graph"]])
 def test_gqa_layer_default_shape_styles_over_nccl(tmp_path, style):
     """The issue's shape: H = 32, G = 8, d = 128, N = 4096, --kernel fused, on 2 GPUs, each style."""
     two_gpus()

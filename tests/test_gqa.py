@@ -115,7 +115,8 @@ def test_head_chunks_never_split_a_kv_head_unevenly():
             chunks = ref_mod.head_chunks(h, group, chunk)
             assert [x for a, b in chunks for x in range(a, b)] == list(range(h))
             for a, b in chunks:
-                assert b - a <= max(chunk, 1) and ((a % group == 0 and (b - a) % group == 0) or a // group == (b - 1) // group)
+                whole_groups = a % group == 0 and (b - a) % group == 0
+                assert b - a <= chunk and (whole_groups or a // group == (b - 1) // group)
             assert _group_chunk(chunk, group) <= chunk
             c = _group_chunk(chunk, group)
             assert c % group == 0 or group % c == 0
