@@ -16,7 +16,7 @@ PASSES = ("qkv_proj", "fused", "qk", "softmax", "pv", "out_proj", "allreduce", "
 
 def row(rep: dict) -> dict:
     c, p = rep["config"], rep["passes"]
-    cmd = " ".join([f"{k}={v}" for k, v in rep.get("env", {}).items() if k != "NCCL_NVLS_ENABLE"]
+    cmd = " ".join([f"{k}={v}" for k, v in rep.get("env", {}).items() if k not in ("NCCL_NVLS_ENABLE", "NCCL_VERSION")]
                    + rep["command"][3:]) or "(defaults)"
     colls = rep.get("collectives") or {}
     e = rep.get("exposure") or {}

@@ -115,3 +115,13 @@ def test_unwritable_json_checked_before_the_run(tmp_path):
     assert r.returncode == 2 and r.elapsed < 60
     assert len(rank_lines(r)) == 2 and "--json" in r.stderr
     assert "per pass" not in r.stdout  # refused before running
+
+
+def test_nccl_usage_error_blames_no_peer():
+    """NCCL refusing a call (seen with NCCL_ALGO=Tree on a reduce-scatter) is this rank's settings,
+    not a peer that never joined: the line says so and names the fix."""
+    from tpattn import watch
+    line = watch.explain("reducescatter", 2, "NCCL error in: ProcessGroupNCCL.cpp:3780, invalid usage (run with "
+                         "NCCL_DEBUG=WARN for details), NCCL version 2.28.9")
+    assert line.startswith("reduce-scatter over 2 ranks failed (NCCL error")
+    assert "NCCL refused the call on this rank" in line and "NCCL_ALGO" in line and "never joined" not in line

@@ -217,6 +217,9 @@ def collective(name: str, world: int, cuda: bool):
 def explain(name: str, world: int, error: str) -> str:
     """The line for a collective that raised (gloo's timeout, a peer that closed the connection)."""
     what = f"{NAMES.get(name, name)} over {world} ranks failed ({error})"
+    if "invalid usage" in error or "invalid argument" in error:  # NCCL refused the call itself: no peer is to blame
+        return (f"{what}: NCCL refused the call on this rank; check NCCL_* settings in the environment "
+                "(NCCL_ALGO, NCCL_PROTO) and rerun with NCCL_DEBUG=WARN for its reason")
     if _watch is None:
         return f"{what}: a rank died, hangs or never joined it"
     gone = _watch.proc.dead_peers()
