@@ -9,6 +9,7 @@
 #           sharing the GPU, and mpirun -n 2 over gloo with --kernel fused
 #   speed   the layer at the default shape on 1 and 2 GPUs, each style (overlap, sequence parallel,
 #           CUDA graph), a table of them (scripts/layer_table.py)
+#   nccltune  the layer on 2 GPUs (CUDA graph) under NCCL channel/protocol/algorithm settings
 #   sweep   scripts/scaling.py at world sizes 1 and 2 (fused, naive) with the PyTorch peers
 #   faults  every fault of the README's table over NCCL (scripts/nccl_faults.sh), the GPU fault tests
 #   layertests  pytest -m gpu for the layer's styles and for faults over NCCL (2 GPUs)
@@ -102,6 +103,30 @@ if want speed; then
 2 --kernel naive
 RUNS
   python3 scripts/layer_table.py "$OUT"/speed/*.json --md "$OUT/speed/table.md" || status=1
+fi
+if want nccltune; then
+  # NCCL's channel and protocol settings on the layer's own collectives (CUDA graph: totals only).
+  note "NCCL settings: mpirun -x NAME=value -n 2 python -m tpattn --kernel fused --cuda-graph ..."
+  mkdir -p "$OUT/nccltune"
+  i=0
+  while read -r envs; do
+    for extra in "" "--reduce-dtype model"; do
+      i=$((i + 1)); xs=()
+      for e in $envs; do xs+=(-x "$e"); done
+      echo "--- mpirun ${xs[*]} -n 2 python -m tpattn --kernel fused --cuda-graph $extra"
+      mpirun "${xs[@]}" -n 2 python3 -m tpattn --kernel fused --cuda-graph $extra --iters 30 \
+        --json "$OUT/nccltune/$(printf %02d $i).json" </dev/null 2>&1 | grep -E "RESULT|error|failed" || status=1
+    done
+  done <<'ENVS'
+NCCL_DEBUG=WARN
+NCCL_MIN_CTAS=32
+NCCL_MIN_CTAS=64 NCCL_MAX_CTAS=64
+NCCL_PROTO=Simple
+NCCL_PROTO=LL128
+NCCL_ALGO=Tree
+NCCL_BUFFSIZE=16777216
+ENVS
+  python3 scripts/layer_table.py "$OUT"/nccltune/*.json --md "$OUT/nccltune/table.md" | cut -d"|" -f2-5,18 || status=1
 fi
 if want sweep; then
   # The sweep at world sizes 1 and 2 with the peers (DTensor, plain TP + SDPA default/flash/cuDNN,
