@@ -1,6 +1,7 @@
 """GPU tests (`pytest -m gpu`): the naive CUDA kernels against float64 and against the torch
 reference with the same rounding points, on odd shapes, with poisoned outputs; N^2 > 2^31;
-stream ordering with torch; several ranks on one GPU."""
+stream ordering with torch; several ranks on one GPU; grouped-query attention (`-k gqa`: fewer K/V
+heads than query heads), with helpers the ladder's GQA tests share."""
 
 import json
 import math
