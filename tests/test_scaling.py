@@ -152,8 +152,13 @@ def test_peers_match_ours_and_time_a_bare_allreduce(tmp_path, ranks):
 
     fwd = rep["per_forward"]
     coll = {k: [(c["dtype"], c["bytes"]) for c in v["collectives"]] for k, v in fwd.items()}
-    # tpattn's one all-reduce of fp32 partials; a group of one rank has nothing to sum and calls none
-    assert coll["ours"] == ([] if ranks == 1 else [("float32", 64 * D * 4)])
+    # tpattn's fp32 partials, split (64 rows divide by 2): a reduce-scatter (seen by its first tensor,
+    # this rank's half of the rows) and an all-gather of the fp16 output; a group of one rank has
+    # nothing to sum and calls none
+    assert coll["ours"] == ([] if ranks == 1 else [("float32", 64 * D * 4 // 2), ("float16", 64 * D * 2)])
+    ops = [c["op"] for c in fwd["ours"]["collectives"]]
+    assert len(ops) == (0 if ranks == 1 else 2)
+    assert all(a in op for a, op in zip(("reduce_scatter", "allgather"), ops)), ops
     if ranks == 1:
         assert coll["dtensor"] == [] and coll["plain_default"] == []
     else:  # one all-reduce in the model dtype for each peer, nothing else (no all-gather, no input redistribute)
