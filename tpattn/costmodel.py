@@ -319,8 +319,12 @@ def _resolve(name_or_path: str, relative_to: Path | None = None) -> Path:
     for c in cands:
         if c.is_file():
             return c
+    shipped = machine_names()
+    if not shipped:
+        raise MachineError(f"--machine {name_or_path}: no such file, and no machine files were installed with tpattn "
+                           f"({MACHINE_DIR}/*.json is missing); give the path of a machine file")
     raise MachineError(f"--machine {name_or_path}: no such file and no shipped machine of that name; "
-                       f"give a JSON file or one of {', '.join(machine_names())}")
+                       f"give a JSON file or one of {', '.join(shipped)}")
 
 
 def _read(path: Path, what: str) -> dict:
