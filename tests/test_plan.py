@@ -171,6 +171,26 @@ def test_ring_formula(toy, kind, steps, share):
     assert cm.collective_ms(m, kind, S, 1)["ms"] == 0.0
 
 
+def test_collective_inside_the_layer_costs_its_measured_extra(toy):
+    data = toy_machine()
+    data["links"]["nvlink"]["per_collective"] = {"allgather": {"layer_extra_us": 40.0}}
+    toy.write_text(json.dumps(data))
+    m = cm.load_machine(str(toy))
+    bare = cm.collective_ms(m, "allgather", 32 * MiB, 4)["ms"]
+    assert cm.collective_ms(m, "allgather", 32 * MiB, 4, in_layer=True)["ms"] == pytest.approx(bare + 0.040)
+    assert cm.collective_ms(m, "reducescatter", 32 * MiB, 4, in_layer=True)["ms"] == \
+        cm.collective_ms(m, "reducescatter", 32 * MiB, 4)["ms"]
+    # the layer's prediction uses the in-layer time
+    shape = cm.Shape(seq_len=512, heads=8, head_dim=64, kernel="fused", sequence_parallel=True)
+    r = cm.predict(m, shape, 4)
+    assert r["collectives"]["allgather"]["ms"] == pytest.approx(
+        cm.collective_ms(m, "allgather", 512 * 512 * 2, 4)["ms"] + 0.040)
+    data["links"]["nvlink"]["per_collective"]["allgather"]["layer_extra_us"] = "a lot"
+    toy.write_text(json.dumps(data))
+    with pytest.raises(cm.MachineError, match="layer_extra_us"):
+        cm.load_machine(str(toy))
+
+
 def test_hierarchical_collective(toy):
     m = cm.load_machine(str(toy))
     S = 64 * MiB
@@ -238,10 +258,14 @@ def test_shipped_machines_load_and_reproduce_their_anchors():
         m = cm.load_machine(name)
         assert m.data["sources"] and m.curves, name
     h200 = cm.load_machine("h200x2")
-    # the measured 1-GPU naive layer (benchmarks/layer_h200x2.md): qk 148.805, softmax 1.635, pv 27.326, total 179.188
+    # the measured 1-GPU naive layer (benchmarks/layer_h200x2.md): qk 148.6-148.9, pv 25.7-27.3, total 177.1-179.2
     r = cm.predict(h200, cm.Shape(kernel="naive"), 1)
-    assert r["passes"]["qk"] == pytest.approx(148.8, rel=0.01) and r["passes"]["pv"] == pytest.approx(27.3, rel=0.01)
-    assert r["end_to_end_ms"] == pytest.approx(179.188, rel=0.02)
+    assert r["passes"]["qk"] == pytest.approx(148.8, rel=0.01) and r["passes"]["pv"] == pytest.approx(26.5, rel=0.04)
+    # the 2-GPU fused layer of 2026-11-30 (split: reduce-scatter 0.161, all-gather 0.141 ms on the last rank)
+    r2 = cm.predict(h200, cm.Shape(kernel="fused"), 2)
+    assert r2["collectives"]["allgather"]["ms"] == pytest.approx(0.141, rel=0.02)
+    assert r2["end_to_end_ms"] == pytest.approx(1.122, rel=0.05)
+    assert r["end_to_end_ms"] == pytest.approx(177.130, rel=0.02)   # the 2026-11-30 run of today's layer
     # the bare NCCL all-reduce on the 2 H200s: 139 us at 32 MiB, 253 us at 64 MiB
     for nbytes, us in ((32 * MiB, 139), (64 * MiB, 253)):
         assert cm.collective_ms(h200, "allreduce", nbytes, 2)["ms"] * 1e3 == pytest.approx(us, rel=0.02)
@@ -407,7 +431,10 @@ def fake_measurements(world=2):
                                     "copy": [(2 * 2**30, 0.5)]},
             "layer": layer, "out_fp32": [(4096, 4096, 4096, 0.2)], "relayout": [(2**27, half(2**27))],
             "epilogue": [(6 * 2**24, half(6 * 2**24))], "collectives": coll if world > 1 else {},
-            "layer_multi": [{"kernel": "fused", "h": 32, "N": 4096, "passes": {"host": 0.9}, "collectives": 2}]
+            "layer_multi": [{"kernel": "fused", "h": 32, "N": 4096, "collectives": 2,
+                             "passes": {"host": 0.9, "reducescatter": coll["reducescatter"][3][1] + 0.025,
+                                        "allgather": coll["allgather"][2][1] + 0.060},
+                             "collective_bytes": {"reducescatter": 64 * MiB, "allgather": 32 * MiB}}]
             if world > 1 else []}
 
 
@@ -418,6 +445,9 @@ def test_build_machine_from_measurements(tmp_path):
     nvl = data["links"]["nvlink"]
     assert nvl["busbw_GBps"] == pytest.approx(300, rel=1e-3) and nvl["base_us"] == pytest.approx(18, abs=0.05)
     assert nvl["per_collective"]["allgather"]["busbw_GBps"] == pytest.approx(300, rel=1e-3)
+    # the layer's collectives took 25 and 60 us longer than the bare ones at the same bytes
+    assert nvl["per_collective"]["reducescatter"]["layer_extra_us"] == pytest.approx(25, abs=0.2)
+    assert nvl["per_collective"]["allgather"]["layer_extra_us"] == pytest.approx(60, abs=0.2)
     assert data["layer"]["overhead_ms"]["naive"] == pytest.approx(0.3, abs=1e-3)
     assert data["layer"]["host_ms"]["fused"] == 0.5 and data["layer"]["host_ms_per_collective"] == pytest.approx(0.2)
     path = tmp_path / "cal.json"

@@ -438,6 +438,9 @@ def validate_machine(data: dict, what: str = "machine file") -> None:
                 if f in c and (not _num(c[f]) or c[f] < 0 or (f == "busbw_GBps" and c[f] <= 0)):
                     raise MachineError(f"{what}: \"links.{lname}.per_collective.{cname}.{f}\" must be a positive "
                                        f"number (got {json.dumps(c[f])})")
+            if "layer_extra_us" in c and not _num(c["layer_extra_us"]):
+                raise MachineError(f"{what}: \"links.{lname}.per_collective.{cname}.layer_extra_us\" must be a "
+                                   f"number of us (got {json.dumps(c['layer_extra_us'])})")
     if links and "nvlink" not in links and data["gpus_per_node"] > 1:
         raise MachineError(f"{what}: \"links\" has no \"nvlink\" for the {data['gpus_per_node']} GPUs of a node; add it")
     passes = data.get("passes") or {}
@@ -613,7 +616,8 @@ def ring_steps_and_share(kind: str, p: int) -> tuple[int, float]:
     return p - 1, (p - 1) / p
 
 
-def collective_ms(m: Machine, kind: str, nbytes: int, world: int, gpus_per_node: int | None = None) -> dict:
+def collective_ms(m: Machine, kind: str, nbytes: int, world: int, gpus_per_node: int | None = None,
+                  in_layer: bool = False) -> dict:
     """Predicted time of one collective of nbytes (the whole tensor, nccl-tests' size) over `world`
     ranks, g per node.
 
@@ -622,7 +626,12 @@ def collective_ms(m: Machine, kind: str, nbytes: int, world: int, gpus_per_node:
     tensor), across the n nodes over the network, each GPU's own link carrying 1/g of the tensor (the
     share of n ranks); the chunks are pipelined through both, so the slower of the two bandwidth
     terms counts, and the latency of every step adds (NVLink steps at its alpha, network steps at the
-    network's)."""
+    network's).
+
+    in_layer: the collective as the layer runs it, after its compute: + the NVLink link's
+    per_collective layer_extra_us, which calibration measures as the layer's collective (on the last
+    rank to arrive) minus the bare one's model (ranks arriving apart, the collective's kernel next to
+    the layer's, the partial's allocation)."""
     if kind not in COLLECTIVE_NAMES:
         raise ModelError(f"unknown collective {kind}")
     g = gpus_per_node or m.gpus_per_node
@@ -650,12 +659,15 @@ def collective_ms(m: Machine, kind: str, nbytes: int, world: int, gpus_per_node:
         lat += steps_n * alpha_n
         bw_n_us = share_n * (nbytes / local) / (bw_n * 1e3)
         base = max(base, base_n)
-    us = base + lat + max(bw_l_us, bw_n_us)
+    extra = 0.0
+    if in_layer and nvl is not None:
+        extra = float(((nvl.get("per_collective") or {}).get(kind) or {}).get("layer_extra_us", 0.0))
+    us = max(0.0, base + lat + max(bw_l_us, bw_n_us) + extra)
     algo = (f"ring over {world} GPUs (NVLink)" if nodes == 1 else
             f"hierarchical: {local} GPUs/node (NVLink) x {nodes} nodes (network)")
     bound = "latency" if base + lat > max(bw_l_us, bw_n_us) else ("network" if bw_n_us > bw_l_us else "NVLink")
     return {"ms": us / 1e3, "algorithm": algo, "bytes": nbytes, "latency_us": base + lat,
-            "nvlink_us": bw_l_us, "network_us": bw_n_us, "bound": bound}
+            "nvlink_us": bw_l_us, "network_us": bw_n_us, "layer_extra_us": extra, "bound": bound}
 
 
 def fit_alpha_beta(points: list[tuple[int, float]], kind: str, world: int, step_us: float) -> dict:
@@ -721,7 +733,7 @@ def predict(m: Machine, shape: Shape, world: int, gpus_per_node: int | None = No
     passes: dict[str, float] = {}
     for s in detail:
         passes[s["pass"]] = passes.get(s["pass"], 0.0) + s["ms"]
-    coll = {k: collective_ms(m, k, n, world, g) for k, n in colls.items()}
+    coll = {k: collective_ms(m, k, n, world, g, in_layer=True) for k, n in colls.items()}
     overhead = 0.0 if shape.cuda_graph else m.layer("overhead_ms", shape.kernel, 0.1)
     other = passes.pop("other", 0.0) + overhead
     compute = sum(passes.values())

@@ -642,11 +642,19 @@ def build_machine(meas: dict) -> dict:
                 per[kind] = cm.fit_alpha_beta(colls[kind], kind, W, step)
         data["links"] = {"nvlink": {**main, "step_us": step, "per_collective": per,
                                     "measured": {k: [[b, cm.sig(ms, 5)] for b, ms in v] for k, v in colls.items()}}}
+        # a collective inside the layer against the bare one's model at the same bytes
+        bare = cm.Machine(name="bare", data=data, path="(calibration)")
+        for run in meas.get("layer_multi", []):
+            for kind, nbytes in (run.get("collective_bytes") or {}).items():
+                if kind in run["passes"] and kind in cm.COLLECTIVE_NAMES:
+                    model_us = cm.collective_ms(bare, kind, nbytes, W, max(W, int(meas["gpus_per_node"])))["ms"] * 1e3
+                    per.setdefault(kind, {})["layer_extra_us"] = round(run["passes"][kind] * 1e3 - model_us, 1)
         data["sources"]["links.nvlink"] = (f"{how}: NCCL all-reduce, all-gather, reduce-scatter over {W} GPUs at "
                                            f"{', '.join(f'{b // MiB}' for b, _ in colls['allreduce'])} MiB (barrier, "
                                            "then CUDA events; the slowest rank's median), fitted by least squares on "
                                            "the relative error with step_us = 3.4 us (NVIDIA/nccl src/graph/tuning.cc, "
-                                           "Ring/Simple over NVLink)")
+                                           "Ring/Simple over NVLink); layer_extra_us: the same collective inside "
+                                           f"the {W}-rank layer (the last rank to arrive) minus that model")
     # the layer's per-call overhead and host time: end to end minus what the model says the passes and
     # the untimed steps cost, with the efficiencies just measured
     tmp = cm.Machine(name=name, data=data, path="(calibration)")
@@ -836,9 +844,13 @@ def _measure(a, proc, device, argv) -> dict:
             layer = build_layer(h, heads, d, kernel, False, device, dtype="fp16" if cuda else "fp32",
                                 group=dist.group.WORLD)
             x = layer_input(1, n, D, 0, dt, device)
-            p = gather(time_layer(layer, x, warm, iters))[0]
-            ncoll = len(layer.collective_nbytes(1, n))
-            multi.append({"kernel": kernel, "h": h, "N": n, "passes": p, "collectives": ncoll})
+            every = gather(time_layer(layer, x, warm, iters))
+            # a collective: the last rank to arrive (the minimum over ranks: its time is the transfer);
+            # the rest: the slowest rank
+            p = {k: (min if k in cm.COLLECTIVE_NAMES else max)(r[k] for r in every if k in r) for k in every[0]}
+            nbytes = layer.collective_nbytes(1, n)
+            multi.append({"kernel": kernel, "h": h, "N": n, "passes": p, "collectives": len(nbytes),
+                          "collective_bytes": dict(nbytes)})
             del layer, x
             if not any(r["kernel"] == kernel and r["h"] == h and r["N"] == n and not r["causal"] for r in runs):
                 lay1 = build_layer(h, heads, d, kernel, False, device, dtype="fp16" if cuda else "fp32")
