@@ -21,7 +21,7 @@ from .config import DEVICES, DIST_BACKENDS, DTYPES, OUTPUT_COLLECTIVES, REDUCE_D
 from .layer import WORLD, TensorParallelAttention
 from .memory import preflight
 from .report import build, text
-from .sharding import head_range, kv_head_range
+from .sharding import head_range, heads_by_rank, kv_head_range
 from .timing import Timer, summarize
 from .weights import head_weights, layer_input, load_inputs, slice_heads
 
@@ -31,6 +31,7 @@ EPILOG = """\
 launch:
   python -m tpattn                              one process: the single-GPU baseline (or CPU)
   mpirun -n 8 python -m tpattn                  8 ranks, one per GPU, heads split 8 ways, NCCL
+  mpirun -n 8 python -m tpattn --heads 28 --uneven-heads   28 heads: 4 on ranks 0-3, 3 on ranks 4-7
   mpirun -n 4 python -m tpattn --dist-backend gloo   4 ranks sharing one GPU (or CPU)
   srun / torchrun work too: rank, world size and local rank come from the launcher.
 exit status: 0 PASS (or --no-check), 1 check FAIL or a fault during the run, 2 bad input.
@@ -85,6 +86,11 @@ def parser() -> argparse.ArgumentParser:
                    "split (a reduce-scatter of the partials; each rank adds b_o to and rounds its 1/W of the "
                    "rows; an all-gather of those: the same y, 3/4 of the bytes with fp32 partials), auto "
                    "(default: split when the partials are fp32 and the rows divide by the world size)")
+    d.add_argument("--uneven-heads", action="store_true", help="allow a world size W that does not divide "
+                   "--heads H: ranks own contiguous blocks of ceil(H/W) or floor(H/W) heads, the first H mod W ranks "
+                   "one more (with --kv-heads G: blocks of whole K/V groups, ceil or floor of G/W, so W <= G). "
+                   "The collectives are unchanged; the layer waits for the rank with the most heads (the report "
+                   "shows the imbalance). Without it such a W is refused")
     d.add_argument("--sequence-parallel", action="store_true", help="second parallel style: input and "
                    "output sharded along the sequence ([B, N/W, D] per rank); an all-gather before the QKV "
                    "projection and a reduce-scatter after the output projection replace the all-reduce "
@@ -111,7 +117,8 @@ def parser() -> argparse.ArgumentParser:
 
 def parse(argv: list[str]) -> Config:
     a = parser().parse_args(argv)
-    return Config(seq_len=a.seq_len, heads=a.heads, head_dim=a.head_dim, kv_heads=a.kv_heads, batch=a.batch,
+    return Config(seq_len=a.seq_len, heads=a.heads, head_dim=a.head_dim, kv_heads=a.kv_heads,
+                  uneven_heads=a.uneven_heads, batch=a.batch,
                   dtype=a.dtype,
                   kernel=a.kernel, causal=a.causal, device=a.device, warmup=a.warmup, iters=a.iters, seed=a.seed,
                   check=a.check, json=a.json, dist_backend=a.dist_backend, reduce_dtype=a.reduce_dtype,
@@ -217,8 +224,8 @@ def _weights(cfg: Config, heads: range, kv_heads: range, device, loaded: dict | 
 
 
 def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
-    heads = head_range(cfg.heads, proc.world, proc.rank)
-    kv_heads = kv_head_range(cfg.heads, cfg.kv_heads, proc.world, proc.rank)
+    heads = head_range(cfg.heads, proc.world, proc.rank, cfg.uneven_heads, cfg.kv_heads)
+    kv_heads = kv_head_range(cfg.heads, cfg.kv_heads, proc.world, proc.rank, cfg.uneven_heads)
     w = _weights(cfg, heads, kv_heads, device, loaded)
     if loaded is not None and "x" in loaded:
         x = loaded["x"].to(device)
@@ -227,7 +234,8 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
     layer = TensorParallelAttention(**w, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                                     backend=cfg.kernel, causal=cfg.causal, group=WORLD if proc.distributed else None,
                                     reduce_dtype=cfg.reduce_dtype, sequence_parallel=cfg.sequence_parallel,
-                                    overlap=cfg.overlap, output_collective=cfg.output_collective)
+                                    overlap=cfg.overlap, output_collective=cfg.output_collective,
+                                    uneven_heads=cfg.uneven_heads)
     x_in = layer.shard_sequence(x) if cfg.sequence_parallel else x  # sequence parallel: N/W rows each
     timer = Timer(device)
     for _ in range(cfg.warmup):
@@ -277,7 +285,8 @@ def _checks(cfg: Config, proc, layer, w, x, y, device, loaded) -> dict:
         full = _weights(cfg, range(cfg.heads), range(cfg.kv_heads), device, loaded)
         base = TensorParallelAttention(**full, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                                        backend=cfg.kernel, causal=cfg.causal, group=None, reduce_dtype=cfg.reduce_dtype,
-                                       head_chunk=layer.local_heads)
+                                       head_chunk=max(heads_by_rank(cfg.heads, proc.world, cfg.uneven_heads,
+                                                                    cfg.kv_heads)))  # the largest rank's
         y_base = base(x)
         checks["vs_single_process"] = {**compare(y, y_base.double(), TOL_BASELINE[cfg.dtype], ulp_of=cfg.torch_dtype),
                                        "what": f"all {cfg.seq_len} rows, world {proc.world} vs 1"}

@@ -35,6 +35,7 @@ class Config:
     heads: int | None = None
     head_dim: int | None = None
     kv_heads: int | None = None        # K/V heads (grouped-query attention); None: as many as --heads
+    uneven_heads: bool = False         # world size need not divide the heads: ceil/floor(H/W) per rank
     batch: int = 1
     dtype: str = "fp16"
     kernel: str | None = None          # None: chosen with the device
@@ -159,7 +160,7 @@ def validate(cfg: Config, world: int = 1, local_world: int = 1, gpus_on_node: in
                           f"(got {cfg.head_dim})")
     backend.check_supported(cfg)  # dtype, device, CuPy
     kv_heads = cfg.heads if cfg.kv_heads is None else cfg.kv_heads
-    err = check_kv_heads(cfg.heads, kv_heads, world)  # query heads and K/V heads over the ranks
+    err = check_kv_heads(cfg.heads, kv_heads, world, cfg.uneven_heads)  # query and K/V heads over the ranks
     if err:
         raise ConfigError(err)
     if cfg.dist_backend == "nccl":

@@ -5,7 +5,8 @@ Two parallel styles, each one method read top to bottom (diagrams in README.md):
 head-parallel (default), _forward_heads: one collective, or two
     x [B, N, D]            replicated on every rank
     QKV GEMM               one GEMM with this rank's packed q, k, v columns (query heads [r*h, (r+1)*h)
-                           and the K/V heads they use, see "K/V heads" below)
+                           and the K/V heads they use, see "K/V heads" below; with uneven_heads a
+                           block of ceil or floor of H/W heads, see tpattn.sharding.head_range)
     local attention        a backend from tpattn.attention (naive CUDA, fused, reference, ...)
     output GEMM            this rank's rows of W_o, fp32 result for --reduce-dtype fp32
     all_reduce(SUM)        partial [B, N, D] summed over ranks; b_o added once, after it
@@ -29,8 +30,10 @@ in order (same math, nothing to overlap with).
 K/V heads (grouped-query attention, kv_heads G < H): query head q uses K/V head q // (H/G). Over W
 ranks the K/V columns are split when W divides G (rank r owns K/V heads [r*G/W, (r+1)*G/W), the
 ones its query heads use) and replicated when W is a multiple of G (each rank holds the one K/V
-head its query heads use); tpattn.sharding.check_kv_heads refuses the rest. Either way a rank's
-attention needs no other rank's K or V: the collectives are the same as with G = H.
+head its query heads use); with uneven_heads and W <= G each rank owns a block of whole K/V groups
+(a K/V head and its H/G query heads), ceil or floor of G/W of them; tpattn.sharding.check_kv_heads
+refuses the rest. Either way a rank's attention needs no other rank's K or V: the collectives are
+the same as with G = H.
 """
 
 from __future__ import annotations
@@ -103,21 +106,28 @@ class TensorParallelAttention(torch.nn.Module):
     kv_heads: G K/V heads in all (default heads: multi-head attention; fewer: grouped-query, 1:
     multi-query); wk and wv are then [D, g*d] for this rank's g K/V heads (kv_head_range: G/W of
     them when the world size W divides G, else the one its query heads use).
+    uneven_heads: the world size need not divide the heads (nor, with K/V groups, the groups):
+    rank r owns a contiguous block of ceil or floor of H/W heads (of G/W whole K/V groups), the
+    first ranks the larger blocks (tpattn.sharding.head_range). Only the ranks' load differs: the
+    partial outputs are [B, N, D] on every rank, so the collectives are unchanged.
     """
 
     def __init__(self, wq, wk, wv, wo, bq=None, bk=None, bv=None, bo=None, *, heads: int, head_dim: int,
                  backend: str | Backend = "reference", causal: bool = False, group=WORLD,
                  reduce_dtype: str = "fp32", head_chunk: int | None = None, sequence_parallel: bool = False,
-                 overlap: int = 1, output_collective: str = "auto", kv_heads: int | None = None):
+                 overlap: int = 1, output_collective: str = "auto", kv_heads: int | None = None,
+                 uneven_heads: bool = False):
         super().__init__()
         self.group, self.rank, self.world = _resolve_group(group)
         self.kv_heads = heads if kv_heads is None else kv_heads
-        err = check_kv_heads(heads, self.kv_heads, self.world)
+        self.uneven_heads = uneven_heads
+        err = check_kv_heads(heads, self.kv_heads, self.world, uneven_heads)
         if err:
             raise ValueError(err)
         self.heads, self.head_dim = heads, head_dim
-        self.local_heads = heads // self.world
-        self.local_kv_heads = len(kv_head_range(heads, self.kv_heads, self.world, self.rank))
+        self.head_range = head_range(heads, self.world, self.rank, uneven_heads, self.kv_heads)
+        self.local_heads = len(self.head_range)  # differs between ranks when uneven
+        self.local_kv_heads = len(kv_head_range(heads, self.kv_heads, self.world, self.rank, uneven_heads))
         self.kv_replicated = kv_replicated(heads, self.kv_heads, self.world)
         self.local_group = self.local_heads // self.local_kv_heads  # this rank's query heads per K/V head
         self.model_dim = wq.shape[0]
@@ -160,7 +170,8 @@ class TensorParallelAttention(torch.nn.Module):
     def from_full(cls, wq, wk, wv, wo, bq=None, bk=None, bv=None, bo=None, *, heads: int, group=WORLD,
                   **kw) -> "TensorParallelAttention":
         """Keep this rank's slice of full weights in "x @ W" layout (wq: [D, H*d], wk and wv: [D, G*d]
-        for G K/V heads (G = H unless grouped-query), wo: [H*d, D])."""
+        for G K/V heads (G = H unless grouped-query), wo: [H*d, D]). Keyword arguments go to the
+        constructor (uneven_heads=True: a world size that does not divide the heads)."""
         _, rank, world = _resolve_group(group)
         head_dim = wq.shape[1] // heads
         if wq.shape[1] != heads * head_dim or wk.shape != wv.shape or wk.shape[1] % head_dim or not wk.shape[1]:
@@ -170,13 +181,14 @@ class TensorParallelAttention(torch.nn.Module):
         if kw.get("kv_heads") not in (None, kv_heads):
             raise ValueError(f"kv_heads={kw['kv_heads']} but wk and wv have {kv_heads} heads of dim {head_dim}")
         kw["kv_heads"] = kv_heads
-        err = check_kv_heads(heads, kv_heads, world)
+        uneven = kw.get("uneven_heads", False)
+        err = check_kv_heads(heads, kv_heads, world, uneven)
         if err:
             raise ValueError(err)
         full = {k: t for k, t in dict(wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=bo).items()
                 if t is not None}
-        mine = slice_heads(full, head_range(heads, world, rank), head_dim,
-                           kv_head_range(heads, kv_heads, world, rank))
+        mine = slice_heads(full, head_range(heads, world, rank, uneven, kv_heads), head_dim,
+                           kv_head_range(heads, kv_heads, world, rank, uneven))
         return cls(**mine, heads=heads, head_dim=head_dim, group=group, **kw)
 
     @classmethod

@@ -1,4 +1,7 @@
-"""Pre-flight memory estimate: what one rank allocates, before it allocates anything."""
+"""Pre-flight memory estimate: what one rank allocates, before it allocates anything.
+
+With --uneven-heads the ranks hold different numbers of heads: each rank counts its own (rank 0,
+which also runs the checks, holds the most), and the per-rank figures of the report are rank 0's."""
 
 from __future__ import annotations
 
@@ -6,30 +9,37 @@ import math
 
 from .check import MAX_ROWS
 from .config import Config, ConfigError
+from .sharding import head_range, kv_head_range
 
 HEADROOM = 0.92  # leave room for the CUDA context, cuBLAS workspaces and fragmentation
 
 
-def kv_heads_per_rank(cfg: Config, world: int) -> int:
-    """K/V heads one rank holds: G/W when the world size divides G, else (replicated) one."""
+def heads_per_rank(cfg: Config, world: int, rank: int = 0) -> int:
+    """Query heads rank `rank` owns: H/W, or with --uneven-heads its block's (rank 0: the most)."""
+    return len(head_range(cfg.heads, world, rank, cfg.uneven_heads, cfg.kv_heads or cfg.heads))
+
+
+def kv_heads_per_rank(cfg: Config, world: int, rank: int = 0) -> int:
+    """K/V heads one rank holds: G/W when the world size divides G (with --uneven-heads its block of
+    ceil or floor of G/W), else (replicated) one."""
     G = cfg.kv_heads or cfg.heads
-    return G // world if G % world == 0 else 1
+    return len(kv_head_range(cfg.heads, G, world, rank, cfg.uneven_heads))
 
 
-def kv_bytes(cfg: Config, world: int) -> int:
+def kv_bytes(cfg: Config, world: int, rank: int = 0) -> int:
     """Bytes of one rank's K and V activations, [B, g, N, d] each."""
-    return 2 * cfg.batch * kv_heads_per_rank(cfg, world) * cfg.seq_len * cfg.head_dim * cfg.elem_size
+    return 2 * cfg.batch * kv_heads_per_rank(cfg, world, rank) * cfg.seq_len * cfg.head_dim * cfg.elem_size
 
 
 def coefficients(cfg: Config, world: int, rank: int) -> tuple[float, float, float]:
     """Bytes as a*N^2 + b*N + c for this rank."""
     el, B, H, d = cfg.elem_size, cfg.batch, cfg.heads, cfg.head_dim
-    D, h = cfg.model_dim, cfg.heads // world
-    G, g = cfg.kv_heads or H, kv_heads_per_rank(cfg, world)  # K/V heads in all and on this rank
+    D, h = cfg.model_dim, heads_per_rank(cfg, world, rank)
+    G, g = cfg.kv_heads or H, kv_heads_per_rank(cfg, world, rank)  # K/V heads in all and on this rank
     red = 4 if cfg.reduce_dtype == "fp32" else el
     score_el = el + (12 if cfg.kernel == "reference" else 0)  # the reference keeps float32 copies
     a = 2 * B * h * score_el                                   # S and P of the heads done at once
-    if not scores_bytes(cfg, world):
+    if not scores_bytes(cfg, world, rank):
         a = 0                                                  # fused: S and P stay on chip, O(N) memory
     # x, y, the QKV GEMM's output and its q/k/v copies ((h + 2g) d each), o, partials
     b = B * (D * el * 2 + (3 * h + 4 * g) * d * el + D * red * 2)
@@ -43,12 +53,12 @@ def coefficients(cfg: Config, world: int, rank: int) -> tuple[float, float, floa
     return a, b, c
 
 
-def scores_bytes(cfg: Config, world: int) -> int:
+def scores_bytes(cfg: Config, world: int, rank: int = 0) -> int:
     """Bytes of S (and as many of P) on one rank; 0 for a kernel that keeps them on chip."""
     from .attention import get_backend
     if not get_backend(cfg.kernel).materializes_scores:
         return 0
-    return cfg.batch * (cfg.heads // world) * cfg.seq_len ** 2 * cfg.elem_size
+    return cfg.batch * heads_per_rank(cfg, world, rank) * cfg.seq_len ** 2 * cfg.elem_size
 
 
 def estimate(cfg: Config, world: int, rank: int) -> int:
@@ -71,8 +81,8 @@ def preflight(cfg: Config, world: int, rank: int, free: int) -> None:
     need = estimate(cfg, world, rank)
     if need > free * HEADROOM:
         fit = largest_n(cfg, world, rank, free)
-        sp_bytes = 2 * scores_bytes(cfg, world)
+        sp_bytes = 2 * scores_bytes(cfg, world, rank)
         sp = f"(S and P alone {sp_bytes / 2**30:.1f} GiB) " if sp_bytes else ""
         raise ConfigError(f"--seq-len {cfg.seq_len} needs about {need / 2**30:.1f} GiB on rank {rank} {sp}"
                           f"but {free / 2**30:.1f} GiB is free; the largest --seq-len that fits is about {fit}"
-                          + (" (or use more ranks)" if cfg.heads // world > 1 else ""))
+                          + (" (or use more ranks)" if heads_per_rank(cfg, world, rank) > 1 else ""))

@@ -10,7 +10,7 @@ import sys
 import torch
 
 from . import __version__
-from .memory import kv_bytes, kv_heads_per_rank, scores_bytes
+from .memory import heads_per_rank, kv_bytes, kv_heads_per_rank, scores_bytes
 
 COMPUTE = ("qkv_proj", "qk", "softmax", "pv", "fused", "out_proj")  # fused: --kernel fused's one pass
 COLLECTIVES = {"allreduce": "all-reduce", "allgather": "all-gather", "reducescatter": "reduce-scatter"}
@@ -78,6 +78,23 @@ def exposure(rank_reports: list[dict]) -> dict | None:
     return {"exposed_ms": e, "collectives_ms": c, "hidden_share": max(0.0, min(1.0, 1 - e / c)) if c else 0.0}
 
 
+def balance(rank_reports: list[dict], heads: list[int]) -> dict | None:
+    """The load across ranks: each rank's compute (the sum of its compute passes' medians), the
+    slowest rank, and the imbalance max/mean of it beside max/mean of the heads (what an uneven
+    split predicts: the layer waits for the slowest rank at the collective). None without per-pass
+    times (a CUDA graph) or with one rank."""
+    if len(rank_reports) < 2:
+        return None
+    compute = [sum(r["passes"][c]["median"] for c in COMPUTE if c in r["passes"]) for r in rank_reports]
+    if not all(compute):
+        return None
+    mean = statistics.fmean(compute)
+    slowest = max(range(len(compute)), key=compute.__getitem__)
+    return {"compute_ms_by_rank": compute, "slowest_rank": slowest, "slowest_heads": heads[slowest],
+            "max_ms": compute[slowest], "mean_ms": mean, "max_over_mean": compute[slowest] / mean,
+            "heads_max_over_mean": max(heads) / statistics.fmean(heads)}
+
+
 def across_ranks(rank_reports: list[dict]) -> dict:
     """Per pass: min, median and max over ranks of each rank's median over iterations."""
     out = {}
@@ -96,12 +113,15 @@ def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, c
     dtypes = {"allreduce": "fp32" if cfg.reduce_dtype == "fp32" else model, "allgather": model,
               "reducescatter": "fp32" if cfg.reduce_dtype == "fp32" else model}
     colls = collective_stats(stats, collective_bytes, world, dtypes) if proc.distributed else {}
-    h = cfg.heads // world
+    heads = [heads_per_rank(cfg, world, r) for r in range(world)]  # rank 0 holds the most
+    h = heads[0]
     g = kv_heads_per_rank(cfg, world)
     G = cfg.kv_heads or cfg.heads
-    kv_layout = "one per query head" if G == cfg.heads else ("split" if G % world == 0 else "replicated")
+    kv_layout = "one per query head" if G == cfg.heads else ("split" if world <= G else "replicated")
     sp = scores_bytes(cfg, world)
     kvb = kv_bytes(cfg, world)
+    sp_all = sum(scores_bytes(cfg, world, r) for r in range(world))
+    kvb_all = sum(kv_bytes(cfg, world, r) for r in range(world))
     style = "sequence-parallel" if cfg.sequence_parallel else "head-parallel"
     if world > 1:  # the collectives one call runs, in order
         style += " (" + " + ".join(COLLECTIVES[k] for k in collective_bytes) + ")"
@@ -111,14 +131,16 @@ def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, c
         "verdict": verdict,
         "notes": cfg.notes,
         "config": {**cfg.fingerprint(), "model_dim": cfg.model_dim, "heads_per_rank": h, "kv_heads_per_rank": g,
+                   "heads_by_rank": heads, "uneven": min(heads) != max(heads),
                    "kv_layout": kv_layout, "style": style},
         "world": {"size": world, "launcher": proc.launcher, "backend": cfg.dist_backend if proc.distributed
                   else "none", "device": str(device.type),
                   "ranks": [r["info"] for r in rank_reports]},
         "versions": versions(),
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},  # rank 0's NCCL settings
-        "memory": {"S_bytes_per_rank": sp, "P_bytes_per_rank": sp, "S_P_bytes_total": 2 * sp * world,
-                   "K_V_bytes_per_rank": kvb, "K_V_bytes_total": kvb * world},
+        # per rank: rank 0's (with --uneven-heads the largest); totals: the sum over ranks
+        "memory": {"S_bytes_per_rank": sp, "P_bytes_per_rank": sp, "S_P_bytes_total": 2 * sp_all,
+                   "K_V_bytes_per_rank": kvb, "K_V_bytes_total": kvb_all},
         "iterations": {"warmup": cfg.warmup, "timed": cfg.iters},
         "passes": stats,
         "rank0_passes": rank_reports[0]["passes"],
@@ -129,6 +151,7 @@ def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, c
                       "algbw_GBps": 0.0, "busbw_GBps": 0.0},
         "collectives": colls,
         "exposure": exposure(rank_reports) if proc.distributed else None,
+        "balance": balance(rank_reports, heads) if proc.distributed else None,
         "checks": checks,
     }
 
@@ -150,26 +173,42 @@ def text(rep: dict) -> str:
     lines += [f"note: {n}" for n in rep["notes"]]
     G = c.get("kv_heads") or c["heads"]
     gqa = G != c["heads"]
+    by_rank = c.get("heads_by_rank") or [c["heads_per_rank"]] * w["size"]
+    uneven = min(by_rank) != max(by_rank)
+    per_rank = f"{max(by_rank)} or {min(by_rank)} (uneven)" if uneven else f"{c['heads_per_rank']}"
     lines.append(f"config: B={c['batch']} N={c['seq_len']} H={c['heads']}" + (f" G={G}" if gqa else "")
                  + f" d={c['head_dim']} D={c['model_dim']} dtype={c['dtype']} causal={c['causal']} "
-                 f"heads/rank={c['heads_per_rank']}" + (f" kv-heads/rank={c['kv_heads_per_rank']}" if gqa else "")
+                 f"heads/rank={per_rank}" + (f" kv-heads/rank={c['kv_heads_per_rank']}" if gqa else "")
                  + f" reduce={c['reduce_dtype']} seed={c['seed']}")
-    if gqa:
-        lines.append(f"K/V heads: {G} for {c['heads']} query heads ({c['heads'] // G} each), {c['kv_layout']} over "
-                     f"{w['size']} rank(s)" + (f": each K/V head held by {w['size'] // G} ranks"
-                                               if c["kv_layout"] == "replicated" else ""))
+    if uneven:
+        n_big, last = by_rank.count(max(by_rank)), len(by_rank) - 1
+        who = (lambda a, b: f"rank {a}" if a == b else f"ranks {a}-{b}")  # noqa: E731
+        if gqa:  # whole K/V groups: a K/V head and its H/G query heads
+            s_ = c["heads"] // G
+            what = (f"{max(by_rank) // s_} K/V groups ({max(by_rank)} query heads), {who(n_big, last)} "
+                    f"{min(by_rank) // s_} ({min(by_rank)})")
+        else:
+            what = f"{max(by_rank)} heads, {who(n_big, last)} {min(by_rank)}"
+        lines.append(f"uneven heads: {who(0, n_big - 1)} {'owns' if n_big == 1 else 'own'} {what}; the layer waits "
+                     f"at the collective for the slowest rank (heads max/mean "
+                     f"{max(by_rank) / (sum(by_rank) / len(by_rank)):.3f})")
     lines.append(f"style: {c['style']}, overlap {c['overlap']} chunk(s)"
                  + (", CUDA graph (total time only)" if c["cuda_graph"] else ""))
+    bal = rep.get("balance")
     for r in w["ranks"]:
-        lines.append(f"  rank {r['rank']}: host {r['host']} {r['device']} ({r['device_name']}) heads {r['heads']}"
-                     + (f", K/V {_heads(r['kv_heads'])}" if gqa and "kv_heads" in r else ""))
+        i = r["rank"]
+        lines.append(f"  rank {i}: host {r['host']} {r['device']} ({r['device_name']}) heads {r['heads']}"
+                     + (f" ({by_rank[i]})" if uneven and i < len(by_rank) else "")
+                     + (f", K/V {_heads(r['kv_heads'])}" if gqa and "kv_heads" in r else "")
+                     + (f", compute {bal['compute_ms_by_rank'][i]:.3f} ms" if bal else ""))
     m = rep["memory"]
+    where = "on rank 0 (the largest)" if uneven else "per rank"
     if m["S_bytes_per_rank"]:
-        lines.append(f"S and P: {_mib(m['S_bytes_per_rank'])} each per rank, {_mib(m['S_P_bytes_total'])} in all ranks")
+        lines.append(f"S and P: {_mib(m['S_bytes_per_rank'])} each {where}, {_mib(m['S_P_bytes_total'])} in all ranks")
     else:
         lines.append("S and P: never in device memory (fused kernel)")
     if "K_V_bytes_per_rank" in m:
-        lines.append(f"K and V: {_mib(m['K_V_bytes_per_rank'])} per rank ({c['kv_heads_per_rank']} K/V head(s)), "
+        lines.append(f"K and V: {_mib(m['K_V_bytes_per_rank'])} {where} ({c['kv_heads_per_rank']} K/V head(s)), "
                      f"{_mib(m['K_V_bytes_total'])} in all ranks")
     if w["size"] == 1:
         lines.append(f"per pass, ms over {rep['iterations']['timed']} iterations ({rep['iterations']['warmup']} warm-up):")
@@ -188,6 +227,11 @@ def text(rep: dict) -> str:
             lines.append(f"{COLLECTIVES[name]}: {_mib(a['bytes'])} of {a['dtype']}, {a['median_ms']:.3f} ms median over "
                          f"ranks (busbw {a['busbw_GBps']:.1f} GB/s); {a['last_rank_ms']:.3f} ms on the last rank to "
                          f"arrive (busbw {a['busbw_last_rank_GBps']:.1f} GB/s), the others also wait for it")
+        if bal:
+            lines.append(f"balance: compute per rank (the sum of its compute passes' medians) {bal['mean_ms']:.3f} ms "
+                         f"mean, slowest rank {bal['slowest_rank']} ({bal['slowest_heads']} heads) "
+                         f"{bal['max_ms']:.3f} ms: imbalance max/mean {bal['max_over_mean']:.3f} "
+                         f"(heads max/mean {bal['heads_max_over_mean']:.3f})")
         e = rep.get("exposure")
         if e:
             lines.append(f"communication: {e['collectives_ms']:.3f} ms of collectives, {e['exposed_ms']:.3f} ms exposed "

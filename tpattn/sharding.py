@@ -7,27 +7,63 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def check_divisible(heads: int, world: int) -> str | None:
-    """None when `heads` splits evenly over `world` ranks, else a one-line fix."""
+def head_counts(n: int, parts: int) -> list[int]:
+    """n split into `parts` contiguous blocks as evenly as it goes: the first n mod parts blocks get
+    ceil(n/parts), the rest floor(n/parts)."""
+    q, m = divmod(n, parts)
+    return [q + (r < m) for r in range(parts)]
+
+
+def block(n: int, parts: int, r: int) -> range:
+    """Block r of head_counts(n, parts): [r*q + min(r, m), ... + q + (r < m))."""
+    q, m = divmod(n, parts)
+    start = r * q + min(r, m)
+    return range(start, start + q + (r < m))
+
+
+def _uneven_hint(n: int, world: int, what: str = "heads") -> str:
+    """'ranks 0-1 own 3 heads, ranks 2-3 own 2': what --uneven-heads would do."""
+    counts = head_counts(n, world)
+    m = n % world
+    def who(a, b, verb=""):
+        return (f"rank {a}" + (f" {verb}s" if verb else "")) if a == b else (f"ranks {a}-{b}" + (f" {verb}" if verb else ""))
+    return f"{who(0, m - 1, 'own')} {counts[0]} {what}, {who(m, world - 1)} {counts[-1]}"
+
+
+def check_divisible(heads: int, world: int, uneven: bool = False) -> str | None:
+    """None when `heads` splits over `world` ranks (evenly, or with `uneven` into blocks of
+    ceil/floor(heads/world)), else a one-line fix."""
     if world > heads:
         return (f"world size {world} is larger than --heads {heads}: every rank needs at least one head; "
                 f"use at most {heads} ranks or more heads")
-    if heads % world:
+    if heads % world and not uneven:
         ok = ", ".join(str(k) for k in divisors(heads))
         return (f"--heads {heads} is not divisible by world size {world}; "
-                f"run with a world size in {{{ok}}} or change --heads")
+                f"run with a world size in {{{ok}}}, change --heads, or pass --uneven-heads "
+                f"({_uneven_hint(heads, world)})")
     return None
 
 
-def head_range(heads: int, world: int, rank: int) -> range:
-    """Heads [r*h, (r+1)*h) of rank r, h = heads / world."""
-    err = check_divisible(heads, world)
+def head_range(heads: int, world: int, rank: int, uneven: bool = False, kv_heads: int | None = None) -> range:
+    """The query heads of rank r: contiguous blocks of whole K/V groups (G = kv_heads, default
+    heads: one head per group), ceil(G/W) groups on the first G mod W ranks and floor(G/W) on the
+    rest (even: G/W each); with fewer ranks than K/V groups (replicated K/V heads) heads/W each."""
+    G = heads if kv_heads is None else kv_heads
+    err = check_kv_heads(heads, G, world, uneven)
     if err:
         raise ValueError(err)
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} outside world size {world}")
+    if world <= G:
+        groups, s = block(G, world, rank), heads // G
+        return range(groups.start * s, groups.stop * s)
     h = heads // world
     return range(rank * h, (rank + 1) * h)
+
+
+def heads_by_rank(heads: int, world: int, uneven: bool = False, kv_heads: int | None = None) -> list[int]:
+    """How many query heads each rank owns (all equal unless uneven)."""
+    return [len(head_range(heads, world, r, uneven, kv_heads)) for r in range(world)]
 
 
 def head_columns(heads: range, head_dim: int) -> slice:
@@ -40,33 +76,48 @@ def head_columns(heads: range, head_dim: int) -> slice:
 # (W divides G: rank r owns K/V heads [r*G/W, (r+1)*G/W), exactly those its H/W query heads use) or
 # replicated (W a multiple of G: the H/W query heads of a rank all use one K/V head, of which
 # W/G ranks each hold a copy). Any other W would need a rank to hold part of a K/V head's query
-# heads and part of another's: refused.
+# heads and part of another's: refused, unless uneven (--uneven-heads) and W <= G: then the ranks
+# own contiguous blocks of whole K/V groups (a K/V head and its H/G query heads), ceil(G/W) groups
+# on the first G mod W ranks and floor(G/W) on the rest. With W > G and W not a multiple of G
+# (or not dividing H) some rank would hold part of a group next to part of another, or the groups'
+# shares would differ: still refused.
 
 def kv_world_sizes(heads: int, kv_heads: int) -> list[int]:
-    """The world sizes over which H query heads and G K/V heads can be laid out."""
+    """The world sizes over which H query heads and G K/V heads can be laid out evenly."""
     return [w for w in divisors(heads) if kv_heads % w == 0 or w % kv_heads == 0]
 
 
-def check_kv_heads(heads: int, kv_heads: int, world: int) -> str | None:
-    """None when G K/V heads serve H query heads and both lay out over `world` ranks, else a
-    one-line fix (for G = H, multi-head attention, check_divisible's)."""
+def check_kv_heads(heads: int, kv_heads: int, world: int, uneven: bool = False) -> str | None:
+    """None when G K/V heads serve H query heads and both lay out over `world` ranks (with
+    `uneven`, also in blocks of whole K/V groups when world <= G), else a one-line fix (for G = H,
+    multi-head attention, check_divisible's)."""
     if kv_heads < 1 or kv_heads > heads or heads % kv_heads:
         ok = ", ".join(str(k) for k in divisors(heads))
         return (f"--kv-heads {kv_heads} is not a divisor of --heads {heads} (every K/V head serves the same "
                 f"number of query heads); use --kv-heads in {{{ok}}}")
     if kv_heads == heads:
-        return check_divisible(heads, world)
+        return check_divisible(heads, world, uneven)
     if world in kv_world_sizes(heads, kv_heads):
+        return None
+    if uneven and world <= kv_heads:
         return None
     ok = ", ".join(str(w) for w in kv_world_sizes(heads, kv_heads))
     if world > heads:
         why = f"world size {world} is larger than --heads {heads}: every rank needs at least one query head"
+    elif uneven:  # world > kv_heads here
+        why = (f"--uneven-heads splits whole K/V groups ({heads // kv_heads} query heads and their K/V head) over "
+               f"the ranks, and world size {world} is more than the {kv_heads} groups of --kv-heads {kv_heads} "
+               f"(a rank would hold part of a group)")
     elif heads % world:
         why = f"--heads {heads} is not divisible by world size {world}"
     else:
         why = (f"world size {world} neither divides --kv-heads {kv_heads} (each rank owning {kv_heads}/{world} "
                f"of them) nor is a multiple of it (each rank holding a copy of one)")
-    return f"{why}; with --kv-heads {kv_heads} run with a world size in {{{ok}}} or change --kv-heads"
+    hint = ""
+    if not uneven and world <= kv_heads:
+        hint = (f", or pass --uneven-heads (whole K/V groups per rank: "
+                f"{_uneven_hint(kv_heads, world, 'groups')})")
+    return f"{why}; with --kv-heads {kv_heads} run with a world size in {{{ok}}} or change --kv-heads{hint}"
 
 
 def kv_replicated(heads: int, kv_heads: int, world: int) -> bool:
@@ -74,17 +125,17 @@ def kv_replicated(heads: int, kv_heads: int, world: int) -> bool:
     return world > kv_heads
 
 
-def kv_head_range(heads: int, kv_heads: int, world: int, rank: int) -> range:
-    """The K/V heads rank r holds: its G/W own heads, or (replicated) the one its query heads use."""
-    err = check_kv_heads(heads, kv_heads, world)
+def kv_head_range(heads: int, kv_heads: int, world: int, rank: int, uneven: bool = False) -> range:
+    """The K/V heads rank r holds: its block of the G K/V heads (G/W of them, or with uneven
+    ceil/floor(G/W)), or (replicated, W > G) the one its query heads use."""
+    err = check_kv_heads(heads, kv_heads, world, uneven)
     if err:
         raise ValueError(err)
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} outside world size {world}")
-    if kv_heads % world == 0:
-        g = kv_heads // world
-        return range(rank * g, (rank + 1) * g)
-    first = head_range(heads, world, rank).start // (heads // kv_heads)
+    if world <= kv_heads:
+        return block(kv_heads, world, rank)
+    first = head_range(heads, world, rank, kv_heads=kv_heads).start // (heads // kv_heads)
     return range(first, first + 1)
 
 
