@@ -255,7 +255,12 @@ def test_fused_gqa_row_chunks(causal, fused_impl):
     o = torch.full_like(q, float("nan"))
     for r0, r1 in ((0, 256), (256, 384), (384, 1000)):
         fused.forward(q, k, v, causal, out=o, rows=(r0, r1))
-    assert torch.equal(o, whole)
+    if fused_impl == "default":
+        # the automatic choice goes by the call's tile count: the whole call (16 x 8 tiles) takes the
+        # wgmma kernel on an H200, the one-tile chunk the mma.sync one; the two round differently
+        torch.testing.assert_close(o, whole, rtol=4e-3, atol=4e-3)
+    else:
+        assert torch.equal(o, whole)
 
 
 @pytest.mark.parametrize("kernel,env", [("naive", None)] + BIG_BH)
