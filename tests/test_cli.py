@@ -26,7 +26,8 @@ def test_help_answers():
     assert r.returncode == 0
     for flag in ("--seq-len", "--heads", "--head-dim", "--batch", "--dtype", "--kernel", "--causal", "--device",
                  "--warmup", "--iters", "--seed", "--check", "--no-check", "--json", "--dist-backend",
-                 "--reduce-dtype", "--timeout", "--profile", "mpirun -n 8 python -m tpattn", "exit status"):
+                 "--reduce-dtype", "--timeout", "--profile", "mpirun -n 8 python -m tpattn", "exit status",
+                 "--uneven-heads"):
         assert flag in r.stdout, flag
 
 
