@@ -263,7 +263,7 @@ def plot(path: str, m: cm.Machine, shape: cm.Shape, rows: list[dict]) -> None:
     ok = [r for r in rows if "error" not in r and "speedup" in r]
     if not ok:
         raise PlanError("--plot: no world size could be predicted, nothing to plot")
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(14, 5))
     ws = [r["world"] for r in ok]
     a1.plot(ws, ws, "--", color="gray", label="ideal")
     a1.plot(ws, [r["speedup"] for r in ok], "o-", label=f"predicted ({shape.kernel})")
@@ -276,16 +276,20 @@ def plot(path: str, m: cm.Machine, shape: cm.Shape, rows: list[dict]) -> None:
     a1.legend()
     comp, coll = columns(rows)
     bottom = [0.0] * len(ok)
+    labels = [str(w) for w in ws]
     for name in comp + coll + ["other"]:
-        vals = [r["passes"].get(name, r["collectives"].get(name, {}).get("ms", 0.0)) if name != "other"
-                else r["other_ms"] for r in ok]
-        a2.bar([str(w) for w in ws], vals, bottom=bottom, label=COLL_LABEL.get(name, name))
+        vals = [100 * (r["passes"].get(name, r["collectives"].get(name, {}).get("ms", 0.0)) if name != "other"
+                       else r["other_ms"]) / r["gpu_ms"] for r in ok]
+        a2.bar(labels, vals, bottom=bottom, label=COLL_LABEL.get(name, name))
         bottom = [b + v for b, v in zip(bottom, vals)]
-    a2.set_yscale("log")
+    for x, r in zip(labels, ok):
+        a2.annotate(f"{r['end_to_end_ms']:.3g} ms" + ("\nhost-bound" if r["host_bound"] else ""), (x, 101),
+                    ha="center", va="bottom", fontsize=8)
+    a2.set_ylim(0, 118)
     a2.set_xlabel("GPUs")
-    a2.set_ylabel("ms per call (stacked)")
-    a2.set_title(f"N={shape.seq_len} H={shape.heads} d={shape.head_dim}, {shape.kernel}")
-    a2.legend(fontsize=8)
+    a2.set_ylabel("share of the GPU time per call, %")
+    a2.set_title(f"N={shape.seq_len} H={shape.heads} d={shape.head_dim}, {shape.kernel}: where the time goes")
+    a2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=110)
