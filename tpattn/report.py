@@ -192,6 +192,10 @@ def text(rep: dict) -> str:
         lines.append(f"uneven heads: {who(0, n_big - 1)} {'owns' if n_big == 1 else 'own'} {what}; the layer waits "
                      f"at the collective for the slowest rank (heads max/mean "
                      f"{max(by_rank) / (sum(by_rank) / len(by_rank)):.3f})")
+    if gqa:
+        lines.append(f"K/V heads: {G} for {c['heads']} query heads ({c['heads'] // G} each), {c['kv_layout']} over "
+                     f"{w['size']} rank(s)" + (f": each K/V head held by {w['size'] // G} ranks"
+                                               if c["kv_layout"] == "replicated" else ""))
     lines.append(f"style: {c['style']}, overlap {c['overlap']} chunk(s)"
                  + (", CUDA graph (total time only)" if c["cuda_graph"] else ""))
     bal = rep.get("balance")
