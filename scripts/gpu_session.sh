@@ -22,6 +22,8 @@
 #     gqabench  scripts/bench_gqa.py (fused with H = 32, G = 32, 8, 1, d = 128, N = 4096 and 16384
 #               beside SDPA flash/cuDNN given the same grouped K/V, causal and not), and the layer
 #               with --kv-heads 8 and 1 under mpirun (1 GPU; 2 GPUs where there are 2)
+#   uneven  --uneven-heads: pytest -m gpu -k uneven (3 heads on 2 GPUs over NCCL, naive and fused), and
+#           mpirun -n 2 python -m tpattn --kernel fused --heads 3 --head-dim 128 --uneven-heads
 # Logs and JSON go to $OUT (default results/). Usage: bash scripts/gpu_session.sh [STEP]... (default all)
 set -u -o pipefail
 OUT=${OUT:-results}
@@ -181,6 +183,16 @@ if want gqa || want gqabench; then
         | grep -E "rank [0-9]+:|RESULT|check|error|failed" || status=1
     done
   done
+fi
+if want uneven; then
+  # Uneven heads (#17): 3 heads on 2 GPUs over NCCL (rank 0 owns 2, rank 1 one), naive and fused, causal
+  # and not, sequence-parallel and CUDA graph (pytest -k uneven), then one CLI run at d = 128 (D = 384).
+  note "uneven heads: pytest -m gpu -k uneven, then mpirun -n 2 python -m tpattn --heads 3 --uneven-heads"
+  mkdir -p "$OUT/uneven"
+  python3 -m pytest -m gpu -k uneven -q -p no:warnings --tb=short tests/test_gpu_layer.py 2>&1 \
+    | tee "$OUT/uneven/pytest_gpu_uneven.log" | tail -15 || status=1
+  mpirun -n 2 python3 -m tpattn --kernel fused --heads 3 --head-dim 128 --uneven-heads --iters 20 \
+    --json "$OUT/uneven/layer_np2_h3_fused.json" </dev/null 2>&1 | tee "$OUT/uneven/layer.log" || status=1
 fi
 if want model; then
   # The cost model (python -m tpattn.plan): calibrate on one GPU, then on two (NCCL collectives too),

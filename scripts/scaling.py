@@ -6,7 +6,9 @@ and a bare all-reduce of the same bytes) at the same sizes, collected into table
     PYTHONPATH=. python scripts/scaling.py [--world-sizes 1 2 4 8] [--tag h200] [--out benchmarks]
                                            [--seq-len N --heads H --head-dim d --dtype fp16 ...]
 
-For each world size W that divides the heads (and fits the machine): `mpirun -n W python -m
+For each world size W that divides the heads (with --uneven-heads also the others up to the heads:
+ranks then own ceil/floor(H/W) heads, the peers are not run there since they split heads evenly,
+and the heads/rank column shows both counts) and fits the machine: `mpirun -n W python -m
 tpattn ... --json` and `mpirun -n W python scripts/peer_tp.py ... --json`. NCCL when every rank
 has a GPU of its own; with more ranks than GPUs the ranks share the GPUs over gloo and the table
 says so ("gloo, 4 ranks sharing 1 GPU"); on CPU gloo, with the cores split between the ranks.
@@ -42,7 +44,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import torch  # noqa: E402
 
 from tpattn.config import DTYPES, OUTPUT_COLLECTIVES, REDUCE_DTYPES, Config, ConfigError, resolve, validate  # noqa: E402
-from tpattn.sharding import check_divisible  # noqa: E402
+from tpattn.sharding import check_divisible, head_counts  # noqa: E402
 
 COMPUTE_PASSES = ("qkv_proj", "qk", "softmax", "pv", "out_proj")
 CONTEXT_BYTES = 1 << 30  # per process sharing a GPU: CUDA context, cuBLAS workspace, CuPy pools
@@ -212,10 +214,14 @@ def pretty(cmd: list[str], mpirun: str, tmp: Path) -> str:
 
 def plan(world: int, cfg: Config, gpus: int, cores: int, gpu_mem: int | None) -> dict:
     row = {"world": world, "heads_per_rank": cfg.heads // world if cfg.heads % world == 0 else None}
-    err = check_divisible(cfg.heads, world)
+    err = check_divisible(cfg.heads, world, cfg.uneven_heads)
     if err:
-        return {**row, "status": "SKIP", "reason": f"--heads {cfg.heads} does not split over {world} ranks",
+        return {**row, "status": "SKIP", "reason": f"--heads {cfg.heads} does not split over {world} ranks"
+                + ("" if cfg.uneven_heads or world > cfg.heads else " (--uneven-heads would run it)"),
                 "setup": "-", "setup_short": "-"}
+    if cfg.heads % world:  # --uneven-heads: the first ranks own one head more (memory: rank 0's, the largest)
+        counts = head_counts(cfg.heads, world)
+        row.update({"heads_per_rank": counts[0], "heads_by_rank": counts, "uneven": True})
     if cfg.device == "cuda":
         if world <= gpus:
             setup = "NCCL, 1 GPU" if world == 1 else f"NCCL, {world} GPUs, one per rank"
@@ -246,7 +252,7 @@ def shape_args(cfg: Config) -> list[str]:
          "--batch", str(cfg.batch), "--dtype", cfg.dtype, "--kernel", cfg.kernel, "--device", cfg.device,
          "--reduce-dtype", cfg.reduce_dtype, "--output-collective", cfg.output_collective, "--seed", str(cfg.seed), "--warmup", str(cfg.warmup),
          "--iters", str(cfg.iters)]
-    return a + (["--causal"] if cfg.causal else [])
+    return a + (["--causal"] if cfg.causal else []) + (["--uneven-heads"] if cfg.uneven_heads else [])
 
 
 # ---- one world size ---------------------------------------------------------------------------------------
@@ -307,6 +313,10 @@ def run_world(row: dict, cfg: Config, args, mpirun: str, tmp: Path, clock: Clock
 
     if args.no_peer:
         row["peer"] = None
+        return
+    if row.get("uneven"):  # the peers split the heads evenly (DTensor's sharding, gpt-fast's slices)
+        row["peer"] = None
+        clock.say(f"  peers not run at world {W}: they split heads evenly and {cfg.heads} heads do not divide by {W}")
         return
     peer_cmd = common + [sys.executable, str(ROOT / "scripts" / "peer_tp.py"), *shape_args(cfg), *extra,
                          "--json", str(peer_json)]
@@ -502,7 +512,8 @@ def markdown(sweep: dict, images: dict) -> str:
             L.append(f"| {r['world']} | skipped: {r['reason']} | {_f(r.get('heads_per_rank'), '{}')} | - | - | - | - "
                      f"| - | - | - | SKIP | - | - | - |")
             continue
-        L.append(f"| {r['world']} | {r['setup']} | {r['heads_per_rank']} | {_f(r.get('compute_ms'))} "
+        hpr = (f"{r['heads_by_rank'][0]} or {r['heads_by_rank'][-1]}" if r.get("uneven") else r["heads_per_rank"])
+        L.append(f"| {r['world']} | {r['setup']} | {hpr} | {_f(r.get('compute_ms'))} "
                  f"| {_f(r.get('allreduce_ms'))} | {_f(r.get('e2e_ms'))} "
                  f"| {_f(r.get('speedup'), '{:.2f}')} | {_f(r.get('efficiency'), '{:.0%}')} "
                  f"| {_f(r.get('busbw_GBps'), '{:.2f}')} "
@@ -543,7 +554,8 @@ def markdown(sweep: dict, images: dict) -> str:
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4, 8], metavar="W",
-                   help="world sizes to run (default 1 2 4 8); those that do not divide --heads are skipped")
+                   help="world sizes to run (default 1 2 4 8); those that do not divide --heads are skipped "
+                   "unless --uneven-heads")
     p.add_argument("--out", default="benchmarks", help="folder for the table, JSON and plots (default benchmarks)")
     p.add_argument("--tag", default="", help="file names scaling_TAG.* (default scaling.*)")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",
@@ -563,6 +575,8 @@ def parse_args(argv):
     s.add_argument("--kernel", help="naive or reference (default naive on a GPU with CuPy, else reference)")
     s.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     s.add_argument("--causal", action="store_true")
+    s.add_argument("--uneven-heads", action="store_true", help="also run world sizes that do not divide --heads "
+                   "(ceil/floor(H/W) heads per rank; python -m tpattn --uneven-heads)")
     s.add_argument("--reduce-dtype", default="fp32", choices=list(REDUCE_DTYPES))
     s.add_argument("--output-collective", default="allreduce", choices=list(OUTPUT_COLLECTIVES),
                    help="default allreduce here (the article's one all-reduce, tabled beside a bare one of the "
@@ -581,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = resolve(Config(seq_len=args.seq_len, heads=args.heads, head_dim=args.head_dim, batch=args.batch,
                              dtype=args.dtype, kernel=args.kernel, causal=args.causal, device=args.device,
                              warmup=args.warmup, iters=args.iters, seed=args.seed, reduce_dtype=args.reduce_dtype,
-                             output_collective=args.output_collective))
+                             output_collective=args.output_collective, uneven_heads=args.uneven_heads))
         validate(cfg, 1, 1, check_json=False)
     except ConfigError as exc:
         print(f"scaling: error: {exc}", file=sys.stderr)

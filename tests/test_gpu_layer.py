@@ -1,7 +1,8 @@
 """GPU tests of the layer around the kernels (`pytest -m gpu`): tensor-core projections against the
 fp32 path they replace, sequence parallelism and overlap over NCCL (2+ GPUs) and over gloo
 sharing one GPU, and the CUDA graph of the whole layer; grouped-query attention (`-k gqa`): the
-fused kernel reading grouped K/V in place, the layer with fewer K/V heads over NCCL on 2 GPUs."""
+fused kernel reading grouped K/V in place, the layer with fewer K/V heads over NCCL on 2 GPUs;
+uneven heads (`-k uneven`): 3 heads on 2 GPUs over NCCL, naive and fused."""
 
 import json
 
@@ -195,3 +196,34 @@ def test_gqa_graph_replay_matches_eager():
     x2 = layer_input(1, 512, 256, 7, torch.float16, "cuda")
     x.copy_(x2)
     assert torch.equal(run().clone(), layer(x2))
+
+
+@pytest.mark.parametrize("kernel", ["naive", "fused"])
+@pytest.mark.parametrize("causal", [[], ["--causal"]])
+def test_uneven_heads_over_nccl_on_two_gpus(tmp_path, kernel, causal):
+    """3 heads on 2 GPUs (--uneven-heads, issue #17): rank 0 owns heads 0-1, rank 1 head 2; the
+    collectives are unchanged ([B, N, D] partials on both ranks). d = 128 (the fused kernels take
+    64 or 128), D = 384."""
+    two_gpus()
+    out = tmp_path / "r.json"
+    r = tpattn(["--seq-len", "2048", "--heads", "3", "--head-dim", "128", "--uneven-heads", "--kernel", kernel,
+                *causal, "--json", str(out)], ranks=2, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["verdict"] == "PASS" and rep["world"]["backend"] == "nccl" and rep["config"]["uneven_heads"]
+    assert rep["checks"]["vs_single_process"]["pass"] and rep["checks"]["vs_float64"]["pass"]
+    assert [x["heads"] for x in rep["world"]["ranks"]] == ["0-1", "2-2"]
+    assert rep["config"]["heads_by_rank"] == [2, 1] and rep["balance"]["heads_max_over_mean"] == pytest.approx(4 / 3)
+    assert "uneven heads: rank 0 owns 2 heads, rank 1 1" in r.stdout
+
+
+@pytest.mark.parametrize("style", [["--sequence-parallel"], ["--cuda-graph"]])
+def test_uneven_heads_styles_over_nccl(tmp_path, style):
+    """3 heads on 2 GPUs with --kernel fused, sequence-parallel and in a CUDA graph."""
+    two_gpus()
+    out = tmp_path / "r.json"
+    r = tpattn(["--seq-len", "2048", "--heads", "3", "--head-dim", "128", "--uneven-heads", "--kernel", "fused",
+                *style, "--json", str(out)], ranks=2, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["verdict"] == "PASS" and rep["config"]["heads_by_rank"] == [2, 1]

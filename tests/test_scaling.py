@@ -236,3 +236,22 @@ def test_profile_writes_a_chrome_trace(tmp_path):
     names = {e.get("name") for e in events}
     assert {"qkv_proj", "qk", "softmax", "pv", "out_proj"} <= names  # every pass is a named range
 
+
+
+@pytest.mark.mpi
+def test_sweep_uneven_heads_runs_world_sizes_that_do_not_divide(tmp_path):
+    """--uneven-heads (#17): 4 heads over 3 ranks runs (2, 1, 1 heads; the peers, which split heads
+    evenly, are not run there); without it world 3 is skipped with the flag named."""
+    small = ["--seq-len", "48", "--heads", "4", "--head-dim", "8", "--warmup", "0", "--iters", "1", "--device", "cpu"]
+    r = scaling(["--world-sizes", "1", "3", *small, "--uneven-heads", "--out", str(tmp_path)], timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    sweep = json.loads((tmp_path / "scaling.json").read_text())
+    rows = {row["world"]: row for row in sweep["rows"]}
+    assert rows[3]["verify"] == "PASS" and rows[3]["heads_by_rank"] == [2, 1, 1] and rows[3]["peer"] is None
+    assert "--uneven-heads" in rows[3]["commands"]["tpattn"]
+    assert rows[3]["report"]["config"]["heads_by_rank"] == [2, 1, 1]
+    assert table_rows((tmp_path / "scaling.md").read_text())[3][2] == "2 or 1"
+    assert "peers not run at world 3" in r.stdout
+    r = scaling(["--world-sizes", "1", "3", *small, "--no-peer", "--out", str(tmp_path / "even")], timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "world 3: skipped, --heads 4 does not split over 3 ranks (--uneven-heads would run it)" in r.stdout
