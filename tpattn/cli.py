@@ -58,7 +58,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-heads", type=int, metavar="G", help="K/V heads G (grouped-query attention; default "
                    "--heads): G divides H and query head q uses K/V head q // (H/G); 1 is multi-query attention. "
                    "Over W ranks the K/V heads are split when W divides G (G/W per rank) and replicated when W is "
-                   "a multiple of G (each rank holds the one its query heads use); other world sizes are refused")
+                   "a multiple of G (each rank holds the one its query heads use); other world sizes are refused, or with "
+                   "--uneven-heads (W <= G) ranks own whole K/V groups, ceil or floor of G/W")
     s.add_argument("--batch", type=int, default=1, metavar="B", help="batch size (default 1)")
     s.add_argument("--causal", action="store_true", help="causal mask: key j > query i does not contribute")
     k = p.add_argument_group("compute")
