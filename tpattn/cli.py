@@ -47,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m tpattn", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                 description="One multi-head attention layer, split by heads across ranks (tensor parallelism): "
                             "column-parallel Q/K/V, local attention (the seed's naive three-kernel CUDA "
-                            "attention, the faster tiled or fused CUDA kernels, or a torch reference), row-parallel output projection, one all-reduce. "
+                            "attention, the faster tiled or fused CUDA kernels, or a torch reference), row-parallel output projection, the partial outputs summed over ranks (one all-reduce, or a reduce-scatter and an all-gather). "
                             "Times every pass and checks the output against the single-process baseline "
                             "and a float64 reference.")
     s = p.add_argument_group("shape")
