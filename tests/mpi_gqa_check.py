@@ -10,31 +10,17 @@ covers them all. Prints 'GQA API PASS rank R of W: C configs, err E' and exits 0
 """
 
 import torch
-import torch.nn.functional as F
 
 from tpattn.dist import exit_now, init_distributed
 from tpattn.layer import TensorParallelAttention
 from tpattn.sharding import kv_world_sizes
 
+from gqa_module import GQAModule  # noqa: E402  (this folder is sys.path[0] under mpirun)
+
 proc = init_distributed(backend="gloo", timeout=60)
 W = proc.world
 H = 12 if W == 3 else 8
 d, N, B = 6, 24, 2
-
-
-class GQAModule(torch.nn.Module):
-    def __init__(self, D, H, G):
-        super().__init__()
-        self.H, self.G, self.d = H, G, D // H
-        self.q_proj, self.o_proj = torch.nn.Linear(D, D), torch.nn.Linear(D, D)
-        self.k_proj, self.v_proj = torch.nn.Linear(D, G * self.d), torch.nn.Linear(D, G * self.d)
-
-    def forward(self, x, causal):
-        b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.H, self.d).transpose(1, 2)
-        k, v = (p(x).view(b, n, self.G, self.d).transpose(1, 2).repeat_interleave(self.H // self.G, 1)
-                for p in (self.k_proj, self.v_proj))
-        return self.o_proj(F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2).reshape(b, n, -1))
 
 
 errs, configs, refused = [], 0, 0

@@ -11,11 +11,12 @@ Prints 'UNEVEN API PASS rank R of W: C configs, heads N, err E' and exits 0, or 
 """
 
 import torch
-import torch.nn.functional as F
 
 from tpattn.dist import exit_now, init_distributed
 from tpattn.layer import TensorParallelAttention
 from tpattn.sharding import head_counts
+
+from gqa_module import GQAModule  # noqa: E402  (this folder is sys.path[0] under mpirun)
 
 proc = init_distributed(backend="gloo", timeout=60)
 W, R = proc.world, proc.rank
@@ -49,21 +50,6 @@ for kw in ({"causal": False}, {"causal": True}, {"causal": True, "output_collect
         ref, _ = mha(x, x, x, need_weights=False, attn_mask=mask if kw["causal"] else None)
     errs.append((y - ref).abs().max().item())
     configs += 1
-
-
-class GQAModule(torch.nn.Module):
-    def __init__(self, D, H, G):
-        super().__init__()
-        self.H, self.G, self.d = H, G, D // H
-        self.q_proj, self.o_proj = torch.nn.Linear(D, D), torch.nn.Linear(D, D)
-        self.k_proj, self.v_proj = torch.nn.Linear(D, G * self.d), torch.nn.Linear(D, G * self.d)
-
-    def forward(self, x, causal):
-        b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.H, self.d).transpose(1, 2)
-        k, v = (p(x).view(b, n, self.G, self.d).transpose(1, 2).repeat_interleave(self.H // self.G, 1)
-                for p in (self.k_proj, self.v_proj))
-        return self.o_proj(F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2).reshape(b, n, -1))
 
 
 # GQA: G = W + 1 K/V groups of 2 query heads: the first rank owns 2 whole groups, the others 1
