@@ -10,8 +10,11 @@ H = 32, d = 128, fp16, fp32 partials), the layer runs on 1 GPU (every rank runs 
 layer at the same time; rank 0's numbers are kept) and on all the ranks (tpattn's layer over the
 NCCL group), timed as python -m tpattn times it (tpattn.plan.time_layer: per iteration one call
 timed whole with CUDA events, then one call with an event pair around every pass; medians). Over
-several ranks: compute passes, median over ranks; collectives, the last rank to arrive (the
-minimum over ranks, the transfer itself; the median is in the JSON); end to end, the slowest rank.
+several ranks: compute passes, median over ranks (--uneven-heads: rank 0's, which holds the most
+heads, as the model predicts); collectives, the last rank to arrive (the minimum over ranks, the
+transfer itself; the median is in the JSON); end to end, the slowest rank. The bare collectives are
+timed by the very function --calibrate fits its alpha-beta numbers on (tpattn.plan.bare_collectives:
+same sizes, warm-up, barrier and statistic).
 The model (tpattn.costmodel) predicts the same call from each --machine file; the first is the
 one the targets are judged on. Error = (predicted - measured) / measured.
 
@@ -49,10 +52,14 @@ def parse(argv):
     p.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 4096, 8192])
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--uneven-heads", action="store_true",
+                   help="as python -m tpattn: a world size that does not divide --heads (ceil/floor(H/W) per "
+                        "rank); the compute passes compared are rank 0's, which holds the most, as the model's")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=10, help="timed iterations (naive: at most 3)")
     p.add_argument("--sizes-mib", type=int, nargs="+", default=[s // plan.MiB for s in plan.COLLECTIVE_SIZES],
-                   help="bare collective sizes, MiB")
+                   help="bare collective sizes, MiB (default those --calibrate measures; timed by the same "
+                        "function, tpattn.plan.bare_collective_ms)")
     return p.parse_args(argv)
 
 
@@ -83,8 +90,8 @@ def measure_layer(kernel: str, n: int, world: int, a, device) -> dict:
     warm, iters = (1, min(a.iters, 3)) if kernel == "naive" else (a.warmup, a.iters)
     group = dist.group.WORLD if world > 1 else None
     cuda = device.type == "cuda"  # on CPU (the smoke test, TPATTN_PLAN_ALLOW_CPU=1): fp32 and the torch reference
-    layer = plan.build_layer(a.heads // world, a.heads, a.head_dim, kernel, False, device, group=group,
-                             dtype="fp16" if cuda else "fp32")
+    layer = plan.build_layer(a.heads, a.heads, a.head_dim, kernel, False, device, group=group,
+                             dtype="fp16" if cuda else "fp32", uneven=getattr(a, "uneven_heads", False))
     x = layer_input(1, n, a.heads * a.head_dim, 0, torch.float16 if cuda else torch.float32, device)
     mine = plan.time_layer(layer, x, warm, iters)
     colls = layer.collective_nbytes(1, n) if world > 1 else {}
@@ -96,6 +103,7 @@ def measure_layer(kernel: str, n: int, world: int, a, device) -> dict:
     if world == 1:
         return {"passes": everyone[0], "collectives": {}, "ranks": 1, "dtype": dtype}
     out, median = {}, {}
+    uneven = a.heads % world != 0  # ranks hold different heads: the model predicts rank 0's (the most)
     for k in everyone[0]:
         vals = [r[k] for r in everyone if k in r]
         if k in cm.COLLECTIVE_NAMES:
@@ -103,12 +111,13 @@ def measure_layer(kernel: str, n: int, world: int, a, device) -> dict:
         elif k in ("total", "host"):
             out[k] = max(vals)                                        # the slowest rank
         else:
-            out[k] = statistics.median(vals)
+            out[k] = everyone[0][k] if uneven else statistics.median(vals)
     return {"passes": out, "collectives": colls, "collective_median_over_ranks": median, "ranks": world, "dtype": dtype}
 
 
 def compare(m: cm.Machine, kernel: str, n: int, world: int, a, meas: dict) -> dict:
-    shape = cm.Shape(seq_len=n, heads=a.heads, head_dim=a.head_dim, kernel=kernel, dtype=meas.get("dtype", "fp16"))
+    shape = cm.Shape(seq_len=n, heads=a.heads, head_dim=a.head_dim, kernel=kernel, dtype=meas.get("dtype", "fp16"),
+                     uneven_heads=getattr(a, "uneven_heads", False))
     pred = cm.predict(m, shape, world, max(world, m.gpus_per_node))
     predicted = {**pred["passes"], **{k: c["ms"] for k, c in pred["collectives"].items()},
                  "total": pred["end_to_end_ms"]}
@@ -119,7 +128,8 @@ def compare(m: cm.Machine, kernel: str, n: int, world: int, a, meas: dict) -> di
                          "error_pct": err_pct(predicted[name], meas["passes"][name])})
     same = set(pred["collectives"]) == set(meas["collectives"])
     return {"kernel": kernel, "N": n, "world": world, "machine": m.name,
-            "calibrated_here": calibrated_at(m, kernel, a.heads // world, n), "rows": rows,
+            "calibrated_here": calibrated_at(m, kernel, pred["heads_per_rank"], n), "rows": rows,
+            "heads_by_rank": pred["heads_by_rank"],
             "host_measured_ms": meas["passes"].get("host"), "host_predicted_ms": pred["host_ms"],
             "gpu_predicted_ms": pred["gpu_ms"], "collectives_as_predicted": same,
             "collectives_measured": meas["collectives"],
@@ -178,7 +188,10 @@ def markdown(doc: dict) -> str:
                          f"{fmt(r['predicted_ms'])} | {pct(r['error_pct'])} |")
     if doc["bare"]:
         L += ["", f"## Bare NCCL collectives over {doc['ranks']} GPUs", "",
-              "A barrier, then the collective between two CUDA events; the slowest rank's median. size = the whole "
+              "Timed as --calibrate times them (tpattn.plan.bare_collective_ms): per sample a barrier, a GPU spin, "
+              f"then {plan.COLLECTIVE_REPS} calls back to back between two CUDA events, / calls; per sample the "
+              f"slowest rank; the median of {plan.COLLECTIVE_SAMPLES} samples after {plan.COLLECTIVE_WARMUP} "
+              "warm-up ones. size = the whole "
               "tensor (nccl-tests' convention).", "",
               "| collective | MiB | measured us | busbw GB/s | " + " | ".join(f"{m['name']} us (error)" for m in doc["machines"])
               + " |", "|---|---:|---:|---:|" + "---:|" * len(doc["machines"])]
@@ -240,6 +253,12 @@ def main(argv=None) -> int:
     except plan.PlanError as exc:
         print(f"validate_model: error: {exc}", file=sys.stderr)
         return 2
+    err = cm._layout_error(cm.Shape(heads=a.heads, uneven_heads=a.uneven_heads), proc.world)
+    if err:  # before any layer: rank 0 says it, every rank ends with 2
+        if proc.rank == 0:
+            print(f"validate_model: error: {err}", file=sys.stderr, flush=True)
+        plan.finish_ranks(proc, 2)
+        return 2
     import torch
 
     from tpattn import report
@@ -262,10 +281,10 @@ def main(argv=None) -> int:
                         say(f"{kernel} N={n} W={w}: measured {t['measured_ms']:.3f} ms, predicted "
                             f"{t['predicted_ms']:.3f} ({pct(t['error_pct'])})")
         if proc.world > 1:
-            for kind in ("allreduce", "reducescatter", "allgather"):
-                for mib in a.sizes_mib:
-                    nbytes = mib * plan.MiB
-                    ms = max(plan.gather(plan.time_collective(kind, nbytes, device, 3, 10)))
+            # the same call, sizes and order as --calibrate's (tpattn.plan.bare_collectives)
+            measured = plan.bare_collectives([mib * plan.MiB for mib in a.sizes_mib], device)
+            for kind, points in measured.items():
+                for nbytes, ms in points:
                     steps, share = cm.ring_steps_and_share(kind, proc.world)
                     preds = []
                     for m in machines:

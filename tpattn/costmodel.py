@@ -5,7 +5,8 @@ same passes that tpattn/layer.py runs and its timers name:
 
     qkv_proj    one GEMM [B*N, D] x [D, 3*h*d] (bias in its epilogue); kernels that need contiguous
                 q, k, v (naive, tiled) also copy them out of the GEMM's output inside this pass
-    qk, softmax, pv (naive, tiled) or fused      the local attention of h = H/W heads
+    qk, softmax, pv (naive, tiled) or fused      the local attention of h = H/W heads (--uneven-heads:
+                rank 0's ceil(H/W), the most any rank holds, which the collective waits for)
     out_proj    one GEMM [B*N, h*d] x [h*d, D]: fp32 partials when W > 1 and --reduce-dtype fp32,
                 the model dtype with the bias in its epilogue when W = 1
     the collectives, by the names and bytes of layer.collective_nbytes(B, N)
@@ -77,6 +78,7 @@ class Shape:
     cuda_graph: bool = False
     output_collective: str = "auto"
     kv_heads: int | None = None       # GQA: K/V heads (None: as many as query heads)
+    uneven_heads: bool = False        # --uneven-heads: W need not divide H (nor G): ceil/floor blocks per rank
 
     @property
     def model_dim(self) -> int:
@@ -86,11 +88,22 @@ class Shape:
     def kv(self) -> int:
         return self.kv_heads or self.heads
 
+    def heads_by_rank(self, world: int) -> list[int]:
+        """Query heads each rank owns (tpattn.sharding's layout): H/W each, or with --uneven-heads
+        ceil/floor blocks, rank 0 first with the most."""
+        from . import sharding
+        return [len(sharding.head_range(self.heads, world, r, self.uneven_heads, self.kv)) for r in range(world)]
+
+    def heads_per_rank(self, world: int) -> int:
+        """Query heads of rank 0, which holds the most: the rank the collective waits for."""
+        from . import sharding
+        return len(sharding.head_range(self.heads, world, 0, self.uneven_heads, self.kv))
+
     def kv_per_rank(self, world: int) -> int:
-        """K/V heads one rank holds: G/W of them, or (more ranks than K/V heads) a copy of one."""
-        if self.kv == self.heads:
-            return self.heads // world
-        return self.kv // world if self.kv % world == 0 else 1
+        """K/V heads rank 0 holds: G/W of them (with --uneven-heads ceil(G/W)), or (more ranks than
+        K/V heads) a copy of one."""
+        from . import sharding
+        return len(sharding.kv_head_range(self.heads, self.kv, world, 0, self.uneven_heads))
 
     @property
     def elem(self) -> int:
@@ -213,7 +226,7 @@ def _collectives_from_layer(shape: Shape, world: int) -> dict[str, int]:
     accepted = inspect.signature(TensorParallelAttention.__init__).parameters
     layer = TensorParallelAttention(meta(D, hd), meta(D, hd), meta(D, hd), meta(hd, D),
                                     **{k: v for k, v in kw.items() if k in accepted})
-    layer.world, layer.local_heads = world, shape.heads // world  # one rank of a W-way layer
+    layer.world, layer.local_heads = world, shape.heads_per_rank(world)  # rank 0 of a W-way layer
     got = layer.collective_nbytes(shape.batch, shape.seq_len)
     unknown = [k for k in got if k not in COLLECTIVE_NAMES]
     if unknown:
@@ -224,18 +237,20 @@ def _collectives_from_layer(shape: Shape, world: int) -> dict[str, int]:
 def _layout_error(shape: Shape, world: int) -> str | None:
     """Why H query heads (and G K/V heads) cannot be laid out over `world` ranks, or None."""
     from . import sharding
-    if shape.kv != shape.heads and hasattr(sharding, "check_kv_heads"):
-        return sharding.check_kv_heads(shape.heads, shape.kv, world)
-    return sharding.check_divisible(shape.heads, world)
+    if shape.kv != shape.heads:
+        return sharding.check_kv_heads(shape.heads, shape.kv, world, shape.uneven_heads)
+    return sharding.check_divisible(shape.heads, world, shape.uneven_heads)
 
 
 def layer_steps(shape: Shape, world: int) -> tuple[list[Step], dict[str, int]]:
-    """(compute steps of one rank, {collective: bytes}) for one call of the layer at world size W."""
+    """(compute steps of one rank, {collective: bytes}) for one call of the layer at world size W.
+    With --uneven-heads the rank is rank 0, which holds the most heads (ceil(H/W), or ceil(G/W) K/V
+    groups): the largest rank's compute, which is what the collective waits for."""
     err = _layout_error(shape, world)
     if err:
         raise ModelError(err)
     B, N, D, d, dt = shape.batch, shape.seq_len, shape.model_dim, shape.head_dim, shape.dtype
-    h, g = shape.heads // world, shape.kv_per_rank(world)
+    h, g = shape.heads_per_rank(world), shape.kv_per_rank(world)
     e = shape.elem
     colls = layer_collectives(shape, world)
     rows = B * N                                       # both styles: every rank projects all N rows
@@ -705,17 +720,19 @@ def _config(shape: Shape):
     kw = dict(seq_len=shape.seq_len, heads=shape.heads, head_dim=shape.head_dim, batch=shape.batch,
               dtype=shape.dtype, kernel=shape.kernel, causal=shape.causal, device="cuda", check=False,
               reduce_dtype=shape.reduce_dtype, sequence_parallel=shape.sequence_parallel, overlap=shape.overlap,
-              output_collective=shape.output_collective, kv_heads=shape.kv)
+              output_collective=shape.output_collective, kv_heads=shape.kv, uneven_heads=shape.uneven_heads)
     return Config(**{k: v for k, v in kw.items() if k in names})
 
 
 def memory_per_rank(shape: Shape, world: int, free_bytes: int) -> tuple[int, int, bool]:
     """(bytes one rank allocates, the largest --seq-len that fits in free_bytes, whether this one
-    fits) by tpattn.memory, the CLI's own pre-flight estimate, without the checks' baseline."""
+    fits) by tpattn.memory, the CLI's own pre-flight estimate, without the checks' baseline. Rank 0's:
+    it holds the most heads (--uneven-heads), and without --check every rank allocates the same
+    for the same heads."""
     from . import memory
-    cfg, rank = _config(shape), 1 if world > 1 else 0
-    need = memory.estimate(cfg, world, rank)
-    return need, memory.largest_n(cfg, world, rank, free_bytes), need <= free_bytes * memory.HEADROOM
+    cfg = _config(shape)
+    need = memory.estimate(cfg, world, 0)
+    return need, memory.largest_n(cfg, world, 0, free_bytes), need <= free_bytes * memory.HEADROOM
 
 
 def predict(m: Machine, shape: Shape, world: int, gpus_per_node: int | None = None) -> dict:
@@ -743,13 +760,15 @@ def predict(m: Machine, shape: Shape, world: int, gpus_per_node: int | None = No
                                          + len(coll) * m.layer("host_ms_per_collective", None, 0.1))
     total = max(gpu, host)
     mem, fit_n, fits = memory_per_rank(shape, world, m.memory_bytes)
+    by_rank = shape.heads_by_rank(world)
     parts = {**{k: v for k, v in passes.items()}, **{k: c["ms"] for k, c in coll.items()}, "other": other}
     if host > gpu:
         dominant = "host (the Python call)"
     else:
         dominant = max(parts, key=parts.get)
     return {
-        "world": world, "nodes": nodes, "gpus_per_node": min(world, g), "heads_per_rank": shape.heads // world,
+        "world": world, "nodes": nodes, "gpus_per_node": min(world, g), "heads_per_rank": by_rank[0],
+        "heads_by_rank": by_rank, "imbalance": max(by_rank) / (sum(by_rank) / len(by_rank)),
         "passes": passes, "collectives": coll, "other_ms": other, "overhead_ms": overhead,
         "compute_ms": compute, "communication_ms": comm, "gpu_ms": gpu, "host_ms": host, "end_to_end_ms": total,
         "host_bound": host > gpu, "dominant": dominant, "steps": detail,

@@ -26,7 +26,7 @@ from . import costmodel as cm
 EXIT_FAIL, EXIT_USAGE = 1, 2
 # the shape and style options, taken from python -m tpattn's own parser (same names, choices, help)
 SHAPE_OPTIONS = ("seq_len", "heads", "head_dim", "kv_heads", "batch", "causal", "dtype", "kernel", "reduce_dtype",
-                 "sequence_parallel", "output_collective", "overlap", "cuda_graph")
+                 "sequence_parallel", "output_collective", "overlap", "cuda_graph", "uneven_heads")
 EPILOG = """\
 machine files: a path, or a shipped name: {names}
   (tpattn/machines/*.json; fields in docs/plan.md). --calibrate writes one for the machine it runs on.
@@ -115,6 +115,8 @@ def _shape_options(group) -> None:
                                                              help="head-parallel: all-reduce or reduce-scatter + all-gather")),
         "overlap": (("--overlap",), dict(type=int, default=1, metavar="K", help="row chunks (not modeled)")),
         "cuda_graph": (("--cuda-graph",), dict(action="store_true", help="no host time (a CUDA graph)")),
+        "uneven_heads": (("--uneven-heads",), dict(action="store_true", help="world sizes that do not divide the "
+                                                   "heads: ceil/floor(H/W) per rank, rank 0's predicted")),
     }
     for dest, (flags, kw) in own.items():
         if dest not in taken:
@@ -132,7 +134,7 @@ def shape_from(a) -> cm.Shape:
                  head_dim=pick(a.head_dim, "head_dim"), batch=a.batch, dtype=a.dtype, kernel=kernel,
                  causal=a.causal, reduce_dtype=a.reduce_dtype, sequence_parallel=a.sequence_parallel,
                  overlap=a.overlap, cuda_graph=a.cuda_graph, output_collective=getattr(a, "output_collective", "auto"),
-                 kv_heads=getattr(a, "kv_heads", None))
+                 kv_heads=getattr(a, "kv_heads", None), uneven_heads=bool(getattr(a, "uneven_heads", False)))
     for flag, v in (("--seq-len", s.seq_len), ("--heads", s.heads), ("--head-dim", s.head_dim),
                     ("--batch", s.batch), ("--overlap", s.overlap)):
         if v < 1:
@@ -158,6 +160,8 @@ def world_sizes(a, shape: cm.Shape, g: int) -> list[int]:
         if any(w < 1 for w in a.world_sizes):
             raise PlanError(f"--world-sizes must be at least 1 (got {min(a.world_sizes)})")
         return list(a.world_sizes)
+    if shape.uneven_heads:  # any W the layout takes (W <= H; with K/V groups, W <= G or an even layout)
+        return [w for w in (1, 2, 4, 8) if cm._layout_error(shape, w) is None]
     return [w for w in (1, 2, 4, 8) if shape.heads % w == 0]
 
 
@@ -206,7 +210,9 @@ def table(m: cm.Machine, shape: cm.Shape, rows: list[dict], g: int, markdown: bo
             missing.append(f"W={r['world']}: not predicted: {r['error']}")
             continue
         f = lambda v: f"{v:.3f}" if v < 100 else f"{v:.1f}"  # noqa: E731
-        cells = [str(r["world"]), str(r["nodes"]), str(r["heads_per_rank"])]
+        by_rank = r.get("heads_by_rank") or [r["heads_per_rank"]]
+        hpr = str(max(by_rank)) + (f" or {min(by_rank)}" if min(by_rank) != max(by_rank) else "")
+        cells = [str(r["world"]), str(r["nodes"]), hpr]
         cells += [f(r["passes"][p]) if p in r["passes"] else "-" for p in comp]
         cells += [f(r["collectives"][c]["ms"]) if c in r["collectives"] else "-" for c in coll]
         cells += [f(r["other_ms"]), f(r["end_to_end_ms"]) + (" (host)" if r["host_bound"] else ""),
@@ -223,7 +229,10 @@ def table(m: cm.Machine, shape: cm.Shape, rows: list[dict], g: int, markdown: bo
         out += ["| " + " | ".join(c) + " |" for c in body]
         out.append("")
     elif body:
-        out.append("predicted ms per call on one rank (every rank does the same work):")
+        uneven = any(len(set(r.get("heads_by_rank", [0]))) > 1 for r in rows if "error" not in r)
+        out.append("predicted ms per call on one rank (every rank does the same work):" if not uneven else
+                   "predicted ms per call on rank 0 (with uneven heads it holds the most; the others wait for it "
+                   "at the collective):")
         widths = [max(len(h), *(len(c[i]) for c in body)) for i, h in enumerate(heads)]
         out.append("  " + "  ".join(h.rjust(w) for h, w in zip(heads, widths)))
         for c in body:
@@ -232,6 +241,13 @@ def table(m: cm.Machine, shape: cm.Shape, rows: list[dict], g: int, markdown: bo
     for r in rows:
         if "error" in r:
             continue
+        by = r.get("heads_by_rank") or []
+        if len(set(by)) > 1:
+            more = sum(1 for x in by if x == by[0])
+            who = lambda a_, b_: f"rank {a_}" if a_ == b_ else f"ranks {a_}-{b_}"  # noqa: E731
+            out.append(f"W={r['world']}: uneven heads: {who(0, more - 1)} own{'s' if more == 1 else ''} {by[0]}, "
+                       f"{who(more, len(by) - 1)} {by[-1]}; heads max/mean {r['imbalance']:.3f} (the useful share "
+                       f"of the compute {100 / r['imbalance']:.1f} %); predicted: rank 0's")
         for c, info in r["collectives"].items():
             out.append(f"W={r['world']}: {COLL_LABEL[c]} of {_gib(info['bytes'])}: {info['algorithm']}, "
                        f"{info['ms'] * 1e3:.0f} us ({info['bound']}-bound)")
@@ -390,21 +406,27 @@ def backend_for(kernel: str, device) -> str:
 
 
 def build_layer(h: int, heads: int, head_dim: int, kernel: str, causal: bool, device, dtype="fp16", group=None,
-                reduce_dtype: str = "fp32", seed: int = 0):
+                reduce_dtype: str = "fp32", seed: int = 0, uneven: bool = False, kv_heads: int | None = None):
     """A layer whose rank holds h of `heads` query heads: with group=None the compute of one rank of an
-    (heads/h)-way layer, without its collective; with a group of W ranks, h = heads/W."""
+    (heads/h)-way layer, without its collective; with a group of W ranks, this rank's heads of the
+    W-way layer (h is not used: H/W, or with uneven (--uneven-heads) its ceil/floor block; with
+    kv_heads, of G K/V heads)."""
     import torch
 
     from .layer import TensorParallelAttention
-    from .sharding import head_range
+    from .sharding import head_range, kv_head_range
     dt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     backend = backend_for(kernel, device)
     if group is not None:
         import torch.distributed as dist
-        rng = head_range(heads, dist.get_world_size(group), dist.get_rank(group))
-        w = _weights(rng, heads, head_dim, seed, dt, device)
+        W, r = dist.get_world_size(group), dist.get_rank(group)
+        G = heads if kv_heads is None else kv_heads
+        rng = head_range(heads, W, r, uneven, G)
+        kv_rng = kv_head_range(heads, G, W, r, uneven) if G != heads else None
+        w = _weights(rng, heads, head_dim, seed, dt, device, kv_rng)
+        extra = {k: v for k, v in (("uneven_heads", uneven), ("kv_heads", kv_heads)) if v}
         return TensorParallelAttention(**w, heads=heads, head_dim=head_dim, backend=backend, causal=causal,
-                                       group=group, reduce_dtype=reduce_dtype)
+                                       group=group, reduce_dtype=reduce_dtype, **extra)
     w = _weights(range(h), heads, head_dim, seed, dt, device)
     return TensorParallelAttention(**w, heads=h, head_dim=head_dim, backend=backend, causal=causal, group=None,
                                    reduce_dtype=reduce_dtype)
@@ -413,13 +435,15 @@ def build_layer(h: int, heads: int, head_dim: int, kernel: str, causal: bool, de
 _weight_cache: dict = {}
 
 
-def _weights(rng: range, heads: int, head_dim: int, seed: int, dt, device) -> dict:
+def _weights(rng: range, heads: int, head_dim: int, seed: int, dt, device, kv_rng: range | None = None) -> dict:
     """head_weights, generated once per set of heads (they are made on the CPU: seconds at D = 4096)."""
     from .weights import head_weights
-    key = (rng.start, rng.stop, heads, head_dim, seed, str(dt), str(device))
+    kv = None if kv_rng is None else (kv_rng.start, kv_rng.stop)
+    key = (rng.start, rng.stop, kv, heads, head_dim, seed, str(dt), str(device))
     if key not in _weight_cache:
         _weight_cache.clear()  # one set at a time: a few hundred MiB of device memory each
-        _weight_cache[key] = head_weights(rng, heads, head_dim, seed, dt, device)
+        _weight_cache[key] = (head_weights(rng, heads, head_dim, seed, dt, device) if kv_rng is None
+                              else head_weights(rng, heads, head_dim, seed, dt, device, kv_heads=kv_rng))
     return _weight_cache[key]
 
 
@@ -451,38 +475,71 @@ def _collective_fns():
     return dist, ag, rs
 
 
-def time_collective(kind: str, nbytes: int, device, warmup: int, iters: int) -> float:
-    """This rank's median ms of one collective of nbytes (the whole tensor, nccl-tests' size) on the
-    default group: a barrier, then the call between two CUDA events (on CPU: the clock)."""
+# One bare collective, timed the same way by --calibrate (whose alpha-beta fit is made on these
+# numbers) and by scripts/validate_model.py (which judges the fit against them): same sizes, same
+# warm-up, same barrier, same statistic, through this one function.
+COLLECTIVE_WARMUP = 2      # samples run and dropped (each `reps` calls: the first calls set up NCCL's buffers)
+COLLECTIVE_SAMPLES = 10    # samples timed
+COLLECTIVE_REPS = 10       # calls back to back per sample (nccl-tests' convention): time / reps
+_SLEEP_CYCLES_PER_CALL = 200_000   # ~0.1 ms of GPU spin per queued call (clock64 cycles at ~2 GHz)
+
+
+def bare_collective_ms(kind: str, nbytes: int, device, warmup: int = COLLECTIVE_WARMUP,
+                       samples: int = COLLECTIVE_SAMPLES, reps: int = COLLECTIVE_REPS) -> float:
+    """ms of one collective of nbytes (the whole tensor, nccl-tests' size) over the default group, as
+    --calibrate and validate_model.py both measure it; a collective call: every rank gets the same value.
+
+    Per sample: a barrier; on a GPU a short spin kernel, so that the start event and the `reps` calls
+    are all queued behind it before the GPU reaches them (the host's launch time of the calls is not
+    inside the interval); the start event; the calls back to back; the end event; (end - start) / reps.
+    The ranks leave the barrier apart by the host's jitter; back to back, only the first call waits
+    for the late rank, a 1/reps share. Statistic: per sample the slowest rank, then the median over
+    the samples. (On CPU, gloo: the clock, no spin.)"""
     import torch
     dist, ag, rs = _collective_fns()
     W = dist.get_world_size()
     dt = torch.float16 if kind == "allgather" else torch.float32
     n = nbytes // torch.empty((), dtype=dt).element_size()
     n -= n % W
-    whole = torch.ones(n, dtype=dt, device=device)
-    part = torch.ones(n // W, dtype=dt, device=device)
+    whole = torch.zeros(n, dtype=dt, device=device)   # zeros: sums that stay finite over any number of calls
+    part = torch.zeros(n // W, dtype=dt, device=device)
     op = {"allreduce": lambda: dist.all_reduce(whole), "allgather": lambda: ag(whole, part),
           "reducescatter": lambda: rs(part, whole)}[kind]
     cuda = device.type == "cuda"
+    spin = getattr(torch.cuda, "_sleep", None) if cuda else None
     ts = []
-    for i in range(warmup + iters):
+    for i in range(warmup + samples):
         if cuda:
             dist.barrier(device_ids=[device.index])
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if spin is not None:
+                spin(_SLEEP_CYCLES_PER_CALL * (reps + 2))
             a.record()
-            op()
+            for _ in range(reps):
+                op()
             b.record()
             b.synchronize()
-            ms = a.elapsed_time(b)
+            ms = a.elapsed_time(b) / reps
         else:
             dist.barrier()
             t0 = time.perf_counter()
-            op()
-            ms = (time.perf_counter() - t0) * 1e3
+            for _ in range(reps):
+                op()
+            ms = (time.perf_counter() - t0) * 1e3 / reps
         if i >= warmup:
             ts.append(ms)
-    return statistics.median(ts)
+    del whole, part
+    if cuda:
+        torch.cuda.empty_cache()
+    every = gather(ts)
+    return statistics.median(max(r[j] for r in every) for j in range(samples))
+
+
+def bare_collectives(sizes, device, kinds=cm.COLLECTIVE_NAMES) -> dict[str, list[tuple[int, float]]]:
+    """{kind: [(bytes, ms)]}: bare_collective_ms of each kind (all-reduce, all-gather, reduce-scatter)
+    at each size, in that order; the same call in --calibrate and in validate_model.py."""
+    return {kind: [(int(nbytes), bare_collective_ms(kind, int(nbytes), device)) for nbytes in sizes]
+            for kind in kinds}
 
 
 def gather(obj) -> list:
@@ -545,7 +602,7 @@ class Sizes:
 
 class QuickSizes(Sizes):
     gemm, grid_n, grid_h, causal = (4096,), (1024, 4096), (8, 32), ((32, 4096),)
-    out_rows, epilogue_rows, collectives, warmup, iters = (4096,), (4096,), tuple(COLLECTIVE_SIZES[2:5]), 1, 3
+    out_rows, epilogue_rows, warmup, iters = (4096,), (4096,), 1, 3   # the collectives: all sizes, as validation
 
 
 class CpuSizes(Sizes):
@@ -654,8 +711,12 @@ def build_machine(meas: dict) -> dict:
                     model_us = cm.collective_ms(bare, kind, nbytes, W, max(W, int(meas["gpus_per_node"])))["ms"] * 1e3
                     per.setdefault(kind, {})["layer_extra_us"] = round(run["passes"][kind] * 1e3 - model_us, 1)
         data["sources"]["links.nvlink"] = (f"{how}: NCCL all-reduce, all-gather, reduce-scatter over {W} GPUs at "
-                                           f"{', '.join(f'{b // MiB}' for b, _ in colls['allreduce'])} MiB (barrier, "
-                                           "then CUDA events; the slowest rank's median), fitted by least squares on "
+                                           f"{', '.join(f'{b // MiB}' for b, _ in colls['allreduce'])} MiB "
+                                           "(tpattn.plan.bare_collective_ms, as scripts/validate_model.py times them: "
+                                           f"{COLLECTIVE_WARMUP} warm-up samples, then {COLLECTIVE_SAMPLES} samples of "
+                                           f"a barrier, a GPU spin and {COLLECTIVE_REPS} calls back to back between "
+                                           "CUDA events, / calls; per sample the slowest rank, the median over the "
+                                           "samples), fitted by least squares on "
                                            "the relative error with step_us = 3.4 us (NVIDIA/nccl src/graph/tuning.cc, "
                                            "Ring/Simple over NVLink); layer_extra_us: the same collective inside "
                                            f"the {W}-rank layer (the last rank to arrive) minus that model")
@@ -835,18 +896,16 @@ def _measure(a, proc, device, argv) -> dict:
     colls: dict[str, list] = {}
     multi = []
     if proc.world > 1:
-        for kind in ("allreduce", "allgather", "reducescatter"):
-            for nbytes in sz.collectives:
-                mine = time_collective(kind, nbytes, device, 3, 10 if cuda and not a.quick else iters)
-                colls.setdefault(kind, []).append((nbytes, max(gather(mine))))
-            empty_cache()
+        colls = bare_collectives(sz.collectives, device)
         _say(proc, "collectives: " + ", ".join(f"{k} {b / MiB:g} MiB {ms * 1e3:.0f} us" for k, v in colls.items()
-                                               for b, ms in v[-1:]))
+                                               for b, ms in (v[0], v[-1])))
         import torch.distributed as dist
         for kernel in [k for k in ("fused", "tiled", "naive") if k in a.kernels][:1]:
-            n, h = sz.multi_n, heads // proc.world
+            # uneven: a node whose GPU count does not divide the heads (rank 0 holds the most)
+            from .sharding import head_range
+            n, h = sz.multi_n, len(head_range(heads, proc.world, 0, True))
             layer = build_layer(h, heads, d, kernel, False, device, dtype="fp16" if cuda else "fp32",
-                                group=dist.group.WORLD)
+                                group=dist.group.WORLD, uneven=heads % proc.world != 0)
             x = layer_input(1, n, D, 0, dt, device)
             every = gather(time_layer(layer, x, warm, iters))
             # a collective: the last rank to arrive (the minimum over ranks: its time is the transfer);
