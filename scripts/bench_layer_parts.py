@@ -10,25 +10,14 @@ For the default shape at 1 and 2 ranks' worth of heads (h = 32, 16).
 from __future__ import annotations
 
 import argparse
-import statistics
-
 import torch
 
 from tpattn.attention import get_backend
+from tpattn.plan import events_ms
 
 
 def timed(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    return events_ms(fn, 3, iters)  # the planner's calibration times its passes the same way
 
 
 def main() -> None:
