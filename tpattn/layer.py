@@ -318,14 +318,15 @@ class TensorParallelAttention(torch.nn.Module):
             mine = torch.empty(rows // W, D, dtype=self.part_dtype, device=x.device)
             if not self._output_collective("reducescatter", timer, _reduce_scatter, mine, part):
                 continue  # a fault left this rank's collectives out (both of them)
-            mine_out = torch.empty(rows // W, D, dtype=self.dtype, device=x.device)
-            with self._comm_context():  # where the reduce-scatter ran: + b_o, rounded once
-                _add_bias(mine, self.bo, out=mine_out)
             dst = y[:, r0:r1]
             whole = dst.is_contiguous()
             gathered = dst.view(rows, D) if whole else torch.empty(rows, D, dtype=self.dtype, device=x.device)
+            m = rows // W
+            mine_out = gathered[self.rank * m:(self.rank + 1) * m]  # this rank's rows of y: the all-gather is in place
+            with self._comm_context():  # where the reduce-scatter ran: + b_o, rounded once
+                _add_bias(mine, self.bo, out=mine_out)
             self._collective("allgather", timer, _all_gather, gathered, mine_out)
-            parts += [part, mine, mine_out]  # referenced until the join below
+            parts += [part, mine]  # referenced until the join below
             if not whole:
                 late.append((gathered, dst))
         self._join_comm()
