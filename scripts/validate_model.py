@@ -8,8 +8,11 @@ to end, and the bare NCCL collectives at 8-256 MiB; write DIR/model_validation.m
 For each kernel (naive, tiled, fused) and N (2048, 4096, 8192; default shape otherwise: B = 1,
 H = 32, d = 128, fp16, fp32 partials), the layer runs on 1 GPU (every rank runs its own 1-GPU
 layer at the same time; rank 0's numbers are kept) and on all the ranks (tpattn's layer over the
-NCCL group), timed as python -m tpattn times it (tpattn.plan.time_layer: per iteration one call
-timed whole with CUDA events, then one call with an event pair around every pass; medians). Over
+NCCL group), timed by the function --calibrate times it with (tpattn.plan.time_layer: per
+iteration one un-spun call timed whole with CUDA events, as python -m tpattn times it, and its host
+time; then one call with an event pair around every pass, queued behind a barrier over the ranks and
+a GPU spin longer than the host's launch time, so each pass's events hold GPU time only, which the
+model predicts; medians). Over
 several ranks: compute passes, median over ranks (--uneven-heads: rank 0's, which holds the most
 heads, as the model predicts); collectives, the last rank to arrive (the minimum over ranks, the
 transfer itself; the median is in the JSON); end to end, the slowest rank. The bare collectives are
@@ -152,7 +155,8 @@ def markdown(doc: dict) -> str:
          "Machine files: " + "; ".join(f"**{m['name']}** ({m['path']})" for m in doc["machines"])
          + f". Targets are judged on **{primary}**. Shape: B = 1, H = {doc['heads']}, d = {doc['head_dim']}, fp16, "
          "fp32 partials, head-parallel; error = (predicted − measured) / measured. Measured: each rank's median "
-         "over the timed calls; over several ranks the compute passes are the median over ranks, a collective the "
+         "over the timed calls (end to end and host: the call un-spun; per pass: the call queued behind a barrier "
+         "and a GPU spin, so each pass's events hold its GPU time, tpattn.plan.time_layer); over several ranks the compute passes are the median over ranks, a collective the "
          "last rank to arrive (its transfer; the median over ranks, which includes waiting, is in the JSON) and "
          "end to end the slowest rank. *calibrated here*: the machine file has a calibration point of that kernel "
          "at that heads-per-rank and N, so per-pass agreement there is by construction.", ""]

@@ -7,6 +7,7 @@ it builds from measurements)."""
 import json
 import math
 import sys
+import time
 
 import pytest
 
@@ -331,6 +332,31 @@ def test_prediction_adds_up(toy):
     assert rows[1]["passes"]["qk"] == pytest.approx(2 * qk)
 
 
+def test_host_time_per_kernel_and_world_size(tmp_path):
+    """layer.host_ms_by_world (the W-rank layer's host time, per kernel, from --calibrate) is the host
+    time at that world size; a world size or kernel it lacks, and a file without it (older files),
+    fall back to the 1-rank host_ms + host_ms_per_collective per collective."""
+    data = toy_machine()
+    data["layer"]["host_ms_by_world"] = {"2": {"tiled": 0.9}}
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(data))
+    m = cm.load_machine(str(path))
+    tiled, fused = (cm.Shape(seq_len=512, heads=8, head_dim=64, kernel=k) for k in ("tiled", "fused"))
+    r2 = cm.predict(m, tiled, 2)
+    assert r2["host_ms"] == pytest.approx(0.9) and r2["host_source"] == "calibrated at 2 rank(s)"
+    assert r2["end_to_end_ms"] == pytest.approx(max(r2["gpu_ms"], 0.9)) and r2["host_bound"] == (0.9 > r2["gpu_ms"])
+    for shape, w in ((tiled, 4), (fused, 2), (tiled, 1)):
+        r = cm.predict(m, shape, w)
+        assert r["host_ms"] == pytest.approx(0.2 + 0.1 * len(r["collectives"])), (shape.kernel, w)
+        assert "host_ms_per_collective" in r["host_source"]
+    old = cm.load_machine("h200x2")   # a shipped file without the field: the formula, as before
+    assert "host_ms_by_world" not in old.data["layer"]
+    r = cm.predict(old, tiled, 2)
+    assert r["host_ms"] == pytest.approx(old.layer("host_ms", "tiled", 0.5)
+                                         + len(r["collectives"]) * old.layer("host_ms_per_collective", None, 0.1))
+    assert cm.predict(m, cm.Shape(seq_len=512, heads=8, head_dim=64, kernel="tiled", cuda_graph=True), 2)["host_ms"] == 0
+
+
 def test_memory_is_the_cli_preflight(toy):
     from tpattn import memory
     from tpattn.config import Config
@@ -398,6 +424,8 @@ BAD = [
     (lambda d: d.update(gpus_per_node="8"), '"gpus_per_node" must be a int'),
     (lambda d: d.update(base="bad.json"), "loops back"),
     (lambda d: d.update(passes={}), 'no "passes"'),
+    (lambda d: d["layer"].update(host_ms_by_world={"two": {"tiled": 1.0}}), '"layer.host_ms_by_world" must map'),
+    (lambda d: d["layer"].update(host_ms_by_world={"2": {"tiled": -1}}), '"layer.host_ms_by_world" must map'),
 ]
 
 
@@ -541,6 +569,8 @@ def test_build_machine_from_measurements(tmp_path):
     assert nvl["per_collective"]["allgather"]["layer_extra_us"] == pytest.approx(60, abs=0.2)
     assert data["layer"]["overhead_ms"]["naive"] == pytest.approx(0.3, abs=1e-3)
     assert data["layer"]["host_ms"]["fused"] == 0.5 and data["layer"]["host_ms_per_collective"] == pytest.approx(0.2)
+    # the W-rank layer's host time per kernel (the slowest rank): the model's host time at W = 2
+    assert data["layer"]["host_ms_by_world"] == {"2": {"fused": 0.9}}
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(data))
     m = cm.load_machine(str(path))
@@ -549,11 +579,92 @@ def test_build_machine_from_measurements(tmp_path):
     for s in cm.predict(m, shape, 1)["steps"]:
         if s["key"].startswith("naive."):
             assert s["efficiency"] == pytest.approx(0.5, rel=1e-4), s
+    assert cm.predict(m, cm.Shape(seq_len=4096, heads=32, head_dim=128, kernel="fused"), 2)["host_ms"] == 0.9
     one = plan.build_machine(fake_measurements(world=1))
-    assert "links" not in one
+    assert "links" not in one and "host_ms_by_world" not in one["layer"]
     path.write_text(json.dumps(one))
     r = cm.plan(cm.load_machine(str(path)), shape, [1, 2])
     assert "end_to_end_ms" in r[0] and "NVLink numbers" in r[1]["error"]
+
+
+def test_build_machine_several_layer_runs_and_the_spun_gpu_time():
+    """The W-rank layer at several kernels and lengths: host per kernel = the median over its lengths,
+    layer_extra_us = the median over the runs; the overhead comes from the spun call's GPU time
+    ("gpu") where the measurement has it, not from the un-spun end to end (which holds host gaps)."""
+    meas = fake_measurements()
+    run0 = meas["layer_multi"][0]
+    rs = run0["passes"]["reducescatter"] - 0.025   # the bare collective's time at those bytes
+    meas["layer_multi"] = [
+        {**run0, "passes": {**run0["passes"], "host": 0.8, "reducescatter": rs + 0.010}},
+        {**run0, "passes": {**run0["passes"], "host": 1.0, "reducescatter": rs + 0.030}},
+        {**run0, "kernel": "tiled", "passes": {**run0["passes"], "host": 0.97, "reducescatter": rs + 0.020}}]
+    for run in meas["layer"]:
+        run["passes"]["gpu"] = run["passes"]["total"] - 0.2   # the un-spun call waited 0.2 ms on the host
+    data = plan.build_machine(meas)
+    assert data["layer"]["host_ms_by_world"] == {"2": {"fused": 0.9, "tiled": 0.97}}
+    per = data["links"]["nvlink"]["per_collective"]
+    assert per["reducescatter"]["layer_extra_us"] == pytest.approx(20, abs=0.2)
+    assert per["allgather"]["layer_extra_us"] == pytest.approx(60, abs=0.2)
+    assert data["layer"]["overhead_ms"]["naive"] == pytest.approx(0.1, abs=1e-3)
+
+
+class _FakeLayer:
+    """Stands in for the layer in time_layer: records each call (and whether a timer came with it)."""
+    def __init__(self, log, world=1, group=None):
+        self.log, self.world, self.group = log, world, group
+
+    def __call__(self, x, timer=None):
+        time.sleep(0.001)
+        self.log.append(("timed" if timer is not None else "call",))
+        if timer is not None:
+            with timer.section("qk"):
+                pass
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_time_layer_queues_a_spin_before_the_timed_call(monkeypatch, world):
+    """Per iteration: the un-spun call (total, host), then spin_ahead (with the layer's group when it has
+    several ranks: the barrier) and the call timed pass by pass; the spin covers the host time."""
+    import torch
+    log = []
+    monkeypatch.setattr(plan, "spin_ahead", lambda device, ms, group=None: log.append(("spin", ms, group)))
+    group = object() if world > 1 else None
+    p = plan.time_layer(_FakeLayer(log, world, group), torch.zeros(1), warmup=1, iters=3)
+    assert [e[0] for e in log] == ["call"] + ["call", "spin", "timed"] * 3
+    spins = [e for e in log if e[0] == "spin"]
+    assert all(g is group for _, _, g in spins)
+    assert all(ms >= max(plan.SPIN_MIN_MS, plan.SPIN_HOST_FACTOR * p["host"]) * 0.5 for _, ms, _ in spins)
+    assert all(ms >= plan.SPIN_MIN_MS for _, ms, _ in spins)
+    assert {"total", "host", "gpu", "qk"} <= set(p) and p["host"] >= 1.0
+
+
+def test_spin_ahead_barrier_then_sleep(monkeypatch):
+    """On a GPU: the barrier over the group (on the device), then torch.cuda._sleep for the spin, with
+    bare_collective_ms's cycles per ms; on CPU: the barrier only."""
+    import torch
+    import torch.distributed as dist
+    log = []
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("sleep", cycles)), raising=False)
+    monkeypatch.setattr(dist, "barrier", lambda group=None, device_ids=None: log.append(("barrier", group, device_ids)))
+    g = object()
+    assert plan.spin_ahead(torch.device("cuda", 1), 2.5, g) is True
+    assert log == [("barrier", g, [1]), ("sleep", int(2.5 * plan._SLEEP_CYCLES_PER_CALL * 10))]
+    log.clear()
+    assert plan.spin_ahead(torch.device("cuda", 0), 3.0) is True and log == [("sleep", 6_000_000)]
+    log.clear()
+    assert plan.spin_ahead(torch.device("cpu"), 3.0, g) is False and log == [("barrier", g, None)]
+    assert plan.spin_ms_for(0.1) == plan.SPIN_MIN_MS and plan.spin_ms_for(4.0) == pytest.approx(6.0)
+
+
+def test_calibration_covers_the_host_bound_layer_every_kernel():
+    """The W-rank layer: every kernel at N = 2048 and 4096 (16 heads per rank on 2 GPUs), --quick too;
+    calibration and validation time it with the one function (time_layer)."""
+    import inspect
+    assert plan.Sizes.multi_n == plan.QuickSizes.multi_n == (2048, 4096)
+    src = inspect.getsource(plan._measure)
+    assert "for n in sz.multi_n" in src and 'for k in ("fused", "tiled", "naive") if k in a.kernels]' in src
+    assert "[:1]" not in src
+    assert "plan.time_layer(" in (ROOT / "scripts" / "validate_model.py").read_text()
 
 
 def test_calibration_shapes_bound_the_naive_work_and_the_memory():
@@ -630,6 +741,7 @@ def test_calibrate_plan_validate_flow_under_mpirun(tmp_path):
     assert m.name == "smoke" and m.gpus_per_node == 2 and "nvlink" in m.data["links"]
     assert {"naive.qk", "naive.softmax", "naive.pv", "naive.qk:causal", "out_proj", "relayout", "epilogue"} <= set(m.curves)
     assert set(m.data["links"]["nvlink"]["measured"]) == set(cm.COLLECTIVE_NAMES)
+    assert set(m.data["layer"]["host_ms_by_world"]["2"]) == {"naive"}   # the 2-rank layer's host time
     p = plan_cli(["--machine", str(cal), "--heads", "8", "--head-dim", "32", "--seq-len", "128", "--world-sizes", "1", "2"])
     assert p.returncode == 0 and "not predicted" not in p.stdout, p.stdout + p.stderr
     val = tmp_path / "val"

@@ -25,7 +25,9 @@ bytes (g GPUs per node); NCCL pipelines the chunks through both, so the slower p
 term sets the time and every step's latency adds.
 
 The end to end time is max(GPU time, host time): the sum of the steps plus the per-call overhead,
-unless the Python call itself (host_ms, calibrated per kernel, + per collective) takes longer.
+unless the Python call itself takes longer: its host time, calibrated per kernel and world size
+(layer.host_ms_by_world: the W-rank layer's host time as --calibrate measures it), or for a world
+size not calibrated (and in files without it) the 1-rank host_ms + host_ms_per_collective each.
 
 Machine descriptions are JSON files (tpattn/machines/*.json or any path); see load_machine and
 docs/plan.md for the fields. Everything here is pure Python: no GPU needed.
@@ -316,6 +318,16 @@ class Machine:
             return float(v.get(kernel, v.get("default", default)))
         return float(v)
 
+    def host_ms(self, kernel: str, world: int, collectives: int) -> tuple[float, str]:
+        """The host time of one call of `kernel`'s layer at `world` ranks, and where it comes from:
+        the W-rank layer's as calibration measured it (layer.host_ms_by_world), else the 1-rank
+        layer's (host_ms) + `collectives` x host_ms_per_collective (files without the former)."""
+        by_w = ((self.data.get("layer") or {}).get("host_ms_by_world") or {}).get(str(world)) or {}
+        if kernel in by_w:
+            return float(by_w[kernel]), f"calibrated at {world} rank(s)"
+        return (self.layer("host_ms", kernel, 0.5) + collectives * self.layer("host_ms_per_collective", None, 0.1),
+                "1-rank host_ms + host_ms_per_collective each")
+
 
 def machine_names() -> list[str]:
     return sorted(p.stem for p in MACHINE_DIR.glob("*.json"))
@@ -484,6 +496,14 @@ def validate_machine(data: dict, what: str = "machine file") -> None:
     if not isinstance(layer, dict):
         raise MachineError(f"{what}: \"layer\" must be an object (overhead_ms, host_ms, host_ms_per_collective)")
     for k, v in layer.items():
+        if k == "host_ms_by_world":  # {"W": {kernel: ms}}
+            ok = isinstance(v, dict) and all(
+                str(w).isdigit() and int(w) >= 1 and isinstance(per, dict) and per
+                and all(_num(x) and x >= 0 for x in per.values()) for w, per in v.items())
+            if not ok:
+                raise MachineError(f"{what}: \"layer.host_ms_by_world\" must map a world size (\"2\") to "
+                                   "{kernel: non-negative ms}")
+            continue
         vals = v.values() if isinstance(v, dict) else [v]
         if not all(_num(x) and x >= 0 for x in vals):
             raise MachineError(f"{what}: \"layer.{k}\" must be a non-negative number (or one per kernel)")
@@ -756,8 +776,7 @@ def predict(m: Machine, shape: Shape, world: int, gpus_per_node: int | None = No
     compute = sum(passes.values())
     comm = sum(c["ms"] for c in coll.values())
     gpu = compute + comm + other
-    host = 0.0 if shape.cuda_graph else (m.layer("host_ms", shape.kernel, 0.5)
-                                         + len(coll) * m.layer("host_ms_per_collective", None, 0.1))
+    host, host_src = (0.0, "none (a CUDA graph)") if shape.cuda_graph else m.host_ms(shape.kernel, world, len(coll))
     total = max(gpu, host)
     mem, fit_n, fits = memory_per_rank(shape, world, m.memory_bytes)
     by_rank = shape.heads_by_rank(world)
@@ -770,7 +789,8 @@ def predict(m: Machine, shape: Shape, world: int, gpus_per_node: int | None = No
         "world": world, "nodes": nodes, "gpus_per_node": min(world, g), "heads_per_rank": by_rank[0],
         "heads_by_rank": by_rank, "imbalance": max(by_rank) / (sum(by_rank) / len(by_rank)),
         "passes": passes, "collectives": coll, "other_ms": other, "overhead_ms": overhead,
-        "compute_ms": compute, "communication_ms": comm, "gpu_ms": gpu, "host_ms": host, "end_to_end_ms": total,
+        "compute_ms": compute, "communication_ms": comm, "gpu_ms": gpu, "host_ms": host, "host_source": host_src,
+        "end_to_end_ms": total,
         "host_bound": host > gpu, "dominant": dominant, "steps": detail,
         "memory_bytes": mem, "fits": fits, "largest_seq_len": fit_n,
     }

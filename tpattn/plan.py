@@ -447,12 +447,52 @@ def _weights(rng: range, heads: int, head_dim: int, seed: int, dt, device, kv_rn
     return _weight_cache[key]
 
 
+# Per-pass timing queues the calls behind a GPU spin (as bare_collective_ms does): when the call is
+# host-bound, the GPU otherwise waits for the host's launches and an event pair around a pass (or an
+# in-layer collective, whose ranks arrive apart) measures those gaps, while the model predicts GPU time.
+SPIN_MIN_MS = 2.0          # at least this much spin before the per-pass call ...
+SPIN_HOST_FACTOR = 1.5     # ... or this many times the host time of the un-spun call, if longer
+_SLEEP_CYCLES_PER_CALL = 200_000   # ~0.1 ms of GPU spin per queued call (clock64 cycles at ~2 GHz)
+_SLEEP_CYCLES_PER_MS = _SLEEP_CYCLES_PER_CALL * 10
+
+
+def spin_ahead(device, ms: float, group=None) -> bool:
+    """Before a timed call: a barrier over `group` (a multi-rank layer's: every rank's spin starts
+    together, so its collectives measure the transfer, not the ranks' arrival skew), then on a GPU a
+    spin kernel of about `ms` (torch.cuda._sleep), so that the launches that follow are all queued
+    before the GPU reaches them. Returns whether it spun (not on CPU, nor without torch.cuda._sleep)."""
+    import torch
+    cuda = torch.device(device).type == "cuda"
+    if group is not None:
+        import torch.distributed as dist
+        if cuda:
+            dist.barrier(group=group, device_ids=[torch.device(device).index])
+        else:
+            dist.barrier(group=group)
+    spin = getattr(torch.cuda, "_sleep", None) if cuda else None
+    if spin is None:
+        return False
+    spin(int(ms * _SLEEP_CYCLES_PER_MS))
+    return True
+
+
+def spin_ms_for(host_ms: float) -> float:
+    """The spin that covers the host's launch time of one call (host_ms: the un-spun call's)."""
+    return max(SPIN_MIN_MS, SPIN_HOST_FACTOR * host_ms)
+
+
 def time_layer(layer, x, warmup: int, iters: int) -> dict[str, float]:
-    """The layer as python -m tpattn times it: per iteration one call timed whole (CUDA events,
-    "total") and its host time ("host": until the call returns), then one call with a timer around
-    every pass. Medians over the iterations, ms."""
+    """The layer as --calibrate and scripts/validate_model.py time it (this one function). Per
+    iteration:
+    - one call as python -m tpattn times it, un-spun: "total" (CUDA events around it: what users see)
+      and "host" (until the call returns);
+    - one call with a timer around every pass, queued behind spin_ahead (a barrier over the layer's
+      group when it has several ranks, then a GPU spin of spin_ms_for(host)), so each event pair
+      measures GPU time only; "gpu": that whole call's GPU time.
+    Medians over the iterations, ms."""
     from .timing import Timer
     timer = Timer(x.device)
+    group = getattr(layer, "group", None) if getattr(layer, "world", 1) > 1 else None
     for _ in range(warmup):
         layer(x)
     _sync(x.device)
@@ -462,7 +502,9 @@ def time_layer(layer, x, warmup: int, iters: int) -> dict[str, float]:
             t0 = time.perf_counter()
             layer(x)
             host = (time.perf_counter() - t0) * 1e3
-        layer(x, timer)
+        spin_ahead(x.device, spin_ms_for(host), group)
+        with timer.section("gpu"):
+            layer(x, timer)
         for k, v in {**timer.collect(), "host": host}.items():
             samples.setdefault(k, []).append(v)
     return {k: statistics.median(v) for k, v in samples.items()}
@@ -481,7 +523,6 @@ def _collective_fns():
 COLLECTIVE_WARMUP = 2      # samples run and dropped (each `reps` calls: the first calls set up NCCL's buffers)
 COLLECTIVE_SAMPLES = 10    # samples timed
 COLLECTIVE_REPS = 10       # calls back to back per sample (nccl-tests' convention): time / reps
-_SLEEP_CYCLES_PER_CALL = 200_000   # ~0.1 ms of GPU spin per queued call (clock64 cycles at ~2 GHz)
 
 
 def bare_collective_ms(kind: str, nbytes: int, device, warmup: int = COLLECTIVE_WARMUP,
@@ -596,7 +637,10 @@ class Sizes:
     grid_n, grid_h = (1024, 2048, 4096, 8192, 16384), (1, 2, 4, 8, 16, 32)
     causal = ((16, 4096), (32, 4096), (32, 8192))
     out_heads, out_rows, epilogue_rows = (4, 8, 16, 32), (1024, 4096, 16384), (512, 2048, 4096, 16384)
-    collectives, multi_n, warmup, iters = tuple(COLLECTIVE_SIZES), 4096, 2, 5
+    collectives, warmup, iters = tuple(COLLECTIVE_SIZES), 2, 5
+    # the W-rank layer (every kernel, 16 heads per rank on 2 GPUs): lengths where the call is host-bound
+    # or nearly; more iterations than the grid's (cheap: ~1-3 ms a call), its host time is a model number
+    multi_n, multi_warmup, multi_iters = (2048, 4096), 2, 10
     naive_work = 32 * 8192**2   # h x N^2 at most: ~0.7 s a call
 
 
@@ -610,7 +654,8 @@ class CpuSizes(Sizes):
     gemm, fp32_gemm, copy_elems = (256,), 256, 2**20
     grid_n, grid_h, causal = (64, 128), (2, 4), ((4, 128),)
     out_heads, out_rows, epilogue_rows = (2, 4), (128,), (128,)
-    collectives, multi_n, warmup, iters = (MiB // 4, MiB // 2), 128, 1, 2
+    collectives, warmup, iters = (MiB // 4, MiB // 2), 1, 2
+    multi_n, multi_warmup, multi_iters = (128,), 1, 2
 
 
 GRID_N, GRID_H, CAUSAL_GRID = Sizes.grid_n, Sizes.grid_h, Sizes.causal
@@ -705,11 +750,14 @@ def build_machine(meas: dict) -> dict:
                                     "measured": {k: [[b, cm.sig(ms, 5)] for b, ms in v] for k, v in colls.items()}}}
         # a collective inside the layer against the bare one's model at the same bytes
         bare = cm.Machine(name="bare", data=data, path="(calibration)")
+        extra_us: dict[str, list] = {}
         for run in meas.get("layer_multi", []):
             for kind, nbytes in (run.get("collective_bytes") or {}).items():
                 if kind in run["passes"] and kind in cm.COLLECTIVE_NAMES:
                     model_us = cm.collective_ms(bare, kind, nbytes, W, max(W, int(meas["gpus_per_node"])))["ms"] * 1e3
-                    per.setdefault(kind, {})["layer_extra_us"] = round(run["passes"][kind] * 1e3 - model_us, 1)
+                    extra_us.setdefault(kind, []).append(run["passes"][kind] * 1e3 - model_us)
+        for kind, v in extra_us.items():  # the median over the kernels and lengths the W-rank layer ran
+            per.setdefault(kind, {})["layer_extra_us"] = round(statistics.median(v), 1)
         data["sources"]["links.nvlink"] = (f"{how}: NCCL all-reduce, all-gather, reduce-scatter over {W} GPUs at "
                                            f"{', '.join(f'{b // MiB}' for b, _ in colls['allreduce'])} MiB "
                                            "(tpattn.plan.bare_collective_ms, as scripts/validate_model.py times them: "
@@ -719,7 +767,9 @@ def build_machine(meas: dict) -> dict:
                                            "samples), fitted by least squares on "
                                            "the relative error with step_us = 3.4 us (NVIDIA/nccl src/graph/tuning.cc, "
                                            "Ring/Simple over NVLink); layer_extra_us: the same collective inside "
-                                           f"the {W}-rank layer (the last rank to arrive) minus that model")
+                                           f"the {W}-rank layer (timed behind a barrier and a GPU spin, the last "
+                                           "rank to arrive) minus that model, the median over the kernels and "
+                                           "lengths the layer ran")
     # the layer's per-call overhead and host time: end to end minus what the model says the passes and
     # the untimed steps cost, with the efficiencies just measured
     tmp = cm.Machine(name=name, data=data, path="(calibration)")
@@ -737,7 +787,8 @@ def build_machine(meas: dict) -> dict:
         except cm.ModelError:
             continue
         timed = sum(v for k, v in p.items() if k in cm.COMPUTE_ORDER)
-        over.setdefault(run["kernel"], []).append(max(0.0, p["total"] - timed - untimed))
+        # the GPU time of the spun call (older measurements: the un-spun call's)
+        over.setdefault(run["kernel"], []).append(max(0.0, p.get("gpu", p["total"]) - timed - untimed))
         host.setdefault(run["kernel"], []).append(p.get("host", 0.0))
     layer = {"overhead_ms": {k: round(statistics.median(v), 4) for k, v in over.items()},
              "host_ms": {k: round(statistics.median(v), 4) for k, v in host.items()},
@@ -750,10 +801,19 @@ def build_machine(meas: dict) -> dict:
             extra.append((run["passes"]["host"] - base[0]["passes"]["host"]) / run["collectives"])
     if extra:
         layer["host_ms_per_collective"] = round(max(0.0, statistics.median(extra)), 4)
+    host_w: dict[str, list] = {}
+    for run in meas.get("layer_multi", []):
+        if "host" in run["passes"]:
+            host_w.setdefault(run["kernel"], []).append(run["passes"]["host"])
+    if host_w:
+        layer["host_ms_by_world"] = {str(W): {k: round(statistics.median(v), 4) for k, v in host_w.items()}}
     data["layer"] = layer
-    data["sources"]["layer"] = (f"{how}: overhead = the layer's end to end - its timed passes - the modeled untimed "
-                                "steps (median over the sizes); host = the time for the call to return; per "
-                                "collective: the host time of the W-rank layer over the 1-rank one"
+    data["sources"]["layer"] = (f"{how}: overhead = the layer's GPU time (the call timed pass by pass behind a GPU "
+                                "spin) - its timed passes - the modeled untimed steps (median over the sizes); "
+                                "host = the time for the un-spun call to return (1 rank, median over the sizes); "
+                                f"host_ms_by_world: the {W}-rank layer's (the slowest rank, median over its lengths) "
+                                "per kernel; per collective (world sizes not calibrated): the host time of the "
+                                "W-rank layer over the 1-rank one"
                                 + ("" if extra else " (not measured with one rank: 0.1 ms assumed)"))
     cm.validate_machine(data, "the calibrated machine")
     return data
@@ -900,27 +960,42 @@ def _measure(a, proc, device, argv) -> dict:
         _say(proc, "collectives: " + ", ".join(f"{k} {b / MiB:g} MiB {ms * 1e3:.0f} us" for k, v in colls.items()
                                                for b, ms in (v[0], v[-1])))
         import torch.distributed as dist
-        for kernel in [k for k in ("fused", "tiled", "naive") if k in a.kernels][:1]:
-            # uneven: a node whose GPU count does not divide the heads (rank 0 holds the most)
-            from .sharding import head_range
-            n, h = sz.multi_n, len(head_range(heads, proc.world, 0, True))
-            layer = build_layer(h, heads, d, kernel, False, device, dtype="fp16" if cuda else "fp32",
-                                group=dist.group.WORLD, uneven=heads % proc.world != 0)
-            x = layer_input(1, n, D, 0, dt, device)
-            every = gather(time_layer(layer, x, warm, iters))
-            # a collective: the last rank to arrive (the minimum over ranks: its time is the transfer);
-            # the rest: the slowest rank
-            p = {k: (min if k in cm.COLLECTIVE_NAMES else max)(r[k] for r in every if k in r) for k in every[0]}
-            nbytes = layer.collective_nbytes(1, n)
-            multi.append({"kernel": kernel, "h": h, "N": n, "passes": p, "collectives": len(nbytes),
-                          "collective_bytes": dict(nbytes)})
-            del layer, x
-            if not any(r["kernel"] == kernel and r["h"] == h and r["N"] == n and not r["causal"] for r in runs):
-                lay1 = build_layer(h, heads, d, kernel, False, device, dtype="fp16" if cuda else "fp32")
+
+        from .sharding import head_range
+        # every kernel at a few lengths (sz.multi_n) at the heads per rank of the full shape: the host
+        # time per kernel at this world size and the collectives inside the layer. The W-rank layers
+        # first, then the 1-rank ones beside them (one set of weights each: generating them is slow)
+        h = len(head_range(heads, proc.world, 0, True))   # uneven: rank 0 holds the most
+        kernels = [k for k in ("fused", "tiled", "naive") if k in a.kernels]
+        t0 = time.monotonic()
+        for kernel in kernels:
+            kw, ki = (1, min(sz.multi_iters, 5)) if kernel == "naive" else (sz.multi_warmup, sz.multi_iters)
+            for n in sz.multi_n:
+                layer = build_layer(h, heads, d, kernel, False, device, dtype="fp16" if cuda else "fp32",
+                                    group=dist.group.WORLD, uneven=heads % proc.world != 0)
                 x = layer_input(1, n, D, 0, dt, device)
-                runs.append({"kernel": kernel, "h": h, "N": n, "d": d, "heads": heads, "causal": False,
-                             "passes": time_layer(lay1, x, warm, iters)})
-                del lay1, x
+                every = gather(time_layer(layer, x, kw, ki))
+                # a collective: the last rank to arrive (the minimum over ranks: its time is the transfer);
+                # the rest: the slowest rank
+                p = {k: (min if k in cm.COLLECTIVE_NAMES else max)(r[k] for r in every if k in r) for k in every[0]}
+                nbytes = layer.collective_nbytes(1, n)
+                multi.append({"kernel": kernel, "h": h, "N": n, "passes": p, "collectives": len(nbytes),
+                              "collective_bytes": dict(nbytes)})
+                del layer, x
+                empty_cache()
+        for kernel in kernels:
+            kw, ki = (1, min(sz.multi_iters, 5)) if kernel == "naive" else (sz.multi_warmup, sz.multi_iters)
+            for n in sz.multi_n:
+                if not any(r["kernel"] == kernel and r["h"] == h and r["N"] == n and not r["causal"] for r in runs):
+                    lay1 = build_layer(h, heads, d, kernel, False, device, dtype="fp16" if cuda else "fp32")
+                    x = layer_input(1, n, D, 0, dt, device)
+                    runs.append({"kernel": kernel, "h": h, "N": n, "d": d, "heads": heads, "causal": False,
+                                 "passes": time_layer(lay1, x, kw, ki)})
+                    del lay1, x
+                    empty_cache()
+        _say(proc, f"{proc.world}-rank layer: " + ", ".join(
+            f"{r['kernel']} N={r['N']} host {r['passes'].get('host', 0):.3f} ms" for r in multi)
+            + f" ({time.monotonic() - t0:.0f} s)")
     everyone = gather(runs)
     return {"gpu": gpu, "gpus_per_node": torch.cuda.device_count() if cuda else proc.local_world,
             "free_bytes": free, "world": proc.world,
