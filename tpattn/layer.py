@@ -47,7 +47,7 @@ import torch.distributed as dist
 from . import faults, watch
 from .attention import Backend, get_backend
 from .config import OUTPUT_COLLECTIVES
-from .sharding import check_kv_heads, head_range, kv_head_range, kv_replicated, row_chunks
+from .sharding import check_kv_heads, head_range, kv_head_range, row_chunks, rows_split
 from .timing import section
 from .weights import slice_heads
 
@@ -128,7 +128,6 @@ class TensorParallelAttention(torch.nn.Module):
         self.head_range = head_range(heads, self.world, self.rank, uneven_heads, self.kv_heads)
         self.local_heads = len(self.head_range)  # differs between ranks when uneven
         self.local_kv_heads = len(kv_head_range(heads, self.kv_heads, self.world, self.rank, uneven_heads))
-        self.kv_replicated = kv_replicated(heads, self.kv_heads, self.world)
         self.local_group = self.local_heads // self.local_kv_heads  # this rank's query heads per K/V head
         self.model_dim = wq.shape[0]
         hd, kvd = self.local_heads * head_dim, self.local_kv_heads * head_dim
@@ -238,7 +237,7 @@ class TensorParallelAttention(torch.nn.Module):
         depends on the shape and the settings only."""
         if self.world == 1 or self.output_collective == "allreduce":
             return False
-        divides = all(batch * (r1 - r0) % self.world == 0 for r0, r1 in chunks)
+        divides = rows_split(batch, chunks, self.world)
         if self.output_collective == "split":
             if not divides:
                 raise ValueError(f"output_collective='split' needs batch x rows of every chunk divisible by the "

@@ -22,6 +22,7 @@ import sys
 import time
 
 from . import costmodel as cm
+from .sharding import describe_blocks
 
 EXIT_FAIL, EXIT_USAGE = 1, 2
 # the shape and style options, taken from python -m tpattn's own parser (same names, choices, help)
@@ -243,10 +244,7 @@ def table(m: cm.Machine, shape: cm.Shape, rows: list[dict], g: int, markdown: bo
             continue
         by = r.get("heads_by_rank") or []
         if len(set(by)) > 1:
-            more = sum(1 for x in by if x == by[0])
-            who = lambda a_, b_: f"rank {a_}" if a_ == b_ else f"ranks {a_}-{b_}"  # noqa: E731
-            out.append(f"W={r['world']}: uneven heads: {who(0, more - 1)} own{'s' if more == 1 else ''} {by[0]}, "
-                       f"{who(more, len(by) - 1)} {by[-1]}; heads max/mean {r['imbalance']:.3f} (the useful share "
+            out.append(f"W={r['world']}: uneven heads: {describe_blocks(by)}; heads max/mean {r['imbalance']:.3f} (the useful share "
                        f"of the compute {100 / r['imbalance']:.1f} %); predicted: rank 0's")
         for c, info in r["collectives"].items():
             out.append(f"W={r['world']}: {COLL_LABEL[c]} of {_gib(info['bytes'])}: {info['algorithm']}, "

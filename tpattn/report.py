@@ -11,6 +11,7 @@ import torch
 
 from . import __version__
 from .memory import heads_per_rank, kv_bytes, kv_heads_per_rank, scores_bytes
+from .sharding import describe_blocks, kv_replicated
 
 COMPUTE = ("qkv_proj", "qk", "softmax", "pv", "fused", "out_proj")  # fused: --kernel fused's one pass
 COLLECTIVES = {"allreduce": "all-reduce", "allgather": "all-gather", "reducescatter": "reduce-scatter"}
@@ -117,7 +118,8 @@ def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, c
     h = heads[0]
     g = kv_heads_per_rank(cfg, world)
     G = cfg.kv_heads or cfg.heads
-    kv_layout = "one per query head" if G == cfg.heads else ("split" if world <= G else "replicated")
+    kv_layout = "one per query head" if G == cfg.heads else ("replicated" if kv_replicated(cfg.heads, G, world)
+                                                             else "split")
     sp = scores_bytes(cfg, world)
     kvb = kv_bytes(cfg, world)
     sp_all = sum(scores_bytes(cfg, world, r) for r in range(world))
@@ -181,16 +183,12 @@ def text(rep: dict) -> str:
                  f"heads/rank={per_rank}" + (f" kv-heads/rank={c['kv_heads_per_rank']}" if gqa else "")
                  + f" reduce={c['reduce_dtype']} seed={c['seed']}")
     if uneven:
-        n_big, last = by_rank.count(max(by_rank)), len(by_rank) - 1
-        who = (lambda a, b: f"rank {a}" if a == b else f"ranks {a}-{b}")  # noqa: E731
         if gqa:  # whole K/V groups: a K/V head and its H/G query heads
-            s_ = c["heads"] // G
-            what = (f"{max(by_rank) // s_} K/V groups ({max(by_rank)} query heads), {who(n_big, last)} "
-                    f"{min(by_rank) // s_} ({min(by_rank)})")
+            what = describe_blocks([n // (c["heads"] // G) for n in by_rank], "K/V groups",
+                                   (f" ({max(by_rank)} query heads)", f" ({min(by_rank)})"))
         else:
-            what = f"{max(by_rank)} heads, {who(n_big, last)} {min(by_rank)}"
-        lines.append(f"uneven heads: {who(0, n_big - 1)} {'owns' if n_big == 1 else 'own'} {what}; the layer waits "
-                     f"at the collective for the slowest rank (heads max/mean "
+            what = describe_blocks(by_rank, "heads")
+        lines.append(f"uneven heads: {what}; the layer waits at the collective for the slowest rank (heads max/mean "
                      f"{max(by_rank) / (sum(by_rank) / len(by_rank)):.3f})")
     if gqa:
         lines.append(f"K/V heads: {G} for {c['heads']} query heads ({c['heads'] // G} each), {c['kv_layout']} over "

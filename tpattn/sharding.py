@@ -21,13 +21,22 @@ def block(n: int, parts: int, r: int) -> range:
     return range(start, start + q + (r < m))
 
 
+def _ranks(a: int, b: int) -> str:
+    return f"rank {a}" if a == b else f"ranks {a}-{b}"
+
+
+def describe_blocks(counts: list[int], what: str = "", notes: tuple[str, str] = ("", "")) -> str:
+    """'ranks 0-3 own 4 heads, ranks 4-7 3': uneven blocks in head_counts' order (the larger first),
+    with an optional note after each count."""
+    k, last = counts.count(counts[0]), len(counts) - 1
+    unit = f" {what}" if what else ""
+    return (f"{_ranks(0, k - 1)} {'owns' if k == 1 else 'own'} {counts[0]}{unit}{notes[0]}, "
+            f"{_ranks(k, last)} {counts[-1]}{notes[1]}")
+
+
 def _uneven_hint(n: int, world: int, what: str = "heads") -> str:
-    """'ranks 0-1 own 3 heads, ranks 2-3 own 2': what --uneven-heads would do."""
-    counts = head_counts(n, world)
-    m = n % world
-    def who(a, b, verb=""):
-        return (f"rank {a}" + (f" {verb}s" if verb else "")) if a == b else (f"ranks {a}-{b}" + (f" {verb}" if verb else ""))
-    return f"{who(0, m - 1, 'own')} {counts[0]} {what}, {who(m, world - 1)} {counts[-1]}"
+    """What --uneven-heads would do, e.g. 'ranks 0-1 own 3 heads, ranks 2-3 2'."""
+    return describe_blocks(head_counts(n, world), what)
 
 
 def check_divisible(heads: int, world: int, uneven: bool = False) -> str | None:
@@ -143,3 +152,9 @@ def row_chunks(n: int, chunks: int, align: int = 1) -> list[tuple[int, int]]:
     """`chunks` nearly equal ranges of the rows [0, n), cut at multiples of `align` (empty ones dropped)."""
     cuts = sorted({min(n, round(n * c / chunks / align) * align) for c in range(chunks + 1)} | {n})
     return [(r0, r1) for r0, r1 in zip(cuts, cuts[1:]) if r1 > r0]
+
+
+def rows_split(batch: int, chunks: list[tuple[int, int]], world: int) -> bool:
+    """Whether every row chunk's batch x rows divide into `world` equal blocks (what a
+    reduce-scatter of the partial outputs needs)."""
+    return all(batch * (r1 - r0) % world == 0 for r0, r1 in chunks)
