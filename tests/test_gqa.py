@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tpattn.attention import get_backend, kv_group
+from tpattn.attention import get_backend, head_chunks, kv_group
 from tpattn.attention import reference as ref_mod
 from tpattn.check import TOL_FLOAT64, compare, layer_float64, sample_rows
 from tpattn.config import Config, ConfigError, resolve, validate
-from tpattn.layer import TensorParallelAttention, _group_chunk
+from tpattn.layer import TensorParallelAttention
 from tpattn.memory import coefficients, kv_bytes, kv_heads_per_rank
 from tpattn.sharding import check_kv_heads, head_range, kv_head_range, kv_replicated, kv_world_sizes
 from tpattn.weights import head_weights, layer_input, load_inputs, slice_heads
@@ -112,14 +112,11 @@ def test_reference_in_head_chunks_gives_the_same_bits(monkeypatch, chunk_heads):
 def test_head_chunks_never_split_a_kv_head_unevenly():
     for h, group in ((8, 4), (8, 1), (8, 8), (12, 6)):
         for chunk in range(1, h + 1):
-            chunks = ref_mod.head_chunks(h, group, chunk)
+            chunks = head_chunks(h, group, chunk)
             assert [x for a, b in chunks for x in range(a, b)] == list(range(h))
             for a, b in chunks:
                 whole_groups = a % group == 0 and (b - a) % group == 0
                 assert b - a <= chunk and (whole_groups or a // group == (b - 1) // group)
-            assert _group_chunk(chunk, group) <= chunk
-            c = _group_chunk(chunk, group)
-            assert c % group == 0 or group % c == 0
 
 
 def test_kv_group_checks_the_shapes():
@@ -245,7 +242,7 @@ def test_layer_head_chunks_with_groups(chunk):
     x = layer_input(1, 30, H * d, seed=5, dtype=torch.float32, device="cpu")
     whole = TensorParallelAttention(**w, heads=H, kv_heads=G, head_dim=d, causal=True, group=None)(x)
     part = TensorParallelAttention(**w, heads=H, kv_heads=G, head_dim=d, causal=True, group=None, head_chunk=chunk)
-    assert part.head_chunk in (1, 2, 4, 8) and part.head_chunk <= chunk
+    assert part.head_chunk == chunk  # its chunks: attention.head_chunks (whole groups or part of one)
     assert (part(x) - whole).abs().max().item() < 1e-6
 
 

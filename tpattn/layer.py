@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from . import faults, watch
-from .attention import Backend, get_backend
+from .attention import Backend, get_backend, head_chunks
 from .config import OUTPUT_COLLECTIVES
 from .sharding import check_kv_heads, head_range, kv_head_range, row_chunks, rows_split
 from .timing import section
@@ -147,7 +147,7 @@ class TensorParallelAttention(torch.nn.Module):
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.causal = causal
         self.reduce_dtype = reduce_dtype
-        self.head_chunk = _group_chunk(head_chunk or self.local_heads, self.local_group)
+        self.head_chunk = head_chunk or self.local_heads
         self.sequence_parallel = sequence_parallel
         self.overlap = overlap
         self.dtype = wq.dtype
@@ -391,10 +391,9 @@ class TensorParallelAttention(torch.nn.Module):
         h, gs = self.local_heads, self.local_group
         kw = {} if rows is None else {"rows": rows}
         strided = self.backend.strided
-        for h0 in range(0, h, self.head_chunk):
-            h1 = min(h, h0 + self.head_chunk)  # whole groups, or heads of one group (_group_chunk)
+        for h0, h1 in head_chunks(h, gs, self.head_chunk):  # whole groups, or heads of one group
             sl, kv = slice(h0, h1), slice(h0 // gs, (h1 - 1) // gs + 1)
-            whole = self.head_chunk >= h
+            whole = (h0, h1) == (0, h)
             qs, os_ = (t if whole else t[:, sl] for t in (q, o))
             ks, vs = (t if whole else t[:, kv] for t in (k, v))
             if strided:
@@ -488,15 +487,6 @@ class TensorParallelAttention(torch.nn.Module):
 
 class CollectiveError(RuntimeError):
     pass
-
-
-def _group_chunk(chunk: int, group: int) -> int:
-    """A head chunk of whole groups of `group` query heads (a multiple of it) or of part of one (a
-    divisor of it), at most `chunk` (and at least 1): so every chunk's query heads share a whole
-    number of K/V heads, each used by the same number of them."""
-    if chunk >= group:
-        return chunk // group * group
-    return max(c for c in range(1, chunk + 1) if group % c == 0)
 
 
 def _first_line(exc: BaseException) -> str:

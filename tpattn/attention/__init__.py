@@ -89,6 +89,16 @@ def kv_group(q, k, v) -> int:
     return h // g
 
 
+def head_chunks(h: int, group: int, chunk: int) -> list[tuple[int, int]]:
+    """Query-head ranges [h0, h1) of about `chunk` heads, each either whole groups (a multiple of
+    `group` heads, starting at a group's first head) or heads of one group only, so that the K/V
+    heads of a chunk are one contiguous range and every query head of it maps onto them evenly."""
+    if chunk >= group:
+        step = chunk // group * group
+        return [(h0, min(h, h0 + step)) for h0 in range(0, h, step)]
+    return [(h0, min(g0 + group, h0 + chunk)) for g0 in range(0, h, group) for h0 in range(g0, g0 + group, chunk)]
+
+
 def backend_names() -> list[str]:
     return list(_BACKENDS)
 

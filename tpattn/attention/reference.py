@@ -10,7 +10,7 @@ import math
 import torch
 
 from ..timing import section
-from . import Backend, kv_group
+from . import Backend, head_chunks, kv_group
 
 # Heads are processed in chunks so the float32 scores of one chunk stay below this many bytes.
 CHUNK_BYTES = {"cpu": 256 << 20, "cuda": 2 << 30}
@@ -20,16 +20,6 @@ def causal_mask(n: int, device) -> torch.Tensor:
     """True where the key index is greater than the query index (those scores do not count)."""
     idx = torch.arange(n, device=device)
     return idx[None, :] > idx[:, None]
-
-
-def head_chunks(h: int, group: int, chunk: int) -> list[tuple[int, int]]:
-    """Query-head ranges [h0, h1) of about `chunk` heads, each either whole groups (a multiple of
-    `group` heads, starting at a group's first head) or heads of one group only, so that the K/V
-    heads of a chunk are one contiguous range and every query head of it maps onto them evenly."""
-    if chunk >= group:
-        step = chunk // group * group
-        return [(h0, min(h, h0 + step)) for h0 in range(0, h, step)]
-    return [(h0, min(g0 + group, h0 + chunk)) for g0 in range(0, h, group) for h0 in range(g0, g0 + group, chunk)]
 
 
 class ReferenceBackend(Backend):
