@@ -51,8 +51,9 @@ def tpattn(args: list[str], ranks: int | None = None, timeout: float = 120, **en
 _RANK_LINE = re.compile(r"tpattn: rank \d+: ")
 
 
-def rank_lines(stderr: str) -> list[str]:
-    """Every `tpattn: rank N: ...` message in a launcher's stderr, each from its prefix on.
+def rank_lines(stderr: str, prefix: re.Pattern = _RANK_LINE) -> list[str]:
+    """Every `tpattn: rank N: ...` message (or every message starting with `prefix`) in a launcher's
+    stderr, each from its prefix on.
 
     The launcher merges the ranks' stderr with its own: a message can follow other text on the same
     line (a space or the tail of Open MPI's MPI_ABORT box) or be followed by another rank's message
@@ -60,6 +61,6 @@ def rank_lines(stderr: str) -> list[str]:
     a line holding two is split in two; the texts the tests then look for are unchanged."""
     found = []
     for line in stderr.splitlines():
-        starts = [m.start() for m in _RANK_LINE.finditer(line)]
+        starts = [m.start() for m in prefix.finditer(line)]
         found += [line[a:b].rstrip() for a, b in zip(starts, starts[1:] + [len(line)])]
     return found

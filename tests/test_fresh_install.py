@@ -163,7 +163,7 @@ def assert_one_line_per_rank(r, ranks: int, needle: str) -> list[str]:
     assert r.returncode == 2, f"exit {r.returncode}\n" + r.stdout + r.stderr
     assert r.elapsed < 60, f"took {r.elapsed:.0f} s"
     assert "Traceback" not in r.stderr and "RESULT" not in r.stdout, r.stderr
-    lines = [ln[ln.index("tpattn: error: "):] for ln in r.stderr.splitlines() if "tpattn: error: " in ln]
+    lines = rank_lines(r.stderr, re.compile("tpattn: error: "))  # hydra may join two ranks' lines
     assert len(lines) == ranks and all(needle in ln for ln in lines), r.stderr
     for ln in lines:
         assert "pip install 'tpattn[mpi]'" in ln and "'tpattn[mpich]'" in ln and "MPI4PY_LIBMPI" in ln, ln
