@@ -39,33 +39,6 @@
 
 #include "hopper_common.cuh"
 
-// O (64 x D) += P V: P as A fragments (one k16 step of keys per pa[kk]), sv the first row of a V tile
-// of 128 keys in the tile layout (read transposed: MN-major, panels 128 * 128 bytes apart).
-template <int D, bool BF16>
-__device__ __forceinline__ void hw_pv(float (&o)[D / 2], const tc_u32 (&pa)[8][4], tc_u32 sv) {
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
-        const tc_u64 db = hw_desc(sv + kk * 16 * 128, 128 * 128, 1024);
-        if constexpr (D == 128)
-            hw_mma_rs_n128<BF16, 1>(o, pa[kk], db, 1);
-        else
-            hw_mma_rs_n64<BF16, 1>(o, pa[kk], db, 1);
-    }
-}
-
-// P fragments for O += P V from the S accumulators (n8 block j holds columns 8j..8j+7): k16 step kk
-// takes blocks 2kk and 2kk + 1, the register order of an m16n8k16 A fragment
-template <bool BF16>
-__device__ __forceinline__ void hw_pack_p(tc_u32 (&pa)[8][4], const float (&s)[64]) {
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
-        pa[kk][0] = tc_pack<BF16>(s[8 * kk + 0], s[8 * kk + 1]);
-        pa[kk][1] = tc_pack<BF16>(s[8 * kk + 2], s[8 * kk + 3]);
-        pa[kk][2] = tc_pack<BF16>(s[8 * kk + 4], s[8 * kk + 5]);
-        pa[kk][3] = tc_pack<BF16>(s[8 * kk + 6], s[8 * kk + 7]);
-    }
-}
-
 template <int D, bool BF16>
 __device__ __forceinline__ void hw_fused(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
                                          const tc_u16 *__restrict__ V, tc_u16 *__restrict__ O, int BH, int N,
@@ -110,45 +83,6 @@ __device__ __forceinline__ void hw_fused(const tc_u16 *__restrict__ Q, const tc_
             for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
             float m[2] = {TC_NEG_INF, TC_NEG_INF}, l[2] = {0.0f, 0.0f}, alpha[2];
 
-            // -inf where a key is past N or (causal) after the row; only tiles that cross either
-            auto mask = [&](int k0) {
-                if (k0 + BC > N || (causal && k0 + BC - 1 > wr0)) {
-#pragma unroll
-                    for (int j = 0; j < 16; ++j)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int col = k0 + j * 8 + (lane & 3) * 2 + (e & 1);
-                            const int row = r0 + (e >> 1) * 8;
-                            if (col >= N || (causal && col > row)) s[4 * j + e] = TC_NEG_INF;
-                        }
-                }
-            };
-            // online softmax of S in place (S becomes P, relative to the new running max)
-            auto softmax = [&]() {
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    float mx = TC_NEG_INF;
-#pragma unroll
-                    for (int j = 0; j < 16; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
-                    mx = fmaxf(mx, tc_shfl_xor(mx, 1));
-                    mx = fmaxf(mx, tc_shfl_xor(mx, 2));
-                    const float mn = fmaxf(m[i], mx * scale_log2);
-                    const float ms = mn == TC_NEG_INF ? 0.0f : mn;  // a row with nothing seen yet
-                    alpha[i] = tc_exp2(m[i] - ms);
-                    m[i] = mn;
-                    float sum = 0.0f;
-#pragma unroll
-                    for (int j = 0; j < 16; ++j) {
-                        const float p0 = tc_exp2(fmaf(s[4 * j + 2 * i], scale_log2, -ms));
-                        const float p1 = tc_exp2(fmaf(s[4 * j + 2 * i + 1], scale_log2, -ms));
-                        s[4 * j + 2 * i] = p0;
-                        s[4 * j + 2 * i + 1] = p1;
-                        sum += p0 + p1;
-                    }
-                    l[i] = l[i] * alpha[i] + sum;
-                }
-            };
-
             tc_cp_wait<1>();  // Q and K_0 have landed
             hw_fence_proxy();
             __syncthreads();
@@ -158,8 +92,8 @@ __device__ __forceinline__ void hw_fused(const tc_u16 *__restrict__ Q, const tc_
             hw_wg_commit();
             hw_wg_wait<0>();
             hw_keep(s);
-            mask(0);
-            softmax();
+            hw_mask(s, 0, N, causal, wr0, r0, lane);
+            hw_softmax(s, m, l, alpha, scale_log2);
 
             // iteration j (1 <= j < n_kt): S_j = Q K_j^T and O += P_{j-1} V_{j-1}; then the last PV
             for (int j = 1; j < n_kt; ++j) {
@@ -180,8 +114,8 @@ __device__ __forceinline__ void hw_fused(const tc_u16 *__restrict__ Q, const tc_
                 hw_wg_commit();
                 hw_wg_wait<1>();  // S_j is done; the PV product may still run
                 hw_keep(s);
-                mask(j * BC);
-                softmax();
+                hw_mask(s, j * BC, N, causal, wr0, r0, lane);
+                hw_softmax(s, m, l, alpha, scale_log2);
                 hw_wg_wait<0>();
                 hw_keep(o);
                 hw_keep(pa);
@@ -204,12 +138,7 @@ __device__ __forceinline__ void hw_fused(const tc_u16 *__restrict__ Q, const tc_
                 hw_keep(pa);
             }
 
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                l[i] += tc_shfl_xor(l[i], 1);
-                l[i] += tc_shfl_xor(l[i], 2);
-                l[i] = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-            }
+            hw_finish_l(l);
             // O = acc / l, staged through sQ (every warpgroup is past its reads of it), 16-byte stores
             hw_store_tile<D, BF16>(Oh, o_ld, q0, N, 0, D, sQ, o, l[0], l[1], rl, tid);
             __syncthreads();  // sQ, sK, sV are reused by the block's next tile (when the grid strides)

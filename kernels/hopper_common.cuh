@@ -188,3 +188,83 @@ __device__ __forceinline__ void hw_qk(float (&s)[64], tc_u32 sq, tc_u32 sk) {
     }
 }
 
+
+// O (64 x D) += P V: P as A fragments (one k16 step of keys per pa[kk]), sv the first row of a V tile
+// of 128 keys in the tile layout (read transposed: MN-major, panels 128 * 128 bytes apart).
+template <int D, bool BF16>
+__device__ __forceinline__ void hw_pv(float (&o)[D / 2], const tc_u32 (&pa)[8][4], tc_u32 sv) {
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+        const tc_u64 db = hw_desc(sv + kk * 16 * 128, 128 * 128, 1024);
+        if constexpr (D == 128)
+            hw_mma_rs_n128<BF16, 1>(o, pa[kk], db, 1);
+        else
+            hw_mma_rs_n64<BF16, 1>(o, pa[kk], db, 1);
+    }
+}
+
+// P fragments for O += P V from the S accumulators (n8 block j holds columns 8j..8j+7): k16 step kk
+// takes blocks 2kk and 2kk + 1, the register order of an m16n8k16 A fragment
+template <bool BF16>
+__device__ __forceinline__ void hw_pack_p(tc_u32 (&pa)[8][4], const float (&s)[64]) {
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+        pa[kk][0] = tc_pack<BF16>(s[8 * kk + 0], s[8 * kk + 1]);
+        pa[kk][1] = tc_pack<BF16>(s[8 * kk + 2], s[8 * kk + 3]);
+        pa[kk][2] = tc_pack<BF16>(s[8 * kk + 4], s[8 * kk + 5]);
+        pa[kk][3] = tc_pack<BF16>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+}
+
+// -inf in S (this thread's rows r0 and r0 + 8 of a warpgroup whose first row is wr0, keys k0 ..
+// k0 + 127) where a key is past N or (causal) after the row; only tiles that cross either are touched
+__device__ __forceinline__ void hw_mask(float (&s)[64], int k0, int N, int causal, int wr0, int r0, int lane) {
+    if (k0 + 128 > N || (causal && k0 + 127 > wr0)) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = k0 + j * 8 + (lane & 3) * 2 + (e & 1);
+                const int row = r0 + (e >> 1) * 8;
+                if (col >= N || (causal && col > row)) s[4 * j + e] = TC_NEG_INF;
+            }
+    }
+}
+
+// online softmax of S in place (S becomes P, relative to the new running max m, in log2 units);
+// l the running sums, alpha the factor the accumulators of each of the two rows are rescaled by
+__device__ __forceinline__ void hw_softmax(float (&s)[64], float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                           float scale_log2) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        float mx = TC_NEG_INF;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
+        mx = fmaxf(mx, tc_shfl_xor(mx, 1));
+        mx = fmaxf(mx, tc_shfl_xor(mx, 2));
+        const float mn = fmaxf(m[i], mx * scale_log2);
+        const float ms = mn == TC_NEG_INF ? 0.0f : mn;  // a row with nothing seen yet
+        alpha[i] = tc_exp2(m[i] - ms);
+        m[i] = mn;
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const float p0 = tc_exp2(fmaf(s[4 * j + 2 * i], scale_log2, -ms));
+            const float p1 = tc_exp2(fmaf(s[4 * j + 2 * i + 1], scale_log2, -ms));
+            s[4 * j + 2 * i] = p0;
+            s[4 * j + 2 * i + 1] = p1;
+            sum += p0 + p1;
+        }
+        l[i] = l[i] * alpha[i] + sum;
+    }
+}
+
+// the row sums over the quad of threads that share a row, inverted (0 for a row that saw no key)
+__device__ __forceinline__ void hw_finish_l(float (&l)[2]) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        l[i] += tc_shfl_xor(l[i], 1);
+        l[i] += tc_shfl_xor(l[i], 2);
+        l[i] = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+    }
+}

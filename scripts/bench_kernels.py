@@ -111,28 +111,32 @@ def run(args) -> dict:
     rows = []
     naive, tiled, fused = get_backend("naive"), get_backend("tiled"), get_backend("fused")
 
-    def with_env(var, value, backend):
-        """backend.forward with environment variable var set to value for the call."""
+    def with_env(env: dict, backend):
+        """backend.forward with the environment variables in env set for the call."""
         def fn(t, q, k, v):
-            old = os.environ.get(var)
-            os.environ[var] = value
+            old = {var: os.environ.get(var) for var in env}
+            os.environ.update(env)
             try:
                 return backend.forward(q, k, v, args.causal, t)
             finally:
-                if old is None:
-                    os.environ.pop(var)
-                else:
-                    os.environ[var] = old
+                for var, value in old.items():
+                    if value is None:
+                        os.environ.pop(var)
+                    else:
+                        os.environ[var] = value
         return fn
 
     def fused_cfg(cfg):
         """A fused kernel by shorthand: 2:w4_m2_c32 is fused2_{suf}_d{d}_w4_m2_c32, h is fusedh_{suf}_d{d}
-        (wgmma, compute capability 9.0 only)"""
+        (wgmma, compute capability 9.0 only), w is fusedw_{suf}_d{d} (warp-specialized, TMA; 9.0 only),
+        w:sms and w:tiles that one with its grid forced persistent or a block per tile"""
         ver, _, rest = cfg.partition(":")
-        if ver not in ("2", "h"):
-            raise SystemExit(f"--fused-configs {cfg}: use 2:wW_mM_cC or h")
-        name = "fusedh_{suf}_d{d}" if ver == "h" else "fused2_{suf}_d{d}_" + rest
-        return with_env("TPATTN_FUSED_CFG", name, fused)
+        if ver not in ("2", "h", "w") or (ver == "w" and rest not in ("", "sms", "tiles")):
+            raise SystemExit(f"--fused-configs {cfg}: use 2:wW_mM_cC, h, w, w:sms or w:tiles")
+        env = {"TPATTN_FUSED_CFG": "fused2_{suf}_d{d}_" + rest if ver == "2" else f"fused{ver}_{{suf}}_d{{d}}"}
+        if ver == "w" and rest:
+            env["TPATTN_FUSED_GRID"] = rest
+        return with_env(env, fused)
     hopper = torch.cuda.get_device_capability() == (9, 0)
     for h in args.heads:
         for n in args.seq_lens:
@@ -150,7 +154,7 @@ def run(args) -> dict:
                 "torch_materialized": (lambda t: materialized(q, k, v, args.causal, t), 4 * sp_bytes + qkvo),
             }
             if hopper:  # the mma.sync QK and PV passes beside the wgmma ones tiled runs here
-                kernels["tiled[mma]"] = (lambda t, fn=with_env("TPATTN_TILED_IMPL", "mma", tiled): fn(t, q, k, v),
+                kernels["tiled[mma]"] = (lambda t, fn=with_env({"TPATTN_TILED_IMPL": "mma"}, tiled): fn(t, q, k, v),
                                          4 * sp_bytes + qkvo)
             for cfg in args.fused_configs:
                 kernels[f"fused[{cfg}]"] = (lambda t, fn=fused_cfg(cfg): fn(t, q, k, v), qkvo)

@@ -24,6 +24,9 @@
 #               with --kv-heads 8 and 1 under mpirun (1 GPU; 2 GPUs where there are 2)
 #   uneven  --uneven-heads: pytest -m gpu -k uneven (3 heads on 2 GPUs over NCCL, naive and fused), and
 #           mpirun -n 2 python -m tpattn --kernel fused --heads 3 --head-dim 128 --uneven-heads
+#   ws      the warp-specialized fused kernel (fusedw, TMA): the fused kernels' GPU tests, then
+#           bench_kernels at N = 4096 and 16384, causal and not: fusedh and fusedw (both grids)
+#           beside SDPA cuDNN and flash
 # Logs and JSON go to $OUT (default results/). Usage: bash scripts/gpu_session.sh [STEP]... (default all)
 set -u -o pipefail
 OUT=${OUT:-results}
@@ -50,6 +53,18 @@ if want bench16k; then
   for c in "" "--causal"; do
     python3 scripts/bench_kernels.py --seq-lens 16384 --heads 32 $c --out "$OUT/n16k" --fused-configs 2:w4_m1_c64 \
       --kernels tiled fused torch_materialized sdpa_flash sdpa_cudnn sdpa_efficient 2>&1 || status=1
+  done
+fi
+if want ws; then
+  note "the fused kernels' GPU tests (fusedw among them)"
+  timeout 900 python3 -m pytest -m gpu -q -p no:warnings --tb=line -k "fused or probes" tests/test_gpu_ladder.py 2>&1 \
+    | tee "$OUT/pytest_ws.log" | tail -25 || status=1
+  for n in 4096 16384; do
+    for c in "" "--causal"; do
+      note "bench_kernels N=$n $c: fusedh, fusedw"
+      timeout 300 python3 scripts/bench_kernels.py --seq-lens $n --heads 32 $c --kernels fused sdpa_flash sdpa_cudnn \
+        --fused-configs h w:sms w:tiles --out "$OUT/ws_n$n${c:+_causal}" 2>&1 | grep -v "^copy" || status=1
+    done
   done
 fi
 if want layer; then

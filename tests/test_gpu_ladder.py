@@ -26,14 +26,20 @@ def nan_like(shape, dtype):
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.fixture(params=["default", "fused2", "fusedh"])
+@pytest.fixture(params=["default", "fused2", "fusedh", "fusedw", "fusedw-sms"])
 def fused_impl(request, monkeypatch):
     """The kernel --kernel fused picks for the call (on compute capability 9.0: wgmma for calls that
     fill the GPU, fused2 for small ones such as these tests'), the portable mma.sync one (fused2) on
-    every GPU, and the wgmma one (fusedh) forced, where it runs."""
-    if request.param == "fusedh" and not HOPPER:
-        pytest.skip("the wgmma kernel needs compute capability 9.0")
-    cfg = {"fused2": "fused2_{suf}_d{d}_w4_m1_c64", "fusedh": "fusedh_{suf}_d{d}"}.get(request.param)
+    every GPU, and the wgmma ones forced where they run: fusedh, and the warp-specialized fusedw with
+    its grid both ways (a block per tile, and persistent: one per SM walking the tiles)."""
+    if request.param.startswith("fused") and request.param != "fused2" and not HOPPER:
+        pytest.skip("the wgmma kernels need compute capability 9.0")
+    if request.param.startswith("fusedw"):
+        monkeypatch.setenv("TPATTN_FUSED_GRID", "sms" if request.param == "fusedw-sms" else "tiles")
+    else:
+        monkeypatch.delenv("TPATTN_FUSED_GRID", raising=False)
+    cfg = {"fused2": "fused2_{suf}_d{d}_w4_m1_c64", "fusedh": "fusedh_{suf}_d{d}", "fusedw": "fusedw_{suf}_d{d}",
+           "fusedw-sms": "fusedw_{suf}_d{d}"}.get(request.param)
     if cfg:
         monkeypatch.setenv("TPATTN_FUSED_CFG", cfg)
     else:
@@ -126,10 +132,10 @@ def test_wgmma_probes_match_matmul():
 
 
 @pytest.mark.skipif(not HOPPER, reason="wgmma kernels need compute capability 9.0")
-def test_fused_picks_wgmma_on_hopper(monkeypatch):
+def test_fused_picks_the_warp_specialized_kernel_on_hopper(monkeypatch):
     from tpattn.attention.fused import kernel_for
     monkeypatch.delenv("TPATTN_FUSED_CFG", raising=False)
-    assert kernel_for(128, "f16", torch.cuda.get_device_capability()).name == "fusedh_f16_d128"
+    assert kernel_for(128, "f16", torch.cuda.get_device_capability()).name == "fusedw_f16_d128"
     assert kernel_for(128, "f16", torch.cuda.get_device_capability(), wide=False).name.startswith("fused2_")
     assert kernel_for(64, "bf16", (8, 0)).name.startswith("fused2_bf16_d64")
 
@@ -179,7 +185,8 @@ def test_fused_long_sequence_causal(fused_impl):
 
 
 BIG_BH = [("fused", None), ("fused", "TPATTN_FUSED_CFG=fused2_{suf}_d{d}_w4_m1_c64"), ("tiled", None),
-          ("tiled", "TPATTN_TILED_IMPL=mma")] + ([("fused", "TPATTN_FUSED_CFG=fusedh_{suf}_d{d}")] if HOPPER else [])
+          ("tiled", "TPATTN_TILED_IMPL=mma")] + ([("fused", "TPATTN_FUSED_CFG=fusedh_{suf}_d{d}"),
+                                               ("fused", "TPATTN_FUSED_CFG=fusedw_{suf}_d{d}")] if HOPPER else [])
 
 
 @pytest.mark.parametrize("kernel,env", BIG_BH)

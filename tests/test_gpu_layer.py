@@ -123,7 +123,7 @@ def test_graph_replay_follows_new_input_and_matches_eager():
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n,d", [(1000, 128), (640, 64)])
-@pytest.mark.parametrize("cfg", [None, "fused2_{suf}_d{d}_w4_m1_c64"])
+@pytest.mark.parametrize("cfg", [None, "fused2_{suf}_d{d}_w4_m1_c64", "fusedh_{suf}_d{d}", "fusedw_{suf}_d{d}"])
 def test_fused_row_chunks_match_the_whole_call(monkeypatch, causal, n, d, cfg):
     """The layer's overlap computes query rows in chunks: the same bits as one call, any N."""
     from tpattn.attention import get_backend
@@ -145,11 +145,14 @@ def test_fused_row_chunks_match_the_whole_call(monkeypatch, causal, n, d, cfg):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("h,g", [(4, 2), (4, 1)])
-def test_fused_gqa_reads_packed_qkv_in_place(causal, h, g):
+@pytest.mark.parametrize("cfg", [None, "fusedh_{suf}_d{d}", "fusedw_{suf}_d{d}"])
+def test_fused_gqa_reads_packed_qkv_in_place(monkeypatch, causal, h, g, cfg):
     """The layer's QKV GEMM output with fewer K/V heads, [B, N, h + 2g, d]: the fused kernel reads
     q, k and v as strided views of it (K/V strides of their own) and writes O as the output GEMM's
     rows; the same bits as contiguous copies."""
     from tpattn.attention import get_backend
+    if cfg:
+        monkeypatch.setenv("TPATTN_FUSED_CFG", cfg)
     B, N, d = 2, 700, 128
     gen = torch.Generator(device="cuda").manual_seed(6)
     qkv = torch.randn(B, N, h + 2 * g, d, device="cuda", generator=gen).half()

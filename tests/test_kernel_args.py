@@ -20,18 +20,20 @@ import pytest
 import torch
 
 from tpattn.attention import CudaBackend, fused, naive, tiled
-from tpattn.cuda import kernel_source
+from tpattn.cuda import TensorMap, kernel_source
 
 CPP = shutil.which("cpp")
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(CPP is None and NVCC is None, reason="no C preprocessor (cpp or nvcc) here")
 
 _KERNEL = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\([^()]*\)\s*)?(\w+)\s*\(([^)]*)\)')
-_NP = {"ptr": np.uint64, "int": np.int32, "long long": np.int64, "float": np.float32}
+_NP = {"ptr": np.uint64, "int": np.int32, "long long": np.int64, "float": np.float32, "tmap": TensorMap}
 
 
 def _param_kind(p: str) -> str:
     p = " ".join(p.replace("__restrict__", "").split())
+    if "tw_tmap" in p:  # a TMA tensor map, by value
+        return "tmap"
     if "*" in p:
         return "ptr"
     for kind in ("long long", "int", "float"):
@@ -66,6 +68,15 @@ def launches(monkeypatch):
         calls.append((source, name, grid, block, args))
     for mod in (naive, tiled, fused):
         monkeypatch.setattr(mod, "launch", record)
+
+    class Prepared:  # fusedw's launches, packed once and then called
+        def __init__(self, source, name, device, grid, block, args, shared_mem=0):
+            record(source, name, device, grid, block, args, shared_mem)
+
+        def __call__(self):
+            pass
+    monkeypatch.setattr(fused, "Prepared", Prepared)
+    monkeypatch.setattr(fused, "_prepared", {})
     suffix = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
     monkeypatch.setattr(CudaBackend, "kernel_suffix", lambda self, q: suffix[q.dtype])
     monkeypatch.delenv("TPATTN_FUSED_CFG", raising=False)
@@ -110,10 +121,13 @@ def test_tiled_launches(launches, monkeypatch, hopper, h, g, d):
     assert launches[0][4][-1] == group and launches[2][4][-1] == group
 
 
-@pytest.mark.parametrize("cc,wide", [((8, 0), True), ((9, 0), True), ((9, 0), False)])
+@pytest.mark.parametrize("cc,wide,cfg", [((8, 0), True, None), ((9, 0), True, "fusedh_{suf}_d{d}"),
+                                          ((9, 0), False, None)])
 @pytest.mark.parametrize("h,g", [(4, 4), (4, 2), (4, 1)])
-def test_fused_launches_contiguous(launches, monkeypatch, cc, wide, h, g):
+def test_fused_launches_contiguous(launches, monkeypatch, cc, wide, cfg, h, g):
     monkeypatch.setattr(fused, "_device_info", lambda dev: (1 if wide else 10**6, cc))
+    if cfg:
+        monkeypatch.setenv("TPATTN_FUSED_CFG", cfg)
     b, n, d = 2, 300, 128
     q, k, v = qkv(b, h, g, n, d)
     fused.FusedBackend().forward(q, k, v, True)
@@ -132,6 +146,7 @@ def test_fused_launch_reads_the_packed_projection_in_place(launches, monkeypatch
     """The layer's QKV GEMM output [B, N, h + 2g, d]: q, k and v are strided views of it, which the
     fused kernel reads in place (pointers into the one buffer, its strides)."""
     monkeypatch.setattr(fused, "_device_info", lambda dev: (1, (9, 0)))
+    monkeypatch.setenv("TPATTN_FUSED_CFG", "fusedh_{suf}_d{d}")
     b, n, d = 2, 130, 64
     qkv_out = torch.randn(b, n, h + 2 * g, d).half()
     q, k, v = (t.permute(0, 2, 1, 3) for t in qkv_out.split([h, g, g], dim=2))
@@ -145,3 +160,71 @@ def test_fused_launch_reads_the_packed_projection_in_place(launches, monkeypatch
     row = (h + 2 * g) * d
     assert tuple(args[12:15]) == (n * row, d, row) and tuple(args[15:18]) == (n * row, d, row)
     assert tuple(args[18:21]) == (n * h * d, d, h * d)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("h,g", [(4, 4), (4, 1)])
+def test_fused_ws_launch(launches, monkeypatch, causal, h, g):
+    """fusedw (warp-specialized, TMA), the default on compute capability 9.0: tensor maps of Q, K and V
+    over (D, N, heads, B) with their byte strides, one grid dimension over (query tile, head) pairs,
+    persistent (one block per SM walking the tiles)."""
+    monkeypatch.setattr(fused, "_device_info", lambda dev: (40, (9, 0)))  # the default there, for wide calls
+    monkeypatch.delenv("TPATTN_FUSED_GRID", raising=False)
+    b, n, d = 2, 1000, 128
+    q, k, v = qkv(b, h, g, n, d)
+    fused.FusedBackend().forward(q, k, v, causal)
+    (source, name, grid, block, args), = launches
+    check_launch(source, name, grid, block, args)
+    assert name == "fusedw_f16_d128" and block == (384, 1, 1)
+    tiles = 8 * b * h  # ceil(1000 / 128) query tiles per head
+    assert grid == (40, 1, 1)
+    qm, km, vm = args[:3]
+    assert (qm.address, km.address, vm.address) == (q.data_ptr(), k.data_ptr(), v.data_ptr())
+    assert qm.dims == (d, n, h, b) and km.dims == (d, n, g, b) and qm.box == (64, 128)
+    assert qm.strides == (d * 2, n * d * 2, h * n * d * 2)
+    assert km.strides == (d * 2, n * d * 2 if g > 1 else 16, g * n * d * 2)  # one K/V head: never stepped over
+    assert (args[10], args[11]) == (h, h // g)
+
+
+def test_fused_ws_reads_the_packed_projection_in_place(launches, monkeypatch):
+    monkeypatch.setattr(fused, "_device_info", lambda dev: (132, (9, 0)))
+    monkeypatch.setenv("TPATTN_FUSED_CFG", "fusedw_{suf}_d{d}")
+    b, n, h, g, d = 1, 130, 4, 2, 64
+    qkv_out = torch.randn(b, n, h + 2 * g, d).half()
+    q, k, v = (t.permute(0, 2, 1, 3) for t in qkv_out.split([h, g, g], dim=2))
+    fused.FusedBackend().forward(q, k, v, False)
+    (source, name, grid, block, args), = launches
+    check_launch(source, name, grid, block, args)
+    row = (h + 2 * g) * d * 2
+    # B = 1: the batch stride is never stepped over, so any legal one (16) stands in
+    assert args[0].strides == (row, d * 2, 16) and args[1].strides == (row, d * 2, 16)
+    assert args[1].address == qkv_out.data_ptr() + h * d * 2 and args[1].dims == (d, n, g, b)
+
+
+def test_tensor_map_refuses_what_tma_cannot_read():
+    t = torch.zeros(1, 2, 8, 64, dtype=torch.float32)
+    with pytest.raises(ValueError, match="16-bit"):
+        TensorMap(t)
+    odd = torch.zeros(1, 2, 8, 68, dtype=torch.float16)[..., :64]  # rows 136 bytes apart
+    with pytest.raises(ValueError, match="multiples of 16 bytes"):
+        TensorMap(odd)
+
+
+def test_fused_ws_packs_a_launch_once_per_set_of_tensors(launches, monkeypatch):
+    """The host cost of a call: the second call with the same tensors reuses the packed launch; new
+    tensors, rows or the grid setting make a new one."""
+    monkeypatch.setattr(fused, "_device_info", lambda dev: (132, (9, 0)))
+    q, k, v = qkv(1, 32, 32, 1024, 64)
+    o = torch.empty_like(q)
+    be = fused.FusedBackend()
+    for _ in range(3):
+        be.forward(q, k, v, False, out=o)
+    assert len(launches) == 1
+    be.forward(q, k, v, False, out=o, rows=(0, 512))
+    be.forward(q, k, v, True, out=o)
+    monkeypatch.setenv("TPATTN_FUSED_GRID", "tiles")
+    be.forward(q, k, v, True, out=o)
+    assert len(launches) == 4 and launches[-1][2] == (8 * 32, 1, 1) and launches[-2][2] == (132, 1, 1)
+    monkeypatch.setenv("TPATTN_FUSED_GRID", "all")
+    with pytest.raises(Exception, match="use sms or tiles"):
+        be.forward(q, k, v, True, out=o)

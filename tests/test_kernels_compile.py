@@ -44,15 +44,18 @@ def test_kernel_compiles(src, arch, tmp_path):
 
 
 def test_hopper_kernels_exist_and_are_refused_elsewhere(monkeypatch):
-    from tpattn.attention.fused import HOPPER_SOURCE, kernel_for
-    assert HOPPER_SOURCE in ARCH_SPECIFIC and ARCH_SPECIFIC[HOPPER_SOURCE][0] == (9, 0)
+    from tpattn.attention.fused import HOPPER_SOURCE, WS_SOURCE, kernel_for
+    for src in (HOPPER_SOURCE, WS_SOURCE):
+        assert src in ARCH_SPECIFIC and ARCH_SPECIFIC[src][0] == (9, 0)
     monkeypatch.delenv("TPATTN_FUSED_CFG", raising=False)
-    assert kernel_for(128, "f16", (9, 0)).source == HOPPER_SOURCE
-    assert kernel_for(128, "f16", (9, 0), wide=False).source != HOPPER_SOURCE  # too few tiles for it
-    assert kernel_for(128, "f16", (8, 0)).source != HOPPER_SOURCE
-    monkeypatch.setenv("TPATTN_FUSED_CFG", "fusedh_{suf}_d{d}")
-    with pytest.raises(ConfigError, match="compute capability 9.0"):
-        kernel_for(64, "bf16", (8, 9))
+    assert kernel_for(128, "f16", (9, 0)).source == WS_SOURCE
+    assert kernel_for(128, "f16", (9, 0)).threads == 384  # a producer and two consumer warpgroups
+    assert kernel_for(128, "f16", (9, 0), wide=False).source not in (HOPPER_SOURCE, WS_SOURCE)  # too few tiles
+    assert kernel_for(128, "f16", (8, 0)).source not in (HOPPER_SOURCE, WS_SOURCE)
+    for name in ("fusedh_{suf}_d{d}", "fusedw_{suf}_d{d}"):
+        monkeypatch.setenv("TPATTN_FUSED_CFG", name)
+        with pytest.raises(ConfigError, match="compute capability 9.0"):
+            kernel_for(64, "bf16", (8, 9))
 
 
 class _FakeNvrtc:

@@ -7,6 +7,7 @@ tensor's device, so kernels, torch ops and NCCL are ordered with each other.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 from pathlib import Path
@@ -19,7 +20,8 @@ from .config import ConfigError, cupy_missing_message
 _modules: dict[tuple[int, str], object] = {}
 # Kernel files written for one GPU generation's own instructions: file -> (compute capability it
 # runs on, the NVRTC architecture it is compiled for). The others compile for whatever GPU runs them.
-ARCH_SPECIFIC = {"fused_hopper_attention.cu": ((9, 0), "sm_90a"), "tiled_hopper_attention.cu": ((9, 0), "sm_90a")}
+ARCH_SPECIFIC = {"fused_hopper_attention.cu": ((9, 0), "sm_90a"), "fused_ws_attention.cu": ((9, 0), "sm_90a"),
+                 "tiled_hopper_attention.cu": ((9, 0), "sm_90a")}
 _functions: dict[tuple[int, str, str], object] = {}
 GRID_YZ_MAX = 65535
 GRID_X_MAX = 2**31 - 1
@@ -113,18 +115,118 @@ def ptr(t: torch.Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
 
 
+class TensorMap:
+    """A TMA tensor map (CUtensorMap, 128 bytes) over a 16-bit [B, H, N, D] tensor or strided view whose
+    rows are contiguous: dimensions (D, N, H, B) innermost first, the byte strides of rows, heads and
+    batches, a box of `box` = (columns, rows), 128-byte swizzle (the layout wgmma reads), zeros where the
+    box reaches past N. A kernel parameter `const __grid_constant__ tw_tmap`; encoded by the driver
+    (cuTensorMapEncodeTiled) when launched, once per distinct tensor."""
+
+    SWIZZLE_BYTES = 128
+
+    def __init__(self, t: torch.Tensor, box: tuple[int, int] = (64, 128)):
+        b, h, n, d = t.shape
+        el = t.element_size()
+        if el != 2 or t.stride(3) != 1:
+            raise ValueError(f"a tensor map needs 16-bit values in contiguous rows (dtype {t.dtype}, strides {t.stride()})")
+        self.address = t.data_ptr()
+        self.dtype = t.dtype
+        self.dims = (d, n, h, b)
+        # a dimension of extent 1 is never stepped over: any legal stride does
+        self.strides = tuple(s * el if size > 1 else 16 for s, size in ((t.stride(2), n), (t.stride(1), h), (t.stride(0), b)))
+        self.box = box
+        bad = [s for s in self.strides if s % 16 or s >= 2**40]
+        if self.address % 16 or bad or box[0] * el > self.SWIZZLE_BYTES:
+            raise ValueError(f"TMA needs a 16-byte aligned start and strides that are multiples of 16 bytes "
+                             f"(address {self.address:#x}, strides {self.strides} bytes, box {box})")
+
+    def key(self) -> tuple:
+        return (self.address, self.dtype, self.dims, self.strides, self.box)
+
+
+_tmaps: dict[tuple, ctypes.Array] = {}
+_encode_tiled = None  # libcuda's cuTensorMapEncodeTiled, looked up on first use
+_DTYPE_CODE = {torch.float16: 6, torch.bfloat16: 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16
+
+
+def _encode(tm: TensorMap) -> int:
+    """The address of tm's encoded 128 bytes (64-byte aligned), cached per tensor description."""
+    buf = _tmaps.get(tm.key())
+    if buf is None:
+        global _encode_tiled
+        u32, u64 = ctypes.c_uint32, ctypes.c_uint64
+        if _encode_tiled is None:
+            _encode_tiled = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+            _encode_tiled.restype = ctypes.c_int
+            _encode_tiled.argtypes = [ctypes.c_void_p, ctypes.c_int, u32, ctypes.c_void_p, ctypes.POINTER(u64),
+                                      ctypes.POINTER(u64), ctypes.POINTER(u32), ctypes.POINTER(u32), ctypes.c_int,
+                                      ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        fn = _encode_tiled
+        buf = ctypes.create_string_buffer(128 + 64)
+        at = (ctypes.addressof(buf) + 63) & ~63
+        rc = fn(at, _DTYPE_CODE[tm.dtype], 4, tm.address, (u64 * 4)(*tm.dims), (u64 * 3)(*tm.strides),
+                (u32 * 4)(tm.box[0], tm.box[1], 1, 1), (u32 * 4)(1, 1, 1, 1),
+                0, 3, 2, 0)  # no interleave, 128-byte swizzle, L2 promotion 128 B, zeros out of bounds
+        if rc != 0:
+            raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for dims {tm.dims}, byte strides "
+                               f"{tm.strides}, box {tm.box}; the wgmma kernel without TMA avoids it: "
+                               "TPATTN_FUSED_CFG=fusedh_{suf}_d{d}")
+        if len(_tmaps) >= 256:
+            _tmaps.clear()
+        _tmaps[tm.key()] = buf
+    return (ctypes.addressof(buf) + 63) & ~63
+
+
+_CTYPE = {np.uint64: ctypes.c_uint64, np.int32: ctypes.c_int32, np.int64: ctypes.c_int64, np.float32: ctypes.c_float}
+
+
+class Prepared:
+    """A launch with everything but the stream worked out once: the function, grid, block, shared memory
+    and the kernel's parameters packed for cuLaunchKernel (tensor maps encoded). Calling it launches on
+    torch's current stream of the device: a kernel called again with the same tensors costs a dict
+    lookup and the driver call. Needed for kernels taking tensor maps by value, which CuPy's argument
+    packing does not pass."""
+
+    def __init__(self, filename: str, name: str, device: torch.device, grid, block, args, shared_mem: int = 0):
+        self.cupy = _cupy()
+        self.idx = device.index if device.index is not None else torch.cuda.current_device()
+        self.fn = get_function(filename, name, self.idx)
+        if shared_mem > 48 * 1024:
+            _allow_shared_mem(self.cupy, self.fn, (self.idx, filename, name), shared_mem)
+        _check_grid(grid)
+        self.dims = (*grid, *block, shared_mem)
+        self.values = [None if isinstance(a, TensorMap) else _CTYPE[type(a)](a.item()) for a in args]
+        self.params = (ctypes.c_void_p * len(args))(*[_encode(a) if v is None else ctypes.addressof(v)
+                                                      for a, v in zip(args, self.values)])
+
+    def __call__(self) -> None:
+        stream = torch.cuda.current_stream(self.idx).cuda_stream
+        with self.cupy.cuda.Device(self.idx):
+            self.cupy.cuda.driver.launchKernel(self.fn.ptr, *self.dims, stream, ctypes.addressof(self.params), 0)
+            if os.environ.get("TPATTN_SYNC_LAUNCHES"):
+                self.cupy.cuda.runtime.streamSynchronize(stream)
+
+
+def _check_grid(grid) -> None:
+    for g in grid[1:]:
+        assert 1 <= g <= GRID_YZ_MAX, f"grid {grid} beyond the y/z limit"
+    assert 1 <= grid[0] <= GRID_X_MAX, f"grid {grid} beyond the x limit"
+
+
 def launch(filename: str, name: str, device: torch.device, grid, block, args, shared_mem: int = 0) -> None:
     """Launch kernel `name` of kernels/`filename` on torch's current stream of `device`, with
-    `shared_mem` bytes of dynamic shared memory (above 48 KiB the function's limit is raised once)."""
+    `shared_mem` bytes of dynamic shared memory (above 48 KiB the function's limit is raised once).
+    args: numpy scalars (pointers as uint64) and TensorMap objects."""
+    if any(isinstance(a, TensorMap) for a in args):
+        Prepared(filename, name, device, grid, block, args, shared_mem)()
+        return
     cupy = _cupy()
     idx = device.index if device.index is not None else torch.cuda.current_device()
     fn = get_function(filename, name, idx)
     if shared_mem > 48 * 1024:
         _allow_shared_mem(cupy, fn, (idx, filename, name), shared_mem)
     stream = torch.cuda.current_stream(idx)
-    for g in grid[1:]:
-        assert 1 <= g <= GRID_YZ_MAX, f"grid {grid} beyond the y/z limit"
-    assert 1 <= grid[0] <= GRID_X_MAX, f"grid {grid} beyond the x limit"
+    _check_grid(grid)
     with cupy.cuda.Device(idx):
         ext = _external_stream(cupy, stream, idx)
         fn(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem, stream=ext)  # raises on a failed launch

@@ -1,8 +1,10 @@
 """One fused CUDA kernel: Q tiles against streamed K and V tiles, online softmax, tensor cores; S and
-P never reach device memory. kernels/fused_hopper_attention.cu (wgmma) on compute capability 9.0,
-kernels/fused_attention.cu (mma.sync) elsewhere. Launched via CuPy. Grouped-query attention: each
-query head's blocks stream its group's K/V head, in place; the blocks of a group's query heads run
-close together in the grid, so that head's K and V tiles are mostly read from L2."""
+P never reach device memory. On compute capability 9.0 kernels/fused_ws_attention.cu (fusedw:
+warp-specialized, TMA loads, wgmma; launched through the driver with tensor maps, its arguments
+packed once per set of tensors) and, by name, kernels/fused_hopper_attention.cu (fusedh: wgmma, no
+TMA); kernels/fused_attention.cu (mma.sync) elsewhere and for small calls. Grouped-query attention:
+each query head's blocks stream its group's K/V head, in place; the blocks of a group's query heads
+run close together, so that head's K and V tiles are mostly read from L2."""
 
 from __future__ import annotations
 
@@ -15,21 +17,23 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
-from ..cuda import GRID_X_MAX, GRID_YZ_MAX, launch, ptr
+from ..cuda import GRID_X_MAX, GRID_YZ_MAX, Prepared, TensorMap, launch, ptr
 from ..timing import section
 from . import CudaBackend, kv_group
 
 SOURCE = "fused_attention.cu"
 HOPPER_SOURCE = "fused_hopper_attention.cu"  # wgmma (sm_90a): runs on compute capability 9.0 only
+WS_SOURCE = "fused_ws_attention.cu"          # warp-specialized: TMA, mbarriers, wgmma (sm_90a) too
 HOPPER_CC = (9, 0)
 HEAD_DIMS = (64, 128)
 # The kernel per head dim, "{suf}" standing for f16 or bf16. On compute capability 9.0 (H100, H200)
-# fusedh (wgmma, 2 warpgroups, 128 query rows, 128 keys per tile) unless the call is too small to
-# fill half the GPU with it (see kernel_for); elsewhere fused2, the mma.sync version, software
-# pipelined; _wW: W warps, _mM: M tiles of 16 query rows per warp, _cC: C keys per tile.
+# fusedw (a TMA producer warpgroup and two wgmma consumer warpgroups, 128 query rows, 128 keys per
+# tile, persistent grid) unless the call is too small to fill half the GPU (see kernel_for);
+# fusedh (two wgmma warpgroups that load their own tiles) by name; elsewhere fused2, the mma.sync
+# version, software pipelined; _wW: W warps, _mM: M tiles of 16 query rows per warp, _cC: C keys per tile.
 # Chosen on the H200 (benchmarks/ladder.md); TPATTN_FUSED_CFG=NAME overrides it (the bench's sweep).
 CONFIG = {64: "fused2_{suf}_d64_w4_m1_c64", 128: "fused2_{suf}_d128_w4_m1_c64"}
-HOPPER_CONFIG = "fusedh_{suf}_d{d}"
+HOPPER_CONFIG = "fusedw_{suf}_d{d}"
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -56,14 +60,16 @@ def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True) -> Choi
     key = (d, suf, cc, wide, os.environ.get("TPATTN_FUSED_CFG"))
     if key not in _kernels:
         name = (key[4] or (HOPPER_CONFIG if cc == HOPPER_CC and wide else CONFIG[d])).format(suf=suf, d=d)
-        m = re.fullmatch(rf"fused2_{suf}_d{d}_w(\d+)_m(\d+)_c(\d+)|fusedh_{suf}_d{d}", name)
+        m = re.fullmatch(rf"fused2_{suf}_d{d}_w(\d+)_m(\d+)_c(\d+)|fused[hw]_{suf}_d{d}", name)
         if not m:
             raise ConfigError(f"TPATTN_FUSED_CFG={name!r} is not a fused kernel for {suf}, d={d}")
+        if name.startswith(("fusedh_", "fusedw_")) and cc != HOPPER_CC:
+            raise ConfigError(f"TPATTN_FUSED_CFG={name!r} needs compute capability 9.0 (this GPU has "
+                              f"{cc[0]}.{cc[1]}); unset it")
         if name.startswith("fusedh_"):
-            if cc != HOPPER_CC:
-                raise ConfigError(f"TPATTN_FUSED_CFG={name!r} needs compute capability 9.0 (this GPU has "
-                                  f"{cc[0]}.{cc[1]}); unset it")
             _kernels[key] = Choice(HOPPER_SOURCE, name, 256, 128, (128 + 4 * 128) * d * 2 + 1024)
+        elif name.startswith("fusedw_"):  # three warpgroups; + 128 bytes of mbarriers
+            _kernels[key] = Choice(WS_SOURCE, name, 384, 128, (128 + 4 * 128) * d * 2 + 1024 + 128)
         else:
             w, mt, c = (int(g) for g in m.groups())
             rows = 16 * mt * w
@@ -71,7 +77,18 @@ def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True) -> Choi
     return _kernels[key]
 
 
+def persistent() -> bool:
+    """fusedw's grid: one block per SM walking the tiles (persistent, the default: faster on the H200,
+    causal or not, benchmarks/ladder.md), or one block per tile (the hardware hands out the next tile
+    as a block ends): TPATTN_FUSED_GRID=sms or tiles."""
+    env = os.environ.get("TPATTN_FUSED_GRID") or "sms"
+    if env not in ("sms", "tiles"):
+        raise ConfigError(f"TPATTN_FUSED_GRID={env!r}: use sms or tiles")
+    return env == "sms"
+
+
 _kernels: dict[tuple, Choice] = {}
+_prepared: dict[tuple, Prepared] = {}  # fusedw launches, packed once per (tensors, shape, options)
 _devices: dict[int, tuple[int, tuple[int, int]]] = {}
 
 
@@ -121,6 +138,24 @@ class FusedBackend(CudaBackend):
         scale_log2 = np.float32(math.log2(math.e) / math.sqrt(d))
         t0, t1 = r0 // ch.rows, _cdiv(r1, ch.rows)
         with section(timer, "fused"):
+            if ch.source == WS_SOURCE:  # one grid dimension over (query tile, head) pairs; TMA maps of Q, K, V
+                grid_sms = persistent()
+                key = (ch.name, causal, t0, t1, grid_sms, q.device.index, tuple(q.shape), tuple(k.shape),
+                       *((t.data_ptr(), t.stride()) for t in (q, k, v, o)))
+                prep = _prepared.get(key)
+                if prep is None:
+                    tiles = (t1 - t0) * bh
+                    grid = (min(tiles, sms if grid_sms else GRID_X_MAX), 1, 1)
+                    prep = Prepared(ch.source, ch.name, q.device, grid, (ch.threads, 1, 1),
+                                    (TensorMap(q), TensorMap(k), TensorMap(v), ptr(o), np.int32(bh), np.int32(n),
+                                     scale_log2, np.int32(causal), np.int32(t0), np.int32(t1), np.int32(h),
+                                     np.int32(group), np.int64(o.stride(0)), np.int64(o.stride(1)),
+                                     np.int32(o.stride(2))), shared_mem=ch.shared)
+                    if len(_prepared) >= 64:
+                        _prepared.clear()
+                    _prepared[key] = prep
+                prep()
+                return o
             grid = (min(t1 - t0, GRID_X_MAX), min(bh, GRID_YZ_MAX), 1)
             launch(ch.source, ch.name, q.device, grid, (ch.threads, 1, 1),
                    (ptr(q), ptr(k), ptr(v), ptr(o), np.int32(bh), np.int32(n), scale_log2, np.int32(causal),
