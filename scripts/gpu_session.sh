@@ -27,6 +27,10 @@
 #   ws      the warp-specialized fused kernel (fusedw, TMA): the fused kernels' GPU tests, then
 #           bench_kernels at N = 4096 and 16384, causal and not: fusedh and fusedw (both grids)
 #           beside SDPA cuDNN and flash
+#   wsbench fusedw (the default there) against SDPA with graph (kernel-only) times: N = 4096 and 16384,
+#           causal and not, fp16, bf16, d = 64; compute-sanitizer memcheck and racecheck on it
+#   speedshort  the main rows of speed (fused, 1 and 2 GPUs, eager and graph, fp16 partials, causal,
+#           sequence-parallel, fusedh for comparison)
 # Logs and JSON go to $OUT (default results/). Usage: bash scripts/gpu_session.sh [STEP]... (default all)
 set -u -o pipefail
 OUT=${OUT:-results}
@@ -67,6 +71,34 @@ if want ws; then
     done
   done
 fi
+if want wsbench; then
+  note "fusedw against cuDNN, graph time (kernels only) beside call time: N = 4096, 16384, causal and not; bf16; d = 64"
+  for n in 4096 16384; do
+    for c in "" "--causal"; do
+      timeout 300 python3 scripts/bench_kernels.py --seq-lens $n --heads 32 $c --kernels fused sdpa_flash sdpa_cudnn \
+        --fused-configs h --out "$OUT/wsb_n$n${c:+_causal}" 2>&1 | grep -E "^  " || status=1
+    done
+  done
+  timeout 300 python3 scripts/bench_kernels.py --seq-lens 4096 16384 --heads 32 --dtype bf16 --kernels fused sdpa_cudnn \
+    --out "$OUT/wsb_bf16" 2>&1 | grep -E "^  " || status=1
+  for c in "" "--causal"; do
+    timeout 300 python3 scripts/bench_kernels.py --seq-lens 4096 16384 --heads 32 --head-dim 64 $c \
+      --kernels fused sdpa_flash sdpa_cudnn --out "$OUT/wsb_d64${c:+_causal}" 2>&1 | grep -E "^  " || status=1
+  done
+  note "compute-sanitizer memcheck and racecheck on fusedw (B=1, H=2, N=300, d=128 and 64, causal and not)"
+  san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  for tool in memcheck racecheck; do
+    TPATTN_FUSED_CFG="fusedw_{suf}_d{d}" timeout 240 "$san" --tool $tool --error-exitcode 9 python3 -c "
+import torch
+from tpattn.attention import get_backend
+for d in (128, 64):
+    for causal in (False, True):
+        q, k, v = (torch.randn(1, 2, 300, d, device='cuda', dtype=torch.float16) for _ in range(3))
+        get_backend('fused').forward(q, k, v, causal)
+torch.cuda.synchronize()
+print('fusedw ran under $tool')" 2>&1 | tail -6; echo "$tool exit ${PIPESTATUS[0]}"
+  done
+fi
 if want layer; then
   note "mpirun -n 1 python -m tpattn (NCCL)"
   mpirun -n 1 python3 -m tpattn --json "$OUT/layer_np1_nccl.json" 2>&1 | tee -a "$OUT/layer.log" || status=1
@@ -81,21 +113,26 @@ if want layer; then
   mpirun --oversubscribe -n 2 python3 -m tpattn --dist-backend gloo --kernel fused \
     --json "$OUT/layer_np2_fused.json" 2>&1 | tee -a "$OUT/layer.log" || status=1
 fi
-if want speed; then
-  # The layer at the default shape on 1 and 2 GPUs (NCCL), in each style; one JSON per run.
-  note "layer speed: mpirun -n W python -m tpattn ... (W = 1, 2 where there are 2 GPUs)"
-  mkdir -p "$OUT/speed"
+# The layer at the default shape (NCCL), one mpirun per line of stdin "W [NAME=value ...] ARGS", one JSON
+# per run under $OUT/$1, then a table of them (scripts/layer_table.py)
+layer_runs() {
+  local dir="$OUT/$1" gpus i=0 w args envs
+  mkdir -p "$dir"
   gpus=$(nvidia-smi -L | wc -l)
-  i=0
   while read -r w args; do
     [ "$w" -gt "$gpus" ] && continue
     envs=()  # leading NAME=value words go to every rank (mpirun -x)
     while [[ $args =~ ^([A-Z_]+=[^ ]*)\ (.*)$ ]]; do envs+=(-x "${BASH_REMATCH[1]}"); args=${BASH_REMATCH[2]}; done
     i=$((i + 1))
     echo "--- mpirun ${envs[*]} -n $w python -m tpattn $args"
-    mpirun "${envs[@]}" -n "$w" python3 -m tpattn $args --iters 20 --json "$OUT/speed/$(printf %02d $i).json" \
+    mpirun "${envs[@]}" -n "$w" python3 -m tpattn $args --iters 20 --json "$dir/$(printf %02d $i).json" \
       </dev/null 2>&1 | grep -E "RESULT|check|error|failed" || status=1
-  done <<'RUNS'
+  done
+  python3 scripts/layer_table.py "$dir"/*.json --md "$dir/table.md" || status=1
+}
+if want speed; then
+  note "layer speed: mpirun -n W python -m tpattn ... (W = 1, 2 where there are 2 GPUs)"
+  layer_runs speed <<'RUNS'
 1 --kernel fused
 1 --kernel fused --cuda-graph
 2 --kernel fused
@@ -119,7 +156,20 @@ if want speed; then
 1 --kernel naive
 2 --kernel naive
 RUNS
-  python3 scripts/layer_table.py "$OUT"/speed/*.json --md "$OUT/speed/table.md" || status=1
+fi
+if want speedshort; then
+  note "layer speed, the main rows: fused eager and graph on 1 and 2 GPUs, fp16 partials, causal, sequence-parallel"
+  layer_runs speedshort <<'RUNS'
+1 --kernel fused
+1 --kernel fused --cuda-graph
+2 --kernel fused
+2 --kernel fused --cuda-graph
+2 --kernel fused --reduce-dtype model --cuda-graph
+2 --kernel fused --output-collective allreduce --cuda-graph
+2 --kernel fused --causal --cuda-graph
+2 --kernel fused --sequence-parallel --cuda-graph
+2 TPATTN_FUSED_CFG=fusedh_f16_d128 --kernel fused --cuda-graph
+RUNS
 fi
 if want nccltune; then
   # NCCL's channel and protocol settings on the layer's own collectives (CUDA graph: totals only).
