@@ -474,8 +474,12 @@ class TensorParallelAttention(torch.nn.Module):
             for _ in range(2):  # compile and load every kernel, create NCCL's communicator
                 self(x)
         current.wait_stream(side)
+        torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: the collective watchdog's thread polls CUDA events of earlier collectives; in
+        # the default (global) mode such a query from any thread during the capture invalidates it
+        # (seen once over NCCL: "operation failed due to a previous error during capture")
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             y = self(x)
 
         def replay() -> torch.Tensor:
