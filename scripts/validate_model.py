@@ -134,7 +134,11 @@ def compare(m: cm.Machine, kernel: str, n: int, world: int, a, meas: dict) -> di
             "calibrated_here": calibrated_at(m, kernel, pred["heads_per_rank"], n), "rows": rows,
             "heads_by_rank": pred["heads_by_rank"],
             "host_measured_ms": meas["passes"].get("host"), "host_predicted_ms": pred["host_ms"],
-            "gpu_predicted_ms": pred["gpu_ms"], "collectives_as_predicted": same,
+            "gpu_predicted_ms": pred["gpu_ms"], "gpu_measured_ms": meas["passes"].get("gpu"),
+            "stall_predicted_ms": pred.get("stall_ms", 0.0),
+            "stall_measured_ms": (plan.call_stall(meas["passes"])
+                                  if {"total", "host", "gpu"} <= set(meas["passes"]) else None),
+            "collectives_as_predicted": same,
             "collectives_measured": meas["collectives"],
             "collectives_predicted": {k: c["bytes"] for k, c in pred["collectives"].items()}}
 
@@ -172,14 +176,19 @@ def markdown(doc: dict) -> str:
           + (f"**{'met' if s['ar_ok'] == s['ar_n'] else 'not met'}**: {s['ar_ok']} of {s['ar_n']}; worst "
              f"{pct(s['ar_worst'])} |" if s["ar_n"] else "not measured (one rank) |"), ""]
     L += [f"## End to end ({primary})", "",
-          "| kernel | N | GPUs | measured ms | predicted ms | error | host measured / predicted ms | calibrated here |",
-          "|---|---:|---:|---:|---:|---:|---:|---|"]
+          "End to end = max(GPU, host) + stall (tpattn.costmodel); the GPU time measured is the spun call's, "
+          "the stall measured the end to end beyond max(host, GPU).", "",
+          "| kernel | N | GPUs | measured ms | predicted ms | error | GPU measured / predicted ms "
+          "| host measured / predicted ms | stall measured / predicted ms | calibrated here |",
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for c in doc["comparisons"]:
         if c["machine"] != primary:
             continue
         t = next(r for r in c["rows"] if r["pass"] == "total")
         L.append(f"| {c['kernel']} | {c['N']} | {c['world']} | {fmt(t['measured_ms'])} | {fmt(t['predicted_ms'])} | "
-                 f"{pct(t['error_pct'])} | {fmt(c['host_measured_ms'])} / {fmt(c['host_predicted_ms'])} | "
+                 f"{pct(t['error_pct'])} | {fmt(c.get('gpu_measured_ms'))} / {fmt(c['gpu_predicted_ms'])} | "
+                 f"{fmt(c['host_measured_ms'])} / {fmt(c['host_predicted_ms'])} | "
+                 f"{fmt(c.get('stall_measured_ms'))} / {fmt(c.get('stall_predicted_ms'))} | "
                  f"{'yes' if c['calibrated_here'] else 'no'} |")
     L += ["", f"## Per pass ({primary})", "",
           "| kernel | N | GPUs | pass | measured ms | predicted ms | error |", "|---|---:|---:|---|---:|---:|---:|"]

@@ -357,6 +357,46 @@ def test_host_time_per_kernel_and_world_size(tmp_path):
     assert cm.predict(m, cm.Shape(seq_len=512, heads=8, head_dim=64, kernel="tiled", cuda_graph=True), 2)["host_ms"] == 0
 
 
+def test_stall_adds_to_an_eager_call(tmp_path):
+    """End to end = max(GPU, host) + the calibrated stall (the GPU waiting for the call's first launch
+    and for the last rank at a collective): at that world size where calibrated, else the 1-rank one,
+    else 0; never under a CUDA graph. A negative stall is refused."""
+    data = toy_machine()
+    data["layer"]["stall_ms"] = {"tiled": 0.05}
+    data["layer"]["stall_ms_by_world"] = {"2": {"tiled": 0.2}}
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(data))
+    m = cm.load_machine(str(path))
+    tiled, fused = (cm.Shape(seq_len=512, heads=8, head_dim=64, kernel=k) for k in ("tiled", "fused"))
+    for shape, w, stall in ((tiled, 2, 0.2), (tiled, 1, 0.05), (tiled, 4, 0.05), (fused, 2, 0.0)):
+        r = cm.predict(m, shape, w)
+        assert r["stall_ms"] == pytest.approx(stall), (shape.kernel, w)
+        assert r["end_to_end_ms"] == pytest.approx(max(r["gpu_ms"], r["host_ms"]) + stall)
+    g = cm.predict(m, cm.Shape(seq_len=512, heads=8, head_dim=64, kernel="tiled", cuda_graph=True), 2)
+    assert g["stall_ms"] == 0 and g["end_to_end_ms"] == pytest.approx(g["gpu_ms"])
+    data["layer"]["stall_ms_by_world"] = {"2": {"tiled": -0.1}}
+    path.write_text(json.dumps(data))
+    with pytest.raises(cm.MachineError, match="stall_ms_by_world"):
+        cm.load_machine(str(path))
+
+
+def test_calibration_measures_the_stall():
+    """stall = the un-spun call's end to end - max(host, the spun call's GPU time), median per kernel;
+    never negative."""
+    meas = fake_measurements()
+    for run in meas["layer"]:
+        p = run["passes"]
+        p["gpu"], p["host"] = p["total"] - 0.15, p["total"] - 0.3   # GPU-bound: 0.15 ms of stall
+    run0 = meas["layer_multi"][0]
+    meas["layer_multi"] = [{**run0, "passes": {**run0["passes"], "total": 1.3, "host": 1.1, "gpu": 1.0}},
+                           {**run0, "passes": {**run0["passes"], "total": 1.0, "host": 1.1, "gpu": 0.9}}]
+    data = plan.build_machine(meas)
+    assert set(data["layer"]["stall_ms"]) == {r["kernel"] for r in meas["layer"] if not r["causal"]}
+    assert all(v == pytest.approx(0.15) for v in data["layer"]["stall_ms"].values())
+    assert data["layer"]["stall_ms_by_world"] == {"2": {"fused": pytest.approx(0.1)}}  # median of 0.2 and 0
+    assert plan.call_stall({"total": 1.0, "host": 1.2, "gpu": 0.5}) == 0.0
+
+
 def test_memory_is_the_cli_preflight(toy):
     from tpattn import memory
     from tpattn.config import Config

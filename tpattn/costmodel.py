@@ -24,10 +24,14 @@ inside each node over NVLink, across nodes over every GPU's own network link car
 bytes (g GPUs per node); NCCL pipelines the chunks through both, so the slower phase's bandwidth
 term sets the time and every step's latency adds.
 
-The end to end time is max(GPU time, host time): the sum of the steps plus the per-call overhead,
-unless the Python call itself takes longer: its host time, calibrated per kernel and world size
-(layer.host_ms_by_world: the W-rank layer's host time as --calibrate measures it), or for a world
-size not calibrated (and in files without it) the 1-rank host_ms + host_ms_per_collective each.
+The end to end time is max(GPU time, host time) + stall: the sum of the steps plus the per-call
+overhead, unless the Python call itself takes longer: its host time, calibrated per kernel and world
+size (layer.host_ms_by_world: the W-rank layer's host time as --calibrate measures it), or for a
+world size not calibrated (and in files without it) the 1-rank host_ms + host_ms_per_collective
+each. The stall is the time of an eager call that neither accounts for: the GPU idle until the
+call's first launch, and at a collective until the last rank's launch reaches it (layer.stall_ms,
+layer.stall_ms_by_world: the un-spun call's end to end minus max(its host time, its GPU time), as
+--calibrate measures them; 0 in files without them and under a CUDA graph).
 
 Machine descriptions are JSON files (tpattn/machines/*.json or any path); see load_machine and
 docs/plan.md for the fields. Everything here is pure Python: no GPU needed.
@@ -328,6 +332,14 @@ class Machine:
         return (self.layer("host_ms", kernel, 0.5) + collectives * self.layer("host_ms_per_collective", None, 0.1),
                 "1-rank host_ms + host_ms_per_collective each")
 
+    def stall_ms(self, kernel: str, world: int) -> float:
+        """The stall of one eager call of `kernel`'s layer at `world` ranks: calibrated at that world
+        size (layer.stall_ms_by_world), else at one rank (layer.stall_ms); 0 in files without them."""
+        by_w = ((self.data.get("layer") or {}).get("stall_ms_by_world") or {}).get(str(world)) or {}
+        if kernel in by_w:
+            return float(by_w[kernel])
+        return self.layer("stall_ms", kernel, 0.0)
+
 
 def machine_names() -> list[str]:
     return sorted(p.stem for p in MACHINE_DIR.glob("*.json"))
@@ -496,12 +508,12 @@ def validate_machine(data: dict, what: str = "machine file") -> None:
     if not isinstance(layer, dict):
         raise MachineError(f"{what}: \"layer\" must be an object (overhead_ms, host_ms, host_ms_per_collective)")
     for k, v in layer.items():
-        if k == "host_ms_by_world":  # {"W": {kernel: ms}}
+        if k in ("host_ms_by_world", "stall_ms_by_world"):  # {"W": {kernel: ms}}
             ok = isinstance(v, dict) and all(
                 str(w).isdigit() and int(w) >= 1 and isinstance(per, dict) and per
                 and all(_num(x) and x >= 0 for x in per.values()) for w, per in v.items())
             if not ok:
-                raise MachineError(f"{what}: \"layer.host_ms_by_world\" must map a world size (\"2\") to "
+                raise MachineError(f"{what}: \"layer.{k}\" must map a world size (\"2\") to "
                                    "{kernel: non-negative ms}")
             continue
         vals = v.values() if isinstance(v, dict) else [v]
@@ -777,7 +789,8 @@ def predict(m: Machine, shape: Shape, world: int, gpus_per_node: int | None = No
     comm = sum(c["ms"] for c in coll.values())
     gpu = compute + comm + other
     host, host_src = (0.0, "none (a CUDA graph)") if shape.cuda_graph else m.host_ms(shape.kernel, world, len(coll))
-    total = max(gpu, host)
+    stall = 0.0 if shape.cuda_graph else m.stall_ms(shape.kernel, world)
+    total = max(gpu, host) + stall
     mem, fit_n, fits = memory_per_rank(shape, world, m.memory_bytes)
     by_rank = shape.heads_by_rank(world)
     parts = {**{k: v for k, v in passes.items()}, **{k: c["ms"] for k, c in coll.items()}, "other": other}
@@ -790,6 +803,7 @@ def predict(m: Machine, shape: Shape, world: int, gpus_per_node: int | None = No
         "heads_by_rank": by_rank, "imbalance": max(by_rank) / (sum(by_rank) / len(by_rank)),
         "passes": passes, "collectives": coll, "other_ms": other, "overhead_ms": overhead,
         "compute_ms": compute, "communication_ms": comm, "gpu_ms": gpu, "host_ms": host, "host_source": host_src,
+        "stall_ms": stall,
         "end_to_end_ms": total,
         "host_bound": host > gpu, "dominant": dominant, "steps": detail,
         "memory_bytes": mem, "fits": fits, "largest_seq_len": fit_n,

@@ -250,7 +250,7 @@ def table(m: cm.Machine, shape: cm.Shape, rows: list[dict], g: int, markdown: bo
             out.append(f"W={r['world']}: {COLL_LABEL[c]} of {_gib(info['bytes'])}: {info['algorithm']}, "
                        f"{info['ms'] * 1e3:.0f} us ({info['bound']}-bound)")
     out.append("other = the bias + cast of the partials, the o relayout (naive, tiled) and the per-call overhead; "
-               "end to end = max(GPU, host); (host): the Python call takes longer than the GPU work; memory/rank "
+               "end to end = max(GPU, host) + stall; (host): the Python call takes longer than the GPU work; memory/rank "
                "by tpattn.memory (the CLI's pre-flight, without --check's baseline)")
     return "\n".join(out)
 
@@ -477,6 +477,12 @@ def spin_ahead(device, ms: float, group=None) -> bool:
 def spin_ms_for(host_ms: float) -> float:
     """The spin that covers the host's launch time of one call (host_ms: the un-spun call's)."""
     return max(SPIN_MIN_MS, SPIN_HOST_FACTOR * host_ms)
+
+
+def call_stall(p: dict) -> float:
+    """The stall of an eager call as time_layer measured it: its end to end beyond both its host time
+    and its GPU time (the GPU waiting for the first launch, ranks waiting for each other), ms."""
+    return max(0.0, p["total"] - max(p["host"], p["gpu"]))
 
 
 def time_layer(layer, x, warmup: int, iters: int) -> dict[str, float]:
@@ -774,6 +780,7 @@ def build_machine(meas: dict) -> dict:
     tmp.curves = cm._curves(tmp, passes)
     over: dict[str, list] = {}
     host: dict[str, list] = {}
+    stall: dict[str, list] = {}
     for run in meas["layer"]:
         if run["causal"] or "total" not in run["passes"]:
             continue
@@ -788,9 +795,13 @@ def build_machine(meas: dict) -> dict:
         # the GPU time of the spun call (older measurements: the un-spun call's)
         over.setdefault(run["kernel"], []).append(max(0.0, p.get("gpu", p["total"]) - timed - untimed))
         host.setdefault(run["kernel"], []).append(p.get("host", 0.0))
+        if "gpu" in p and "host" in p:
+            stall.setdefault(run["kernel"], []).append(call_stall(p))
     layer = {"overhead_ms": {k: round(statistics.median(v), 4) for k, v in over.items()},
              "host_ms": {k: round(statistics.median(v), 4) for k, v in host.items()},
              "host_ms_per_collective": 0.1, "launch_us": 3.0}
+    if stall:
+        layer["stall_ms"] = {k: round(statistics.median(v), 4) for k, v in stall.items()}
     extra = []
     for run in meas.get("layer_multi", []):
         base = [r for r in meas["layer"] if r["kernel"] == run["kernel"] and not r["causal"]
@@ -800,18 +811,25 @@ def build_machine(meas: dict) -> dict:
     if extra:
         layer["host_ms_per_collective"] = round(max(0.0, statistics.median(extra)), 4)
     host_w: dict[str, list] = {}
+    stall_w: dict[str, list] = {}
     for run in meas.get("layer_multi", []):
         if "host" in run["passes"]:
             host_w.setdefault(run["kernel"], []).append(run["passes"]["host"])
+        if "host" in run["passes"] and "gpu" in run["passes"]:
+            stall_w.setdefault(run["kernel"], []).append(call_stall(run["passes"]))
     if host_w:
         layer["host_ms_by_world"] = {str(W): {k: round(statistics.median(v), 4) for k, v in host_w.items()}}
+    if stall_w:
+        layer["stall_ms_by_world"] = {str(W): {k: round(statistics.median(v), 4) for k, v in stall_w.items()}}
     data["layer"] = layer
     data["sources"]["layer"] = (f"{how}: overhead = the layer's GPU time (the call timed pass by pass behind a GPU "
                                 "spin) - its timed passes - the modeled untimed steps (median over the sizes); "
                                 "host = the time for the un-spun call to return (1 rank, median over the sizes); "
                                 f"host_ms_by_world: the {W}-rank layer's (the slowest rank, median over its lengths) "
                                 "per kernel; per collective (world sizes not calibrated): the host time of the "
-                                "W-rank layer over the 1-rank one"
+                                "W-rank layer over the 1-rank one; stall = the un-spun call's end to end - "
+                                "max(its host time, the spun call's GPU time), median per kernel (1 rank: "
+                                "stall_ms; the W-rank layer: stall_ms_by_world)"
                                 + ("" if extra else " (not measured with one rank: 0.1 ms assumed)"))
     cm.validate_machine(data, "the calibrated machine")
     return data
