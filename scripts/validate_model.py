@@ -283,13 +283,16 @@ def main(argv=None) -> int:
             for n in a.seq_lens:
                 for w in worlds:
                     meas = measure_layer(kernel, n, w, a, device)
+                    before = len(comparisons)
                     for m in machines:
                         try:
                             comparisons.append(compare(m, kernel, n, w, a, meas))
                         except cm.ModelError as exc:
                             say(f"{m.name}: no prediction for {kernel} N={n} W={w}: {exc}")
-                    c0 = comparisons[-len(machines)] if comparisons else None
-                    if c0:
+                    # the first machine's comparison of this very call (a machine that cannot predict
+                    # it, e.g. a 1-GPU file at W = 2, adds none)
+                    c0 = comparisons[before] if len(comparisons) > before else None
+                    if c0 and c0["machine"] == machines[0].name:
                         t = next(r for r in c0["rows"] if r["pass"] == "total")
                         say(f"{kernel} N={n} W={w}: measured {t['measured_ms']:.3f} ms, predicted "
                             f"{t['predicted_ms']:.3f} ({pct(t['error_pct'])})")
