@@ -184,6 +184,19 @@ def test_fused_long_sequence_causal(fused_impl):
     assert rel_err(o[..., rows, :], attention64(q, k, v, True, rows)) <= TOL_F64["fp16"]
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_n_50000(fused_impl, causal):
+    """N = 50 000 (a head's scores would be 2.5e9 > 2^31 entries; the fused kernels never hold them): a
+    tail tile of 80 rows, rows far from the start, NaN-poisoned output, against float64."""
+    n, d = 50_000, 128
+    q, k, v = qkv(1, 2, n, d, torch.float16, seed=13)
+    o = get_backend("fused").forward(q, k, v, causal, out=nan_like(q.shape, torch.float16))
+    torch.cuda.synchronize()
+    assert torch.isfinite(o).all(), "the kernel left poisoned outputs"
+    rows = torch.tensor([0, 1, 12_345, 42_950, n - 2, n - 1], device="cuda")
+    assert rel_err(o[..., rows, :], attention64(q, k, v, causal, rows)) <= TOL_F64["fp16"]
+
+
 BIG_BH = [("fused", None), ("fused", "TPATTN_FUSED_CFG=fused2_{suf}_d{d}_w4_m1_c64"), ("tiled", None),
           ("tiled", "TPATTN_TILED_IMPL=mma")] + ([("fused", "TPATTN_FUSED_CFG=fusedh_{suf}_d{d}"),
                                                ("fused", "TPATTN_FUSED_CFG=fusedw_{suf}_d{d}")] if HOPPER else [])
