@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -59,13 +58,6 @@ def parse(argv):
     p.add_argument("--uneven-heads", action="store_true",
                    help="as python -m tpattn: a world size that does not divide --heads (ceil/floor(H/W) per "
                         "rank); the compute passes compared are rank 0's, which holds the most, as the model's")
-    p.add_argument("--allocator", choices=["expandable", "default"], default="expandable",
-                   help="torch's CUDA allocator in the measuring processes: expandable segments (the default "
-                        "here: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless that variable is set), so that "
-                        "no new segment's cudaMalloc lands inside a timed pass; or torch's default (as python -m "
-                        "tpattn runs). Measured: the naive layer's in-layer reduce-scatter at N = 4096 on 2 H200s, "
-                        "0.253 ms with the default and 1 warm-up call, 0.209 with 2, 0.159 with expandable segments "
-                        "(the transfer itself: 0.16)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=10, help="timed iterations (naive: at most 3)")
     p.add_argument("--sizes-mib", type=int, nargs="+", default=[s // plan.MiB for s in plan.COLLECTIVE_SIZES],
@@ -165,7 +157,7 @@ def markdown(doc: dict) -> str:
          f"`{doc['command']}` on {doc['ranks']} x {doc['gpu']}, {doc['date']}; versions: "
          + ", ".join(f"{k} {v}" for k, v in doc["versions"].items()) + ".", "",
          "Machine files: " + "; ".join(f"**{m['name']}** ({m['path']})" for m in doc["machines"])
-         + f". Targets are judged on **{primary}**. CUDA allocator: {doc.get('allocator', 'not recorded')}. Shape: B = 1, H = {doc['heads']}, d = {doc['head_dim']}, fp16, "
+         + f". Targets are judged on **{primary}**. Shape: B = 1, H = {doc['heads']}, d = {doc['head_dim']}, fp16, "
          "fp32 partials, head-parallel; error = (predicted − measured) / measured. Measured: each rank's median "
          "over the timed calls (end to end and host: the call un-spun; per pass: the call queued behind a barrier "
          "and a GPU spin, so each pass's events hold its GPU time, tpattn.plan.time_layer); over several ranks the compute passes are the median over ranks, a collective the "
@@ -264,8 +256,6 @@ def summarize(doc: dict) -> dict:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     a = parse(argv)
-    if a.allocator == "expandable":  # read by torch when CUDA starts, which is after this
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
         machines = [cm.load_machine(x) for x in a.machine]
     except cm.MachineError as exc:
@@ -330,7 +320,6 @@ def main(argv=None) -> int:
                    "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke test)", "ranks": proc.world, "versions": report.versions(),
                    "heads": a.heads, "head_dim": a.head_dim, "seq_lens": a.seq_lens,
-                   "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "torch's default",
                    "machines": [{"name": m.name, "path": m.path} for m in machines],
                    "comparisons": comparisons, "bare": bare}
             doc["summary"] = summarize(doc)
