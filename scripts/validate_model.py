@@ -90,7 +90,7 @@ def measure_layer(kernel: str, n: int, world: int, a, device) -> dict:
     import torch.distributed as dist
 
     from tpattn.weights import layer_input
-    warm, iters = (min(a.warmup, 2), min(a.iters, 3)) if kernel == "naive" else (a.warmup, a.iters)
+    warm, iters = (1, min(a.iters, 3)) if kernel == "naive" else (a.warmup, a.iters)
     group = dist.group.WORLD if world > 1 else None
     cuda = device.type == "cuda"  # on CPU (the smoke test, TPATTN_PLAN_ALLOW_CPU=1): fp32 and the torch reference
     layer = plan.build_layer(a.heads, a.heads, a.head_dim, kernel, False, device, group=group,
