@@ -67,8 +67,8 @@ def parser() -> argparse.ArgumentParser:
                    "P, O (accumulation is always fp32; default fp16)")
     k.add_argument("--kernel", choices=backend_names(), help="local attention backend: naive (the seed's three "
                    "CUDA kernels via CuPy), reference (torch, same passes and rounding, CPU or GPU), tiled (three "
-                   "passes on tensor cores, wgmma on compute capability 9.0) or fused (one online-softmax kernel, S and P never stored; head dim 64 "
-                   "or 128); default naive on a GPU with CuPy, else reference")
+                   "passes on tensor cores, wgmma on compute capability 9.0) or fused (one online-softmax kernel, S and P never stored; on compute capability 9.0 "
+                   "warp-specialized: TMA loads, wgmma, a persistent grid; head dim 64 or 128); default naive on a GPU with CuPy, else reference")
     k.add_argument("--device", default="auto", choices=list(DEVICES), help="auto picks cuda when a GPU (and CuPy "
                    "for naive) is there, else cpu, and says why (default auto)")
     k.add_argument("--seed", type=int, default=0, help="seed of the weights and input; the same seed gives the "
