@@ -228,3 +228,36 @@ def test_fused_ws_packs_a_launch_once_per_set_of_tensors(launches, monkeypatch):
     monkeypatch.setenv("TPATTN_FUSED_GRID", "all")
     with pytest.raises(Exception, match="use sms or tiles"):
         be.forward(q, k, v, True, out=o)
+
+
+def test_packed_launch_keeps_its_tensor_maps_alive(monkeypatch):
+    """A packed launch points its parameters into the encoded tensor maps; it holds them itself, so the
+    encoding cache dropping its entries (it is bounded) cannot leave the launch reading freed memory."""
+    import ctypes
+    import gc
+
+    from tpattn import cuda
+
+    def fake_encode(at, dtype, rank, address, dims, strides, box, estrides, interleave, swizzle, l2, oob):
+        ctypes.memmove(at, (b"%032x" % address) * 4, 128)  # 128 bytes that name the tensor
+        return 0
+    monkeypatch.setattr(cuda, "_encode_tiled", fake_encode)
+    monkeypatch.setattr(cuda, "_tmaps", {})
+    q, k, v = qkv(1, 2, 2, 256, 64)
+    keep, params = cuda.pack_params((TensorMap(q), TensorMap(k), np.int32(7), TensorMap(v)))
+    cuda._tmaps.clear()
+    gc.collect()
+    for t in (torch.zeros(1, 2, 256, 64, dtype=torch.float16) for _ in range(50)):  # churn: new maps, new buffers
+        cuda._encode(TensorMap(t))
+    for i, t in ((0, q), (1, k), (3, v)):
+        assert ctypes.string_at(params[i], 128) == (b"%032x" % t.data_ptr()) * 4
+    assert ctypes.c_int32.from_address(params[2]).value == 7
+
+
+def test_fused_refuses_mixed_dtypes_and_skips_empty_calls(launches, monkeypatch):
+    monkeypatch.setattr(fused, "_device_info", lambda dev: (132, (9, 0)))
+    q, k, v = qkv(1, 2, 2, 256, 64)
+    with pytest.raises(ValueError, match="share a dtype and a device"):
+        fused.FusedBackend().forward(q, k.bfloat16(), v.bfloat16(), False)
+    empty = torch.zeros(0, 2, 256, 64, dtype=torch.float16)
+    assert fused.FusedBackend().forward(empty, empty, empty, False).shape == empty.shape and not launches

@@ -149,8 +149,10 @@ _encode_tiled = None  # libcuda's cuTensorMapEncodeTiled, looked up on first use
 _DTYPE_CODE = {torch.float16: 6, torch.bfloat16: 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16
 
 
-def _encode(tm: TensorMap) -> int:
-    """The address of tm's encoded 128 bytes (64-byte aligned), cached per tensor description."""
+def _encode(tm: TensorMap) -> ctypes.Array:
+    """A buffer holding tm's encoded 128 bytes at its first 64-byte aligned address (_aligned), cached per
+    tensor description. Whoever points a kernel parameter into it keeps a reference to the buffer: the
+    cache may drop its own (it is bounded) while a packed launch still uses it."""
     buf = _tmaps.get(tm.key())
     if buf is None:
         global _encode_tiled
@@ -174,10 +176,30 @@ def _encode(tm: TensorMap) -> int:
         if len(_tmaps) >= 256:
             _tmaps.clear()
         _tmaps[tm.key()] = buf
+    return buf
+
+
+def _aligned(buf: ctypes.Array) -> int:
     return (ctypes.addressof(buf) + 63) & ~63
 
 
 _CTYPE = {np.uint64: ctypes.c_uint64, np.int32: ctypes.c_int32, np.int64: ctypes.c_int64, np.float32: ctypes.c_float}
+
+
+def pack_params(args) -> tuple[list, ctypes.Array]:
+    """cuLaunchKernel's parameter array for args (numpy scalars, TensorMap objects), and the objects it
+    points into, which must outlive every launch made with it."""
+    keep, ptrs = [], []
+    for a in args:
+        if isinstance(a, TensorMap):
+            buf = _encode(a)
+            keep.append(buf)
+            ptrs.append(_aligned(buf))
+        else:
+            v = _CTYPE[type(a)](a.item())
+            keep.append(v)
+            ptrs.append(ctypes.addressof(v))
+    return keep, (ctypes.c_void_p * len(args))(*ptrs)
 
 
 class Prepared:
@@ -195,9 +217,7 @@ class Prepared:
             _allow_shared_mem(self.cupy, self.fn, (self.idx, filename, name), shared_mem)
         _check_grid(grid)
         self.dims = (*grid, *block, shared_mem)
-        self.values = [None if isinstance(a, TensorMap) else _CTYPE[type(a)](a.item()) for a in args]
-        self.params = (ctypes.c_void_p * len(args))(*[_encode(a) if v is None else ctypes.addressof(v)
-                                                      for a, v in zip(args, self.values)])
+        self.keep, self.params = pack_params(args)  # self.keep: what the parameter array points into
 
     def __call__(self) -> None:
         stream = torch.cuda.current_stream(self.idx).cuda_stream

@@ -121,6 +121,9 @@ class FusedBackend(CudaBackend):
         """rows=(r0, r1): only query rows [r0, r1) of o are computed (against all keys, causal by
         their position in the sequence); r0 a multiple of row_chunks, r1 too or N."""
         b, h, n, d = q.shape
+        if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
+            raise ValueError(f"q, k and v must share a dtype and a device (got {q.dtype}, {k.dtype}, {v.dtype} on "
+                             f"{q.device}, {k.device}, {v.device})")
         suf = self.kernel_suffix(q)
         group = kv_group(q, k, v)  # query heads per K/V head: query head i reads K/V head i // group
         if not _rows_aligned(q):
@@ -133,6 +136,8 @@ class FusedBackend(CudaBackend):
         r0, r1 = rows or (0, n)
         if r0 % self.row_chunks or not 0 <= r0 < r1 <= n or (r1 % self.row_chunks and r1 != n):
             raise ValueError(f"rows {rows}: a chunk starts at a multiple of {self.row_chunks} and ends at one or at N={n}")
+        if bh == 0:  # nothing to compute (and no grid to launch)
+            return o
         sms, cc = _device_info(q.device)
         ch = kernel_for(d, suf, cc, wide=2 * _cdiv(r1 - r0, 128) * bh >= sms)
         scale_log2 = np.float32(math.log2(math.e) / math.sqrt(d))
