@@ -326,7 +326,7 @@ class Machine:
         """The host time of one call of `kernel`'s layer at `world` ranks, and where it comes from:
         the W-rank layer's as calibration measured it (layer.host_ms_by_world), else the 1-rank
         layer's (host_ms) + `collectives` x host_ms_per_collective (files without the former)."""
-        by_w = ((self.data.get("layer") or {}).get("host_ms_by_world") or {}).get(str(world)) or {}
+        by_w = self._by_world("host_ms_by_world", world)
         if kernel in by_w:
             return float(by_w[kernel]), f"calibrated at {world} rank(s)"
         return (self.layer("host_ms", kernel, 0.5) + collectives * self.layer("host_ms_per_collective", None, 0.1),
@@ -335,10 +335,14 @@ class Machine:
     def stall_ms(self, kernel: str, world: int) -> float:
         """The stall of one eager call of `kernel`'s layer at `world` ranks: calibrated at that world
         size (layer.stall_ms_by_world), else at one rank (layer.stall_ms); 0 in files without them."""
-        by_w = ((self.data.get("layer") or {}).get("stall_ms_by_world") or {}).get(str(world)) or {}
+        by_w = self._by_world("stall_ms_by_world", world)
         if kernel in by_w:
             return float(by_w[kernel])
         return self.layer("stall_ms", kernel, 0.0)
+
+    def _by_world(self, field_name: str, world: int) -> dict:
+        """layer.<field_name>[str(world)]: {kernel: ms} calibrated at that world size, or {}."""
+        return ((self.data.get("layer") or {}).get(field_name) or {}).get(str(world)) or {}
 
 
 def machine_names() -> list[str]:

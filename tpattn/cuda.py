@@ -165,8 +165,7 @@ def _encode(tm: TensorMap) -> ctypes.Array:
                                       ctypes.c_int, ctypes.c_int, ctypes.c_int]
         fn = _encode_tiled
         buf = ctypes.create_string_buffer(128 + 64)
-        at = (ctypes.addressof(buf) + 63) & ~63
-        rc = fn(at, _DTYPE_CODE[tm.dtype], 4, tm.address, (u64 * 4)(*tm.dims), (u64 * 3)(*tm.strides),
+        rc = fn(_aligned(buf), _DTYPE_CODE[tm.dtype], 4, tm.address, (u64 * 4)(*tm.dims), (u64 * 3)(*tm.strides),
                 (u32 * 4)(tm.box[0], tm.box[1], 1, 1), (u32 * 4)(1, 1, 1, 1),
                 0, 3, 2, 0)  # no interleave, 128-byte swizzle, L2 promotion 128 B, zeros out of bounds
         if rc != 0:
@@ -236,10 +235,7 @@ def _check_grid(grid) -> None:
 def launch(filename: str, name: str, device: torch.device, grid, block, args, shared_mem: int = 0) -> None:
     """Launch kernel `name` of kernels/`filename` on torch's current stream of `device`, with
     `shared_mem` bytes of dynamic shared memory (above 48 KiB the function's limit is raised once).
-    args: numpy scalars (pointers as uint64) and TensorMap objects."""
-    if any(isinstance(a, TensorMap) for a in args):
-        Prepared(filename, name, device, grid, block, args, shared_mem)()
-        return
+    args: numpy scalars (pointers as uint64); a kernel taking tensor maps goes through Prepared."""
     cupy = _cupy()
     idx = device.index if device.index is not None else torch.cuda.current_device()
     fn = get_function(filename, name, idx)
