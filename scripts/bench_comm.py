@@ -177,17 +177,6 @@ def main(argv=None) -> int:
                 tmp = torch.empty(len(peers), m, D, device=dev)
                 pull_ce()
                 report("p2p copy+add rs+ag", timed(pull_ce, a.iters, a.warmup), ybuf)
-                ops = sorted(n for n in dir(torch.ops.symm_mem) if not n.startswith("_"))
-                if rank == 0:
-                    print("torch.ops.symm_mem:", " ".join(ops), flush=True)
-                if "two_shot_all_reduce_" in ops:
-                    def two_shot():
-                        part.copy_(src)
-                        torch.ops.symm_mem.two_shot_all_reduce_(part, "sum", gname)
-                        torch.add(part, bias, out=ybuf)
-                    two_shot()
-                    report("symm two_shot allreduce", timed(two_shot, a.iters, a.warmup), ybuf)
-                    part.copy_(src)
             elif variant == "busy":
                 # the reduce-scatter alone, timed on each rank between two events; the last rank to
                 # arrive (the fastest time) waits for nobody. After idle, then after busy GEMMs.

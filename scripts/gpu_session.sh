@@ -29,6 +29,9 @@
 #           beside SDPA cuDNN and flash
 #   wsbench fusedw (the default there) against SDPA with graph (kernel-only) times: N = 4096 and 16384,
 #           causal and not, fp16, bf16, d = 64; compute-sanitizer memcheck and racecheck on it
+#   p2p     --output-collective p2p (the peer reduce-gather over NVLink, 2 GPUs): its GPU tests and
+#           the layer tests it shares code with, scripts/bench_comm.py (NCCL, a registered pool, peer
+#           loads; the reduce-scatter after busy GEMMs), the layer's rows beside the NCCL ones
 #   speedshort  the main rows of speed (fused, 1 and 2 GPUs, eager and graph, fp16 partials, causal,
 #           sequence-parallel, fusedh for comparison)
 # Logs and JSON go to $OUT (default results/). Usage: bash scripts/gpu_session.sh [STEP]... (default all)
@@ -169,6 +172,27 @@ if want speedshort; then
 2 --kernel fused --causal --cuda-graph
 2 --kernel fused --sequence-parallel --cuda-graph
 2 TPATTN_FUSED_CFG=fusedh_f16_d128 --kernel fused --cuda-graph
+RUNS
+fi
+if want p2p; then
+  note "p2p: GPU tests, bench_comm, the layer with --output-collective p2p beside NCCL"
+  mkdir -p "$OUT/p2p"
+  timeout 420 python3 -m pytest -m gpu -q -p no:warnings --tb=short tests/test_gpu_layer.py \
+    -k "peer or output_collectives or cuda_graph_of or graph_replay or (styles_over_nccl and fused)" 2>&1 \
+    | tee "$OUT/p2p/pytest_gpu_p2p.log" | tail -15 || status=1
+  port=$((29500 + RANDOM % 1000))
+  timeout 240 mpirun -n 2 -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=$port python3 scripts/bench_comm.py \
+    --variants nccl nccl-reg p2p busy --json "$OUT/p2p/bench_comm.json" </dev/null 2>&1 \
+    | grep -v -i warn | tee "$OUT/p2p/bench_comm.log" || status=1
+  layer_runs p2p <<'RUNS'
+2 --kernel fused
+2 --kernel fused --output-collective p2p
+2 --kernel fused --cuda-graph
+2 --kernel fused --output-collective p2p --cuda-graph
+2 --kernel fused --reduce-dtype model --cuda-graph
+2 --kernel fused --reduce-dtype model --output-collective p2p --cuda-graph
+2 --kernel fused --causal --output-collective p2p --cuda-graph
+1 --kernel fused --cuda-graph
 RUNS
 fi
 if want nccltune; then

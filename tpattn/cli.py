@@ -86,7 +86,10 @@ def parser() -> argparse.ArgumentParser:
                    "head-parallel sums the partial outputs: allreduce (one all-reduce, then b_o and the cast), "
                    "split (a reduce-scatter of the partials; each rank adds b_o to and rounds its 1/W of the "
                    "rows; an all-gather of those: the same y, 3/4 of the bytes with fp32 partials), auto "
-                   "(default: split when the partials are fp32 and the rows divide by the world size)")
+                   "(default: split when the partials are fp32 and the rows divide by the world size), p2p "
+                   "(one GPU per rank on one node: a kernel reads the other GPUs' partials over NVLink, sums its "
+                   "1/W of the rows in fp32, rounds once and writes them into every GPU's output: both "
+                   "collectives in one pass, without NCCL; torch symmetric memory)")
     d.add_argument("--uneven-heads", action="store_true", help="allow a world size W that does not divide "
                    "--heads H: ranks own contiguous blocks of ceil(H/W) or floor(H/W) heads, the first H mod W ranks "
                    "one more (with --kv-heads G: blocks of whole K/V groups, ceil or floor of G/W, so W <= G). "

@@ -16,7 +16,7 @@ import torch
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 REDUCE_DTYPES = ("fp32", "model")
-OUTPUT_COLLECTIVES = ("auto", "allreduce", "split")  # head-parallel: how the partial outputs are summed
+OUTPUT_COLLECTIVES = ("auto", "allreduce", "split", "p2p")  # head-parallel: how the partial outputs are summed
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 DEVICES = ("auto", "cuda", "cpu")
 
@@ -199,6 +199,13 @@ def check_parallel_style(cfg: Config, world: int) -> None:
     if cfg.output_collective != "auto" and cfg.sequence_parallel:
         raise ConfigError(f"--output-collective {cfg.output_collective} is for the head-parallel style; "
                           "--sequence-parallel always reduce-scatters: drop one of them")
+    if cfg.output_collective == "p2p" and world > 1:
+        if cfg.device != "cuda" or cfg.dist_backend != "nccl":
+            raise ConfigError("--output-collective p2p needs one GPU per rank (--device cuda, --dist-backend nccl: "
+                              "it maps the other GPUs' memory); use auto, allreduce or split here")
+        if cfg.overlap > 1:
+            raise ConfigError(f"--output-collective p2p sums all rows in one pass and does not overlap; drop "
+                              f"--overlap {cfg.overlap} or use --output-collective auto")
     if cfg.output_collective == "split" and world > 1:
         from .attention import get_backend
         from .sharding import row_chunks, rows_split

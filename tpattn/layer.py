@@ -14,6 +14,9 @@ head-parallel (default), _forward_heads: one collective, or two
       or, "split" (the default when the partials are wider than the model dtype):
     reduce_scatter(SUM)    each rank sums 1/W of the partial's rows in fp32 and rounds them once
     all_gather             the rounded rows to every rank: the same y, 3/4 of the all-reduce's bytes
+      or, "p2p" (opt-in; one GPU per rank on one node; tpattn/peer.py):
+    peer reduce-gather     one kernel reads its 1/W of the rows of every rank's partial over NVLink,
+                           sums them in fp32, rounds once and writes them into every rank's y
     y [B, N, D]            identical on every rank
 
 sequence-parallel, _forward_sequence: two collectives
@@ -175,6 +178,7 @@ class TensorParallelAttention(torch.nn.Module):
         self.bo_partial = bo.float() if bo is not None and fp32_parts and self.rank == 0 else None
         self.bo_after = None if fp32_parts else bo
         self._comm_stream = None  # made on the first overlapped forward on a GPU
+        self._peer = None  # output_collective="p2p": tpattn.peer.PeerBuffers, made on the first forward
         self._nccl = self.group is not None and dist.get_backend(self.group) == "nccl"
 
     # ---- construction from full weights -------------------------------------------------------
@@ -241,6 +245,8 @@ class TensorParallelAttention(torch.nn.Module):
         x_bytes = batch * seq_len * self.model_dim * torch.empty((), dtype=self.dtype).element_size()
         if self.sequence_parallel and self.world > 1:
             return {"allgather": x_bytes, "reducescatter": self.partial_nbytes(batch, seq_len)}
+        if self.world > 1 and self.output_collective == "p2p":  # the partials in, the output out
+            return {"peer": self.partial_nbytes(batch, seq_len) + x_bytes}
         if self.world > 1 and self.splits_output(batch, self._row_chunks(seq_len)):
             return {"reducescatter": self.partial_nbytes(batch, seq_len), "allgather": x_bytes}
         return {"allreduce": self.partial_nbytes(batch, seq_len)}
@@ -249,7 +255,7 @@ class TensorParallelAttention(torch.nn.Module):
         """Head-parallel: whether the partials are summed by a reduce-scatter and an all-gather
         (see output_collective) rather than one all-reduce. The same answer on every rank: it
         depends on the shape and the settings only."""
-        if self.world == 1 or self.output_collective == "allreduce":
+        if self.world == 1 or self.output_collective in ("allreduce", "p2p"):
             return False
         divides = rows_split(batch, chunks, self.world)
         if self.output_collective == "split":
@@ -321,9 +327,14 @@ class TensorParallelAttention(torch.nn.Module):
             if by_rows:
                 self._attention(q, k, v, o, timer, rows=(r0, r1))
             rows = B * (r1 - r0)
-            part = torch.empty(rows, D, dtype=self.part_dtype, device=x.device)  # [B, r1-r0, D] flat
+            peer = self._peer_buffers(rows * D, x.device) if self.output_collective == "p2p" and self.world > 1 \
+                and self.group is not None else None
+            part = peer.partial(rows, D) if peer else torch.empty(rows, D, dtype=self.part_dtype, device=x.device)
             with section(timer, "out_proj"):
                 _mm(o_rows[:, r0:r1].reshape(rows, h * d), self.wo, self.part_dtype, self.bo_partial, out=part)
+            if peer:  # reduce-scatter + all-gather in one kernel over NVLink (one chunk: no overlap)
+                self._output_collective("peer", timer, peer.reduce_gather, y.view(rows, D), self.bo_after)
+                continue
             if not split:
                 self._output_collective("allreduce", timer, dist.all_reduce, part)
                 parts.append(part)
@@ -474,6 +485,28 @@ class TensorParallelAttention(torch.nn.Module):
         """The compute stream waits for every collective issued so far."""
         if self._comm_stream is not None and self.overlap > 1:
             torch.cuda.current_stream().wait_stream(self._comm_stream)
+
+    def _peer_buffers(self, elements: int, device: torch.device):
+        """output_collective="p2p": the symmetric buffers, made (collectively) on the first call and
+        again when a call needs more. Before the first, every rank says whether it can take part
+        and on which host: all of them go on, or all of them raise the same one-line error."""
+        from . import peer
+        if self._peer is None:
+            import socket
+            why = peer.unavailable(device, self.part_dtype, self.dtype)
+            said = [None] * self.world
+            dist.all_gather_object(said, (socket.gethostname(), why), group=self.group)
+            if len({host for host, _ in said}) > 1:
+                raise ValueError(f"output_collective='p2p' needs every rank on one node (these span "
+                                 f"{len({host for host, _ in said})} hosts); use 'auto'")
+            bad = [(r, w) for r, (_, w) in enumerate(said) if w]
+            if bad:
+                raise ValueError(f"output_collective='p2p': rank {bad[0][0]}: {bad[0][1]}; use 'auto'")
+        if self._peer is None or self._peer.capacity < elements:
+            self._peer = None  # this rank's old buffers go (every rank drops its own here)
+            self._peer = peer.PeerBuffers(elements, self.part_dtype, self.dtype, device, self.group.group_name,
+                                          self.rank, self.world)
+        return self._peer
 
     # ---- a CUDA graph of the whole layer -----------------------------------------------------
 

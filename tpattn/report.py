@@ -14,7 +14,8 @@ from .memory import heads_per_rank, kv_bytes, kv_heads_per_rank, scores_bytes
 from .sharding import describe_blocks, kv_replicated
 
 COMPUTE = ("qkv_proj", "qk", "softmax", "pv", "fused", "out_proj")  # fused: --kernel fused's one pass
-COLLECTIVES = {"allreduce": "all-reduce", "allgather": "all-gather", "reducescatter": "reduce-scatter"}
+COLLECTIVES = {"allreduce": "all-reduce", "allgather": "all-gather", "reducescatter": "reduce-scatter",
+               "peer": "peer reduce-gather"}  # peer: --output-collective p2p, both collectives in one kernel
 PASSES = (*COMPUTE, *COLLECTIVES, "total", "host")  # host: time for the call to return (work queued)
 
 
@@ -40,7 +41,9 @@ def versions() -> dict:
 
 def bus_bandwidth(nbytes: int, ms: float, world: int, kind: str = "allreduce") -> tuple[float, float]:
     """(algbw, busbw) in GB/s by the nccl-tests convention: busbw = algbw * 2(n-1)/n for an
-    all-reduce, algbw * (n-1)/n for an all-gather or reduce-scatter (nbytes: the whole tensor)."""
+    all-reduce, algbw * (n-1)/n for an all-gather or reduce-scatter (nbytes: the whole tensor), and
+    for the peer reduce-gather, a reduce-scatter of the partials and an all-gather of the output in
+    one (nbytes: both tensors)."""
     if ms <= 0 or world < 2:
         return 0.0, 0.0
     algbw = nbytes / (ms * 1e-3) / 1e9
@@ -111,8 +114,8 @@ def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, c
     world = proc.world
     stats = across_ranks(rank_reports)
     model = cfg.dtype
-    dtypes = {"allreduce": "fp32" if cfg.reduce_dtype == "fp32" else model, "allgather": model,
-              "reducescatter": "fp32" if cfg.reduce_dtype == "fp32" else model}
+    part = "fp32" if cfg.reduce_dtype == "fp32" else model
+    dtypes = {"allreduce": part, "allgather": model, "reducescatter": part, "peer": f"{part} in, {model} out"}
     colls = collective_stats(stats, collective_bytes, world, dtypes) if proc.distributed else {}
     heads = [heads_per_rank(cfg, world, r) for r in range(world)]  # rank 0 holds the most
     h = heads[0]
@@ -148,7 +151,7 @@ def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, c
         "rank0_passes": rank_reports[0]["passes"],
         "per_rank_passes": [r["passes"] for r in rank_reports],
         # the first collective's numbers under the old key (head-parallel: the all-reduce)
-        "allreduce": colls.get("allreduce") or colls.get("reducescatter") or
+        "allreduce": colls.get("allreduce") or colls.get("reducescatter") or colls.get("peer") or
                      {"bytes": collective_bytes.get("allreduce", 0), "dtype": dtypes["allreduce"], "median_ms": 0.0,
                       "algbw_GBps": 0.0, "busbw_GBps": 0.0},
         "collectives": colls,
