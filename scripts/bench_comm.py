@@ -131,6 +131,9 @@ def main(argv=None) -> int:
                 fn = nccl_pair(part, mine32, y)
                 fn()
                 report("nccl-reg rs+ag", timed(fn, a.iters, a.warmup), y)
+                torch.cuda.synchronize()
+                del fn, part, mine32, y
+                backend.deregister_mem_pool(pool)  # before the communicator goes, or its teardown aborts
             elif variant == "p2p":
                 import torch.distributed._symmetric_memory as symm_mem
                 gname = dist.group.WORLD.group_name

@@ -175,23 +175,25 @@ if want speedshort; then
 RUNS
 fi
 if want p2p; then
-  note "p2p: GPU tests, bench_comm, the layer with --output-collective p2p beside NCCL"
-  mkdir -p "$OUT/p2p"
-  timeout 420 python3 -m pytest -m gpu -q -p no:warnings --tb=short tests/test_gpu_layer.py \
-    -k "peer or output_collectives or cuda_graph_of or graph_replay or (styles_over_nccl and fused)" 2>&1 \
-    | tee "$OUT/p2p/pytest_gpu_p2p.log" | tail -15 || status=1
+  note "p2p: GPU tests, bench_comm, faults, the layer with --output-collective p2p beside NCCL"
+  timeout 300 python3 -m pytest -m gpu -q -p no:warnings --tb=short tests/test_gpu_layer.py \
+    -k "peer or output_collectives" 2>&1 | tee "$OUT/p2p_pytest_gpu.log" | tail -15 || status=1
   port=$((29500 + RANDOM % 1000))
   timeout 240 mpirun -n 2 -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=$port python3 scripts/bench_comm.py \
-    --variants nccl nccl-reg p2p busy --json "$OUT/p2p/bench_comm.json" </dev/null 2>&1 \
-    | grep -v -i warn | tee "$OUT/p2p/bench_comm.log" || status=1
+    --variants nccl nccl-reg p2p busy --json "$OUT/p2p_bench_comm.json" </dev/null 2>&1 \
+    | grep -v -i warn | tee "$OUT/p2p_bench_comm.log" || status=1
+  ARGS="--kernel fused --output-collective p2p" FAULTS="1:forward:hang 1:allreduce:skip 1:forward:kill" \
+    timeout 300 bash scripts/nccl_faults.sh 15 2>&1 | tee "$OUT/p2p_faults.log" || status=1
   layer_runs p2p <<'RUNS'
 2 --kernel fused
-2 --kernel fused --output-collective p2p
 2 --kernel fused --cuda-graph
+2 --kernel fused --output-collective p2p
 2 --kernel fused --output-collective p2p --cuda-graph
-2 --kernel fused --reduce-dtype model --cuda-graph
+2 --kernel fused --reduce-dtype model --output-collective p2p
 2 --kernel fused --reduce-dtype model --output-collective p2p --cuda-graph
 2 --kernel fused --causal --output-collective p2p --cuda-graph
+2 --kernel naive --output-collective p2p
+1 --kernel fused
 1 --kernel fused --cuda-graph
 RUNS
 fi

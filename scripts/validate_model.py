@@ -96,12 +96,16 @@ def measure_layer(kernel: str, n: int, world: int, a, device) -> dict:
     layer = plan.build_layer(a.heads, a.heads, a.head_dim, kernel, False, device, group=group,
                              dtype="fp16" if cuda else "fp32", uneven=getattr(a, "uneven_heads", False))
     x = layer_input(1, n, a.heads * a.head_dim, 0, torch.float16 if cuda else torch.float32, device)
-    mine = plan.time_layer(layer, x, warm, iters)
+    raw: dict = {}
+    mine = plan.time_layer(layer, x, warm, iters, raw=raw)
     colls = layer.collective_nbytes(1, n) if world > 1 else {}
     del layer, x
     if cuda:
         torch.cuda.empty_cache()
     everyone = plan.gather(mine)
+    # every rank's samples of each collective and of the call, iteration by iteration (what the medians
+    # hide: which rank waited in which call)
+    samples = plan.gather({k: [round(t, 4) for t in v] for k, v in raw.items() if k in cm.COLLECTIVE_NAMES or k == "gpu"})
     dtype = "fp16" if cuda else "fp32"
     if world == 1:
         return {"passes": everyone[0], "collectives": {}, "ranks": 1, "dtype": dtype}
@@ -115,7 +119,8 @@ def measure_layer(kernel: str, n: int, world: int, a, device) -> dict:
             out[k] = max(vals)                                        # the slowest rank
         else:
             out[k] = everyone[0][k] if uneven else statistics.median(vals)
-    return {"passes": out, "collectives": colls, "collective_median_over_ranks": median, "ranks": world, "dtype": dtype}
+    return {"passes": out, "collectives": colls, "collective_median_over_ranks": median, "ranks": world, "dtype": dtype,
+            "samples_by_rank": samples}
 
 
 def compare(m: cm.Machine, kernel: str, n: int, world: int, a, meas: dict) -> dict:
@@ -140,6 +145,7 @@ def compare(m: cm.Machine, kernel: str, n: int, world: int, a, meas: dict) -> di
                                   if {"total", "host", "gpu"} <= set(meas["passes"]) else None),
             "collectives_as_predicted": same,
             "collectives_measured": meas["collectives"],
+            "samples_by_rank": meas.get("samples_by_rank"),
             "collectives_predicted": {k: c["bytes"] for k, c in pred["collectives"].items()}}
 
 

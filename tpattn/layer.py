@@ -8,15 +8,14 @@ head-parallel (default), _forward_heads: one collective, or two
                            and the K/V heads they use, see "K/V heads" below; with uneven_heads a
                            block of ceil or floor of H/W heads, see tpattn.sharding.head_range)
     local attention        a backend from tpattn.attention (naive CUDA, fused, reference, ...)
-    output GEMM            this rank's rows of W_o, fp32 result for --reduce-dtype fp32 (then rank 0's
-                           GEMM adds b_o in its epilogue, so the sum has it once)
-    all_reduce(SUM)        partial [B, N, D] summed over ranks (model-dtype partials: + b_o after it)
+    output GEMM            this rank's rows of W_o, fp32 result for --reduce-dtype fp32
+    all_reduce(SUM)        partial [B, N, D] summed over ranks; b_o added once, after it
       or, "split" (the default when the partials are wider than the model dtype):
-    reduce_scatter(SUM)    each rank sums 1/W of the partial's rows in fp32 and rounds them once
+    reduce_scatter(SUM)    each rank sums 1/W of the partial's rows in fp32, adds b_o, rounds
     all_gather             the rounded rows to every rank: the same y, 3/4 of the all-reduce's bytes
       or, "p2p" (opt-in; one GPU per rank on one node; tpattn/peer.py):
     peer reduce-gather     one kernel reads its 1/W of the rows of every rank's partial over NVLink,
-                           sums them in fp32, rounds once and writes them into every rank's y
+                           sums them in fp32, adds b_o, rounds once and writes them into every rank's y
     y [B, N, D]            identical on every rank
 
 sequence-parallel, _forward_sequence: two collectives
@@ -72,14 +71,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias: torch.Te
             if bias is not None:
                 return torch.addmm(bias, a, b, out=out) if out is not None else torch.addmm(bias, a, b)
             return torch.mm(a, b, out=out) if out is not None else torch.mm(a, b)
-        if out_dtype == torch.float32 and a.dtype in (torch.float16, torch.bfloat16):
-            if bias is not None:  # an fp32 bias in the epilogue (torch.addmm's out_dtype form)
-                try:
-                    if out is None:
-                        return torch.addmm(bias.float(), a, b, out_dtype=torch.float32)
-                    return torch.addmm(bias.float(), a, b, out_dtype=torch.float32, out=out)
-                except (TypeError, RuntimeError):  # a torch without it: the product, then the bias
-                    return _mm(a, b, out_dtype, out=out).add_(bias.float())
+        if out_dtype == torch.float32 and a.dtype in (torch.float16, torch.bfloat16) and bias is None:
             if out is None:
                 return torch.mm(a, b, out_dtype=torch.float32)
             try:
@@ -104,8 +96,7 @@ class TensorParallelAttention(torch.nn.Module):
     """Multi-head attention whose heads are split over the ranks of `group`.
 
     Weights are this rank's slices in "x @ W" layout: wq/wk/wv [D, h*d], wo [h*d, D], biases
-    bq/bk/bv [h*d] and bo [D] (b_o is added once: by rank 0's output GEMM when the partials are
-    fp32, else after the collective). Build it from full
+    bq/bk/bv [h*d] and bo [D] (b_o is added once, after the collective). Build it from full
     matrices with from_full(), from_multihead_attention() or from_linears().
 
     sequence_parallel: inputs and outputs are this rank's block of N/W rows (see the module doc).
@@ -172,11 +163,6 @@ class TensorParallelAttention(torch.nn.Module):
         self.bqkv = None if all(b is None for b, _ in biases) else torch.cat(
             [torch.zeros(n, dtype=self.dtype, device=wq.device) if b is None else b for b, n in biases])
         self.wo, self.bo = wo, bo
-        # fp32 partials: b_o rides in rank 0's output GEMM (fp32 epilogue), so the sum over ranks has
-        # it once and what follows the collective is the rounding alone; model-dtype partials: after
-        fp32_parts = self.part_dtype == torch.float32
-        self.bo_partial = bo.float() if bo is not None and fp32_parts and self.rank == 0 else None
-        self.bo_after = None if fp32_parts else bo
         self._comm_stream = None  # made on the first overlapped forward on a GPU
         self._peer = None  # output_collective="p2p": tpattn.peer.PeerBuffers, made on the first forward
         self._nccl = self.group is not None and dist.get_backend(self.group) == "nccl"
@@ -331,9 +317,9 @@ class TensorParallelAttention(torch.nn.Module):
                 and self.group is not None else None
             part = peer.partial(rows, D) if peer else torch.empty(rows, D, dtype=self.part_dtype, device=x.device)
             with section(timer, "out_proj"):
-                _mm(o_rows[:, r0:r1].reshape(rows, h * d), self.wo, self.part_dtype, self.bo_partial, out=part)
+                _mm(o_rows[:, r0:r1].reshape(rows, h * d), self.wo, self.part_dtype, out=part)
             if peer:  # reduce-scatter + all-gather in one kernel over NVLink (one chunk: no overlap)
-                self._output_collective("peer", timer, peer.reduce_gather, y.view(rows, D), self.bo_after)
+                self._output_collective("peer", timer, peer.reduce_gather, y.view(rows, D), self.bo)
                 continue
             if not split:
                 self._output_collective("allreduce", timer, dist.all_reduce, part)
@@ -347,16 +333,16 @@ class TensorParallelAttention(torch.nn.Module):
             gathered = dst.view(rows, D) if whole else torch.empty(rows, D, dtype=self.dtype, device=x.device)
             m = rows // W
             mine_out = gathered[self.rank * m:(self.rank + 1) * m]  # this rank's rows of y: the all-gather is in place
-            with self._comm_context():  # where the reduce-scatter ran: rounded once
-                _add_bias(mine, self.bo_after, out=mine_out)
+            with self._comm_context():  # where the reduce-scatter ran: + b_o, rounded once
+                _add_bias(mine, self.bo, out=mine_out)
             self._collective("allgather", timer, _all_gather, gathered, mine_out)
             parts += [part, mine]  # referenced until the join below
             if not whole:
                 late.append((gathered, dst))
         self._join_comm()
-        if not split:  # the cast to the model dtype (model-dtype partials: + b_o) in one pass
+        if not split:  # + b_o and the cast to the model dtype in one pass
             for (r0, r1), part in zip(chunks, parts):
-                _add_bias(part.view(B, r1 - r0, D), self.bo_after, out=y[:, r0:r1])
+                _add_bias(part.view(B, r1 - r0, D), self.bo, out=y[:, r0:r1])
         for gathered, dst in late:
             dst.copy_(gathered.view(dst.shape))
         return y
@@ -392,10 +378,10 @@ class TensorParallelAttention(torch.nn.Module):
         for c in range(K):
             with section(timer, "out_proj"):  # rows (c, w, b, i): [W, B, m, h*d]
                 _mm(o_rows[:, :, c].transpose(0, 1).reshape(W * B * m, h * d), self.wo, self.part_dtype,
-                    self.bo_partial, out=partial[c])
+                    out=partial[c])
             self._output_collective("reducescatter", timer, _reduce_scatter, y[c], partial[c])
         self._join_comm()
-        return _add_bias(y.view(K, B, m, D).transpose(0, 1), self.bo_after,
+        return _add_bias(y.view(K, B, m, D).transpose(0, 1), self.bo,
                          out=torch.empty(B, K, m, D, dtype=self.dtype, device=x.device)).view(B, n, D)
 
     # ---- the local pieces, shared by both styles -----------------------------------------------

@@ -485,7 +485,7 @@ def call_stall(p: dict) -> float:
     return max(0.0, p["total"] - max(p["host"], p["gpu"]))
 
 
-def time_layer(layer, x, warmup: int, iters: int) -> dict[str, float]:
+def time_layer(layer, x, warmup: int, iters: int, raw: dict | None = None) -> dict[str, float]:
     """The layer as --calibrate and scripts/validate_model.py time it (this one function). Per
     iteration:
     - one call as python -m tpattn times it, un-spun: "total" (CUDA events around it: what users see)
@@ -493,7 +493,7 @@ def time_layer(layer, x, warmup: int, iters: int) -> dict[str, float]:
     - one call with a timer around every pass, queued behind spin_ahead (a barrier over the layer's
       group when it has several ranks, then a GPU spin of spin_ms_for(host)), so each event pair
       measures GPU time only; "gpu": that whole call's GPU time.
-    Medians over the iterations, ms."""
+    Medians over the iterations, ms (raw: filled with every iteration's sample, in order)."""
     from .timing import Timer
     timer = Timer(x.device)
     group = getattr(layer, "group", None) if getattr(layer, "world", 1) > 1 else None
@@ -511,6 +511,8 @@ def time_layer(layer, x, warmup: int, iters: int) -> dict[str, float]:
             layer(x, timer)
         for k, v in {**timer.collect(), "host": host}.items():
             samples.setdefault(k, []).append(v)
+    if raw is not None:
+        raw.update(samples)
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
