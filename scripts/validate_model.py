@@ -14,8 +14,10 @@ time; then one call with an event pair around every pass, queued behind a barrie
 a GPU spin longer than the host's launch time, so each pass's events hold GPU time only, which the
 model predicts; medians). Over
 several ranks: compute passes, median over ranks (--uneven-heads: rank 0's, which holds the most
-heads, as the model predicts); collectives, the last rank to arrive (the minimum over ranks, the
-transfer itself; the median is in the JSON); end to end, the slowest rank. The bare collectives are
+heads, as the model predicts); collectives, the last rank to arrive, call by call (the minimum
+over ranks in each timed call, the transfer itself, then the median over the calls: which rank
+waits changes from call to call, so each rank's own median can hold a wait; the ranks' medians and
+every sample are in the JSON); end to end, the slowest rank. The bare collectives are
 timed by the very function --calibrate fits its alpha-beta numbers on (tpattn.plan.bare_collectives:
 same sizes, warm-up, barrier and statistic).
 The model (tpattn.costmodel) predicts the same call from each --machine file; the first is the
@@ -113,8 +115,9 @@ def measure_layer(kernel: str, n: int, world: int, a, device) -> dict:
     uneven = a.heads % world != 0  # ranks hold different heads: the model predicts rank 0's (the most)
     for k in everyone[0]:
         vals = [r[k] for r in everyone if k in r]
-        if k in cm.COLLECTIVE_NAMES:
-            out[k], median[k] = min(vals), statistics.median(vals)  # the last rank to arrive
+        if k in cm.COLLECTIVE_NAMES:  # call by call the last rank to arrive (it waits for nobody)
+            calls = zip(*(r[k] for r in samples))
+            out[k], median[k] = statistics.median(min(c) for c in calls), statistics.median(vals)
         elif k in ("total", "host"):
             out[k] = max(vals)                                        # the slowest rank
         else:
@@ -167,7 +170,8 @@ def markdown(doc: dict) -> str:
          "fp32 partials, head-parallel; error = (predicted − measured) / measured. Measured: each rank's median "
          "over the timed calls (end to end and host: the call un-spun; per pass: the call queued behind a barrier "
          "and a GPU spin, so each pass's events hold its GPU time, tpattn.plan.time_layer); over several ranks the compute passes are the median over ranks, a collective the "
-         "last rank to arrive (its transfer; the median over ranks, which includes waiting, is in the JSON) and "
+         "last rank to arrive, call by call (the minimum over ranks in each timed call, then the median over the "
+         "calls: its transfer; the ranks' own medians, which can include waiting, and every sample are in the JSON) and "
          "end to end the slowest rank. *calibrated here*: the machine file has a calibration point of that kernel "
          "at that heads-per-rank and N, so per-pass agreement there is by construction.", ""]
     s = doc["summary"]

@@ -5,6 +5,7 @@ bad machine files refused with one line and exit 2, and --calibrate's CPU side (
 it builds from measurements)."""
 
 import json
+import statistics
 import math
 import sys
 import time
@@ -798,6 +799,13 @@ def test_calibrate_plan_validate_flow_under_mpirun(tmp_path):
                                                                          ("h200x2", 2)]
     assert all(c["collectives_as_predicted"] for c in doc["comparisons"])
     assert {b["kind"] for b in doc["bare"]} == set(cm.COLLECTIVE_NAMES)
+    # a collective measured over 2 ranks: call by call the faster rank (the last to arrive), then the median
+    two = doc["comparisons"][2]
+    assert any(row["pass"] in cm.COLLECTIVE_NAMES for row in two["rows"])
+    for row in two["rows"]:
+        if row["pass"] in cm.COLLECTIVE_NAMES:
+            per_call = [min(c) for c in zip(*(r[row["pass"]] for r in two["samples_by_rank"]))]
+            assert len(per_call) == 2 and row["measured_ms"] == pytest.approx(statistics.median(per_call))
     md = (val / "model_validation.md").read_text()
     assert "## End to end (smoke)" in md and "## Bare NCCL collectives over 2 GPUs" in md
     # 5 heads on 2 ranks without --uneven-heads: refused before any layer, one line that names the flag

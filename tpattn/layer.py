@@ -475,20 +475,24 @@ class TensorParallelAttention(torch.nn.Module):
     def _peer_buffers(self, elements: int, device: torch.device):
         """output_collective="p2p": the symmetric buffers, made (collectively) on the first call and
         again when a call needs more. Before the first, every rank says whether it can take part
-        and on which host: all of them go on, or all of them raise the same one-line error."""
+        and on which host: all of them go on, or all of them raise the same one-line error. Both
+        block the host until every rank has come, so the watch times them by the clock."""
+        if self._peer is not None and self._peer.capacity >= elements:
+            return self._peer
         from . import peer
-        if self._peer is None:
-            import socket
-            why = peer.unavailable(device, self.part_dtype, self.dtype)
-            said = [None] * self.world
-            dist.all_gather_object(said, (socket.gethostname(), why), group=self.group)
-            if len({host for host, _ in said}) > 1:
-                raise ValueError(f"output_collective='p2p' needs every rank on one node (these span "
-                                 f"{len({host for host, _ in said})} hosts); use 'auto'")
-            bad = [(r, w) for r, (_, w) in enumerate(said) if w]
-            if bad:
-                raise ValueError(f"output_collective='p2p': rank {bad[0][0]}: {bad[0][1]}; use 'auto'")
-        if self._peer is None or self._peer.capacity < elements:
+        with watch.collective("peersetup", self.world, False):
+            if self._peer is None:
+                import socket
+                why = peer.unavailable(device, self.part_dtype, self.dtype)
+                said = [None] * self.world
+                dist.all_gather_object(said, (socket.gethostname(), why), group=self.group)
+                hosts = {host for host, _ in said}
+                if len(hosts) > 1:
+                    raise ValueError(f"output_collective='p2p' needs every rank on one node (these span "
+                                     f"{len(hosts)} hosts); use 'auto'")
+                bad = [(r, w) for r, (_, w) in enumerate(said) if w]
+                if bad:
+                    raise ValueError(f"output_collective='p2p': rank {bad[0][0]}: {bad[0][1]}; use 'auto'")
             self._peer = None  # this rank's old buffers go (every rank drops its own here)
             self._peer = peer.PeerBuffers(elements, self.part_dtype, self.dtype, device, self.group.group_name,
                                           self.rank, self.world)

@@ -32,7 +32,7 @@ POLL_S = 0.2
 HOST_GRACE_S = 5.0  # gloo raises its own timeout first; the watch only backs it up
 ACK_WAIT_S = 3.0    # how long the rank that ends the job waits for the others to print their line
 NAMES = {"allreduce": "all-reduce", "allgather": "all-gather", "reducescatter": "reduce-scatter",
-         "peer": "peer reduce-gather"}
+         "peer": "peer reduce-gather", "peersetup": "peer-to-peer setup (symmetric memory)"}
 
 
 class _Watch:
