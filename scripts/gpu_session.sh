@@ -29,9 +29,10 @@
 #           beside SDPA cuDNN and flash
 #   wsbench fusedw (the default there) against SDPA with graph (kernel-only) times: N = 4096 and 16384,
 #           causal and not, fp16, bf16, d = 64; compute-sanitizer memcheck and racecheck on it
-#   p2p     --output-collective p2p (the peer reduce-gather over NVLink, 2 GPUs): its GPU tests and
-#           the layer tests it shares code with, scripts/bench_comm.py (NCCL, a registered pool, peer
-#           loads; the reduce-scatter after busy GEMMs), the layer's rows beside the NCCL ones
+#   p2p     --output-collective p2p (the peer reduce-gather over NVLink, 2 GPUs): pytest -m gpu -k
+#           "peer or output_collectives", scripts/bench_comm.py (NCCL, a registered pool, peer loads;
+#           the reduce-scatter after busy GEMMs), scripts/nccl_faults.sh with p2p (hang, skip, kill),
+#           the layer's rows beside the NCCL ones
 #   speedshort  the main rows of speed (fused, 1 and 2 GPUs, eager and graph, fp16 partials, causal,
 #           sequence-parallel, fusedh for comparison)
 # Logs and JSON go to $OUT (default results/). Usage: bash scripts/gpu_session.sh [STEP]... (default all)
