@@ -24,40 +24,33 @@ template <> struct Vec<float> {
     static __device__ __forceinline__ float get(const float* p) { return *p; }
     static __device__ __forceinline__ void put(float* p, float v) { *p = v; }
 };
-template <> struct Vec<__half> {
-    static __device__ __forceinline__ float4 load(const __half* p) {
+// the 16-bit types: 4 elements as two pairs, converted through the overloads below
+__device__ __forceinline__ float2 to_float2(__half2 v) { return __half22float2(v); }
+__device__ __forceinline__ float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+__device__ __forceinline__ void from_floats(float a, float b, __half2* out) { *out = __floats2half2_rn(a, b); }
+__device__ __forceinline__ void from_floats(float a, float b, __nv_bfloat162* out) { *out = __floats2bfloat162_rn(a, b); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ void from_float(float v, __half* out) { *out = __float2half_rn(v); }
+__device__ __forceinline__ void from_float(float v, __nv_bfloat16* out) { *out = __float2bfloat16_rn(v); }
+
+template <typename T, typename T2> struct Vec16 {
+    static __device__ __forceinline__ float4 load(const T* p) {
         uint2 u = *reinterpret_cast<const uint2*>(p);
-        float2 a = __half22float2(*reinterpret_cast<__half2*>(&u.x));
-        float2 b = __half22float2(*reinterpret_cast<__half2*>(&u.y));
+        float2 a = to_float2(*reinterpret_cast<T2*>(&u.x)), b = to_float2(*reinterpret_cast<T2*>(&u.y));
         return make_float4(a.x, a.y, b.x, b.y);
     }
-    static __device__ __forceinline__ void store(__half* p, float4 v) {
-        __half2 a = __floats2half2_rn(v.x, v.y), b = __floats2half2_rn(v.z, v.w);
+    static __device__ __forceinline__ void store(T* p, float4 v) {
         uint2 u;
-        u.x = *reinterpret_cast<unsigned*>(&a);
-        u.y = *reinterpret_cast<unsigned*>(&b);
+        from_floats(v.x, v.y, reinterpret_cast<T2*>(&u.x));
+        from_floats(v.z, v.w, reinterpret_cast<T2*>(&u.y));
         *reinterpret_cast<uint2*>(p) = u;
     }
-    static __device__ __forceinline__ float get(const __half* p) { return __half2float(*p); }
-    static __device__ __forceinline__ void put(__half* p, float v) { *p = __float2half_rn(v); }
+    static __device__ __forceinline__ float get(const T* p) { return to_float(*p); }
+    static __device__ __forceinline__ void put(T* p, float v) { from_float(v, p); }
 };
-template <> struct Vec<__nv_bfloat16> {
-    static __device__ __forceinline__ float4 load(const __nv_bfloat16* p) {
-        uint2 u = *reinterpret_cast<const uint2*>(p);
-        float2 a = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u.x));
-        float2 b = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u.y));
-        return make_float4(a.x, a.y, b.x, b.y);
-    }
-    static __device__ __forceinline__ void store(__nv_bfloat16* p, float4 v) {
-        __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
-        uint2 u;
-        u.x = *reinterpret_cast<unsigned*>(&a);
-        u.y = *reinterpret_cast<unsigned*>(&b);
-        *reinterpret_cast<uint2*>(p) = u;
-    }
-    static __device__ __forceinline__ float get(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-    static __device__ __forceinline__ void put(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-};
+template <> struct Vec<__half> : Vec16<__half, __half2> {};
+template <> struct Vec<__nv_bfloat16> : Vec16<__nv_bfloat16, __nv_bfloat162> {};
 
 template <typename P, typename O>
 __device__ void peer_sum(const i64* __restrict__ ptrs, O* __restrict__ out, const O* __restrict__ bias, int world,

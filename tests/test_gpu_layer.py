@@ -5,11 +5,12 @@ fused kernel reading grouped K/V in place, the layer with fewer K/V heads over N
 uneven heads (`-k uneven`): 3 heads on 2 GPUs over NCCL, naive and fused."""
 
 import json
+import sys
 
 import pytest
 import torch
 
-from conftest import tpattn
+from conftest import mpirun_cmd, run, tpattn
 from tpattn.layer import TensorParallelAttention, _mm
 from tpattn.weights import head_weights, layer_input
 
@@ -122,7 +123,6 @@ from tpattn.peer import PeerBuffers
 rank, world = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
 dev = torch.device("cuda", rank)
 torch.cuda.set_device(dev)
-os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 dist.init_process_group("nccl", init_method="tcp://127.0.0.1:" + os.environ["PEER_PORT"], rank=rank,
                         world_size=world, device_id=dev)
 bufs = None
@@ -153,15 +153,10 @@ dist.destroy_process_group()
 
 def tpattn_script(tmp_path, code: str, ranks: int):
     """`python SCRIPT` under mpirun, with the source tree importable."""
-    import socket
-    import sys
-    from conftest import mpirun_cmd, run
+    from tpattn.dist import _free_port
     path = tmp_path / "script.py"
     path.write_text(code)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return run(mpirun_cmd(ranks) + [sys.executable, str(path)], timeout=300, PEER_PORT=str(port))
+    return run(mpirun_cmd(ranks) + [sys.executable, str(path)], timeout=300, PEER_PORT=str(_free_port()))
 
 
 @pytest.mark.parametrize("style", [["--sequence-parallel", "--overlap", "2"], ["--overlap", "3"]])

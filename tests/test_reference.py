@@ -99,3 +99,12 @@ def test_baseline_check_allows_an_epsilon_per_element_and_nothing_more():
     y = ref.clone()
     y[100] += 0.05 * rms                            # a small value wrong by 5 % of rms
     assert not compare(y, ref, 1e-2, ulp_of=torch.float16)["pass"]
+
+
+@pytest.mark.parametrize("kw", [{"overlap": 2}, {"sequence_parallel": True}])
+def test_peer_output_collective_refuses_what_it_cannot_do(kw):
+    """output_collective='p2p' through the API: overlap and sequence parallelism refused at
+    construction, with the way out (the CLI refuses the same before any rank starts)."""
+    w = head_weights(range(2), 2, 8, seed=1, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="output_collective='p2p' .* use 'auto'"):
+        TensorParallelAttention(**w, heads=2, head_dim=8, group=None, output_collective="p2p", **kw)

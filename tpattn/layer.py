@@ -147,6 +147,9 @@ class TensorParallelAttention(torch.nn.Module):
         if output_collective not in OUTPUT_COLLECTIVES:
             raise ValueError(f"output_collective must be one of {', '.join(OUTPUT_COLLECTIVES)} "
                              f"(got {output_collective!r})")
+        if output_collective == "p2p" and (overlap > 1 or sequence_parallel):
+            raise ValueError("output_collective='p2p' sums the head-parallel output in one pass: no overlap, "
+                             "no sequence_parallel; use 'auto' with those")
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.causal = causal
         self.reduce_dtype = reduce_dtype
@@ -309,12 +312,12 @@ class TensorParallelAttention(torch.nn.Module):
             return y
         late = []  # (gathered rows, where they go in y) to copy once the collectives are joined
         parts = []
+        # p2p: one chunk (no overlap), its partial in the symmetric buffers the peer kernel reads
+        peer = self._peer_buffers(B * N * D, x.device) if self.output_collective == "p2p" and W > 1 else None
         for r0, r1 in chunks:
             if by_rows:
                 self._attention(q, k, v, o, timer, rows=(r0, r1))
             rows = B * (r1 - r0)
-            peer = self._peer_buffers(rows * D, x.device) if self.output_collective == "p2p" and self.world > 1 \
-                and self.group is not None else None
             part = peer.partial(rows, D) if peer else torch.empty(rows, D, dtype=self.part_dtype, device=x.device)
             with section(timer, "out_proj"):
                 _mm(o_rows[:, r0:r1].reshape(rows, h * d), self.wo, self.part_dtype, out=part)

@@ -68,6 +68,7 @@ class PeerBuffers:
         # the kernel's pointer table: every rank's partial, then every rank's inbox (made here, outside
         # any CUDA graph capture: a graph replays the same table)
         self.table = torch.tensor(self.peer_part + self.peer_inbox, dtype=torch.int64).to(device)
+        self.max_blocks = 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
     def partial(self, rows: int, dim: int) -> torch.Tensor:
         """This rank's partial [rows, dim], in symmetric memory (the output GEMM writes it)."""
@@ -90,8 +91,7 @@ class PeerBuffers:
         hp.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)  # every rank's partial is written
         n = (r1 - r0) * dim // (4 if vec else 1)
         if n:
-            sms = torch.cuda.get_device_properties(out.device).multi_processor_count
-            grid = max(1, min(-(-n // THREADS), 4 * sms))
+            grid = max(1, min(-(-n // THREADS), self.max_blocks))
             name = f"peer_sum_{DTYPE_SUFFIX[self.part_dtype]}_{DTYPE_SUFFIX[self.out_dtype]}"
             launch(SOURCE, name, out.device, (grid, 1, 1), (THREADS, 1, 1),
                    (np.uint64(self.table.data_ptr()), np.uint64(out.data_ptr()),

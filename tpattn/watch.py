@@ -28,11 +28,12 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from .report import COLLECTIVES
+
 POLL_S = 0.2
 HOST_GRACE_S = 5.0  # gloo raises its own timeout first; the watch only backs it up
 ACK_WAIT_S = 3.0    # how long the rank that ends the job waits for the others to print their line
-NAMES = {"allreduce": "all-reduce", "allgather": "all-gather", "reducescatter": "reduce-scatter",
-         "peer": "peer reduce-gather", "peersetup": "peer-to-peer setup (symmetric memory)"}
+NAMES = {**COLLECTIVES, "peersetup": "peer-to-peer setup (symmetric memory)"}
 
 
 class _Watch:
