@@ -15,7 +15,8 @@
 #   layertests  pytest -m gpu for the layer's styles and for faults over NCCL (2 GPUs)
 #   checks  the refusals that need a GPU: NaN in --load, the memory pre-flight, N^2 > 2^31 run
 #   model   the cost model: python -m tpattn.plan --calibrate on 1 GPU and (mpirun) on 2, then
-#           scripts/validate_model.py (the layer and the bare NCCL collectives against the predictions)
+#           scripts/validate_model.py (the layer and the bare NCCL collectives against the predictions),
+#           then scripts/host_probe.py (where the 2-rank layer's host time goes, and how it drifts)
 #   gqa     grouped-query attention, both of:
 #     gqatests  pytest -m gpu -k gqa (naive, tiled, fused; the layer over gloo on one GPU and, with 2
 #               GPUs, over NCCL)
@@ -308,5 +309,9 @@ if want model; then
     python3 -m tpattn.plan --machine "$OUT/model/h200x2_cal.json" --kernel "$k" --world-sizes 1 2 </dev/null 2>&1 \
       | tee -a "$OUT/model/plan.log" || status=1
   done
+  if [ "$gpus" -ge 2 ]; then
+    mpirun -n 2 python3 scripts/host_probe.py --kernels fused tiled --seq-lens 2048 4096 --profile </dev/null 2>&1 \
+      | tee "$OUT/model/host_probe.log" | grep -v "^ *[0-9]" || status=1
+  fi
 fi
 exit $status

@@ -19,7 +19,10 @@ over ranks in each timed call, the transfer itself, then the median over the cal
 waits changes from call to call, so each rank's own median can hold a wait; the ranks' medians and
 every sample are in the JSON); end to end, the slowest rank. The bare collectives are
 timed by the very function --calibrate fits its alpha-beta numbers on (tpattn.plan.bare_collectives:
-same sizes, warm-up, barrier and statistic).
+same sizes, warm-up, barrier and statistic). The layer is measured in --rounds rounds (each every
+kernel, N and world size once, one round after another) and each number is the median over the
+rounds (a collective: over the calls of every round): the host's speed drifts over seconds on the
+lent machine (scripts/host_probe.py), and a host-bound call's end to end moves with it.
 The model (tpattn.costmodel) predicts the same call from each --machine file; the first is the
 one the targets are judged on. Error = (predicted - measured) / measured.
 
@@ -62,6 +65,9 @@ def parse(argv):
                         "rank); the compute passes compared are rank 0's, which holds the most, as the model's")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=10, help="timed iterations (naive: at most 3)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="measure every kernel, N and world size this many times, one round after another, and "
+                        "take the median over the rounds (default 3): the host's speed drifts over seconds")
     p.add_argument("--sizes-mib", type=int, nargs="+", default=[s // plan.MiB for s in plan.COLLECTIVE_SIZES],
                    help="bare collective sizes, MiB (default those --calibrate measures; timed by the same "
                         "function, tpattn.plan.bare_collective_ms)")
@@ -126,6 +132,26 @@ def measure_layer(kernel: str, n: int, world: int, a, device) -> dict:
             "samples_by_rank": samples}
 
 
+def combine(rounds: list[dict]) -> dict:
+    """One measurement of a layer from its rounds (measure_layer's results, one per round): per pass the
+    median over the rounds (tpattn.plan.combine_rounds); a collective over several ranks, from every
+    round's samples together, call by call the last rank to arrive, then the median over all the calls;
+    each round's end to end, host and GPU time kept ("rounds")."""
+    first = rounds[0]
+    out = {**first, "passes": plan.combine_rounds([r["passes"] for r in rounds]),
+           "rounds": [{k: r["passes"][k] for k in ("total", "host", "gpu") if k in r["passes"]} for r in rounds]}
+    if "collective_median_over_ranks" in first:
+        out["collective_median_over_ranks"] = plan.combine_rounds([r["collective_median_over_ranks"] for r in rounds])
+    if first.get("samples_by_rank"):
+        samples = [{k: [t for r in rounds for t in r["samples_by_rank"][rank][k]] for k in mine}
+                   for rank, mine in enumerate(first["samples_by_rank"])]
+        out["samples_by_rank"] = samples
+        for k in first["passes"]:
+            if k in cm.COLLECTIVE_NAMES:
+                out["passes"][k] = statistics.median(min(c) for c in zip(*(r[k] for r in samples)))
+    return out
+
+
 def compare(m: cm.Machine, kernel: str, n: int, world: int, a, meas: dict) -> dict:
     shape = cm.Shape(seq_len=n, heads=a.heads, head_dim=a.head_dim, kernel=kernel, dtype=meas.get("dtype", "fp16"),
                      uneven_heads=getattr(a, "uneven_heads", False))
@@ -133,6 +159,7 @@ def compare(m: cm.Machine, kernel: str, n: int, world: int, a, meas: dict) -> di
     predicted = {**pred["passes"], **{k: c["ms"] for k, c in pred["collectives"].items()},
                  "total": pred["end_to_end_ms"]}
     rows = []
+    spread = [r["total"] for r in meas.get("rounds", []) if "total" in r]
     for name in (*PASS_ORDER, "total"):
         if name in meas["passes"] and name in predicted:
             rows.append({"pass": name, "measured_ms": meas["passes"][name], "predicted_ms": predicted[name],
@@ -147,6 +174,8 @@ def compare(m: cm.Machine, kernel: str, n: int, world: int, a, meas: dict) -> di
             "stall_measured_ms": (plan.call_stall(meas["passes"])
                                   if {"total", "host", "gpu"} <= set(meas["passes"]) else None),
             "collectives_as_predicted": same,
+            "rounds": meas.get("rounds", []),
+            "total_rounds_range_ms": [min(spread), max(spread)] if spread else None,
             "collectives_measured": meas["collectives"],
             "samples_by_rank": meas.get("samples_by_rank"),
             "collectives_predicted": {k: c["bytes"] for k, c in pred["collectives"].items()}}
@@ -167,11 +196,13 @@ def markdown(doc: dict) -> str:
          + ", ".join(f"{k} {v}" for k, v in doc["versions"].items()) + ".", "",
          "Machine files: " + "; ".join(f"**{m['name']}** ({m['path']})" for m in doc["machines"])
          + f". Targets are judged on **{primary}**. Shape: B = 1, H = {doc['heads']}, d = {doc['head_dim']}, fp16, "
-         "fp32 partials, head-parallel; error = (predicted − measured) / measured. Measured: each rank's median "
-         "over the timed calls (end to end and host: the call un-spun; per pass: the call queued behind a barrier "
+         "fp32 partials, head-parallel; error = (predicted − measured) / measured. Measured in "
+         f"{doc.get('rounds', 1)} round(s), each every kernel, N and world size once, the median over the rounds "
+         "(the host's speed drifts over seconds; the rounds' end to end spread is in the table, each round in the JSON); in a "
+         "round each rank's median over the timed calls (end to end and host: the call un-spun; per pass: the call queued behind a barrier "
          "and a GPU spin, so each pass's events hold its GPU time, tpattn.plan.time_layer); over several ranks the compute passes are the median over ranks, a collective the "
          "last rank to arrive, call by call (the minimum over ranks in each timed call, then the median over the "
-         "calls: its transfer; the ranks' own medians, which can include waiting, and every sample are in the JSON) and "
+         "calls of every round: its transfer; the ranks' own medians, which can include waiting, and every sample are in the JSON) and "
          "end to end the slowest rank. *calibrated here*: the machine file has a calibration point of that kernel "
          "at that heads-per-rank and N, so per-pass agreement there is by construction.", ""]
     s = doc["summary"]
@@ -188,14 +219,16 @@ def markdown(doc: dict) -> str:
     L += [f"## End to end ({primary})", "",
           "End to end = max(GPU, host) + stall (tpattn.costmodel); the GPU time measured is the spun call's, "
           "the stall measured the end to end beyond max(host, GPU).", "",
-          "| kernel | N | GPUs | measured ms | predicted ms | error | GPU measured / predicted ms "
+          "| kernel | N | GPUs | measured ms | rounds ms (min–max) | predicted ms | error | GPU measured / predicted ms "
           "| host measured / predicted ms | stall measured / predicted ms | calibrated here |",
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for c in doc["comparisons"]:
         if c["machine"] != primary:
             continue
         t = next(r for r in c["rows"] if r["pass"] == "total")
-        L.append(f"| {c['kernel']} | {c['N']} | {c['world']} | {fmt(t['measured_ms'])} | {fmt(t['predicted_ms'])} | "
+        rng = c.get("total_rounds_range_ms")
+        L.append(f"| {c['kernel']} | {c['N']} | {c['world']} | {fmt(t['measured_ms'])} | "
+                 f"{f'{rng[0]:.3f}–{rng[1]:.3f}' if rng else '-'} | {fmt(t['predicted_ms'])} | "
                  f"{pct(t['error_pct'])} | {fmt(c.get('gpu_measured_ms'))} / {fmt(c['gpu_predicted_ms'])} | "
                  f"{fmt(c['host_measured_ms'])} / {fmt(c['host_predicted_ms'])} | "
                  f"{fmt(c.get('stall_measured_ms'))} / {fmt(c.get('stall_predicted_ms'))} | "
@@ -289,23 +322,29 @@ def main(argv=None) -> int:
     comparisons, bare = [], []
     try:
         worlds = [1] + ([proc.world] if proc.world > 1 else [])
-        for kernel in a.kernels:
-            for n in a.seq_lens:
-                for w in worlds:
-                    meas = measure_layer(kernel, n, w, a, device)
-                    before = len(comparisons)
-                    for m in machines:
-                        try:
-                            comparisons.append(compare(m, kernel, n, w, a, meas))
-                        except cm.ModelError as exc:
-                            say(f"{m.name}: no prediction for {kernel} N={n} W={w}: {exc}")
-                    # the first machine's comparison of this very call (a machine that cannot predict
-                    # it, e.g. a 1-GPU file at W = 2, adds none)
-                    c0 = comparisons[before] if len(comparisons) > before else None
-                    if c0 and c0["machine"] == machines[0].name:
-                        t = next(r for r in c0["rows"] if r["pass"] == "total")
-                        say(f"{kernel} N={n} W={w}: measured {t['measured_ms']:.3f} ms, predicted "
-                            f"{t['predicted_ms']:.3f} ({pct(t['error_pct'])})")
+        got: dict[tuple[str, int, int], list[dict]] = {}
+        for r in range(max(1, a.rounds)):  # every kernel, N and world size once per round
+            for kernel in a.kernels:
+                for n in a.seq_lens:
+                    for w in worlds:
+                        got.setdefault((kernel, n, w), []).append(measure_layer(kernel, n, w, a, device))
+            if a.rounds > 1:
+                say(f"round {r + 1} of {a.rounds} measured")
+        for (kernel, n, w), rounds in got.items():
+            meas = combine(rounds)
+            before = len(comparisons)
+            for m in machines:
+                try:
+                    comparisons.append(compare(m, kernel, n, w, a, meas))
+                except cm.ModelError as exc:
+                    say(f"{m.name}: no prediction for {kernel} N={n} W={w}: {exc}")
+            # the first machine's comparison of this very call (a machine that cannot predict
+            # it, e.g. a 1-GPU file at W = 2, adds none)
+            c0 = comparisons[before] if len(comparisons) > before else None
+            if c0 and c0["machine"] == machines[0].name:
+                t = next(r for r in c0["rows"] if r["pass"] == "total")
+                say(f"{kernel} N={n} W={w}: measured {t['measured_ms']:.3f} ms, predicted "
+                    f"{t['predicted_ms']:.3f} ({pct(t['error_pct'])})")
         if proc.world > 1:
             # the same call, sizes and order as --calibrate's (tpattn.plan.bare_collectives)
             measured = plan.bare_collectives([mib * plan.MiB for mib in a.sizes_mib], device)
@@ -329,7 +368,7 @@ def main(argv=None) -> int:
                               + (f" (under mpirun, {proc.world} ranks)" if proc.world > 1 else ""),
                    "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke test)", "ranks": proc.world, "versions": report.versions(),
-                   "heads": a.heads, "head_dim": a.head_dim, "seq_lens": a.seq_lens,
+                   "heads": a.heads, "head_dim": a.head_dim, "seq_lens": a.seq_lens, "rounds": max(1, a.rounds),
                    "machines": [{"name": m.name, "path": m.path} for m in machines],
                    "comparisons": comparisons, "bare": bare}
             doc["summary"] = summarize(doc)

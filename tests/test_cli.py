@@ -171,3 +171,19 @@ def test_kernel_that_does_not_support_dtype_or_head_dim(kernel, dtype, d, needle
     with pytest.raises(ConfigError) as err:
         validate(cfg, gpus_on_node=1)
     assert needle in str(err.value)
+
+
+def test_report_last_rank_is_call_by_call():
+    """The report's last_rank_ms: in each call the fastest rank (the last to arrive: the others waited
+    for it), then the median over calls; not the smaller of the ranks' medians, which holds waits
+    when the waiting rank changes from call to call."""
+    from tpattn import report
+    r0, r1 = [0.36, 0.28, 0.16], [0.16, 0.26, 0.62]   # the naive reduce-scatter's samples on 2 H200s
+    assert report.last_rank_ms([r0, r1]) == pytest.approx(0.16)
+    stats = {"reducescatter": {"median": 0.27, "min": 0.26, "max": 0.28}}
+    got = report.collective_stats(stats, {"reducescatter": 64 << 20}, 2, {"reducescatter": "fp32"},
+                                  {"reducescatter": [r0, r1]})["reducescatter"]
+    assert got["last_rank_ms"] == pytest.approx(0.16) and got["median_ms"] == 0.27
+    assert got["busbw_last_rank_GBps"] == pytest.approx((64 << 20) / 0.16e-3 / 1e9 / 2)
+    old = report.collective_stats(stats, {"reducescatter": 64 << 20}, 2, {"reducescatter": "fp32"})
+    assert old["reducescatter"]["last_rank_ms"] == 0.26   # no samples: the smallest median, as before

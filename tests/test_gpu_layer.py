@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import mpirun_cmd, run, tpattn
-from tpattn.layer import TensorParallelAttention, _mm
+from tpattn.layer import TensorParallelAttention, _add_bias, _mm
 from tpattn.weights import head_weights, layer_input
 
 pytestmark = pytest.mark.gpu
@@ -39,6 +39,19 @@ def test_tensor_core_projection_with_fp32_result_keeps_fp32_accuracy(dtype):
     assert err < rounding / 50, (err, rounding)
     out = torch.empty_like(y)
     assert torch.equal(_mm(a, b, torch.float32, out=out), y) and torch.equal(out, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_bias_pass_widens_the_bias_inside_the_add(dtype):
+    """b_o added to an fp32 partial without a cast kernel first: bit for bit the sum of the cast-first
+    pass it replaced, rounded once to the model dtype; a model-dtype partial as before."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    part = torch.randn(4096, 1024, device="cuda", generator=g) * 50
+    bias = torch.randn(1024, device="cuda", generator=g).to(dtype)
+    out = torch.empty(4096, 1024, dtype=dtype, device="cuda")
+    assert torch.equal(_add_bias(part, bias, out), torch.add(part, bias.float(), out=torch.empty_like(out)))
+    low = part.to(dtype)
+    assert torch.equal(_add_bias(low, bias, torch.empty_like(out)), low + bias)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -769,6 +769,27 @@ def test_validation_report_from_comparisons():
     assert "| allreduce | 64 |" in md
 
 
+def test_rounds_combine_to_the_median_and_collectives_over_every_call():
+    """A measurement in rounds: per pass the median over the rounds; a collective from every round's
+    calls together (call by call the last rank to arrive, then the median); the rounds kept."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import validate_model as vm
+    assert plan.combine_rounds([{"host": 0.5, "gpu": 1.0}, {"host": 0.9}, {"host": 0.6, "gpu": 3.0}]) == \
+        {"host": 0.6, "gpu": 2.0}
+
+    def one(total, host, rs0, rs1):
+        return {"passes": {"total": total, "host": host, "gpu": 1.0, "reducescatter": 99.0}, "collectives": {"x": 1},
+                "collective_median_over_ranks": {"reducescatter": max(rs0 + rs1)}, "ranks": 2, "dtype": "fp16",
+                "samples_by_rank": [{"reducescatter": rs0, "gpu": [1.0, 1.0]}, {"reducescatter": rs1, "gpu": [1.0, 1.0]}]}
+    got = vm.combine([one(1.2, 1.1, [0.1, 0.5], [0.4, 0.2]), one(0.9, 0.7, [0.3, 0.3], [0.9, 0.6]),
+                      one(1.0, 0.8, [0.25, 0.7], [0.8, 0.2])])
+    assert got["passes"]["total"] == 1.0 and got["passes"]["host"] == 0.8 and got["passes"]["gpu"] == 1.0
+    # per call the minimum over the two ranks: 0.1, 0.2, 0.3, 0.3, 0.25, 0.2 -> median 0.225
+    assert got["passes"]["reducescatter"] == pytest.approx(0.225)
+    assert got["samples_by_rank"][0]["reducescatter"] == [0.1, 0.5, 0.3, 0.3, 0.25, 0.7]
+    assert [r["total"] for r in got["rounds"]] == [1.2, 0.9, 1.0] and got["collectives"] == {"x": 1}
+
+
 @pytest.mark.mpi
 def test_calibrate_plan_validate_flow_under_mpirun(tmp_path):
     """The GPU flow end to end on CPU (TPATTN_PLAN_ALLOW_CPU=1: gloo, the torch reference standing in
@@ -781,6 +802,7 @@ def test_calibrate_plan_validate_flow_under_mpirun(tmp_path):
                "--kernels", "naive", "--name", "smoke"], timeout=240, TPATTN_PLAN_ALLOW_CPU="1")
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"[calibrate] wrote {cal}" in out.stdout
+    assert "2-rank layer: naive N=128 host" in out.stdout and "(rounds " in out.stdout  # Sizes.multi_rounds
     m = cm.load_machine(str(cal))
     assert m.name == "smoke" and m.gpus_per_node == 2 and "nvlink" in m.data["links"]
     assert {"naive.qk", "naive.softmax", "naive.pv", "naive.qk:causal", "out_proj", "relayout", "epilogue"} <= set(m.curves)
@@ -791,7 +813,8 @@ def test_calibrate_plan_validate_flow_under_mpirun(tmp_path):
     val = tmp_path / "val"
     out = run([*mpirun_cmd(2), sys.executable, "scripts/validate_model.py", "--machine", str(cal), "h200x2",
                "--out", str(val), "--kernels", "naive", "--seq-lens", "128", "--heads", "5", "--uneven-heads",
-               "--head-dim", "32", "--sizes-mib", "1", "--iters", "2"], timeout=240, TPATTN_PLAN_ALLOW_CPU="1")
+               "--head-dim", "32", "--sizes-mib", "1", "--iters", "2", "--rounds", "2"], timeout=240,
+              TPATTN_PLAN_ALLOW_CPU="1")
     assert out.returncode == 0, out.stderr[-2000:]
     doc = json.loads((val / "model_validation.json").read_text())
     assert [c["heads_by_rank"] for c in doc["comparisons"]] == [[5], [5], [3, 2], [3, 2]]  # rank 0's 3 predicted
@@ -805,7 +828,10 @@ def test_calibrate_plan_validate_flow_under_mpirun(tmp_path):
     for row in two["rows"]:
         if row["pass"] in cm.COLLECTIVE_NAMES:
             per_call = [min(c) for c in zip(*(r[row["pass"]] for r in two["samples_by_rank"]))]
-            assert len(per_call) == 2 and row["measured_ms"] == pytest.approx(statistics.median(per_call))
+            assert len(per_call) == 4 and row["measured_ms"] == pytest.approx(statistics.median(per_call))
+    assert doc["rounds"] == 2 and all(len(c["rounds"]) == 2 for c in doc["comparisons"])
+    lo, hi = two["total_rounds_range_ms"]
+    assert lo == min(r["total"] for r in two["rounds"]) and hi == max(r["total"] for r in two["rounds"])
     md = (val / "model_validation.md").read_text()
     assert "## End to end (smoke)" in md and "## Bare NCCL collectives over 2 GPUs" in md
     # 5 heads on 2 ranks without --uneven-heads: refused before any layer, one line that names the flag
@@ -813,3 +839,13 @@ def test_calibrate_plan_validate_flow_under_mpirun(tmp_path):
                "--heads", "5"], timeout=120, TPATTN_PLAN_ALLOW_CPU="1")
     errs = [ln for ln in out.stderr.splitlines() if "validate_model: error:" in ln]
     assert out.returncode == 2 and len(errs) == 1 and "--uneven-heads" in errs[0], out.stderr[-2000:]
+
+
+def test_host_probe_without_a_gpu_one_line():
+    """scripts/host_probe.py (the layer's host time, piece by piece) says it needs the GPU, in one line."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the probe would run")
+    out = run([sys.executable, "scripts/host_probe.py", "--kernels", "fused"], timeout=120)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "needs a CUDA GPU" in out.stderr, out.stderr
+    assert run([sys.executable, "scripts/host_probe.py", "--help"], timeout=60).returncode == 0

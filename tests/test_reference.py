@@ -7,7 +7,7 @@ import torch
 
 from tpattn.attention import get_backend
 from tpattn.check import TOL_FLOAT64, compare, layer_float64, sample_rows
-from tpattn.layer import TensorParallelAttention
+from tpattn.layer import TensorParallelAttention, _add_bias
 from tpattn.weights import head_weights, layer_input
 
 
@@ -108,3 +108,15 @@ def test_peer_output_collective_refuses_what_it_cannot_do(kw):
     w = head_weights(range(2), 2, 8, seed=1, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="output_collective='p2p' .* use 'auto'"):
         TensorParallelAttention(**w, heads=2, head_dim=8, group=None, output_collective="p2p", **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_bias_pass_on_an_fp32_partial_is_the_cast_first_sum(dtype):
+    """b_o goes into the add with an fp32 partial as it is (no cast kernel first): the same bits as
+    casting it to fp32 first, rounded once to the model dtype (the GPU twin is in test_gpu_layer.py)."""
+    g = torch.Generator().manual_seed(3)
+    part = torch.randn(256, 96, generator=g) * 50
+    bias = torch.randn(96, generator=g).to(dtype)
+    out = torch.empty(256, 96, dtype=dtype)
+    assert torch.equal(_add_bias(part, bias, out), torch.add(part, bias.float(), out=torch.empty_like(out)))
+    assert out.dtype == dtype

@@ -20,7 +20,7 @@ from .check import TOL_BASELINE, TOL_FLOAT64, compare, layer_float64, sample_row
 from .config import DEVICES, DIST_BACKENDS, DTYPES, OUTPUT_COLLECTIVES, REDUCE_DTYPES, Config, ConfigError, resolve, validate
 from .layer import WORLD, TensorParallelAttention
 from .memory import preflight
-from .report import build, text
+from .report import COLLECTIVES, build, text
 from .sharding import head_range, heads_by_rank, kv_head_range
 from .timing import Timer, summarize
 from .weights import head_weights, layer_input, load_inputs, slice_heads
@@ -262,7 +262,8 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
         _profile(cfg, proc, layer, x_in)
     infos[proc.rank]["heads"] = f"{heads.start}-{heads.stop - 1}"
     infos[proc.rank]["kv_heads"] = f"{kv_heads.start}-{kv_heads.stop - 1}"
-    mine = {"info": infos[proc.rank], "passes": {k: summarize(v) for k, v in samples.items()}}
+    mine = {"info": infos[proc.rank], "passes": {k: summarize(v) for k, v in samples.items()},
+            "collective_samples": {k: v for k, v in samples.items() if k in COLLECTIVES}}  # report.last_rank_ms
     everyone = tpdist.exchange(proc, "report", mine, cfg.timeout, "report")
     if proc.rank != 0:
         verdict = tpdist.wait_for(proc, "verdict", max(cfg.timeout, 3600.0), "verdict")["verdict"]

@@ -86,10 +86,12 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias: torch.Te
 
 
 def _add_bias(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """out = part (+ bias), cast to out's dtype, in one elementwise pass."""
+    """out = part (+ bias), cast to out's dtype, in one elementwise pass. An fp32 partial takes the
+    model-dtype bias as it is (the add widens it inside the pass: the same sum as casting it first,
+    without a cast kernel and its launch on every call)."""
     if bias is None:
         return out.copy_(part)
-    return torch.add(part, bias.to(part.dtype), out=out)
+    return torch.add(part, bias if part.dtype in (bias.dtype, torch.float32) else bias.to(part.dtype), out=out)
 
 
 class TensorParallelAttention(torch.nn.Module):

@@ -516,6 +516,13 @@ def time_layer(layer, x, warmup: int, iters: int, raw: dict | None = None) -> di
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
+def combine_rounds(rounds: list[dict[str, float]]) -> dict[str, float]:
+    """One measurement from several rounds of the same one (each {name: ms}): per name the median over
+    the rounds that have it. --calibrate's W-rank layer and scripts/validate_model.py both use it."""
+    names = dict.fromkeys(k for r in rounds for k in r)
+    return {k: statistics.median(r[k] for r in rounds if k in r) for k in names}
+
+
 def _collective_fns():
     import torch.distributed as dist
     ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -647,6 +654,11 @@ class Sizes:
     # the W-rank layer (every kernel, 16 heads per rank on 2 GPUs): lengths where the call is host-bound
     # or nearly; more iterations than the grid's (cheap: ~1-3 ms a call), its host time is a model number
     multi_n, multi_warmup, multi_iters = (2048, 4096), 2, 10
+    # ... in rounds: every kernel and length once per round, the rounds one after another, the median
+    # over the rounds per number. The host's speed drifts over seconds on a shared machine (the same
+    # call's host time moved 0.52-0.81 ms between runs on the lent H200s, scripts/host_probe.py); one
+    # stretch of back-to-back calls is a snapshot of it, rounds spread the measurement over the drift
+    multi_rounds = 5
     naive_work = 32 * 8192**2   # h x N^2 at most: ~0.7 s a call
 
 
@@ -661,7 +673,7 @@ class CpuSizes(Sizes):
     grid_n, grid_h, causal = (64, 128), (2, 4), ((4, 128),)
     out_heads, out_rows, epilogue_rows = (2, 4), (128,), (128,)
     collectives, warmup, iters = (MiB // 4, MiB // 2), 1, 2
-    multi_n, multi_warmup, multi_iters = (128,), 1, 2
+    multi_n, multi_warmup, multi_iters, multi_rounds = (128,), 1, 2, 2
 
 
 GRID_N, GRID_H, CAUSAL_GRID = Sizes.grid_n, Sizes.grid_h, Sizes.causal
@@ -827,7 +839,8 @@ def build_machine(meas: dict) -> dict:
     data["sources"]["layer"] = (f"{how}: overhead = the layer's GPU time (the call timed pass by pass behind a GPU "
                                 "spin) - its timed passes - the modeled untimed steps (median over the sizes); "
                                 "host = the time for the un-spun call to return (1 rank, median over the sizes); "
-                                f"host_ms_by_world: the {W}-rank layer's (the slowest rank, median over its lengths) "
+                                f"host_ms_by_world: the {W}-rank layer's (the slowest rank; the median over rounds, each every "
+                                "kernel and length once, then over its lengths) "
                                 "per kernel; per collective (world sizes not calibrated): the host time of the "
                                 "W-rank layer over the 1-rank one; stall = the un-spun call's end to end - "
                                 "max(its host time, the spun call's GPU time), median per kernel (1 rank: "
@@ -986,21 +999,27 @@ def _measure(a, proc, device, argv) -> dict:
         h = len(head_range(heads, proc.world, 0, True))   # uneven: rank 0 holds the most
         kernels = [k for k in ("fused", "tiled", "naive") if k in a.kernels]
         t0 = time.monotonic()
-        for kernel in kernels:
-            kw, ki = (1, min(sz.multi_iters, 5)) if kernel == "naive" else (sz.multi_warmup, sz.multi_iters)
-            for n in sz.multi_n:
-                layer = build_layer(h, heads, d, kernel, False, device, dtype="fp16" if cuda else "fp32",
-                                    group=dist.group.WORLD, uneven=heads % proc.world != 0)
-                x = layer_input(1, n, D, 0, dt, device)
-                every = gather(time_layer(layer, x, kw, ki))
-                # a collective: the last rank to arrive (the minimum over ranks: its time is the transfer);
-                # the rest: the slowest rank
-                p = {k: (min if k in cm.COLLECTIVE_NAMES else max)(r[k] for r in every if k in r) for k in every[0]}
-                nbytes = layer.collective_nbytes(1, n)
-                multi.append({"kernel": kernel, "h": h, "N": n, "passes": p, "collectives": len(nbytes),
-                              "collective_bytes": dict(nbytes)})
-                del layer, x
-                empty_cache()
+        rounds: dict[tuple[str, int], list[dict]] = {}
+        coll_bytes: dict[tuple[str, int], dict] = {}
+        for _ in range(sz.multi_rounds):   # every kernel and length once per round (see Sizes.multi_rounds)
+            for kernel in kernels:
+                kw, ki = (1, min(sz.multi_iters, 5)) if kernel == "naive" else (sz.multi_warmup, sz.multi_iters)
+                for n in sz.multi_n:
+                    layer = build_layer(h, heads, d, kernel, False, device, dtype="fp16" if cuda else "fp32",
+                                        group=dist.group.WORLD, uneven=heads % proc.world != 0)
+                    x = layer_input(1, n, D, 0, dt, device)
+                    every = gather(time_layer(layer, x, kw, ki))
+                    # a collective: the last rank to arrive (the minimum over ranks: its time is the
+                    # transfer); the rest: the slowest rank
+                    rounds.setdefault((kernel, n), []).append(
+                        {k: (min if k in cm.COLLECTIVE_NAMES else max)(r[k] for r in every if k in r) for k in every[0]})
+                    coll_bytes[kernel, n] = dict(layer.collective_nbytes(1, n))
+                    del layer, x
+                    empty_cache()
+        for (kernel, n), got in rounds.items():
+            multi.append({"kernel": kernel, "h": h, "N": n, "passes": combine_rounds(got), "rounds": len(got),
+                          "host_by_round": [round(r["host"], 4) for r in got if "host" in r],
+                          "collectives": len(coll_bytes[kernel, n]), "collective_bytes": coll_bytes[kernel, n]})
         for kernel in kernels:
             kw, ki = (1, min(sz.multi_iters, 5)) if kernel == "naive" else (sz.multi_warmup, sz.multi_iters)
             for n in sz.multi_n:
@@ -1012,7 +1031,9 @@ def _measure(a, proc, device, argv) -> dict:
                     del lay1, x
                     empty_cache()
         _say(proc, f"{proc.world}-rank layer: " + ", ".join(
-            f"{r['kernel']} N={r['N']} host {r['passes'].get('host', 0):.3f} ms" for r in multi)
+            f"{r['kernel']} N={r['N']} host {r['passes'].get('host', 0):.3f} ms"
+            + (f" (rounds {min(r['host_by_round']):.3f}-{max(r['host_by_round']):.3f})" if r["host_by_round"] else "")
+            for r in multi)
             + f" ({time.monotonic() - t0:.0f} s)")
     everyone = gather(runs)
     return {"gpu": gpu, "gpus_per_node": torch.cuda.device_count() if cuda else proc.local_world,

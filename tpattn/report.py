@@ -50,13 +50,23 @@ def bus_bandwidth(nbytes: int, ms: float, world: int, kind: str = "allreduce") -
     return algbw, algbw * (2 if kind == "allreduce" else 1) * (world - 1) / world
 
 
-def collective_stats(stats: dict, nbytes: dict, world: int, dtype: dict) -> dict:
-    """Per collective: bytes, the median over ranks and the last-arriving rank's time (the minimum
-    over ranks: the others also wait for it, so its time is the transfer's), and bandwidths."""
+def last_rank_ms(per_rank: list[list[float]]) -> float:
+    """The last rank to arrive at a collective, call by call: in each timed call the minimum over the
+    ranks (the others also wait for it, so its time is the transfer's), then the median over the
+    calls. Which rank waits changes from call to call, so a rank's own median can hold waits."""
+    return statistics.median(min(call) for call in zip(*per_rank))
+
+
+def collective_stats(stats: dict, nbytes: dict, world: int, dtype: dict, samples: dict | None = None) -> dict:
+    """Per collective: bytes, the median over ranks and the last-arriving rank's time (last_rank_ms
+    from every rank's per-call samples, {name: [per rank [ms per call]]}; without them the smallest
+    of the ranks' medians), and bandwidths."""
     out = {}
     for name, n in nbytes.items():
         s = stats.get(name, {})
-        med, last = s.get("median", 0.0), s.get("min", 0.0)
+        per_rank = (samples or {}).get(name)
+        med = s.get("median", 0.0)
+        last = last_rank_ms(per_rank) if per_rank and all(per_rank) else s.get("min", 0.0)
         algbw, busbw = bus_bandwidth(n, med, world, name)
         _, busbw_last = bus_bandwidth(n, last, world, name)
         out[name] = {"bytes": n, "dtype": dtype[name], "median_ms": med, "last_rank_ms": last,
@@ -116,7 +126,8 @@ def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, c
     model = cfg.dtype
     part = "fp32" if cfg.reduce_dtype == "fp32" else model
     dtypes = {"allreduce": part, "allgather": model, "reducescatter": part, "peer": f"{part} in, {model} out"}
-    colls = collective_stats(stats, collective_bytes, world, dtypes) if proc.distributed else {}
+    samples = {k: [r.get("collective_samples", {}).get(k, []) for r in rank_reports] for k in collective_bytes}
+    colls = collective_stats(stats, collective_bytes, world, dtypes, samples) if proc.distributed else {}
     heads = [heads_per_rank(cfg, world, r) for r in range(world)]  # rank 0 holds the most
     h = heads[0]
     g = kv_heads_per_rank(cfg, world)

@@ -1,0 +1,159 @@
+#!/usr/bin/env python3
+"""Where the layer's host time goes: the Python call of one eager forward, per rank.
+
+    mpirun -n 2 python scripts/host_probe.py --kernels fused tiled --seq-lens 2048 4096
+    mpirun --bind-to none -n 2 python scripts/host_probe.py ...   # the same, ranks not pinned to a core
+
+For each kernel and N, the W-rank layer (tpattn.plan.build_layer over the NCCL group):
+  * the host time of --iters un-spun calls (each after a synchronize, as tpattn.plan.time_layer's
+    first call): p10, median, p90 per rank, ms;
+  * the same calls queued behind a GPU spin (the GPU busy while the host launches: a host time that
+    changes here waits on the GPU somewhere);
+  * the host cost of the pieces alone, median over 200 calls, microseconds: the QKV GEMM, the
+    attention launch, the output GEMM, each collective, the bias pass;
+  * with --profile, cProfile of rank 0's calls, the functions with the most own time.
+The CPU cores each rank may run on are printed first (mpirun binds ranks to cores by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tpattn import plan  # noqa: E402
+
+
+def pct(v: list[float], q: float) -> float:
+    s = sorted(v)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def host_calls(layer, x, iters: int, spin_ms: float = 0.0) -> list[float]:
+    import torch
+    out = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        if spin_ms:
+            torch.cuda._sleep(int(spin_ms * plan._SLEEP_CYCLES_PER_MS))
+        t0 = time.perf_counter()
+        layer(x)
+        out.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return out
+
+
+def piece_us(fn, n: int = 200) -> float:
+    import torch
+    ts = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(0.3 * plan._SLEEP_CYCLES_PER_MS))  # the GPU busy: launches only queue
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(ts)
+
+
+def pieces(layer, x) -> dict[str, float]:
+    """Host microseconds of each piece of the head-parallel forward, alone."""
+    import torch
+    import torch.distributed as dist
+
+    from tpattn import layer as L
+    B, N, D = x.shape
+    qkv = L._mm(x.reshape(B * N, D), layer.wqkv, layer.dtype, layer.bqkv)
+    q, k, v = layer._split_heads(qkv.view(B, N, -1, layer.head_dim))
+    o_rows = torch.empty(B, N, layer.local_heads, layer.head_dim, dtype=layer.dtype, device=x.device)
+    o = o_rows.permute(0, 2, 1, 3)
+    part = torch.empty(B * N, D, dtype=layer.part_dtype, device=x.device)
+    W = layer.world
+    mine = torch.empty(B * N // W, D, dtype=layer.part_dtype, device=x.device)
+    y = torch.empty(B * N, D, dtype=layer.dtype, device=x.device)
+    got = {
+        "qkv GEMM": piece_us(lambda: L._mm(x.reshape(B * N, D), layer.wqkv, layer.dtype, layer.bqkv)),
+        "split heads": piece_us(lambda: layer._split_heads(qkv.view(B, N, -1, layer.head_dim))),
+        "attention": piece_us(lambda: layer._attention(q, k, v, o, None)),
+        "out GEMM": piece_us(lambda: L._mm(o_rows.reshape(B * N, -1), layer.wo, layer.part_dtype, out=part)),
+        "torch.empty": piece_us(lambda: torch.empty(B * N, D, dtype=layer.part_dtype, device=x.device)),
+        "bias pass": piece_us(lambda: L._add_bias(mine, layer.bo, out=y[:B * N // W])),
+    }
+    if W > 1:
+        got["reduce-scatter (bare)"] = piece_us(lambda: L._reduce_scatter(mine, part, group=layer.group))
+        got["all-gather (bare)"] = piece_us(lambda: L._all_gather(y, y[:B * N // W], group=layer.group))
+        got["reduce-scatter (layer)"] = piece_us(lambda: layer._collective("reducescatter", None, L._reduce_scatter,
+                                                                           mine, part))
+        got["all-reduce (bare)"] = piece_us(lambda: dist.all_reduce(part, group=layer.group))
+    return got
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="scripts/host_probe.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--kernels", nargs="+", default=["fused", "tiled"])
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[2048])
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--profile", action="store_true", help="cProfile rank 0's calls (top 20 by own time)")
+    a = p.parse_args(argv)
+    try:
+        proc, device = plan.start_ranks(what="scripts/host_probe.py")
+    except plan.PlanError as exc:
+        print(f"host_probe: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if device.type != "cuda":
+        print("host_probe: error: it times CUDA launches; run it on the GPU machine", file=sys.stderr, flush=True)
+        plan.finish_ranks(proc, 2)
+        return 2
+    import torch
+    import torch.distributed as dist
+
+    from tpattn.weights import layer_input
+    r = proc.rank
+    group = dist.group.WORLD if proc.world > 1 else None
+    cores = sorted(os.sched_getaffinity(0))
+    for line in plan.gather(f"rank {r}: pid {os.getpid()}, {len(cores)} core(s) {cores[:8]}"
+                            f"{'...' if len(cores) > 8 else ''}, torch threads {torch.get_num_threads()}"):
+        if r == 0:
+            print(line, flush=True)
+    for kernel in a.kernels:
+        for n in a.seq_lens:
+            layer = plan.build_layer(32 // proc.world, 32, 128, kernel, False, device, group=group)
+            x = layer_input(1, n, 4096, 0, torch.float16, device)
+            host_calls(layer, x, 5)
+            un = host_calls(layer, x, a.iters)
+            spun = host_calls(layer, x, a.iters, spin_ms=3.0)
+            parts = pieces(layer, x)
+            prof = None
+            if a.profile and r == 0:
+                prof = cProfile.Profile()
+                prof.enable()
+            host_calls(layer, x, a.iters if a.profile else 0)
+            if prof is not None:
+                prof.disable()
+            rows = plan.gather((r, un, spun, parts))
+            if r == 0:
+                print(f"\n== {kernel} N={n} W={proc.world} ({a.iters} calls)", flush=True)
+                for rr, u, s, ps in rows:
+                    print(f"rank {rr}: host un-spun p10/p50/p90 {pct(u, .1):.3f}/{pct(u, .5):.3f}/{pct(u, .9):.3f} ms; "
+                          f"spun {pct(s, .1):.3f}/{pct(s, .5):.3f}/{pct(s, .9):.3f} ms")
+                    print("  pieces (us): " + ", ".join(f"{k} {v:.0f}" for k, v in ps.items()))
+                if prof is not None:
+                    buf = io.StringIO()
+                    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(20)
+                    print("\n".join(buf.getvalue().splitlines()[:45]), flush=True)
+            del layer, x
+            torch.cuda.empty_cache()
+    plan.finish_ranks(proc, 0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
