@@ -11,7 +11,9 @@ For each kernel and N, the W-rank layer (tpattn.plan.build_layer over the NCCL g
     changes here waits on the GPU somewhere);
   * the host cost of the pieces alone, median over 200 calls, microseconds: the QKV GEMM, the
     attention launch, the output GEMM, each collective, the bias pass;
-  * with --profile, cProfile of rank 0's calls, the functions with the most own time.
+  * with --watch, the un-spun calls again with the collective watch running (python -m tpattn's);
+  * with --profile, cProfile of rank 0's calls (with --watch: watched), the functions with the most
+    own time.
 The CPU cores each rank may run on are printed first (mpirun binds ranks to cores by default).
 """
 
@@ -29,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tpattn import plan  # noqa: E402
+from tpattn import plan, watch  # noqa: E402
 
 
 def pct(v: list[float], q: float) -> float:
@@ -102,6 +104,9 @@ def main(argv=None) -> int:
     p.add_argument("--seq-lens", type=int, nargs="+", default=[2048])
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--profile", action="store_true", help="cProfile rank 0's calls (top 20 by own time)")
+    p.add_argument("--watch", action="store_true",
+                   help="also time the un-spun calls with the collective watch running, as python -m tpattn runs "
+                        "it (tpattn.watch), and cProfile those with --profile")
     a = p.parse_args(argv)
     try:
         proc, device = plan.start_ranks(what="scripts/host_probe.py")
@@ -131,6 +136,11 @@ def main(argv=None) -> int:
             un = host_calls(layer, x, a.iters)
             spun = host_calls(layer, x, a.iters, spin_ms=3.0)
             parts = pieces(layer, x)
+            watched = []
+            if a.watch and proc.world > 1:
+                watch.start(proc, 600.0, print)
+                host_calls(layer, x, 5)
+                watched = host_calls(layer, x, a.iters)
             prof = None
             if a.profile and r == 0:
                 prof = cProfile.Profile()
@@ -138,12 +148,15 @@ def main(argv=None) -> int:
             host_calls(layer, x, a.iters if a.profile else 0)
             if prof is not None:
                 prof.disable()
-            rows = plan.gather((r, un, spun, parts))
+            watch.stop()
+            rows = plan.gather((r, un, spun, parts, watched))
             if r == 0:
                 print(f"\n== {kernel} N={n} W={proc.world} ({a.iters} calls)", flush=True)
-                for rr, u, s, ps in rows:
+                for rr, u, s, ps, wu in rows:
                     print(f"rank {rr}: host un-spun p10/p50/p90 {pct(u, .1):.3f}/{pct(u, .5):.3f}/{pct(u, .9):.3f} ms; "
-                          f"spun {pct(s, .1):.3f}/{pct(s, .5):.3f}/{pct(s, .9):.3f} ms")
+                          f"spun {pct(s, .1):.3f}/{pct(s, .5):.3f}/{pct(s, .9):.3f} ms"
+                          + (f"; un-spun with the watch {pct(wu, .1):.3f}/{pct(wu, .5):.3f}/{pct(wu, .9):.3f} ms"
+                             if wu else ""))
                     print("  pieces (us): " + ", ".join(f"{k} {v:.0f}" for k, v in ps.items()))
                 if prof is not None:
                     buf = io.StringIO()

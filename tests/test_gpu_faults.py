@@ -5,6 +5,7 @@ regression fails here instead of hanging the run."""
 
 import subprocess
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.gpu
 TIMEOUT = 15
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def two_gpus():
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs for NCCL between ranks (this machine has {torch.cuda.device_count()})")
@@ -41,6 +42,7 @@ def lines_of(r, rank):
     return [ln.strip() for ln in r.stderr.splitlines() if f"tpattn: rank {rank}:" in ln]
 
 
+@pytest.mark.usefixtures("two_gpus")
 @pytest.mark.parametrize("fault,stalled,seed", [("1:forward:hang", 1, 515001), ("0:forward:hang", 0, 515002),
                                                 ("1:allreduce:skip", 1, 515003)])
 def test_stalled_rank_ends_the_job_and_is_named(fault, stalled, seed):
@@ -53,13 +55,57 @@ def test_stalled_rank_ends_the_job_and_is_named(fault, stalled, seed):
                for ln in said), r.stderr
 
 
+@pytest.mark.usefixtures("two_gpus")
 def test_exception_on_one_rank():
     r = job("1:forward:raise", 515004)
     assert r.returncode != 0 and r.elapsed < TIMEOUT + 30
     assert any("InjectedFault" in ln for ln in lines_of(r, 1)), r.stderr
 
 
+@pytest.mark.usefixtures("two_gpus")
 def test_killed_rank():
     r = job("1:forward:kill", 515005)
     assert r.returncode != 0 and r.elapsed < TIMEOUT + 30
     assert "rank 1" in r.stderr
+
+
+def test_watch_reuses_finished_event_pairs_and_still_sees_a_stuck_collective(monkeypatch):
+    """The collective watch on one GPU, without NCCL (a spin kernel stands in for the collective):
+    once its thread has seen a collective end, the next one reuses that event pair instead of making
+    two CUDA events; and a 'collective' that then runs past the timeout on a reused pair still ends
+    the job, naming the rank that never joined (rank 1 of 2: it never published a count)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import torch.distributed as dist
+
+    from tpattn import plan, watch
+    monkeypatch.setattr(watch, "ACK_WAIT_S", 0.1)
+    ended, said = [], []
+    proc = SimpleNamespace(rank=0, world=2, store=dist.HashStore(), distributed=True,
+                           abort=ended.append, dead_peers=lambda: "")
+    torch.cuda.init()
+    w = watch._Watch(proc, 1.0, said.append)
+    w.thread.start()
+    try:
+        seen = []
+        for i in range(6):
+            with w.collective("allreduce", 2, True):
+                entry = w.pending[-1]  # [number, name, world, before, after, ...]: after is set on the way out
+                torch.cuda._sleep(plan._SLEEP_CYCLES_PER_CALL // 10)  # ~10 us
+            seen.append((id(entry[3]), id(entry[4])))
+            torch.cuda.synchronize()
+            time.sleep(2.5 * watch.POLL_S)  # the thread polls, finds it done, keeps the pair
+        assert w.count == 6 and not w.pending
+        assert len(set(seen)) == 1, seen   # one pair made, then reused
+        assert len(w.spare) == 1
+        with w.collective("reducescatter", 2, True):
+            torch.cuda._sleep(int(3.0 * plan._SLEEP_CYCLES_PER_MS * 1000))  # ~3 s: past the 1 s timeout
+        deadline = time.monotonic() + 10
+        while not ended and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        w.stopped.set()
+        w.thread.join(timeout=5)
+        torch.cuda.synchronize()
+    assert ended == [1], said
+    assert any("reduce-scatter #7 over 2 ranks" in m and "rank(s) 1 never joined it" in m for m in said), said

@@ -40,7 +40,8 @@ class _Watch:
     def __init__(self, proc, timeout: float, say):
         self.proc, self.timeout, self.say = proc, timeout, say
         self.count = 0                 # collectives this rank has queued
-        self.pending: list[tuple] = []  # (number, name, world, before, after, host_start)
+        self.pending: list[list] = []  # [number, name, world, before, after, host_start, cuda]
+        self.spare: list[tuple] = []   # (before, after) event pairs of finished collectives, for reuse
         self.lock = threading.Lock()
         self.ending = threading.Event()
         self.stopped = threading.Event()
@@ -56,23 +57,24 @@ class _Watch:
     def collective(self, name: str, world: int, cuda: bool):
         """cuda: the collective is queued on the GPU (NCCL) and watched through CUDA events; else
         it blocks this thread (gloo) and is watched by the host clock."""
-        before = None
+        # on the host path of every collective (python -m tpattn's eager calls): one lock, one look-up
+        # of the stream, and an event pair the thread has finished with when there is one
+        before = after = stream = None
+        if cuda:
+            stream = torch.cuda.current_stream()
         with self.lock:
             self.count += 1
-            number = self.count
-        if cuda:
-            before = torch.cuda.Event()
-            before.record()
-        entry = [number, name, world, before, None, time.monotonic(), cuda]
-        with self.lock:
+            if cuda:
+                before, after = self.spare.pop() if self.spare else (torch.cuda.Event(), torch.cuda.Event())
+                before.record(stream)
+            entry = [self.count, name, world, before, None, time.monotonic(), cuda]
             self.pending.append(entry)
         try:
             yield
         finally:
             if cuda:
-                after = torch.cuda.Event()
-                after.record()
-                entry[4] = after
+                after.record(stream)
+                entry[4] = after  # from now on the thread may find it done (and recycle the pair)
             else:
                 with self.lock:
                     self.pending.remove(entry)
@@ -111,6 +113,7 @@ class _Watch:
                             with self.lock:
                                 if e in self.pending:
                                     self.pending.remove(e)
+                                    self.spare.append((before, after))  # not looked at here again
                             started.pop(number, None)
                             continue
                         if not before.query():
