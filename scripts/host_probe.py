@@ -91,7 +91,9 @@ def pieces(layer, x) -> dict[str, float]:
     }
     if W > 1:
         got["reduce-scatter (bare)"] = piece_us(lambda: L._reduce_scatter(mine, part, group=layer.group))
-        got["all-gather (bare)"] = piece_us(lambda: L._all_gather(y, y[:B * N // W], group=layer.group))
+        m = B * N // W  # in place: this rank's block of the output is the input
+        got["all-gather (bare)"] = piece_us(lambda: L._all_gather(y, y[layer.rank * m:(layer.rank + 1) * m],
+                                                                  group=layer.group))
         got["reduce-scatter (layer)"] = piece_us(lambda: layer._collective("reducescatter", None, L._reduce_scatter,
                                                                            mine, part))
         got["all-reduce (bare)"] = piece_us(lambda: dist.all_reduce(part, group=layer.group))
@@ -137,7 +139,7 @@ def main(argv=None) -> int:
             spun = host_calls(layer, x, a.iters, spin_ms=3.0)
             parts = pieces(layer, x)
             watched = []
-            if a.watch and proc.world > 1:
+            if a.watch and proc.world > 1:  # a fresh watch per shape, on every rank at once (counts from 0)
                 watch.start(proc, 600.0, print)
                 host_calls(layer, x, 5)
                 watched = host_calls(layer, x, a.iters)

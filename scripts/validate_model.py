@@ -135,20 +135,24 @@ def measure_layer(kernel: str, n: int, world: int, a, device) -> dict:
 def combine(rounds: list[dict]) -> dict:
     """One measurement of a layer from its rounds (measure_layer's results, one per round): per pass the
     median over the rounds (tpattn.plan.combine_rounds); a collective over several ranks, from every
-    round's samples together, call by call the last rank to arrive, then the median over all the calls;
-    each round's end to end, host and GPU time kept ("rounds")."""
+    round's samples together, call by call the last rank to arrive, then the median over all the calls
+    (tpattn.report.last_rank_ms, as --calibrate); the stall per round, then the median; each round's
+    end to end, host and GPU time kept ("rounds")."""
+    from tpattn.report import last_rank_ms
     first = rounds[0]
     out = {**first, "passes": plan.combine_rounds([r["passes"] for r in rounds]),
            "rounds": [{k: r["passes"][k] for k in ("total", "host", "gpu") if k in r["passes"]} for r in rounds]}
+    full = [r["passes"] for r in rounds if {"total", "host", "gpu"} <= set(r["passes"])]
+    if full:  # per round (the quantities of one call), then the median
+        out["stall_ms"] = statistics.median(plan.call_stall(p) for p in full)
     if "collective_median_over_ranks" in first:
         out["collective_median_over_ranks"] = plan.combine_rounds([r["collective_median_over_ranks"] for r in rounds])
     if first.get("samples_by_rank"):
-        samples = [{k: [t for r in rounds for t in r["samples_by_rank"][rank][k]] for k in mine}
-                   for rank, mine in enumerate(first["samples_by_rank"])]
+        samples = plan.pool_rank_samples([r["samples_by_rank"] for r in rounds])
         out["samples_by_rank"] = samples
         for k in first["passes"]:
             if k in cm.COLLECTIVE_NAMES:
-                out["passes"][k] = statistics.median(min(c) for c in zip(*(r[k] for r in samples)))
+                out["passes"][k] = last_rank_ms([r[k] for r in samples])
     return out
 
 
@@ -171,8 +175,8 @@ def compare(m: cm.Machine, kernel: str, n: int, world: int, a, meas: dict) -> di
             "host_measured_ms": meas["passes"].get("host"), "host_predicted_ms": pred["host_ms"],
             "gpu_predicted_ms": pred["gpu_ms"], "gpu_measured_ms": meas["passes"].get("gpu"),
             "stall_predicted_ms": pred.get("stall_ms", 0.0),
-            "stall_measured_ms": (plan.call_stall(meas["passes"])
-                                  if {"total", "host", "gpu"} <= set(meas["passes"]) else None),
+            "stall_measured_ms": meas.get("stall_ms", plan.call_stall(meas["passes"])
+                                          if {"total", "host", "gpu"} <= set(meas["passes"]) else None),
             "collectives_as_predicted": same,
             "rounds": meas.get("rounds", []),
             "total_rounds_range_ms": [min(spread), max(spread)] if spread else None,

@@ -183,7 +183,8 @@ def test_report_last_rank_is_call_by_call():
     stats = {"reducescatter": {"median": 0.27, "min": 0.26, "max": 0.28}}
     got = report.collective_stats(stats, {"reducescatter": 64 << 20}, 2, {"reducescatter": "fp32"},
                                   {"reducescatter": [r0, r1]})["reducescatter"]
-    assert got["last_rank_ms"] == pytest.approx(0.16) and got["median_ms"] == 0.27
+    assert got["last_rank_ms"] == pytest.approx(0.16) and got["median_ms"] == 0.27 and got["last_rank_from"] == "calls"
     assert got["busbw_last_rank_GBps"] == pytest.approx((64 << 20) / 0.16e-3 / 1e9 / 2)
     old = report.collective_stats(stats, {"reducescatter": 64 << 20}, 2, {"reducescatter": "fp32"})
     assert old["reducescatter"]["last_rank_ms"] == 0.26   # no samples: the smallest median, as before
+    assert old["reducescatter"]["last_rank_from"] == "rank medians"

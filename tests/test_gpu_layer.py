@@ -43,15 +43,20 @@ def test_tensor_core_projection_with_fp32_result_keeps_fp32_accuracy(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_bias_pass_widens_the_bias_inside_the_add(dtype):
-    """b_o added to an fp32 partial without a cast kernel first: bit for bit the sum of the cast-first
-    pass it replaced, rounded once to the model dtype; a model-dtype partial as before."""
+    """b_o added to an fp32 partial in one kernel (no cast kernel before it): bit for bit the sum of
+    the cast-first pass it replaced, rounded once to the model dtype."""
+    from torch.profiler import ProfilerActivity, profile
     g = torch.Generator(device="cuda").manual_seed(2)
     part = torch.randn(4096, 1024, device="cuda", generator=g) * 50
     bias = torch.randn(1024, device="cuda", generator=g).to(dtype)
     out = torch.empty(4096, 1024, dtype=dtype, device="cuda")
     assert torch.equal(_add_bias(part, bias, out), torch.add(part, bias.float(), out=torch.empty_like(out)))
-    low = part.to(dtype)
-    assert torch.equal(_add_bias(low, bias, torch.empty_like(out)), low + bias)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _add_bias(part, bias, out)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, kernels
 
 
 @pytest.mark.parametrize("causal", [False, True])

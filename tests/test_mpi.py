@@ -72,6 +72,8 @@ def test_output_collective_choice(world, how, colls, tmp_path):
     rep = json.loads(out.read_text())
     assert rep["verdict"] == "PASS" and rep["checks"]["vs_single_process"]["pass"]
     assert list(rep["collectives"]) == colls
+    for name, c in rep["collectives"].items():  # every rank's per-call samples reached the report
+        assert c["last_rank_from"] == "calls" and c["last_rank_ms"] <= rep["passes"][name]["min"] + 1e-9
 
 
 def test_auto_keeps_the_all_reduce_when_rows_do_not_split(tmp_path):

@@ -781,13 +781,17 @@ def test_rounds_combine_to_the_median_and_collectives_over_every_call():
         return {"passes": {"total": total, "host": host, "gpu": 1.0, "reducescatter": 99.0}, "collectives": {"x": 1},
                 "collective_median_over_ranks": {"reducescatter": max(rs0 + rs1)}, "ranks": 2, "dtype": "fp16",
                 "samples_by_rank": [{"reducescatter": rs0, "gpu": [1.0, 1.0]}, {"reducescatter": rs1, "gpu": [1.0, 1.0]}]}
-    got = vm.combine([one(1.2, 1.1, [0.1, 0.5], [0.4, 0.2]), one(0.9, 0.7, [0.3, 0.3], [0.9, 0.6]),
-                      one(1.0, 0.8, [0.25, 0.7], [0.8, 0.2])])
-    assert got["passes"]["total"] == 1.0 and got["passes"]["host"] == 0.8 and got["passes"]["gpu"] == 1.0
-    # per call the minimum over the two ranks: 0.1, 0.2, 0.3, 0.3, 0.25, 0.2 -> median 0.225
-    assert got["passes"]["reducescatter"] == pytest.approx(0.225)
-    assert got["samples_by_rank"][0]["reducescatter"] == [0.1, 0.5, 0.3, 0.3, 0.25, 0.7]
-    assert [r["total"] for r in got["rounds"]] == [1.2, 0.9, 1.0] and got["collectives"] == {"x": 1}
+    got = vm.combine([one(1.5, 1.2, [0.1, 0.5], [0.4, 0.2]), one(1.2, 1.25, [0.3, 0.3], [0.9, 0.6]),
+                      one(1.3, 1.35, [0.12, 0.7], [0.8, 0.15])])
+    assert got["passes"]["total"] == 1.3 and got["passes"]["host"] == 1.25 and got["passes"]["gpu"] == 1.0
+    # per call the minimum over the two ranks: 0.1, 0.2, 0.3, 0.3, 0.12, 0.15 -> median 0.175 (the median
+    # over the rounds of each round's own: 0.15, 0.3, 0.135 -> 0.15; of the ranks' medians: larger still)
+    assert got["passes"]["reducescatter"] == pytest.approx(0.175)
+    assert got["samples_by_rank"][0]["reducescatter"] == [0.1, 0.5, 0.3, 0.3, 0.12, 0.7]
+    assert [r["total"] for r in got["rounds"]] == [1.5, 1.2, 1.3] and got["collectives"] == {"x": 1}
+    # the stall per round (total - max(host, gpu), at least 0: 0.3, 0, 0), then the median; from the
+    # medians it would be 1.3 - 1.25 = 0.05, a call that never ran
+    assert got["stall_ms"] == 0.0
 
 
 @pytest.mark.mpi

@@ -113,10 +113,14 @@ def test_peer_output_collective_refuses_what_it_cannot_do(kw):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_bias_pass_on_an_fp32_partial_is_the_cast_first_sum(dtype):
     """b_o goes into the add with an fp32 partial as it is (no cast kernel first): the same bits as
-    casting it to fp32 first, rounded once to the model dtype (the GPU twin is in test_gpu_layer.py)."""
+    casting it to fp32 first, rounded once to the model dtype (the GPU twin, test_gpu_layer.py, also
+    counts the kernels). A bias of another dtype (fp64) is still cast to the partial's first: added
+    in fp64 it would round differently."""
     g = torch.Generator().manual_seed(3)
     part = torch.randn(256, 96, generator=g) * 50
     bias = torch.randn(96, generator=g).to(dtype)
     out = torch.empty(256, 96, dtype=dtype)
     assert torch.equal(_add_bias(part, bias, out), torch.add(part, bias.float(), out=torch.empty_like(out)))
-    assert out.dtype == dtype
+    wide = torch.randn(96, generator=g, dtype=torch.float64) * 1e-3 + 0.1234567
+    got = _add_bias(part, wide, torch.empty(256, 96))
+    assert torch.equal(got, part + wide.float()) and not torch.equal(got, torch.add(part, wide, out=torch.empty(256, 96)))

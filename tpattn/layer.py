@@ -91,7 +91,8 @@ def _add_bias(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) 
     without a cast kernel and its launch on every call)."""
     if bias is None:
         return out.copy_(part)
-    return torch.add(part, bias if part.dtype in (bias.dtype, torch.float32) else bias.to(part.dtype), out=out)
+    widens = part.dtype == torch.float32 and bias.dtype in (torch.float16, torch.bfloat16)
+    return torch.add(part, bias if widens or bias.dtype == part.dtype else bias.to(part.dtype), out=out)
 
 
 class TensorParallelAttention(torch.nn.Module):

@@ -404,11 +404,13 @@ def backend_for(kernel: str, device) -> str:
 
 
 def build_layer(h: int, heads: int, head_dim: int, kernel: str, causal: bool, device, dtype="fp16", group=None,
-                reduce_dtype: str = "fp32", seed: int = 0, uneven: bool = False, kv_heads: int | None = None):
+                reduce_dtype: str = "fp32", seed: int = 0, uneven: bool = False, kv_heads: int | None = None,
+                alone: bool = False):
     """A layer whose rank holds h of `heads` query heads: with group=None the compute of one rank of an
     (heads/h)-way layer, without its collective; with a group of W ranks, this rank's heads of the
     W-way layer (h is not used: H/W, or with uneven (--uneven-heads) its ceil/floor block; with
-    kv_heads, of G K/V heads)."""
+    kv_heads, of G K/V heads); with alone=True, those very heads and weights as a layer of one rank
+    (no collective: the W-rank layer's call without its communication)."""
     import torch
 
     from .layer import TensorParallelAttention
@@ -422,6 +424,10 @@ def build_layer(h: int, heads: int, head_dim: int, kernel: str, causal: bool, de
         rng = head_range(heads, W, r, uneven, G)
         kv_rng = kv_head_range(heads, G, W, r, uneven) if G != heads else None
         w = _weights(rng, heads, head_dim, seed, dt, device, kv_rng)
+        if alone:
+            return TensorParallelAttention(**w, heads=len(rng), head_dim=head_dim, backend=backend, causal=causal,
+                                           group=None, reduce_dtype=reduce_dtype,
+                                           kv_heads=len(kv_rng) if kv_rng is not None else None)
         extra = {k: v for k, v in (("uneven_heads", uneven), ("kv_heads", kv_heads)) if v}
         return TensorParallelAttention(**w, heads=heads, head_dim=head_dim, backend=backend, causal=causal,
                                        group=group, reduce_dtype=reduce_dtype, **extra)
@@ -521,6 +527,13 @@ def combine_rounds(rounds: list[dict[str, float]]) -> dict[str, float]:
     the rounds that have it. --calibrate's W-rank layer and scripts/validate_model.py both use it."""
     names = dict.fromkeys(k for r in rounds for k in r)
     return {k: statistics.median(r[k] for r in rounds if k in r) for k in names}
+
+
+def pool_rank_samples(rounds: list[list[dict[str, list[float]]]]) -> list[dict[str, list[float]]]:
+    """Every rank's per-call samples of several rounds, round after round: rounds[i][rank][name] is
+    round i's list for that rank; returns [rank][name] -> all its calls, in order (so call j of every
+    rank stays call j: tpattn.report.last_rank_ms takes the minimum over ranks call by call)."""
+    return [{k: [t for r in rounds for t in r[rank][k]] for k in mine} for rank, mine in enumerate(rounds[0])]
 
 
 def _collective_fns():
@@ -785,9 +798,10 @@ def build_machine(meas: dict) -> dict:
                                            "samples), fitted by least squares on "
                                            "the relative error with step_us = 3.4 us (NVIDIA/nccl src/graph/tuning.cc, "
                                            "Ring/Simple over NVLink); layer_extra_us: the same collective inside "
-                                           f"the {W}-rank layer (timed behind a barrier and a GPU spin, the last "
-                                           "rank to arrive) minus that model, the median over the kernels and "
-                                           "lengths the layer ran")
+                                           f"the {W}-rank layer (timed behind a barrier and a GPU spin; call by "
+                                           "call the last rank to arrive, the median over the calls of every round, "
+                                           "as scripts/validate_model.py measures it) minus that model, the median "
+                                           "over the kernels and lengths the layer ran")
     # the layer's per-call overhead and host time: end to end minus what the model says the passes and
     # the untimed steps cost, with the efficiencies just measured
     tmp = cm.Machine(name=name, data=data, path="(calibration)")
@@ -818,9 +832,14 @@ def build_machine(meas: dict) -> dict:
         layer["stall_ms"] = {k: round(statistics.median(v), 4) for k, v in stall.items()}
     extra = []
     for run in meas.get("layer_multi", []):
+        if not run.get("collectives"):
+            continue
+        if "host_over_alone_ms" in run:  # paired round by round with the same heads alone
+            extra.append(run["host_over_alone_ms"] / run["collectives"])
+            continue
         base = [r for r in meas["layer"] if r["kernel"] == run["kernel"] and not r["causal"]
                 and r["h"] == run["h"] and r["N"] == run["N"]]
-        if base and run.get("collectives"):
+        if base:
             extra.append((run["passes"]["host"] - base[0]["passes"]["host"]) / run["collectives"])
     if extra:
         layer["host_ms_per_collective"] = round(max(0.0, statistics.median(extra)), 4)
@@ -829,7 +848,9 @@ def build_machine(meas: dict) -> dict:
     for run in meas.get("layer_multi", []):
         if "host" in run["passes"]:
             host_w.setdefault(run["kernel"], []).append(run["passes"]["host"])
-        if "host" in run["passes"] and "gpu" in run["passes"]:
+        if "stall_ms" in run:
+            stall_w.setdefault(run["kernel"], []).append(run["stall_ms"])
+        elif "host" in run["passes"] and "gpu" in run["passes"]:
             stall_w.setdefault(run["kernel"], []).append(call_stall(run["passes"]))
     if host_w:
         layer["host_ms_by_world"] = {str(W): {k: round(statistics.median(v), 4) for k, v in host_w.items()}}
@@ -842,9 +863,10 @@ def build_machine(meas: dict) -> dict:
                                 f"host_ms_by_world: the {W}-rank layer's (the slowest rank; the median over rounds, each every "
                                 "kernel and length once, then over its lengths) "
                                 "per kernel; per collective (world sizes not calibrated): the host time of the "
-                                "W-rank layer over the 1-rank one; stall = the un-spun call's end to end - "
-                                "max(its host time, the spun call's GPU time), median per kernel (1 rank: "
-                                "stall_ms; the W-rank layer: stall_ms_by_world)"
+                                "W-rank layer over that of the same heads on each rank alone, timed right after it "
+                                "in each round (the median over rounds, per collective); stall = the un-spun call's "
+                                "end to end - max(its host time, the spun call's GPU time), median per kernel (1 "
+                                "rank: stall_ms; the W-rank layer: stall_ms_by_world, per round, then the median)"
                                 + ("" if extra else " (not measured with one rank: 0.1 ms assumed)"))
     cm.validate_machine(data, "the calibrated machine")
     return data
@@ -897,6 +919,7 @@ def _measure(a, proc, device, argv) -> dict:
     import torch
 
     from . import report
+    from .layer import _add_bias
     from .weights import layer_input
     global _T0
     _T0 = time.monotonic()
@@ -980,7 +1003,7 @@ def _measure(a, proc, device, argv) -> dict:
     for rows in sz.epilogue_rows:
         part = torch.randn(rows, D, device=device)
         y = torch.empty(rows, D, device=device, dtype=dt)
-        epilogue.append((rows * D * (4 + y.element_size()), timed(lambda: torch.add(part, bo.to(part.dtype), out=y))))
+        epilogue.append((rows * D * (4 + y.element_size()), timed(lambda: _add_bias(part, bo, y))))  # the layer's
         del part, y
     empty_cache()
     _say(proc, "GEMM with fp32 result, relayouts and the bias + cast timed")
@@ -1005,20 +1028,37 @@ def _measure(a, proc, device, argv) -> dict:
             for kernel in kernels:
                 kw, ki = (1, min(sz.multi_iters, 5)) if kernel == "naive" else (sz.multi_warmup, sz.multi_iters)
                 for n in sz.multi_n:
-                    layer = build_layer(h, heads, d, kernel, False, device, dtype="fp16" if cuda else "fp32",
-                                        group=dist.group.WORLD, uneven=heads % proc.world != 0)
+                    mk = lambda alone: build_layer(h, heads, d, kernel, False, device,  # noqa: E731
+                                                   dtype="fp16" if cuda else "fp32", group=dist.group.WORLD,
+                                                   uneven=heads % proc.world != 0, alone=alone)
                     x = layer_input(1, n, D, 0, dt, device)
-                    every = gather(time_layer(layer, x, kw, ki))
-                    # a collective: the last rank to arrive (the minimum over ranks: its time is the
-                    # transfer); the rest: the slowest rank
-                    rounds.setdefault((kernel, n), []).append(
-                        {k: (min if k in cm.COLLECTIVE_NAMES else max)(r[k] for r in every if k in r) for k in every[0]})
+                    layer, raw = mk(False), {}
+                    mine = time_layer(layer, x, kw, ki, raw=raw)
                     coll_bytes[kernel, n] = dict(layer.collective_nbytes(1, n))
-                    del layer, x
+                    del layer
+                    # the same heads and weights on each rank alone, at once, right after: the host time
+                    # without the collectives, paired with this round's (host_ms_per_collective)
+                    lay1 = mk(True)
+                    one = time_layer(lay1, x, kw, ki)
+                    del lay1, x
                     empty_cache()
+                    every = gather((mine, {k: v for k, v in raw.items() if k in cm.COLLECTIVE_NAMES}, one.get("host")))
+                    # the slowest rank, but a collective: the last rank to arrive (from the samples, below)
+                    p = {k: max(r[0][k] for r in every if k in r[0]) for k in every[0][0] if k not in cm.COLLECTIVE_NAMES}
+                    rounds.setdefault((kernel, n), []).append(
+                        {"passes": p, "samples": [r[1] for r in every], "host_alone": max(r[2] or 0.0 for r in every)})
         for (kernel, n), got in rounds.items():
-            multi.append({"kernel": kernel, "h": h, "N": n, "passes": combine_rounds(got), "rounds": len(got),
-                          "host_by_round": [round(r["host"], 4) for r in got if "host" in r],
+            passes = combine_rounds([g["passes"] for g in got])
+            pooled = pool_rank_samples([g["samples"] for g in got])
+            for k in pooled[0]:  # call by call the last rank to arrive, over the calls of every round
+                passes[k] = report.last_rank_ms([r[k] for r in pooled])
+            full = [g["passes"] for g in got if {"total", "host", "gpu"} <= set(g["passes"])]
+            multi.append({"kernel": kernel, "h": h, "N": n, "passes": passes, "rounds": len(got),
+                          "host_by_round": [round(g["passes"]["host"], 4) for g in got if "host" in g["passes"]],
+                          # per round, then the median: quantities of one and the same call
+                          **({"stall_ms": statistics.median(call_stall(q) for q in full)} if full else {}),
+                          "host_over_alone_ms": statistics.median(g["passes"].get("host", 0.0) - g["host_alone"]
+                                                                  for g in got),
                           "collectives": len(coll_bytes[kernel, n]), "collective_bytes": coll_bytes[kernel, n]})
         for kernel in kernels:
             kw, ki = (1, min(sz.multi_iters, 5)) if kernel == "naive" else (sz.multi_warmup, sz.multi_iters)

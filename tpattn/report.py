@@ -66,10 +66,12 @@ def collective_stats(stats: dict, nbytes: dict, world: int, dtype: dict, samples
         s = stats.get(name, {})
         per_rank = (samples or {}).get(name)
         med = s.get("median", 0.0)
-        last = last_rank_ms(per_rank) if per_rank and all(per_rank) else s.get("min", 0.0)
+        by_call = bool(per_rank) and all(per_rank) and len({len(r) for r in per_rank}) == 1
+        last = last_rank_ms(per_rank) if by_call else s.get("min", 0.0)
         algbw, busbw = bus_bandwidth(n, med, world, name)
         _, busbw_last = bus_bandwidth(n, last, world, name)
         out[name] = {"bytes": n, "dtype": dtype[name], "median_ms": med, "last_rank_ms": last,
+                     "last_rank_from": "calls" if by_call else "rank medians",
                      "algbw_GBps": algbw, "busbw_GBps": busbw, "busbw_last_rank_GBps": busbw_last}
     return out
 
@@ -242,7 +244,8 @@ def text(rep: dict) -> str:
                 continue
             lines.append(f"{COLLECTIVES[name]}: {_mib(a['bytes'])} of {a['dtype']}, {a['median_ms']:.3f} ms median over "
                          f"ranks (busbw {a['busbw_GBps']:.1f} GB/s); {a['last_rank_ms']:.3f} ms on the last rank to "
-                         f"arrive (busbw {a['busbw_last_rank_GBps']:.1f} GB/s), the others also wait for it")
+                         f"arrive{', call by call' if a.get('last_rank_from') == 'calls' else ''} (busbw "
+                         f"{a['busbw_last_rank_GBps']:.1f} GB/s), the others also wait for it")
         if bal:
             lines.append(f"balance: compute per rank (the sum of its compute passes' medians) {bal['mean_ms']:.3f} ms "
                          f"mean, slowest rank {bal['slowest_rank']} ({bal['slowest_heads']} heads) "

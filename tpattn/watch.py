@@ -57,17 +57,22 @@ class _Watch:
     def collective(self, name: str, world: int, cuda: bool):
         """cuda: the collective is queued on the GPU (NCCL) and watched through CUDA events; else
         it blocks this thread (gloo) and is watched by the host clock."""
-        # on the host path of every collective (python -m tpattn's eager calls): one lock, one look-up
-        # of the stream, and an event pair the thread has finished with when there is one
-        before = after = stream = None
-        if cuda:
-            stream = torch.cuda.current_stream()
+        # on the host path of every collective (python -m tpattn's eager calls): one look-up of the
+        # stream, and an event pair the thread has finished with when there is one. The CUDA calls
+        # stay outside the lock: a record can wait on a full launch queue, which is when the thread
+        # must still be able to take the lock and end a stuck job
+        before = after = stream = pair = None
         with self.lock:
             self.count += 1
-            if cuda:
-                before, after = self.spare.pop() if self.spare else (torch.cuda.Event(), torch.cuda.Event())
-                before.record(stream)
-            entry = [self.count, name, world, before, None, time.monotonic(), cuda]
+            number = self.count
+            if cuda and self.spare:
+                pair = self.spare.pop()
+        if cuda:
+            stream = torch.cuda.current_stream()
+            before, after = pair or (torch.cuda.Event(), torch.cuda.Event())
+            before.record(stream)
+        entry = [number, name, world, before, None, time.monotonic(), cuda]
+        with self.lock:
             self.pending.append(entry)
         try:
             yield
