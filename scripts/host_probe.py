@@ -9,6 +9,8 @@ For each kernel and N, the W-rank layer (tpattn.plan.build_layer over the NCCL g
     first call): p10, median, p90 per rank, ms;
   * the same calls queued behind a GPU spin (the GPU busy while the host launches: a host time that
     changes here waits on the GPU somewhere);
+  * the un-spun calls back to back against interleaved with an instrumented call (as time_layer and
+    python -m tpattn time them), in alternating blocks of --iters/3;
   * the host cost of the pieces alone, median over 200 calls, microseconds: the QKV GEMM, the
     attention launch, the output GEMM, each collective, the bias pass;
   * with --watch, the un-spun calls again with the collective watch running (python -m tpattn's);
@@ -50,6 +52,28 @@ def host_calls(layer, x, iters: int, spin_ms: float = 0.0) -> list[float]:
         layer(x)
         out.append((time.perf_counter() - t0) * 1e3)
     torch.cuda.synchronize()
+    return out
+
+
+def host_interleaved(layer, x, iters: int) -> list[float]:
+    """The un-spun call's host time as tpattn.plan.time_layer (and python -m tpattn) measure it: each
+    un-spun call follows the previous iteration's instrumented call (a barrier, a GPU spin, an event
+    pair around every pass, a synchronize)."""
+    import torch
+
+    from tpattn.timing import Timer
+    timer = Timer(x.device)
+    group = layer.group if layer.world > 1 else None
+    out = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        layer(x)
+        host = (time.perf_counter() - t0) * 1e3
+        out.append(host)
+        plan.spin_ahead(x.device, plan.spin_ms_for(host), group)
+        layer(x, timer)
+        timer.collect()
     return out
 
 
@@ -137,6 +161,11 @@ def main(argv=None) -> int:
             host_calls(layer, x, 5)
             un = host_calls(layer, x, a.iters)
             spun = host_calls(layer, x, a.iters, spin_ms=3.0)
+            # back to back against interleaved with the instrumented call, in alternating blocks
+            blocks = {"back to back": [], "interleaved": []}
+            for _ in range(3):
+                blocks["back to back"] += host_calls(layer, x, a.iters // 3)
+                blocks["interleaved"] += host_interleaved(layer, x, a.iters // 3)
             parts = pieces(layer, x)
             watched = []
             if a.watch and proc.world > 1:  # a fresh watch per shape, on every rank at once (counts from 0)
@@ -151,15 +180,17 @@ def main(argv=None) -> int:
             if prof is not None:
                 prof.disable()
             watch.stop()
-            rows = plan.gather((r, un, spun, parts, watched))
+            rows = plan.gather((r, un, spun, parts, watched, blocks))
             if r == 0:
                 print(f"\n== {kernel} N={n} W={proc.world} ({a.iters} calls)", flush=True)
-                for rr, u, s, ps, wu in rows:
+                for rr, u, s, ps, wu, bl in rows:
                     print(f"rank {rr}: host un-spun p10/p50/p90 {pct(u, .1):.3f}/{pct(u, .5):.3f}/{pct(u, .9):.3f} ms; "
                           f"spun {pct(s, .1):.3f}/{pct(s, .5):.3f}/{pct(s, .9):.3f} ms"
                           + (f"; un-spun with the watch {pct(wu, .1):.3f}/{pct(wu, .5):.3f}/{pct(wu, .9):.3f} ms"
                              if wu else ""))
                     print("  pieces (us): " + ", ".join(f"{k} {v:.0f}" for k, v in ps.items()))
+                    print("  un-spun, alternating blocks: " + "; ".join(
+                        f"{k} p10/p50/p90 {pct(v, .1):.3f}/{pct(v, .5):.3f}/{pct(v, .9):.3f} ms" for k, v in bl.items()))
                 if prof is not None:
                     buf = io.StringIO()
                     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(20)

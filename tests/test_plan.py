@@ -667,14 +667,16 @@ class _FakeLayer:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_time_layer_queues_a_spin_before_the_timed_call(monkeypatch, world):
-    """Per iteration: the un-spun call (total, host), then spin_ahead (with the layer's group when it has
-    several ranks: the barrier) and the call timed pass by pass; the spin covers the host time."""
+    """The un-spun calls (total, host) back to back first, not interleaved with the instrumented ones
+    (which slowed the next un-spun call's host side); then per timed call spin_ahead (with the layer's
+    group when it has several ranks: the barrier) and the call timed pass by pass; the spin covers the
+    host time."""
     import torch
     log = []
     monkeypatch.setattr(plan, "spin_ahead", lambda device, ms, group=None: log.append(("spin", ms, group)))
     group = object() if world > 1 else None
     p = plan.time_layer(_FakeLayer(log, world, group), torch.zeros(1), warmup=1, iters=3)
-    assert [e[0] for e in log] == ["call"] + ["call", "spin", "timed"] * 3
+    assert [e[0] for e in log] == ["call"] + ["call"] * 3 + ["spin", "timed"] * 3
     spins = [e for e in log if e[0] == "spin"]
     assert all(g is group for _, _, g in spins)
     assert all(ms >= max(plan.SPIN_MIN_MS, plan.SPIN_HOST_FACTOR * p["host"]) * 0.5 for _, ms, _ in spins)

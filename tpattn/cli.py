@@ -247,14 +247,18 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
     call = layer.graphed(x_in) if cfg.cuda_graph else (lambda: layer(x_in))
     samples: dict[str, list[float]] = {}
     for _ in range(cfg.iters):
-        # "total" and "host": the layer as a user calls it, no per-pass timing inside
+        # "total" and "host": the layer as a user calls it, no per-pass timing inside; back to back,
+        # each after the previous one's end (an instrumented call in between slowed the next one's
+        # host side, up to 2x on the lent H200s: scripts/host_probe.py)
         with timer.section("total"):
             t0 = time.perf_counter()
             y = call()
             host = (time.perf_counter() - t0) * 1e3  # returns once everything is queued on the GPU
-        if not cfg.cuda_graph:  # then one call with an event pair around every pass
-            y = layer(x_in, timer)
         for name, ms in {**timer.collect(), "host": host}.items():
+            samples.setdefault(name, []).append(ms)
+    for _ in range(0 if cfg.cuda_graph else cfg.iters):  # then the calls with an event pair around every pass
+        y = layer(x_in, timer)
+        for name, ms in timer.collect().items():
             samples.setdefault(name, []).append(ms)
     if cfg.sequence_parallel:
         y = layer.gather_sequence(y)  # the whole output, for the checks (every rank joins)

@@ -492,14 +492,16 @@ def call_stall(p: dict) -> float:
 
 
 def time_layer(layer, x, warmup: int, iters: int, raw: dict | None = None) -> dict[str, float]:
-    """The layer as --calibrate and scripts/validate_model.py time it (this one function). Per
-    iteration:
-    - one call as python -m tpattn times it, un-spun: "total" (CUDA events around it: what users see)
-      and "host" (until the call returns);
-    - one call with a timer around every pass, queued behind spin_ahead (a barrier over the layer's
-      group when it has several ranks, then a GPU spin of spin_ms_for(host)), so each event pair
-      measures GPU time only; "gpu": that whole call's GPU time.
-    Medians over the iterations, ms (raw: filled with every iteration's sample, in order)."""
+    """The layer as --calibrate and scripts/validate_model.py time it (this one function):
+    - `iters` calls as python -m tpattn times them, un-spun, back to back (each after the previous
+      one's end): "total" (CUDA events around it: what users see) and "host" (until it returns);
+    - then `iters` calls with a timer around every pass, each queued behind spin_ahead (a barrier over
+      the layer's group when it has several ranks, then a GPU spin of spin_ms_for(host)), so each
+      event pair measures GPU time only; "gpu": that whole call's GPU time.
+    Not interleaved: an un-spun call that follows an instrumented one (its barrier, spin and event
+    pairs) took up to twice the host time of one that follows another un-spun call, in the same
+    process (scripts/host_probe.py on the lent H200s: 0.76 against 0.35 ms). Medians over the
+    iterations, ms (raw: filled with every sample, in order)."""
     from .timing import Timer
     timer = Timer(x.device)
     group = getattr(layer, "group", None) if getattr(layer, "world", 1) > 1 else None
@@ -512,10 +514,14 @@ def time_layer(layer, x, warmup: int, iters: int, raw: dict | None = None) -> di
             t0 = time.perf_counter()
             layer(x)
             host = (time.perf_counter() - t0) * 1e3
-        spin_ahead(x.device, spin_ms_for(host), group)
+        for k, v in {**timer.collect(), "host": host}.items():
+            samples.setdefault(k, []).append(v)
+    spin = spin_ms_for(statistics.median(samples["host"])) if iters else SPIN_MIN_MS
+    for _ in range(iters):
+        spin_ahead(x.device, spin, group)
         with timer.section("gpu"):
             layer(x, timer)
-        for k, v in {**timer.collect(), "host": host}.items():
+        for k, v in timer.collect().items():
             samples.setdefault(k, []).append(v)
     if raw is not None:
         raw.update(samples)
