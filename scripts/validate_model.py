@@ -133,26 +133,13 @@ def measure_layer(kernel: str, n: int, world: int, a, device) -> dict:
 
 
 def combine(rounds: list[dict]) -> dict:
-    """One measurement of a layer from its rounds (measure_layer's results, one per round): per pass the
-    median over the rounds (tpattn.plan.combine_rounds); a collective over several ranks, from every
-    round's samples together, call by call the last rank to arrive, then the median over all the calls
-    (tpattn.report.last_rank_ms, as --calibrate); the stall per round, then the median; each round's
-    end to end, host and GPU time kept ("rounds")."""
-    from tpattn.report import last_rank_ms
-    first = rounds[0]
-    out = {**first, "passes": plan.combine_rounds([r["passes"] for r in rounds]),
-           "rounds": [{k: r["passes"][k] for k in ("total", "host", "gpu") if k in r["passes"]} for r in rounds]}
-    full = [r["passes"] for r in rounds if {"total", "host", "gpu"} <= set(r["passes"])]
-    if full:  # per round (the quantities of one call), then the median
-        out["stall_ms"] = statistics.median(plan.call_stall(p) for p in full)
-    if "collective_median_over_ranks" in first:
+    """One measurement of a layer from its rounds (measure_layer's results, one per round), combined
+    as --calibrate combines its own (tpattn.plan.combine_layer_rounds: per pass the median over the
+    rounds; a collective call by call the last rank to arrive over the calls of every round; the
+    stall per round, then the median; each round's end to end, host and GPU time in "rounds")."""
+    out = {**rounds[0], **plan.combine_layer_rounds(rounds)}
+    if "collective_median_over_ranks" in rounds[0]:
         out["collective_median_over_ranks"] = plan.combine_rounds([r["collective_median_over_ranks"] for r in rounds])
-    if first.get("samples_by_rank"):
-        samples = plan.pool_rank_samples([r["samples_by_rank"] for r in rounds])
-        out["samples_by_rank"] = samples
-        for k in first["passes"]:
-            if k in cm.COLLECTIVE_NAMES:
-                out["passes"][k] = last_rank_ms([r[k] for r in samples])
     return out
 
 

@@ -535,6 +535,30 @@ def combine_rounds(rounds: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in rounds if k in r) for k in names}
 
 
+def combine_layer_rounds(rounds: list[dict]) -> dict:
+    """One measurement of a layer from several rounds of it, as --calibrate and scripts/validate_model.py
+    both combine them. Each round: {"passes": {name: ms} (already reduced over the ranks), and for
+    several ranks "samples_by_rank": [rank]{name: [ms per call]}}. Returns:
+    - "passes": per name the median over the rounds (combine_rounds), but a collective from every
+      round's calls together: call by call the last rank to arrive, then the median
+      (tpattn.report.last_rank_ms);
+    - "samples_by_rank": those calls, pooled (None with one rank);
+    - "stall_ms": the stall per round (call_stall: quantities of one and the same call), then the median;
+    - "rounds": each round's total, host and gpu."""
+    from .report import last_rank_ms
+    passes = combine_rounds([r["passes"] for r in rounds])
+    samples = None
+    if rounds[0].get("samples_by_rank"):
+        samples = pool_rank_samples([r["samples_by_rank"] for r in rounds])
+        for k in samples[0]:
+            if k in cm.COLLECTIVE_NAMES:
+                passes[k] = last_rank_ms([r[k] for r in samples])
+    full = [r["passes"] for r in rounds if {"total", "host", "gpu"} <= set(r["passes"])]
+    return {"passes": passes, "samples_by_rank": samples,
+            **({"stall_ms": statistics.median(call_stall(p) for p in full)} if full else {}),
+            "rounds": [{k: r["passes"][k] for k in ("total", "host", "gpu") if k in r["passes"]} for r in rounds]}
+
+
 def pool_rank_samples(rounds: list[list[dict[str, list[float]]]]) -> list[dict[str, list[float]]]:
     """Every rank's per-call samples of several rounds, round after round: rounds[i][rank][name] is
     round i's list for that rank; returns [rank][name] -> all its calls, in order (so call j of every
@@ -1052,17 +1076,13 @@ def _measure(a, proc, device, argv) -> dict:
                     # the slowest rank, but a collective: the last rank to arrive (from the samples, below)
                     p = {k: max(r[0][k] for r in every if k in r[0]) for k in every[0][0] if k not in cm.COLLECTIVE_NAMES}
                     rounds.setdefault((kernel, n), []).append(
-                        {"passes": p, "samples": [r[1] for r in every], "host_alone": max(r[2] or 0.0 for r in every)})
+                        {"passes": p, "samples_by_rank": [r[1] for r in every],
+                         "host_alone": max(r[2] or 0.0 for r in every)})
         for (kernel, n), got in rounds.items():
-            passes = combine_rounds([g["passes"] for g in got])
-            pooled = pool_rank_samples([g["samples"] for g in got])
-            for k in pooled[0]:  # call by call the last rank to arrive, over the calls of every round
-                passes[k] = report.last_rank_ms([r[k] for r in pooled])
-            full = [g["passes"] for g in got if {"total", "host", "gpu"} <= set(g["passes"])]
-            multi.append({"kernel": kernel, "h": h, "N": n, "passes": passes, "rounds": len(got),
+            comb = combine_layer_rounds(got)  # as scripts/validate_model.py combines its rounds
+            multi.append({"kernel": kernel, "h": h, "N": n, "passes": comb["passes"], "rounds": len(got),
                           "host_by_round": [round(g["passes"]["host"], 4) for g in got if "host" in g["passes"]],
-                          # per round, then the median: quantities of one and the same call
-                          **({"stall_ms": statistics.median(call_stall(q) for q in full)} if full else {}),
+                          **({"stall_ms": comb["stall_ms"]} if "stall_ms" in comb else {}),
                           "host_over_alone_ms": statistics.median(g["passes"].get("host", 0.0) - g["host_alone"]
                                                                   for g in got),
                           "collectives": len(coll_bytes[kernel, n]), "collective_bytes": coll_bytes[kernel, n]})
