@@ -64,7 +64,9 @@ def parse(argv):
                    help="as python -m tpattn: a world size that does not divide --heads (ceil/floor(H/W) per "
                         "rank); the compute passes compared are rank 0's, which holds the most, as the model's")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=10, help="timed iterations (naive: at most 3)")
+    p.add_argument("--iters", type=int, default=10,
+                   help="timed iterations (naive: as many as fit in about 2 s a call kind and round by the "
+                        "first machine's prediction, at least 3)")
     p.add_argument("--rounds", type=int, default=3,
                    help="measure every kernel, N and world size this many times, one round after another, and "
                         "take the median over the rounds (default 3): the host's speed drifts over seconds")
@@ -92,13 +94,33 @@ def calibrated_at(m: cm.Machine, kernel: str, h: int, n: int) -> bool:
     return any(p.get("h") == h and p.get("N") == n and not p.get("causal") for p in found)
 
 
-def measure_layer(kernel: str, n: int, world: int, a, device) -> dict:
-    """The layer at world size `world` (1: every rank its own 1-GPU layer). {pass: ms} combined over ranks."""
+NAIVE_BUDGET_MS = 2000.0   # the naive layer's timed calls of one kind (un-spun or spun), per round
+
+
+def iterations(kernel: str, n: int, world: int, a, m: cm.Machine) -> tuple[int, int]:
+    """(warm-up, timed) calls. The naive layer takes 20-700 ms a call: 1 warm-up and as many timed
+    calls as fit in NAIVE_BUDGET_MS by the machine's prediction, 3 to --iters (3 at N = 4096 left its
+    in-layer reduce-scatter resting on 9 calls over 3 rounds). Every rank computes the same number
+    from the same file: the ranks must agree on how many collectives they call."""
+    if kernel != "naive":
+        return a.warmup, a.iters
+    try:
+        ms = cm.predict(m, cm.Shape(seq_len=n, heads=a.heads, head_dim=a.head_dim, kernel=kernel,
+                                    uneven_heads=getattr(a, "uneven_heads", False)),
+                        world, max(world, m.gpus_per_node))["end_to_end_ms"]
+    except cm.ModelError:
+        return 1, min(a.iters, 3)
+    return 1, max(min(a.iters, 3), min(a.iters, int(NAIVE_BUDGET_MS / max(ms, 1e-3))))
+
+
+def measure_layer(kernel: str, n: int, world: int, a, device, calls: tuple[int, int]) -> dict:
+    """The layer at world size `world` (1: every rank its own 1-GPU layer), `calls` = (warm-up, timed).
+    {pass: ms} combined over ranks."""
     import torch
     import torch.distributed as dist
 
     from tpattn.weights import layer_input
-    warm, iters = (1, min(a.iters, 3)) if kernel == "naive" else (a.warmup, a.iters)
+    warm, iters = calls
     group = dist.group.WORLD if world > 1 else None
     cuda = device.type == "cuda"  # on CPU (the smoke test, TPATTN_PLAN_ALLOW_CPU=1): fp32 and the torch reference
     layer = plan.build_layer(a.heads, a.heads, a.head_dim, kernel, False, device, group=group,
@@ -318,7 +340,8 @@ def main(argv=None) -> int:
             for kernel in a.kernels:
                 for n in a.seq_lens:
                     for w in worlds:
-                        got.setdefault((kernel, n, w), []).append(measure_layer(kernel, n, w, a, device))
+                        got.setdefault((kernel, n, w), []).append(
+                            measure_layer(kernel, n, w, a, device, iterations(kernel, n, w, a, machines[0])))
             if a.rounds > 1:
                 say(f"round {r + 1} of {a.rounds} measured")
         for (kernel, n, w), rounds in got.items():

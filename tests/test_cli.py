@@ -188,3 +188,17 @@ def test_report_last_rank_is_call_by_call():
     old = report.collective_stats(stats, {"reducescatter": 64 << 20}, 2, {"reducescatter": "fp32"})
     assert old["reducescatter"]["last_rank_ms"] == 0.26   # no samples: the smallest median, as before
     assert old["reducescatter"]["last_rank_from"] == "rank medians"
+
+
+def test_versions_carry_no_nul_byte(monkeypatch):
+    """Open MPI's library version string holds a NUL byte; the versions every report and benchmark
+    file records must not (it made the .md files "binary" to grep and the JSON carry \\u0000)."""
+    pytest.importorskip("mpi4py")
+    from mpi4py import MPI
+
+    from tpattn import report
+    monkeypatch.setattr(MPI, "Get_library_version",
+                        lambda: "Open MPI v4.1.6, package: Debian OpenMPI, ident: 4.1.6, Sep 30, 2023\x00\n")
+    v = report.versions()
+    assert v["mpi"] == "Open MPI v4.1.6, package: Debian OpenMPI, ident: 4.1.6, Sep 30, 2023"
+    assert not any("\x00" in str(x) for x in v.values())

@@ -632,9 +632,10 @@ def test_build_machine_from_measurements(tmp_path):
 
 
 def test_build_machine_several_layer_runs_and_the_spun_gpu_time():
-    """The W-rank layer at several kernels and lengths: host per kernel = the median over its lengths,
-    layer_extra_us = the median over the runs; the overhead comes from the spun call's GPU time
-    ("gpu") where the measurement has it, not from the un-spun end to end (which holds host gaps)."""
+    """The W-rank layer at several kernels and lengths: host per kernel = the median over its lengths
+    (of each length's quietest round, when measured in rounds), layer_extra_us = the median over the
+    runs; the overhead comes from the spun call's GPU time ("gpu") where the measurement has it, not
+    from the un-spun end to end (which holds host gaps)."""
     meas = fake_measurements()
     run0 = meas["layer_multi"][0]
     rs = run0["passes"]["reducescatter"] - 0.025   # the bare collective's time at those bytes
@@ -646,6 +647,11 @@ def test_build_machine_several_layer_runs_and_the_spun_gpu_time():
         run["passes"]["gpu"] = run["passes"]["total"] - 0.2   # the un-spun call waited 0.2 ms on the host
     data = plan.build_machine(meas)
     assert data["layer"]["host_ms_by_world"] == {"2": {"fused": 0.9, "tiled": 0.97}}
+    # measured in rounds: each length's quietest round (not the median over rounds, 0.7 and 1.0 here)
+    meas["layer_multi"][0]["host_by_round"] = [0.75, 0.4, 0.7, 0.72, 0.9]
+    meas["layer_multi"][1]["host_by_round"] = [1.1, 1.0, 0.6]
+    assert plan.build_machine(meas)["layer"]["host_ms_by_world"] == {"2": {"fused": 0.5, "tiled": 0.97}}
+    assert "quietest" in plan.build_machine(meas)["sources"]["layer"]
     per = data["links"]["nvlink"]["per_collective"]
     assert per["reducescatter"]["layer_extra_us"] == pytest.approx(20, abs=0.2)
     assert per["allgather"]["layer_extra_us"] == pytest.approx(60, abs=0.2)
@@ -794,6 +800,32 @@ def test_rounds_combine_to_the_median_and_collectives_over_every_call():
     # the stall per round (total - max(host, gpu), at least 0: 0.3, 0, 0), then the median; from the
     # medians it would be 1.3 - 1.25 = 0.05, a call that never ran
     assert got["stall_ms"] == 0.0
+
+
+def test_validation_naive_iterations_fit_a_budget_and_agree_across_ranks():
+    """The naive layer's timed calls: as many as fit in NAIVE_BUDGET_MS by the first machine's
+    prediction (a number every rank computes alike), at least 3, at most --iters; others: --iters."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import validate_model as vm
+    m = cm.load_machine("h200x2")
+
+    class A:
+        heads, head_dim, warmup, iters, uneven_heads = 32, 128, 2, 10, False
+    assert vm.iterations("fused", 8192, 2, A, m) == (2, 10)
+    got = {}
+    for n in (2048, 4096, 8192):
+        for w in (1, 2):
+            ms = cm.predict(m, cm.Shape(seq_len=n, kernel="naive"), w)["end_to_end_ms"]
+            warm, iters = got[n, w] = vm.iterations("naive", n, w, A, m)
+            assert warm == 1 and 3 <= iters <= 10
+            assert iters == 3 or iters * ms <= vm.NAIVE_BUDGET_MS     # within the budget, or the floor
+            assert iters == 10 or (iters + 1) * ms > vm.NAIVE_BUDGET_MS  # one more would not fit
+    assert got[2048, 2] == (1, 10) and got[8192, 1] == (1, 3)   # ~23 ms a call; ~700 ms a call
+    assert got[8192, 2][1] > got[8192, 1][1]                     # half the work on each of 2 GPUs
+
+    class Few(A):
+        iters = 2
+    assert vm.iterations("naive", 2048, 1, Few, m) == (1, 2)      # never more than asked for
 
 
 @pytest.mark.mpi

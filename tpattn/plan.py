@@ -528,6 +528,22 @@ def time_layer(layer, x, warmup: int, iters: int, raw: dict | None = None) -> di
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
+# The W-rank layer's host time in the machine file (layer.host_ms_by_world) is its quietest round's:
+# another process on the host only ever adds to a Python call's host time, never takes from it, and on
+# the lent H200s it came and went over seconds: in one calibration the 2-rank fused call's rounds (each
+# the median of its calls) were 0.38 to 0.75 ms, and the median over those rounds (0.65) predicted
+# the host-bound rows of the validation minutes later 17-47 % too slow, where their host time was
+# 0.40-0.50 (benchmarks/model_validation_run8.md). The model predicts the host of a quiet machine;
+# a measurement on a busy one is slower than it.
+QUIET_HOST = "the quietest round"
+
+
+def quiet_host_ms(by_round: list[float]) -> float:
+    """The host time of a call measured in rounds (each the median of that round's calls): the
+    quietest round's (QUIET_HOST)."""
+    return min(by_round)
+
+
 def combine_rounds(rounds: list[dict[str, float]]) -> dict[str, float]:
     """One measurement from several rounds of the same one (each {name: ms}): per name the median over
     the rounds that have it. --calibrate's W-rank layer and scripts/validate_model.py both use it."""
@@ -696,11 +712,12 @@ class Sizes:
     collectives, warmup, iters = tuple(COLLECTIVE_SIZES), 2, 5
     # the W-rank layer (every kernel, 16 heads per rank on 2 GPUs): lengths where the call is host-bound
     # or nearly; more iterations than the grid's (cheap: ~1-3 ms a call), its host time is a model number
-    multi_n, multi_warmup, multi_iters = (2048, 4096), 2, 10
+    multi_n, multi_warmup, multi_iters = (2048, 4096), 2, 20
     # ... in rounds: every kernel and length once per round, the rounds one after another, the median
-    # over the rounds per number. The host's speed drifts over seconds on a shared machine (the same
-    # call's host time moved 0.52-0.81 ms between runs on the lent H200s, scripts/host_probe.py); one
-    # stretch of back-to-back calls is a snapshot of it, rounds spread the measurement over the drift
+    # over the rounds per number but the host time (see QUIET_HOST). The host's speed drifts over
+    # seconds on a shared machine (the same call's host time moved 0.52-0.81 ms between runs on the
+    # lent H200s, scripts/host_probe.py); one stretch of back-to-back calls is a snapshot of it,
+    # rounds spread the measurement over the drift
     multi_rounds = 5
     naive_work = 32 * 8192**2   # h x N^2 at most: ~0.7 s a call
 
@@ -876,7 +893,9 @@ def build_machine(meas: dict) -> dict:
     host_w: dict[str, list] = {}
     stall_w: dict[str, list] = {}
     for run in meas.get("layer_multi", []):
-        if "host" in run["passes"]:
+        if run.get("host_by_round"):   # the quietest round (QUIET_HOST)
+            host_w.setdefault(run["kernel"], []).append(quiet_host_ms(run["host_by_round"]))
+        elif "host" in run["passes"]:  # older measurements: one number
             host_w.setdefault(run["kernel"], []).append(run["passes"]["host"])
         if "stall_ms" in run:
             stall_w.setdefault(run["kernel"], []).append(run["stall_ms"])
@@ -890,8 +909,9 @@ def build_machine(meas: dict) -> dict:
     data["sources"]["layer"] = (f"{how}: overhead = the layer's GPU time (the call timed pass by pass behind a GPU "
                                 "spin) - its timed passes - the modeled untimed steps (median over the sizes); "
                                 "host = the time for the un-spun call to return (1 rank, median over the sizes); "
-                                f"host_ms_by_world: the {W}-rank layer's (the slowest rank; the median over rounds, each every "
-                                "kernel and length once, then over its lengths) "
+                                f"host_ms_by_world: the {W}-rank layer's (the slowest rank's median over a round's calls; "
+                                "the quietest of the rounds, each every kernel and length once, since interference on "
+                                "the host only ever adds time; then the median over its lengths) "
                                 "per kernel; per collective (world sizes not calibrated): the host time of the "
                                 "W-rank layer over that of the same heads on each rank alone, timed right after it "
                                 "in each round (the median over rounds, per collective); stall = the un-spun call's "

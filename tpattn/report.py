@@ -28,7 +28,8 @@ def versions() -> dict:
         v["mpi4py"] = sys.modules["mpi4py"].__version__
         try:
             from mpi4py import MPI
-            v["mpi"] = MPI.Get_library_version().splitlines()[0].strip()
+            # Open MPI's string holds a NUL byte: it made every .md written from it a "binary file"
+            v["mpi"] = MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip()
         except Exception:  # noqa: BLE001 - informational only
             pass
     if torch.cuda.is_available():
