@@ -16,7 +16,8 @@
 #   checks  the refusals that need a GPU: NaN in --load, the memory pre-flight, N^2 > 2^31 run
 #   model   the cost model: python -m tpattn.plan --calibrate on 1 GPU and (mpirun) on 2, then
 #           scripts/validate_model.py (the layer and the bare NCCL collectives against the predictions),
-#           then scripts/host_probe.py (where the 2-rank layer's host time goes, and how it drifts)
+#           then scripts/host_probe.py (where the 2-rank layer's host time goes, and how it drifts) and
+#           scripts/collective_probe.py (the naive layer's reduce-scatter beside bare ones, clocks sampled)
 #   gqa     grouped-query attention, both of:
 #     gqatests  pytest -m gpu -k gqa (naive, tiled, fused; the layer over gloo on one GPU and, with 2
 #               GPUs, over NCCL)
@@ -312,6 +313,12 @@ if want model; then
   if [ "$gpus" -ge 2 ]; then
     mpirun -n 2 python3 scripts/host_probe.py --kernels fused tiled --seq-lens 2048 4096 --profile </dev/null 2>&1 \
       | tee "$OUT/model/host_probe.log" | grep -v "^ *[0-9]" || status=1
+    # the naive layer's reduce-scatter at N = 4096 beside bare ones, with the clocks sampled every 100 ms
+    nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+      --format=csv -lms 100 > "$OUT/model/collective_probe_smi.csv" 2>&1 & smi=$!
+    mpirun -n 2 python3 scripts/collective_probe.py --kernels naive tiled --seq-len 4096 </dev/null 2>&1 \
+      | tee "$OUT/model/collective_probe.log" || status=1
+    kill $smi 2>/dev/null
   fi
 fi
 exit $status

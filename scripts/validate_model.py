@@ -48,6 +48,7 @@ from tpattn import costmodel as cm  # noqa: E402
 from tpattn import plan  # noqa: E402
 
 TARGET_E2E, TARGET_PASS, TARGET_COLL = 15.0, 25.0, 20.0
+HOST_NEAR = 0.8   # a row whose host time is this share of its GPU time or more is listed round by round
 PASS_ORDER = ("qkv_proj", "qk", "softmax", "pv", "fused", "out_proj", "allreduce", "reducescatter", "allgather")
 
 
@@ -127,7 +128,9 @@ def measure_layer(kernel: str, n: int, world: int, a, device, calls: tuple[int, 
                              dtype="fp16" if cuda else "fp32", uneven=getattr(a, "uneven_heads", False))
     x = layer_input(1, n, a.heads * a.head_dim, 0, torch.float16 if cuda else torch.float32, device)
     raw: dict = {}
+    before = plan.host_load()
     mine = plan.time_layer(layer, x, warm, iters, raw=raw)
+    load = plan.rank_loads(plan.gather(plan.host_load_between(before, plan.host_load())))
     colls = layer.collective_nbytes(1, n) if world > 1 else {}
     del layer, x
     if cuda:
@@ -138,7 +141,7 @@ def measure_layer(kernel: str, n: int, world: int, a, device, calls: tuple[int, 
     samples = plan.gather({k: [round(t, 4) for t in v] for k, v in raw.items() if k in cm.COLLECTIVE_NAMES or k == "gpu"})
     dtype = "fp16" if cuda else "fp32"
     if world == 1:
-        return {"passes": everyone[0], "collectives": {}, "ranks": 1, "dtype": dtype}
+        return {"passes": everyone[0], "collectives": {}, "ranks": 1, "dtype": dtype, "host_load": load}
     out, median = {}, {}
     uneven = a.heads % world != 0  # ranks hold different heads: the model predicts rank 0's (the most)
     for k in everyone[0]:
@@ -151,7 +154,7 @@ def measure_layer(kernel: str, n: int, world: int, a, device, calls: tuple[int, 
         else:
             out[k] = everyone[0][k] if uneven else statistics.median(vals)
     return {"passes": out, "collectives": colls, "collective_median_over_ranks": median, "ranks": world, "dtype": dtype,
-            "samples_by_rank": samples}
+            "samples_by_rank": samples, "host_load": load}
 
 
 def combine(rounds: list[dict]) -> dict:
@@ -246,6 +249,24 @@ def markdown(doc: dict) -> str:
                  f"{fmt(c['host_measured_ms'])} / {fmt(c['host_predicted_ms'])} | "
                  f"{fmt(c.get('stall_measured_ms'))} / {fmt(c.get('stall_predicted_ms'))} | "
                  f"{'yes' if c['calibrated_here'] else 'no'} |")
+    near = [c for c in doc["comparisons"] if c["machine"] == primary and c.get("gpu_measured_ms")
+            and (c.get("host_measured_ms") or 0) >= HOST_NEAR * c["gpu_measured_ms"]]
+    if near:
+        L += ["", "## The host-bound rows, round by round", "",
+              f"The rows whose host time is at least {HOST_NEAR:.0%} of their GPU time, where the end to end follows "
+              "the host's speed. Each round: end to end / host ms, and what competed for the CPU meanwhile "
+              "(tpattn.plan.host_load_between; the most of any rank): the machine's CPUs busy (these ranks "
+              "included), the steal time of the ranks' CPUs (given by the hypervisor to other machines), the "
+              "ranks' involuntary context switches.", "",
+              "| kernel | N | GPUs | GPU ms | rounds: end to end / host ms (busy %, steal %, switches) |",
+              "|---|---:|---:|---:|---|"]
+        for c in near:
+            cells = []
+            for r in c.get("rounds", []):
+                ld = r.get("host_load") or {}
+                extra = (f" ({ld['busy_pct']:.0f} %, {ld['steal_pct']:.1f} %, {ld['preempted']})" if ld else "")
+                cells.append(f"{fmt(r.get('total'))} / {fmt(r.get('host'))}{extra}")
+            L.append(f"| {c['kernel']} | {c['N']} | {c['world']} | {fmt(c['gpu_measured_ms'])} | " + "; ".join(cells) + " |")
     L += ["", f"## Per pass ({primary})", "",
           "| kernel | N | GPUs | pass | measured ms | predicted ms | error |", "|---|---:|---:|---|---:|---:|---:|"]
     for c in doc["comparisons"]:

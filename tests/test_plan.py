@@ -775,6 +775,15 @@ def test_validation_report_from_comparisons():
     assert "each pass within 25 % | **not met**" in md and "all-reduce within 20 % at 8–256 MiB | **not met**" in md
     assert "| fused | 4096 | 2 | out_proj |" in md and "-50.0%" in md
     assert "| allreduce | 64 |" in md
+    assert "host-bound rows, round by round" not in md   # no row's host time near its GPU time
+    comps[3].update(gpu_measured_ms=0.45, host_measured_ms=0.40, rounds=[
+        {"total": 0.48, "host": 0.40, "gpu": 0.45, "host_load": {"busy_pct": 12.0, "steal_pct": 0.0, "preempted": 3}},
+        {"total": 0.66, "host": 0.60, "gpu": 0.46}])
+    comps[2].update(gpu_measured_ms=1.2, host_measured_ms=0.9)   # 75 %: not listed
+    md = vm.markdown(doc)
+    assert "host-bound rows, round by round" in md
+    assert "| fused | 4096 | 2 | 0.450 | 0.480 / 0.400 (12 %, 0.0 %, 3); 0.660 / 0.600 |" in md
+    assert "| fused | 4096 | 1 | 1.200 |" not in md
 
 
 def test_rounds_combine_to_the_median_and_collectives_over_every_call():
@@ -797,9 +806,32 @@ def test_rounds_combine_to_the_median_and_collectives_over_every_call():
     assert got["passes"]["reducescatter"] == pytest.approx(0.175)
     assert got["samples_by_rank"][0]["reducescatter"] == [0.1, 0.5, 0.3, 0.3, 0.12, 0.7]
     assert [r["total"] for r in got["rounds"]] == [1.5, 1.2, 1.3] and got["collectives"] == {"x": 1}
+    load = {"busy_pct": 30.0, "steal_pct": 2.0, "preempted": 4}
+    assert plan.combine_layer_rounds([{**one(1.5, 1.2, [0.1], [0.2]), "host_load": load},
+                                      one(1.2, 1.25, [0.3], [0.9])])["rounds"][0]["host_load"] == load
     # the stall per round (total - max(host, gpu), at least 0: 0.3, 0, 0), then the median; from the
     # medians it would be 1.3 - 1.25 = 0.05, a call that never ran
     assert got["stall_ms"] == 0.0
+
+
+def test_host_load_between_two_snapshots():
+    """What competed for the CPU between two snapshots: busy % of every CPU (not idle, not iowait),
+    steal % of this process's CPUs, involuntary switches; over ranks the most of each."""
+    a = {"all": [100, 0, 50, 800, 50, 0, 0, 0], "own": [40, 0, 10, 150, 0, 0, 0, 0], "nivcsw": 7}
+    b = {"all": [400, 0, 150, 1300, 150, 0, 0, 0], "own": [140, 0, 30, 170, 0, 0, 0, 60], "nivcsw": 19}
+    got = plan.host_load_between(a, b)
+    # all: 300 + 100 busy of 1000 (idle 500, iowait 100); own: 60 steal of 100 + 20 + 20 + 60 = 200
+    assert got == {"busy_pct": 40.0, "steal_pct": 30.0, "preempted": 12}
+    assert plan.host_load_between(None, b) is None
+    assert plan.rank_loads([got, {"busy_pct": 45.0, "steal_pct": 1.0, "preempted": 3}, None]) == \
+        {"busy_pct": 45.0, "steal_pct": 30.0, "preempted": 12}
+    assert plan.rank_loads([None]) is None
+    snap = plan.host_load()   # this machine (Linux): the same fields, counters that only grow
+    if snap is not None:
+        later = plan.host_load()
+        assert len(snap["all"]) == len(snap["own"]) == 8 and all(y >= x for x, y in zip(snap["all"], later["all"]))
+        d = plan.host_load_between(snap, later)
+        assert 0.0 <= d["busy_pct"] <= 100.0 and 0.0 <= d["steal_pct"] <= 100.0 and d["preempted"] >= 0
 
 
 def test_validation_naive_iterations_fit_a_budget_and_agree_across_ranks():
@@ -879,11 +911,13 @@ def test_calibrate_plan_validate_flow_under_mpirun(tmp_path):
     assert out.returncode == 2 and len(errs) == 1 and "--uneven-heads" in errs[0], out.stderr[-2000:]
 
 
-def test_host_probe_without_a_gpu_one_line():
-    """scripts/host_probe.py (the layer's host time, piece by piece) says it needs the GPU, in one line."""
+@pytest.mark.parametrize("script", ["host_probe.py", "collective_probe.py"])
+def test_probes_without_a_gpu_one_line(script):
+    """scripts/host_probe.py (the layer's host time, piece by piece) and scripts/collective_probe.py
+    (the in-layer reduce-scatter beside bare ones) say they need the GPU, in one line."""
     import torch
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the probe would run")
-    out = run([sys.executable, "scripts/host_probe.py", "--kernels", "fused"], timeout=120)
+    out = run([sys.executable, f"scripts/{script}", "--kernels", "fused"], timeout=120)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "needs a CUDA GPU" in out.stderr, out.stderr
-    assert run([sys.executable, "scripts/host_probe.py", "--help"], timeout=60).returncode == 0
+    assert run([sys.executable, f"scripts/{script}", "--help"], timeout=60).returncode == 0

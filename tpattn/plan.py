@@ -370,6 +370,49 @@ COLLECTIVE_SIZES = [8 * MiB, 16 * MiB, 32 * MiB, 64 * MiB, 128 * MiB, 256 * MiB]
 CPU_SMOKE = "TPATTN_PLAN_ALLOW_CPU"
 
 
+def host_load() -> dict | None:
+    """A snapshot of what competes with this process for the CPU, for host_load_between: /proc/stat's
+    jiffies (all CPUs; and the CPUs this process may run on: their steal time is what the hypervisor
+    of a virtual machine gave to others) and this process's involuntary context switches (another
+    thread or process took its CPU). None where /proc/stat is not there (not Linux)."""
+    import resource
+    try:
+        with open("/proc/stat") as f:
+            lines = [ln.split() for ln in f if ln.startswith("cpu")]
+    except OSError:
+        return None
+    mine = {f"cpu{c}" for c in os.sched_getaffinity(0)} if hasattr(os, "sched_getaffinity") else set()
+    # fields: user nice system idle iowait irq softirq steal ...
+    every = [int(v) for v in lines[0][1:9]]
+    own = [sum(int(ln[i]) for ln in lines[1:] if ln[0] in mine) for i in range(1, 9)]
+    return {"all": every, "own": own, "nivcsw": resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw}
+
+
+def host_load_between(a: dict | None, b: dict | None) -> dict | None:
+    """Between two host_load snapshots: "busy_pct" (every CPU of the machine not idle, this process
+    included), "steal_pct" (of the time of the CPUs this process may run on, given to other virtual
+    machines) and "preempted" (this process's involuntary context switches)."""
+    if not a or not b:
+        return None
+
+    def pct(part: int, whole: int) -> float:
+        return round(100.0 * part / whole, 2) if whole > 0 else 0.0
+    d_all = [y - x for x, y in zip(a["all"], b["all"])]
+    d_own = [y - x for x, y in zip(a["own"], b["own"])]
+    return {"busy_pct": pct(sum(d_all) - d_all[3] - d_all[4], sum(d_all)), "steal_pct": pct(d_own[7], sum(d_own)),
+            "preempted": b["nivcsw"] - a["nivcsw"]}
+
+
+def rank_loads(loads: list[dict | None]) -> dict | None:
+    """Every rank's host_load_between over one measurement, as one: the machine's busy %, the most
+    steal % and the most involuntary switches of any rank."""
+    loads = [x for x in loads if x]
+    if not loads:
+        return None
+    return {"busy_pct": max(x["busy_pct"] for x in loads), "steal_pct": max(x["steal_pct"] for x in loads),
+            "preempted": max(x["preempted"] for x in loads)}
+
+
 def _sync(device) -> None:
     import torch
     if device.type == "cuda":
@@ -560,7 +603,8 @@ def combine_layer_rounds(rounds: list[dict]) -> dict:
       (tpattn.report.last_rank_ms);
     - "samples_by_rank": those calls, pooled (None with one rank);
     - "stall_ms": the stall per round (call_stall: quantities of one and the same call), then the median;
-    - "rounds": each round's total, host and gpu."""
+    - "rounds": each round's total, host and gpu (and "host_load", where the round has it: what
+      competed for the CPU meanwhile, host_load_between)."""
     from .report import last_rank_ms
     passes = combine_rounds([r["passes"] for r in rounds])
     samples = None
@@ -572,7 +616,8 @@ def combine_layer_rounds(rounds: list[dict]) -> dict:
     full = [r["passes"] for r in rounds if {"total", "host", "gpu"} <= set(r["passes"])]
     return {"passes": passes, "samples_by_rank": samples,
             **({"stall_ms": statistics.median(call_stall(p) for p in full)} if full else {}),
-            "rounds": [{k: r["passes"][k] for k in ("total", "host", "gpu") if k in r["passes"]} for r in rounds]}
+            "rounds": [{**{k: r["passes"][k] for k in ("total", "host", "gpu") if k in r["passes"]},
+                        **({"host_load": r["host_load"]} if r.get("host_load") else {})} for r in rounds]}
 
 
 def pool_rank_samples(rounds: list[list[dict[str, list[float]]]]) -> list[dict[str, list[float]]]:
@@ -1083,7 +1128,9 @@ def _measure(a, proc, device, argv) -> dict:
                                                    uneven=heads % proc.world != 0, alone=alone)
                     x = layer_input(1, n, D, 0, dt, device)
                     layer, raw = mk(False), {}
+                    before = host_load()
                     mine = time_layer(layer, x, kw, ki, raw=raw)
+                    load = host_load_between(before, host_load())
                     coll_bytes[kernel, n] = dict(layer.collective_nbytes(1, n))
                     del layer
                     # the same heads and weights on each rank alone, at once, right after: the host time
@@ -1092,16 +1139,18 @@ def _measure(a, proc, device, argv) -> dict:
                     one = time_layer(lay1, x, kw, ki)
                     del lay1, x
                     empty_cache()
-                    every = gather((mine, {k: v for k, v in raw.items() if k in cm.COLLECTIVE_NAMES}, one.get("host")))
+                    every = gather((mine, {k: v for k, v in raw.items() if k in cm.COLLECTIVE_NAMES}, one.get("host"),
+                                    load))
                     # the slowest rank, but a collective: the last rank to arrive (from the samples, below)
                     p = {k: max(r[0][k] for r in every if k in r[0]) for k in every[0][0] if k not in cm.COLLECTIVE_NAMES}
                     rounds.setdefault((kernel, n), []).append(
                         {"passes": p, "samples_by_rank": [r[1] for r in every],
-                         "host_alone": max(r[2] or 0.0 for r in every)})
+                         "host_alone": max(r[2] or 0.0 for r in every), "host_load": rank_loads([r[3] for r in every])})
         for (kernel, n), got in rounds.items():
             comb = combine_layer_rounds(got)  # as scripts/validate_model.py combines its rounds
             multi.append({"kernel": kernel, "h": h, "N": n, "passes": comb["passes"], "rounds": len(got),
                           "host_by_round": [round(g["passes"]["host"], 4) for g in got if "host" in g["passes"]],
+                          "host_load_by_round": [g.get("host_load") for g in got],
                           **({"stall_ms": comb["stall_ms"]} if "stall_ms" in comb else {}),
                           "host_over_alone_ms": statistics.median(g["passes"].get("host", 0.0) - g["host_alone"]
                                                                   for g in got),
