@@ -44,6 +44,10 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--burn-ms", type=float, default=70.0, help="GEMMs before the last bare call (default 70)")
+    p.add_argument("--as-validation", action="store_true",
+                   help="first as scripts/validate_model.py does it: the 1-GPU layer (all heads on each rank), then "
+                        "the W-rank layer timed by tpattn.plan.time_layer (its reduce-scatter: 'in layer, time_layer'); "
+                        "then the rows above on that same layer, the probe's buffers made only then")
     a = p.parse_args(argv)
     try:
         proc, device = plan.start_ranks(what="collective_probe.py")
@@ -63,14 +67,9 @@ def main(argv=None) -> int:
     from tpattn.weights import layer_input
     group, W = dist.group.WORLD, proc.world
     D = a.heads * a.head_dim
-    part = torch.zeros(a.seq_len, D, dtype=torch.float32, device=device)   # the layer's partial's bytes
-    mine = torch.empty(a.seq_len // W, D, dtype=torch.float32, device=device)
-    g = torch.randn(8192, 8192, dtype=torch.float16, device=device)
-    gemm_ms = plan.events_ms(lambda: torch.mm(g, g), 2, 5, device)
-    burn = max(1, int(a.burn_ms / gemm_ms))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
-    def bare() -> tuple:
+    def bare(mine, part) -> tuple:
         start.record()
         L._reduce_scatter(mine, part, group=group)
         end.record()
@@ -81,27 +80,42 @@ def main(argv=None) -> int:
         return pair[0].elapsed_time(pair[1])
 
     for kernel in a.kernels:
-        layer = plan.build_layer(a.heads, a.heads, a.head_dim, kernel, False, device, group=group)
         x = layer_input(1, a.seq_len, D, 0, torch.float16, device)
+        rows: dict[str, list[float]] = {}
+        if a.as_validation:
+            one = plan.build_layer(a.heads, a.heads, a.head_dim, kernel, False, device)
+            plan.time_layer(one, x, 1, a.iters)
+            del one
+            torch.cuda.empty_cache()
+        layer = plan.build_layer(a.heads, a.heads, a.head_dim, kernel, False, device, group=group)
+        if a.as_validation:
+            raw: dict = {}
+            plan.time_layer(layer, x, 1, a.iters, raw=raw)
+            rs = plan.gather(raw["reducescatter"][-a.iters:])   # the spun calls' (time_layer's second half)
+            rows["in layer, time_layer"] = [min(c) for c in zip(*rs)]
+        part = torch.zeros(a.seq_len, D, dtype=torch.float32, device=device)   # the layer's partial's bytes
+        mine = torch.empty(a.seq_len // W, D, dtype=torch.float32, device=device)
+        g = torch.randn(8192, 8192, dtype=torch.float16, device=device)
+        gemm_ms = plan.events_ms(lambda: torch.mm(g, g), 2, 5, device)
+        burn = max(1, int(a.burn_ms / gemm_ms))
         timer = Timer(device)
         for _ in range(2):
             layer(x)
-            bare()
+            bare(mine, part)
         torch.cuda.synchronize()
-        rows: dict[str, list[float]] = {}
         for _ in range(a.iters):
             plan.spin_ahead(device, 2.0, group)
             with timer.section("gpu"):
                 layer(x, timer)
-            after = ms(bare())
+            after = ms(bare(mine, part))
             got = {"in layer": timer.collect().get("reducescatter", float("nan")), "bare, right after": after}
             time.sleep(0.3)
             dist.barrier(group=group, device_ids=[device.index])
-            got["bare, idle"] = ms(bare())
+            got["bare, idle"] = ms(bare(mine, part))
             dist.barrier(group=group, device_ids=[device.index])
             for _ in range(burn):
                 torch.mm(g, g)
-            got["bare, after GEMMs"] = ms(bare())   # one key on every rank (each burns ~--burn-ms)
+            got["bare, after GEMMs"] = ms(bare(mine, part))   # one key on every rank (each burns ~--burn-ms)
             every = plan.gather(got)
             for k in got:
                 rows.setdefault(k, []).append(min(r[k] for r in every))
@@ -111,7 +125,7 @@ def main(argv=None) -> int:
             for k, v in rows.items():
                 print(f"  {k:28s} {pct(v, 0.1) * 1e3:6.0f} {statistics.median(v) * 1e3:6.0f} {pct(v, 0.9) * 1e3:6.0f}",
                       flush=True)
-        del layer, x
+        layer = x = part = mine = g = None
         torch.cuda.empty_cache()
     plan.finish_ranks(proc, 0)
     return 0

@@ -316,7 +316,7 @@ if want model; then
     # the naive layer's reduce-scatter at N = 4096 beside bare ones, with the clocks sampled every 100 ms
     nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
       --format=csv -lms 100 > "$OUT/model/collective_probe_smi.csv" 2>&1 & smi=$!
-    mpirun -n 2 python3 scripts/collective_probe.py --kernels naive tiled --seq-len 4096 </dev/null 2>&1 \
+    mpirun -n 2 python3 scripts/collective_probe.py --kernels naive tiled --seq-len 4096 --as-validation </dev/null 2>&1 \
       | tee "$OUT/model/collective_probe.log" || status=1
     kill $smi 2>/dev/null
   fi
