@@ -26,7 +26,8 @@ term sets the time and every step's latency adds.
 
 The end to end time is max(GPU time, host time) + stall: the sum of the steps plus the per-call
 overhead, unless the Python call itself takes longer: its host time, calibrated per kernel and world
-size (layer.host_ms_by_world: the W-rank layer's host time as --calibrate measures it), or for a
+size (layer.host_ms_by_world: the W-rank layer's host time as --calibrate measures it, its quietest
+round: the host of a quiet machine, which another process only ever slows), or for a
 world size not calibrated (and in files without it) the 1-rank host_ms + host_ms_per_collective
 each. The stall is the time of an eager call that neither accounts for: the GPU idle until the
 call's first launch, and at a collective until the last rank's launch reaches it (layer.stall_ms,
