@@ -571,19 +571,14 @@ def time_layer(layer, x, warmup: int, iters: int, raw: dict | None = None) -> di
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-# The W-rank layer's host time in the machine file (layer.host_ms_by_world) is its quietest round's:
-# another process on the host only ever adds to a Python call's host time, never takes from it, and on
-# the lent H200s it came and went over seconds: in one calibration the 2-rank fused call's rounds (each
-# the median of its calls) were 0.38 to 0.75 ms, and the median over those rounds (0.65) predicted
-# the host-bound rows of the validation minutes later 17-47 % too slow, where their host time was
-# 0.40-0.50 (benchmarks/model_validation_run8.md). The model predicts the host of a quiet machine;
-# a measurement on a busy one is slower than it.
-QUIET_HOST = "the quietest round"
-
-
 def quiet_host_ms(by_round: list[float]) -> float:
-    """The host time of a call measured in rounds (each the median of that round's calls): the
-    quietest round's (QUIET_HOST)."""
+    """The host time of a call measured in rounds (each the median of that round's calls), as the
+    machine file keeps it (layer.host_ms_by_world): the quietest round's. Another process on the host
+    only ever adds to a Python call's host time, never takes from it, and on the lent H200s it came
+    and went over seconds: in one calibration the 2-rank fused call's rounds were 0.38 to 0.75 ms,
+    and the median over them (0.65) predicted the host-bound rows of the validation minutes later
+    17-47 % too slow, where their host time was 0.40-0.50 (benchmarks/model_validation_run8.md). The
+    model predicts the host of a quiet machine; a measurement on a busy one is slower than it."""
     return min(by_round)
 
 
@@ -759,7 +754,7 @@ class Sizes:
     # or nearly; more iterations than the grid's (cheap: ~1-3 ms a call), its host time is a model number
     multi_n, multi_warmup, multi_iters = (2048, 4096), 2, 20
     # ... in rounds: every kernel and length once per round, the rounds one after another, the median
-    # over the rounds per number but the host time (see QUIET_HOST). The host's speed drifts over
+    # over the rounds per number but the host time (see quiet_host_ms). The host's speed drifts over
     # seconds on a shared machine (the same call's host time moved 0.52-0.81 ms between runs on the
     # lent H200s, scripts/host_probe.py); one stretch of back-to-back calls is a snapshot of it,
     # rounds spread the measurement over the drift
@@ -938,7 +933,7 @@ def build_machine(meas: dict) -> dict:
     host_w: dict[str, list] = {}
     stall_w: dict[str, list] = {}
     for run in meas.get("layer_multi", []):
-        if run.get("host_by_round"):   # the quietest round (QUIET_HOST)
+        if run.get("host_by_round"):   # the quietest round (quiet_host_ms)
             host_w.setdefault(run["kernel"], []).append(quiet_host_ms(run["host_by_round"]))
         elif "host" in run["passes"]:  # older measurements: one number
             host_w.setdefault(run["kernel"], []).append(run["passes"]["host"])
