@@ -873,7 +873,7 @@ def test_calibrate_plan_validate_flow_under_mpirun(tmp_path):
                "--kernels", "naive", "--name", "smoke"], timeout=240, TPATTN_PLAN_ALLOW_CPU="1")
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"[calibrate] wrote {cal}" in out.stdout
-    assert "2-rank layer: naive N=128 host" in out.stdout and "(rounds " in out.stdout  # Sizes.multi_rounds
+    assert "2-rank layer: naive N=128 host" in out.stdout and "(the quietest of rounds " in out.stdout  # Sizes.multi_rounds, quiet_host_ms
     m = cm.load_machine(str(cal))
     assert m.name == "smoke" and m.gpus_per_node == 2 and "nvlink" in m.data["links"]
     assert {"naive.qk", "naive.softmax", "naive.pv", "naive.qk:causal", "out_proj", "relayout", "epilogue"} <= set(m.curves)

@@ -1123,9 +1123,7 @@ def _measure(a, proc, device, argv) -> dict:
                                                    uneven=heads % proc.world != 0, alone=alone)
                     x = layer_input(1, n, D, 0, dt, device)
                     layer, raw = mk(False), {}
-                    before = host_load()
                     mine = time_layer(layer, x, kw, ki, raw=raw)
-                    load = host_load_between(before, host_load())
                     coll_bytes[kernel, n] = dict(layer.collective_nbytes(1, n))
                     del layer
                     # the same heads and weights on each rank alone, at once, right after: the host time
@@ -1134,18 +1132,16 @@ def _measure(a, proc, device, argv) -> dict:
                     one = time_layer(lay1, x, kw, ki)
                     del lay1, x
                     empty_cache()
-                    every = gather((mine, {k: v for k, v in raw.items() if k in cm.COLLECTIVE_NAMES}, one.get("host"),
-                                    load))
+                    every = gather((mine, {k: v for k, v in raw.items() if k in cm.COLLECTIVE_NAMES}, one.get("host")))
                     # the slowest rank, but a collective: the last rank to arrive (from the samples, below)
                     p = {k: max(r[0][k] for r in every if k in r[0]) for k in every[0][0] if k not in cm.COLLECTIVE_NAMES}
                     rounds.setdefault((kernel, n), []).append(
                         {"passes": p, "samples_by_rank": [r[1] for r in every],
-                         "host_alone": max(r[2] or 0.0 for r in every), "host_load": rank_loads([r[3] for r in every])})
+                         "host_alone": max(r[2] or 0.0 for r in every)})
         for (kernel, n), got in rounds.items():
             comb = combine_layer_rounds(got)  # as scripts/validate_model.py combines its rounds
             multi.append({"kernel": kernel, "h": h, "N": n, "passes": comb["passes"], "rounds": len(got),
                           "host_by_round": [round(g["passes"]["host"], 4) for g in got if "host" in g["passes"]],
-                          "host_load_by_round": [g.get("host_load") for g in got],
                           **({"stall_ms": comb["stall_ms"]} if "stall_ms" in comb else {}),
                           "host_over_alone_ms": statistics.median(g["passes"].get("host", 0.0) - g["host_alone"]
                                                                   for g in got),
@@ -1161,8 +1157,9 @@ def _measure(a, proc, device, argv) -> dict:
                     del lay1, x
                     empty_cache()
         _say(proc, f"{proc.world}-rank layer: " + ", ".join(
-            f"{r['kernel']} N={r['N']} host {r['passes'].get('host', 0):.3f} ms"
-            + (f" (rounds {min(r['host_by_round']):.3f}-{max(r['host_by_round']):.3f})" if r["host_by_round"] else "")
+            (f"{r['kernel']} N={r['N']} host {quiet_host_ms(r['host_by_round']):.3f} ms (the quietest of rounds "
+             f"{min(r['host_by_round']):.3f}-{max(r['host_by_round']):.3f})" if r["host_by_round"]
+             else f"{r['kernel']} N={r['N']} host {r['passes'].get('host', 0):.3f} ms")
             for r in multi)
             + f" ({time.monotonic() - t0:.0f} s)")
     everyone = gather(runs)
