@@ -17,7 +17,8 @@
 #   model   the cost model: python -m tpattn.plan --calibrate on 1 GPU and (mpirun) on 2, then
 #           scripts/validate_model.py (the layer and the bare NCCL collectives against the predictions),
 #           then scripts/host_probe.py (where the 2-rank layer's host time goes, and how it drifts) and
-#           scripts/collective_probe.py (the naive layer's reduce-scatter beside bare ones, clocks sampled)
+#           scripts/collective_probe.py (the naive layer's reduce-scatter beside bare ones, clocks sampled;
+#           bare ones after an idle link and with one rank late)
 #   gqa     grouped-query attention, both of:
 #     gqatests  pytest -m gpu -k gqa (naive, tiled, fused; the layer over gloo on one GPU and, with 2
 #               GPUs, over NCCL)
@@ -313,10 +314,13 @@ if want model; then
   if [ "$gpus" -ge 2 ]; then
     mpirun -n 2 python3 scripts/host_probe.py --kernels fused tiled --seq-lens 2048 4096 --profile </dev/null 2>&1 \
       | tee "$OUT/model/host_probe.log" | grep -v "^ *[0-9]" || status=1
-    # the naive layer's reduce-scatter at N = 4096 beside bare ones, with the clocks sampled every 100 ms
+    # the naive layer's reduce-scatter at N = 4096 beside bare ones, with the clocks sampled every 100 ms;
+    # the SM clock and where the ranks arrive at each of its calls; a bare one after an idle link, and
+    # with one rank late
     nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
       --format=csv -lms 100 > "$OUT/model/collective_probe_smi.csv" 2>&1 & smi=$!
-    mpirun -n 2 python3 scripts/collective_probe.py --kernels naive tiled --seq-len 4096 --as-validation </dev/null 2>&1 \
+    mpirun -n 2 python3 scripts/collective_probe.py --kernels naive tiled --seq-len 4096 --as-validation --clocks \
+      --idle 1 10 20 40 60 80 160 --skew 0 25 50 100 150 200 300 </dev/null 2>&1 \
       | tee "$OUT/model/collective_probe.log" || status=1
     kill $smi 2>/dev/null
   fi

@@ -168,18 +168,39 @@ def combine(rounds: list[dict]) -> dict:
     return out
 
 
+def wake_prediction(m: cm.Machine, c: dict, per_rank: list[list[float]] | None) -> dict | None:
+    """A collective the model says pays the NVLink link's wake-up (c: tpattn.costmodel.collective_ms's
+    prediction, which holds the whole wake-up: ranks arriving together), predicted call by call with the
+    ranks' measured arrival spread (their times' max - min: the first rank's traffic wakes the link,
+    tpattn.costmodel.wake_share), then the median over the calls, as the measurement takes it. None
+    without per-call samples."""
+    if not per_rank or len(per_rank) < 2:
+        return None
+    awake = c["ms"] - c["wake_us"] / 1e3
+    apart = [(max(call) - min(call)) * 1e3 for call in zip(*per_rank)]
+    by_call = [awake + cm.link_wake_us(m, c["idle_before_ms"], us) / 1e3 for us in apart]
+    return {"predicted_ms": statistics.median(by_call), "together_ms": c["ms"], "apart_ms": awake,
+            "apart_us_median": statistics.median(apart), "idle_before_ms": c["idle_before_ms"],
+            "calls_with_wake": sum(b > awake for b in by_call), "calls": len(by_call)}
+
+
 def compare(m: cm.Machine, kernel: str, n: int, world: int, a, meas: dict) -> dict:
     shape = cm.Shape(seq_len=n, heads=a.heads, head_dim=a.head_dim, kernel=kernel, dtype=meas.get("dtype", "fp16"),
                      uneven_heads=getattr(a, "uneven_heads", False))
     pred = cm.predict(m, shape, world, max(world, m.gpus_per_node))
     predicted = {**pred["passes"], **{k: c["ms"] for k, c in pred["collectives"].items()},
                  "total": pred["end_to_end_ms"]}
+    samples = meas.get("samples_by_rank") or []
+    woke = {k: wake_prediction(m, c, [r[k] for r in samples if k in r])
+            for k, c in pred["collectives"].items() if c.get("wake_us")}
+    predicted.update({k: w["predicted_ms"] for k, w in woke.items() if w})
     rows = []
     spread = [r["total"] for r in meas.get("rounds", []) if "total" in r]
     for name in (*PASS_ORDER, "total"):
         if name in meas["passes"] and name in predicted:
             rows.append({"pass": name, "measured_ms": meas["passes"][name], "predicted_ms": predicted[name],
-                         "error_pct": err_pct(predicted[name], meas["passes"][name])})
+                         "error_pct": err_pct(predicted[name], meas["passes"][name]),
+                         **({"wake": woke[name]} if woke.get(name) else {})})
     same = set(pred["collectives"]) == set(meas["collectives"])
     return {"kernel": kernel, "N": n, "world": world, "machine": m.name,
             "calibrated_here": calibrated_at(m, kernel, pred["heads_per_rank"], n), "rows": rows,
@@ -276,6 +297,24 @@ def markdown(doc: dict) -> str:
             if r["pass"] != "total":
                 L.append(f"| {c['kernel']} | {c['N']} | {c['world']} | {r['pass']} | {fmt(r['measured_ms'])} | "
                          f"{fmt(r['predicted_ms'])} | {pct(r['error_pct'])} |")
+    woken = [(c, r) for c in doc["comparisons"] if c["machine"] == primary for r in c["rows"] if r.get("wake")]
+    if woken:
+        nvl = next(m for m in doc["machines"] if m["name"] == primary).get("nvlink_wake") or {}
+        L += ["", "## Collectives after an idle link", "",
+              f"The NVLink link sleeps after {fmt(nvl.get('idle_ms'), 0)} ms with no traffic, and the next collective "
+              f"pays its wake-up ({fmt(nvl.get('wake_us'), 0)} us, --calibrate: tpattn.plan.link_wake) when the ranks "
+              "arrive together; when one rank arrives well before the last, its traffic wakes the link meanwhile "
+              "(tpattn.costmodel.wake_share: all of the wake-up up to a lead of half of it, none from twice it on). "
+              "The collective that follows a call's compute of that long is predicted call by call with the ranks' "
+              "measured spread (max − min of their times in that call), then the median, as it is measured.", "",
+              "| kernel | N | GPUs | pass | compute before, ms | ranks apart, median us | calls with the wake-up "
+              "| predicted together / apart ms | predicted ms | measured ms | error |",
+              "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for c, r in woken:
+            w = r["wake"]
+            L.append(f"| {c['kernel']} | {c['N']} | {c['world']} | {r['pass']} | {w['idle_before_ms']:.1f} | "
+                     f"{w['apart_us_median']:.0f} | {w['calls_with_wake']} of {w['calls']} | {fmt(w['together_ms'])} / "
+                     f"{fmt(w['apart_ms'])} | {fmt(r['predicted_ms'])} | {fmt(r['measured_ms'])} | {pct(r['error_pct'])} |")
     if doc["bare"]:
         L += ["", f"## Bare NCCL collectives over {doc['ranks']} GPUs", "",
               "Timed as --calibrate times them (tpattn.plan.bare_collective_ms): per sample a barrier, a GPU spin, "
@@ -404,7 +443,10 @@ def main(argv=None) -> int:
                    "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke test)", "ranks": proc.world, "versions": report.versions(),
                    "heads": a.heads, "head_dim": a.head_dim, "seq_lens": a.seq_lens, "rounds": max(1, a.rounds),
-                   "machines": [{"name": m.name, "path": m.path} for m in machines],
+                   "machines": [{"name": m.name, "path": m.path,
+                                 **({"nvlink_wake": {f: (m.link("nvlink") or {}).get(f) for f in cm.WAKE_FIELDS}}
+                                    if (m.link("nvlink") or {}).get("wake_us") is not None else {})}
+                                for m in machines],
                    "comparisons": comparisons, "bare": bare}
             doc["summary"] = summarize(doc)
             out = Path(a.out)

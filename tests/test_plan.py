@@ -257,6 +257,47 @@ def test_collective_inside_the_layer_costs_its_measured_extra(toy):
         cm.load_machine(str(toy))
 
 
+def test_link_wake_share_and_where_the_model_adds_it(toy):
+    """The NVLink link's wake-up (links.nvlink wake_us after idle_ms): whole when the ranks arrive
+    together or up to half the wake-up apart, none from twice it on, linear between; added only to a
+    collective after idle_ms or more without traffic, and in the layer only to the collective after
+    the compute (the reduce-scatter, or the all-reduce), never to the all-gather."""
+    assert cm.wake_share(0.0, 100.0) == 1.0 and cm.wake_share(50.0, 100.0) == 1.0
+    assert cm.wake_share(125.0, 100.0) == pytest.approx(0.5) and cm.wake_share(200.0, 100.0) == 0.0
+    assert cm.wake_share(1e4, 100.0) == 0.0 and cm.wake_share(10.0, 0.0) == 0.0
+    m = cm.load_machine(str(toy))
+    bare = cm.collective_ms(m, "reducescatter", 64 * MiB, 4)["ms"]
+    assert cm.collective_ms(m, "reducescatter", 64 * MiB, 4, idle_before_ms=500.0)["ms"] == bare  # no wake in the file
+    data = toy_machine()
+    data["links"]["nvlink"].update(wake_us=90.0, idle_ms=50.0)
+    toy.write_text(json.dumps(data))
+    m = cm.load_machine(str(toy))
+    assert cm.collective_ms(m, "reducescatter", 64 * MiB, 4, idle_before_ms=49.0)["ms"] == bare
+    woke = cm.collective_ms(m, "reducescatter", 64 * MiB, 4, idle_before_ms=50.0)
+    assert woke["ms"] == pytest.approx(bare + 0.090) and woke["wake_us"] == 90.0
+    assert cm.link_wake_us(m, 80.0, apart_us=112.5) == pytest.approx(45.0)
+    # one GPU per node: no NVLink in the ring, no wake-up of it
+    assert cm.collective_ms(m, "allgather", 64 * MiB, 4, gpus_per_node=1, idle_before_ms=80.0)["wake_us"] == 0.0
+    # the layer: a naive call of this size computes for longer than 50 ms on the toy, a fused one not
+    slow = cm.predict(m, cm.Shape(seq_len=8192, heads=32, head_dim=128, kernel="naive"), 2)
+    assert slow["compute_ms"] > 50
+    rs, ag = slow["collectives"]["reducescatter"], slow["collectives"]["allgather"]
+    assert rs["wake_us"] == 90.0 and rs["idle_before_ms"] == pytest.approx(slow["compute_ms"] + slow["other_ms"])
+    assert ag["wake_us"] == 0.0 and ag["idle_before_ms"] == 0.0
+    fast = cm.predict(m, cm.Shape(seq_len=1024, heads=32, head_dim=128, kernel="fused"), 2)
+    assert fast["compute_ms"] < 50 and fast["collectives"]["reducescatter"]["wake_us"] == 0.0
+    seq = cm.predict(m, cm.Shape(seq_len=8192, heads=32, head_dim=128, kernel="naive", sequence_parallel=True), 2)
+    assert seq["collectives"]["reducescatter"]["wake_us"] == 90.0 and seq["collectives"]["allgather"]["wake_us"] == 0.0
+
+
+def test_fit_link_wake():
+    # (idle ms, reduce-scatter ms, apart us): ~95 us more from 80 ms on
+    pts = [(1, 0.091, 5), (10, 0.092, 6), (40, 0.095, 4), (80, 0.186, 7), (120, 0.185, 5), (160, 0.187, 9)]
+    assert cm.fit_link_wake(pts) == {"wake_us": 95.0, "idle_ms": 80}
+    assert cm.fit_link_wake([(1, 0.091, 5), (80, 0.1, 3), (160, 0.095, 2)]) is None   # < 20 us: no sleep
+    assert cm.fit_link_wake([(1, 0.091, 5)]) is None
+
+
 def test_hierarchical_collective(toy):
     m = cm.load_machine(str(toy))
     S = 64 * MiB
@@ -471,6 +512,9 @@ BAD = [
     (lambda d: d.update(passes={}), 'no "passes"'),
     (lambda d: d["layer"].update(host_ms_by_world={"two": {"tiled": 1.0}}), '"layer.host_ms_by_world" must map'),
     (lambda d: d["layer"].update(host_ms_by_world={"2": {"tiled": -1}}), '"layer.host_ms_by_world" must map'),
+    (lambda d: d["links"]["nvlink"].update(wake_us=90.0), '"links.nvlink" has wake_us without idle_ms'),
+    (lambda d: d["links"]["nvlink"].update(wake_us=90.0, idle_ms=0), '"links.nvlink.idle_ms" must be a positive'),
+    (lambda d: d["links"]["nvlink"].update(wake_us=-1, idle_ms=50), '"links.nvlink.wake_us" must be a non-negative'),
 ]
 
 
@@ -630,6 +674,69 @@ def test_build_machine_from_measurements(tmp_path):
     path.write_text(json.dumps(one))
     r = cm.plan(cm.load_machine(str(path)), shape, [1, 2])
     assert "end_to_end_ms" in r[0] and "NVLink numbers" in r[1]["error"]
+
+
+def test_build_machine_link_wake():
+    """--calibrate's reduce-scatters after an idle link give wake_us and idle_ms (and the points, under
+    measured.after_idle); a W-rank layer run whose compute lets the link sleep does not count towards
+    layer_extra_us (its wake-up is modeled on its own)."""
+    meas = fake_measurements()
+    meas["link_wake"] = [(1, 0.091, 5.0), (10, 0.091, 4.0), (40, 0.092, 6.0), (80, 0.186, 7.0), (160, 0.185, 3.0)]
+    naive = {"kernel": "naive", "h": 16, "N": 4096, "collectives": 2,
+             "passes": {"host": 1.0, "gpu": 89.0, "total": 89.4,
+                        "reducescatter": meas["collectives"]["reducescatter"][3][1] + 0.095,
+                        "allgather": meas["collectives"]["allgather"][2][1] + 0.060},
+             "collective_bytes": {"reducescatter": 64 * MiB, "allgather": 32 * MiB}}
+    meas["layer_multi"] = meas["layer_multi"] + [naive, dict(naive, N=8192)]
+    nvl = plan.build_machine(meas)["links"]["nvlink"]
+    assert (nvl["wake_us"], nvl["idle_ms"]) == (94.5, 80)
+    assert nvl["measured"]["after_idle"][3] == [80, 0.186, 7.0]
+    assert nvl["per_collective"]["reducescatter"]["layer_extra_us"] == pytest.approx(25, abs=0.2)  # the fused run's
+    # nothing slept: no wake-up in the file, and the naive runs count
+    meas["link_wake"] = [(1, 0.091, 5.0), (160, 0.093, 3.0)]
+    nvl = plan.build_machine(meas)["links"]["nvlink"]
+    assert "wake_us" not in nvl and nvl["per_collective"]["reducescatter"]["layer_extra_us"] == pytest.approx(95, abs=0.5)
+
+
+def test_validation_predicts_a_woken_collective_call_by_call(tmp_path):
+    """scripts/validate_model.py: the collective after a long compute, predicted call by call from the
+    ranks' measured spread (together: the whole wake-up; apart by twice it: none), then the median."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import validate_model as vm
+    data = json.loads((ROOT / "tpattn" / "machines" / "h200x2.json").read_text())
+    data["links"]["nvlink"].update(wake_us=100.0, idle_ms=50.0)
+    path = tmp_path / "woke.json"
+    path.write_text(json.dumps(data))
+    m = cm.load_machine(str(path))
+    c = cm.predict(m, cm.Shape(kernel="naive"), 2)["collectives"]["reducescatter"]
+    assert c["wake_us"] == 100.0
+    awake = c["ms"] - 0.1
+    # five calls: rank 1 apart by 0, 0, 0 (whole), 125 us (half), 300 us (none) -> median: the whole wake-up
+    r0 = [0.26, 0.26, 0.26, 0.21 + 0.125, 0.16 + 0.3]
+    r1 = [0.26, 0.26, 0.26, 0.21, 0.16]
+    w = vm.wake_prediction(m, c, [r0, r1])
+    assert w["predicted_ms"] == pytest.approx(c["ms"]) and w["calls_with_wake"] == 4 and w["calls"] == 5
+    assert w["apart_ms"] == pytest.approx(awake) and w["apart_us_median"] == pytest.approx(0.0, abs=1e-6)
+    # mostly apart: the median call has none of it
+    w = vm.wake_prediction(m, c, [[0.46, 0.46, 0.46, 0.26], [0.16, 0.16, 0.16, 0.26]])
+    assert w["predicted_ms"] == pytest.approx(awake)
+    assert vm.wake_prediction(m, c, [r0]) is None   # one rank: nothing to go by
+
+    class A:
+        heads, head_dim = 32, 128
+    meas = {"passes": {"reducescatter": 0.255, "total": 90.0}, "collectives": {"reducescatter": 1, "allgather": 1},
+            "samples_by_rank": [{"reducescatter": r0}, {"reducescatter": r1}]}
+    comp = vm.compare(m, "naive", 4096, 2, A, meas)
+    row = next(r for r in comp["rows"] if r["pass"] == "reducescatter")
+    assert row["predicted_ms"] == pytest.approx(c["ms"]) and row["wake"]["calls_with_wake"] == 4
+    doc = {"command": "c", "date": "d", "gpu": "g", "ranks": 2, "versions": {}, "heads": 32, "head_dim": 128,
+           "seq_lens": [4096], "machines": [{"name": m.name, "path": m.path,
+                                             "nvlink_wake": {"wake_us": 100.0, "idle_ms": 50.0}}],
+           "comparisons": [comp], "bare": []}
+    doc["summary"] = vm.summarize(doc)
+    md = vm.markdown(doc)
+    assert "## Collectives after an idle link" in md and "after 50 ms with no traffic" in md
+    assert "| naive | 4096 | 2 | reducescatter |" in md and "| 4 of 5 |" in md
 
 
 def test_build_machine_several_layer_runs_and_the_spun_gpu_time():

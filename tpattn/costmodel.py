@@ -45,6 +45,7 @@ import dataclasses
 import inspect
 import json
 import math
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -287,6 +288,7 @@ REQUIRED = {
 }
 PEAKS = ("tensor_tflops", "fp32_tflops", "mem_GBps")
 LINK_FIELDS = ("busbw_GBps", "step_us", "base_us")
+WAKE_FIELDS = ("wake_us", "idle_ms")   # optional, both or neither: the link's wake-up after an idle time
 PASS_KEYS = ("qkv_proj", "out_proj", "relayout", "epilogue", "naive.qk", "naive.softmax", "naive.pv",
              "tiled.qk", "tiled.softmax", "tiled.pv", "fused.fused")
 
@@ -468,6 +470,16 @@ def validate_machine(data: dict, what: str = "machine file") -> None:
             v = link.get(f)
             if not _num(v) or v < 0 or (f == "busbw_GBps" and v <= 0):
                 kind = "positive" if f == "busbw_GBps" else "non-negative"
+                raise MachineError(f"{what}: \"links.{lname}.{f}\" must be a {kind} number (got {json.dumps(v)})")
+        wake = [f for f in WAKE_FIELDS if link.get(f) is not None]
+        if wake and len(wake) < len(WAKE_FIELDS):
+            raise MachineError(f"{what}: \"links.{lname}\" has {wake[0]} without "
+                               f"{next(f for f in WAKE_FIELDS if f not in wake)}; give both (the link's wake-up and "
+                               "the idle time after which it is paid) or neither")
+        for f in wake:
+            v = link[f]
+            if not _num(v) or v < 0 or (f == "idle_ms" and v <= 0):
+                kind = "positive" if f == "idle_ms" else "non-negative"
                 raise MachineError(f"{what}: \"links.{lname}.{f}\" must be a {kind} number (got {json.dumps(v)})")
         per = link.get("per_collective") or {}
         if not isinstance(per, dict):
@@ -668,8 +680,28 @@ def ring_steps_and_share(kind: str, p: int) -> tuple[int, float]:
     return p - 1, (p - 1) / p
 
 
+def wake_share(apart_us: float, wake_us: float) -> float:
+    """The share of the link's wake-up that the last rank to arrive at a collective still waits for,
+    when the first rank arrived apart_us before it: the first rank's traffic starts waking the link.
+    On the lent H200s (scripts/collective_probe.py --skew and --idle, benchmarks/link_wake_h200x2.log)
+    all of it up to a lead of half the wake-up, none from twice the wake-up on, linear between."""
+    if wake_us <= 0:
+        return 0.0
+    return min(1.0, max(0.0, (2.0 * wake_us - apart_us) / (1.5 * wake_us)))
+
+
+def link_wake_us(m: Machine, idle_before_ms: float, apart_us: float = 0.0) -> float:
+    """What the NVLink link's wake-up adds to a collective that follows idle_before_ms without traffic
+    on it (links.nvlink wake_us after idle_ms; 0 for a file without them), the ranks arriving apart_us
+    apart (0: together, the whole wake-up)."""
+    nvl = m.link("nvlink") or {}
+    if nvl.get("wake_us") is None or idle_before_ms < float(nvl["idle_ms"]):
+        return 0.0
+    return float(nvl["wake_us"]) * wake_share(apart_us, float(nvl["wake_us"]))
+
+
 def collective_ms(m: Machine, kind: str, nbytes: int, world: int, gpus_per_node: int | None = None,
-                  in_layer: bool = False) -> dict:
+                  in_layer: bool = False, idle_before_ms: float = 0.0) -> dict:
     """Predicted time of one collective of nbytes (the whole tensor, nccl-tests' size) over `world`
     ranks, g per node.
 
@@ -683,7 +715,11 @@ def collective_ms(m: Machine, kind: str, nbytes: int, world: int, gpus_per_node:
     in_layer: the collective as the layer runs it, after its compute: + the NVLink link's
     per_collective layer_extra_us, which calibration measures as the layer's collective (on the last
     rank to arrive) minus the bare one's model (ranks arriving apart, the collective's kernel next to
-    the layer's, the partial's allocation)."""
+    the layer's, the partial's allocation).
+
+    idle_before_ms: how long the NVLink link carried nothing before this collective. From the link's
+    idle_ms on (where the file has it) the link sleeps and the collective pays its wake_us, the ranks
+    arriving together (link_wake_us): the naive layer's reduce-scatter after 89 ms of attention."""
     if kind not in COLLECTIVE_NAMES:
         raise ModelError(f"unknown collective {kind}")
     g = gpus_per_node or m.gpus_per_node
@@ -714,12 +750,14 @@ def collective_ms(m: Machine, kind: str, nbytes: int, world: int, gpus_per_node:
     extra = 0.0
     if in_layer and nvl is not None:
         extra = float(((nvl.get("per_collective") or {}).get(kind) or {}).get("layer_extra_us", 0.0))
-    us = max(0.0, base + lat + max(bw_l_us, bw_n_us) + extra)
+    wake = link_wake_us(m, idle_before_ms) if local > 1 else 0.0
+    us = max(0.0, base + lat + max(bw_l_us, bw_n_us) + extra + wake)
     algo = (f"ring over {world} GPUs (NVLink)" if nodes == 1 else
             f"hierarchical: {local} GPUs/node (NVLink) x {nodes} nodes (network)")
     bound = "latency" if base + lat > max(bw_l_us, bw_n_us) else ("network" if bw_n_us > bw_l_us else "NVLink")
     return {"ms": us / 1e3, "algorithm": algo, "bytes": nbytes, "latency_us": base + lat,
-            "nvlink_us": bw_l_us, "network_us": bw_n_us, "layer_extra_us": extra, "bound": bound}
+            "nvlink_us": bw_l_us, "network_us": bw_n_us, "layer_extra_us": extra, "wake_us": wake,
+            "idle_before_ms": idle_before_ms, "bound": bound}
 
 
 def fit_alpha_beta(points: list[tuple[int, float]], kind: str, world: int, step_us: float) -> dict:
@@ -741,6 +779,24 @@ def fit_alpha_beta(points: list[tuple[int, float]], kind: str, world: int, step_
         nbytes, ms = max(points)
         b, a = ms * 1e3 / (share * nbytes), 0.0
     return {"base_us": round(max(0.0, a - steps * step_us), 2), "busbw_GBps": sig(1.0 / b / 1e3)}
+
+
+WAKE_MIN_US = 20.0   # a collective this much slower after an idle than after a short one: the link slept
+
+
+def fit_link_wake(points: list[tuple[float, float, float]]) -> dict | None:
+    """{wake_us, idle_ms} from (idle ms, collective ms, ranks apart us) points, the shortest idle first
+    (tpattn.plan.link_wake): idle_ms = the first idle after which the collective took WAKE_MIN_US or
+    more longer than after the shortest one; wake_us = the median of that excess from there on. None
+    when no idle shows it (the link does not sleep, or not within the idles tried)."""
+    if len(points) < 2:
+        return None
+    base = points[0][1]
+    excess = [(idle, (ms - base) * 1e3) for idle, ms, _ in points[1:]]
+    first = next((i for i, (_, us) in enumerate(excess) if us >= WAKE_MIN_US), None)
+    if first is None:
+        return None
+    return {"wake_us": round(statistics.median(us for _, us in excess[first:]), 1), "idle_ms": excess[first][0]}
 
 
 def sig(x: float, digits: int = 4) -> float:
@@ -772,6 +828,12 @@ def memory_per_rank(shape: Shape, world: int, free_bytes: int) -> tuple[int, int
     return need, memory.largest_n(cfg, world, 0, free_bytes), need <= free_bytes * memory.HEADROOM
 
 
+def output_collective(colls) -> str | None:
+    """The collective that sums the partial outputs (the one after the compute): the reduce-scatter
+    where there is one, else the all-reduce."""
+    return next((k for k in ("reducescatter", "allreduce") if k in colls), None)
+
+
 def predict(m: Machine, shape: Shape, world: int, gpus_per_node: int | None = None) -> dict:
     """The predicted call at world size W: per pass, collectives, other, GPU, host, end to end, memory."""
     g = gpus_per_node or m.gpus_per_node
@@ -787,10 +849,15 @@ def predict(m: Machine, shape: Shape, world: int, gpus_per_node: int | None = No
     passes: dict[str, float] = {}
     for s in detail:
         passes[s["pass"]] = passes.get(s["pass"], 0.0) + s["ms"]
-    coll = {k: collective_ms(m, k, n, world, g, in_layer=True) for k, n in colls.items()}
     overhead = 0.0 if shape.cuda_graph else m.layer("overhead_ms", shape.kernel, 0.1)
     other = passes.pop("other", 0.0) + overhead
     compute = sum(passes.values())
+    # the collective that sums the partials comes after the call's whole compute, with nothing on the
+    # link since the previous call's last collective (the all-gather of x, in sequence parallel, comes
+    # right after the previous call's reduce-scatter)
+    after = output_collective(colls)
+    coll = {k: collective_ms(m, k, n, world, g, in_layer=True, idle_before_ms=compute + other if k == after else 0.0)
+            for k, n in colls.items()}
     comm = sum(c["ms"] for c in coll.values())
     gpu = compute + comm + other
     host, host_src = (0.0, "none (a CUDA graph)") if shape.cuda_graph else m.host_ms(shape.kernel, world, len(coll))

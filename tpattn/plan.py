@@ -247,8 +247,11 @@ def table(m: cm.Machine, shape: cm.Shape, rows: list[dict], g: int, markdown: bo
             out.append(f"W={r['world']}: uneven heads: {describe_blocks(by)}; heads max/mean {r['imbalance']:.3f} (the useful share "
                        f"of the compute {100 / r['imbalance']:.1f} %); predicted: rank 0's")
         for c, info in r["collectives"].items():
+            woke = (f", of which {info['wake_us']:.0f} us the NVLink link's wake-up after {info['idle_before_ms']:.0f} ms "
+                    "of compute (ranks arriving together; 0 for a rank arriving twice that before the last)"
+                    if info.get("wake_us") else "")
             out.append(f"W={r['world']}: {COLL_LABEL[c]} of {_gib(info['bytes'])}: {info['algorithm']}, "
-                       f"{info['ms'] * 1e3:.0f} us ({info['bound']}-bound)")
+                       f"{info['ms'] * 1e3:.0f} us ({info['bound']}-bound){woke}")
     out.append("other = the bias + cast of the partials, the o relayout (naive, tiled) and the per-call overhead; "
                "end to end = max(GPU, host) + stall; (host): the Python call takes longer than the GPU work; memory/rank "
                "by tpattn.memory (the CLI's pre-flight, without --check's baseline)")
@@ -695,6 +698,52 @@ def bare_collectives(sizes, device, kinds=cm.COLLECTIVE_NAMES) -> dict[str, list
             for kind in kinds}
 
 
+# The NVLink link's wake-up: a reduce-scatter after each of these idle times, both ranks in step
+WAKE_IDLE_MS = (1, 10, 20, 30, 40, 50, 60, 80, 120, 160)
+WAKE_BYTES = 32 * MiB
+WAKE_CALLS = 5
+
+
+def link_wake(device, idles=WAKE_IDLE_MS, nbytes: int = WAKE_BYTES, calls: int = WAKE_CALLS) -> list[tuple]:
+    """[(idle ms, reduce-scatter ms, ranks apart us)] for each idle: `calls` times a barrier (its
+    all-reduce the last traffic on the link), then on every rank the same GPU spin of that long (SM-idle:
+    the ranks stay in step), then a reduce-scatter of nbytes fp32 between CUDA events; per call the last
+    rank to arrive (the minimum over ranks), the median over the calls, and the median spread of the
+    ranks' times (how far apart they arrived). A collective call; every rank gets the same list. On
+    the lent H200s the reduce-scatter took ~95 us longer after 80 ms than after 1 ms
+    (scripts/collective_probe.py --idle); tpattn.costmodel.fit_link_wake reads the numbers from it."""
+    import torch
+    dist, _, rs = _collective_fns()
+    W = dist.get_world_size()
+    n = nbytes // 4 - (nbytes // 4) % W
+    whole = torch.zeros(n, dtype=torch.float32, device=device)
+    part = torch.empty(n // W, dtype=torch.float32, device=device)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        rs(part, whole)
+    got = []
+    for idle in idles:
+        mine = []
+        for _ in range(calls):
+            dist.barrier(device_ids=[device.index])
+            torch.cuda._sleep(int(idle * _SLEEP_CYCLES_PER_MS))
+            a.record()
+            rs(part, whole)
+            b.record()
+            b.synchronize()
+            mine.append(a.elapsed_time(b))
+        got.append(mine)
+    del whole, part
+    torch.cuda.empty_cache()
+    every = gather(got)
+    out = []
+    for i, idle in enumerate(idles):
+        per_call = list(zip(*(r[i] for r in every)))
+        out.append((idle, statistics.median(min(c) for c in per_call),
+                    statistics.median((max(c) - min(c)) * 1e3 for c in per_call)))
+    return out
+
+
 def gather(obj) -> list:
     """Every rank's obj on every rank (one rank without a process group: [obj])."""
     import torch.distributed as dist
@@ -866,10 +915,19 @@ def build_machine(meas: dict) -> dict:
                 per[kind] = cm.fit_alpha_beta(colls[kind], kind, W, step)
         data["links"] = {"nvlink": {**main, "step_us": step, "per_collective": per,
                                     "measured": {k: [[b, cm.sig(ms, 5)] for b, ms in v] for k, v in colls.items()}}}
-        # a collective inside the layer against the bare one's model at the same bytes
+        woke = cm.fit_link_wake(meas.get("link_wake") or [])
+        if meas.get("link_wake"):
+            data["links"]["nvlink"]["measured"]["after_idle"] = [[i, cm.sig(ms, 5), round(us, 1)]
+                                                                 for i, ms, us in meas["link_wake"]]
+        if woke:
+            data["links"]["nvlink"].update(woke)
+        # a collective inside the layer against the bare one's model at the same bytes (not a layer whose
+        # compute lets the link sleep: what that adds is wake_us, whole or in part)
         bare = cm.Machine(name="bare", data=data, path="(calibration)")
         extra_us: dict[str, list] = {}
         for run in meas.get("layer_multi", []):
+            if woke and run["passes"].get("gpu", 0.0) >= woke["idle_ms"]:
+                continue
             for kind, nbytes in (run.get("collective_bytes") or {}).items():
                 if kind in run["passes"] and kind in cm.COLLECTIVE_NAMES:
                     model_us = cm.collective_ms(bare, kind, nbytes, W, max(W, int(meas["gpus_per_node"])))["ms"] * 1e3
@@ -888,7 +946,16 @@ def build_machine(meas: dict) -> dict:
                                            f"the {W}-rank layer (timed behind a barrier and a GPU spin; call by "
                                            "call the last rank to arrive, the median over the calls of every round, "
                                            "as scripts/validate_model.py measures it) minus that model, the median "
-                                           "over the kernels and lengths the layer ran")
+                                           "over the kernels and lengths the layer ran"
+                                           + ("" if not meas.get("link_wake") else
+                                              f"; wake_us and idle_ms: a reduce-scatter of {WAKE_BYTES // MiB} MiB "
+                                              f"after {', '.join(f'{i:g}' for i, _, _ in meas['link_wake'])} ms with "
+                                              "nothing on the link (tpattn.plan.link_wake: a barrier, the same GPU "
+                                              f"spin on every rank, {WAKE_CALLS} calls, the last rank to arrive, "
+                                              "medians; measured.after_idle: idle ms, ms, ranks apart us); idle_ms "
+                                              f"is the first idle it took {cm.WAKE_MIN_US:.0f} us or more longer "
+                                              "than after the shortest, wake_us the median excess from there on"
+                                              + ("" if woke else " (none did: no wake-up modeled)")))
     # the layer's per-call overhead and host time: end to end minus what the model says the passes and
     # the untimed steps cost, with the efficiencies just measured
     tmp = cm.Machine(name=name, data=data, path="(calibration)")
@@ -1099,10 +1166,15 @@ def _measure(a, proc, device, argv) -> dict:
     _say(proc, "GEMM with fp32 result, relayouts and the bias + cast timed")
     colls: dict[str, list] = {}
     multi = []
+    wake = []
     if proc.world > 1:
         colls = bare_collectives(sz.collectives, device)
         _say(proc, "collectives: " + ", ".join(f"{k} {b / MiB:g} MiB {ms * 1e3:.0f} us" for k, v in colls.items()
                                                for b, ms in (v[0], v[-1])))
+        if cuda and getattr(torch.cuda, "_sleep", None) is not None:
+            wake = link_wake(device)
+            _say(proc, f"reduce-scatter of {WAKE_BYTES // MiB} MiB after an idle link: " + ", ".join(
+                f"{idle:g} ms {ms * 1e3:.0f} us" for idle, ms, _ in wake))
         import torch.distributed as dist
 
         from .sharding import head_range
@@ -1170,6 +1242,7 @@ def _measure(a, proc, device, argv) -> dict:
             "versions": {k: v for k, v in report.versions().items() if k in ("torch", "cuda", "cupy", "nccl")},
             "name": a.name, "peaks": peaks, "layer": everyone[0], "out_fp32": out_fp32, "relayout": relayout,
             "epilogue": epilogue, "collectives": colls, "layer_multi": multi,
+            **({"link_wake": wake} if proc.world > 1 and cuda and wake else {}),
             "host": platform.node()}
 
 
