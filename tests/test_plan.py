@@ -892,6 +892,14 @@ def test_validation_report_from_comparisons():
     assert "host-bound rows, round by round" in md
     assert "| fused | 4096 | 2 | 0.450 | 0.480 / 0.400 (12 %, 0.0 %, 3); 0.660 / 0.600 |" in md
     assert "| fused | 4096 | 1 | 1.200 |" not in md
+    # each row's quietest round, beside the median over rounds: the measured total / 1.1 is the prediction
+    t = next(r for r in comps[3]["rows"] if r["pass"] == "total")
+    comps[3]["total_rounds_range_ms"] = [t["predicted_ms"], 2 * t["predicted_ms"]]
+    t0 = next(r for r in comps[0]["rows"] if r["pass"] == "total")
+    comps[0]["total_rounds_range_ms"] = [0.5 * t0["predicted_ms"], t0["predicted_ms"]]   # predicted 2x the quietest
+    s = vm.summarize(doc)
+    assert (s["e2e_quiet_n"], s["e2e_quiet_ok"]) == (2, 1) and s["e2e_quiet_worst"] == pytest.approx(100)
+    assert "quietest round: the model predicts a quiet host) | 1 of 2; worst +100.0% |" in vm.markdown({**doc, "summary": s})
 
 
 def test_rounds_combine_to_the_median_and_collectives_over_every_call():
