@@ -5,9 +5,12 @@ has been idle or busy with GEMMs, call by call.
 
     mpirun -n 2 python scripts/collective_probe.py --kernels naive tiled --seq-len 4096
 
-Found for the cost model's one per-pass miss: the naive layer's reduce-scatter at N = 4096 on 2 H200s
-measures ~0.25 ms where the model (and the same 64 MiB inside the tiled and fused layers, and bare)
-says ~0.16. For each kernel, iteration by iteration, every rank:
+Made for the cost model's one per-pass miss: the naive layer's reduce-scatter at N = 4096 on 2 H200s
+measured ~0.25 ms where the same 64 MiB takes ~0.16 inside the tiled and fused layers and bare. It
+found the cause: the NVLink link sleeps after 50 ms with no traffic and the next collective pays
+~95 us to wake it, unless one rank arrives early enough to wake it (--idle, --skew, --clocks;
+benchmarks/link_wake_h200x2.log); the model has it since. For each kernel, iteration by iteration,
+every rank:
   * "in layer": the layer's reduce-scatter, the call queued behind a barrier and a GPU spin with an
     event pair around every pass (as tpattn.plan.time_layer times it);
   * "bare, right after": a reduce-scatter of a separate buffer of the same bytes, queued on the same
