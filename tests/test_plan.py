@@ -257,7 +257,7 @@ def test_collective_inside_the_layer_costs_its_measured_extra(toy):
         cm.load_machine(str(toy))
 
 
-def test_link_wake_share_and_where_the_model_adds_it(toy):
+def test_link_wake_share_and_where_the_model_adds_it(toy, capsys):
     """The NVLink link's wake-up (links.nvlink wake_us after idle_ms): whole when the ranks arrive
     together or up to half the wake-up apart, none from twice it on, linear between; added only to a
     collective after idle_ms or more without traffic, and in the layer only to the collective after
@@ -288,6 +288,11 @@ def test_link_wake_share_and_where_the_model_adds_it(toy):
     assert fast["compute_ms"] < 50 and fast["collectives"]["reducescatter"]["wake_us"] == 0.0
     seq = cm.predict(m, cm.Shape(seq_len=8192, heads=32, head_dim=128, kernel="naive", sequence_parallel=True), 2)
     assert seq["collectives"]["reducescatter"]["wake_us"] == 90.0 and seq["collectives"]["allgather"]["wake_us"] == 0.0
+    # the table says so under it
+    capsys.readouterr()
+    assert plan.main(["--machine", str(toy), "--kernel", "naive", "--seq-len", "8192", "--world-sizes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "of which 90 us the NVLink link's wake-up after" in out and "none when one arrives 180 us or more" in out
 
 
 def test_fit_link_wake():

@@ -248,8 +248,8 @@ def table(m: cm.Machine, shape: cm.Shape, rows: list[dict], g: int, markdown: bo
                        f"of the compute {100 / r['imbalance']:.1f} %); predicted: rank 0's")
         for c, info in r["collectives"].items():
             woke = (f", of which {info['wake_us']:.0f} us the NVLink link's wake-up after {info['idle_before_ms']:.0f} ms "
-                    "of compute (ranks arriving together; 0 for a rank arriving twice that before the last)"
-                    if info.get("wake_us") else "")
+                    f"of compute (the ranks arriving together; none when one arrives {2 * info['wake_us']:.0f} us or more "
+                    "before the last)" if info.get("wake_us") else "")
             out.append(f"W={r['world']}: {COLL_LABEL[c]} of {_gib(info['bytes'])}: {info['algorithm']}, "
                        f"{info['ms'] * 1e3:.0f} us ({info['bound']}-bound){woke}")
     out.append("other = the bias + cast of the partials, the o relayout (naive, tiled) and the per-call overhead; "
