@@ -198,51 +198,57 @@ def skewed_calls(skews: list[float], numel: int, iters: int, rank: int, group, d
         print(f"  {kind:8s} {us:6.0f}   {r0:14.0f} {r1:14.0f} {r0 - r1:16.0f}", flush=True)
 
 
-def idle_calls(idles: list[float], numel: int, iters: int, rank: int, group, device) -> None:
-    """A reduce-scatter of numel fp32 elements after each idle time (ms) with no collective: a barrier
-    (its all-reduce is the last NVLink traffic), then on both ranks an SM-idle spin ("spin") or fp16
-    GEMMs 8192^3 ("gemm") of that long, then the reduce-scatter between events; both ranks' times."""
+def idle_calls(idles: list[float], numel: int, iters: int, rank: int, group, device,
+               ops: tuple = ("reducescatter",)) -> None:
+    """Each collective of `ops` on numel fp32 elements (the all-gather: its output's) after each idle
+    time (ms) with no collective: a barrier (its all-reduce is the last NVLink traffic), then on both
+    ranks an SM-idle spin ("spin") or fp16 GEMMs 8192^3 ("gemm") of that long, then the collective
+    between events; both ranks' times."""
     import torch
     import torch.distributed as dist
 
     from tpattn import layer as L
     W = dist.get_world_size(group)
     part = torch.zeros(numel, dtype=torch.float32, device=device)
-    mine = torch.empty(numel // W, dtype=torch.float32, device=device)
+    mine = torch.zeros(numel // W, dtype=torch.float32, device=device)
+    run = {"reducescatter": lambda: L._reduce_scatter(mine, part, group=group),
+           "allgather": lambda: L._all_gather(part, mine, group=group),
+           "allreduce": lambda: dist.all_reduce(part, group=group)}
     g = torch.randn(8192, 8192, dtype=torch.float16, device=device)
     gemm_ms = plan.events_ms(lambda: torch.mm(g, g), 2, 5, device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(3):
-        L._reduce_scatter(mine, part, group=group)
     results = []
-    for kind in ("spin", "gemm"):
-        for ms in idles:
-            got = []
-            for _ in range(iters):
-                dist.barrier(group=group, device_ids=[device.index])
-                if kind == "spin":
-                    torch.cuda._sleep(int(ms * plan._SLEEP_CYCLES_PER_MS))
-                else:
-                    for _ in range(max(1, round(ms / gemm_ms))):
-                        torch.mm(g, g)
-                start.record()
-                L._reduce_scatter(mine, part, group=group)
-                end.record()
-                torch.cuda.synchronize()
-                got.append(start.elapsed_time(end))
-            results.append((kind, ms, got))
+    for op in ops:
+        for _ in range(3):
+            run[op]()
+        for kind in ("spin", "gemm"):
+            for ms in idles:
+                got = []
+                for _ in range(iters):
+                    dist.barrier(group=group, device_ids=[device.index])
+                    if kind == "spin":
+                        torch.cuda._sleep(int(ms * plan._SLEEP_CYCLES_PER_MS))
+                    else:
+                        for _ in range(max(1, round(ms / gemm_ms))):
+                            torch.mm(g, g)
+                    start.record()
+                    run[op]()
+                    end.record()
+                    torch.cuda.synchronize()
+                    got.append(start.elapsed_time(end))
+                results.append((op, kind, ms, got))
     every = plan.gather(results)
     if rank != 0:
         return
-    print(f"== bare reduce-scatter of {numel * 4 >> 20} MiB fp32 after a time with no collective (an SM-idle spin, or "
+    print(f"== bare collectives of {numel * 4 >> 20} MiB fp32 after a time with no collective (an SM-idle spin, or "
           f"GEMMs of {gemm_ms:.2f} ms); per call the last rank to arrive, p10/median/p90 over {iters} calls, and the "
           f"median of |rank 0 - rank 1|, us", flush=True)
-    for i, (kind, ms, _) in enumerate(every[0]):
-        calls = list(zip(*(every[r][i][2] for r in range(len(every)))))
+    for i, (op, kind, ms, _) in enumerate(every[0]):
+        calls = list(zip(*(every[r][i][3] for r in range(len(every)))))
         last = [min(c) * 1e3 for c in calls]
         apart = statistics.median(abs(c[0] - c[1]) * 1e3 for c in calls)
-        print(f"  {kind:4s} {ms:7.1f} ms   {pct(last, 0.1):5.0f} {statistics.median(last):5.0f} {pct(last, 0.9):5.0f}"
-              f"   apart {apart:5.0f}", flush=True)
+        print(f"  {op:13s} {kind:4s} {ms:7.1f} ms   {pct(last, 0.1):5.0f} {statistics.median(last):5.0f} "
+              f"{pct(last, 0.9):5.0f}   apart {apart:5.0f}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -264,6 +270,8 @@ def main(argv=None) -> int:
                    help="bare reduce-scatters with rank 1 late by each of these microseconds, before the kernels")
     p.add_argument("--idle", type=float, nargs="+", metavar="MS",
                    help="bare reduce-scatters after these milliseconds with no collective, both ranks in step")
+    p.add_argument("--idle-ops", nargs="+", default=["reducescatter"], choices=["reducescatter", "allgather", "allreduce"],
+                   help="the collectives --idle times (default: reducescatter)")
     a = p.parse_args(argv)
     try:
         proc, device = plan.start_ranks(what="collective_probe.py")
@@ -296,7 +304,7 @@ def main(argv=None) -> int:
         return pair[0].elapsed_time(pair[1])
 
     if a.idle:
-        idle_calls(a.idle, a.seq_len * D, a.iters, proc.rank, group, device)
+        idle_calls(a.idle, a.seq_len * D, a.iters, proc.rank, group, device, tuple(a.idle_ops))
     if a.skew:
         skewed_calls(a.skew, a.seq_len * D, a.iters, proc.rank, group, device)
     for kernel in a.kernels:
