@@ -242,11 +242,11 @@ def idle_calls(idles: list[float], numel: int, iters: int, rank: int, group, dev
         return
     print(f"== bare collectives of {numel * 4 >> 20} MiB fp32 after a time with no collective (an SM-idle spin, or "
           f"GEMMs of {gemm_ms:.2f} ms); per call the last rank to arrive, p10/median/p90 over {iters} calls, and the "
-          f"median of |rank 0 - rank 1|, us", flush=True)
+          f"median of the ranks' spread (max - min), us", flush=True)
     for i, (op, kind, ms, _) in enumerate(every[0]):
         calls = list(zip(*(every[r][i][3] for r in range(len(every)))))
         last = [min(c) * 1e3 for c in calls]
-        apart = statistics.median(abs(c[0] - c[1]) * 1e3 for c in calls)
+        apart = statistics.median((max(c) - min(c)) * 1e3 for c in calls)
         print(f"  {op:13s} {kind:4s} {ms:7.1f} ms   {pct(last, 0.1):5.0f} {statistics.median(last):5.0f} "
               f"{pct(last, 0.9):5.0f}   apart {apart:5.0f}", flush=True)
 

@@ -785,16 +785,20 @@ WAKE_MIN_US = 20.0   # a collective this much slower after an idle than after a 
 
 
 def fit_link_wake(points: list[tuple[float, float, float]]) -> dict | None:
-    """{wake_us, idle_ms} from (idle ms, collective ms, ranks apart us) points, the shortest idle first
-    (tpattn.plan.link_wake): idle_ms = the first idle after which the collective took WAKE_MIN_US or
-    more longer than after the shortest one; wake_us = the median of that excess from there on. None
-    when no idle shows it (the link does not sleep, or not within the idles tried)."""
-    if len(points) < 2:
+    """{wake_us, idle_ms} from (idle ms, collective ms, ranks apart us) points (tpattn.plan.link_wake):
+    the awake collective is the quickest point (noise only adds time); idle_ms = the shortest idle
+    from which on every point took WAKE_MIN_US or more longer (the link sleeps from there on: one
+    slow point before it does not count); wake_us = the median of that excess over those points.
+    None when no idle shows it (the link does not sleep, or not within the idles tried)."""
+    pts = sorted(points)
+    if len(pts) < 2:
         return None
-    base = points[0][1]
-    excess = [(idle, (ms - base) * 1e3) for idle, ms, _ in points[1:]]
-    first = next((i for i, (_, us) in enumerate(excess) if us >= WAKE_MIN_US), None)
-    if first is None:
+    awake = min(ms for _, ms, _ in pts)
+    excess = [(idle, (ms - awake) * 1e3) for idle, ms, _ in pts]
+    first = len(excess)
+    while first > 0 and excess[first - 1][1] >= WAKE_MIN_US:
+        first -= 1
+    if first == len(excess) or first == 0:   # the last idle shows none, or even the shortest one did
         return None
     return {"wake_us": round(statistics.median(us for _, us in excess[first:]), 1), "idle_ms": excess[first][0]}
 
@@ -852,11 +856,11 @@ def predict(m: Machine, shape: Shape, world: int, gpus_per_node: int | None = No
     overhead = 0.0 if shape.cuda_graph else m.layer("overhead_ms", shape.kernel, 0.1)
     other = passes.pop("other", 0.0) + overhead
     compute = sum(passes.values())
-    # the collective that sums the partials comes after the call's whole compute, with nothing on the
-    # link since the previous call's last collective (the all-gather of x, in sequence parallel, comes
-    # right after the previous call's reduce-scatter)
+    # the collective that sums the partials comes after the call's compute, with nothing on the link
+    # since the previous call's last collective (the all-gather of x, in sequence parallel, comes right
+    # after the previous call's reduce-scatter); "other" (the bias pass after it, overheads) left out
     after = output_collective(colls)
-    coll = {k: collective_ms(m, k, n, world, g, in_layer=True, idle_before_ms=compute + other if k == after else 0.0)
+    coll = {k: collective_ms(m, k, n, world, g, in_layer=True, idle_before_ms=compute if k == after else 0.0)
             for k, n in colls.items()}
     comm = sum(c["ms"] for c in coll.values())
     gpu = compute + comm + other

@@ -706,10 +706,11 @@ WAKE_CALLS = 5
 
 def link_wake(device, idles=WAKE_IDLE_MS, nbytes: int = WAKE_BYTES, calls: int = WAKE_CALLS) -> list[tuple]:
     """[(idle ms, reduce-scatter ms, ranks apart us)] for each idle: `calls` times a barrier (its
-    all-reduce the last traffic on the link), then on every rank the same GPU spin of that long (SM-idle:
-    the ranks stay in step), then a reduce-scatter of nbytes fp32 between CUDA events; per call the last
-    rank to arrive (the minimum over ranks), the median over the calls, and the median spread of the
-    ranks' times (how far apart they arrived). A collective call; every rank gets the same list. On
+    all-reduce the last traffic on the link), then on every rank the same GPU spin of about that long
+    (SM-idle: the ranks stay in step; its length as timed, the median over the calls, the longest
+    rank's), then a reduce-scatter of nbytes fp32 between CUDA events; per call the last rank to
+    arrive (the minimum over ranks), the median over the calls, and the median spread of the ranks'
+    times (how far apart they arrived). A collective call; every rank gets the same list. On
     the lent H200s the reduce-scatter took ~95 us longer after 80 ms than after 1 ms
     (scripts/collective_probe.py --idle); tpattn.costmodel.fit_link_wake reads the numbers from it."""
     import torch
@@ -718,28 +719,31 @@ def link_wake(device, idles=WAKE_IDLE_MS, nbytes: int = WAKE_BYTES, calls: int =
     n = nbytes // 4 - (nbytes // 4) % W
     whole = torch.zeros(n, dtype=torch.float32, device=device)
     part = torch.empty(n // W, dtype=torch.float32, device=device)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s, a, b = (torch.cuda.Event(enable_timing=True) for _ in range(3))
     for _ in range(3):
         rs(part, whole)
-    got = []
+    got, spun = [], []
     for idle in idles:
-        mine = []
+        mine, slept = [], []
         for _ in range(calls):
             dist.barrier(device_ids=[device.index])
-            torch.cuda._sleep(int(idle * _SLEEP_CYCLES_PER_MS))
+            s.record()
+            torch.cuda._sleep(int(idle * _SLEEP_CYCLES_PER_MS))   # cycles: its length in ms is timed
             a.record()
             rs(part, whole)
             b.record()
             b.synchronize()
             mine.append(a.elapsed_time(b))
+            slept.append(s.elapsed_time(a))
         got.append(mine)
+        spun.append(statistics.median(slept))
     del whole, part
     torch.cuda.empty_cache()
-    every = gather(got)
+    every = gather((got, spun))
     out = []
-    for i, idle in enumerate(idles):
-        per_call = list(zip(*(r[i] for r in every)))
-        out.append((idle, statistics.median(min(c) for c in per_call),
+    for i in range(len(idles)):
+        per_call = list(zip(*(r[0][i] for r in every)))
+        out.append((round(max(r[1][i] for r in every), 1), statistics.median(min(c) for c in per_call),
                     statistics.median((max(c) - min(c)) * 1e3 for c in per_call)))
     return out
 
@@ -926,7 +930,8 @@ def build_machine(meas: dict) -> dict:
         bare = cm.Machine(name="bare", data=data, path="(calibration)")
         extra_us: dict[str, list] = {}
         for run in meas.get("layer_multi", []):
-            if woke and run["passes"].get("gpu", 0.0) >= woke["idle_ms"]:
+            compute = run["passes"].get("gpu", 0.0) - sum(v for k, v in run["passes"].items() if k in cm.COLLECTIVE_NAMES)
+            if woke and compute >= woke["idle_ms"]:   # as predict() counts the idle before the collective
                 continue
             for kind, nbytes in (run.get("collective_bytes") or {}).items():
                 if kind in run["passes"] and kind in cm.COLLECTIVE_NAMES:
