@@ -43,12 +43,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from host_probe import pct  # noqa: E402  (scripts/ is this script's own directory)
 from tpattn import plan  # noqa: E402
-
-
-def pct(v: list[float], q: float) -> float:
-    s = sorted(v)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 SLEEP_CYCLES = 50_000  # ~25 us at the H200's 1980 MHz: long against the events' ~0.5 us resolution
@@ -216,27 +212,17 @@ def idle_calls(idles: list[float], numel: int, iters: int, rank: int, group, dev
            "allreduce": lambda: dist.all_reduce(part, group=group)}
     g = torch.randn(8192, 8192, dtype=torch.float16, device=device)
     gemm_ms = plan.events_ms(lambda: torch.mm(g, g), 2, 5, device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    def idle(kind: str, ms: float):
+        if kind == "spin":
+            return lambda: torch.cuda._sleep(int(ms * plan._SLEEP_CYCLES_PER_MS))
+        return lambda: [torch.mm(g, g) for _ in range(max(1, round(ms / gemm_ms)))]
     results = []
     for op in ops:
         for _ in range(3):
             run[op]()
         for kind in ("spin", "gemm"):
             for ms in idles:
-                got = []
-                for _ in range(iters):
-                    dist.barrier(group=group, device_ids=[device.index])
-                    if kind == "spin":
-                        torch.cuda._sleep(int(ms * plan._SLEEP_CYCLES_PER_MS))
-                    else:
-                        for _ in range(max(1, round(ms / gemm_ms))):
-                            torch.mm(g, g)
-                    start.record()
-                    run[op]()
-                    end.record()
-                    torch.cuda.synchronize()
-                    got.append(start.elapsed_time(end))
-                results.append((op, kind, ms, got))
+                results.append((op, kind, ms, plan.timed_after(run[op], idle(kind, ms), iters, device)[0]))
     every = plan.gather(results)
     if rank != 0:
         return

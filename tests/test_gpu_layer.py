@@ -44,7 +44,7 @@ def test_tensor_core_projection_with_fp32_result_keeps_fp32_accuracy(dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_bias_pass_widens_the_bias_inside_the_add(dtype):
     """b_o added to an fp32 partial in one kernel (no cast kernel before it): bit for bit the sum of
-    the cast-first pass it replaced, rounded once to the model dtype."""
+    the cast-first pass it replaced, rounded once to the model dtype; a model-dtype partial as before."""
     from torch.profiler import ProfilerActivity, profile
     g = torch.Generator(device="cuda").manual_seed(2)
     part = torch.randn(4096, 1024, device="cuda", generator=g) * 50
@@ -57,6 +57,8 @@ def test_bias_pass_widens_the_bias_inside_the_add(dtype):
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert len(kernels) == 1, kernels
+    low = part.to(dtype)
+    assert torch.equal(_add_bias(low, bias, torch.empty_like(out)), low + bias)
 
 
 @pytest.mark.parametrize("causal", [False, True])

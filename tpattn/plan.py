@@ -704,47 +704,57 @@ WAKE_BYTES = 32 * MiB
 WAKE_CALLS = 5
 
 
+def timed_after(op, before, calls: int, device) -> tuple[list[float], list[float]]:
+    """`calls` times: a barrier over the default group, then before() (GPU work queued ahead of op: a
+    spin, GEMMs), then op() between CUDA events. ([op ms per call], [before ms per call]), this
+    rank's. tpattn.plan.link_wake and scripts/collective_probe.py --idle time a collective after an
+    idle link with it."""
+    import torch
+    import torch.distributed as dist
+    s, a, b = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    took, waited = [], []
+    for _ in range(calls):
+        dist.barrier(device_ids=[device.index])
+        s.record()
+        before()
+        a.record()
+        op()
+        b.record()
+        b.synchronize()
+        took.append(a.elapsed_time(b))
+        waited.append(s.elapsed_time(a))
+    return took, waited
+
+
 def link_wake(device, idles=WAKE_IDLE_MS, nbytes: int = WAKE_BYTES, calls: int = WAKE_CALLS) -> list[tuple]:
     """[(idle ms, reduce-scatter ms, ranks apart us)] for each idle: `calls` times a barrier (its
     all-reduce the last traffic on the link), then on every rank the same GPU spin of about that long
     (SM-idle: the ranks stay in step; its length as timed, the median over the calls, the longest
-    rank's), then a reduce-scatter of nbytes fp32 between CUDA events; per call the last rank to
-    arrive (the minimum over ranks), the median over the calls, and the median spread of the ranks'
-    times (how far apart they arrived). A collective call; every rank gets the same list. On
-    the lent H200s the reduce-scatter took ~95 us longer after 80 ms than after 1 ms
-    (scripts/collective_probe.py --idle); tpattn.costmodel.fit_link_wake reads the numbers from it."""
+    rank's), then a reduce-scatter of nbytes fp32 between CUDA events (timed_after); per call the
+    last rank to arrive (report.last_rank_ms), and the median spread of the ranks' times (how far
+    apart they arrived). A collective call; every rank gets the same list. On the lent H200s the
+    reduce-scatter took ~95 us longer after 80 ms than after 1 ms (scripts/collective_probe.py
+    --idle); tpattn.costmodel.fit_link_wake reads the numbers from it."""
     import torch
+
+    from .report import last_rank_ms
     dist, _, rs = _collective_fns()
     W = dist.get_world_size()
     n = nbytes // 4 - (nbytes // 4) % W
     whole = torch.zeros(n, dtype=torch.float32, device=device)
     part = torch.empty(n // W, dtype=torch.float32, device=device)
-    s, a, b = (torch.cuda.Event(enable_timing=True) for _ in range(3))
     for _ in range(3):
         rs(part, whole)
-    got, spun = [], []
-    for idle in idles:
-        mine, slept = [], []
-        for _ in range(calls):
-            dist.barrier(device_ids=[device.index])
-            s.record()
-            torch.cuda._sleep(int(idle * _SLEEP_CYCLES_PER_MS))   # cycles: its length in ms is timed
-            a.record()
-            rs(part, whole)
-            b.record()
-            b.synchronize()
-            mine.append(a.elapsed_time(b))
-            slept.append(s.elapsed_time(a))
-        got.append(mine)
-        spun.append(statistics.median(slept))
+    mine = [timed_after(lambda: rs(part, whole), lambda: torch.cuda._sleep(int(idle * _SLEEP_CYCLES_PER_MS)),
+                        calls, device) for idle in idles]   # cycles: the idle's length in ms is timed
     del whole, part
     torch.cuda.empty_cache()
-    every = gather((got, spun))
+    every = gather([(took, statistics.median(slept)) for took, slept in mine])
     out = []
     for i in range(len(idles)):
-        per_call = list(zip(*(r[0][i] for r in every)))
-        out.append((round(max(r[1][i] for r in every), 1), statistics.median(min(c) for c in per_call),
-                    statistics.median((max(c) - min(c)) * 1e3 for c in per_call)))
+        per_rank = [r[i][0] for r in every]
+        out.append((round(max(r[i][1] for r in every), 1), last_rank_ms(per_rank),
+                    statistics.median((max(c) - min(c)) * 1e3 for c in zip(*per_rank))))
     return out
 
 
@@ -1247,7 +1257,7 @@ def _measure(a, proc, device, argv) -> dict:
             "versions": {k: v for k, v in report.versions().items() if k in ("torch", "cuda", "cupy", "nccl")},
             "name": a.name, "peaks": peaks, "layer": everyone[0], "out_fp32": out_fp32, "relayout": relayout,
             "epilogue": epilogue, "collectives": colls, "layer_multi": multi,
-            **({"link_wake": wake} if proc.world > 1 and cuda and wake else {}),
+            **({"link_wake": wake} if wake else {}),
             "host": platform.node()}
 
 
