@@ -5,7 +5,6 @@ three-kernel CUDA attention, or a torch reference on CPU), applies its rows of t
 projection, and the partial outputs are summed with one all-reduce.
 """
 
-__version__ = "0.1.0"
-
-from .config import Config, ConfigError  # noqa: E402,F401
-from .layer import TensorParallelAttention  # noqa: E402,F401
+from .config import Config, ConfigError  # noqa: F401
+from .errors import __version__  # noqa: F401
+from .layer import TensorParallelAttention  # noqa: F401

@@ -8,11 +8,12 @@ Each failed check is one line that says what to change.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 from dataclasses import dataclass, field
 
 import torch
+
+from .errors import ConfigError, cupy_available, cupy_missing_message  # noqa: F401 (re-exported)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 REDUCE_DTYPES = ("fp32", "model")
@@ -23,10 +24,6 @@ DEVICES = ("auto", "cuda", "cpu")
 # The seed's shape; on a machine without a GPU the default run uses CPU_DEFAULTS instead.
 GPU_DEFAULTS = {"seq_len": 4096, "heads": 32, "head_dim": 128}
 CPU_DEFAULTS = {"seq_len": 1024, "heads": 8, "head_dim": 64}
-
-
-class ConfigError(ValueError):
-    """A bad input: the message is one line that names the fix."""
 
 
 @dataclass
@@ -78,18 +75,9 @@ class Config:
         return d
 
 
-def cupy_available() -> bool:
-    return importlib.util.find_spec("cupy") is not None
-
-
-def cupy_missing_message(kernel: str = "naive") -> str:
-    return (f"--kernel {kernel} needs CuPy, which is not installed: pip install 'tpattn[cuda13]' "
-            "(CUDA 13) or 'tpattn[cuda12]' (CUDA 12), or use --kernel reference")
-
-
 def resolve(cfg: Config) -> Config:
     """Pick device, kernel and shape where the user left them open, saying why."""
-    from .attention import backend_names  # late: the registry imports this module
+    from .attention import backend_names
 
     if cfg.device not in DEVICES:
         raise ConfigError(f"unknown --device {cfg.device!r}; choose one of {', '.join(DEVICES)}")

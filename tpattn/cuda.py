@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import ConfigError, cupy_missing_message
+from .errors import ConfigError, cupy_missing_message
 
 _modules: dict[tuple[int, str], object] = {}
 # Kernel files written for one GPU generation's own instructions: file -> (compute capability it

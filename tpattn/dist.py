@@ -20,6 +20,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .errors import ConfigError
+from .errors import rank_ranges as _ranges
+
 # Set in every rank by an MPI launcher: Open MPI's mpirun (OMPI_COMM_WORLD_*, PMIX_RANK), MPICH's hydra
 # mpiexec/mpirun and Intel MPI (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS), srun --mpi=pmi2 or
 # pmix, MVAPICH (MV2_COMM_WORLD_*).
@@ -119,7 +122,6 @@ def discover() -> Proc:
     """Rank, world and local rank from MPI, then srun, then torchrun, else a single process."""
     env = os.environ
     if any(k in env for k in MPI_ENV):
-        from .config import ConfigError
         fix = ("pip install 'tpattn[mpi]' (Open MPI wheel, with its mpirun) or 'tpattn[mpich]' (MPICH wheel, with "
                "its mpiexec), or point mpi4py at your cluster's MPI: module load it, or export "
                "MPI4PY_LIBMPI=/path/to/libmpi.so")
@@ -380,17 +382,6 @@ def init_process_group(proc: Proc, backend: str, device: torch.device, timeout: 
     kw = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend=backend, store=dist.PrefixStore("pg", proc.store), rank=proc.rank,
                             world_size=proc.world, timeout=timedelta(seconds=timeout), **kw)
-
-
-def _ranges(ranks: list[int]) -> str:
-    out, i = [], 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def init_distributed(backend: str = "auto", timeout: float = 300.0) -> Proc:

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from . import __version__
+from .errors import __version__
 from .memory import heads_per_rank, kv_bytes, kv_heads_per_rank, scores_bytes
 from .sharding import describe_blocks, kv_replicated
 

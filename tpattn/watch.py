@@ -28,6 +28,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from .errors import rank_ranges as _ranges
 from .report import COLLECTIVES
 
 POLL_S = 0.2
@@ -189,11 +190,6 @@ def laggards(proc, number: int) -> list[int]:
         if n < number:
             out.append(r)
     return out
-
-
-def _ranges(ranks: list[int]) -> str:
-    from .dist import _ranges as ranges
-    return ranges(ranks)
 
 
 _watch: _Watch | None = None

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from .errors import ConfigError
 from .sharding import head_columns
 
 
@@ -60,7 +61,6 @@ def load_inputs(path: str, heads: int, head_dim: int, batch: int, seq_len: int, 
     in the storage dtype. Keys: wq [D, H*d], wk, wv [D, G*d] and wo [H*d, D] ("x @ W" layout; G =
     kv_heads, default H), optional bq [H*d], bk, bv [G*d], bo [D], x [B, N, D]. Raises ConfigError
     with a one-line fix."""
-    from .config import ConfigError
 
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 
-from ..config import ConfigError, cupy_available, cupy_missing_message
+from ..errors import ConfigError, cupy_available, cupy_missing_message
 
 _BACKENDS = {
     "reference": "tpattn.attention.reference:ReferenceBackend",

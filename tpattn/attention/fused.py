@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..cuda import GRID_X_MAX, GRID_YZ_MAX, Prepared, TensorMap, launch, ptr
 from ..timing import section
 from . import CudaBackend, kv_group

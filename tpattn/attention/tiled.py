@@ -11,7 +11,7 @@ import os
 import numpy as np
 import torch
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..cuda import GRID_X_MAX, GRID_YZ_MAX, launch, ptr
 from ..timing import section
 from . import CudaBackend, kv_group
