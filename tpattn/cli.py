@@ -316,6 +316,8 @@ def _profile(cfg: Config, proc, layer, x) -> None:
             torch.cuda.synchronize(x.device)
     path = cfg.profile if proc.rank == 0 else f"{cfg.profile}.rank{proc.rank}"
     prof.export_chrome_trace(path)
+    print(f"rank {proc.rank}: wrote the torch.profiler trace of one call to {os.path.abspath(path)} "
+          "(open it in chrome://tracing or https://ui.perfetto.dev)", flush=True)
 
 
 def run() -> None:

@@ -95,6 +95,20 @@ def exposure(rank_reports: list[dict]) -> dict | None:
     return {"exposed_ms": e, "collectives_ms": c, "hidden_share": max(0.0, min(1.0, 1 - e / c)) if c else 0.0}
 
 
+def exposure_line(e: dict, overlap: int) -> str:
+    """What the call waits for beyond its compute passes. Only --overlap K > 1 can hide a collective
+    behind compute; without it the collectives run in line and what is outside the compute passes
+    is the collectives plus the host's launches and waits between passes."""
+    c, x = e["collectives_ms"], e["exposed_ms"]
+    head = f"communication: {c:.3f} ms of collectives; the call spends {x:.3f} ms outside its compute passes"
+    if overlap <= 1:
+        rest = f"; {x - c:.3f} ms of it launches and waits" if x > c else ""
+        return f"{head} (no --overlap: the collectives run in line, none hidden{rest})"
+    if x >= c:
+        return f"{head} (--overlap {overlap}: none of the collectives hidden behind compute)"
+    return f"{head} (--overlap {overlap}: about {100 * e['hidden_share']:.0f}% of the collectives hidden behind compute)"
+
+
 def balance(rank_reports: list[dict], heads: list[int]) -> dict | None:
     """The load across ranks: each rank's compute (the sum of its compute passes' medians), the
     slowest rank, and the imbalance max/mean of it beside max/mean of the heads (what an uneven
@@ -254,8 +268,7 @@ def text(rep: dict) -> str:
                          f"(heads max/mean {bal['heads_max_over_mean']:.3f})")
         e = rep.get("exposure")
         if e:
-            lines.append(f"communication: {e['collectives_ms']:.3f} ms of collectives, {e['exposed_ms']:.3f} ms exposed "
-                         f"(total - compute passes), {100 * e['hidden_share']:.0f}% hidden behind compute")
+            lines.append(exposure_line(e, rep["config"].get("overlap", 1)))
     for name, ch in rep["checks"].items():
         lines.append(f"check {name}: max err {ch['max_abs_err']:.3g} = {ch['rel_err']:.3g} x rms "
                      f"(tol {ch['tol']:g}{' + eps*|y| each' if ch.get('ulp_allowed') else ''}) {'PASS' if ch['pass'] else 'FAIL'}{'  ' + ch['what'] if 'what' in ch else ''}")

@@ -1,0 +1,32 @@
+"""The report's communication line and the --profile line say what happened, not more."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tpattn.report import exposure_line
+
+
+def test_no_overlap_hides_nothing():
+    line = exposure_line({"collectives_ms": 53.381, "exposed_ms": 85.453, "hidden_share": 0.17}, overlap=1)
+    assert "none hidden" in line and "% of the collectives hidden" not in line
+    assert "32.072 ms of it launches and waits" in line
+
+
+def test_overlap_reports_the_hidden_share():
+    e = {"collectives_ms": 10.0, "exposed_ms": 4.0, "hidden_share": 0.6}
+    assert "about 60% of the collectives hidden" in exposure_line(e, overlap=4)
+    e = {"collectives_ms": 10.0, "exposed_ms": 12.0, "hidden_share": 0.0}
+    assert "none of the collectives hidden" in exposure_line(e, overlap=4)
+
+
+def test_profile_says_where_the_trace_went(tmp_path):
+    path = tmp_path / "trace.json"
+    out = subprocess.run([sys.executable, "-m", "tpattn", "--seq-len", "64", "--heads", "2", "--head-dim", "16",
+                          "--iters", "1", "--warmup", "0", "--profile", str(path)], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert path.is_file()
+    assert f"wrote the torch.profiler trace of one call to {path}" in out.stdout
