@@ -609,9 +609,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         import plots
-    except ImportError as exc:
-        print(f"scaling: error: the plots need matplotlib ({exc}): pip install matplotlib", file=sys.stderr)
-        return 2
+    except ImportError as exc:  # the tables need no matplotlib: write them, skip the plots
+        plots = None
+        no_plots = f"plots skipped: they need matplotlib ({exc}); pip install -e '.[plot]'"
+        print(f"scaling: note: {no_plots}", file=sys.stderr)
 
     gpus = torch.cuda.device_count() if cfg.device == "cuda" else 0
     gpu_name = torch.cuda.get_device_name(0) if gpus else None
@@ -656,9 +657,9 @@ def main(argv: list[str] | None = None) -> int:
                    for x in LEGEND],
         "rows": rows,
     }
-    images, plot_errors = {}, []
-    for name, suffix, fn in (("per pass", "passes", plots.scaling_passes),
-                             ("speedup", "speedup", plots.scaling_speedup)):
+    images, plot_errors = {}, ([] if plots is not None else [no_plots])
+    for name, suffix, fn in (() if plots is None else (("per pass", "passes", plots.scaling_passes),
+                                                       ("speedup", "speedup", plots.scaling_speedup))):
         path = out / f"{stem}_{suffix}.png"
         try:
             images[name] = str(fn(sweep, path))
