@@ -13,7 +13,7 @@ import argparse
 import torch
 
 from tpattn.attention import get_backend
-from tpattn.plan import events_ms
+from tpattn.model.measure import events_ms
 
 
 def timed(fn, iters: int) -> float:

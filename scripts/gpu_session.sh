@@ -15,9 +15,9 @@
 #   layertests  pytest -m gpu for the layer's styles and for faults over NCCL (2 GPUs)
 #   checks  the refusals that need a GPU: NaN in --load, the memory pre-flight, N^2 > 2^31 run
 #   model   the cost model: python -m tpattn.plan --calibrate on 1 GPU and (mpirun) on 2, then
-#           scripts/validate_model.py (the layer and the bare NCCL collectives against the predictions),
-#           then scripts/host_probe.py (where the 2-rank layer's host time goes, and how it drifts) and
-#           scripts/collective_probe.py (the naive layer's reduce-scatter beside bare ones, clocks sampled;
+#           scripts/model/validate_model.py (the layer and the bare NCCL collectives against the predictions),
+#           then scripts/model/host_probe.py (where the 2-rank layer's host time goes, and how it drifts) and
+#           scripts/model/collective_probe.py (the naive layer's reduce-scatter beside bare ones, clocks sampled;
 #           bare ones after an idle link and with one rank late)
 #   gqa     grouped-query attention, both of:
 #     gqatests  pytest -m gpu -k gqa (naive, tiled, fused; the layer over gloo on one GPU and, with 2
@@ -33,7 +33,7 @@
 #   wsbench fusedw (the default there) against SDPA with graph (kernel-only) times: N = 4096 and 16384,
 #           causal and not, fp16, bf16, d = 64; compute-sanitizer memcheck and racecheck on it
 #   p2p     --output-collective p2p (the peer reduce-gather over NVLink, 2 GPUs): pytest -m gpu -k
-#           "peer or output_collectives", scripts/bench_comm.py (NCCL, a registered pool, peer loads;
+#           "peer or output_collectives", scripts/model/bench_comm.py (NCCL, a registered pool, peer loads;
 #           the reduce-scatter after busy GEMMs), scripts/nccl_faults.sh with p2p (hang, skip, kill),
 #           the layer's rows beside the NCCL ones
 #   speedshort  the main rows of speed (fused, 1 and 2 GPUs, eager and graph, fp16 partials, causal,
@@ -183,7 +183,7 @@ if want p2p; then
   timeout 300 python3 -m pytest -m gpu -q -p no:warnings --tb=short tests/test_gpu_layer.py \
     -k "peer or output_collectives" 2>&1 | tee "$OUT/p2p_pytest_gpu.log" | tail -15 || status=1
   port=$((29500 + RANDOM % 1000))
-  timeout 240 mpirun -n 2 -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=$port python3 scripts/bench_comm.py \
+  timeout 240 mpirun -n 2 -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=$port python3 scripts/model/bench_comm.py \
     --variants nccl nccl-reg p2p busy --json "$OUT/p2p_bench_comm.json" </dev/null 2>&1 \
     | grep -v -i warn | tee "$OUT/p2p_bench_comm.log" || status=1
   ARGS="--kernel fused --output-collective p2p" FAULTS="1:forward:hang 1:allreduce:skip 1:forward:kill" \
@@ -301,10 +301,10 @@ if want model; then
   if [ "$gpus" -ge 2 ]; then
     mpirun -n 2 python3 -m tpattn.plan --calibrate --name h200x2_cal --out "$OUT/model/h200x2_cal.json" </dev/null 2>&1 \
       | tee "$OUT/model/calibrate_2gpu.log" || status=1
-    mpirun -n 2 python3 scripts/validate_model.py --machine "$OUT/model/h200x2_cal.json" h200x2 "$OUT/model/h200_1gpu.json" \
+    mpirun -n 2 python3 scripts/model/validate_model.py --machine "$OUT/model/h200x2_cal.json" h200x2 "$OUT/model/h200_1gpu.json" \
       --out "$OUT/model" </dev/null 2>&1 | tee "$OUT/model/validate.log" || status=1
   else
-    python3 scripts/validate_model.py --machine "$OUT/model/h200_1gpu.json" h200x2 --out "$OUT/model" </dev/null 2>&1 \
+    python3 scripts/model/validate_model.py --machine "$OUT/model/h200_1gpu.json" h200x2 --out "$OUT/model" </dev/null 2>&1 \
       | tee "$OUT/model/validate.log" || status=1
   fi
   for k in naive fused; do
@@ -312,14 +312,14 @@ if want model; then
       | tee -a "$OUT/model/plan.log" || status=1
   done
   if [ "$gpus" -ge 2 ]; then
-    mpirun -n 2 python3 scripts/host_probe.py --kernels fused tiled --seq-lens 2048 4096 --profile </dev/null 2>&1 \
+    mpirun -n 2 python3 scripts/model/host_probe.py --kernels fused tiled --seq-lens 2048 4096 --profile </dev/null 2>&1 \
       | tee "$OUT/model/host_probe.log" | grep -v "^ *[0-9]" || status=1
     # the naive layer's reduce-scatter at N = 4096 beside bare ones, with the clocks sampled every 100 ms;
     # the SM clock and where the ranks arrive at each of its calls; a bare one after an idle link, and
     # with one rank late
     nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
       --format=csv -lms 100 > "$OUT/model/collective_probe_smi.csv" 2>&1 & smi=$!
-    mpirun -n 2 python3 scripts/collective_probe.py --kernels naive tiled --seq-len 4096 --as-validation --clocks \
+    mpirun -n 2 python3 scripts/model/collective_probe.py --kernels naive tiled --seq-len 4096 --as-validation --clocks \
       --idle 1 10 20 40 60 80 160 --skew 0 25 50 100 150 200 300 </dev/null 2>&1 \
       | tee "$OUT/model/collective_probe.log" || status=1
     kill $smi 2>/dev/null

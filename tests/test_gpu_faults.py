@@ -78,7 +78,8 @@ def test_watch_reuses_finished_event_pairs_and_still_sees_a_stuck_collective(mon
         pytest.skip("needs a CUDA GPU")
     import torch.distributed as dist
 
-    from tpattn import plan, watch
+    from tpattn import watch
+    from tpattn.model import measure
     monkeypatch.setattr(watch, "ACK_WAIT_S", 0.1)
     ended, said = [], []
     proc = SimpleNamespace(rank=0, world=2, store=dist.HashStore(), distributed=True,
@@ -91,7 +92,7 @@ def test_watch_reuses_finished_event_pairs_and_still_sees_a_stuck_collective(mon
         for i in range(6):
             with w.collective("allreduce", 2, True):
                 entry = w.pending[-1]  # [number, name, world, before, after, ...]: after is set on the way out
-                torch.cuda._sleep(plan._SLEEP_CYCLES_PER_CALL // 10)  # ~10 us
+                torch.cuda._sleep(measure._SLEEP_CYCLES_PER_CALL // 10)  # ~10 us
             seen.append((id(entry[3]), id(entry[4])))
             torch.cuda.synchronize()
             time.sleep(2.5 * watch.POLL_S)  # the thread polls, finds it done, keeps the pair
@@ -99,7 +100,7 @@ def test_watch_reuses_finished_event_pairs_and_still_sees_a_stuck_collective(mon
         assert len(set(seen)) == 1, seen   # one pair made, then reused
         assert len(w.spare) == 1
         with w.collective("reducescatter", 2, True):
-            torch.cuda._sleep(int(3.0 * plan._SLEEP_CYCLES_PER_MS * 1000))  # ~3 s: past the 1 s timeout
+            torch.cuda._sleep(int(3.0 * measure._SLEEP_CYCLES_PER_MS * 1000))  # ~3 s: past the 1 s timeout
         deadline = time.monotonic() + 10
         while not ended and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -3,7 +3,7 @@
 reduce-scatter beside bare ones of the same bytes, right after the layer's work and after the GPU
 has been idle or busy with GEMMs, call by call.
 
-    mpirun -n 2 python scripts/collective_probe.py --kernels naive tiled --seq-len 4096
+    mpirun -n 2 python scripts/model/collective_probe.py --kernels naive tiled --seq-len 4096
 
 Made for the cost model's one per-pass miss: the naive layer's reduce-scatter at N = 4096 on 2 H200s
 measured ~0.25 ms where the same 64 MiB takes ~0.16 inside the tiled and fused layers and bare. It
@@ -12,7 +12,7 @@ found the cause: the NVLink link sleeps after 50 ms with no traffic and the next
 benchmarks/link_wake_h200x2.log); the model has it since. For each kernel, iteration by iteration,
 every rank:
   * "in layer": the layer's reduce-scatter, the call queued behind a barrier and a GPU spin with an
-    event pair around every pass (as tpattn.plan.time_layer times it);
+    event pair around every pass (as tpattn.model.measure.time_layer times it);
   * "bare, right after": a reduce-scatter of a separate buffer of the same bytes, queued on the same
     stream right behind that call;
   * "bare, idle": the same after a synchronize, a 0.3 s pause of the host (the GPU idle) and a barrier;
@@ -20,7 +20,7 @@ every rank:
 Per iteration the last rank to arrive (the minimum over ranks: the transfer), then p10/median/p90
 over the iterations, microseconds. Run nvidia-smi beside it to see the clocks (gpu_session.sh model).
 
---clocks: the layer timed again by tpattn.plan.time_layer with its reduce-scatter bracketed by two
+--clocks: the layer timed again by tpattn.model.measure.time_layer with its reduce-scatter bracketed by two
 spin kernels of a fixed number of SM cycles (torch.cuda._sleep), each between CUDA events: cycles
 over elapsed time is the SM clock right before and right after that very reduce-scatter. Printed call
 by call, every rank. --trace DIR: a few time_layer calls under torch.profiler, a Chrome trace per rank
@@ -41,17 +41,17 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from host_probe import pct  # noqa: E402  (scripts/ is this script's own directory)
-from tpattn import plan  # noqa: E402
+from host_probe import pct  # noqa: E402  (scripts/model/ is this script's own directory)
+from tpattn.model import errors, measure  # noqa: E402
 
 
 SLEEP_CYCLES = 50_000  # ~25 us at the H200's 1980 MHz: long against the events' ~0.5 us resolution
 
 
 def clocked_calls(layer, x, iters: int, rank: int, what: str) -> None:
-    """plan.time_layer(layer, x, 1, iters) with every reduce-scatter between two clock probes."""
+    """measure.time_layer(layer, x, 1, iters) with every reduce-scatter between two clock probes."""
     import torch
 
     from tpattn import layer as L
@@ -77,7 +77,7 @@ def clocked_calls(layer, x, iters: int, rank: int, what: str) -> None:
 
     L._reduce_scatter = bracketed
     try:
-        plan.time_layer(layer, x, 1, iters)
+        measure.time_layer(layer, x, 1, iters)
     finally:
         L._reduce_scatter = op
     torch.cuda.synchronize()
@@ -90,7 +90,7 @@ def clocked_calls(layer, x, iters: int, rank: int, what: str) -> None:
         return "?"
     mine = [(e[0].elapsed_time(e[1]), e[2].elapsed_time(e[3]), e[4].elapsed_time(e[5]), where(p), where(o), late)
             for e, (p, o), late in zip(log, ptrs, behind)]
-    every = plan.gather(mine)
+    every = measure.gather(mine)
     if rank != 0:
         return
     mhz = lambda ms: SLEEP_CYCLES / (ms * 1e3)  # noqa: E731  (cycles per microsecond)
@@ -111,9 +111,9 @@ def traced_calls(layer, x, out_dir: str, rank: int, what: str) -> None:
 
     import torch
     from torch.profiler import ProfilerActivity, profile
-    plan.time_layer(layer, x, 1, 1)
+    measure.time_layer(layer, x, 1, 1)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        plan.time_layer(layer, x, 0, 2)
+        measure.time_layer(layer, x, 0, 2)
         torch.cuda.synchronize()
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     path = Path(out_dir) / f"trace_{what}_rank{rank}.json"
@@ -129,7 +129,7 @@ def traced_calls(layer, x, out_dir: str, rank: int, what: str) -> None:
         end = e["ts"] + e["dur"]
         if last_end is None or end > last_end:
             last_end, last_name = end, e["name"]
-    every = plan.gather(lines)
+    every = measure.gather(lines)
     if rank == 0:
         print(f"== {what}: NCCL kernels of 4 time_layer calls under torch.profiler (traces in {out_dir})", flush=True)
         for r, ls in enumerate(every):
@@ -157,9 +157,9 @@ def skewed_calls(skews: list[float], numel: int, iters: int, rank: int, group, d
     b = torch.randn(8192, 128, dtype=torch.float16, device=device)
     o = torch.randn(rows, D // W, dtype=torch.float16, device=device)
     wo = torch.randn(D // W, D, dtype=torch.float16, device=device) / 64
-    gemm_us = plan.events_ms(lambda: torch.mm(a, b), 3, 10, device) * 1e3
-    out_us = plan.events_ms(lambda: L._mm(o, wo, torch.float32, out=part), 3, 10, device) * 1e3
-    cycles_per_us = plan._SLEEP_CYCLES_PER_MS / 1e3
+    gemm_us = measure.events_ms(lambda: torch.mm(a, b), 3, 10, device) * 1e3
+    out_us = measure.events_ms(lambda: L._mm(o, wo, torch.float32, out=part), 3, 10, device) * 1e3
+    cycles_per_us = measure._SLEEP_CYCLES_PER_MS / 1e3
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(3):
         L._reduce_scatter(mine, part, group=group)
@@ -168,7 +168,7 @@ def skewed_calls(skews: list[float], numel: int, iters: int, rank: int, group, d
         for us in skews:
             got = []
             for _ in range(iters):
-                plan.spin_ahead(device, 2.0, group)
+                measure.spin_ahead(device, 2.0, group)
                 if rank == 1 and us > 0:
                     if kind.startswith("spin"):
                         torch.cuda._sleep(int(us * cycles_per_us))
@@ -183,7 +183,7 @@ def skewed_calls(skews: list[float], numel: int, iters: int, rank: int, group, d
                 torch.cuda.synchronize()
                 got.append(start.elapsed_time(end))
             results.append((kind, us, got))
-    every = plan.gather(results)
+    every = measure.gather(results)
     if rank != 0:
         return
     print(f"== bare reduce-scatter of {numel * 4 >> 20} MiB fp32, rank 1 late by a spin or GEMMs ({gemm_us:.0f} us "
@@ -211,10 +211,10 @@ def idle_calls(idles: list[float], numel: int, iters: int, rank: int, group, dev
            "allgather": lambda: L._all_gather(part, mine, group=group),
            "allreduce": lambda: dist.all_reduce(part, group=group)}
     g = torch.randn(8192, 8192, dtype=torch.float16, device=device)
-    gemm_ms = plan.events_ms(lambda: torch.mm(g, g), 2, 5, device)
+    gemm_ms = measure.events_ms(lambda: torch.mm(g, g), 2, 5, device)
     def idle(kind: str, ms: float):
         if kind == "spin":
-            return lambda: torch.cuda._sleep(int(ms * plan._SLEEP_CYCLES_PER_MS))
+            return lambda: torch.cuda._sleep(int(ms * measure._SLEEP_CYCLES_PER_MS))
         return lambda: [torch.mm(g, g) for _ in range(max(1, round(ms / gemm_ms)))]
     results = []
     for op in ops:
@@ -222,8 +222,8 @@ def idle_calls(idles: list[float], numel: int, iters: int, rank: int, group, dev
             run[op]()
         for kind in ("spin", "gemm"):
             for ms in idles:
-                results.append((op, kind, ms, plan.timed_after(run[op], idle(kind, ms), iters, device)[0]))
-    every = plan.gather(results)
+                results.append((op, kind, ms, measure.timed_after(run[op], idle(kind, ms), iters, device)[0]))
+    every = measure.gather(results)
     if rank != 0:
         return
     print(f"== bare collectives of {numel * 4 >> 20} MiB fp32 after a time with no collective (an SM-idle spin, or "
@@ -238,7 +238,7 @@ def idle_calls(idles: list[float], numel: int, iters: int, rank: int, group, dev
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="scripts/collective_probe.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="scripts/model/collective_probe.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--kernels", nargs="*", default=["naive", "tiled"], choices=["naive", "tiled", "fused"])
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--heads", type=int, default=32)
@@ -246,8 +246,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--burn-ms", type=float, default=70.0, help="GEMMs before the last bare call (default 70)")
     p.add_argument("--as-validation", action="store_true",
-                   help="first as scripts/validate_model.py does it: the 1-GPU layer (all heads on each rank), then "
-                        "the W-rank layer timed by tpattn.plan.time_layer (its reduce-scatter: 'in layer, time_layer'); "
+                   help="first as scripts/model/validate_model.py does it: the 1-GPU layer (all heads on each rank), then "
+                        "the W-rank layer timed by tpattn.model.measure.time_layer (its reduce-scatter: 'in layer, time_layer'); "
                         "then the rows above on that same layer, the probe's buffers made only then")
     p.add_argument("--clocks", action="store_true",
                    help="time_layer again with the SM clock measured right before and after each reduce-scatter")
@@ -260,14 +260,14 @@ def main(argv=None) -> int:
                    help="the collectives --idle times (default: reducescatter)")
     a = p.parse_args(argv)
     try:
-        proc, device = plan.start_ranks(what="collective_probe.py")
-    except plan.PlanError as exc:
+        proc, device = measure.start_ranks(what="collective_probe.py")
+    except errors.PlanError as exc:
         print(f"collective_probe: error: {exc}", file=sys.stderr)
         return 2
     if device.type != "cuda" or proc.world < 2:
         if proc.rank == 0:
             print("collective_probe: error: needs CUDA GPUs and at least 2 ranks (mpirun -n 2)", file=sys.stderr)
-        plan.finish_ranks(proc, 2)
+        measure.finish_ranks(proc, 2)
         return 2
     import torch
     import torch.distributed as dist
@@ -297,15 +297,15 @@ def main(argv=None) -> int:
         x = layer_input(1, a.seq_len, D, 0, torch.float16, device)
         rows: dict[str, list[float]] = {}
         if a.as_validation:
-            one = plan.build_layer(a.heads, a.heads, a.head_dim, kernel, False, device)
-            plan.time_layer(one, x, 1, a.iters)
+            one = measure.build_layer(a.heads, a.heads, a.head_dim, kernel, False, device)
+            measure.time_layer(one, x, 1, a.iters)
             del one
             torch.cuda.empty_cache()
-        layer = plan.build_layer(a.heads, a.heads, a.head_dim, kernel, False, device, group=group)
+        layer = measure.build_layer(a.heads, a.heads, a.head_dim, kernel, False, device, group=group)
         if a.as_validation:
             raw: dict = {}
-            plan.time_layer(layer, x, 1, a.iters, raw=raw)
-            rs = plan.gather(raw["reducescatter"][-a.iters:])   # the spun calls' (time_layer's second half)
+            measure.time_layer(layer, x, 1, a.iters, raw=raw)
+            rs = measure.gather(raw["reducescatter"][-a.iters:])   # the spun calls' (time_layer's second half)
             rows["in layer, time_layer"] = [min(c) for c in zip(*rs)]
         if a.clocks:
             clocked_calls(layer, x, a.iters, proc.rank, f"{kernel} N={a.seq_len} W={W}")
@@ -314,7 +314,7 @@ def main(argv=None) -> int:
         part = torch.zeros(a.seq_len, D, dtype=torch.float32, device=device)   # the layer's partial's bytes
         mine = torch.empty(a.seq_len // W, D, dtype=torch.float32, device=device)
         g = torch.randn(8192, 8192, dtype=torch.float16, device=device)
-        gemm_ms = plan.events_ms(lambda: torch.mm(g, g), 2, 5, device)
+        gemm_ms = measure.events_ms(lambda: torch.mm(g, g), 2, 5, device)
         burn = max(1, int(a.burn_ms / gemm_ms))
         timer = Timer(device)
         for _ in range(2):
@@ -322,7 +322,7 @@ def main(argv=None) -> int:
             bare(mine, part)
         torch.cuda.synchronize()
         for _ in range(a.iters):
-            plan.spin_ahead(device, 2.0, group)
+            measure.spin_ahead(device, 2.0, group)
             with timer.section("gpu"):
                 layer(x, timer)
             after = ms(bare(mine, part))
@@ -334,7 +334,7 @@ def main(argv=None) -> int:
             for _ in range(burn):
                 torch.mm(g, g)
             got["bare, after GEMMs"] = ms(bare(mine, part))   # one key on every rank (each burns ~--burn-ms)
-            every = plan.gather(got)
+            every = measure.gather(got)
             for k in got:
                 rows.setdefault(k, []).append(min(r[k] for r in every))
         if proc.rank == 0:
@@ -345,7 +345,7 @@ def main(argv=None) -> int:
                       flush=True)
         layer = x = part = mine = g = None
         torch.cuda.empty_cache()
-    plan.finish_ranks(proc, 0)
+    measure.finish_ranks(proc, 0)
     return 0
 
 

@@ -4,8 +4,8 @@ recalibration changed them: each table is rerun with the command written above i
 rows), and its last row, the 8 nodes of 4 GPUs, with the same command at --nodes 8 --gpus-per-node 4
 in place of --world-sizes. The prose around the tables is left as it is (its numbers are yours to check).
 
-    python scripts/refresh_predictions.py            # rewrite the file in place
-    python scripts/refresh_predictions.py --check    # exit 1 if a table differs from the machine files
+    python scripts/model/refresh_predictions.py            # rewrite the file in place
+    python scripts/model/refresh_predictions.py --check    # exit 1 if a table differs from the machine files
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import shlex
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tpattn import plan  # noqa: E402
+from tpattn.model import cli  # noqa: E402
 
 HEADER = re.compile(r"^\*\*.*\*\* — `python -m tpattn\.plan (?P<args>[^`]+)`$")
 EIGHT_NODES = ["--nodes", "8", "--gpus-per-node", "4"]
@@ -31,7 +31,7 @@ def rows(args: list[str]) -> list[str]:
     """The markdown table rows (header and rule included) that `python -m tpattn.plan ARGS --markdown` prints."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = plan.main([*args, "--markdown"])
+        code = cli.main([*args, "--markdown"])
     if code:
         raise SystemExit(f"refresh_predictions: python -m tpattn.plan {' '.join(args)} exited {code}")
     return [ln for ln in out.getvalue().splitlines() if ln.startswith("|")]
@@ -72,7 +72,7 @@ def refresh(text: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="scripts/refresh_predictions.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="scripts/model/refresh_predictions.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--file", default=str(ROOT / "benchmarks" / "model_predictions.md"))
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table is out of date")
     a = p.parse_args(argv)

@@ -12,7 +12,7 @@ the one all-reduce it replaces, over:
             copy every peer's rows of the output; a GPU-side barrier orders them
 
 Each variant is checked against a float64 sum on the host side of the same data before it is
-timed. Run: torchrun --nproc-per-node 2 scripts/bench_comm.py [--rows 4096 --dim 4096 --iters 50]
+timed. Run: torchrun --nproc-per-node 2 scripts/model/bench_comm.py [--rows 4096 --dim 4096 --iters 50]
 (or mpirun -n 2 with MASTER_ADDR/MASTER_PORT set). Prints one line per variant from rank 0 and,
 with --json F, writes them.
 """

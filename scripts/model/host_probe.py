@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Where the layer's host time goes: the Python call of one eager forward, per rank.
 
-    mpirun -n 2 python scripts/host_probe.py --kernels fused tiled --seq-lens 2048 4096
-    mpirun --bind-to none -n 2 python scripts/host_probe.py ...   # the same, ranks not pinned to a core
+    mpirun -n 2 python scripts/model/host_probe.py --kernels fused tiled --seq-lens 2048 4096
+    mpirun --bind-to none -n 2 python scripts/model/host_probe.py ...   # the same, ranks not pinned to a core
 
-For each kernel and N, the W-rank layer (tpattn.plan.build_layer over the NCCL group):
-  * the host time of --iters un-spun calls (each after a synchronize, as tpattn.plan.time_layer's
+For each kernel and N, the W-rank layer (tpattn.model.measure.build_layer over the NCCL group):
+  * the host time of --iters un-spun calls (each after a synchronize, as tpattn.model.measure.time_layer's
     first call): p10, median, p90 per rank, ms;
   * the same calls queued behind a GPU spin (the GPU busy while the host launches: a host time that
     changes here waits on the GPU somewhere);
@@ -31,9 +31,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tpattn import plan, watch  # noqa: E402
+from tpattn import watch  # noqa: E402
+from tpattn.model import errors, measure  # noqa: E402
 
 
 def pct(v: list[float], q: float) -> float:
@@ -47,7 +48,7 @@ def host_calls(layer, x, iters: int, spin_ms: float = 0.0) -> list[float]:
     for _ in range(iters):
         torch.cuda.synchronize()
         if spin_ms:
-            torch.cuda._sleep(int(spin_ms * plan._SLEEP_CYCLES_PER_MS))
+            torch.cuda._sleep(int(spin_ms * measure._SLEEP_CYCLES_PER_MS))
         t0 = time.perf_counter()
         layer(x)
         out.append((time.perf_counter() - t0) * 1e3)
@@ -56,7 +57,7 @@ def host_calls(layer, x, iters: int, spin_ms: float = 0.0) -> list[float]:
 
 
 def host_interleaved(layer, x, iters: int) -> list[float]:
-    """The un-spun call's host time as tpattn.plan.time_layer (and python -m tpattn) measure it: each
+    """The un-spun call's host time as tpattn.model.measure.time_layer (and python -m tpattn) measure it: each
     un-spun call follows the previous iteration's instrumented call (a barrier, a GPU spin, an event
     pair around every pass, a synchronize)."""
     import torch
@@ -71,7 +72,7 @@ def host_interleaved(layer, x, iters: int) -> list[float]:
         layer(x)
         host = (time.perf_counter() - t0) * 1e3
         out.append(host)
-        plan.spin_ahead(x.device, plan.spin_ms_for(host), group)
+        measure.spin_ahead(x.device, measure.spin_ms_for(host), group)
         layer(x, timer)
         timer.collect()
     return out
@@ -82,7 +83,7 @@ def piece_us(fn, n: int = 200) -> float:
     ts = []
     for _ in range(n):
         torch.cuda.synchronize()
-        torch.cuda._sleep(int(0.3 * plan._SLEEP_CYCLES_PER_MS))  # the GPU busy: launches only queue
+        torch.cuda._sleep(int(0.3 * measure._SLEEP_CYCLES_PER_MS))  # the GPU busy: launches only queue
         t0 = time.perf_counter()
         fn()
         ts.append((time.perf_counter() - t0) * 1e6)
@@ -125,7 +126,7 @@ def pieces(layer, x) -> dict[str, float]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="scripts/host_probe.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="scripts/model/host_probe.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--kernels", nargs="+", default=["fused", "tiled"])
     p.add_argument("--seq-lens", type=int, nargs="+", default=[2048])
     p.add_argument("--iters", type=int, default=200)
@@ -135,13 +136,13 @@ def main(argv=None) -> int:
                         "it (tpattn.watch), and cProfile those with --profile")
     a = p.parse_args(argv)
     try:
-        proc, device = plan.start_ranks(what="scripts/host_probe.py")
-    except plan.PlanError as exc:
+        proc, device = measure.start_ranks(what="scripts/model/host_probe.py")
+    except errors.PlanError as exc:
         print(f"host_probe: error: {exc}", file=sys.stderr, flush=True)
         return 2
     if device.type != "cuda":
         print("host_probe: error: it times CUDA launches; run it on the GPU machine", file=sys.stderr, flush=True)
-        plan.finish_ranks(proc, 2)
+        measure.finish_ranks(proc, 2)
         return 2
     import torch
     import torch.distributed as dist
@@ -150,13 +151,13 @@ def main(argv=None) -> int:
     r = proc.rank
     group = dist.group.WORLD if proc.world > 1 else None
     cores = sorted(os.sched_getaffinity(0))
-    for line in plan.gather(f"rank {r}: pid {os.getpid()}, {len(cores)} core(s) {cores[:8]}"
+    for line in measure.gather(f"rank {r}: pid {os.getpid()}, {len(cores)} core(s) {cores[:8]}"
                             f"{'...' if len(cores) > 8 else ''}, torch threads {torch.get_num_threads()}"):
         if r == 0:
             print(line, flush=True)
     for kernel in a.kernels:
         for n in a.seq_lens:
-            layer = plan.build_layer(32 // proc.world, 32, 128, kernel, False, device, group=group)
+            layer = measure.build_layer(32 // proc.world, 32, 128, kernel, False, device, group=group)
             x = layer_input(1, n, 4096, 0, torch.float16, device)
             host_calls(layer, x, 5)
             un = host_calls(layer, x, a.iters)
@@ -180,7 +181,7 @@ def main(argv=None) -> int:
             if prof is not None:
                 prof.disable()
             watch.stop()
-            rows = plan.gather((r, un, spun, parts, watched, blocks))
+            rows = measure.gather((r, un, spun, parts, watched, blocks))
             if r == 0:
                 print(f"\n== {kernel} N={n} W={proc.world} ({a.iters} calls)", flush=True)
                 for rr, u, s, ps, wu, bl in rows:
@@ -197,7 +198,7 @@ def main(argv=None) -> int:
                     print("\n".join(buf.getvalue().splitlines()[:45]), flush=True)
             del layer, x
             torch.cuda.empty_cache()
-    plan.finish_ranks(proc, 0)
+    measure.finish_ranks(proc, 0)
     return 0
 
 

@@ -2,13 +2,13 @@
 """The cost model against the layer: run the layer and predict it, side by side, per pass and end
 to end, and the bare NCCL collectives at 8-256 MiB; write DIR/model_validation.md and .json.
 
-    mpirun -n 2 python scripts/validate_model.py --machine results/model/h200x2_cal.json --out DIR
-    python scripts/validate_model.py --machine h200x2 --out DIR          # 1 GPU: no 2-GPU rows
+    mpirun -n 2 python scripts/model/validate_model.py --machine results/model/h200x2_cal.json --out DIR
+    python scripts/model/validate_model.py --machine h200x2 --out DIR          # 1 GPU: no 2-GPU rows
 
 For each kernel (naive, tiled, fused) and N (2048, 4096, 8192; default shape otherwise: B = 1,
 H = 32, d = 128, fp16, fp32 partials), the layer runs on 1 GPU (every rank runs its own 1-GPU
 layer at the same time; rank 0's numbers are kept) and on all the ranks (tpattn's layer over the
-NCCL group), timed by the function --calibrate times it with (tpattn.plan.time_layer: per
+NCCL group), timed by the function --calibrate times it with (tpattn.model.measure.time_layer: per
 iteration one un-spun call timed whole with CUDA events, as python -m tpattn times it, and its host
 time; then one call with an event pair around every pass, queued behind a barrier over the ranks and
 a GPU spin longer than the host's launch time, so each pass's events hold GPU time only, which the
@@ -18,12 +18,12 @@ heads, as the model predicts); collectives, the last rank to arrive, call by cal
 over ranks in each timed call, the transfer itself, then the median over the calls: which rank
 waits changes from call to call, so each rank's own median can hold a wait; the ranks' medians and
 every sample are in the JSON); end to end, the slowest rank. The bare collectives are
-timed by the very function --calibrate fits its alpha-beta numbers on (tpattn.plan.bare_collectives:
+timed by the very function --calibrate fits its alpha-beta numbers on (tpattn.model.measure.bare_collectives:
 same sizes, warm-up, barrier and statistic). The layer is measured in --rounds rounds (each every
 kernel, N and world size once, one round after another) and each number is the median over the
 rounds (a collective: over the calls of every round): the host's speed drifts over seconds on the
-lent machine (scripts/host_probe.py), and a host-bound call's end to end moves with it.
-The model (tpattn.costmodel) predicts the same call from each --machine file; the first is the
+lent machine (scripts/model/host_probe.py), and a host-bound call's end to end moves with it.
+The model (tpattn.model.costmodel) predicts the same call from each --machine file; the first is the
 one the targets are judged on. Error = (predicted - measured) / measured.
 
 Targets (issue #15): end to end within 15 %, each pass within 25 %, the all-reduce within 20 % at
@@ -41,11 +41,13 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tpattn import costmodel as cm  # noqa: E402
-from tpattn import plan  # noqa: E402
+from tpattn.model import costmodel as cm  # noqa: E402
+from tpattn.model import errors, measure  # noqa: E402
+from tpattn.model import machine as mc  # noqa: E402
+from tpattn.model import steps as st  # noqa: E402
 
 TARGET_E2E, TARGET_PASS, TARGET_COLL = 15.0, 25.0, 20.0
 HOST_NEAR = 0.8   # a row whose host time is this share of its GPU time or more is listed round by round
@@ -53,11 +55,11 @@ PASS_ORDER = ("qkv_proj", "qk", "softmax", "pv", "fused", "out_proj", "allreduce
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="scripts/validate_model.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="scripts/model/validate_model.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--machine", nargs="+", required=True, metavar="NAME|FILE",
                    help="machine file(s) to predict with; the first is judged against the targets")
     p.add_argument("--out", default="benchmarks", metavar="DIR", help="where model_validation.md/.json go")
-    p.add_argument("--kernels", nargs="+", default=list(cm.KERNELS), choices=list(cm.KERNELS))
+    p.add_argument("--kernels", nargs="+", default=list(st.KERNELS), choices=list(st.KERNELS))
     p.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 4096, 8192])
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)
@@ -71,9 +73,9 @@ def parse(argv):
     p.add_argument("--rounds", type=int, default=3,
                    help="measure every kernel, N and world size this many times, one round after another, and "
                         "take the median over the rounds (default 3): the host's speed drifts over seconds")
-    p.add_argument("--sizes-mib", type=int, nargs="+", default=[s // plan.MiB for s in plan.COLLECTIVE_SIZES],
+    p.add_argument("--sizes-mib", type=int, nargs="+", default=[s // measure.MiB for s in measure.COLLECTIVE_SIZES],
                    help="bare collective sizes, MiB (default those --calibrate measures; timed by the same "
-                        "function, tpattn.plan.bare_collective_ms)")
+                        "function, tpattn.model.measure.bare_collective_ms)")
     return p.parse_args(argv)
 
 
@@ -81,7 +83,7 @@ def err_pct(pred: float, meas: float) -> float | None:
     return None if not meas else 100.0 * (pred - meas) / meas
 
 
-def calibrated_at(m: cm.Machine, kernel: str, h: int, n: int) -> bool:
+def calibrated_at(m: mc.Machine, kernel: str, h: int, n: int) -> bool:
     """Whether the machine file has a calibration point of this kernel at h heads and length n."""
     def pts(data):
         return (data.get("passes") or {}).get("fused.fused" if kernel == "fused" else f"{kernel}.qk", [])
@@ -89,8 +91,8 @@ def calibrated_at(m: cm.Machine, kernel: str, h: int, n: int) -> bool:
     found = pts(data)
     if not found and data.get("passes_from"):
         try:
-            found = pts(cm.load_machine(data["passes_from"]).data)
-        except cm.MachineError:
+            found = pts(mc.load_machine(data["passes_from"]).data)
+        except errors.MachineError:
             found = []
     return any(p.get("h") == h and p.get("N") == n and not p.get("causal") for p in found)
 
@@ -98,7 +100,7 @@ def calibrated_at(m: cm.Machine, kernel: str, h: int, n: int) -> bool:
 NAIVE_BUDGET_MS = 2000.0   # the naive layer's timed calls of one kind (un-spun or spun), per round
 
 
-def iterations(kernel: str, n: int, world: int, a, m: cm.Machine) -> tuple[int, int]:
+def iterations(kernel: str, n: int, world: int, a, m: mc.Machine) -> tuple[int, int]:
     """(warm-up, timed) calls. The naive layer takes 20-700 ms a call: 1 warm-up and as many timed
     calls as fit in NAIVE_BUDGET_MS by the machine's prediction, 3 to --iters (3 at N = 4096 left its
     in-layer reduce-scatter resting on 9 calls over 3 rounds). Every rank computes the same number
@@ -106,10 +108,10 @@ def iterations(kernel: str, n: int, world: int, a, m: cm.Machine) -> tuple[int, 
     if kernel != "naive":
         return a.warmup, a.iters
     try:
-        ms = cm.predict(m, cm.Shape(seq_len=n, heads=a.heads, head_dim=a.head_dim, kernel=kernel,
+        ms = cm.predict(m, st.Shape(seq_len=n, heads=a.heads, head_dim=a.head_dim, kernel=kernel,
                                     uneven_heads=getattr(a, "uneven_heads", False)),
                         world, max(world, m.gpus_per_node))["end_to_end_ms"]
-    except cm.ModelError:
+    except errors.ModelError:
         return 1, min(a.iters, 3)
     return 1, max(min(a.iters, 3), min(a.iters, int(NAIVE_BUDGET_MS / max(ms, 1e-3))))
 
@@ -124,21 +126,21 @@ def measure_layer(kernel: str, n: int, world: int, a, device, calls: tuple[int, 
     warm, iters = calls
     group = dist.group.WORLD if world > 1 else None
     cuda = device.type == "cuda"  # on CPU (the smoke test, TPATTN_PLAN_ALLOW_CPU=1): fp32 and the torch reference
-    layer = plan.build_layer(a.heads, a.heads, a.head_dim, kernel, False, device, group=group,
+    layer = measure.build_layer(a.heads, a.heads, a.head_dim, kernel, False, device, group=group,
                              dtype="fp16" if cuda else "fp32", uneven=getattr(a, "uneven_heads", False))
     x = layer_input(1, n, a.heads * a.head_dim, 0, torch.float16 if cuda else torch.float32, device)
     raw: dict = {}
-    before = plan.host_load()
-    mine = plan.time_layer(layer, x, warm, iters, raw=raw)
-    load = plan.rank_loads(plan.gather(plan.host_load_between(before, plan.host_load())))
+    before = measure.host_load()
+    mine = measure.time_layer(layer, x, warm, iters, raw=raw)
+    load = measure.rank_loads(measure.gather(measure.host_load_between(before, measure.host_load())))
     colls = layer.collective_nbytes(1, n) if world > 1 else {}
     del layer, x
     if cuda:
         torch.cuda.empty_cache()
-    everyone = plan.gather(mine)
+    everyone = measure.gather(mine)
     # every rank's samples of each collective and of the call, iteration by iteration (what the medians
     # hide: which rank waited in which call)
-    samples = plan.gather({k: [round(t, 4) for t in v] for k, v in raw.items() if k in cm.COLLECTIVE_NAMES or k == "gpu"})
+    samples = measure.gather({k: [round(t, 4) for t in v] for k, v in raw.items() if k in st.COLLECTIVE_NAMES or k == "gpu"})
     dtype = "fp16" if cuda else "fp32"
     if world == 1:
         return {"passes": everyone[0], "collectives": {}, "ranks": 1, "dtype": dtype, "host_load": load}
@@ -146,7 +148,7 @@ def measure_layer(kernel: str, n: int, world: int, a, device, calls: tuple[int, 
     uneven = a.heads % world != 0  # ranks hold different heads: the model predicts rank 0's (the most)
     for k in everyone[0]:
         vals = [r[k] for r in everyone if k in r]
-        if k in cm.COLLECTIVE_NAMES:  # call by call the last rank to arrive (it waits for nobody)
+        if k in st.COLLECTIVE_NAMES:  # call by call the last rank to arrive (it waits for nobody)
             calls = zip(*(r[k] for r in samples))
             out[k], median[k] = statistics.median(min(c) for c in calls), statistics.median(vals)
         elif k in ("total", "host"):
@@ -159,20 +161,20 @@ def measure_layer(kernel: str, n: int, world: int, a, device, calls: tuple[int, 
 
 def combine(rounds: list[dict]) -> dict:
     """One measurement of a layer from its rounds (measure_layer's results, one per round), combined
-    as --calibrate combines its own (tpattn.plan.combine_layer_rounds: per pass the median over the
+    as --calibrate combines its own (tpattn.model.measure.combine_layer_rounds: per pass the median over the
     rounds; a collective call by call the last rank to arrive over the calls of every round; the
     stall per round, then the median; each round's end to end, host and GPU time in "rounds")."""
-    out = {**rounds[0], **plan.combine_layer_rounds(rounds)}
+    out = {**rounds[0], **measure.combine_layer_rounds(rounds)}
     if "collective_median_over_ranks" in rounds[0]:
-        out["collective_median_over_ranks"] = plan.combine_rounds([r["collective_median_over_ranks"] for r in rounds])
+        out["collective_median_over_ranks"] = measure.combine_rounds([r["collective_median_over_ranks"] for r in rounds])
     return out
 
 
-def wake_prediction(m: cm.Machine, c: dict, per_rank: list[list[float]] | None) -> dict | None:
-    """A collective the model says pays the NVLink link's wake-up (c: tpattn.costmodel.collective_ms's
+def wake_prediction(m: mc.Machine, c: dict, per_rank: list[list[float]] | None) -> dict | None:
+    """A collective the model says pays the NVLink link's wake-up (c: tpattn.model.costmodel.collective_ms's
     prediction, which holds the whole wake-up: ranks arriving together), predicted call by call with the
     ranks' measured arrival spread (their times' max - min: the first rank's traffic wakes the link,
-    tpattn.costmodel.wake_share), then the median over the calls, as the measurement takes it. None
+    tpattn.model.costmodel.wake_share), then the median over the calls, as the measurement takes it. None
     without per-call samples."""
     if not per_rank or len(per_rank) < 2:
         return None
@@ -184,8 +186,8 @@ def wake_prediction(m: cm.Machine, c: dict, per_rank: list[list[float]] | None) 
             "calls_with_wake": sum(b > awake for b in by_call), "calls": len(by_call)}
 
 
-def compare(m: cm.Machine, kernel: str, n: int, world: int, a, meas: dict) -> dict:
-    shape = cm.Shape(seq_len=n, heads=a.heads, head_dim=a.head_dim, kernel=kernel, dtype=meas.get("dtype", "fp16"),
+def compare(m: mc.Machine, kernel: str, n: int, world: int, a, meas: dict) -> dict:
+    shape = st.Shape(seq_len=n, heads=a.heads, head_dim=a.head_dim, kernel=kernel, dtype=meas.get("dtype", "fp16"),
                      uneven_heads=getattr(a, "uneven_heads", False))
     pred = cm.predict(m, shape, world, max(world, m.gpus_per_node))
     predicted = {**pred["passes"], **{k: c["ms"] for k, c in pred["collectives"].items()},
@@ -208,7 +210,7 @@ def compare(m: cm.Machine, kernel: str, n: int, world: int, a, meas: dict) -> di
             "host_measured_ms": meas["passes"].get("host"), "host_predicted_ms": pred["host_ms"],
             "gpu_predicted_ms": pred["gpu_ms"], "gpu_measured_ms": meas["passes"].get("gpu"),
             "stall_predicted_ms": pred.get("stall_ms", 0.0),
-            "stall_measured_ms": meas.get("stall_ms", plan.call_stall(meas["passes"])
+            "stall_measured_ms": meas.get("stall_ms", measure.call_stall(meas["passes"])
                                           if {"total", "host", "gpu"} <= set(meas["passes"]) else None),
             "collectives_as_predicted": same,
             "rounds": meas.get("rounds", []),
@@ -237,7 +239,7 @@ def markdown(doc: dict) -> str:
          f"{doc.get('rounds', 1)} round(s), each every kernel, N and world size once, the median over the rounds "
          "(the host's speed drifts over seconds; the rounds' end to end spread is in the table, each round in the JSON); in a "
          "round each rank's median over the timed calls (end to end and host: the call un-spun; per pass: the call queued behind a barrier "
-         "and a GPU spin, so each pass's events hold its GPU time, tpattn.plan.time_layer); over several ranks the compute passes are the median over ranks, a collective the "
+         "and a GPU spin, so each pass's events hold its GPU time, tpattn.model.measure.time_layer); over several ranks the compute passes are the median over ranks, a collective the "
          "last rank to arrive, call by call (the minimum over ranks in each timed call, then the median over the "
          "calls of every round: its transfer; the ranks' own medians, which can include waiting, and every sample are in the JSON) and "
          "end to end the slowest rank. *calibrated here*: the machine file has a calibration point of that kernel "
@@ -256,7 +258,7 @@ def markdown(doc: dict) -> str:
           + (f"**{'met' if s['ar_ok'] == s['ar_n'] else 'not met'}**: {s['ar_ok']} of {s['ar_n']}; worst "
              f"{pct(s['ar_worst'])} |" if s["ar_n"] else "not measured (one rank) |"), ""]
     L += [f"## End to end ({primary})", "",
-          "End to end = max(GPU, host) + stall (tpattn.costmodel); the GPU time measured is the spun call's, "
+          "End to end = max(GPU, host) + stall (tpattn.model.costmodel); the GPU time measured is the spun call's, "
           "the stall measured the end to end beyond max(host, GPU).", "",
           "| kernel | N | GPUs | measured ms | rounds ms (min–max) | predicted ms | error | GPU measured / predicted ms "
           "| host measured / predicted ms | stall measured / predicted ms | calibrated here |",
@@ -278,7 +280,7 @@ def markdown(doc: dict) -> str:
         L += ["", "## The host-bound rows, round by round", "",
               f"The rows whose host time is at least {HOST_NEAR:.0%} of their GPU time, where the end to end follows "
               "the host's speed. Each round: end to end / host ms, and what competed for the CPU meanwhile "
-              "(tpattn.plan.host_load_between; the most of any rank): the machine's CPUs busy (these ranks "
+              "(tpattn.model.measure.host_load_between; the most of any rank): the machine's CPUs busy (these ranks "
               "included), the steal time of the ranks' CPUs (given by the hypervisor to other machines), the "
               "ranks' involuntary context switches.", "",
               "| kernel | N | GPUs | GPU ms | rounds: end to end / host ms (busy %, steal %, switches) |",
@@ -304,9 +306,9 @@ def markdown(doc: dict) -> str:
         nvl = next(m for m in doc["machines"] if m["name"] == primary).get("nvlink_wake") or {}
         L += ["", "## Collectives after an idle link", "",
               f"The NVLink link sleeps after {fmt(nvl.get('idle_ms'), 0)} ms with no traffic, and the next collective "
-              f"pays its wake-up ({fmt(nvl.get('wake_us'), 0)} us, --calibrate: tpattn.plan.link_wake) when the ranks "
+              f"pays its wake-up ({fmt(nvl.get('wake_us'), 0)} us, --calibrate: tpattn.model.measure.link_wake) when the ranks "
               "arrive together; when one rank arrives well before the last, its traffic wakes the link meanwhile "
-              "(tpattn.costmodel.wake_share: all of the wake-up up to a lead of half of it, none from twice it on). "
+              "(tpattn.model.costmodel.wake_share: all of the wake-up up to a lead of half of it, none from twice it on). "
               "The collective that follows a call's compute of that long is predicted call by call with the ranks' "
               "measured spread (max − min of their times in that call), then the median, as it is measured.", "",
               "| kernel | N | GPUs | pass | compute before, ms | ranks apart, median us | calls with the wake-up "
@@ -319,16 +321,16 @@ def markdown(doc: dict) -> str:
                      f"{fmt(w['apart_ms'])} | {fmt(r['predicted_ms'])} | {fmt(r['measured_ms'])} | {pct(r['error_pct'])} |")
     if doc["bare"]:
         L += ["", f"## Bare NCCL collectives over {doc['ranks']} GPUs", "",
-              "Timed as --calibrate times them (tpattn.plan.bare_collective_ms): per sample a barrier, a GPU spin, "
-              f"then {plan.COLLECTIVE_REPS} calls back to back between two CUDA events, / calls; per sample the "
-              f"slowest rank; the median of {plan.COLLECTIVE_SAMPLES} samples after {plan.COLLECTIVE_WARMUP} "
+              "Timed as --calibrate times them (tpattn.model.measure.bare_collective_ms): per sample a barrier, a GPU spin, "
+              f"then {measure.COLLECTIVE_REPS} calls back to back between two CUDA events, / calls; per sample the "
+              f"slowest rank; the median of {measure.COLLECTIVE_SAMPLES} samples after {measure.COLLECTIVE_WARMUP} "
               "warm-up ones. size = the whole "
               "tensor (nccl-tests' convention).", "",
               "| collective | MiB | measured us | busbw GB/s | " + " | ".join(f"{m['name']} us (error)" for m in doc["machines"])
               + " |", "|---|---:|---:|---:|" + "---:|" * len(doc["machines"])]
         for b in doc["bare"]:
             preds = " | ".join(f"{p['predicted_ms'] * 1e3:.0f} ({pct(p['error_pct'])})" for p in b["predictions"])
-            L.append(f"| {b['kind']} | {b['bytes'] // plan.MiB} | {b['measured_ms'] * 1e3:.0f} | {b['busbw_GBps']:.0f} | {preds} |")
+            L.append(f"| {b['kind']} | {b['bytes'] // measure.MiB} | {b['measured_ms'] * 1e3:.0f} | {b['busbw_GBps']:.0f} | {preds} |")
     others = [m["name"] for m in doc["machines"][1:]]
     if others:
         L += ["", "## The other machine files, end to end", "",
@@ -362,7 +364,7 @@ def summarize(doc: dict) -> dict:
                 continue
             (e2e if r["pass"] == "total" else passes).append((abs(r["error_pct"]), r["error_pct"],
                                                               f"{c['kernel']} N={c['N']} W={c['world']} {r['pass']}"))
-    # end to end in the quietest round (the model predicts a quiet host: tpattn.plan.quiet_host_ms)
+    # end to end in the quietest round (the model predicts a quiet host: tpattn.model.measure.quiet_host_ms)
     quiet = []
     for c in doc["comparisons"]:
         rng = c.get("total_rounds_range_ms")
@@ -385,20 +387,20 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     a = parse(argv)
     try:
-        machines = [cm.load_machine(x) for x in a.machine]
-    except cm.MachineError as exc:
+        machines = [mc.load_machine(x) for x in a.machine]
+    except errors.MachineError as exc:
         print(f"validate_model: error: {exc}", file=sys.stderr, flush=True)
         return 2
     try:
-        proc, device = plan.start_ranks(what="validate_model.py")
-    except plan.PlanError as exc:
+        proc, device = measure.start_ranks(what="validate_model.py")
+    except errors.PlanError as exc:
         print(f"validate_model: error: {exc}", file=sys.stderr)
         return 2
-    err = cm._layout_error(cm.Shape(heads=a.heads, uneven_heads=a.uneven_heads), proc.world)
+    err = st._layout_error(st.Shape(heads=a.heads, uneven_heads=a.uneven_heads), proc.world)
     if err:  # before any layer: rank 0 says it, every rank ends with 2
         if proc.rank == 0:
             print(f"validate_model: error: {err}", file=sys.stderr, flush=True)
-        plan.finish_ranks(proc, 2)
+        measure.finish_ranks(proc, 2)
         return 2
     import torch
 
@@ -422,7 +424,7 @@ def main(argv=None) -> int:
             for m in machines:
                 try:
                     comparisons.append(compare(m, kernel, n, w, a, meas))
-                except cm.ModelError as exc:
+                except errors.ModelError as exc:
                     say(f"{m.name}: no prediction for {kernel} N={n} W={w}: {exc}")
             # the first machine's comparison of this very call (a machine that cannot predict
             # it, e.g. a 1-GPU file at W = 2, adds none)
@@ -432,8 +434,8 @@ def main(argv=None) -> int:
                 say(f"{kernel} N={n} W={w}: measured {t['measured_ms']:.3f} ms, predicted "
                     f"{t['predicted_ms']:.3f} ({pct(t['error_pct'])})")
         if proc.world > 1:
-            # the same call, sizes and order as --calibrate's (tpattn.plan.bare_collectives)
-            measured = plan.bare_collectives([mib * plan.MiB for mib in a.sizes_mib], device)
+            # the same call, sizes and order as --calibrate's (tpattn.model.measure.bare_collectives)
+            measured = measure.bare_collectives([mib * measure.MiB for mib in a.sizes_mib], device)
             for kind, points in measured.items():
                 for nbytes, ms in points:
                     steps, share = cm.ring_steps_and_share(kind, proc.world)
@@ -442,21 +444,21 @@ def main(argv=None) -> int:
                         try:
                             p = cm.collective_ms(m, kind, nbytes, proc.world, max(proc.world, m.gpus_per_node))["ms"]
                             preds.append({"machine": m.name, "predicted_ms": p, "error_pct": err_pct(p, ms)})
-                        except cm.ModelError as exc:
+                        except errors.ModelError as exc:
                             preds.append({"machine": m.name, "predicted_ms": float("nan"), "error_pct": None,
                                           "error": str(exc)})
                     bare.append({"kind": kind, "bytes": nbytes, "measured_ms": ms,
                                  "busbw_GBps": share * nbytes / (ms * 1e6), "predictions": preds})
-                say(f"{kind}: " + ", ".join(f"{b['bytes'] // plan.MiB} MiB {b['measured_ms'] * 1e3:.0f} us "
+                say(f"{kind}: " + ", ".join(f"{b['bytes'] // measure.MiB} MiB {b['measured_ms'] * 1e3:.0f} us "
                                             f"({pct(b['predictions'][0]['error_pct'])})" for b in bare if b["kind"] == kind))
         if proc.rank == 0:
-            doc = {"command": "python scripts/validate_model.py " + " ".join(argv)
+            doc = {"command": "python scripts/model/validate_model.py " + " ".join(argv)
                               + (f" (under mpirun, {proc.world} ranks)" if proc.world > 1 else ""),
                    "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke test)", "ranks": proc.world, "versions": report.versions(),
                    "heads": a.heads, "head_dim": a.head_dim, "seq_lens": a.seq_lens, "rounds": max(1, a.rounds),
                    "machines": [{"name": m.name, "path": m.path,
-                                 **({"nvlink_wake": {f: (m.link("nvlink") or {}).get(f) for f in cm.WAKE_FIELDS}}
+                                 **({"nvlink_wake": {f: (m.link("nvlink") or {}).get(f) for f in mc.WAKE_FIELDS}}
                                     if (m.link("nvlink") or {}).get("wake_us") is not None else {})}
                                 for m in machines],
                    "comparisons": comparisons, "bare": bare}
@@ -471,7 +473,7 @@ def main(argv=None) -> int:
         import traceback
         traceback.print_exc()
         proc.abort(1)
-    plan.finish_ranks(proc, 0)
+    measure.finish_ranks(proc, 0)
     return 0
 
 

@@ -1,0 +1,340 @@
+"""A cost model of the layer: predicted time of every pass, per world size, before it runs.
+
+What one call of the layer does on one rank is written down as a list of steps (layer_steps), the
+same passes that tpattn/layer.py runs and its timers name:
+
+    qkv_proj    one GEMM [B*N, D] x [D, 3*h*d] (bias in its epilogue); kernels that need contiguous
+                q, k, v (naive, tiled) also copy them out of the GEMM's output inside this pass
+    qk, softmax, pv (naive, tiled) or fused      the local attention of h = H/W heads (--uneven-heads:
+                rank 0's ceil(H/W), the most any rank holds, which the collective waits for)
+    out_proj    one GEMM [B*N, h*d] x [h*d, D]: fp32 partials when W > 1 and --reduce-dtype fp32,
+                the model dtype with the bias in its epilogue when W = 1
+    the collectives, by the names and bytes of layer.collective_nbytes(B, N)
+    other       untimed work in the call: the bias + cast of the summed partials, the copy of o
+                into the output GEMM's rows (naive, tiled), and a per-call overhead
+
+A compute step costs its roofline time, max(FLOPs / peak FLOP rate, bytes / memory bandwidth),
+divided by an efficiency that calibration measured for that step (kernel pass) on the machine,
+interpolated in log(roofline time) between the calibration points (clamped at both ends): naive's
+qk runs at ~2 % of the fp32 roofline, tiled's softmax at ~90 % of the memory roofline. A
+collective costs the alpha-beta time of NCCL's ring: base + steps x alpha + the bus bytes / bus
+bandwidth, where an all-reduce moves 2(W-1)/W of the tensor and takes 2(W-1) steps, an all-gather
+or a reduce-scatter (W-1)/W and W-1 steps. Over several nodes the collective is hierarchical:
+inside each node over NVLink, across nodes over every GPU's own network link carrying 1/g of the
+bytes (g GPUs per node); NCCL pipelines the chunks through both, so the slower phase's bandwidth
+term sets the time and every step's latency adds.
+
+The end to end time is max(GPU time, host time) + stall: the sum of the steps plus the per-call
+overhead, unless the Python call itself takes longer: its host time, calibrated per kernel and world
+size (layer.host_ms_by_world: the W-rank layer's host time as --calibrate measures it, its quietest
+round: the host of a quiet machine, which another process only ever slows), or for a
+world size not calibrated (and in files without it) the 1-rank host_ms + host_ms_per_collective
+each. The stall is the time of an eager call that neither accounts for: the GPU idle until the
+call's first launch, and at a collective until the last rank's launch reaches it (layer.stall_ms,
+layer.stall_ms_by_world: the un-spun call's end to end minus max(its host time, its GPU time), as
+--calibrate measures them; 0 in files without them and under a CUDA graph).
+
+The layer's steps are in tpattn/model/steps.py, the machine files (tpattn/model/machines/*.json or any
+path) are read by tpattn/model/machine.py (load_machine; docs/plan.md has the fields). Everything here is pure Python: no GPU needed.
+"""
+
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+
+from .errors import ModelError
+from .machine import Machine, roofline_ms
+from .steps import COLLECTIVE_NAMES, Shape, Step, layer_steps
+
+
+def _interp(pts: list[tuple[float, float]], x: float) -> float:
+    """Piecewise linear through sorted (x, y) points (equal x averaged), clamped at both ends."""
+    merged: list[list] = []
+    for px, py in pts:
+        if merged and abs(merged[-1][0] - px) < 1e-9:
+            merged[-1][1].append(py)
+        else:
+            merged.append([px, [py]])
+    xy = [(px, sum(ys) / len(ys)) for px, ys in merged]
+    if x <= xy[0][0]:
+        return xy[0][1]
+    for (x0, y0), (x1, y1) in zip(xy, xy[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return xy[-1][1]
+
+
+def efficiency(m: Machine, step: Step, roof_ms: float) -> float:
+    """The calibrated efficiency of a step. An attention pass: interpolated in log N along each
+    calibrated batch x heads, then in log(batch x heads) between them; a GEMM or a copy:
+    interpolated in log(roofline time). Piecewise linear, clamped at the ends of the calibrated
+    range. Causal points where the machine has them, else the non-causal ones."""
+    key = step.key
+    curve = (m.curves.get(key + ":causal") if step.causal else None) or m.curves.get(key)
+    if not curve:
+        raise ModelError(f"machine {m.name} has no calibration for the pass {key}; run python -m tpattn.plan "
+                         "--calibrate on that machine, or use a machine file that has it")
+    if isinstance(curve, dict):
+        x = math.log(max(step.n, 1))
+        along = sorted((math.log(hb), _interp(pts, x)) for hb, pts in curve.items())
+        return _interp(along, math.log(max(step.bh, 1)))
+    return _interp(curve, math.log(max(roof_ms, 1e-12)))
+
+
+def step_ms(m: Machine, step: Step) -> dict:
+    roof, bound = roofline_ms(m, step)
+    eff = efficiency(m, step, roof)
+    floor = m.layer("launch_us", default=3.0) / 1e3
+    return {"pass": step.name, "key": step.key, "what": step.what, "flops": step.flops, "bytes": step.bytes,
+            "roofline_ms": roof, "bound": bound, "efficiency": eff, "ms": max(roof / eff, floor)}
+
+
+# ---- the collectives: alpha-beta ---------------------------------------------------------------------
+
+
+def _link_params(link: dict, kind: str) -> tuple[float, float, float]:
+    """(bus bandwidth GB/s, alpha us per step, base us) of a link for one collective."""
+    c = (link.get("per_collective") or {}).get(kind, {})
+    return (float(c.get("busbw_GBps", link["busbw_GBps"])), float(link["step_us"]),
+            float(c.get("base_us", link["base_us"])))
+
+
+def ring_steps_and_share(kind: str, p: int) -> tuple[int, float]:
+    """(ring steps, share of the whole tensor each rank sends) for p ranks in NCCL's ring: an
+    all-reduce 2(p-1) steps and 2(p-1)/p, an all-gather or a reduce-scatter p-1 and (p-1)/p."""
+    if p <= 1:
+        return 0, 0.0
+    if kind == "allreduce":
+        return 2 * (p - 1), 2 * (p - 1) / p
+    return p - 1, (p - 1) / p
+
+
+def wake_share(apart_us: float, wake_us: float) -> float:
+    """The share of the link's wake-up that the last rank to arrive at a collective still waits for,
+    when the first rank arrived apart_us before it: the first rank's traffic starts waking the link.
+    On the lent H200s (scripts/model/collective_probe.py --skew and --idle, benchmarks/link_wake_h200x2.log)
+    all of it up to a lead of half the wake-up, none from twice the wake-up on, linear between."""
+    if wake_us <= 0:
+        return 0.0
+    return min(1.0, max(0.0, (2.0 * wake_us - apart_us) / (1.5 * wake_us)))
+
+
+def link_wake_us(m: Machine, idle_before_ms: float, apart_us: float = 0.0) -> float:
+    """What the NVLink link's wake-up adds to a collective that follows idle_before_ms without traffic
+    on it (links.nvlink wake_us after idle_ms; 0 for a file without them), the ranks arriving apart_us
+    apart (0: together, the whole wake-up)."""
+    nvl = m.link("nvlink") or {}
+    if nvl.get("wake_us") is None or idle_before_ms < float(nvl["idle_ms"]):
+        return 0.0
+    return float(nvl["wake_us"]) * wake_share(apart_us, float(nvl["wake_us"]))
+
+
+def collective_ms(m: Machine, kind: str, nbytes: int, world: int, gpus_per_node: int | None = None,
+                  in_layer: bool = False, idle_before_ms: float = 0.0) -> dict:
+    """Predicted time of one collective of nbytes (the whole tensor, nccl-tests' size) over `world`
+    ranks, g per node.
+
+    One node: NCCL's ring over NVLink, base + steps * alpha + share * bytes / busbw.
+    Several nodes (hierarchical): inside each node over NVLink (the share of g ranks, of the whole
+    tensor), across the n nodes over the network, each GPU's own link carrying 1/g of the tensor (the
+    share of n ranks); the chunks are pipelined through both, so the slower of the two bandwidth
+    terms counts, and the latency of every step adds (NVLink steps at its alpha, network steps at the
+    network's).
+
+    in_layer: the collective as the layer runs it, after its compute: + the NVLink link's
+    per_collective layer_extra_us, which calibration measures as the layer's collective (on the last
+    rank to arrive) minus the bare one's model (ranks arriving apart, the collective's kernel next to
+    the layer's, the partial's allocation).
+
+    idle_before_ms: how long the NVLink link carried nothing before this collective. From the link's
+    idle_ms on (where the file has it) the link sleeps and the collective pays its wake_us, the ranks
+    arriving together (link_wake_us): the naive layer's reduce-scatter after 89 ms of attention."""
+    if kind not in COLLECTIVE_NAMES:
+        raise ModelError(f"unknown collective {kind}")
+    g = gpus_per_node or m.gpus_per_node
+    if world <= 1:
+        return {"ms": 0.0, "algorithm": "none (one rank)", "bytes": nbytes, "bound": "-"}
+    nodes = 1 if world <= g else world // g
+    local = world if nodes == 1 else g
+    nvl = m.link("nvlink")
+    if nvl is None and local > 1:
+        raise ModelError(f"machine {m.name} has no NVLink numbers (\"links.nvlink\"): calibrate it with "
+                         "mpirun -n 2 python -m tpattn.plan --calibrate, or add them")
+    steps_l, share_l = ring_steps_and_share(kind, local)
+    lat, bw_l_us, bw_n_us, base = 0.0, 0.0, 0.0, 0.0
+    if local > 1:
+        bw, alpha, base = _link_params(nvl, kind)
+        lat += steps_l * alpha
+        bw_l_us = share_l * nbytes / (bw * 1e3)
+    if nodes > 1:
+        net = m.link("network")
+        if net is None:
+            raise ModelError(f"machine {m.name} has no network numbers (\"links.network\"): it describes one node "
+                             f"of {m.gpus_per_node} GPUs; use a cluster machine file (e.g. h200 or h100_cluster)")
+        bw_n, alpha_n, base_n = _link_params(net, kind)
+        steps_n, share_n = ring_steps_and_share(kind, nodes)
+        lat += steps_n * alpha_n
+        bw_n_us = share_n * (nbytes / local) / (bw_n * 1e3)
+        base = max(base, base_n)
+    extra = 0.0
+    if in_layer and nvl is not None:
+        extra = float(((nvl.get("per_collective") or {}).get(kind) or {}).get("layer_extra_us", 0.0))
+    wake = link_wake_us(m, idle_before_ms) if local > 1 else 0.0
+    us = max(0.0, base + lat + max(bw_l_us, bw_n_us) + extra + wake)
+    algo = (f"ring over {world} GPUs (NVLink)" if nodes == 1 else
+            f"hierarchical: {local} GPUs/node (NVLink) x {nodes} nodes (network)")
+    bound = "latency" if base + lat > max(bw_l_us, bw_n_us) else ("network" if bw_n_us > bw_l_us else "NVLink")
+    return {"ms": us / 1e3, "algorithm": algo, "bytes": nbytes, "latency_us": base + lat,
+            "nvlink_us": bw_l_us, "network_us": bw_n_us, "layer_extra_us": extra, "wake_us": wake,
+            "idle_before_ms": idle_before_ms, "bound": bound}
+
+
+def fit_alpha_beta(points: list[tuple[int, float]], kind: str, world: int, step_us: float) -> dict:
+    """{base_us, busbw_GBps} of  t = base + steps*alpha + share*bytes/busbw  from measured
+    (bytes, ms) points at one world size, alpha (step_us) given: least squares on the relative
+    error (residuals weighted 1/t), so the small sizes count as much as the large ones."""
+    steps, share = ring_steps_and_share(kind, world)
+    if not points or share == 0:
+        raise ValueError("fit_alpha_beta needs measured points at a world size of 2 or more")
+    sw = sx = sy = sxx = sxy = 0.0
+    for nbytes, ms in points:
+        t, x = ms * 1e3, share * nbytes
+        w = 1.0 / (t * t)
+        sw, sx, sy, sxx, sxy = sw + w, sx + w * x, sy + w * t, sxx + w * x * x, sxy + w * x * t
+    den = sw * sxx - sx * sx
+    b = (sw * sxy - sx * sy) / den if len(points) > 1 and den > 0 else 0.0
+    a = (sy - b * sx) / sw if b > 0 else 0.0
+    if b <= 0:  # one point, or times that do not grow with the bytes: the largest point's bandwidth
+        nbytes, ms = max(points)
+        b, a = ms * 1e3 / (share * nbytes), 0.0
+    return {"base_us": round(max(0.0, a - steps * step_us), 2), "busbw_GBps": sig(1.0 / b / 1e3)}
+
+
+WAKE_MIN_US = 20.0   # a collective this much slower after an idle than after a short one: the link slept
+
+
+def fit_link_wake(points: list[tuple[float, float, float]]) -> dict | None:
+    """{wake_us, idle_ms} from (idle ms, collective ms, ranks apart us) points (tpattn.model.measure.link_wake):
+    the awake collective is the quickest point (noise only adds time); idle_ms = the shortest idle
+    from which on every point took WAKE_MIN_US or more longer (the link sleeps from there on: one
+    slow point before it does not count); wake_us = the median of that excess over those points.
+    None when no idle shows it (the link does not sleep, or not within the idles tried)."""
+    pts = sorted(points)
+    if len(pts) < 2:
+        return None
+    awake = min(ms for _, ms, _ in pts)
+    excess = [(idle, (ms - awake) * 1e3) for idle, ms, _ in pts]
+    first = len(excess)
+    while first > 0 and excess[first - 1][1] >= WAKE_MIN_US:
+        first -= 1
+    if first == len(excess) or first == 0:   # the last idle shows none, or even the shortest one did
+        return None
+    return {"wake_us": round(statistics.median(us for _, us in excess[first:]), 1), "idle_ms": excess[first][0]}
+
+
+def sig(x: float, digits: int = 4) -> float:
+    """x to `digits` significant digits (a rate of 0.004 GB/s stays 0.004, not 0.0)."""
+    return float(f"{x:.{digits}g}")
+
+
+# ---- the prediction ------------------------------------------------------------------------------------
+
+
+def _config(shape: Shape):
+    from ..config import Config
+    names = {f.name for f in dataclasses.fields(Config)}
+    kw = dict(seq_len=shape.seq_len, heads=shape.heads, head_dim=shape.head_dim, batch=shape.batch,
+              dtype=shape.dtype, kernel=shape.kernel, causal=shape.causal, device="cuda", check=False,
+              reduce_dtype=shape.reduce_dtype, sequence_parallel=shape.sequence_parallel, overlap=shape.overlap,
+              output_collective=shape.output_collective, kv_heads=shape.kv, uneven_heads=shape.uneven_heads)
+    return Config(**{k: v for k, v in kw.items() if k in names})
+
+
+def memory_per_rank(shape: Shape, world: int, free_bytes: int) -> tuple[int, int, bool]:
+    """(bytes one rank allocates, the largest --seq-len that fits in free_bytes, whether this one
+    fits) by tpattn.memory, the CLI's own pre-flight estimate, without the checks' baseline. Rank 0's:
+    it holds the most heads (--uneven-heads), and without --check every rank allocates the same
+    for the same heads."""
+    from .. import memory
+    cfg = _config(shape)
+    need = memory.estimate(cfg, world, 0)
+    return need, memory.largest_n(cfg, world, 0, free_bytes), need <= free_bytes * memory.HEADROOM
+
+
+def output_collective(colls) -> str | None:
+    """The collective that sums the partial outputs (the one after the compute): the reduce-scatter
+    where there is one, else the all-reduce."""
+    return next((k for k in ("reducescatter", "allreduce") if k in colls), None)
+
+
+def predict(m: Machine, shape: Shape, world: int, gpus_per_node: int | None = None) -> dict:
+    """The predicted call at world size W: per pass, collectives, other, GPU, host, end to end, memory."""
+    g = gpus_per_node or m.gpus_per_node
+    if world > g and world % g:
+        raise ModelError(f"{world} ranks do not fill nodes of {g} GPUs; use a multiple of {g}")
+    nodes = 1 if world <= g else world // g
+    if m.max_nodes is not None and nodes > m.max_nodes:
+        raise ModelError(f"machine {m.name} is {m.max_nodes} node(s) of {m.gpus_per_node} GPUs "
+                         f"({m.max_nodes * m.gpus_per_node} at most); {world} ranks need {nodes} nodes: "
+                         "use a cluster machine file (h200, h100_cluster)")
+    steps, colls = layer_steps(shape, world)
+    detail = [step_ms(m, s) for s in steps]
+    passes: dict[str, float] = {}
+    for s in detail:
+        passes[s["pass"]] = passes.get(s["pass"], 0.0) + s["ms"]
+    overhead = 0.0 if shape.cuda_graph else m.layer("overhead_ms", shape.kernel, 0.1)
+    other = passes.pop("other", 0.0) + overhead
+    compute = sum(passes.values())
+    # the collective that sums the partials comes after the call's compute, with nothing on the link
+    # since the previous call's last collective (the all-gather of x, in sequence parallel, comes right
+    # after the previous call's reduce-scatter); "other" (the bias pass after it, overheads) left out
+    after = output_collective(colls)
+    coll = {k: collective_ms(m, k, n, world, g, in_layer=True, idle_before_ms=compute if k == after else 0.0)
+            for k, n in colls.items()}
+    comm = sum(c["ms"] for c in coll.values())
+    gpu = compute + comm + other
+    host, host_src = (0.0, "none (a CUDA graph)") if shape.cuda_graph else m.host_ms(shape.kernel, world, len(coll))
+    stall = 0.0 if shape.cuda_graph else m.stall_ms(shape.kernel, world)
+    total = max(gpu, host) + stall
+    mem, fit_n, fits = memory_per_rank(shape, world, m.memory_bytes)
+    by_rank = shape.heads_by_rank(world)
+    parts = {**{k: v for k, v in passes.items()}, **{k: c["ms"] for k, c in coll.items()}, "other": other}
+    if host > gpu:
+        dominant = "host (the Python call)"
+    else:
+        dominant = max(parts, key=parts.get)
+    return {
+        "world": world, "nodes": nodes, "gpus_per_node": min(world, g), "heads_per_rank": by_rank[0],
+        "heads_by_rank": by_rank, "imbalance": max(by_rank) / (sum(by_rank) / len(by_rank)),
+        "passes": passes, "collectives": coll, "other_ms": other, "overhead_ms": overhead,
+        "compute_ms": compute, "communication_ms": comm, "gpu_ms": gpu, "host_ms": host, "host_source": host_src,
+        "stall_ms": stall,
+        "end_to_end_ms": total,
+        "host_bound": host > gpu, "dominant": dominant, "steps": detail,
+        "memory_bytes": mem, "fits": fits, "largest_seq_len": fit_n,
+    }
+
+
+def plan(m: Machine, shape: Shape, worlds: list[int], gpus_per_node: int | None = None) -> list[dict]:
+    """predict() for each world size; a size the model cannot predict gets {"world", "error"}.
+    Speedup and efficiency against the 1-rank prediction (made even when 1 is not asked for)."""
+    rows = []
+    try:
+        base = predict(m, shape, 1, gpus_per_node)["end_to_end_ms"]
+    except ModelError:
+        base = None
+    for w in worlds:
+        try:
+            r = predict(m, shape, w, gpus_per_node)
+        except ModelError as exc:
+            rows.append({"world": w, "error": str(exc)})
+            continue
+        if base:
+            r["ideal_ms"] = base / w
+            r["speedup"] = base / r["end_to_end_ms"]
+            r["efficiency"] = r["speedup"] / w
+        rows.append(r)
+    return rows

@@ -1,0 +1,230 @@
+"""The layer as steps: what one call of the layer does on one rank (layer_steps), each step's FLOPs
+and bytes, and the collectives it runs; the model (tpattn.model.costmodel) prices them on a machine.
+Pure Python: no GPU needed."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+from .errors import ModelError
+
+COLLECTIVE_NAMES = ("allreduce", "allgather", "reducescatter")
+COMPUTE_ORDER = ("qkv_proj", "qk", "softmax", "pv", "fused", "out_proj")
+ELEM = {"fp16": 2, "bf16": 2, "fp32": 4}
+KERNELS = ("naive", "tiled", "fused")
+STRIDED = {"naive": False, "tiled": False, "fused": True}   # fused reads q, k, v in place
+TILE = 128                     # tiled's and fused's query/key tile (kernels/*.cu)
+TILED_SMEM_COLS = 16384        # tiled softmax: rows up to this are read once (tpattn/attention/tiled.py)
+
+
+# ---- the layer, as steps -----------------------------------------------------------------------------
+
+
+@dataclass
+class Shape:
+    """The layer's configuration, as python -m tpattn takes it."""
+    seq_len: int = 4096
+    heads: int = 32
+    head_dim: int = 128
+    batch: int = 1
+    dtype: str = "fp16"
+    kernel: str = "naive"
+    causal: bool = False
+    reduce_dtype: str = "fp32"
+    sequence_parallel: bool = False
+    overlap: int = 1
+    cuda_graph: bool = False
+    output_collective: str = "auto"
+    kv_heads: int | None = None       # GQA: K/V heads (None: as many as query heads)
+    uneven_heads: bool = False        # --uneven-heads: W need not divide H (nor G): ceil/floor blocks per rank
+
+    @property
+    def model_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads or self.heads
+
+    def heads_by_rank(self, world: int) -> list[int]:
+        """Query heads each rank owns (tpattn.sharding's layout): H/W each, or with --uneven-heads
+        ceil/floor blocks, rank 0 first with the most."""
+        from .. import sharding
+        return [len(sharding.head_range(self.heads, world, r, self.uneven_heads, self.kv)) for r in range(world)]
+
+    def heads_per_rank(self, world: int) -> int:
+        """Query heads of rank 0, which holds the most: the rank the collective waits for."""
+        from .. import sharding
+        return len(sharding.head_range(self.heads, world, 0, self.uneven_heads, self.kv))
+
+    def kv_per_rank(self, world: int) -> int:
+        """K/V heads rank 0 holds: G/W of them (with --uneven-heads ceil(G/W)), or (more ranks than
+        K/V heads) a copy of one."""
+        from .. import sharding
+        return len(sharding.kv_head_range(self.heads, self.kv, world, 0, self.uneven_heads))
+
+    @property
+    def elem(self) -> int:
+        return ELEM[self.dtype]
+
+    def part_elem(self, world: int) -> int:
+        """Bytes per element of the output GEMM's result (the partials when W > 1)."""
+        if world == 1:
+            return self.elem
+        return 4 if self.reduce_dtype == "fp32" else self.elem
+
+
+@dataclass
+class Step:
+    """One piece of work of one rank. unit: the peak its FLOPs run against ("tensor": fp16/bf16
+    tensor cores, "fp32": CUDA-core FMA, "": none); key: the efficiency curve it uses."""
+    name: str          # the pass it is timed under (qkv_proj, qk, ..., other)
+    key: str           # efficiency curve: qkv_proj, out_proj, naive.qk, fused.fused, relayout, epilogue
+    flops: float = 0.0
+    bytes: float = 0.0
+    unit: str = ""
+    causal: bool = False
+    what: str = ""
+    bh: int = 0        # attention passes: batch x heads and the sequence length (their calibration grid)
+    n: int = 0
+
+
+def gemm_step(name: str, key: str, m: int, k: int, n: int, dtype: str, out: str, what: str = "") -> Step:
+    """C[m, n] = A[m, k] @ B[k, n]: 2mkn FLOPs; A and B read once, C written once."""
+    e, eo = ELEM[dtype], ELEM[out]
+    return Step(name, key, flops=2.0 * m * k * n, bytes=float(e * (m * k + k * n) + eo * m * n),
+                unit="fp32" if dtype == "fp32" else "tensor", what=what or f"GEMM [{m} x {k}] x [{k} x {n}] -> {out}")
+
+
+def copy_step(name: str, key: str, nbytes: float, what: str) -> Step:
+    """A memory-bound pass: nbytes read + written in all."""
+    return Step(name, key, bytes=float(nbytes), what=what)
+
+
+def attention_steps(kernel: str, b: int, h: int, n: int, d: int, dtype: str, causal: bool,
+                    kv_h: int | None = None) -> list[Step]:
+    """The local attention passes of h query heads (kv_h K/V heads, GQA), with the bytes each
+    kernel really moves to and from device memory (not the re-reads that the caches absorb)."""
+    e = ELEM[dtype]
+    bh = b * h
+    flops_mm = 2.0 * bh * n * n * d                      # one of the two products, all of it
+    tri = (n + 1) / (2 * n) if causal else 1.0            # causal: keys j <= i of each row
+    tiles = -(-n // TILE)
+    tri_t = (tiles + 1) / (2 * tiles) if causal else 1.0  # causal: tiles on or below the diagonal
+    qkv_io = bh * n * d * e                               # Q or O
+    kv_io = b * (kv_h or h) * n * d * e                   # K or V
+    steps = _attention_steps(kernel, bh, n, d, e, causal, flops_mm, tri, tri_t, qkv_io, kv_io)
+    for s in steps:
+        s.bh, s.n = bh, n
+    return steps
+
+
+def _attention_steps(kernel, bh, n, d, e, causal, flops_mm, tri, tri_t, qkv_io, kv_io) -> list[Step]:
+    if kernel == "naive":
+        s = bh * n * n * e                                 # S (and as many for P), written in full
+        unit = "fp32"                                      # one thread per score: CUDA-core FMA
+        return [
+            Step("qk", "naive.qk", flops=flops_mm * tri, bytes=qkv_io + kv_io + s, unit=unit, causal=causal,
+                 what="one thread per score: reads Q, K, writes S (N x N)"),
+            Step("softmax", "naive.softmax", flops=5.0 * bh * n * n * tri, bytes=s * tri + s, unit="fp32",
+                 causal=causal, what="one block per row: reads S, writes P"),
+            Step("pv", "naive.pv", flops=flops_mm * tri, bytes=s * tri + kv_io + qkv_io, unit=unit, causal=causal,
+                 what="one thread per output: reads P, V, writes O"),
+        ]
+    if kernel == "tiled":
+        ld = -(-n // 8) * 8                                # S/P rows padded to 16 bytes
+        s = bh * n * ld * e
+        reads = 2 if n > TILED_SMEM_COLS else 1            # longer rows are read twice by the softmax
+        return [
+            Step("qk", "tiled.qk", flops=flops_mm * tri_t, bytes=qkv_io + kv_io + s * tri_t, unit="tensor",
+                 causal=causal, what="tensor-core tiles: reads Q, K, writes S"),
+            Step("softmax", "tiled.softmax", flops=5.0 * bh * n * n * tri, bytes=s * tri * reads + s * tri_t,
+                 unit="fp32", causal=causal, what=f"a warp per row: reads S{' twice' if reads == 2 else ''}, writes P"),
+            Step("pv", "tiled.pv", flops=flops_mm * tri_t, bytes=s * tri_t + kv_io + qkv_io, unit="tensor",
+                 causal=causal, what="tensor-core tiles: reads P, V, writes O"),
+        ]
+    if kernel == "fused":
+        return [Step("fused", "fused.fused", flops=2 * flops_mm * tri_t, bytes=2 * qkv_io + 2 * kv_io, unit="tensor",
+                     causal=causal, what="one kernel, online softmax: reads Q, K, V, writes O (S, P on chip)")]
+    raise ModelError(f"no cost model for --kernel {kernel}; the model covers {', '.join(KERNELS)}")
+
+
+def layer_collectives(shape: Shape, world: int) -> dict[str, int]:
+    """{name: bytes} of the collectives one call runs, in order, as the layer itself says
+    (TensorParallelAttention.collective_nbytes on a layer built on the meta device, so it follows
+    whatever tpattn/layer.py runs); the model's own reading of the layer if that cannot be built."""
+    if world == 1:
+        return {}
+    try:
+        return _collectives_from_layer(shape, world)
+    except Exception:  # noqa: BLE001 - an older or newer layer this cannot build: the fallback below
+        pass
+    x = shape.batch * shape.seq_len * shape.model_dim
+    part = x * shape.part_elem(world)
+    if shape.sequence_parallel:
+        return {"allgather": x * shape.elem, "reducescatter": part}
+    split = shape.output_collective == "split" or (
+        shape.output_collective == "auto" and shape.part_elem(world) > shape.elem
+        and (shape.batch * shape.seq_len) % world == 0)
+    if split:
+        return {"reducescatter": part, "allgather": x * shape.elem}
+    return {"allreduce": part}
+
+
+def _collectives_from_layer(shape: Shape, world: int) -> dict[str, int]:
+    import torch
+
+    from ..layer import TensorParallelAttention
+    D, hd = shape.model_dim, shape.heads * shape.head_dim
+    dt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[shape.dtype]
+    meta = lambda *s: torch.empty(*s, dtype=dt, device="meta")  # noqa: E731 - no memory at all
+    kw = dict(heads=shape.heads, head_dim=shape.head_dim, backend=shape.kernel, causal=shape.causal, group=None,
+              reduce_dtype=shape.reduce_dtype, sequence_parallel=shape.sequence_parallel, overlap=shape.overlap,
+              output_collective=shape.output_collective)
+    accepted = inspect.signature(TensorParallelAttention.__init__).parameters
+    layer = TensorParallelAttention(meta(D, hd), meta(D, hd), meta(D, hd), meta(hd, D),
+                                    **{k: v for k, v in kw.items() if k in accepted})
+    layer.world, layer.local_heads = world, shape.heads_per_rank(world)  # rank 0 of a W-way layer
+    got = layer.collective_nbytes(shape.batch, shape.seq_len)
+    unknown = [k for k in got if k not in COLLECTIVE_NAMES]
+    if unknown:
+        raise ModelError(f"the layer runs a collective the model does not know: {unknown[0]}")
+    return dict(got)
+
+
+def _layout_error(shape: Shape, world: int) -> str | None:
+    """Why H query heads (and G K/V heads) cannot be laid out over `world` ranks, or None."""
+    from .. import sharding
+    if shape.kv != shape.heads:
+        return sharding.check_kv_heads(shape.heads, shape.kv, world, shape.uneven_heads)
+    return sharding.check_divisible(shape.heads, world, shape.uneven_heads)
+
+
+def layer_steps(shape: Shape, world: int) -> tuple[list[Step], dict[str, int]]:
+    """(compute steps of one rank, {collective: bytes}) for one call of the layer at world size W.
+    With --uneven-heads the rank is rank 0, which holds the most heads (ceil(H/W), or ceil(G/W) K/V
+    groups): the largest rank's compute, which is what the collective waits for."""
+    err = _layout_error(shape, world)
+    if err:
+        raise ModelError(err)
+    B, N, D, d, dt = shape.batch, shape.seq_len, shape.model_dim, shape.head_dim, shape.dtype
+    h, g = shape.heads_per_rank(world), shape.kv_per_rank(world)
+    e = shape.elem
+    colls = layer_collectives(shape, world)
+    rows = B * N                                       # both styles: every rank projects all N rows
+    steps = [gemm_step("qkv_proj", "qkv_proj", rows, D, (h + 2 * g) * d, dt, dt)]
+    if not STRIDED.get(shape.kernel, False):
+        steps.append(copy_step("qkv_proj", "relayout", 2 * (h + 2 * g) * B * N * d * e,
+                               "q, k, v copied out of the QKV GEMM's rows"))
+    steps += attention_steps(shape.kernel, B, h, N, d, dt, shape.causal, g)
+    if not STRIDED.get(shape.kernel, False):
+        steps.append(copy_step("other", "relayout", 2 * B * h * N * d * e, "o copied into the output GEMM's rows"))
+    pe = shape.part_elem(world)
+    out = {2: "fp16" if dt != "bf16" else "bf16", 4: "fp32"}[pe] if world > 1 else dt
+    steps.append(gemm_step("out_proj", "out_proj", rows, h * d, D, dt, out))
+    if world > 1:  # + b_o and the cast to the model dtype: on every row, or on this rank's 1/W after a reduce-scatter
+        mine = rows if "allreduce" in colls else rows // world
+        steps.append(copy_step("other", "epilogue", mine * D * (pe + e),
+                               f"+ b_o and the cast of {mine} rows of partials"))
+    return steps, colls
