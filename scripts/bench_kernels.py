@@ -30,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tpattn.attention import get_backend  # noqa: E402
 from tpattn.report import versions  # noqa: E402
-from tpattn.timing import Timer  # noqa: E402
+from tpattn.timing import Timer, recording  # noqa: E402
 
 TARGET_NAIVE_MS = 6.2  # one head, N=4096, d=128, fp16: the seed reports 5.75 ms on an H100
 
@@ -56,11 +56,12 @@ def timed(fn, warmup: int, iters: int) -> dict:
     """Median (and min, max) ms per named section over iterations; fn(timer) runs once."""
     timer = Timer(torch.device("cuda"))
     for _ in range(warmup):
-        fn(timer)
+        with recording(timer):
+            fn(timer)
         timer.collect()
     samples: dict[str, list[float]] = {}
     for _ in range(iters):
-        with timer.section("total"):
+        with timer.section("total"), recording(timer):  # the backends time their passes on it
             fn(timer)
         for k, v in timer.collect().items():
             samples.setdefault(k, []).append(v)
@@ -99,7 +100,8 @@ def peak_bytes(fn) -> int:
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     timer = Timer(torch.device("cuda"))
-    out = fn(timer)
+    with recording(timer):
+        out = fn(timer)
     timer.collect()
     del out
     torch.cuda.synchronize()
@@ -143,7 +145,7 @@ def run(args) -> dict:
             old = {var: os.environ.get(var) for var in env}
             os.environ.update(env)
             try:
-                return backend.forward(q, k, v, args.causal, t)
+                return backend.forward(q, k, v, args.causal)
             finally:
                 for var, value in old.items():
                     if value is None:
@@ -174,9 +176,9 @@ def run(args) -> dict:
             qkvo = 4 * b * h * n * d * el
             floor_ms = 4 * sp_bytes / (bw * 1e9) * 1e3   # S written + read, P written + read
             kernels = {
-                "naive": (lambda t: naive.forward(q, k, v, args.causal, t), 4 * sp_bytes + qkvo),
-                "tiled": (lambda t: tiled.forward(q, k, v, args.causal, t), 4 * sp_bytes + qkvo),
-                "fused": (lambda t: fused.forward(q, k, v, args.causal, t), qkvo),
+                "naive": (lambda t: naive.forward(q, k, v, args.causal), 4 * sp_bytes + qkvo),
+                "tiled": (lambda t: tiled.forward(q, k, v, args.causal), 4 * sp_bytes + qkvo),
+                "fused": (lambda t: fused.forward(q, k, v, args.causal), qkvo),
                 "torch_materialized": (lambda t: materialized(q, k, v, args.causal, t), 4 * sp_bytes + qkvo),
             }
             if hopper:  # the mma.sync QK and PV passes beside the wgmma ones tiled runs here

@@ -85,7 +85,7 @@ from tpattn.config import ConfigError, resolve, validate  # noqa: E402
 from tpattn.layer import TensorParallelAttention  # noqa: E402
 from tpattn.report import bus_bandwidth, versions  # noqa: E402
 from tpattn.sharding import head_columns, head_range  # noqa: E402
-from tpattn.timing import Timer  # noqa: E402
+from tpattn.timing import Timer, recorded  # noqa: E402
 from tpattn.weights import head_weights, layer_input  # noqa: E402
 
 EXIT_FAIL, EXIT_USAGE = 1, 2
@@ -351,7 +351,7 @@ def run(cfg, proc, device) -> int:
         return call
 
     calls = {"dtensor": lambda: done(peer(x)), **{f"plain_{v}": plain_call(v) for v in variants},
-             "ours": lambda: ours(x, timer=timer)}
+             "ours": lambda: recorded(ours, x, timer)}
     timer = Timer(device)
     samples: dict[str, list[float]] = {}
     host: dict[str, list[float]] = {k: [] for k in calls}

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from conftest import mpirun_cmd, run, tpattn
-from tpattn.layer import TensorParallelAttention, _add_bias, _mm
+from tpattn.layer import TensorParallelAttention
+from tpattn.ops import add_bias as _add_bias
+from tpattn.ops import mm as _mm
 from tpattn.weights import head_weights, layer_input
 
 pytestmark = pytest.mark.gpu

@@ -22,7 +22,7 @@ from .layer import WORLD, TensorParallelAttention
 from .memory import preflight
 from .report import COLLECTIVES, build, text
 from .sharding import head_range, heads_by_rank, kv_head_range
-from .timing import Timer, summarize
+from .timing import Timer, recording, summarize
 from .weights import head_weights, layer_input, load_inputs, slice_heads
 
 EXIT_FAIL, EXIT_USAGE = 1, 2
@@ -211,7 +211,8 @@ def _main(argv: list[str], proc) -> int:
     if proc.distributed:
         tpdist.init_process_group(proc, cfg.dist_backend, device, cfg.timeout)
         watch.start(proc, cfg.timeout, lambda m: _say(proc, m))
-    code = _run(cfg, proc, device, infos, argv, loaded)
+    with torch.no_grad():  # inference: the layer's forward builds no autograd graph
+        code = _run(cfg, proc, device, infos, argv, loaded)
     if proc.distributed:
         watch.stop()
         torch.distributed.destroy_process_group()
@@ -257,7 +258,8 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
         for name, ms in {**timer.collect(), "host": host}.items():
             samples.setdefault(name, []).append(ms)
     for _ in range(0 if cfg.cuda_graph else cfg.iters):  # then the calls with an event pair around every pass
-        y = layer(x_in, timer)
+        with recording(timer):
+            y = layer(x_in)
         for name, ms in timer.collect().items():
             samples.setdefault(name, []).append(ms)
     if cfg.sequence_parallel:
@@ -310,8 +312,8 @@ def _checks(cfg: Config, proc, layer, w, x, y, device, loaded) -> dict:
 def _profile(cfg: Config, proc, layer, x) -> None:
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if x.is_cuda else [])
-    with profile(activities=acts, record_shapes=True) as prof:
-        layer(x, Timer(x.device))
+    with profile(activities=acts, record_shapes=True) as prof, recording(Timer(x.device)):
+        layer(x)
         if x.is_cuda:
             torch.cuda.synchronize(x.device)
     path = cfg.profile if proc.rank == 0 else f"{cfg.profile}.rank{proc.rank}"

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .commplan import OUTPUT_COLLECTIVES, make_plan  # noqa: F401 (OUTPUT_COLLECTIVES re-exported)
 from .errors import ConfigError, cupy_available, cupy_missing_message  # noqa: F401 (re-exported)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 REDUCE_DTYPES = ("fp32", "model")
-OUTPUT_COLLECTIVES = ("auto", "allreduce", "split", "p2p")  # head-parallel: how the partial outputs are summed
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 DEVICES = ("auto", "cuda", "cpu")
 
@@ -165,45 +165,16 @@ def validate(cfg: Config, world: int = 1, local_world: int = 1, gpus_on_node: in
 
 
 def check_parallel_style(cfg: Config, world: int) -> None:
-    """--sequence-parallel, --overlap and --cuda-graph: what each needs of the shape and device."""
-    if cfg.overlap < 1:
-        raise ConfigError(f"--overlap must be at least 1 chunk (got {cfg.overlap}); 1 turns it off")
-    if cfg.sequence_parallel:
-        if cfg.seq_len % world:
-            lo = cfg.seq_len - cfg.seq_len % world
-            raise ConfigError(f"--sequence-parallel needs --seq-len divisible by the world size {world} (got "
-                              f"{cfg.seq_len}); use --seq-len {lo or world} or {lo + world}, or drop --sequence-parallel")
-        n = cfg.seq_len // world
-        if n % cfg.overlap:
-            ok = [k for k in range(1, min(n, 64) + 1) if n % k == 0]
-            raise ConfigError(f"--overlap {cfg.overlap} with --sequence-parallel needs the {n} rows of each rank "
-                              f"divisible by it; use --overlap in {{{', '.join(map(str, ok))}}}")
-    elif cfg.overlap > cfg.seq_len:
-        raise ConfigError(f"--overlap {cfg.overlap} is more chunks than the {cfg.seq_len} rows of --seq-len; "
-                          "use fewer")
-    if cfg.output_collective not in OUTPUT_COLLECTIVES:
-        raise ConfigError(f"unknown --output-collective {cfg.output_collective!r}; choose one of "
-                          f"{', '.join(OUTPUT_COLLECTIVES)}")
-    if cfg.output_collective != "auto" and cfg.sequence_parallel:
-        raise ConfigError(f"--output-collective {cfg.output_collective} is for the head-parallel style; "
-                          "--sequence-parallel always reduce-scatters: drop one of them")
+    """--sequence-parallel, --overlap, --output-collective and --cuda-graph: what each needs of the
+    shape and device. The shape's rules are the communication plan's own (tpattn.commplan), the
+    same that the layer applies through the API."""
+    make_plan(cfg.batch, cfg.seq_len, cfg.model_dim, world, elem=cfg.elem_size,
+              part_elem=4 if cfg.reduce_dtype == "fp32" else cfg.elem_size, sequence_parallel=cfg.sequence_parallel,
+              output_collective=cfg.output_collective, overlap=cfg.overlap)
     if cfg.output_collective == "p2p" and world > 1:
         if cfg.device != "cuda" or cfg.dist_backend != "nccl":
             raise ConfigError("--output-collective p2p needs one GPU per rank (--device cuda, --dist-backend nccl: "
                               "it maps the other GPUs' memory); use auto, allreduce or split here")
-        if cfg.overlap > 1:
-            raise ConfigError(f"--output-collective p2p sums all rows in one pass and does not overlap; drop "
-                              f"--overlap {cfg.overlap} or use --output-collective auto")
-    if cfg.output_collective == "split" and world > 1:
-        from .attention import get_backend
-        from .sharding import row_chunks, rows_split
-        align = (get_backend(cfg.kernel).row_chunks or 1) if cfg.kernel else 1
-        chunks = row_chunks(cfg.seq_len, cfg.overlap, align)  # the layer's own chunks
-        if not rows_split(cfg.batch, chunks, world):
-            rows = next(r1 - r0 for r0, r1 in chunks if not rows_split(cfg.batch, [(r0, r1)], world))
-            raise ConfigError(f"--output-collective split needs --batch x the rows of each chunk divisible by the "
-                              f"world size {world} (a chunk has {rows} rows); use --output-collective allreduce "
-                              f"or auto, or a --seq-len divisible by {world}")
     if cfg.cuda_graph:
         if cfg.device != "cuda":
             raise ConfigError("--cuda-graph needs --device cuda; drop it on CPU")

@@ -1,9 +1,10 @@
-"""The tensor-parallel attention layer: the only module that calls a collective.
+"""The tensor-parallel attention layer. It communicates only through tpattn/comm.py (the collectives
+as forward/backward pairs, and the plan that decides which of them a call runs).
 
-Two parallel styles, each one method read top to bottom (diagrams in README.md):
+Two parallel styles, each one method read top to bottom (diagrams in docs/parallel.md):
 
 head-parallel (default), _forward_heads: one collective, or two
-    x [B, N, D]            replicated on every rank
+    x [B, N, D]            replicated on every rank (comm.copy_to_ranks: the identity)
     QKV GEMM               one GEMM with this rank's packed q, k, v columns (query heads [r*h, (r+1)*h)
                            and the K/V heads they use, see "K/V heads" below; with uneven_heads a
                            block of ceil or floor of H/W heads, see tpattn.sharding.head_range)
@@ -41,74 +42,39 @@ the same as with G = H.
 
 from __future__ import annotations
 
-import re
-from contextlib import nullcontext
-
 import torch
 import torch.distributed as dist
 
 from . import faults, watch
 from .attention import Backend, get_backend, head_chunks
-from .config import OUTPUT_COLLECTIVES
-from .sharding import check_kv_heads, head_range, kv_head_range, row_chunks, rows_split
+from .comm import Comm, CommPlan, CollectiveError, check_style, make_plan  # noqa: F401 (CollectiveError re-exported)
+from .ops import add_bias, mm
+from .sharding import Shard
 from .timing import section
 from .weights import slice_heads
 
 WORLD = "world"  # group=WORLD: the default process group if one is initialized, else none
-# The single-tensor all-gather and reduce-scatter (concatenated along dim 0): torch >= 2.13 names
-# them *_single and deprecates the older names, which torch 2.11 (the GPU machines) still has only.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
-        out: torch.Tensor | None = None) -> torch.Tensor:
-    """a @ b (+ bias), accumulated in fp32 and rounded once to out_dtype. On a GPU an fp16/bf16
-    product runs on tensor cores, also for an fp32 result (torch.mm's out_dtype); the bias rides in
-    the GEMM's epilogue when the result has the inputs' dtype. On CPU through fp32."""
-    if a.is_cuda and a.dtype == b.dtype:
-        if out_dtype == a.dtype:
-            if bias is not None:
-                return torch.addmm(bias, a, b, out=out) if out is not None else torch.addmm(bias, a, b)
-            return torch.mm(a, b, out=out) if out is not None else torch.mm(a, b)
-        if out_dtype == torch.float32 and a.dtype in (torch.float16, torch.bfloat16) and bias is None:
-            if out is None:
-                return torch.mm(a, b, out_dtype=torch.float32)
-            try:
-                return torch.mm(a, b, out_dtype=torch.float32, out=out)
-            except (TypeError, RuntimeError):  # a torch without the out= form of it
-                return out.copy_(torch.mm(a, b, out_dtype=torch.float32))
-    y = torch.mm(a.float(), b.float())
-    if bias is not None:
-        y += bias.float()
-    y = y.to(out_dtype)
-    return out.copy_(y) if out is not None else y
-
-
-def _add_bias(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """out = part (+ bias), cast to out's dtype, in one elementwise pass. An fp32 partial takes the
-    model-dtype bias as it is (the add widens it inside the pass: the same sum as casting it first,
-    without a cast kernel and its launch on every call)."""
-    if bias is None:
-        return out.copy_(part)
-    widens = part.dtype == torch.float32 and bias.dtype in (torch.float16, torch.bfloat16)
-    return torch.add(part, bias if widens or bias.dtype == part.dtype else bias.to(part.dtype), out=out)
+REDUCE_DTYPES = ("fp32", "model")
 
 
 class TensorParallelAttention(torch.nn.Module):
     """Multi-head attention whose heads are split over the ranks of `group`.
 
-    Weights are this rank's slices in "x @ W" layout: wq/wk/wv [D, h*d], wo [h*d, D], biases
-    bq/bk/bv [h*d] and bo [D] (b_o is added once, after the collective). Build it from full
-    matrices with from_full(), from_multihead_attention() or from_linears().
+    Parameters (torch.nn.Parameter, this rank's slices, "x @ W" layout): wqkv [D, (h + 2g)*d], the
+    Q, K and V columns of this rank's h query heads and g K/V heads packed for one GEMM (views:
+    .wq, .wk, .wv), bqkv [(h + 2g)*d] or None, wo [h*d, D] (this rank's rows of W_o) and bo [D] or
+    None (b_o is added once, after the collective). state_dict() also records the shard (rank,
+    world, heads): loading a checkpoint of another shard is refused. Build it from full matrices
+    with from_full(), from_multihead_attention() or from_linears().
 
     sequence_parallel: inputs and outputs are this rank's block of N/W rows (see the module doc).
     overlap: K > 1 pipelines the output projection (and in sequence parallel the all-gather) over K
     row chunks with the collectives on a side stream; 1 (default) runs each collective once.
     output_collective (head-parallel): "allreduce" sums the partials with one all-reduce; "split"
     with a reduce-scatter of the partials and an all-gather of the rounded output (the same y,
-    fewer bytes when the partials are fp32); "auto" (default) splits when the partials are wider
-    than the model dtype and every row chunk divides by the world size.
+    fewer bytes when the partials are fp32); "p2p" with one kernel over NVLink (one GPU per rank on
+    one node); "auto" (default) splits when the partials are wider than the model dtype and every
+    row chunk divides by the world size. tpattn.comm.make_plan holds the rule (plan()).
     kv_heads: G K/V heads in all (default heads: multi-head attention; fewer: grouped-query, 1:
     multi-query); wk and wv are then [D, g*d] for this rank's g K/V heads (kv_head_range: G/W of
     them when the world size W divides G, else the one its query heads use).
@@ -116,6 +82,8 @@ class TensorParallelAttention(torch.nn.Module):
     rank r owns a contiguous block of ceil or floor of H/W heads (of G/W whole K/V groups), the
     first ranks the larger blocks (tpattn.sharding.head_range). Only the ranks' load differs: the
     partial outputs are [B, N, D] on every rank, so the collectives are unchanged.
+
+    The forward has no backward yet: under autograd its output refuses .backward() with one line.
     """
 
     def __init__(self, wq, wk, wv, wo, bq=None, bk=None, bv=None, bo=None, *, heads: int, head_dim: int,
@@ -124,54 +92,77 @@ class TensorParallelAttention(torch.nn.Module):
                  overlap: int = 1, output_collective: str = "auto", kv_heads: int | None = None,
                  uneven_heads: bool = False):
         super().__init__()
-        self.group, self.rank, self.world = _resolve_group(group)
-        self.kv_heads = heads if kv_heads is None else kv_heads
-        self.uneven_heads = uneven_heads
-        err = check_kv_heads(heads, self.kv_heads, self.world, uneven_heads)
-        if err:
-            raise ValueError(err)
+        self.group, rank, world = _resolve_group(group)
+        self.shard = Shard.of(heads, heads if kv_heads is None else kv_heads, world, rank, uneven_heads)
         self.heads, self.head_dim = heads, head_dim
-        self.head_range = head_range(heads, self.world, self.rank, uneven_heads, self.kv_heads)
-        self.local_heads = len(self.head_range)  # differs between ranks when uneven
-        self.local_kv_heads = len(kv_head_range(heads, self.kv_heads, self.world, self.rank, uneven_heads))
-        self.local_group = self.local_heads // self.local_kv_heads  # this rank's query heads per K/V head
-        self.model_dim = wq.shape[0]
+        model_dim = wq.shape[0]
         hd, kvd = self.local_heads * head_dim, self.local_kv_heads * head_dim
-        for name, t, shape in (("wq", wq, (self.model_dim, hd)), ("wk", wk, (self.model_dim, kvd)),
-                               ("wv", wv, (self.model_dim, kvd)), ("wo", wo, (hd, self.model_dim))):
+        for name, t, shape in (("wq", wq, (model_dim, hd)), ("wk", wk, (model_dim, kvd)),
+                               ("wv", wv, (model_dim, kvd)), ("wo", wo, (hd, model_dim))):
             if tuple(t.shape) != shape:
                 kv = f" and {self.local_kv_heads} K/V heads" if self.kv_heads != heads else ""
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape} for rank {self.rank} "
                                  f"of {self.world} ({self.local_heads} heads{kv} of dim {head_dim})")
-        if reduce_dtype not in ("fp32", "model"):
+        if reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(f"reduce_dtype must be 'fp32' or 'model' (got {reduce_dtype!r})")
-        if overlap < 1:
-            raise ValueError(f"overlap must be at least 1 chunk (got {overlap})")
-        if output_collective not in OUTPUT_COLLECTIVES:
-            raise ValueError(f"output_collective must be one of {', '.join(OUTPUT_COLLECTIVES)} "
-                             f"(got {output_collective!r})")
-        if output_collective == "p2p" and (overlap > 1 or sequence_parallel):
-            raise ValueError("output_collective='p2p' sums the head-parallel output in one pass: no overlap, "
-                             "no sequence_parallel; use 'auto' with those")
+        check_style(None, world, sequence_parallel, output_collective, overlap)  # what the CLI refuses, as it says it
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.causal = causal
         self.reduce_dtype = reduce_dtype
         self.head_chunk = head_chunk or self.local_heads
         self.sequence_parallel = sequence_parallel
         self.overlap = overlap
-        self.dtype = wq.dtype
-        self.part_dtype = torch.float32 if reduce_dtype == "fp32" else self.dtype
         self.output_collective = output_collective
         # Q, K and V columns packed once, so the projection is one GEMM (bias fused into it): its
-        # output rows are [h query heads | g K heads | g V heads] x d.
-        self.wqkv = torch.cat([wq, wk, wv], dim=1)
+        # output rows are [h query heads | g K heads | g V heads] x d. Copies: training this layer
+        # never writes into the caller's tensors.
+        param = (lambda t: None if t is None else torch.nn.Parameter(t.detach().clone()))
+        self.wqkv = torch.nn.Parameter(torch.cat([wq, wk, wv], dim=1).detach())
         biases = ((bq, hd), (bk, kvd), (bv, kvd))
-        self.bqkv = None if all(b is None for b, _ in biases) else torch.cat(
-            [torch.zeros(n, dtype=self.dtype, device=wq.device) if b is None else b for b, n in biases])
-        self.wo, self.bo = wo, bo
-        self._comm_stream = None  # made on the first overlapped forward on a GPU
+        self.bqkv = None if all(b is None for b, _ in biases) else torch.nn.Parameter(torch.cat(
+            [torch.zeros(n, dtype=wq.dtype, device=wq.device) if b is None else b.detach() for b, n in biases]))
+        self.wo, self.bo = param(wo), param(bo)
+        self.comm = Comm(self.group, rank, world)
+        self._plans: dict[tuple, CommPlan] = {}
         self._peer = None  # output_collective="p2p": tpattn.peer.PeerBuffers, made on the first forward
-        self._nccl = self.group is not None and dist.get_backend(self.group) == "nccl"
+        self._peer_checked = False
+        self._peer_pinned = False  # a CUDA graph captured with the peer buffers: they must not move
+
+    # ---- the shard: what this rank holds ---------------------------------------------------------
+
+    rank = property(lambda self: self.shard.rank)
+    world = property(lambda self: self.shard.world)
+    kv_heads = property(lambda self: self.shard.kv_heads)
+    uneven_heads = property(lambda self: self.shard.uneven)
+    head_range = property(lambda self: self.shard.head_range)
+    local_heads = property(lambda self: len(self.shard.head_range))       # differs between ranks when uneven
+    local_kv_heads = property(lambda self: len(self.shard.kv_head_range))
+    local_group = property(lambda self: self.local_heads // self.local_kv_heads)  # query heads per K/V head
+    model_dim = property(lambda self: self.wqkv.shape[0])
+    dtype = property(lambda self: self.wqkv.dtype)  # follows .to() / .half()
+    part_dtype = property(lambda self: torch.float32 if self.reduce_dtype == "fp32" else self.dtype)
+
+    def _cols(self, i: int) -> torch.Tensor:
+        h, g, d = self.local_heads, self.local_kv_heads, self.head_dim
+        bounds = (0, h * d, (h + g) * d, (h + 2 * g) * d)
+        return self.wqkv[:, bounds[i]:bounds[i + 1]]
+
+    wq = property(lambda self: self._cols(0))
+    wk = property(lambda self: self._cols(1))
+    wv = property(lambda self: self._cols(2))
+
+    def get_extra_state(self) -> dict:
+        s = self.shard
+        return {"rank": s.rank, "world": s.world, "heads": s.heads, "kv_heads": s.kv_heads, "uneven": s.uneven,
+                "head_dim": self.head_dim}
+
+    def set_extra_state(self, state: dict) -> None:
+        mine = self.get_extra_state()
+        if state != mine:
+            raise ValueError(f"this checkpoint holds {_describe(state)} but this layer is {_describe(mine)}: load "
+                             "each rank's own checkpoint into a layer built with the same world size and heads")
+
+    # ---- construction from full weights -------------------------------------------------------
 
     # ---- construction from full weights -------------------------------------------------------
 
@@ -190,14 +181,10 @@ class TensorParallelAttention(torch.nn.Module):
         if kw.get("kv_heads") not in (None, kv_heads):
             raise ValueError(f"kv_heads={kw['kv_heads']} but wk and wv have {kv_heads} heads of dim {head_dim}")
         kw["kv_heads"] = kv_heads
-        uneven = kw.get("uneven_heads", False)
-        err = check_kv_heads(heads, kv_heads, world, uneven)
-        if err:
-            raise ValueError(err)
+        shard = Shard.of(heads, kv_heads, world, rank, kw.get("uneven_heads", False))
         full = {k: t for k, t in dict(wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=bo).items()
                 if t is not None}
-        mine = slice_heads(full, head_range(heads, world, rank, uneven, kv_heads), head_dim,
-                           kv_head_range(heads, kv_heads, world, rank, uneven))
+        mine = slice_heads(full, shard.head_range, head_dim, shard.kv_head_range)
         return cls(**mine, heads=heads, head_dim=head_dim, group=group, **kw)
 
     @classmethod
@@ -224,41 +211,33 @@ class TensorParallelAttention(torch.nn.Module):
         return cls.from_full(w[:e].T, w[e:2 * e].T, w[2 * e:].T, mha.out_proj.weight.detach().T,
                              bq, bk, bv, ob, heads=mha.num_heads, **kw)
 
-    # ---- what the collectives move ------------------------------------------------------------
+    # ---- the plan: what a call communicates, decided before it does -------------------------
+
+    def plan(self, batch: int, seq_len: int) -> CommPlan:
+        """The communication plan for a call of `batch` x `seq_len` rows (seq_len: the whole
+        sequence, also in sequence parallel). The same on every rank: it depends on the shape and
+        the settings only. Raises ConfigError (one line, as the CLI's) for a shape it cannot run."""
+        key = (batch, seq_len, self.dtype)
+        p = self._plans.get(key)
+        if p is None:
+            p = make_plan(batch, seq_len, self.model_dim, self.world, elem=self.dtype.itemsize,
+                          part_elem=self.part_dtype.itemsize, sequence_parallel=self.sequence_parallel,
+                          output_collective=self.output_collective, overlap=self.overlap)
+            self._plans[key] = p
+        return p
 
     def partial_nbytes(self, batch: int, seq_len: int) -> int:
         """Bytes of the partial output that the all-reduce (or reduce-scatter) sums: [B, N, D]."""
-        return batch * seq_len * self.model_dim * torch.empty((), dtype=self.part_dtype).element_size()
+        return self.plan(batch, seq_len).partial_bytes
 
     def collective_nbytes(self, batch: int, seq_len: int) -> dict[str, int]:
-        """Bytes of each collective one call runs (the whole tensor, nccl-tests' "size"):
-        head-parallel the all-reduce of the partials; sequence-parallel the all-gather of x [B, N, D]
-        and the reduce-scatter of the partials."""
-        x_bytes = batch * seq_len * self.model_dim * torch.empty((), dtype=self.dtype).element_size()
-        if self.sequence_parallel and self.world > 1:
-            return {"allgather": x_bytes, "reducescatter": self.partial_nbytes(batch, seq_len)}
-        if self.world > 1 and self.output_collective == "p2p":  # the partials in, the output out
-            return {"peer": self.partial_nbytes(batch, seq_len) + x_bytes}
-        if self.world > 1 and self.splits_output(batch, self._row_chunks(seq_len)):
-            return {"reducescatter": self.partial_nbytes(batch, seq_len), "allgather": x_bytes}
-        return {"allreduce": self.partial_nbytes(batch, seq_len)}
-
-    def splits_output(self, batch: int, chunks: list[tuple[int, int]]) -> bool:
-        """Head-parallel: whether the partials are summed by a reduce-scatter and an all-gather
-        (see output_collective) rather than one all-reduce. The same answer on every rank: it
-        depends on the shape and the settings only."""
-        if self.world == 1 or self.output_collective in ("allreduce", "p2p"):
-            return False
-        divides = rows_split(batch, chunks, self.world)
-        if self.output_collective == "split":
-            if not divides:
-                raise ValueError(f"output_collective='split' needs batch x rows of every chunk divisible by the "
-                                 f"world size {self.world}; use 'allreduce' or 'auto'")
-            return True
-        return divides and self.part_dtype.itemsize > self.dtype.itemsize
+        """Bytes of each collective one call runs (the whole tensor, nccl-tests' "size")."""
+        return self.plan(batch, seq_len).nbytes
 
     def shard_sequence(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's block of N/W rows of a full [B, N, D] tensor (sequence parallel's input)."""
+        """This rank's block of N/W rows of a full [B, N, D] tensor (sequence parallel's input).
+        N must divide by the world size (the same refusal as the CLI's)."""
+        check_style(t.shape[1], self.world, True, "auto", 1)
         n = t.shape[1] // self.world
         return t[:, self.rank * n:(self.rank + 1) * n].contiguous()
 
@@ -268,92 +247,50 @@ class TensorParallelAttention(torch.nn.Module):
             return y
         B, n, D = y.shape
         parts = torch.empty((self.world * B, n, D), dtype=y.dtype, device=y.device)
-        self._collective("allgather", None, _all_gather, parts, y.contiguous())
-        self._join_comm()
+        self.comm.all_gather(parts, y.contiguous())
         return parts.view(self.world, B, n, D).transpose(0, 1).reshape(B, self.world * n, D)
 
     # ---- forward -----------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, timer=None) -> torch.Tensor:
-        if x.shape[-1] != self.model_dim or x.dim() != 3:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """y = attention(x) over the ranks. Time its passes with `with tpattn.timing.recording(timer):`."""
+        if x.dim() != 3 or x.shape[-1] != self.model_dim:
             raise ValueError(f"input has shape {tuple(x.shape)}, the layer expects [B, N, {self.model_dim}]")
         faults.maybe_fail(self.rank, "forward")
-        if self.sequence_parallel and self.world > 1:  # with one rank both styles are the same
-            return self._forward_sequence(x, timer)
-        return self._forward_heads(x, timer)
+        seq = self.sequence_parallel and self.world > 1  # with one rank both styles are the same
+        B, n, _ = x.shape
+        plan = self.plan(B, n * self.world if seq else n)
+        with torch.no_grad():
+            y = self._forward_sequence(x, plan) if seq else self._forward_heads(x, plan)
+        if torch.is_grad_enabled() and (x.requires_grad or self.wqkv.requires_grad):
+            y = _NoBackwardYet.apply(y, self.wqkv)
+        return y
 
-    def _forward_heads(self, x: torch.Tensor, timer) -> torch.Tensor:
-        """Head-parallel: x [B, N, D] on every rank -> y [B, N, D] on every rank, one all-reduce
-        (or a reduce-scatter and an all-gather, see splits_output). With overlap, query-row chunk
-        c's collectives run while chunk c+1's attention (when the backend computes row chunks, as
-        fused does) and output projection run."""
+    def _forward_heads(self, x: torch.Tensor, plan: CommPlan) -> torch.Tensor:
+        """Head-parallel: x [B, N, D] on every rank -> y [B, N, D] on every rank: copy -> QKV ->
+        attention -> output projection -> sum (+ b_o). With overlap, query-row chunk c's collectives
+        run while chunk c+1's attention (when the backend computes row chunks, as fused does) and
+        output projection run."""
         B, N, D = x.shape
-        h, d, W = self.local_heads, self.head_dim, self.world
-        with section(timer, "qkv_proj"):
-            qkv = _mm(x.reshape(B * N, D), self.wqkv, self.dtype, self.bqkv)   # [B*N, (h+2g)*d]
+        h, d = self.local_heads, self.head_dim
+        x = self.comm.copy_to_ranks(x)
+        with section("qkv_proj"):
+            qkv = mm(x.reshape(B * N, D), self.wqkv, self.dtype, self.bqkv)   # [B*N, (h+2g)*d]
             q, k, v = self._split_heads(qkv.view(B, N, -1, d))                # [B, h|g|g, N, d]
         o_rows = torch.empty(B, N, h, d, dtype=self.dtype, device=x.device)   # the output GEMM's rows
         o = o_rows.permute(0, 2, 1, 3)                                      # seen as [B, h, N, d]
-        chunks = self._row_chunks(N)
-        by_rows = len(chunks) > 1 and self.backend.row_chunks is not None
-        split = self.splits_output(B, chunks)  # decided before communicating, from the shape only
-        y = torch.empty(B, N, D, dtype=self.dtype, device=x.device)
+        align = self.backend.row_chunks
+        by_rows = len(plan.chunks) > 1 and align is not None and all(r0 % align == 0 for r0, _ in plan.chunks)
         if not by_rows:
-            self._attention(q, k, v, o, timer)
-        if W == 1 and not faults.planned(self.rank, "allreduce"):
-            # one rank: nothing to sum, so the output GEMM rounds straight to the model dtype with
-            # b_o in its epilogue (fp32 accumulation, one rounding, as the fp32 partial path)
-            for r0, r1 in chunks:
-                if by_rows:
-                    self._attention(q, k, v, o, timer, rows=(r0, r1))
-                dst = y[:, r0:r1]
-                with section(timer, "out_proj"):
-                    out = _mm(o_rows[:, r0:r1].reshape(B * (r1 - r0), h * d), self.wo, self.dtype, self.bo,
-                              out=dst.view(-1, D) if dst.is_contiguous() else None)
-                if not dst.is_contiguous():
-                    dst.copy_(out.view(dst.shape))
-            return y
-        late = []  # (gathered rows, where they go in y) to copy once the collectives are joined
-        parts = []
-        # p2p: one chunk (no overlap), its partial in the symmetric buffers the peer kernel reads
-        peer = self._peer_buffers(B * N * D, x.device) if self.output_collective == "p2p" and W > 1 else None
-        for r0, r1 in chunks:
+            self._attention(q, k, v, o)
+        total = _OutputSum(self, plan, x.device)
+        for r0, r1 in plan.chunks:
             if by_rows:
-                self._attention(q, k, v, o, timer, rows=(r0, r1))
-            rows = B * (r1 - r0)
-            part = peer.partial(rows, D) if peer else torch.empty(rows, D, dtype=self.part_dtype, device=x.device)
-            with section(timer, "out_proj"):
-                _mm(o_rows[:, r0:r1].reshape(rows, h * d), self.wo, self.part_dtype, out=part)
-            if peer:  # reduce-scatter + all-gather in one kernel over NVLink (one chunk: no overlap)
-                self._output_collective("peer", timer, peer.reduce_gather, y.view(rows, D), self.bo)
-                continue
-            if not split:
-                self._output_collective("allreduce", timer, dist.all_reduce, part)
-                parts.append(part)
-                continue
-            mine = torch.empty(rows // W, D, dtype=self.part_dtype, device=x.device)
-            if not self._output_collective("reducescatter", timer, _reduce_scatter, mine, part):
-                continue  # a fault left this rank's collectives out (both of them)
-            dst = y[:, r0:r1]
-            whole = dst.is_contiguous()
-            gathered = dst.view(rows, D) if whole else torch.empty(rows, D, dtype=self.dtype, device=x.device)
-            m = rows // W
-            mine_out = gathered[self.rank * m:(self.rank + 1) * m]  # this rank's rows of y: the all-gather is in place
-            with self._comm_context():  # where the reduce-scatter ran: + b_o, rounded once
-                _add_bias(mine, self.bo, out=mine_out)
-            self._collective("allgather", timer, _all_gather, gathered, mine_out)
-            parts += [part, mine]  # referenced until the join below
-            if not whole:
-                late.append((gathered, dst))
-        self._join_comm()
-        if not split:  # + b_o and the cast to the model dtype in one pass
-            for (r0, r1), part in zip(chunks, parts):
-                _add_bias(part.view(B, r1 - r0, D), self.bo, out=y[:, r0:r1])
-        for gathered, dst in late:
-            dst.copy_(gathered.view(dst.shape))
-        return y
+                self._attention(q, k, v, o, rows=(r0, r1))
+            total.add_rows(r0, r1, o_rows[:, r0:r1].reshape(B * (r1 - r0), h * d))
+        return total.result()
 
-    def _forward_sequence(self, x: torch.Tensor, timer) -> torch.Tensor:
+    def _forward_sequence(self, x: torch.Tensor, plan: CommPlan) -> torch.Tensor:
         """Sequence-parallel: x [B, N/W, D] per rank -> all-gather -> y [B, N/W, D], reduce-scatter.
 
         Rows travel as [K chunks, W ranks, B, m rows]: chunk c of every rank's block goes in one
@@ -362,33 +299,32 @@ class TensorParallelAttention(torch.nn.Module):
         B, n, D = x.shape
         W, K, h, g, d = self.world, self.overlap, self.local_heads, self.local_kv_heads, self.head_dim
         m = n // K
+        comm = self.comm
         xs = x.view(B, K, m, D)
         gathered = torch.empty(K, W, B, m, D, dtype=self.dtype, device=x.device)
-        # (B > 1: each chunk's rows are copied first; the copies live until _join_comm below, so the
-        # allocator cannot hand their memory to the compute stream while a gather still reads it)
-        sources = [xs[:, c].contiguous() for c in range(K)]
-        arrived = [self._collective("allgather", timer, _all_gather, gathered[c].view(W * B, m, D), sources[c])
+        sources = [xs[:, c].contiguous() for c in range(K)]  # (B > 1: each chunk's rows copied first)
+        arrived = [comm.all_gather(gathered[c].view(W * B, m, D), sources[c], K)
                    for c in range(K)]  # all queued at once; chunk c's QKV GEMM waits for gather c only
         qkv = torch.empty(K, W, B, m, (h + 2 * g) * d, dtype=self.dtype, device=x.device)
         for c in range(K):
-            self._wait(arrived[c])
-            with section(timer, "qkv_proj"):
-                _mm(gathered[c].view(W * B * m, D), self.wqkv, self.dtype, self.bqkv, out=qkv[c].view(W * B * m, -1))
-        with section(timer, "qkv_proj"):  # rows (c, w, b, i) -> sequence position w*n + c*m + i (a view if K=B=1)
+            comm.wait(arrived[c])
+            with section("qkv_proj"):
+                mm(gathered[c].view(W * B * m, D), self.wqkv, self.dtype, self.bqkv, out=qkv[c].view(W * B * m, -1))
+        with section("qkv_proj"):  # rows (c, w, b, i) -> sequence position w*n + c*m + i (a view if K=B=1)
             q, k, v = self._split_heads(qkv.view(K, W, B, m, h + 2 * g, d).permute(2, 1, 0, 3, 4, 5)
                                         .reshape(B, W * n, h + 2 * g, d))
         o_rows = torch.empty(B, W, K, m, h * d, dtype=self.dtype, device=x.device)
-        self._attention(q, k, v, o_rows.view(B, W * n, h, d).permute(0, 2, 1, 3), timer)
+        self._attention(q, k, v, o_rows.view(B, W * n, h, d).permute(0, 2, 1, 3))
         partial = torch.empty(K, W * B * m, D, dtype=self.part_dtype, device=x.device)
         y = torch.empty(K, B * m, D, dtype=self.part_dtype, device=x.device)
         for c in range(K):
-            with section(timer, "out_proj"):  # rows (c, w, b, i): [W, B, m, h*d]
-                _mm(o_rows[:, :, c].transpose(0, 1).reshape(W * B * m, h * d), self.wo, self.part_dtype,
-                    out=partial[c])
-            self._output_collective("reducescatter", timer, _reduce_scatter, y[c], partial[c])
-        self._join_comm()
-        return _add_bias(y.view(K, B, m, D).transpose(0, 1), self.bo,
-                         out=torch.empty(B, K, m, D, dtype=self.dtype, device=x.device)).view(B, n, D)
+            with section("out_proj"):  # rows (c, w, b, i): [W, B, m, h*d]
+                mm(o_rows[:, :, c].transpose(0, 1).reshape(W * B * m, h * d), self.wo, self.part_dtype,
+                   out=partial[c])
+            comm.reduce_scatter(y[c], partial[c], K)
+        comm.join(K)
+        return add_bias(y.view(K, B, m, D).transpose(0, 1), self.bo,
+                        out=torch.empty(B, K, m, D, dtype=self.dtype, device=x.device)).view(B, n, D)
 
     # ---- the local pieces, shared by both styles -----------------------------------------------
 
@@ -401,7 +337,7 @@ class TensorParallelAttention(torch.nn.Module):
             return q, k, v
         return q.contiguous(), k.contiguous(), v.contiguous()
 
-    def _attention(self, q, k, v, o, timer, rows=None) -> None:
+    def _attention(self, q, k, v, o, rows=None) -> None:
         """o = attention(q, k, v) for this rank's heads (a head_chunk at a time, with the K/V heads
         those query heads use), all query rows or rows (r0, r1) only. o may be a strided view; a
         backend that needs contiguous memory writes a contiguous copy that is then relaid into it."""
@@ -414,93 +350,43 @@ class TensorParallelAttention(torch.nn.Module):
             qs, os_ = (t if whole else t[:, sl] for t in (q, o))
             ks, vs = (t if whole else t[:, kv] for t in (k, v))
             if strided:
-                self.backend.forward(qs, ks, vs, self.causal, timer, out=os_, **kw)
+                self.backend.forward(qs, ks, vs, self.causal, out=os_, **kw)
             else:
-                os_.copy_(self.backend.forward(qs.contiguous(), ks.contiguous(), vs.contiguous(), self.causal,
-                                               timer, **kw))
+                os_.copy_(self.backend.forward(qs.contiguous(), ks.contiguous(), vs.contiguous(), self.causal, **kw))
 
-    def _row_chunks(self, n: int) -> list[tuple[int, int]]:
-        """overlap chunks of the query rows [0, n), at multiples of the backend's row_chunks."""
-        return row_chunks(n, self.overlap, self.backend.row_chunks or 1)
+    # ---- the peer path's buffers -----------------------------------------------------------------
 
-    # ---- the collectives ---------------------------------------------------------------------
-
-    def _output_collective(self, name: str, timer, op, *tensors) -> bool:
-        """The collective that sums the partial outputs (fault injection step "allreduce"); False
-        when an injected fault left it out."""
-        if faults.maybe_fail(self.rank, "allreduce") == "skip":
-            return False
-        self._collective(name, timer, op, *tensors)
-        return True
-
-    def _collective(self, name: str, timer, op, *tensors):
-        """op(*tensors, group) after the work queued so far: on the communication stream when
-        overlapping on a GPU (returns an event that marks its end), else in line (returns None).
-        Without a process group, or in a group of one, the local equivalent: an all-reduce or a
-        reduce-scatter leaves its input as it is, an all-gather copies it."""
-        if self.group is None or self.world == 1:
-            if op is _all_gather or op is _reduce_scatter:
-                tensors[0].copy_(tensors[1].view(tensors[0].shape))
-            return None
-        # Ordering: the side stream first waits for everything queued on the compute stream (the
-        # inputs exist), and the compute stream reads an output only after _wait(its event) or
-        # _join_comm(). Every tensor a collective touches stays referenced by forward() until then.
-        stream = self._side_stream()
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream())
-        with (torch.cuda.stream(stream) if stream is not None else nullcontext()), section(timer, name), \
-                watch.collective(name, self.world, self._nccl):
-            try:
-                op(*tensors, group=self.group)
-            except RuntimeError as exc:
-                raise CollectiveError(watch.explain(name, self.world, _first_line(exc))) from None
-        return stream.record_event() if stream is not None else None
-
-    def _comm_context(self):
-        """Run the enclosed work where the collectives run (the side stream when overlapping)."""
-        stream = self._side_stream()
-        return torch.cuda.stream(stream) if stream is not None else nullcontext()
-
-    def _side_stream(self):
-        if self.overlap == 1 or not self.wqkv.is_cuda:
-            return None
-        if self._comm_stream is None:
-            self._comm_stream = torch.cuda.Stream(device=self.wqkv.device)
-        return self._comm_stream
-
-    @staticmethod
-    def _wait(event) -> None:
-        if event is not None:
-            torch.cuda.current_stream().wait_event(event)
-
-    def _join_comm(self) -> None:
-        """The compute stream waits for every collective issued so far."""
-        if self._comm_stream is not None and self.overlap > 1:
-            torch.cuda.current_stream().wait_stream(self._comm_stream)
-
-    def _peer_buffers(self, elements: int, device: torch.device):
+    def _peer_buffers(self, plan: CommPlan, device: torch.device):
         """output_collective="p2p": the symmetric buffers, made (collectively) on the first call and
-        again when a call needs more. Before the first, every rank says whether it can take part
-        and on which host: all of them go on, or all of them raise the same one-line error. Both
-        block the host until every rank has come, so the watch times them by the clock."""
-        if self._peer is not None and self._peer.capacity >= elements:
-            return self._peer
+        again when a call needs more, unless a CUDA graph captured the current ones (then the call
+        is refused: the graph would read and write freed memory). Before the first, every rank says
+        whether it can take part and on which host: all of them go on, or all of them raise the
+        same one-line error. Every rank decides from the plan alone, so all decide alike."""
+        need = plan.peer_elements
+        p = self._peer
+        if p is not None and p.capacity >= need and (p.part_dtype, p.out_dtype, p.device) == \
+                (self.part_dtype, self.dtype, device):
+            return p
+        if self._peer_pinned:
+            raise ValueError(f"output_collective='p2p': this call needs peer buffers of {need} elements but a CUDA "
+                             f"graph captured by graphed() replays the current ones ({p.capacity}); capture the "
+                             "graph at the largest shape first, or build another layer for this shape")
         from . import peer
-        with watch.collective("peersetup", self.world, False):
-            if self._peer is None:
-                import socket
-                why = peer.unavailable(device, self.part_dtype, self.dtype)
-                said = [None] * self.world
-                dist.all_gather_object(said, (socket.gethostname(), why), group=self.group)
-                hosts = {host for host, _ in said}
-                if len(hosts) > 1:
-                    raise ValueError(f"output_collective='p2p' needs every rank on one node (these span "
-                                     f"{len(hosts)} hosts); use 'auto'")
-                bad = [(r, w) for r, (_, w) in enumerate(said) if w]
-                if bad:
-                    raise ValueError(f"output_collective='p2p': rank {bad[0][0]}: {bad[0][1]}; use 'auto'")
-            self._peer = None  # this rank's old buffers go (every rank drops its own here)
-            self._peer = peer.PeerBuffers(elements, self.part_dtype, self.dtype, device, self.group.group_name,
+        if not self._peer_checked:
+            import socket
+            said = self.comm.all_gather_object((socket.gethostname(), peer.unavailable(device, self.part_dtype,
+                                                                                           self.dtype)))
+            hosts = {host for host, _ in said}
+            if len(hosts) > 1:
+                raise ValueError(f"output_collective='p2p' needs every rank on one node (these span "
+                                 f"{len(hosts)} hosts); use 'auto'")
+            bad = [(r, w) for r, (_, w) in enumerate(said) if w]
+            if bad:
+                raise ValueError(f"output_collective='p2p': rank {bad[0][0]}: {bad[0][1]}; use 'auto'")
+            self._peer_checked = True
+        self._peer = None  # this rank's old buffers go (every rank drops its own here)
+        with watch.collective("peersetup", self.world, False):  # collective: blocks until every rank came
+            self._peer = peer.PeerBuffers(need, self.part_dtype, self.dtype, device, self.group.group_name,
                                           self.rank, self.world)
         return self._peer
 
@@ -509,38 +395,113 @@ class TensorParallelAttention(torch.nn.Module):
     def graphed(self, x: torch.Tensor):
         """Capture forward(x) (kernels, GEMMs and the collective) in one CUDA graph; returns a
         function that replays it on the same input buffer and returns the same output tensor.
-        Copy new inputs into `x` in place before calling it."""
+        Copy new inputs into `x` in place before calling it. Each replay is one entry in the
+        collective watch (tpattn/watch.py): a rank that stalls during a replay ends the job after
+        --timeout like a stalled eager collective. With output_collective="p2p" the peer buffers
+        are fixed from here on: a later call that needs larger ones is refused."""
         current = torch.cuda.current_stream()
         side = torch.cuda.Stream(device=x.device)
         side.wait_stream(current)
-        with torch.cuda.stream(side):
-            for _ in range(2):  # compile and load every kernel, create NCCL's communicator
-                self(x)
-        current.wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the collective watchdog's thread polls CUDA events of earlier collectives; in
-        # the default (global) mode such a query from any thread during the capture invalidates it
-        # (seen once over NCCL: "operation failed due to a previous error during capture")
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            y = self(x)
+        with torch.no_grad():
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compile and load every kernel, create NCCL's communicator
+                    self(x)
+            current.wait_stream(side)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the collective watchdog's thread polls CUDA events of earlier collectives; in
+            # the default (global) mode such a query from any thread during the capture invalidates it
+            # (seen once over NCCL: "operation failed due to a previous error during capture")
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                y = self(x)
+        self._peer_pinned = self._peer is not None
 
         def replay() -> torch.Tensor:
-            graph.replay()
+            with watch.collective("graph", self.world, True):  # a no-op unless the watch runs (the CLI's)
+                graph.replay()
             return y
         replay.graph = graph
         return replay
 
 
-class CollectiveError(RuntimeError):
-    pass
+class _OutputSum:
+    """Where one head-parallel call's partial outputs go, by the plan's collective: one rank (the
+    output GEMM rounds straight into y with b_o in its epilogue), the all-reduce (comm.sum_from_ranks,
+    then + b_o), the split (reduce-scatter, + b_o, all-gather) or the peer kernel (one pass)."""
+
+    def __init__(self, layer: TensorParallelAttention, plan: CommPlan, device):
+        self.layer, self.plan, self.device = layer, plan, device
+        self.y = torch.empty(plan.batch, plan.seq_len, layer.model_dim, dtype=layer.dtype, device=device)
+        # one rank: nothing to sum, unless a fault test injects one into the (local) collective
+        self.local = plan.collective == "none" and not faults.planned(layer.rank, "allreduce")
+        self.peer = layer._peer_buffers(plan, device) if plan.collective == "p2p" else None
+        self.parts = []  # what the collectives read or write, referenced until they are joined
+        self.late = []   # (gathered rows, where they go in y) to copy once the collectives are joined
+
+    def add_rows(self, r0: int, r1: int, o_rows: torch.Tensor) -> None:
+        """The output projection of query rows [r0, r1) (o_rows [B*(r1-r0), h*d]) and its collective."""
+        L, comm, K, D = self.layer, self.layer.comm, self.layer.overlap, self.layer.model_dim
+        rows, dst = o_rows.shape[0], self.y[:, r0:r1]
+        if self.local:  # fp32 accumulation, one rounding, as the fp32 partial path
+            with section("out_proj"):
+                out = mm(o_rows, L.wo, L.dtype, L.bo, out=dst.view(-1, D) if dst.is_contiguous() else None)
+            if not dst.is_contiguous():
+                dst.copy_(out.view(dst.shape))
+            return
+        part = self.peer.partial(rows, D) if self.peer else torch.empty(rows, D, dtype=L.part_dtype,
+                                                                         device=self.device)
+        with section("out_proj"):
+            mm(o_rows, L.wo, L.part_dtype, out=part)
+        how = self.plan.collective
+        if how == "p2p":  # reduce-scatter + all-gather in one kernel over NVLink, + b_o inside
+            comm.peer_reduce_gather(self.peer, self.y.view(rows, D), L.bo)
+        elif how in ("allreduce", "none"):
+            comm.sum_from_ranks(part, K)
+            self.parts.append((r0, r1, part))
+        else:  # the split: each rank sums 1/W of the rows, adds b_o, rounds, and all-gathers them
+            W = L.world
+            mine = torch.empty(rows // W, D, dtype=L.part_dtype, device=self.device)
+            self.parts.append((r0, r1, mine))
+            if comm.reduce_scatter_rows(mine, part, K) is False:
+                return  # a fault left this rank's collectives out (both of them)
+            whole = dst.is_contiguous()
+            gathered = dst.view(rows, D) if whole else torch.empty(rows, D, dtype=L.dtype, device=self.device)
+            m = rows // W
+            mine_out = gathered[L.rank * m:(L.rank + 1) * m]  # this rank's rows of y: the all-gather is in place
+            with comm.on_side(K, self.device):  # where the reduce-scatter ran: + b_o, rounded once
+                add_bias(mine, L.bo, out=mine_out)
+            comm.all_gather_rows(gathered, mine_out, K)
+            if not whole:
+                self.late.append((gathered, dst))
+
+    def result(self) -> torch.Tensor:
+        L = self.layer
+        L.comm.join(L.overlap)
+        if self.plan.collective in ("allreduce", "none") and not self.local:  # + b_o and the cast in one pass
+            B, D = self.plan.batch, L.model_dim
+            for r0, r1, part in self.parts:
+                add_bias(part.view(B, r1 - r0, D), L.bo, out=self.y[:, r0:r1])
+        for gathered, dst in self.late:
+            dst.copy_(gathered.view(dst.shape))
+        return self.y
 
 
-def _first_line(exc: BaseException) -> str:
-    """The useful part of a backend's error: no source paths, one line, bounded."""
-    msg = re.sub(r"\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", str(exc)).strip().splitlines()
-    first = msg[0].split(". ")[0] if msg else type(exc).__name__
-    return first[:160]
+class _NoBackwardYet(torch.autograd.Function):
+    """The forward's output under autograd: its backward refuses with one line."""
+
+    @staticmethod
+    def forward(ctx, y, *_):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError("TensorParallelAttention has no backward pass yet; run it under torch.no_grad() "
+                           "(inference only)")
+
+
+def _describe(state: dict) -> str:
+    return (f"rank {state.get('rank')} of {state.get('world')} ({state.get('heads')} heads, "
+            f"{state.get('kv_heads')} K/V heads, head dim {state.get('head_dim')}, uneven {state.get('uneven')})")
 
 
 def _resolve_group(group):
@@ -549,4 +510,8 @@ def _resolve_group(group):
         group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
     if group is None:
         return None, 0, 1
-    return group, dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of the group the layer was given; build the layer on "
+                         "the ranks of that group only (or pass group=None for one process)")
+    return group, rank, dist.get_world_size(group)

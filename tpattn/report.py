@@ -9,13 +9,12 @@ import sys
 
 import torch
 
+from .commplan import COLLECTIVES
 from .errors import __version__
 from .memory import heads_per_rank, kv_bytes, kv_heads_per_rank, scores_bytes
 from .sharding import describe_blocks, kv_replicated
 
 COMPUTE = ("qkv_proj", "qk", "softmax", "pv", "fused", "out_proj")  # fused: --kernel fused's one pass
-COLLECTIVES = {"allreduce": "all-reduce", "allgather": "all-gather", "reducescatter": "reduce-scatter",
-               "peer": "peer reduce-gather"}  # peer: --output-collective p2p, both collectives in one kernel
 PASSES = (*COMPUTE, *COLLECTIVES, "total", "host")  # host: time for the call to return (work queued)
 
 

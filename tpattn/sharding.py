@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
@@ -158,3 +160,29 @@ def rows_split(batch: int, chunks: list[tuple[int, int]], world: int) -> bool:
     """Whether every row chunk's batch x rows divide into `world` equal blocks (what a
     reduce-scatter of the partial outputs needs)."""
     return all(batch * (r1 - r0) % world == 0 for r0, r1 in chunks)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One rank's part of the layer: its query heads and the K/V heads they use, out of H and G."""
+    rank: int
+    world: int
+    heads: int          # H, all of them
+    kv_heads: int       # G, all of them
+    uneven: bool
+    head_range: range   # this rank's query heads
+    kv_head_range: range
+
+    @classmethod
+    def of(cls, heads: int, kv_heads: int, world: int, rank: int, uneven: bool = False) -> "Shard":
+        """Raises ValueError (one line that names the fix) when the heads cannot be laid out."""
+        err = check_kv_heads(heads, kv_heads, world, uneven)
+        if err:
+            raise ValueError(err)
+        return cls(rank, world, heads, kv_heads, uneven, head_range(heads, world, rank, uneven, kv_heads),
+                   kv_head_range(heads, kv_heads, world, rank, uneven))
+
+    def describe(self) -> str:
+        r, k = self.head_range, self.kv_head_range
+        return (f"rank {self.rank} of {self.world}: heads {r.start}-{r.stop - 1} of {self.heads}, "
+                f"K/V heads {k.start}-{k.stop - 1} of {self.kv_heads}")

@@ -1,10 +1,15 @@
-"""Per-pass timers: CUDA events on a GPU, perf_counter on CPU; NVTX ranges around each pass."""
+"""Per-pass timers: CUDA events on a GPU, perf_counter on CPU; NVTX ranges around each pass.
+
+A timer is not passed down through the layer and the backends: `with recording(timer): layer(x)`
+makes it the current one, and every `with section("qk"):` inside the call times itself on it (and
+costs nothing when no timer is recording)."""
 
 from __future__ import annotations
 
 import statistics
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
 
 import torch
 
@@ -62,13 +67,30 @@ def _profiling() -> bool:
     return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", True))
 
 
-def section(timer: Timer | None, name: str):
-    """timer.section(name), or nothing when no timer is given."""
-    if timer is None:
-        from contextlib import nullcontext
-        return nullcontext()
-    return timer.section(name)
+_current: ContextVar["Timer | None"] = ContextVar("tpattn_timer", default=None)
+
+
+@contextmanager
+def recording(timer: "Timer | None"):
+    """Make `timer` the one that section() times on, for the enclosed calls (None: time nothing)."""
+    token = _current.set(timer)
+    try:
+        yield timer
+    finally:
+        _current.reset(token)
+
+
+def section(name: str):
+    """The current timer's section(name), or nothing when no timer is recording."""
+    timer = _current.get()
+    return nullcontext() if timer is None else timer.section(name)
 
 
 def summarize(samples: list[float]) -> dict[str, float]:
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples)}
+
+
+def recorded(fn, x, timer: "Timer | None"):
+    """fn(x) with `timer` recording its passes."""
+    with recording(timer):
+        return fn(x)

@@ -14,7 +14,8 @@ nothing in that wait looks at the clock. So each rank runs a thread beside its w
   * reads the line another rank published ("fault") and prints it too, so every surviving rank
     says who stalled, then ends the job.
 
-The layer (the only module that calls a collective) wraps each collective in collective(); the
+tpattn/comm.py (the only module that calls a collective) wraps each collective in collective(), and
+the layer's graphed() each replay of a captured graph; the
 watch itself never calls one. Without start() (the API used without the CLI) everything here is a
 no-op.
 """
@@ -29,12 +30,13 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from .errors import rank_ranges as _ranges
-from .report import COLLECTIVES
+from .commplan import COLLECTIVES
 
 POLL_S = 0.2
 HOST_GRACE_S = 5.0  # gloo raises its own timeout first; the watch only backs it up
 ACK_WAIT_S = 3.0    # how long the rank that ends the job waits for the others to print their line
-NAMES = {**COLLECTIVES, "peersetup": "peer-to-peer setup (symmetric memory)"}
+NAMES = {**COLLECTIVES, "peersetup": "peer-to-peer setup (symmetric memory)",
+         "graph": "CUDA graph replay of the layer (its collectives inside)"}
 
 
 class _Watch:

@@ -54,7 +54,8 @@ def clocked_calls(layer, x, iters: int, rank: int, what: str) -> None:
     """measure.time_layer(layer, x, 1, iters) with every reduce-scatter between two clock probes."""
     import torch
 
-    from tpattn import layer as L
+    from tpattn import comm as L  # the layer's collectives (patched in place to bracket them)
+    from tpattn import ops
     log: list = []
     ptrs: list = []   # (partial, output) addresses: where the caching allocator put them, call by call
     behind: list = []  # whether the GPU was waiting for the host when the reduce-scatter was queued
@@ -147,7 +148,8 @@ def skewed_calls(skews: list[float], numel: int, iters: int, rank: int, group, d
     import torch
     import torch.distributed as dist
 
-    from tpattn import layer as L
+    from tpattn import comm as L  # the layer's collectives (patched in place to bracket them)
+    from tpattn import ops
     W = dist.get_world_size(group)
     D = 4096
     rows = numel // D
@@ -158,7 +160,7 @@ def skewed_calls(skews: list[float], numel: int, iters: int, rank: int, group, d
     o = torch.randn(rows, D // W, dtype=torch.float16, device=device)
     wo = torch.randn(D // W, D, dtype=torch.float16, device=device) / 64
     gemm_us = measure.events_ms(lambda: torch.mm(a, b), 3, 10, device) * 1e3
-    out_us = measure.events_ms(lambda: L._mm(o, wo, torch.float32, out=part), 3, 10, device) * 1e3
+    out_us = measure.events_ms(lambda: ops.mm(o, wo, torch.float32, out=part), 3, 10, device) * 1e3
     cycles_per_us = measure._SLEEP_CYCLES_PER_MS / 1e3
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(3):
@@ -176,7 +178,7 @@ def skewed_calls(skews: list[float], numel: int, iters: int, rank: int, group, d
                         for _ in range(max(1, round(us / gemm_us))):
                             torch.mm(a, b)
                 if kind.endswith("+out"):
-                    L._mm(o, wo, torch.float32, out=part)
+                    ops.mm(o, wo, torch.float32, out=part)
                 start.record()
                 L._reduce_scatter(mine, part, group=group)
                 end.record()
@@ -203,7 +205,8 @@ def idle_calls(idles: list[float], numel: int, iters: int, rank: int, group, dev
     import torch
     import torch.distributed as dist
 
-    from tpattn import layer as L
+    from tpattn import comm as L  # the layer's collectives (patched in place to bracket them)
+    from tpattn import ops
     W = dist.get_world_size(group)
     part = torch.zeros(numel, dtype=torch.float32, device=device)
     mine = torch.zeros(numel // W, dtype=torch.float32, device=device)
@@ -272,8 +275,9 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from tpattn import layer as L
-    from tpattn.timing import Timer
+    from tpattn import comm as L  # the layer's collectives (patched in place to bracket them)
+    from tpattn import ops
+    from tpattn.timing import Timer, recording
     from tpattn.weights import layer_input
     group, W = dist.group.WORLD, proc.world
     D = a.heads * a.head_dim
@@ -324,7 +328,8 @@ def main(argv=None) -> int:
         for _ in range(a.iters):
             measure.spin_ahead(device, 2.0, group)
             with timer.section("gpu"):
-                layer(x, timer)
+                with recording(timer):
+                    layer(x)
             after = ms(bare(mine, part))
             got = {"in layer": timer.collect().get("reducescatter", float("nan")), "bare, right after": after}
             time.sleep(0.3)

@@ -62,7 +62,7 @@ def host_interleaved(layer, x, iters: int) -> list[float]:
     pair around every pass, a synchronize)."""
     import torch
 
-    from tpattn.timing import Timer
+    from tpattn.timing import Timer, recording
     timer = Timer(x.device)
     group = layer.group if layer.world > 1 else None
     out = []
@@ -73,7 +73,8 @@ def host_interleaved(layer, x, iters: int) -> list[float]:
         host = (time.perf_counter() - t0) * 1e3
         out.append(host)
         measure.spin_ahead(x.device, measure.spin_ms_for(host), group)
-        layer(x, timer)
+        with recording(timer):
+            layer(x)
         timer.collect()
     return out
 
@@ -96,9 +97,10 @@ def pieces(layer, x) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    from tpattn import layer as L
+    from tpattn import comm as L  # the layer's collectives (patched in place to bracket them)
+    from tpattn import ops
     B, N, D = x.shape
-    qkv = L._mm(x.reshape(B * N, D), layer.wqkv, layer.dtype, layer.bqkv)
+    qkv = ops.mm(x.reshape(B * N, D), layer.wqkv, layer.dtype, layer.bqkv)
     q, k, v = layer._split_heads(qkv.view(B, N, -1, layer.head_dim))
     o_rows = torch.empty(B, N, layer.local_heads, layer.head_dim, dtype=layer.dtype, device=x.device)
     o = o_rows.permute(0, 2, 1, 3)
@@ -107,21 +109,21 @@ def pieces(layer, x) -> dict[str, float]:
     mine = torch.empty(B * N // W, D, dtype=layer.part_dtype, device=x.device)
     y = torch.empty(B * N, D, dtype=layer.dtype, device=x.device)
     got = {
-        "qkv GEMM": piece_us(lambda: L._mm(x.reshape(B * N, D), layer.wqkv, layer.dtype, layer.bqkv)),
+        "qkv GEMM": piece_us(lambda: ops.mm(x.reshape(B * N, D), layer.wqkv, layer.dtype, layer.bqkv)),
         "split heads": piece_us(lambda: layer._split_heads(qkv.view(B, N, -1, layer.head_dim))),
-        "attention": piece_us(lambda: layer._attention(q, k, v, o, None)),
-        "out GEMM": piece_us(lambda: L._mm(o_rows.reshape(B * N, -1), layer.wo, layer.part_dtype, out=part)),
+        "attention": piece_us(lambda: layer._attention(q, k, v, o)),
+        "out GEMM": piece_us(lambda: ops.mm(o_rows.reshape(B * N, -1), layer.wo, layer.part_dtype, out=part)),
         "torch.empty": piece_us(lambda: torch.empty(B * N, D, dtype=layer.part_dtype, device=x.device)),
-        "bias pass": piece_us(lambda: L._add_bias(mine, layer.bo, out=y[:B * N // W])),
+        "bias pass": piece_us(lambda: ops.add_bias(mine, layer.bo, out=y[:B * N // W])),
     }
     if W > 1:
         got["reduce-scatter (bare)"] = piece_us(lambda: L._reduce_scatter(mine, part, group=layer.group))
         m = B * N // W  # in place: this rank's block of the output is the input
         got["all-gather (bare)"] = piece_us(lambda: L._all_gather(y, y[layer.rank * m:(layer.rank + 1) * m],
                                                                   group=layer.group))
-        got["reduce-scatter (layer)"] = piece_us(lambda: layer._collective("reducescatter", None, L._reduce_scatter,
+        got["reduce-scatter (layer)"] = piece_us(lambda: layer.comm._run("reducescatter", L._reduce_scatter, 1,
                                                                            mine, part))
-        got["all-reduce (bare)"] = piece_us(lambda: dist.all_reduce(part, group=layer.group))
+        got["all-reduce (bare)"] = piece_us(lambda: L.bare('allreduce', layer.group)(part))
     return got
 
 

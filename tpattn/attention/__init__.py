@@ -1,6 +1,6 @@
 """Local attention backends, by name. Each takes q of shape [B, h, N, d] and k, v of shape
 [B, g, N, d] (contiguous, the storage dtype) with g dividing h, and returns o of q's shape, timing
-its passes (qk, softmax, pv; fused: one pass, "fused") on a Timer. g < h is grouped-query
+its passes (qk, softmax, pv; fused: one pass, "fused") on the recording Timer (tpattn.timing). g < h is grouped-query
 attention (g = 1: multi-query): query head i attends with K/V head i // (h / g), which every
 backend reads in place (K and V are never repeated h / g times in memory).
 
@@ -39,7 +39,7 @@ class Backend:
             raise ConfigError(f"--kernel {self.name} does not support --dtype {cfg.dtype}; "
                               f"use one of {', '.join(self.dtypes)}")
 
-    def forward(self, q, k, v, causal: bool, timer=None):
+    def forward(self, q, k, v, causal: bool):
         raise NotImplementedError
 
 

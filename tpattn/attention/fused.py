@@ -117,7 +117,7 @@ class FusedBackend(CudaBackend):
     def head_dim_error(self, d: int) -> str | None:
         return None if d in HEAD_DIMS else unsupported_head_dim(d)
 
-    def forward(self, q, k, v, causal: bool, timer=None, out=None, scratch=None, rows=None):
+    def forward(self, q, k, v, causal: bool, out=None, scratch=None, rows=None):
         """rows=(r0, r1): only query rows [r0, r1) of o are computed (against all keys, causal by
         their position in the sequence); r0 a multiple of row_chunks, r1 too or N."""
         b, h, n, d = q.shape
@@ -142,7 +142,7 @@ class FusedBackend(CudaBackend):
         ch = kernel_for(d, suf, cc, wide=2 * _cdiv(r1 - r0, 128) * bh >= sms)
         scale_log2 = np.float32(math.log2(math.e) / math.sqrt(d))
         t0, t1 = r0 // ch.rows, _cdiv(r1, ch.rows)
-        with section(timer, "fused"):
+        with section("fused"):
             if ch.source == WS_SOURCE:  # one grid dimension over (query tile, head) pairs; TMA maps of Q, K, V
                 grid_sms = persistent()
                 key = (ch.name, causal, t0, t1, grid_sms, q.device.index, tuple(q.shape), tuple(k.shape),

@@ -23,7 +23,7 @@ def _cdiv(a: int, b: int) -> int:
 class NaiveBackend(CudaBackend):
     name = "naive"
 
-    def forward(self, q, k, v, causal: bool, timer=None, out=None, scratch=None):
+    def forward(self, q, k, v, causal: bool, out=None, scratch=None):
         b, h, n, d = q.shape
         suf = self.kernel_suffix(q)
         group = kv_group(q, k, v)
@@ -39,16 +39,16 @@ class NaiveBackend(CudaBackend):
         bh = b * h
         dev = q.device
         scale = np.float32(1.0 / math.sqrt(d))
-        with section(timer, "qk"):
+        with section("qk"):
             grid = (_cdiv(n, 16), min(_cdiv(n, 16), GRID_YZ_MAX), min(bh, GRID_YZ_MAX))
             launch(SOURCE, f"qkKernel_{suf}", dev, grid, (16, 16, 1),
                    (ptr(q), ptr(k), ptr(s), np.int32(bh), np.int32(n), np.int32(d), scale, np.int32(causal),
                     np.int32(group)))
-        with section(timer, "softmax"):
+        with section("softmax"):
             rows = bh * n
             launch(SOURCE, f"softmaxKernel_{suf}", dev, (min(rows, GRID_X_MAX), 1, 1), (SOFTMAX_THREADS, 1, 1),
                    (ptr(s), ptr(p), np.int64(rows), np.int32(n), np.int32(causal)))
-        with section(timer, "pv"):
+        with section("pv"):
             bx = 32 * min(_cdiv(d, 32), 4)  # the head dim (up to 128) along x
             by = max(1, 256 // bx)
             grid = (_cdiv(d, bx), min(_cdiv(n, by), GRID_YZ_MAX), min(bh, GRID_YZ_MAX))

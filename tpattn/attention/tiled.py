@@ -74,7 +74,7 @@ class TiledBackend(CudaBackend):
     def head_dim_error(self, d: int) -> str | None:
         return None if d % 8 == 0 and 8 <= d <= self.max_head_dim else unsupported_head_dim(d)
 
-    def forward(self, q, k, v, causal: bool, timer=None, out=None, scratch=None):
+    def forward(self, q, k, v, causal: bool, out=None, scratch=None):
         b, h, n, d = q.shape
         suf = self.kernel_suffix(q)
         group = kv_group(q, k, v)  # query heads per K/V head: query head i reads K/V head i // group
@@ -94,7 +94,7 @@ class TiledBackend(CudaBackend):
         tiles = _cdiv(n, TILE)
         assert tiles <= GRID_YZ_MAX, f"--seq-len {n} beyond {GRID_YZ_MAX * TILE} for --kernel tiled"
         hopper = hopper_passes(d, dev)
-        with section(timer, "qk"):
+        with section("qk"):
             if hopper:
                 launch(HOPPER_SOURCE, f"tiledh_qk_{suf}_d{d}", dev, (_cdiv(tiles, HOPPER_KG), tiles, min(bh, GRID_YZ_MAX)),
                        (256, 1, 1), (ptr(q), ptr(k), ptr(s), np.int32(bh), np.int32(n), np.int32(ld),
@@ -104,13 +104,13 @@ class TiledBackend(CudaBackend):
                 launch(SOURCE, f"tiled_qk_{suf}", dev, (tiles, tiles, min(bh, GRID_YZ_MAX)), (128, 1, 1),
                        (ptr(q), ptr(k), ptr(s), np.int32(bh), np.int32(n), np.int32(d), np.int32(ld),
                         np.float32(1.0 / math.sqrt(d)), np.int32(causal), np.int32(group)), shared_mem=QK_SHARED)
-        with section(timer, "softmax"):
+        with section("softmax"):
             rows = bh * n
             launch(SOURCE, f"tiled_softmax_{suf}", dev, (min(_cdiv(rows, SOFTMAX_WARPS), GRID_X_MAX), 1, 1),
                    (32 * SOFTMAX_WARPS, 1, 1),
                    (ptr(s), ptr(p), np.int64(rows), np.int32(n), np.int32(ld), np.int32(causal)),
                    shared_mem=softmax_shared(ld))
-        with section(timer, "pv"):
+        with section("pv"):
             if hopper:
                 launch(HOPPER_SOURCE, f"tiledh_pv_{suf}_d{d}", dev, (tiles, min(bh, GRID_YZ_MAX), 1), (256, 1, 1),
                        (ptr(p), ptr(v), ptr(o), np.int32(bh), np.int32(n), np.int32(ld), np.int32(causal),

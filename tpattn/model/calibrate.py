@@ -310,7 +310,7 @@ def _measure(a, proc, device, argv) -> dict:
     import torch
 
     from .. import report
-    from ..layer import _add_bias
+    from ..ops import add_bias as _add_bias
     from ..weights import layer_input
     global _T0
     _T0 = time.monotonic()
@@ -371,11 +371,7 @@ def _measure(a, proc, device, argv) -> dict:
             del layer, x
             empty_cache()
         _say(proc, f"{kernel}: {done} of {len(shapes)} shapes in {time.monotonic() - t0:.0f} s")
-    try:
-        from ..layer import _mm
-    except ImportError:  # the layer's GEMM helper renamed: torch's own fp32-result GEMM
-        def _mm(a_, b_, out_dtype, out=None):
-            return torch.mm(a_, b_, out_dtype=out_dtype, out=out)
+    from ..ops import mm as _mm
     out_fp32, relayout, epilogue = [], [], []
     for h in sz.out_heads:
         for n in sz.out_rows:

@@ -158,11 +158,8 @@ def spin_ahead(device, ms: float, group=None) -> bool:
     import torch
     cuda = torch.device(device).type == "cuda"
     if group is not None:
-        import torch.distributed as dist
-        if cuda:
-            dist.barrier(group=group, device_ids=[torch.device(device).index])
-        else:
-            dist.barrier(group=group)
+        from ..comm import barrier
+        barrier(group, device)
     spin = getattr(torch.cuda, "_sleep", None) if cuda else None
     if spin is None:
         return False
@@ -191,8 +188,14 @@ def time_layer(layer, x, warmup: int, iters: int, raw: dict | None = None) -> di
     Not interleaved: an un-spun call that follows an instrumented one (its barrier, spin and event
     pairs) took up to twice the host time of one that follows another un-spun call, in the same
     process (scripts/model/host_probe.py on the lent H200s: 0.76 against 0.35 ms). Medians over the
-    iterations, ms (raw: filled with every sample, in order)."""
-    from ..timing import Timer
+    iterations, ms (raw: filled with every sample, in order). Under torch.no_grad, as the CLI calls it."""
+    import torch
+    with torch.no_grad():
+        return _time_layer(layer, x, warmup, iters, raw)
+
+
+def _time_layer(layer, x, warmup: int, iters: int, raw: dict | None) -> dict[str, float]:
+    from ..timing import Timer, recording
     timer = Timer(x.device)
     group = getattr(layer, "group", None) if getattr(layer, "world", 1) > 1 else None
     for _ in range(warmup):
@@ -210,7 +213,8 @@ def time_layer(layer, x, warmup: int, iters: int, raw: dict | None = None) -> di
     for _ in range(iters):
         spin_ahead(x.device, spin, group)
         with timer.section("gpu"):
-            layer(x, timer)
+            with recording(timer):
+                layer(x)
         for k, v in timer.collect().items():
             samples.setdefault(k, []).append(v)
     if raw is not None:
@@ -270,10 +274,12 @@ def pool_rank_samples(rounds: list[list[dict[str, list[float]]]]) -> list[dict[s
 
 
 def _collective_fns():
+    """(torch.distributed, all-gather(out, inp), reduce-scatter(out, inp)): the bare collectives of
+    tpattn.comm, the layer's own."""
     import torch.distributed as dist
-    ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return dist, ag, rs
+
+    from .. import comm
+    return dist, comm.bare("allgather"), comm.bare("reducescatter")
 
 
 # One bare collective, timed the same way by --calibrate (whose alpha-beta fit is made on these
@@ -296,6 +302,7 @@ def bare_collective_ms(kind: str, nbytes: int, device, warmup: int = COLLECTIVE_
     for the late rank, a 1/reps share. Statistic: per sample the slowest rank, then the median over
     the samples. (On CPU, gloo: the clock, no spin.)"""
     import torch
+    from .. import comm
     dist, ag, rs = _collective_fns()
     W = dist.get_world_size()
     dt = torch.float16 if kind == "allgather" else torch.float32
@@ -303,14 +310,15 @@ def bare_collective_ms(kind: str, nbytes: int, device, warmup: int = COLLECTIVE_
     n -= n % W
     whole = torch.zeros(n, dtype=dt, device=device)   # zeros: sums that stay finite over any number of calls
     part = torch.zeros(n // W, dtype=dt, device=device)
-    op = {"allreduce": lambda: dist.all_reduce(whole), "allgather": lambda: ag(whole, part),
+    ar = comm.bare("allreduce")
+    op = {"allreduce": lambda: ar(whole), "allgather": lambda: ag(whole, part),
           "reducescatter": lambda: rs(part, whole)}[kind]
     cuda = device.type == "cuda"
     spin = getattr(torch.cuda, "_sleep", None) if cuda else None
     ts = []
     for i in range(warmup + samples):
         if cuda:
-            dist.barrier(device_ids=[device.index])
+            comm.barrier(None, device)
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             if spin is not None:
                 spin(_SLEEP_CYCLES_PER_CALL * (reps + 2))
@@ -321,7 +329,7 @@ def bare_collective_ms(kind: str, nbytes: int, device, warmup: int = COLLECTIVE_
             b.synchronize()
             ms = a.elapsed_time(b) / reps
         else:
-            dist.barrier()
+            comm.barrier()
             t0 = time.perf_counter()
             for _ in range(reps):
                 op()
@@ -354,11 +362,12 @@ def timed_after(op, before, calls: int, device) -> tuple[list[float], list[float
     rank's. link_wake and scripts/model/collective_probe.py --idle time a collective after an
     idle link with it."""
     import torch
-    import torch.distributed as dist
+
+    from ..comm import barrier
     s, a, b = (torch.cuda.Event(enable_timing=True) for _ in range(3))
     took, waited = [], []
     for _ in range(calls):
-        dist.barrier(device_ids=[device.index])
+        barrier(None, device)
         s.record()
         before()
         a.record()
@@ -404,12 +413,8 @@ def link_wake(device, idles=WAKE_IDLE_MS, nbytes: int = WAKE_BYTES, calls: int =
 
 def gather(obj) -> list:
     """Every rank's obj on every rank (one rank without a process group: [obj])."""
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    from ..comm import gather_objects
+    return gather_objects(obj)
 
 
 def start_ranks(timeout: float = 600.0, what: str = "--calibrate"):
@@ -439,8 +444,9 @@ def finish_ranks(proc, code: int) -> None:
     import torch.distributed as dist
 
     from .. import dist as tpdist
+    from ..comm import barrier
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        barrier()
         dist.destroy_process_group()
     if proc.distributed:
         tpdist.exit_now(code)

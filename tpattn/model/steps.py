@@ -151,43 +151,25 @@ def _attention_steps(kernel, bh, n, d, e, causal, flops_mm, tri, tri_t, qkv_io, 
 
 
 def layer_collectives(shape: Shape, world: int) -> dict[str, int]:
-    """{name: bytes} of the collectives one call runs, in order, as the layer itself says
-    (TensorParallelAttention.collective_nbytes on a layer built on the meta device, so it follows
-    whatever tpattn/layer.py runs); the model's own reading of the layer if that cannot be built."""
+    """{name: bytes} of the collectives one call runs, in order: the layer's own communication plan
+    (tpattn.commplan.make_plan, the rule the layer runs by). A configuration the layer refuses, or
+    one the model has no price for (the peer kernel), raises ModelError with one line."""
+    from ..commplan import make_plan
+    from ..errors import ConfigError
     if world == 1:
         return {}
     try:
-        return _collectives_from_layer(shape, world)
-    except Exception:  # noqa: BLE001 - an older or newer layer this cannot build: the fallback below
-        pass
-    x = shape.batch * shape.seq_len * shape.model_dim
-    part = x * shape.part_elem(world)
-    if shape.sequence_parallel:
-        return {"allgather": x * shape.elem, "reducescatter": part}
-    split = shape.output_collective == "split" or (
-        shape.output_collective == "auto" and shape.part_elem(world) > shape.elem
-        and (shape.batch * shape.seq_len) % world == 0)
-    if split:
-        return {"reducescatter": part, "allgather": x * shape.elem}
-    return {"allreduce": part}
-
-
-def _collectives_from_layer(shape: Shape, world: int) -> dict[str, int]:
-    import torch
-
-    from ..layer import TensorParallelAttention
-    D, hd = shape.model_dim, shape.heads * shape.head_dim
-    dt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[shape.dtype]
-    meta = lambda *s: torch.empty(*s, dtype=dt, device="meta")  # noqa: E731 - no memory at all
-    kw = dict(heads=shape.heads, head_dim=shape.head_dim, backend=shape.kernel, causal=shape.causal, group=None,
-              reduce_dtype=shape.reduce_dtype, sequence_parallel=shape.sequence_parallel, overlap=shape.overlap,
-              output_collective=shape.output_collective)
-    accepted = inspect.signature(TensorParallelAttention.__init__).parameters
-    layer = TensorParallelAttention(meta(D, hd), meta(D, hd), meta(D, hd), meta(hd, D),
-                                    **{k: v for k, v in kw.items() if k in accepted})
-    layer.world, layer.local_heads = world, shape.heads_per_rank(world)  # rank 0 of a W-way layer
-    got = layer.collective_nbytes(shape.batch, shape.seq_len)
+        plan = make_plan(shape.batch, shape.seq_len, shape.model_dim, world, elem=shape.elem,
+                         part_elem=shape.part_elem(world), sequence_parallel=shape.sequence_parallel,
+                         output_collective=shape.output_collective, overlap=shape.overlap)
+    except ConfigError as exc:
+        raise ModelError(str(exc)) from None
+    got = plan.nbytes
     unknown = [k for k in got if k not in COLLECTIVE_NAMES]
+    if unknown == ["peer"]:
+        raise ModelError("the cost model has no price for --output-collective p2p (the peer kernel over NVLink, not "
+                         "an NCCL collective); plan with --output-collective auto, allreduce or split, or time p2p "
+                         "with python -m tpattn")
     if unknown:
         raise ModelError(f"the layer runs a collective the model does not know: {unknown[0]}")
     return dict(got)

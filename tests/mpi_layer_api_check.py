@@ -1,0 +1,69 @@
+"""Run under mpirun -n 3 by tests/test_layer_api.py: what the layer's Python API refuses and keeps,
+on every rank alike. Prints 'LAYER-API PASS rank R' and exits 0, or prints what failed and exits 1."""
+
+import torch
+
+from tpattn.commplan import make_plan
+from tpattn.dist import exit_now, init_distributed
+from tpattn.errors import ConfigError
+from tpattn.layer import TensorParallelAttention
+
+proc = init_distributed(backend="gloo", timeout=60)
+W, R = proc.world, proc.rank
+torch.manual_seed(0)
+E, H = 24, 6
+mha = torch.nn.MultiheadAttention(E, H, batch_first=True)
+bad = []
+
+
+def refused(fn, says: str) -> None:
+    try:
+        fn()
+    except (ValueError, ConfigError) as exc:
+        if says not in str(exc):
+            bad.append(f"refused with {exc!r}, expected {says!r}")
+        return
+    bad.append(f"not refused: expected {says!r}")
+
+
+# rows lost without a word: N = 10 over 3 ranks used to give every rank 3 rows and drop row 9
+sp = TensorParallelAttention.from_multihead_attention(mha, sequence_parallel=True)
+refused(lambda: sp.shard_sequence(torch.randn(1, 10, E)),
+        f"--sequence-parallel needs --seq-len divisible by the world size {W} (got 10)")
+# an option accepted and ignored: the CLI refuses the pair, so does the API, with the same line
+refused(lambda: TensorParallelAttention.from_multihead_attention(mha, sequence_parallel=True,
+                                                                  output_collective="allreduce"),
+        "--output-collective allreduce is for the head-parallel style")
+# the collective a call runs depends on the shape and settings, never on the attention backend
+for kw in ({"overlap": 4}, {"overlap": 3}, {}):
+    plans = {b: TensorParallelAttention.from_multihead_attention(mha, backend=b, **kw).plan(1, 1000)
+             for b in ("reference", "fused")}
+    if plans["reference"] != plans["fused"]:
+        bad.append(f"{kw}: the reference and fused backends plan differently: {plans}")
+    want = make_plan(1, 1000, E, W, elem=4, part_elem=4, **kw)
+    if plans["reference"] != want:
+        bad.append(f"{kw}: the layer's plan {plans['reference']} is not make_plan's {want}")
+# the weights are module state: parameters, state_dict, trainable after from_*, loading another shard refused
+layer = TensorParallelAttention.from_multihead_attention(mha)
+names = sorted(n for n, _ in layer.named_parameters())
+if names != ["bo", "bqkv", "wo", "wqkv"] or not all(p.requires_grad for p in layer.parameters()):
+    bad.append(f"parameters: {names}")
+state = layer.state_dict()
+if set(state) != {"wqkv", "bqkv", "wo", "bo", "_extra_state"} or state["_extra_state"]["rank"] != R:
+    bad.append(f"state_dict keys {sorted(state)}")
+others = [None] * W
+torch.distributed.all_gather_object(others, state)
+if W > 1:
+    refused(lambda: layer.load_state_dict(others[(R + 1) % W]), f"this checkpoint holds rank {(R + 1) % W} of {W}")
+fresh = TensorParallelAttention.from_multihead_attention(torch.nn.MultiheadAttention(E, H, batch_first=True))
+fresh.load_state_dict(state)
+x = torch.randn(2, 9, E)
+with torch.no_grad():
+    if not torch.equal(fresh(x), layer(x)):
+        bad.append("a layer loaded from state_dict() computes another output")
+if bad:
+    print(f"LAYER-API FAIL rank {R}: " + "; ".join(bad), flush=True)
+else:
+    print(f"LAYER-API PASS rank {R} of {W}", flush=True)
+torch.distributed.destroy_process_group()
+exit_now(1 if bad else 0)

@@ -1,0 +1,124 @@
+"""The layer's Python API as a module people build on: its weights are parameters, it refuses what
+the CLI refuses (with the CLI's line, on every rank), its communication is decided by one plan that
+no attention backend changes, and every collective in tpattn/ is in tpattn/comm.py."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, mpirun_cmd, run
+from tpattn.commplan import ROW_ALIGN, make_plan
+from tpattn.errors import ConfigError
+from tpattn.layer import TensorParallelAttention
+from tpattn.model import steps
+from tpattn.model.errors import ModelError
+
+
+@pytest.mark.mpi
+def test_api_refusals_parameters_and_plan_under_mpirun():
+    """3 ranks (tests/mpi_layer_api_check.py): shard_sequence of N = 10 refused (it dropped row 9),
+    sequence_parallel with output_collective='allreduce' refused (it was accepted and ignored), the
+    same plan for the reference and fused backends, parameters and state_dict with the shard."""
+    r = run(mpirun_cmd(3) + [sys.executable, str(ROOT / "tests" / "mpi_layer_api_check.py")], timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("LAYER-API PASS") == 3, r.stdout + r.stderr
+
+
+def _mha(e=16, h=4, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.MultiheadAttention(e, h, batch_first=True)
+
+
+def test_weights_are_parameters_and_follow_the_module():
+    mha = _mha()
+    layer = TensorParallelAttention.from_multihead_attention(mha)
+    assert {n for n, _ in layer.named_parameters()} == {"wqkv", "bqkv", "wo", "bo"}
+    assert all(p.requires_grad and p.is_leaf for p in layer.parameters())
+    # copies: changing the layer's weights never writes into the module it was built from
+    before = mha.out_proj.weight.detach().clone()
+    with torch.no_grad():
+        layer.wo.add_(1.0)
+    assert torch.equal(mha.out_proj.weight, before)
+    x = torch.randn(2, 7, 16)
+    with torch.no_grad():
+        y32 = layer(x)
+        layer.double()
+        assert layer.dtype == torch.float64 and layer.wq.dtype == torch.float64
+        y64 = layer(x.double())
+    assert y64.dtype == torch.float64 and torch.allclose(y64.float(), y32, atol=1e-5)
+    assert layer.wq.shape == (16, 16) and layer.wk.shape == (16, 16) and layer.wv.shape == (16, 16)
+
+
+def test_optimizer_sees_the_weights_and_backward_says_what_is_missing():
+    layer = TensorParallelAttention.from_multihead_attention(_mha())
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == 4 * 16 * 16 + 3 * 16 + 16
+    y = layer(torch.randn(1, 5, 16, requires_grad=True))
+    assert y.requires_grad
+    with pytest.raises(RuntimeError, match="no backward pass yet; run it under torch.no_grad"):
+        y.sum().backward()
+
+
+def test_state_dict_round_trip_and_shard_mismatch():
+    layer = TensorParallelAttention.from_multihead_attention(_mha())
+    state = layer.state_dict()
+    assert state["_extra_state"] == {"rank": 0, "world": 1, "heads": 4, "kv_heads": 4, "uneven": False, "head_dim": 4}
+    other = TensorParallelAttention.from_multihead_attention(_mha(seed=1))
+    other.load_state_dict(state)
+    x = torch.randn(1, 6, 16)
+    with torch.no_grad():
+        assert torch.equal(other(x), layer(x))
+    state["_extra_state"] = {**state["_extra_state"], "rank": 1, "world": 2}
+    with pytest.raises(ValueError, match="this checkpoint holds rank 1 of 2 .* but this layer is rank 0 of 1"):
+        other.load_state_dict(state)
+
+
+def test_the_api_refuses_with_the_clis_line():
+    mha = _mha()
+    with pytest.raises(ConfigError, match="--output-collective split is for the head-parallel style"):
+        TensorParallelAttention.from_multihead_attention(mha, sequence_parallel=True, output_collective="split")
+    with pytest.raises(ConfigError, match="--overlap must be at least 1"):
+        TensorParallelAttention.from_multihead_attention(mha, overlap=0)
+    layer = TensorParallelAttention.from_multihead_attention(mha, overlap=8)
+    with pytest.raises(ConfigError, match="--overlap 8 is more chunks than the 5 rows"):
+        layer(torch.randn(1, 5, 16))
+
+
+def test_plan_rule_is_one_and_backend_free():
+    """The split needs every chunk's rows divisible by W; chunks are cut at ROW_ALIGN for every backend
+    once N allows it, so N = 1000 over 3 ranks with overlap 4 all-reduces whoever computes attention."""
+    p = make_plan(1, 1000, 64, 3, elem=2, part_elem=4, overlap=4)
+    assert p.chunks == ((0, 256), (256, 512), (512, 768), (768, 1000)) and ROW_ALIGN == 128
+    assert p.collective == "allreduce" and p.nbytes == {"allreduce": 1000 * 64 * 4}
+    p = make_plan(1, 1024, 64, 2, elem=2, part_elem=4)
+    assert p.collective == "split" and p.nbytes == {"reducescatter": 1024 * 64 * 4, "allgather": 1024 * 64 * 2}
+    assert make_plan(1, 1024, 64, 2, elem=2, part_elem=2).collective == "allreduce"  # nothing to save
+    p = make_plan(2, 1024, 64, 2, elem=2, part_elem=4, output_collective="p2p")
+    assert p.collective == "p2p" and p.peer_elements == 2 * 1024 * 64
+    assert make_plan(1, 96, 8, 4, elem=2, part_elem=4, sequence_parallel=True, overlap=2).chunks == ((0, 12), (12, 24))
+    with pytest.raises(ConfigError, match="--output-collective split needs --batch x the rows"):
+        make_plan(1, 1000, 64, 3, elem=2, part_elem=4, overlap=4, output_collective="split")
+
+
+def test_the_cost_model_prices_the_plan_or_says_it_cannot():
+    shape = steps.Shape(seq_len=4096, heads=32, head_dim=128, output_collective="p2p")
+    with pytest.raises(ModelError, match="no price for --output-collective p2p"):
+        steps.layer_collectives(shape, 2)
+    shape = steps.Shape(seq_len=1000, heads=32, head_dim=128, overlap=4)
+    assert steps.layer_collectives(shape, 3) == make_plan(1, 1000, 4096, 3, elem=2, part_elem=4, overlap=4).nbytes
+
+
+def test_every_collective_call_in_tpattn_is_in_comm():
+    """layer.py holds no collective call of its own; nothing in tpattn/ calls torch.distributed's
+    collectives but tpattn/comm.py (the process-group set-up in dist.py is not a collective)."""
+    calls = re.compile(r"\b(dist|torch\.distributed)\.(all_reduce|all_gather\w*|reduce_scatter\w*|broadcast\w*|"
+                       r"barrier|all_to_all\w*|send|recv|isend|irecv|reduce|gather|scatter)\(")
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "tpattn").rglob("*.py")) if p.name != "comm.py"
+             for i, line in enumerate(p.read_text().splitlines(), 1) if calls.search(line)]
+    assert not found, found
+    assert calls.search(Path(ROOT / "tpattn" / "comm.py").read_text())  # the pattern finds them where they are

@@ -1,0 +1,200 @@
+"""Every collective tpattn runs, in one module: the collectives as forward/backward pairs.
+
+The layer (tpattn/layer.py) calls only what is here, in the order its plan (tpattn/commplan.py,
+decided before any rank communicates) says; calibration (tpattn/model) times bare collectives
+through `bare()`, `barrier()` and `gather_objects()`. Nothing else in tpattn calls
+torch.distributed's collectives (tests/test_comm.py greps for them).
+
+The pairs. Each collective of the forward has a dual that its backward runs (the transpose of a
+linear map: a sum over ranks transposes to a copy to every rank, a gather to a scatter):
+
+    forward                                     backward (its dual)
+    copy_to_ranks    x on every rank: identity  sum of dX over ranks: all_reduce
+    sum_from_ranks   all_reduce of partials     identity (every rank holds the full dy)
+      or the split   reduce_scatter + all_gather of the rounded rows (the same sum)
+      or the peer    one kernel over NVLink that reduces and gathers (tpattn/peer.py)
+    all_gather       sequence blocks -> whole   reduce_scatter of the gradient
+    reduce_scatter   partials -> own block      all_gather of the gradient
+
+Each op owns its stream handling (a side stream with overlap, `record_stream` of what it reads
+there), the collective watch (tpattn/watch.py), fault injection (tpattn/faults.py) and its timing
+label (tpattn/timing.section).
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import faults, watch
+from .commplan import OUTPUT_COLLECTIVES, ROW_ALIGN, CommPlan, check_style, make_plan, query_chunks  # noqa: F401
+from .timing import section
+
+# The single-tensor all-gather and reduce-scatter (concatenated along dim 0): torch >= 2.13 names
+# them *_single and deprecates the older names, which torch 2.11 (the GPU machines) still has only.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CollectiveError(RuntimeError):
+    pass
+
+
+# ---- the collectives, as pairs -------------------------------------------------------------------
+
+class Comm:
+    """The collectives of one process group (None, or a group of one: their local equivalents).
+
+    overlap > 1 on a GPU runs them on a side stream that first waits for the work queued so far;
+    the compute stream reads a result only after wait(event) or join()."""
+
+    def __init__(self, group, rank: int, world: int):
+        self.group, self.rank, self.world = group, rank, world
+        self.nccl = group is not None and dist.get_backend(group) == "nccl"
+        self._side = None
+
+    # -- pair: copy to ranks (forward) / sum from ranks (its backward) --
+
+    @staticmethod
+    def copy_to_ranks(x: torch.Tensor) -> torch.Tensor:
+        """Head-parallel input: every rank already holds x, so the forward is the identity. Its
+        backward is sum_from_ranks of dX (each rank's share comes from its own heads)."""
+        return x
+
+    def sum_from_ranks(self, part: torch.Tensor, overlap: int = 1):
+        """all_reduce(SUM) of the partial outputs, in place. Its backward is copy_to_ranks (every
+        rank already holds the whole dy). Returns the end event with overlap on a GPU, else None;
+        False when an injected fault left it out."""
+        return self._output("allreduce", _all_reduce, overlap, part)
+
+    # -- the split and the peer path: the same sum as sum_from_ranks, fewer bytes --
+
+    def reduce_scatter_rows(self, mine: torch.Tensor, part: torch.Tensor, overlap: int = 1):
+        """The split's first half: this rank's 1/W of the rows of the summed partials (the dual of
+        all_gather_rows); False when an injected fault left the split out."""
+        return self._output("reducescatter", _reduce_scatter, overlap, mine, part)
+
+    def all_gather_rows(self, whole: torch.Tensor, mine: torch.Tensor, overlap: int = 1):
+        """The split's second half (and its dual's first): every rank's rows into `whole`."""
+        return self._run("allgather", _all_gather, overlap, whole, mine)
+
+    def peer_reduce_gather(self, peer, out: torch.Tensor, bias):
+        """The peer kernel: reduce-scatter and all-gather in one pass over NVLink (tpattn/peer.py)."""
+        return self._output("peer", lambda o, b, group: peer.reduce_gather(o, b), 1, out, bias)
+
+    # -- pair: all-gather (sequence parallel's input) / reduce-scatter (its output) --
+
+    def all_gather(self, whole: torch.Tensor, block: torch.Tensor, overlap: int = 1):
+        """Every rank's block of the sequence, concatenated along dim 0. Its backward is
+        reduce_scatter of the gradient."""
+        return self._run("allgather", _all_gather, overlap, whole, block)
+
+    def reduce_scatter(self, block: torch.Tensor, whole: torch.Tensor, overlap: int = 1):
+        """This rank's block of the sum over ranks. Its backward is all_gather of the gradient."""
+        return self._output("reducescatter", _reduce_scatter, overlap, block, whole)
+
+    # -- objects on the host (set-up, not the data path) --
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's obj (pickled over the process group); [obj] without one."""
+        if self.group is None or self.world == 1:
+            return [obj]
+        with watch.collective("peersetup", self.world, False):
+            return gather_objects(obj, self.group)
+
+    # -- the machinery: streams, the watch, faults, labels --
+
+    def _output(self, name: str, op, overlap: int, *tensors):
+        """A collective that sums the partial outputs: fault injection step "allreduce"."""
+        if faults.maybe_fail(self.rank, "allreduce") == "skip":
+            return False
+        return self._run(name, op, overlap, *tensors)
+
+    def _run(self, name: str, op, overlap: int, *tensors):
+        """op(*tensors, group=...) after the work queued so far; the end event on a side stream, else None."""
+        if self.group is None or self.world == 1:
+            if op is _all_gather or op is _reduce_scatter:
+                tensors[0].copy_(tensors[1].view(tensors[0].shape))
+            elif op is not _all_reduce:
+                op(*tensors, group=None)
+            return None
+        stream = self.side_stream(overlap, tensors[0].device)
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+            if not torch.cuda.is_current_stream_capturing():  # (a graph's pool keeps its memory anyway)
+                for t in tensors:  # the caching allocator must not reuse them before the side stream is done
+                    if isinstance(t, torch.Tensor):
+                        t.record_stream(stream)
+        with (torch.cuda.stream(stream) if stream is not None else nullcontext()), section(name), \
+                watch.collective(name, self.world, self.nccl):
+            try:
+                op(*tensors, group=self.group)
+            except RuntimeError as exc:
+                raise CollectiveError(watch.explain(name, self.world, first_line(exc))) from None
+        return stream.record_event() if stream is not None else None
+
+    def side_stream(self, overlap: int, device: torch.device):
+        if overlap == 1 or device.type != "cuda" or self.group is None or self.world == 1:
+            return None
+        if self._side is None or self._side.device != device:
+            self._side = torch.cuda.Stream(device=device)
+        return self._side
+
+    def on_side(self, overlap: int, device: torch.device):
+        """Run the enclosed work where the collectives run (the side stream when overlapping)."""
+        stream = self.side_stream(overlap, device)
+        return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+    @staticmethod
+    def wait(event) -> None:
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def join(self, overlap: int) -> None:
+        """The compute stream waits for every collective issued so far."""
+        if self._side is not None and overlap > 1:
+            torch.cuda.current_stream().wait_stream(self._side)
+
+
+def _all_reduce(t: torch.Tensor, group=None):
+    return dist.all_reduce(t, group=group)
+
+
+def barrier(group=None, device: torch.device | None = None) -> None:
+    """Every rank of `group` (None: the default group) has come (NCCL: on `device`'s stream)."""
+    if device is not None and torch.device(device).type == "cuda":
+        dist.barrier(group=group, device_ids=[torch.device(device).index])
+    else:
+        dist.barrier(group=group)
+
+
+def gather_objects(obj, group=None) -> list:
+    """Every rank's obj on every rank (pickled; no process group: [obj])."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def bare(kind: str, group=None):
+    """A bare collective for calibration and probes: kind in allreduce, reducescatter, allgather;
+    returns fn(out, inp) (all-reduce: in place on out) on `group` (None: the default group)."""
+    if kind == "allreduce":
+        return lambda out, inp=None: dist.all_reduce(out, group=group)
+    if kind == "reducescatter":
+        return lambda out, inp: _reduce_scatter(out, inp, group=group)
+    if kind == "allgather":
+        return lambda out, inp: _all_gather(out, inp, group=group)
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def first_line(exc: BaseException) -> str:
+    """The useful part of a backend's error: no source paths, one line, bounded."""
+    msg = re.sub(r"\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", str(exc)).strip().splitlines()
+    first = msg[0].split(". ")[0] if msg else type(exc).__name__
+    return first[:160]

@@ -1,0 +1,130 @@
+"""The communication plan: what one call of the layer communicates, decided before it does.
+
+`make_plan` decides, from the shape, the world size, the style, the dtypes' sizes and the overlap
+(never from the attention backend), which collective sums the outputs, the row chunks, the bytes
+each collective moves and the peer buffers' size. The layer (through tpattn/comm.py), the config
+checks (tpattn/config.py), the report and the cost model (tpattn/model) all read it: the rule
+lives here once. Pure: no process group, no GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConfigError
+from .sharding import row_chunks, rows_split
+
+OUTPUT_COLLECTIVES = ("auto", "allreduce", "split", "p2p")  # head-parallel: how the partial outputs are summed
+ROW_ALIGN = 128  # overlap chunks start at multiples of this (the fused kernel's row tile) when N allows
+# the collectives by label, as the report and the watch name them
+COLLECTIVES = {"allreduce": "all-reduce", "allgather": "all-gather", "reducescatter": "reduce-scatter",
+               "peer": "peer reduce-gather"}  # peer: --output-collective p2p, both collectives in one kernel
+
+
+# ---- the plan ------------------------------------------------------------------------------------
+
+def check_style(seq_len: int | None, world: int, sequence_parallel: bool, output_collective: str,
+                overlap: int) -> None:
+    """The style and collective rules that need only the shape: raise ConfigError (one line that
+    names the fix) for the first broken one. Every rank gets the same answer. seq_len None: only
+    the rules that hold for every length (the layer's constructor)."""
+    if overlap < 1:
+        raise ConfigError(f"--overlap must be at least 1 chunk (got {overlap}); 1 turns it off")
+    if output_collective not in OUTPUT_COLLECTIVES:
+        raise ConfigError(f"unknown --output-collective {output_collective!r}; choose one of "
+                          f"{', '.join(OUTPUT_COLLECTIVES)}")
+    if sequence_parallel and output_collective != "auto":
+        raise ConfigError(f"--output-collective {output_collective} is for the head-parallel style; "
+                          "--sequence-parallel always reduce-scatters: drop one of them")
+    if output_collective == "p2p" and overlap > 1:
+        raise ConfigError(f"--output-collective p2p sums all rows in one pass and does not overlap; drop "
+                          f"--overlap {overlap} or use --output-collective auto")
+    if seq_len is None:
+        return
+    if sequence_parallel:
+        if seq_len % world:
+            lo = seq_len - seq_len % world
+            raise ConfigError(f"--sequence-parallel needs --seq-len divisible by the world size {world} (got "
+                              f"{seq_len}); use --seq-len {lo or world} or {lo + world}, or drop --sequence-parallel")
+        n = seq_len // world
+        if n % overlap:
+            ok = [k for k in range(1, min(n, 64) + 1) if n % k == 0]
+            raise ConfigError(f"--overlap {overlap} with --sequence-parallel needs the {n} rows of each rank "
+                              f"divisible by it; use --overlap in {{{', '.join(map(str, ok))}}}")
+    elif overlap > seq_len:
+        raise ConfigError(f"--overlap {overlap} is more chunks than the {seq_len} rows of --seq-len; use fewer")
+
+
+def query_chunks(seq_len: int, overlap: int) -> list[tuple[int, int]]:
+    """The head-parallel layer's overlap chunks of the query rows: at multiples of ROW_ALIGN when
+    every chunk can have that many rows, else of one row. The same for every backend."""
+    align = ROW_ALIGN if seq_len >= ROW_ALIGN * overlap else 1
+    return row_chunks(seq_len, overlap, align)
+
+
+@dataclass(frozen=True)
+class CommPlan:
+    """What one call of the layer communicates, decided before it does.
+
+    collective: "none" (one rank), "allreduce", "split" (reduce-scatter + all-gather), "p2p" (the
+    peer kernel) or "sequence" (sequence parallel: all-gather of x, reduce-scatter of the partials).
+    chunks: the overlap chunks of the rows, [r0, r1): head-parallel of the N query rows, sequence
+    parallel of the N/W rows of each rank's block."""
+    world: int
+    batch: int
+    seq_len: int          # N, the whole sequence (sequence parallel: every rank's block is N / W)
+    model_dim: int
+    elem: int             # bytes of the model dtype
+    part_elem: int        # bytes of the partial outputs (fp32, or the model dtype)
+    overlap: int
+    collective: str
+    chunks: tuple[tuple[int, int], ...]
+
+    @property
+    def x_bytes(self) -> int:
+        return self.batch * self.seq_len * self.model_dim * self.elem
+
+    @property
+    def partial_bytes(self) -> int:
+        return self.batch * self.seq_len * self.model_dim * self.part_elem
+
+    @property
+    def nbytes(self) -> dict[str, int]:
+        """{collective label: bytes of the whole tensor it moves per call} (nccl-tests' "size"), in order."""
+        return {"none": {}, "allreduce": {"allreduce": self.partial_bytes},
+                "split": {"reducescatter": self.partial_bytes, "allgather": self.x_bytes},
+                "p2p": {"peer": self.partial_bytes + self.x_bytes},
+                "sequence": {"allgather": self.x_bytes, "reducescatter": self.partial_bytes}}[self.collective]
+
+    @property
+    def peer_elements(self) -> int:
+        """Elements of each peer buffer a call needs (the whole partial [B, N, D]); 0 off the peer path."""
+        return self.batch * self.seq_len * self.model_dim if self.collective == "p2p" else 0
+
+
+def make_plan(batch: int, seq_len: int, model_dim: int, world: int, *, elem: int, part_elem: int,
+              sequence_parallel: bool = False, output_collective: str = "auto", overlap: int = 1) -> CommPlan:
+    """The plan for one call of B x N rows (N the whole sequence). Raises ConfigError for what the
+    layer cannot run (check_style's rules, and a split whose rows do not divide by the world)."""
+    check_style(seq_len, world, sequence_parallel, output_collective, overlap)
+    common = dict(world=world, batch=batch, seq_len=seq_len, model_dim=model_dim, elem=elem,
+                  part_elem=part_elem, overlap=overlap)
+    if sequence_parallel and world > 1:
+        n = seq_len // world
+        return CommPlan(**common, collective="sequence", chunks=tuple(row_chunks(n, overlap)))
+    chunks = tuple(query_chunks(seq_len, overlap))
+    if world == 1:
+        return CommPlan(**common, collective="none", chunks=chunks)
+    divides = rows_split(batch, chunks, world)
+    if output_collective == "split" and not divides:
+        rows = next(r1 - r0 for r0, r1 in chunks if not rows_split(batch, [(r0, r1)], world))
+        raise ConfigError(f"--output-collective split needs --batch x the rows of each chunk divisible by the "
+                          f"world size {world} (a chunk has {rows} rows); use --output-collective allreduce "
+                          f"or auto, or a --seq-len divisible by {world}")
+    if output_collective in ("allreduce", "p2p"):
+        how = output_collective
+    elif output_collective == "split" or (divides and part_elem > elem):
+        how = "split"
+    else:
+        how = "allreduce"
+    return CommPlan(**common, collective=how, chunks=chunks)
