@@ -110,3 +110,48 @@ def test_watch_reuses_finished_event_pairs_and_still_sees_a_stuck_collective(mon
         torch.cuda.synchronize()
     assert ended == [1], said
     assert any("reduce-scatter #7 over 2 ranks" in m and "rank(s) 1 never joined it" in m for m in said), said
+
+
+def test_a_stalled_graph_replay_ends_the_job(monkeypatch):
+    """layer.graphed(): each replay is one entry of the collective watch, so a replay that never ends
+    (here a 3 s spin captured inside the graph, standing in for a collective whose peer stalled)
+    ends the job after the timeout, naming the replay and the rank that never joined (rank 1 of 2:
+    it never published a count). One GPU, no NCCL: the watch's fake rank stands in for the peer."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import torch.distributed as dist
+
+    from tpattn import watch
+    from tpattn.layer import TensorParallelAttention
+    from tpattn.model import measure
+    from tpattn.weights import head_weights, layer_input
+    monkeypatch.setattr(watch, "ACK_WAIT_S", 0.1)
+    ended, said = [], []
+    proc = SimpleNamespace(rank=0, world=2, store=dist.HashStore(), distributed=True,
+                           abort=ended.append, dead_peers=lambda: "")
+    dev = torch.device("cuda")
+    w = head_weights(range(4), 4, 64, seed=0, dtype=torch.float16, device=dev)
+    layer = TensorParallelAttention(**w, heads=4, head_dim=64, backend="reference", group=None)
+    x = layer_input(1, 256, 256, 0, torch.float16, dev)
+    plain = layer.backend.forward
+
+    def stalls_in_the_graph(*a, **kw):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda._sleep(int(3.0 * measure._SLEEP_CYCLES_PER_MS * 1000))  # ~3 s, inside the graph
+        return plain(*a, **kw)
+    monkeypatch.setattr(layer.backend, "forward", stalls_in_the_graph)
+    torch.cuda.init()
+    replay = layer.graphed(x)
+    monkeypatch.setattr(watch, "_watch", watch._Watch(proc, 1.0, said.append))
+    watch._watch.thread.start()
+    try:
+        replay()
+        deadline = time.monotonic() + 10
+        while not ended and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        watch._watch.stopped.set()
+        watch._watch.thread.join(timeout=5)
+        torch.cuda.synchronize()
+    assert ended == [1], said
+    assert any("CUDA graph replay of the layer" in s and "rank(s) 1 never joined it" in s for s in said), said

@@ -122,3 +122,20 @@ def test_every_collective_call_in_tpattn_is_in_comm():
              for i, line in enumerate(p.read_text().splitlines(), 1) if calls.search(line)]
     assert not found, found
     assert calls.search(Path(ROOT / "tpattn" / "comm.py").read_text())  # the pattern finds them where they are
+
+
+def test_peer_buffers_under_a_captured_graph_never_move():
+    """A graph captured with the peer buffers replays their addresses: a later, larger call must not
+    re-allocate them (the graph would read and write freed memory across GPUs). Every rank refuses
+    alike: the need comes from the plan. (The 2-GPU run of it is tests/test_gpu_layer.py.)"""
+    from types import SimpleNamespace
+    layer = TensorParallelAttention.from_multihead_attention(_mha(), output_collective="p2p")
+    plan = make_plan(1, 64, 16, 2, elem=4, part_elem=4, output_collective="p2p")
+    held = SimpleNamespace(capacity=32 * 16, part_dtype=torch.float32, out_dtype=torch.float32,
+                           device=torch.device("cpu"))
+    layer._peer, layer._peer_pinned = held, True
+    with pytest.raises(ValueError, match=r"needs peer buffers of 1024 elements but a CUDA graph captured by "
+                                         r"graphed\(\) replays the current ones \(512\)"):
+        layer._peer_buffers(plan, torch.device("cpu"))
+    small = make_plan(1, 32, 16, 2, elem=4, part_elem=4, output_collective="p2p")
+    assert layer._peer_buffers(small, torch.device("cpu")) is held  # what fits keeps the same buffers
