@@ -69,22 +69,30 @@ def test_killed_rank():
     assert "rank 1" in r.stderr
 
 
-def test_watch_reuses_finished_event_pairs_and_still_sees_a_stuck_collective(monkeypatch):
-    """The collective watch on one GPU, without NCCL (a spin kernel stands in for the collective):
-    once its thread has seen a collective end, the next one reuses that event pair instead of making
-    two CUDA events; and a 'collective' that then runs past the timeout on a reused pair still ends
-    the job, naming the rank that never joined (rank 1 of 2: it never published a count)."""
+def _one_gpu_watch(monkeypatch):
+    """(proc, ended, said) for a collective watch on one GPU without NCCL: rank 0 of 2 whose peer,
+    rank 1, never publishes a count; proc.abort records the exit code instead of exiting."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     import torch.distributed as dist
 
     from tpattn import watch
-    from tpattn.model import measure
     monkeypatch.setattr(watch, "ACK_WAIT_S", 0.1)
     ended, said = [], []
     proc = SimpleNamespace(rank=0, world=2, store=dist.HashStore(), distributed=True,
                            abort=ended.append, dead_peers=lambda: "")
     torch.cuda.init()
+    return proc, ended, said
+
+
+def test_watch_reuses_finished_event_pairs_and_still_sees_a_stuck_collective(monkeypatch):
+    """The collective watch on one GPU, without NCCL (a spin kernel stands in for the collective):
+    once its thread has seen a collective end, the next one reuses that event pair instead of making
+    two CUDA events; and a 'collective' that then runs past the timeout on a reused pair still ends
+    the job, naming the rank that never joined (rank 1 of 2: it never published a count)."""
+    from tpattn import watch
+    from tpattn.model import measure
+    proc, ended, said = _one_gpu_watch(monkeypatch)
     w = watch._Watch(proc, 1.0, said.append)
     w.thread.start()
     try:
@@ -117,18 +125,11 @@ def test_a_stalled_graph_replay_ends_the_job(monkeypatch):
     (here a 3 s spin captured inside the graph, standing in for a collective whose peer stalled)
     ends the job after the timeout, naming the replay and the rank that never joined (rank 1 of 2:
     it never published a count). One GPU, no NCCL: the watch's fake rank stands in for the peer."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    import torch.distributed as dist
-
     from tpattn import watch
     from tpattn.layer import TensorParallelAttention
     from tpattn.model import measure
     from tpattn.weights import head_weights, layer_input
-    monkeypatch.setattr(watch, "ACK_WAIT_S", 0.1)
-    ended, said = [], []
-    proc = SimpleNamespace(rank=0, world=2, store=dist.HashStore(), distributed=True,
-                           abort=ended.append, dead_peers=lambda: "")
+    proc, ended, said = _one_gpu_watch(monkeypatch)
     dev = torch.device("cuda")
     w = head_weights(range(4), 4, 64, seed=0, dtype=torch.float16, device=dev)
     layer = TensorParallelAttention(**w, heads=4, head_dim=64, backend="reference", group=None)
@@ -140,7 +141,6 @@ def test_a_stalled_graph_replay_ends_the_job(monkeypatch):
             torch.cuda._sleep(int(3.0 * measure._SLEEP_CYCLES_PER_MS * 1000))  # ~3 s, inside the graph
         return plain(*a, **kw)
     monkeypatch.setattr(layer.backend, "forward", stalls_in_the_graph)
-    torch.cuda.init()
     replay = layer.graphed(x)
     monkeypatch.setattr(watch, "_watch", watch._Watch(proc, 1.0, said.append))
     watch._watch.thread.start()
