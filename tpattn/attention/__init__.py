@@ -42,6 +42,21 @@ class Backend:
     def forward(self, q, k, v, causal: bool):
         raise NotImplementedError
 
+    # ---- the backward (tpattn/attention/autograd.py has the math and the interface) ----
+
+    def attention(self, q, k, v, causal: bool, deterministic: bool = False):
+        """o, differentiable: its backward is this backend's backward()."""
+        from .autograd import _Attention
+        return _Attention.apply(q, k, v, self, causal, deterministic)
+
+    def forward_for_backward(self, q, k, v, causal: bool):
+        """(o, saved): the forward, and what backward() needs beyond q, k, v and o (or None)."""
+        raise ConfigError(f"--kernel {self.name} has no backward pass; use --kernel fused, naive or reference")
+
+    def backward(self, q, k, v, o, saved, do, causal: bool, deterministic: bool = False):
+        """(dq, dk, dv) for the upstream gradient do."""
+        raise ConfigError(f"--kernel {self.name} has no backward pass; use --kernel fused, naive or reference")
+
 
 class CudaBackend(Backend):
     """CUDA kernels of kernels/*.cu launched through CuPy: GPU only, CuPy needed."""

@@ -52,3 +52,17 @@ class ReferenceBackend(Backend):
                 o[:, h0:h1] = torch.matmul(p.float(), vc).to(dtype).view(b, h1 - h0, n, d)
             del p
         return o
+
+    def attention(self, q, k, v, causal: bool, deterministic: bool = False):
+        """The same math as forward(), in torch ops that autograd differentiates (fp32 inside, or
+        fp64 for fp64 inputs; the storage dtype at the same rounding points: S, P and O rounded)."""
+        b, h, n, d = q.shape
+        group = kv_group(q, k, v)
+        dtype, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)
+        g = k.shape[1]
+        qf = q.to(acc).reshape(b, g, group, n, d)
+        s = torch.matmul(qf, k.to(acc).unsqueeze(2).transpose(-1, -2)) * (1.0 / math.sqrt(d))
+        if causal:
+            s = s.masked_fill(causal_mask(n, q.device), float("-inf"))
+        p = torch.softmax(s.to(dtype).to(acc), dim=-1).to(dtype)
+        return torch.matmul(p.to(acc), v.to(acc).unsqueeze(2)).to(dtype).reshape(b, h, n, d)
