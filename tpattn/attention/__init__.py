@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 
 from ..errors import ConfigError, cupy_available, cupy_missing_message
+from .autograd import _Attention
 
 _BACKENDS = {
     "reference": "tpattn.attention.reference:ReferenceBackend",
@@ -46,7 +47,6 @@ class Backend:
 
     def attention(self, q, k, v, causal: bool, deterministic: bool = False):
         """o, differentiable: its backward is this backend's backward()."""
-        from .autograd import _Attention
         return _Attention.apply(q, k, v, self, causal, deterministic)
 
     def forward_for_backward(self, q, k, v, causal: bool):
@@ -128,3 +128,12 @@ def get_backend(name: str) -> Backend:
         mod, cls = _BACKENDS[name].split(":")
         _instances[name] = getattr(importlib.import_module(mod), cls)()
     return _instances[name]
+
+
+def attention(q, k, v, causal: bool = False, backend: str | Backend = "reference", deterministic: bool = False):
+    """softmax(q kᵀ/√d) v for q [B, h, N, d] and k, v [B, g, N, d] (g divides h), differentiable:
+    o.backward(do) fills q.grad, k.grad and v.grad through the backend's backward (the math and the
+    interface: tpattn/attention/autograd.py). deterministic: bitwise-identical gradients from run
+    to run (the fused kernel then sums dQ in a fixed order instead of with atomics)."""
+    b = get_backend(backend) if isinstance(backend, str) else backend
+    return b.attention(q, k, v, causal, deterministic)

@@ -1,4 +1,4 @@
-"""Attention with a backward pass: `o = attention(q, k, v, causal, backend=...)`, then
+"""Attention with a backward pass: `o = tpattn.attention.attention(q, k, v, causal, backend=...)`, then
 `o.backward(do)` fills q.grad, k.grad and v.grad, for every backend.
 
 The math (S = QKᵀ/√d, P = softmax(S), causal: masked before the softmax, O = PV; per row the
@@ -36,13 +36,3 @@ class _Attention(torch.autograd.Function):
         dq, dk, dv = ctx.backend.backward(q, k, v, o, rest[0] if ctx.has_saved else None, do.contiguous(),
                                           ctx.causal, ctx.deterministic)
         return dq, dk, dv, None, None, None
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, backend="reference",
-              deterministic: bool = False) -> torch.Tensor:
-    """softmax(q kᵀ/√d) v for q [B, h, N, d] and k, v [B, g, N, d] (g divides h), differentiable.
-    deterministic: the backward gives bitwise-identical gradients from run to run (the fused kernel
-    then sums dQ in a fixed order instead of with atomics)."""
-    from . import get_backend
-    b = get_backend(backend) if isinstance(backend, str) else backend
-    return b.attention(q, k, v, causal, deterministic)
