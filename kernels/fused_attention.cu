@@ -20,6 +20,9 @@
 //   * any N >= 1: rows past N load as zeros (cp.async zero fill) and score -inf; the output is staged
 //     through shared memory and written with 16-byte stores for rows < N only.
 //
+// Lse (may be null): the logsumexp of each row, fp32 [B, H, N], natural log (tc_logsumexp), for the
+// backward (fused_attention_backward.cu); null when no backward will run.
+//
 // Layout: Q and O are [B, H, N, D], K and V [B, H / group, N, D], 16-bit (fp16 or bf16), BH = B * H,
 // element (b, h, n, c) at b * sb + h * sh + n * ld + c (q_* for Q; kv_* for K and V, which share
 // them; o_* for O: contiguous, or the layer's in-place views of its QKV GEMM output and of the
@@ -65,7 +68,8 @@ __device__ __forceinline__ void tpf_load_tile(tc_u16 *s, const tc_u16 *g, int ro
 // for b < 2).
 template <int D, int NW, int MT, int BC, bool BF16>
 __device__ __forceinline__ void tpf_fused2(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
-                                           const tc_u16 *__restrict__ V, tc_u16 *__restrict__ O, int BH,
+                                           const tc_u16 *__restrict__ V, tc_u16 *__restrict__ O,
+                                           float *__restrict__ Lse, int BH,
                                            int N, float scale_log2, int causal, int qt_begin,
                                            int qt_end, int H, int group, long long q_sb, long long q_sh,
                                            int q_ld, long long kv_sb, long long kv_sh, int kv_ld,
@@ -253,8 +257,10 @@ __device__ __forceinline__ void tpf_fused2(const tc_u16 *__restrict__ Q, const t
                     float li = l[mt][i];
                     li += tc_shfl_xor(li, 1);
                     li += tc_shfl_xor(li, 2);
-                    li = li > 0.0f ? 1.0f / li : 0.0f;
                     const int r = warp * WR + mt * 16 + (lane >> 2) + i * 8;
+                    if (Lse != nullptr && (lane & 3) == 0 && q0 + r < N)  // the backward's L, one per row
+                        Lse[(long long)bh * N + q0 + r] = tc_logsumexp(m[mt][i], li);
+                    li = li > 0.0f ? 1.0f / li : 0.0f;
 #pragma unroll
                     for (int d = 0; d < ND; ++d) {
                         tc_u32 *dst = (tc_u32 *)(sQ + tc_swz<D>(r, d) + (lane & 3) * 2);
@@ -280,12 +286,13 @@ __device__ __forceinline__ void tpf_fused2(const tc_u16 *__restrict__ Q, const t
     extern "C" __global__ void __launch_bounds__(NW * 32)                                             \
         fused2_##SUF##_d##D##_w##NW##_m##MT##_c##BC(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, \
                                                     const tc_u16 *__restrict__ V, tc_u16 *__restrict__ O, \
+                                                    float *__restrict__ Lse,                         \
                                                     int BH, int N, float scale_log2, int causal,     \
                                                     int qt_begin, int qt_end, int H, int group,      \
                                                     long long q_sb, long long q_sh, int q_ld,        \
                                                     long long kv_sb, long long kv_sh, int kv_ld,     \
                                                     long long o_sb, long long o_sh, int o_ld) {      \
-        tpf_fused2<D, NW, MT, BC, BF16>(Q, K, V, O, BH, N, scale_log2, causal, qt_begin, qt_end, H,   \
+        tpf_fused2<D, NW, MT, BC, BF16>(Q, K, V, O, Lse, BH, N, scale_log2, causal, qt_begin, qt_end, H,   \
                                         group, q_sb, q_sh, q_ld, kv_sb, kv_sh, kv_ld, o_sb, o_sh,     \
                                         o_ld);                                                        \
     }

@@ -41,7 +41,8 @@
 
 template <int D, bool BF16>
 __device__ __forceinline__ void hw_fused(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
-                                         const tc_u16 *__restrict__ V, tc_u16 *__restrict__ O, int BH, int N,
+                                         const tc_u16 *__restrict__ V, tc_u16 *__restrict__ O,
+                                         float *__restrict__ Lse, int BH, int N,
                                          float scale_log2, int causal, int qt_begin, int qt_end, int H,
                                          int group, long long q_sb, long long q_sh, int q_ld, long long kv_sb,
                                          long long kv_sh, int kv_ld, long long o_sb, long long o_sh, int o_ld) {
@@ -138,6 +139,7 @@ __device__ __forceinline__ void hw_fused(const tc_u16 *__restrict__ Q, const tc_
                 hw_keep(pa);
             }
 
+            hw_write_lse(Lse, (long long)bh * N, r0, N, m, l, lane);
             hw_finish_l(l);
             // O = acc / l, staged through sQ (every warpgroup is past its reads of it), 16-byte stores
             hw_store_tile<D, BF16>(Oh, o_ld, q0, N, 0, D, sQ, o, l[0], l[1], rl, tid);
@@ -149,11 +151,12 @@ __device__ __forceinline__ void hw_fused(const tc_u16 *__restrict__ Q, const tc_
 #define HW_DEFINE(SUF, BF16, D)                                                                        \
     extern "C" __global__ void __launch_bounds__(256, 1)                                              \
         fusedh_##SUF##_d##D(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,              \
-                            const tc_u16 *__restrict__ V, tc_u16 *__restrict__ O, int BH, int N,      \
+                            const tc_u16 *__restrict__ V, tc_u16 *__restrict__ O,                     \
+                            float *__restrict__ Lse, int BH, int N,                                   \
                             float scale_log2, int causal, int qt_begin, int qt_end, int H, int group, \
                             long long q_sb, long long q_sh, int q_ld, long long kv_sb, long long kv_sh, \
                             int kv_ld, long long o_sb, long long o_sh, int o_ld) {                   \
-        hw_fused<D, BF16>(Q, K, V, O, BH, N, scale_log2, causal, qt_begin, qt_end, H, group, q_sb, q_sh, \
+        hw_fused<D, BF16>(Q, K, V, O, Lse, BH, N, scale_log2, causal, qt_begin, qt_end, H, group, q_sb, q_sh, \
                           q_ld, kv_sb, kv_sh, kv_ld, o_sb, o_sh, o_ld);                              \
     }
 HW_DEFINE(f16, false, 64)

@@ -91,7 +91,8 @@ __device__ __forceinline__ tw_tile tw_tile_of(long long t, int nq, int qt_begin,
 
 template <int D, bool BF16>
 __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, const tw_tmap *vm,
-                                         tc_u16 *__restrict__ O, int BH, int N, float scale_log2, int causal,
+                                         tc_u16 *__restrict__ O, float *__restrict__ Lse, int BH, int N,
+                                         float scale_log2, int causal,
                                          int qt_begin, int qt_end, int H, int group, long long o_sb, long long o_sh,
                                          int o_ld) {
     constexpr int BR = 128, BC = 128, PANELS = D / 64;
@@ -240,6 +241,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
 
         // O = acc / l: this warpgroup's rows, staged in its own rows of sQ (its products are done
         // reading them), then 16-byte stores of the rows < N
+        hw_write_lse(Lse, (long long)x.bh * N, r0, N, m, l, lane);
         hw_finish_l(l);
         const int b = x.bh / H, hh = x.bh - b * H;
         tc_u16 *Oh = O + b * o_sb + hh * o_sh;
@@ -266,10 +268,11 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
 #define TW_DEFINE(SUF, BF16, D)                                                                          \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                \
         fusedw_##SUF##_d##D(const __grid_constant__ tw_tmap qm, const __grid_constant__ tw_tmap km,     \
-                            const __grid_constant__ tw_tmap vm, tc_u16 *__restrict__ O, int BH, int N,   \
+                            const __grid_constant__ tw_tmap vm, tc_u16 *__restrict__ O,                  \
+                            float *__restrict__ Lse, int BH, int N,                                      \
                             float scale_log2, int causal, int qt_begin, int qt_end, int H, int group,    \
                             long long o_sb, long long o_sh, int o_ld) {                                  \
-        tw_fused<D, BF16>(&qm, &km, &vm, O, BH, N, scale_log2, causal, qt_begin, qt_end, H, group, o_sb, \
+        tw_fused<D, BF16>(&qm, &km, &vm, O, Lse, BH, N, scale_log2, causal, qt_begin, qt_end, H, group, o_sb, \
                           o_sh, o_ld);                                                                   \
     }
 TW_DEFINE(f16, false, 64)

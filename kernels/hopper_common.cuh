@@ -260,6 +260,20 @@ __device__ __forceinline__ void hw_softmax(float (&s)[64], float (&m)[2], float 
 }
 
 // the row sums over the quad of threads that share a row, inverted (0 for a row that saw no key)
+// The backward's L of this thread's two rows r0 and r0 + 8 (before hw_finish_l: l holds the thread's
+// partial sums, m the rows' maxima): the quad's sums, then its first thread writes rows < N of
+// Lse[base + row]. A null Lse: nothing (no backward will run).
+__device__ __forceinline__ void hw_write_lse(float *Lse, long long base, int r0, int N, const float (&m)[2],
+                                             const float (&l)[2], int lane) {
+    if (Lse == nullptr) return;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        float sum = l[i] + tc_shfl_xor(l[i], 1);
+        sum += tc_shfl_xor(sum, 2);
+        if ((lane & 3) == 0 && r0 + 8 * i < N) Lse[base + r0 + 8 * i] = tc_logsumexp(m[i], sum);
+    }
+}
+
 __device__ __forceinline__ void hw_finish_l(float (&l)[2]) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {

@@ -98,6 +98,22 @@ __device__ __forceinline__ float tc_exp2(float x) {  // 2^x; -inf -> +0
     return y;
 }
 
+__device__ __forceinline__ float tc_log2(float x) {  // log2(x), approximate (lg2.approx)
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+#define TC_POS_INF __int_as_float(0x7f800000)
+#define TC_LN2 0.6931471805599453f
+
+// The logsumexp of a row, natural log, from the online softmax's running max m (log2 units of the
+// scaled scores) and its sum of exp2(s - m): L = (m + log2(sum)) ln 2. A row with nothing to sum
+// (every key masked) gets +inf, so that the backward's P = exp(S - L) is 0 there, never NaN.
+__device__ __forceinline__ float tc_logsumexp(float m, float sum) {
+    return sum > 0.0f ? (m + tc_log2(sum)) * TC_LN2 : TC_POS_INF;
+}
+
 __device__ __forceinline__ float tc_shfl_xor(float v, int m) {
     float r;
     asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;\n" : "=f"(r) : "f"(v), "r"(m));

@@ -134,11 +134,11 @@ def test_fused_launches_contiguous(launches, monkeypatch, cc, wide, cfg, h, g):
     (source, name, grid, block, args), = launches
     check_launch(source, name, grid, block, args)
     assert name.startswith("fusedh_" if cc == (9, 0) and wide else "fused2_")
-    H, group = args[10], args[11]
+    H, group = args[11], args[12]
     assert (H, group) == (h, h // g)
-    assert tuple(args[12:15]) == (h * n * d, n * d, d)      # Q: batch, head, row strides
-    assert tuple(args[15:18]) == (g * n * d, n * d, d)      # K and V: their own
-    assert tuple(args[18:21]) == (h * n * d, n * d, d)      # O
+    assert tuple(args[13:16]) == (h * n * d, n * d, d)      # Q: batch, head, row strides
+    assert tuple(args[16:19]) == (g * n * d, n * d, d)      # K and V: their own
+    assert tuple(args[19:22]) == (h * n * d, n * d, d)      # O
 
 
 @pytest.mark.parametrize("h,g", [(4, 4), (4, 2), (4, 1)])
@@ -158,8 +158,8 @@ def test_fused_launch_reads_the_packed_projection_in_place(launches, monkeypatch
     assert (int(args[0]), int(args[1]), int(args[2])) == (base, base + h * d * el, base + (h + g) * d * el)
     assert int(args[3]) == o_rows.data_ptr()
     row = (h + 2 * g) * d
-    assert tuple(args[12:15]) == (n * row, d, row) and tuple(args[15:18]) == (n * row, d, row)
-    assert tuple(args[18:21]) == (n * h * d, d, h * d)
+    assert tuple(args[13:16]) == (n * row, d, row) and tuple(args[16:19]) == (n * row, d, row)
+    assert tuple(args[19:22]) == (n * h * d, d, h * d)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -183,7 +183,7 @@ def test_fused_ws_launch(launches, monkeypatch, causal, h, g):
     assert qm.dims == (d, n, h, b) and km.dims == (d, n, g, b) and qm.box == (64, 128)
     assert qm.strides == (d * 2, n * d * 2, h * n * d * 2)
     assert km.strides == (d * 2, n * d * 2 if g > 1 else 16, g * n * d * 2)  # one K/V head: never stepped over
-    assert (args[10], args[11]) == (h, h // g)
+    assert (args[11], args[12]) == (h, h // g)
 
 
 def test_fused_ws_reads_the_packed_projection_in_place(launches, monkeypatch):

@@ -24,6 +24,7 @@ from . import CudaBackend, kv_group
 SOURCE = "fused_attention.cu"
 HOPPER_SOURCE = "fused_hopper_attention.cu"  # wgmma (sm_90a): runs on compute capability 9.0 only
 WS_SOURCE = "fused_ws_attention.cu"          # warp-specialized: TMA, mbarriers, wgmma (sm_90a) too
+BWD_SOURCE = "fused_attention_backward.cu"   # the backward (mma.sync): any compute capability >= 8.0
 HOPPER_CC = (9, 0)
 HEAD_DIMS = (64, 128)
 # The kernel per head dim, "{suf}" standing for f16 or bf16. On compute capability 9.0 (H100, H200)
@@ -117,9 +118,10 @@ class FusedBackend(CudaBackend):
     def head_dim_error(self, d: int) -> str | None:
         return None if d in HEAD_DIMS else unsupported_head_dim(d)
 
-    def forward(self, q, k, v, causal: bool, out=None, scratch=None, rows=None):
+    def forward(self, q, k, v, causal: bool, out=None, scratch=None, rows=None, lse=None):
         """rows=(r0, r1): only query rows [r0, r1) of o are computed (against all keys, causal by
-        their position in the sequence); r0 a multiple of row_chunks, r1 too or N."""
+        their position in the sequence); r0 a multiple of row_chunks, r1 too or N. lse: a contiguous
+        fp32 [B, h, N] tensor that receives each row's logsumexp (the backward's L)."""
         b, h, n, d = q.shape
         if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
             raise ValueError(f"q, k and v must share a dtype and a device (got {q.dtype}, {k.dtype}, {v.dtype} on "
@@ -140,19 +142,22 @@ class FusedBackend(CudaBackend):
             return o
         sms, cc = _device_info(q.device)
         ch = kernel_for(d, suf, cc, wide=2 * _cdiv(r1 - r0, 128) * bh >= sms)
+        if lse is not None:
+            assert lse.dtype == torch.float32 and lse.is_contiguous() and lse.shape == (b, h, n)
+        lse_ptr = np.uint64(0 if lse is None else lse.data_ptr())
         scale_log2 = np.float32(math.log2(math.e) / math.sqrt(d))
         t0, t1 = r0 // ch.rows, _cdiv(r1, ch.rows)
         with section("fused"):
             if ch.source == WS_SOURCE:  # one grid dimension over (query tile, head) pairs; TMA maps of Q, K, V
                 grid_sms = persistent()
-                key = (ch.name, causal, t0, t1, grid_sms, q.device.index, tuple(q.shape), tuple(k.shape),
+                key = (ch.name, causal, t0, t1, grid_sms, q.device.index, tuple(q.shape), tuple(k.shape), int(lse_ptr),
                        *((t.data_ptr(), t.stride()) for t in (q, k, v, o)))
                 prep = _prepared.get(key)
                 if prep is None:
                     tiles = (t1 - t0) * bh
                     grid = (min(tiles, sms if grid_sms else GRID_X_MAX), 1, 1)
                     prep = Prepared(ch.source, ch.name, q.device, grid, (ch.threads, 1, 1),
-                                    (TensorMap(q), TensorMap(k), TensorMap(v), ptr(o), np.int32(bh), np.int32(n),
+                                    (TensorMap(q), TensorMap(k), TensorMap(v), ptr(o), lse_ptr, np.int32(bh), np.int32(n),
                                      scale_log2, np.int32(causal), np.int32(t0), np.int32(t1), np.int32(h),
                                      np.int32(group), np.int64(o.stride(0)), np.int64(o.stride(1)),
                                      np.int32(o.stride(2))), shared_mem=ch.shared)
@@ -163,10 +168,57 @@ class FusedBackend(CudaBackend):
                 return o
             grid = (min(t1 - t0, GRID_X_MAX), min(bh, GRID_YZ_MAX), 1)
             launch(ch.source, ch.name, q.device, grid, (ch.threads, 1, 1),
-                   (ptr(q), ptr(k), ptr(v), ptr(o), np.int32(bh), np.int32(n), scale_log2, np.int32(causal),
+                   (ptr(q), ptr(k), ptr(v), ptr(o), lse_ptr, np.int32(bh), np.int32(n), scale_log2, np.int32(causal),
                     np.int32(t0), np.int32(t1), np.int32(h), np.int32(group),
                     np.int64(q.stride(0)), np.int64(q.stride(1)), np.int32(q.stride(2)),
                     np.int64(k.stride(0)), np.int64(k.stride(1)), np.int32(k.stride(2)),
                     np.int64(o.stride(0)), np.int64(o.stride(1)), np.int32(o.stride(2))),
                    shared_mem=ch.shared)
         return o
+
+    # ---- the backward (kernels/fused_attention_backward.cu; the math: tpattn/attention/autograd.py) ----
+
+    def forward_for_backward(self, q, k, v, causal: bool):
+        """(o, L): the forward, also writing each row's logsumexp L (fp32 [B, h, N]), all the
+        backward needs beyond q, k, v and o (no N x N tensor)."""
+        b, h, n, _ = q.shape
+        lse = torch.empty(b, h, n, dtype=torch.float32, device=q.device)
+        return self.forward(q, k, v, causal, lse=lse), lse
+
+    def backward(self, q, k, v, o, lse, do, causal: bool, deterministic: bool = False):
+        """(dq, dk, dv): Dl = rowsum(dO o O); then one block per 64 keys of a K/V head recomputes P
+        from L, accumulates dK and dV (summed over the query heads of its group) in registers and
+        adds dQ to an fp32 buffer with atomics; deterministic: dQ instead from a second kernel, one
+        block per 64 query rows, written once (the same bits every run)."""
+        b, h, n, d = q.shape
+        suf = self.kernel_suffix(q)
+        group = kv_group(q, k, v)
+        if not (q.dtype == k.dtype == v.dtype == o.dtype == do.dtype):
+            raise ValueError(f"q, k, v, o and do must share a dtype (got {q.dtype}, {k.dtype}, {v.dtype}, {o.dtype}, "
+                             f"{do.dtype})")
+        q, k, v, o, do = (t.contiguous() for t in (q, k, v, o, do))
+        g = k.shape[1]
+        dl = torch.empty(b, h, n, dtype=torch.float32, device=q.device)
+        dq = torch.zeros(b, h, n, d, dtype=torch.float32, device=q.device) if not deterministic else \
+            torch.empty(b, h, n, d, dtype=torch.float32, device=q.device)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        if b * h * n == 0:
+            return dq.to(q.dtype), dk.zero_(), dv.zero_()
+        dev, scale = q.device, np.float32(1.0 / math.sqrt(d))
+        br = 64 if d == 64 else 32
+        with section("bwd_dot"):
+            rows = b * h * n
+            launch(BWD_SOURCE, f"fbwd_dot_{suf}_d{d}", dev, (min(_cdiv(rows, 8), GRID_X_MAX), 1, 1), (256, 1, 1),
+                   (ptr(o), ptr(do), ptr(dl), np.int64(rows)))
+        with section("bwd_kv"):
+            smem = (2 * 64 * d + 2 * br * d + br * 64) * 2 + 2 * br * 4
+            launch(BWD_SOURCE, f"fbwd_kv_{suf}_d{d}", dev, (_cdiv(n, 64), min(b * g, GRID_YZ_MAX), 1), (128, 1, 1),
+                   (ptr(q), ptr(k), ptr(v), ptr(do), ptr(lse), ptr(dl), np.uint64(0) if deterministic else ptr(dq),
+                    ptr(dk), ptr(dv), np.int32(b * g), np.int32(g), np.int32(group), np.int32(n), scale,
+                    np.int32(causal)), shared_mem=smem)
+        if deterministic:
+            with section("bwd_dq"):
+                launch(BWD_SOURCE, f"fbwd_dq_{suf}_d{d}", dev, (_cdiv(n, 64), min(b * h, GRID_YZ_MAX), 1), (128, 1, 1),
+                       (ptr(q), ptr(k), ptr(v), ptr(do), ptr(lse), ptr(dl), ptr(dq), np.int32(b * h), np.int32(h),
+                        np.int32(group), np.int32(n), scale, np.int32(causal)), shared_mem=4 * 64 * d * 2)
+        return dq.to(q.dtype), dk, dv

@@ -1,0 +1,94 @@
+"""The fused backward (kernels/fused_attention_backward.cu) on the GPU: dQ, dK, dV against float64
+autograd of the reference with FlashAttention's rule (the kernel's error at most 3x torch's own in
+the same dtype, plus a small absolute term), the forward's L, determinism, and the forward's output
+unchanged when it also writes L."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpattn.attention import attention, get_backend
+
+pytestmark = pytest.mark.gpu
+
+
+def _grads(q, k, v, do, causal, backend, **kw):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    o = attention(q, k, v, causal, backend=backend, **kw)
+    o.backward(do)
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+def _inputs(b, h, g, n, d, dtype, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda heads: torch.randn(b, heads, n, d, device="cuda", generator=gen).to(dtype)  # noqa: E731
+    return mk(h), mk(g), mk(g), mk(h)
+
+
+def check(b, h, g, n, d, causal, dtype=torch.float16, deterministic=False):
+    q, k, v, do = _inputs(b, h, g, n, d, dtype)
+    want = _grads(q.double(), k.double(), v.double(), do.double(), causal, "reference")
+    torch_low = _grads(q, k, v, do, causal, "reference")
+    got = _grads(q, k, v, do, causal, "fused", deterministic=deterministic)
+    for name, w, t, x in zip(("o", "dq", "dk", "dv"), want, torch_low, got):
+        assert torch.isfinite(x).all(), name
+        err = (x.double() - w).abs().max().item()
+        ref_err = (t.double() - w).abs().max().item()
+        floor = 1e-3 * w.abs().max().item() + 1e-5
+        assert err <= 3 * ref_err + floor, f"{name}: {err:.3g} > 3 x {ref_err:.3g} + {floor:.2g}"
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [1, 17, 127, 128, 129, 1000])
+def test_fused_backward_shapes(n, causal, d):
+    check(2, 4, 4, n, d, causal)
+
+
+@pytest.mark.parametrize("h,g", [(8, 8), (8, 2), (8, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_backward_gqa(h, g, causal):
+    check(1, h, g, 300, 128, causal)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_fused_backward_bf16_and_deterministic(d):
+    check(2, 4, 2, 257, d, True, torch.bfloat16)
+    check(2, 4, 2, 257, d, False, torch.float16, deterministic=True)
+
+
+def test_deterministic_gives_the_same_bits():
+    q, k, v, do = _inputs(1, 8, 2, 1000, 128, torch.float16)
+    a = _grads(q, k, v, do, True, "fused", deterministic=True)
+    b = _grads(q, k, v, do, True, "fused", deterministic=True)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("n", [100, 4096])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_writes_the_logsumexp_and_the_same_output(n, causal):
+    q, k, v, _ = _inputs(1, 32 if n == 4096 else 2, 32 if n == 4096 else 2, n, 128, torch.float16)
+    fused = get_backend("fused")
+    plain = fused.forward(q, k, v, causal)
+    o, lse = fused.forward_for_backward(q, k, v, causal)
+    assert torch.equal(o, plain)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) / 128 ** 0.5
+    if causal:
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    assert torch.allclose(lse, torch.logsumexp(s, -1), atol=1e-3, rtol=1e-4)
+
+
+def test_backward_memory_is_linear_in_n():
+    """Beyond its inputs and outputs the backward allocates O(N) (L, Dl) and the fp32 dQ buffer:
+    no N x N tensor (at N = 8192 with 8 heads an N x N fp16 tensor alone would be 1 GiB)."""
+    q, k, v, do = _inputs(1, 8, 8, 8192, 128, torch.float16)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    o = attention(q, k, v, True, backend="fused")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    o.backward(do)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < 4 * q.numel() * 4, extra  # dq fp32 + dq, dk, dv + L, Dl: a few times the inputs
