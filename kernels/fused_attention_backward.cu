@@ -7,27 +7,27 @@
 //   dV = P^T dO    dP = dO V^T    Dl = rowsum(dO o O)    dS = P o (dP - Dl)
 //   dQ = dS K / sqrt(d)    dK = dS^T Q / sqrt(d)
 //
-// Three kernels:
+// Three kernels, no atomics (every sum in a fixed order: the same bits every run):
 //   fbwd_dot    Dl = rowsum(dO o O), fp32, one warp per row (the "preprocessing" pass);
 //   fbwd_kv     a block owns BC = 64 keys of one K/V head (4 warps x 16 keys) and walks the query
 //               tiles of every query head of its group (grouped-query attention: dK and dV summed
 //               over the group in registers, K and V never repeated). Per query tile of BR rows it
 //               recomputes S^T = K Q^T and P^T, then dV += P^T dO, dP^T = V dO^T, dS^T, dK += dS^T Q,
 //               all on the tensor cores with the products' A operands (P^T, dS^T) straight from the
-//               accumulators; with dq != null, dS goes through shared memory and dQ += dS K is added
-//               to an fp32 accumulator in global memory with atomics (the order varies: not bitwise
-//               reproducible);
-//   fbwd_dq     the deterministic dQ: a block owns 64 query rows of one head (4 warps x 16 rows) and
-//               walks the key tiles: S, P, dP = dO V^T, dS and dQ += dS K in registers, written once
-//               (no atomics: the same bits every run; it recomputes S and dP a second time).
+//               accumulators; the next tile's Q and dO load (cp.async) while one computes;
+//   fbwd_dq     a block owns 64 query rows of one head (4 warps x 16 rows) and walks the key tiles:
+//               S, P, dP = dO V^T, dS and dQ += dS K in registers, written once. It recomputes S and
+//               dP a second time; FlashAttention-2 instead adds dS K to an fp32 dQ with atomics from
+//               fbwd_kv, which on the H200 was slower here (4.97 against 3.55 ms at B=1 H=32 N=4096
+//               d=128, the two kernels without pipelining) and not reproducible bit for bit.
 // Causal: key tiles wholly above a query tile are skipped (fbwd_kv starts at the first query tile
 // that reaches its keys; fbwd_dq stops at the last key tile its rows reach); only diagonal tiles are
 // masked element by element. Any N >= 1: rows past N load as zeros and their P is 0 (keys past N are
 // masked; query rows past N get L = +inf). A row whose L is +inf (every key masked) gets P = 0 and
 // zero gradients, never NaN.
 //
-// Layout: Q, O, dO [B, H, N, D] contiguous; K, V, dK, dV [B, G, N, D] contiguous (G K/V heads, H / G
-// query heads each); L and Dl fp32 [B, H, N]; dQacc fp32 [B, H, N, D]. 16-bit storage (fp16 or bf16),
+// Layout: Q, O, dO, dQ [B, H, N, D] contiguous; K, V, dK, dV [B, G, N, D] contiguous (G K/V heads,
+// H / G query heads each); L and Dl fp32 [B, H, N]. 16-bit storage (fp16 or bf16),
 // fp32 accumulation. D = 64 or 128. Every offset that scales with B * H * N is 64-bit. Grid y walks
 // batch x heads with a stride beyond 65535. Shared memory rows are XOR-swizzled (tc_swz) so ldmatrix
 // and cp.async are free of bank conflicts; the ldmatrix lane patterns are the forward's
@@ -142,131 +142,113 @@ __device__ __forceinline__ void tpb_dot(const tc_u16 *__restrict__ O, const tc_u
     }
 }
 
-// ------------------------------------------------------------------------------------ dK, dV (dQ)
+// ------------------------------------------------------------------------------------ dK, dV
 template <int D, int BR, bool BF16>
 __device__ __forceinline__ void tpb_kv(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
                                        const tc_u16 *__restrict__ V, const tc_u16 *__restrict__ dO,
                                        const float *__restrict__ L, const float *__restrict__ Dl,
-                                       float *__restrict__ dQ, tc_u16 *__restrict__ dK, tc_u16 *__restrict__ dV,
-                                       int BG, int G, int group, int N, float scale, int causal) {
+                                       tc_u16 *__restrict__ dK, tc_u16 *__restrict__ dV, int BG, int G, int group,
+                                       int N, float scale, int causal) {
     constexpr int BC = 64, NT = 128;
     constexpr int NQ = BR / 8, KQ = BR / 16, ND = D / 8;
-    constexpr int RT = BR / 16, WPR = 4 / RT, NDW = ND / WPR;  // dQ: row tiles, warps per row tile, n-tiles per warp
-    tc_u16 *sK = (tc_u16 *)tpb_smem, *sV = sK + BC * D, *sQ = sV + BC * D, *sO = sQ + BR * D, *sS = sO + BR * D;
-    float *sL = (float *)(sS + BR * BC), *sD = sL + BR;
+    // shared: K, V (this block's keys), then two buffers of (Q, dO) tiles and their L and Dl
+    tc_u16 *sK = (tc_u16 *)tpb_smem, *sV = sK + BC * D, *sQ = sV + BC * D;  // sQ[buf]: sQ + buf * 2 * BR * D, dO after it
+    float *sL = (float *)(sQ + 4 * BR * D);                                   // sL[buf][BR], then sD[buf][BR]
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const float scale_log2 = scale * TPB_LOG2E;
-    tc_u32 kA[4], vA[4], qB[4], oB[4], qT[4], oT[4], kT[4], sA[4];
+    tc_u32 kA[4], vA[4], qB[4], oB[4], qT[4], oT[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         kA[i] = tpb_a_base<D>(tc_saddr(sK), warp * 16, lane, i);
         vA[i] = tpb_a_base<D>(tc_saddr(sV), warp * 16, lane, i);
-        qB[i] = tpb_b_base<D>(tc_saddr(sQ), lane, i);
-        oB[i] = tpb_b_base<D>(tc_saddr(sO), lane, i);
+        qB[i] = tpb_b_base<D>(tc_saddr(sQ), lane, i);            // + buf * 2 * BR * D * 2 bytes
+        oB[i] = tpb_b_base<D>(tc_saddr(sQ + BR * D), lane, i);
         qT[i] = tpb_t_base<D>(tc_saddr(sQ), lane, i);
-        oT[i] = tpb_t_base<D>(tc_saddr(sO), lane, i);
-        kT[i] = tpb_t_base<D>(tc_saddr(sK), lane, i);
-        sA[i] = tpb_a_base<BC>(tc_saddr(sS), (warp % RT) * 16, lane, i);
+        oT[i] = tpb_t_base<D>(tc_saddr(sQ + BR * D), lane, i);
     }
+    constexpr int BUF_BYTES = 2 * BR * D * 2;
     const int k0 = blockIdx.x * BC;
     const int kr = k0 + warp * 16 + (lane >> 2);  // this thread's keys: kr and kr + 8
-    const int n_qt = (N + BR - 1) / BR;
+    const int n_qt = (N + BR - 1) / BR, qt_first = causal ? k0 / BR : 0;
+    const int steps = group * (n_qt - qt_first);   // (query head of the group, query tile) pairs
     for (int bg = blockIdx.y; bg < BG; bg += gridDim.y) {
         const int b = bg / G, g = bg - b * G;
-        const long long kv_off = (long long)bg * N * D;
-        __syncthreads();  // the previous head's K and V are no longer read
+        const long long kv_off = (long long)bg * N * D, bh0 = (long long)b * G * group + (long long)g * group;
+        // step t: query head bh0 + t / (n_qt - qt_first), query tile qt_first + t % (...), into buffer t & 1
+        auto issue = [&](int t) {
+            const int per = n_qt - qt_first, buf = t & 1;
+            const long long bh = bh0 + t / per;
+            const int q0 = (qt_first + t % per) * BR;
+            tpb_load<D, BR, NT>(sQ + buf * 2 * BR * D, Q + bh * N * D, q0, N, tid);
+            tpb_load<D, BR, NT>(sQ + buf * 2 * BR * D + BR * D, dO + bh * N * D, q0, N, tid);
+            if (tid < BR) {
+                const int r = q0 + tid;
+                sL[buf * BR + tid] = r < N ? L[bh * N + r] * TPB_LOG2E : TC_POS_INF;
+                sL[2 * BR + buf * BR + tid] = r < N ? Dl[bh * N + r] : 0.0f;
+            }
+            tc_cp_commit();
+        };
+        __syncthreads();  // the previous head's K, V and tiles are no longer read
         tpb_load<D, BC, NT>(sK, K + kv_off, k0, N, tid);
         tpb_load<D, BC, NT>(sV, V + kv_off, k0, N, tid);
         tc_cp_commit();
+        if (steps > 0) issue(0);
         float dk[ND][4], dv[ND][4];
 #pragma unroll
         for (int d = 0; d < ND; ++d)
 #pragma unroll
             for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = 0.0f;
-        for (int hq = 0; hq < group; ++hq) {
-            const long long bh = (long long)b * G * group + (long long)g * group + hq;
-            const tc_u16 *Qh = Q + bh * N * D, *dOh = dO + bh * N * D;
-            for (int qt = causal ? k0 / BR : 0; qt < n_qt; ++qt) {
-                const int q0 = qt * BR;
-                __syncthreads();  // every warp is done with the previous tile's sQ, sO, sS, sL, sD
-                tpb_load<D, BR, NT>(sQ, Qh, q0, N, tid);
-                tpb_load<D, BR, NT>(sO, dOh, q0, N, tid);
-                tc_cp_commit();
-                if (tid < BR) {
-                    const int r = q0 + tid;
-                    sL[tid] = r < N ? L[bh * N + r] * TPB_LOG2E : TC_POS_INF;
-                    sD[tid] = r < N ? Dl[bh * N + r] : 0.0f;
+        for (int t = 0; t < steps; ++t) {
+            const int buf = t & 1, q0 = (qt_first + t % (n_qt - qt_first)) * BR;
+            tc_cp_wait<0>();   // this step's tiles (and K, V) have landed ...
+            __syncthreads();   // ... for every thread; every warp is done with the other buffer
+            if (t + 1 < steps) issue(t + 1);  // the next step's tiles load while this one computes
+            const int off = buf * BUF_BYTES;
+            const float *cL = sL + buf * BR, *cD = sL + 2 * BR + buf * BR;
+            const tc_u32 qb[4] = {qB[0] + off, qB[1] + off, qB[2] + off, qB[3] + off};
+            const tc_u32 ob[4] = {oB[0] + off, oB[1] + off, oB[2] + off, oB[3] + off};
+            // S^T = K Q^T and P^T = exp2(S^T scale log2 e - L log2 e): [16 keys x BR queries] per warp
+            float st[NQ][4], dpt[NQ][4];
+#pragma unroll
+            for (int n = 0; n < NQ; ++n) st[n][0] = st[n][1] = st[n][2] = st[n][3] = 0.0f;
+            tpb_abt<D, NQ, BF16>(st, kA, qb);
+            const bool edge = k0 + BC > N || (causal && q0 < k0 + BC);
+#pragma unroll
+            for (int n = 0; n < NQ; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int qc = n * 8 + (lane & 3) * 2 + (e & 1), key = kr + (e >> 1) * 8;
+                    float p = tc_exp2(fmaf(st[n][e], scale_log2, -cL[qc]));
+                    if (edge && (key >= N || (causal && q0 + qc < key))) p = 0.0f;
+                    st[n][e] = p;
                 }
-                tc_cp_wait<0>();
-                __syncthreads();
-                // S^T = K Q^T and P^T = exp2(S^T scale log2 e - L log2 e): [16 keys x BR queries] per warp
-                float st[NQ][4], dpt[NQ][4];
+            // dV += P^T dO
+            {
+                tc_u32 pa[KQ][4];
+                tpb_pack<KQ, BF16>(pa, st);
+                const tc_u32 ot[4] = {oT[0] + off, oT[1] + off, oT[2] + off, oT[3] + off};
+                tpb_ab<D, KQ, ND, BF16>(dv, pa, ot, 0);
+            }
+            // dP^T = V dO^T, then dS^T = P^T o (dP^T - Dl) / sqrt(d)
 #pragma unroll
-                for (int n = 0; n < NQ; ++n) st[n][0] = st[n][1] = st[n][2] = st[n][3] = 0.0f;
-                tpb_abt<D, NQ, BF16>(st, kA, qB);
-                const bool edge = k0 + BC > N || (causal && q0 < k0 + BC) || q0 + BR > N;
+            for (int n = 0; n < NQ; ++n) dpt[n][0] = dpt[n][1] = dpt[n][2] = dpt[n][3] = 0.0f;
+            tpb_abt<D, NQ, BF16>(dpt, vA, ob);
 #pragma unroll
-                for (int n = 0; n < NQ; ++n)
+            for (int n = 0; n < NQ; ++n)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int qc = n * 8 + (lane & 3) * 2 + (e & 1), key = kr + (e >> 1) * 8;
-                        float p = tc_exp2(fmaf(st[n][e], scale_log2, -sL[qc]));
-                        if (edge && (key >= N || (causal && q0 + qc < key))) p = 0.0f;
-                        st[n][e] = p;
-                    }
-                // dV += P^T dO
-                {
-                    tc_u32 pa[KQ][4];
-                    tpb_pack<KQ, BF16>(pa, st);
-                    tpb_ab<D, KQ, ND, BF16>(dv, pa, oT, 0);
+                for (int e = 0; e < 4; ++e) {
+                    const int qc = n * 8 + (lane & 3) * 2 + (e & 1);
+                    dpt[n][e] = st[n][e] * (dpt[n][e] - cD[qc]) * scale;
                 }
-                // dP^T = V dO^T, then dS^T = P^T o (dP^T - Dl) / sqrt(d)
-#pragma unroll
-                for (int n = 0; n < NQ; ++n) dpt[n][0] = dpt[n][1] = dpt[n][2] = dpt[n][3] = 0.0f;
-                tpb_abt<D, NQ, BF16>(dpt, vA, oB);
-#pragma unroll
-                for (int n = 0; n < NQ; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int qc = n * 8 + (lane & 3) * 2 + (e & 1);
-                        dpt[n][e] = st[n][e] * (dpt[n][e] - sD[qc]) * scale;
-                    }
-                // dK += dS^T Q
-                {
-                    tc_u32 da[KQ][4];
-                    tpb_pack<KQ, BF16>(da, dpt);
-                    tpb_ab<D, KQ, ND, BF16>(dk, da, qT, 0);
-                }
-                if (dQ == nullptr) continue;
-                // dS [BR queries x BC keys] through shared memory, then dQ += dS K (atomics)
-#pragma unroll
-                for (int n = 0; n < NQ; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int qc = n * 8 + (lane & 3) * 2 + (e & 1), kc = warp * 16 + (lane >> 2) + (e >> 1) * 8;
-                        sS[tc_swz<BC>(qc, kc >> 3) + (kc & 7)] = tpb_half<BF16>(dpt[n][e]);
-                    }
-                __syncthreads();
-                float dq[NDW][4];
-#pragma unroll
-                for (int d = 0; d < NDW; ++d) dq[d][0] = dq[d][1] = dq[d][2] = dq[d][3] = 0.0f;
-                const int d0 = (warp / RT) * NDW;
-                {
-                    tc_u32 af[BC / 16][4];  // dS rows of this warp's row tile, all BC keys
-#pragma unroll
-                    for (int kk = 0; kk < BC / 16; ++kk) tc_ldsm4(af[kk], sA[kk]);
-                    tpb_ab<D, BC / 16, NDW, BF16>(dq, af, kT, d0);
-                }
-                const int qr = q0 + (warp % RT) * 16 + (lane >> 2);
-#pragma unroll
-                for (int d = 0; d < NDW; ++d)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int row = qr + (e >> 1) * 8, col = (d0 + d) * 8 + (lane & 3) * 2 + (e & 1);
-                        if (row < N) atomicAdd(dQ + (bh * N + row) * D + col, dq[d][e]);
-                    }
+            // dK += dS^T Q
+            {
+                tc_u32 da[KQ][4];
+                tpb_pack<KQ, BF16>(da, dpt);
+                const tc_u32 qt_[4] = {qT[0] + off, qT[1] + off, qT[2] + off, qT[3] + off};
+                tpb_ab<D, KQ, ND, BF16>(dk, da, qt_, 0);
             }
         }
+        tc_cp_wait<0>();  // (no steps: K and V were loaded and never waited for)
         // dK and dV of this block's keys (rows < N), rounded once to the storage type
 #pragma unroll
         for (int d = 0; d < ND; ++d)
@@ -274,32 +256,34 @@ __device__ __forceinline__ void tpb_kv(const tc_u16 *__restrict__ Q, const tc_u1
             for (int i = 0; i < 2; ++i) {
                 const int key = kr + i * 8;
                 if (key < N) {
-                    const long long off = kv_off + (long long)key * D + d * 8 + (lane & 3) * 2;
-                    *(tc_u32 *)(dK + off) = tc_pack<BF16>(dk[d][2 * i], dk[d][2 * i + 1]);
-                    *(tc_u32 *)(dV + off) = tc_pack<BF16>(dv[d][2 * i], dv[d][2 * i + 1]);
+                    const long long o = kv_off + (long long)key * D + d * 8 + (lane & 3) * 2;
+                    *(tc_u32 *)(dK + o) = tc_pack<BF16>(dk[d][2 * i], dk[d][2 * i + 1]);
+                    *(tc_u32 *)(dV + o) = tc_pack<BF16>(dv[d][2 * i], dv[d][2 * i + 1]);
                 }
             }
     }
 }
 
-// ------------------------------------------------------------------------------------ dQ, deterministic
+// ------------------------------------------------------------------------------------ dQ
 template <int D, bool BF16>
 __device__ __forceinline__ void tpb_dq(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
                                        const tc_u16 *__restrict__ V, const tc_u16 *__restrict__ dO,
                                        const float *__restrict__ L, const float *__restrict__ Dl,
-                                       float *__restrict__ dQ, int BH, int H, int group, int N, float scale,
+                                       tc_u16 *__restrict__ dQ, int BH, int H, int group, int N, float scale,
                                        int causal) {
     constexpr int BR = 64, BC = 64, NT = 128, NS = BC / 8, KC = BC / 16, ND = D / 8;
-    tc_u16 *sQ = (tc_u16 *)tpb_smem, *sO = sQ + BR * D, *sK = sO + BR * D, *sV = sK + BC * D;
+    // shared: Q and dO of this block's rows, then two buffers of (K, V) tiles
+    tc_u16 *sQ = (tc_u16 *)tpb_smem, *sO = sQ + BR * D, *sK = sO + BR * D;  // sK[buf]: sK + buf * 2 * BC * D, V after it
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const float scale_log2 = scale * TPB_LOG2E;
+    constexpr int BUF_BYTES = 2 * BC * D * 2;
     tc_u32 qA[4], oA[4], kB[4], vB[4], kT[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         qA[i] = tpb_a_base<D>(tc_saddr(sQ), warp * 16, lane, i);
         oA[i] = tpb_a_base<D>(tc_saddr(sO), warp * 16, lane, i);
         kB[i] = tpb_b_base<D>(tc_saddr(sK), lane, i);
-        vB[i] = tpb_b_base<D>(tc_saddr(sV), lane, i);
+        vB[i] = tpb_b_base<D>(tc_saddr(sK + BC * D), lane, i);
         kT[i] = tpb_t_base<D>(tc_saddr(sK), lane, i);
     }
     const int q0 = blockIdx.x * BR;
@@ -307,10 +291,17 @@ __device__ __forceinline__ void tpb_dq(const tc_u16 *__restrict__ Q, const tc_u1
     const int n_kt = causal ? (q0 + BR - 1) / BC + 1 : (N + BC - 1) / BC;
     for (long long bh = blockIdx.y; bh < BH; bh += gridDim.y) {
         const long long kv_off = ((bh / H) * (H / group) + (bh % H) / group) * N * D;
-        __syncthreads();
+        auto issue = [&](int kt) {
+            tc_u16 *dst = sK + (kt & 1) * 2 * BC * D;
+            tpb_load<D, BC, NT>(dst, K + kv_off, kt * BC, N, tid);
+            tpb_load<D, BC, NT>(dst + BC * D, V + kv_off, kt * BC, N, tid);
+            tc_cp_commit();
+        };
+        __syncthreads();  // the previous head's tiles are no longer read
         tpb_load<D, BR, NT>(sQ, Q + bh * N * D, q0, N, tid);
         tpb_load<D, BR, NT>(sO, dO + bh * N * D, q0, N, tid);
         tc_cp_commit();
+        issue(0);
         float lr[2], dr[2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -322,18 +313,17 @@ __device__ __forceinline__ void tpb_dq(const tc_u16 *__restrict__ Q, const tc_u1
 #pragma unroll
         for (int d = 0; d < ND; ++d) dq[d][0] = dq[d][1] = dq[d][2] = dq[d][3] = 0.0f;
         for (int kt = 0; kt < n_kt; ++kt) {
-            const int k0 = kt * BC;
-            __syncthreads();  // every warp is done with the previous K and V tiles
-            tpb_load<D, BC, NT>(sK, K + kv_off, k0, N, tid);
-            tpb_load<D, BC, NT>(sV, V + kv_off, k0, N, tid);
-            tc_cp_commit();
+            const int k0 = kt * BC, off = (kt & 1) * BUF_BYTES;
             tc_cp_wait<0>();
-            __syncthreads();
+            __syncthreads();  // tile kt has landed for all; every warp is done with tile kt - 1
+            if (kt + 1 < n_kt) issue(kt + 1);
+            const tc_u32 kb[4] = {kB[0] + off, kB[1] + off, kB[2] + off, kB[3] + off};
+            const tc_u32 vb[4] = {vB[0] + off, vB[1] + off, vB[2] + off, vB[3] + off};
             float s[NS][4], dp[NS][4];
 #pragma unroll
             for (int n = 0; n < NS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
-            tpb_abt<D, NS, BF16>(s, qA, kB);
-            tpb_abt<D, NS, BF16>(dp, oA, vB);
+            tpb_abt<D, NS, BF16>(s, qA, kb);
+            tpb_abt<D, NS, BF16>(dp, oA, vb);
             const bool edge = k0 + BC > N || (causal && k0 + BC - 1 > q0);
 #pragma unroll
             for (int n = 0; n < NS; ++n)
@@ -346,14 +336,16 @@ __device__ __forceinline__ void tpb_dq(const tc_u16 *__restrict__ Q, const tc_u1
                 }
             tc_u32 da[KC][4];
             tpb_pack<KC, BF16>(da, dp);
-            tpb_ab<D, KC, ND, BF16>(dq, da, kT, 0);
+            const tc_u32 kt_[4] = {kT[0] + off, kT[1] + off, kT[2] + off, kT[3] + off};
+            tpb_ab<D, KC, ND, BF16>(dq, da, kt_, 0);
         }
+        // dQ rounded once to the storage type (rows < N)
 #pragma unroll
         for (int d = 0; d < ND; ++d)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int row = r + (e >> 1) * 8, col = d * 8 + (lane & 3) * 2 + (e & 1);
-                if (row < N) dQ[(bh * N + row) * D + col] = dq[d][e];
+            for (int i = 0; i < 2; ++i) {
+                const int row = r + 8 * i;
+                if (row < N) *(tc_u32 *)(dQ + (bh * N + row) * D + d * 8 + (lane & 3) * 2) = tc_pack<BF16>(dq[d][2 * i], dq[d][2 * i + 1]);
             }
     }
 }
@@ -366,14 +358,14 @@ __device__ __forceinline__ void tpb_dq(const tc_u16 *__restrict__ Q, const tc_u1
     extern "C" __global__ void __launch_bounds__(128) fbwd_kv_##SUF##_d##D(                            \
         const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,     \
         const tc_u16 *__restrict__ dO, const float *__restrict__ L, const float *__restrict__ Dl,     \
-        float *__restrict__ dQ, tc_u16 *__restrict__ dK, tc_u16 *__restrict__ dV, int BG, int G,       \
-        int group, int N, float scale, int causal) {                                                   \
-        tpb_kv<D, BR, BF16>(Q, K, V, dO, L, Dl, dQ, dK, dV, BG, G, group, N, scale, causal);           \
+        tc_u16 *__restrict__ dK, tc_u16 *__restrict__ dV, int BG, int G, int group, int N, float scale, \
+        int causal) {                                                                                  \
+        tpb_kv<D, BR, BF16>(Q, K, V, dO, L, Dl, dK, dV, BG, G, group, N, scale, causal);               \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(128) fbwd_dq_##SUF##_d##D(                            \
         const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,     \
         const tc_u16 *__restrict__ dO, const float *__restrict__ L, const float *__restrict__ Dl,     \
-        float *__restrict__ dQ, int BH, int H, int group, int N, float scale, int causal) {            \
+        tc_u16 *__restrict__ dQ, int BH, int H, int group, int N, float scale, int causal) {           \
         tpb_dq<D, BF16>(Q, K, V, dO, L, Dl, dQ, BH, H, group, N, scale, causal);                       \
     }
 // query rows per step of fbwd_kv: 64 at D = 64, 32 at D = 128 (its dK and dV accumulators take 128

@@ -25,6 +25,7 @@ SOURCE = "fused_attention.cu"
 HOPPER_SOURCE = "fused_hopper_attention.cu"  # wgmma (sm_90a): runs on compute capability 9.0 only
 WS_SOURCE = "fused_ws_attention.cu"          # warp-specialized: TMA, mbarriers, wgmma (sm_90a) too
 BWD_SOURCE = "fused_attention_backward.cu"   # the backward (mma.sync): any compute capability >= 8.0
+BWD_ROWS = {64: 64, 128: 32}  # query rows per step of its dK/dV kernel (the .cu file's TPB_DEFINE)
 HOPPER_CC = (9, 0)
 HEAD_DIMS = (64, 128)
 # The kernel per head dim, "{suf}" standing for f16 or bf16. On compute capability 9.0 (H100, H200)
@@ -187,9 +188,9 @@ class FusedBackend(CudaBackend):
 
     def backward(self, q, k, v, o, lse, do, causal: bool, deterministic: bool = False):
         """(dq, dk, dv): Dl = rowsum(dO o O); then one block per 64 keys of a K/V head recomputes P
-        from L, accumulates dK and dV (summed over the query heads of its group) in registers and
-        adds dQ to an fp32 buffer with atomics; deterministic: dQ instead from a second kernel, one
-        block per 64 query rows, written once (the same bits every run)."""
+        from L and accumulates dK and dV (summed over the query heads of its group) in registers,
+        and one block per 64 query rows dQ. No atomics: deterministic always (the option is
+        accepted for the interface)."""
         b, h, n, d = q.shape
         suf = self.kernel_suffix(q)
         group = kv_group(q, k, v)
@@ -198,27 +199,23 @@ class FusedBackend(CudaBackend):
                              f"{do.dtype})")
         q, k, v, o, do = (t.contiguous() for t in (q, k, v, o, do))
         g = k.shape[1]
-        dl = torch.empty(b, h, n, dtype=torch.float32, device=q.device)
-        dq = torch.zeros(b, h, n, d, dtype=torch.float32, device=q.device) if not deterministic else \
-            torch.empty(b, h, n, d, dtype=torch.float32, device=q.device)
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         if b * h * n == 0:
-            return dq.to(q.dtype), dk.zero_(), dv.zero_()
+            return dq, dk, dv
+        dl = torch.empty(b, h, n, dtype=torch.float32, device=q.device)
         dev, scale = q.device, np.float32(1.0 / math.sqrt(d))
-        br = 64 if d == 64 else 32
+        br = BWD_ROWS[d]
         with section("bwd_dot"):
             rows = b * h * n
             launch(BWD_SOURCE, f"fbwd_dot_{suf}_d{d}", dev, (min(_cdiv(rows, 8), GRID_X_MAX), 1, 1), (256, 1, 1),
                    (ptr(o), ptr(do), ptr(dl), np.int64(rows)))
         with section("bwd_kv"):
-            smem = (2 * 64 * d + 2 * br * d + br * 64) * 2 + 2 * br * 4
             launch(BWD_SOURCE, f"fbwd_kv_{suf}_d{d}", dev, (_cdiv(n, 64), min(b * g, GRID_YZ_MAX), 1), (128, 1, 1),
-                   (ptr(q), ptr(k), ptr(v), ptr(do), ptr(lse), ptr(dl), np.uint64(0) if deterministic else ptr(dq),
-                    ptr(dk), ptr(dv), np.int32(b * g), np.int32(g), np.int32(group), np.int32(n), scale,
-                    np.int32(causal)), shared_mem=smem)
-        if deterministic:
-            with section("bwd_dq"):
-                launch(BWD_SOURCE, f"fbwd_dq_{suf}_d{d}", dev, (_cdiv(n, 64), min(b * h, GRID_YZ_MAX), 1), (128, 1, 1),
-                       (ptr(q), ptr(k), ptr(v), ptr(do), ptr(lse), ptr(dl), ptr(dq), np.int32(b * h), np.int32(h),
-                        np.int32(group), np.int32(n), scale, np.int32(causal)), shared_mem=4 * 64 * d * 2)
-        return dq.to(q.dtype), dk, dv
+                   (ptr(q), ptr(k), ptr(v), ptr(do), ptr(lse), ptr(dl), ptr(dk), ptr(dv), np.int32(b * g), np.int32(g),
+                    np.int32(group), np.int32(n), scale, np.int32(causal)),
+                   shared_mem=(2 * 64 * d + 4 * br * d) * 2 + 4 * br * 4)
+        with section("bwd_dq"):
+            launch(BWD_SOURCE, f"fbwd_dq_{suf}_d{d}", dev, (_cdiv(n, 64), min(b * h, GRID_YZ_MAX), 1), (128, 1, 1),
+                   (ptr(q), ptr(k), ptr(v), ptr(do), ptr(lse), ptr(dl), ptr(dq), np.int32(b * h), np.int32(h),
+                    np.int32(group), np.int32(n), scale, np.int32(causal)), shared_mem=6 * 64 * d * 2)
+        return dq, dk, dv
