@@ -1,7 +1,11 @@
 """Three passes with S and P in device memory, built for the memory system and the tensor cores
 (kernels/tiled_attention.cu): mma.sync tiles for QK^T and PV, a warp per softmax row with 16-byte
 loads. On compute capability 9.0 with head dim 64 or 128 the QK and PV passes run on wgmma instead
-(kernels/tiled_hopper_attention.cu); TPATTN_TILED_IMPL=mma keeps the mma.sync ones. Launched via CuPy."""
+(kernels/tiled_hopper_attention.cu); TPATTN_TILED_IMPL=mma keeps the mma.sync ones. Launched via CuPy.
+
+The backward (attention(..., backend="tiled") then o.backward(do)) is the naive backward, reused: the
+tiled forward gives O, then NaiveBackend.backward recomputes P with the seed's kernels and runs one
+materialized kernel per line of the math (kernels/naive_attention_backward.cu)."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from ..errors import ConfigError
 from ..cuda import GRID_X_MAX, GRID_YZ_MAX, launch, ptr
 from ..timing import section
 from . import CudaBackend, kv_group
+from .naive import NaiveBackend
 
 SOURCE = "tiled_attention.cu"
 HOPPER_SOURCE = "tiled_hopper_attention.cu"  # wgmma (sm_90a) QK and PV passes
@@ -68,6 +73,7 @@ def unsupported_head_dim(d: int) -> str:
 
 
 class TiledBackend(CudaBackend):
+    """The tiled forward; its backward is the naive one (NaiveBackend.backward), reused as is."""
     name = "tiled"
     dtypes = ("fp16", "bf16")
 
@@ -122,3 +128,17 @@ class TiledBackend(CudaBackend):
                        (ptr(p), ptr(v), ptr(o), np.int32(bh), np.int32(n), np.int32(d), np.int32(ld),
                         np.int32(causal), np.int32(group)), shared_mem=2 * (128 * 64 + 64 * dn) * 2)
         return o
+
+    # ---- the backward: the naive one (tpattn/attention/naive.py, kernels/naive_attention_backward.cu) ----
+
+    def forward_for_backward(self, q, k, v, causal: bool):
+        """(o, None): the tiled forward; the backward recomputes P itself, so nothing is saved."""
+        return self.forward(q, k, v, causal), None
+
+    def backward(self, q, k, v, o, saved, do, causal: bool, deterministic: bool = False):
+        """(dq, dk, dv): the naive backward (NaiveBackend.backward: P recomputed with the seed's qkKernel
+        and softmaxKernel, then dV, dP, D, dS, dQ, dK one materialized kernel each), reused as is: this
+        rung has no tiled backward of its own yet. D = rowsum(dO ∘ O) reads this backend's own O. Refuses
+        with tiled's own lines first (dtype, head dim), then runs wherever the naive kernels do."""
+        self.kernel_suffix(q)
+        return NaiveBackend().backward(q, k, v, o, saved, do, causal, deterministic)
