@@ -18,7 +18,10 @@ linear map: a sum over ranks transposes to a copy to every rank, a gather to a s
 
 Each op owns its stream handling (a side stream with overlap, `record_stream` of what it reads
 there), the collective watch (tpattn/watch.py), fault injection (tpattn/faults.py) and its timing
-label (tpattn/timing.section).
+label (tpattn/timing.section). Under autograd (a training step) each pair is one
+torch.autograd.Function whose forward is the op and whose backward is its dual (copy_to_ranks,
+sum_from_ranks, gather_sequence, scatter_sequence at the end of this file; sum_of_copies for
+K/V heads held by several ranks).
 """
 
 from __future__ import annotations
@@ -71,6 +74,13 @@ class Comm:
         False when an injected fault left it out."""
         return self._output("allreduce", _all_reduce, overlap, part)
 
+    def copy_to_ranks_backward(self, dx: torch.Tensor, overlap: int = 1):
+        """copy_to_ranks's backward: all_reduce(SUM) of dX, in place (the end event with overlap on
+        a GPU, so that the weight-gradient GEMM runs meanwhile; else None)."""
+        if _backward_fault(self):
+            return None
+        return self._run("bwd_allreduce", _all_reduce, overlap, dx)
+
     # -- the split and the peer path: the same sum as sum_from_ranks, fewer bytes --
 
     def reduce_scatter_rows(self, mine: torch.Tensor, part: torch.Tensor, overlap: int = 1):
@@ -99,11 +109,11 @@ class Comm:
 
     # -- objects on the host (set-up, not the data path) --
 
-    def all_gather_object(self, obj) -> list:
+    def all_gather_object(self, obj, label: str = "peersetup") -> list:
         """Every rank's obj (pickled over the process group); [obj] without one."""
         if self.group is None or self.world == 1:
             return [obj]
-        with watch.collective("peersetup", self.world, False):
+        with watch.collective(label, self.world, False):
             return gather_objects(obj, self.group)
 
     # -- the machinery: streams, the watch, faults, labels --
@@ -158,6 +168,137 @@ class Comm:
         """The compute stream waits for every collective issued so far."""
         if self._side is not None and overlap > 1:
             torch.cuda.current_stream().wait_stream(self._side)
+
+
+# ---- the pairs under autograd: what a training step runs ----------------------------------------
+# Each Function's forward is one collective of the pairs above (or none) and its backward is the
+# dual: a linear map's transpose. Fault injection step "backward" fires before a backward collective.
+
+def _backward_fault(comm: Comm) -> bool:
+    """The fault tests' hook before a backward collective; True: leave it out (mode skip)."""
+    return faults.maybe_fail(comm.rank, "backward") == "skip"
+
+
+class _CopyToRanks(torch.autograd.Function):
+    """Forward: x as it is (every rank holds it). Backward: all_reduce(SUM) of dX (each rank's share
+    comes from its own heads). With overlap (the column-parallel GEMM's own Function does that)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dx):
+        dx = dx.contiguous().clone()
+        ctx.comm.copy_to_ranks_backward(dx)
+        return dx, None
+
+
+class _SumFromRanks(torch.autograd.Function):
+    """Forward: all_reduce(SUM) of the partial outputs. Backward: the identity (every rank holds
+    the whole dy already)."""
+
+    @staticmethod
+    def forward(ctx, part, comm):
+        out = part.contiguous().clone()
+        comm.sum_from_ranks(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Forward: every rank's block of rows [B, n, D] -> the whole sequence [B, W n, D]. Backward:
+    reduce_scatter(SUM) of dX back to this rank's block."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        B, n, D = x.shape
+        whole = torch.empty(comm.world * B, n, D, dtype=x.dtype, device=x.device)
+        comm.all_gather(whole, x.contiguous())
+        return whole.view(comm.world, B, n, D).transpose(0, 1).reshape(B, comm.world * n, D)
+
+    @staticmethod
+    def backward(ctx, dx):
+        comm = ctx.comm
+        B, N, D = dx.shape
+        n = N // comm.world
+        blocks = dx.reshape(B, comm.world, n, D).transpose(0, 1).contiguous().view(comm.world * B, n, D)
+        mine = torch.empty(B, n, D, dtype=dx.dtype, device=dx.device)
+        if _backward_fault(comm):
+            return mine.zero_(), None
+        comm._run("bwd_reducescatter", _reduce_scatter, 1, mine, blocks)
+        return mine, None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """Forward: reduce_scatter(SUM) of the partial outputs [B, N, D] to this rank's block of rows.
+    Backward: all_gather of dy's blocks to the whole sequence."""
+
+    @staticmethod
+    def forward(ctx, part, comm):
+        ctx.comm = comm
+        B, N, D = part.shape
+        n = N // comm.world
+        blocks = part.reshape(B, comm.world, n, D).transpose(0, 1).contiguous().view(comm.world * B, n, D)
+        mine = torch.empty(B, n, D, dtype=part.dtype, device=part.device)
+        comm.reduce_scatter(mine, blocks)
+        return mine
+
+    @staticmethod
+    def backward(ctx, dy):
+        comm = ctx.comm
+        B, n, D = dy.shape
+        whole = torch.empty(comm.world * B, n, D, dtype=dy.dtype, device=dy.device)
+        if _backward_fault(comm):
+            return whole.zero_().view(B, comm.world * n, D), None
+        comm._run("bwd_allgather", _all_gather, 1, whole, dy.contiguous())
+        return whole.view(comm.world, B, n, D).transpose(0, 1).reshape(B, comm.world * n, D), None
+
+
+class _SumOfCopies(torch.autograd.Function):
+    """Forward: this rank's slice t of a tensor that several ranks hold as copies (K/V heads with
+    more ranks than K/V heads), as it is. Backward: the sum of every copy's gradient, on each
+    copy's rank: each rank places its gradient at its slot (`slot` of `slots`) of a zero buffer,
+    one all_reduce(SUM), and each takes its slot back."""
+
+    @staticmethod
+    def forward(ctx, t, comm, slot: int, slots: int):
+        ctx.comm, ctx.slot, ctx.slots = comm, slot, slots
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        comm = ctx.comm
+        buf = torch.zeros((ctx.slots, *g.shape), dtype=torch.promote_types(g.dtype, torch.float32), device=g.device)
+        buf[ctx.slot] = g
+        if not _backward_fault(comm):
+            comm._run("bwd_allreduce", _all_reduce, 1, buf)
+        return buf[ctx.slot].to(g.dtype), None, None, None
+
+
+def copy_to_ranks(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    return _CopyToRanks.apply(x, comm)
+
+
+def sum_from_ranks(part: torch.Tensor, comm: Comm) -> torch.Tensor:
+    return _SumFromRanks.apply(part, comm)
+
+
+def gather_sequence(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    return _GatherSequence.apply(x, comm)
+
+
+def scatter_sequence(part: torch.Tensor, comm: Comm) -> torch.Tensor:
+    return _ScatterSequence.apply(part, comm)
+
+
+def sum_of_copies(t: torch.Tensor, comm: Comm, slot: int, slots: int) -> torch.Tensor:
+    return _SumOfCopies.apply(t, comm, slot, slots)
 
 
 def _all_reduce(t: torch.Tensor, group=None):

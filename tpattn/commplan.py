@@ -18,7 +18,10 @@ OUTPUT_COLLECTIVES = ("auto", "allreduce", "split", "p2p")  # head-parallel: how
 ROW_ALIGN = 128  # overlap chunks start at multiples of this (the fused kernel's row tile) when N allows
 # the collectives by label, as the report and the watch name them
 COLLECTIVES = {"allreduce": "all-reduce", "allgather": "all-gather", "reducescatter": "reduce-scatter",
-               "peer": "peer reduce-gather"}  # peer: --output-collective p2p, both collectives in one kernel
+               "peer": "peer reduce-gather",  # peer: --output-collective p2p, both collectives in one kernel
+               # the backward's (a training step): the duals of the forward's
+               "bwd_allreduce": "all-reduce (backward: dX)", "bwd_allgather": "all-gather (backward: dy)",
+               "bwd_reducescatter": "reduce-scatter (backward: dX)"}
 
 
 # ---- the plan ------------------------------------------------------------------------------------

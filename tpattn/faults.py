@@ -2,9 +2,10 @@
 
 TPATTN_DEBUG_INJECT_FAULT="RANK:STEP:MODE", e.g. "1:forward:raise".
   STEP: start (before the rendezvous), forward (inside the layer, before attention),
-        allreduce (in place of the layer's collective)
-  MODE: raise (an exception), kill (SIGKILL itself), hang (sleep forever), skip (allreduce only:
-        leave the collective out, so the other ranks wait for it until --timeout)
+        allreduce (in place of the layer's collective), backward (before a collective of the
+        layer's backward, tpattn/comm.py)
+  MODE: raise (an exception), kill (SIGKILL itself), hang (sleep forever), skip (allreduce and
+        backward: leave the collective out, so the other ranks wait for it until --timeout)
 The name is long on purpose: nobody sets it by accident. Never set it for a real run.
 """
 

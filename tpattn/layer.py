@@ -48,7 +48,8 @@ import torch.distributed as dist
 from . import faults, watch
 from .attention import Backend, get_backend, head_chunks
 from .comm import Comm, CommPlan, CollectiveError, check_style, make_plan  # noqa: F401 (CollectiveError re-exported)
-from .ops import add_bias, mm
+from .comm import copy_to_ranks, gather_sequence, scatter_sequence, sum_from_ranks, sum_of_copies
+from .ops import add_bias, bias_grad, linear, mm
 from .sharding import Shard
 from .timing import section
 from .weights import slice_heads
@@ -83,7 +84,10 @@ class TensorParallelAttention(torch.nn.Module):
     first ranks the larger blocks (tpattn.sharding.head_range). Only the ranks' load differs: the
     partial outputs are [B, N, D] on every rank, so the collectives are unchanged.
 
-    The forward has no backward yet: under autograd its output refuses .backward() with one line.
+    Training: under autograd the forward is differentiable (_forward_train): y.backward(dy) fills
+    x.grad (head-parallel: the whole dX on every rank; sequence parallel: this rank's block) and
+    each parameter's .grad with this rank's slice of the single-process gradient; full_grads()
+    assembles the whole gradients on every rank.
     """
 
     def __init__(self, wq, wk, wv, wo, bq=None, bk=None, bv=None, bo=None, *, heads: int, head_dim: int,
@@ -140,7 +144,8 @@ class TensorParallelAttention(torch.nn.Module):
     local_group = property(lambda self: self.local_heads // self.local_kv_heads)  # query heads per K/V head
     model_dim = property(lambda self: self.wqkv.shape[0])
     dtype = property(lambda self: self.wqkv.dtype)  # follows .to() / .half()
-    part_dtype = property(lambda self: torch.float32 if self.reduce_dtype == "fp32" else self.dtype)
+    part_dtype = property(lambda self: torch.promote_types(self.dtype, torch.float32) if self.reduce_dtype == "fp32"
+                          else self.dtype)  # fp32 partials (fp64 for an fp64 layer), or the model dtype
 
     def _cols(self, i: int) -> torch.Tensor:
         h, g, d = self.local_heads, self.local_kv_heads, self.head_dim
@@ -231,8 +236,10 @@ class TensorParallelAttention(torch.nn.Module):
         return self.plan(batch, seq_len).partial_bytes
 
     def collective_nbytes(self, batch: int, seq_len: int) -> dict[str, int]:
-        """Bytes of each collective one call runs (the whole tensor, nccl-tests' "size")."""
-        return self.plan(batch, seq_len).nbytes
+        """Bytes of each collective one call runs (the whole tensor, nccl-tests' "size"); one rank:
+        the all-reduce a wider world would run (the report shows its bytes, with no bandwidth)."""
+        p = self.plan(batch, seq_len)
+        return p.nbytes if p.collective != "none" else {"allreduce": p.partial_bytes}
 
     def shard_sequence(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's block of N/W rows of a full [B, N, D] tensor (sequence parallel's input).
@@ -253,18 +260,20 @@ class TensorParallelAttention(torch.nn.Module):
     # ---- forward -----------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """y = attention(x) over the ranks. Time its passes with `with tpattn.timing.recording(timer):`."""
+        """y = attention(x) over the ranks. Under autograd (grad enabled, and x or a parameter
+        requiring it) the differentiable path of a training step (_forward_train); else the
+        inference path (in place, overlapped, CUDA-graph capturable). Time its passes with
+        `with tpattn.timing.recording(timer):`."""
         if x.dim() != 3 or x.shape[-1] != self.model_dim:
             raise ValueError(f"input has shape {tuple(x.shape)}, the layer expects [B, N, {self.model_dim}]")
         faults.maybe_fail(self.rank, "forward")
         seq = self.sequence_parallel and self.world > 1  # with one rank both styles are the same
         B, n, _ = x.shape
         plan = self.plan(B, n * self.world if seq else n)
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+            return self._forward_train(x, plan)
         with torch.no_grad():
-            y = self._forward_sequence(x, plan) if seq else self._forward_heads(x, plan)
-        if torch.is_grad_enabled() and (x.requires_grad or self.wqkv.requires_grad):
-            y = _NoBackwardYet.apply(y, self.wqkv)
-        return y
+            return self._forward_sequence(x, plan) if seq else self._forward_heads(x, plan)
 
     def _forward_heads(self, x: torch.Tensor, plan: CommPlan) -> torch.Tensor:
         """Head-parallel: x [B, N, D] on every rank -> y [B, N, D] on every rank: copy -> QKV ->
@@ -325,6 +334,81 @@ class TensorParallelAttention(torch.nn.Module):
         comm.join(K)
         return add_bias(y.view(K, B, m, D).transpose(0, 1), self.bo,
                         out=torch.empty(B, K, m, D, dtype=self.dtype, device=x.device)).view(B, n, D)
+
+    # ---- the training step: the same math, differentiable ------------------------------------------
+
+    def _forward_train(self, x: torch.Tensor, plan: CommPlan) -> torch.Tensor:
+        """The forward under autograd: each collective is a pair of tpattn/comm.py whose backward is
+        its dual, the GEMMs and the attention backend's own backward fill the parameters' gradients.
+
+            head-parallel:   x ─ copy_to_ranks ─ QKV ─ attention ─ out proj ─ sum_from_ranks ─ + b_o
+                             dX ◀ all-reduce        (backward)                  identity ◀ dy
+            sequence:        x ─ gather_sequence ─ QKV ─ ... ─ out proj ─ scatter_sequence ─ + b_o
+                             dX ◀ reduce-scatter    (backward)              all-gather ◀ dy
+
+        The partials are summed as the plan's collective sums them in value (fp32 unless
+        reduce_dtype='model', b_o added once, rounded once); the row chunks of overlap are not used
+        here (overlap > 1 instead overlaps the all-reduce of dX with the weight-gradient GEMM)."""
+        comm, seq = self.comm, plan.collective == "sequence"
+        h, g, d = self.local_heads, self.local_kv_heads, self.head_dim
+        xf = gather_sequence(x, comm) if seq else x
+        B, N, D = xf.shape
+        w, b = self._train_qkv()
+        qkv = _ColumnParallelQKV.apply(xf.reshape(B * N, D), w, b, comm, not seq, self.overlap > 1)
+        q, k, v = (t.permute(0, 2, 1, 3) for t in qkv.view(B, N, h + 2 * g, d).split([h, g, g], dim=2))
+        o = self.backend.attention(q, k, v, self.causal)
+        part = linear(o.permute(0, 2, 1, 3).reshape(B * N, h * d), self.wo, None, self.part_dtype).view(B, N, D)
+        y = scatter_sequence(part, comm) if seq else sum_from_ranks(part, comm)
+        if self.bo is not None:  # sequence parallel: each rank adds b_o to its rows; its gradient sums them over the ranks
+            y = y + (copy_to_ranks(self.bo, comm) if seq else self.bo).to(y.dtype)
+        return y.to(self.dtype)
+
+    def _train_qkv(self):
+        """wqkv and bqkv as the training step uses them: where several ranks hold a K/V head as
+        copies (GQA with more ranks than K/V heads), its K/V columns through sum_of_copies, so that
+        each copy's gradient is the sum over every copy (the single-process gradient)."""
+        w, b = self.wqkv, self.bqkv
+        if self.world <= self.kv_heads:
+            return w, b
+        hd, slot, G = self.local_heads * self.head_dim, self.shard.kv_head_range.start, self.kv_heads
+        w = torch.cat([w[:, :hd], sum_of_copies(w[:, hd:], self.comm, slot, G)], dim=1)
+        if b is not None:
+            b = torch.cat([b[:hd], sum_of_copies(b[hd:], self.comm, slot, G)])
+        return w, b
+
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        """The whole gradients in from_full()'s layout (wq, wk, wv, wo, bq, bk, bv, bo; wk and wv with
+        G K/V heads), assembled on every rank from every rank's slices (a collective: call it on
+        every rank). K/V heads held by several ranks carry the sum of their copies' gradients."""
+        h, g, d = self.local_heads, self.local_kv_heads, self.head_dim
+        dt = torch.promote_types(self.dtype, torch.float32)  # fp32 (fp64 for an fp64 layer)
+        mine = {n: (p.grad.detach().to(dt).cpu() if p.grad is not None else None) for n, p in self.named_parameters()}
+        everyone = self.comm.all_gather_object((self.shard, mine), label="gradgather")
+        D, H, G = self.model_dim, self.heads, self.kv_heads
+        z = (lambda *shape: torch.zeros(*shape, dtype=dt))  # noqa: E731
+        out = {"wq": z(D, H * d), "wk": z(D, G * d), "wv": z(D, G * d), "wo": z(H * d, D), "bq": z(H * d),
+               "bk": z(G * d), "bv": z(G * d), "bo": None}
+        for shard, grads in everyone:
+            hr, kr = shard.head_range, shard.kv_head_range
+            cols = slice(hr.start * d, hr.stop * d)
+            kcols = slice(kr.start * d, kr.stop * d)
+            hl, gl = len(hr) * d, len(kr) * d
+            if grads["wqkv"] is not None:
+                out["wq"][:, cols] = grads["wqkv"][:, :hl]
+                out["wk"][:, kcols] = grads["wqkv"][:, hl:hl + gl]
+                out["wv"][:, kcols] = grads["wqkv"][:, hl + gl:]
+            if grads.get("bqkv") is not None:
+                out["bq"][cols] = grads["bqkv"][:hl]
+                out["bk"][kcols] = grads["bqkv"][hl:hl + gl]
+                out["bv"][kcols] = grads["bqkv"][hl + gl:]
+            if grads["wo"] is not None:
+                out["wo"][cols] = grads["wo"]
+            if grads.get("bo") is not None:
+                out["bo"] = grads["bo"]
+        if self.bqkv is None:
+            out["bq"] = out["bk"] = out["bv"] = None
+        dev = self.wqkv.device
+        return {k: None if t is None else t.to(dev) for k, t in out.items()}
 
     # ---- the local pieces, shared by both styles -----------------------------------------------
 
@@ -486,17 +570,31 @@ class _OutputSum:
         return self.y
 
 
-class _NoBackwardYet(torch.autograd.Function):
-    """The forward's output under autograd: its backward refuses with one line."""
+class _ColumnParallelQKV(torch.autograd.Function):
+    """The column-parallel QKV projection of a training step: qkv = x @ W_qkv (+ b_qkv) with this
+    rank's columns. Head-parallel (reduce_dx) it also holds copy_to_ranks's backward: dX = dQKV W_qkvᵀ
+    is this rank's share, all-reduced over the ranks; with overlap (a GPU, overlap > 1) that
+    all-reduce runs on the communication stream while dW = Xᵀ dQKV runs, as Megatron does."""
 
     @staticmethod
-    def forward(ctx, y, *_):
-        return y.view_as(y)
+    def forward(ctx, x2d, w, b, comm, reduce_dx: bool, overlap: bool):
+        ctx.save_for_backward(x2d, w)
+        ctx.comm, ctx.reduce_dx, ctx.overlap, ctx.bias_dtype = comm, reduce_dx, overlap, None if b is None else b.dtype
+        return mm(x2d, w, w.dtype, b)
 
     @staticmethod
-    def backward(ctx, *_):
-        raise RuntimeError("TensorParallelAttention has no backward pass yet; run it under torch.no_grad() "
-                           "(inference only)")
+    def backward(ctx, g):
+        x2d, w = ctx.saved_tensors
+        comm = ctx.comm
+        gm = g.to(w.dtype)
+        with section("bwd_dx_proj"):
+            dx = mm(gm, w.t(), x2d.dtype)
+        done = comm.copy_to_ranks_backward(dx, 2 if ctx.overlap else 1) if ctx.reduce_dx else None
+        with section("bwd_dw_proj"):
+            dw = mm(x2d.t(), gm, w.dtype) if ctx.needs_input_grad[1] else None
+            db = bias_grad(g, ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
+        comm.wait(done)
+        return dx, dw, db, None, None, None
 
 
 def _describe(state: dict) -> str:

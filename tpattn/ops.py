@@ -23,9 +23,10 @@ def mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias: torch.Ten
                 return torch.mm(a, b, out_dtype=torch.float32, out=out)
             except (TypeError, RuntimeError):  # a torch without the out= form of it
                 return out.copy_(torch.mm(a, b, out_dtype=torch.float32))
-    y = torch.mm(a.float(), b.float())
+    acc = torch.promote_types(a.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+    y = torch.mm(a.to(acc), b.to(acc))
     if bias is not None:
-        y += bias.float()
+        y += bias.to(acc)
     y = y.to(out_dtype)
     return out.copy_(y) if out is not None else y
 
@@ -38,3 +39,33 @@ def add_bias(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -
         return out.copy_(part)
     widens = part.dtype == torch.float32 and bias.dtype in (torch.float16, torch.bfloat16)
     return torch.add(part, bias if widens or bias.dtype == part.dtype else bias.to(part.dtype), out=out)
+
+
+class _Linear(torch.autograd.Function):
+    """y = a @ w (+ bias) rounded once to out_dtype (mm), differentiable: da = dy wᵀ and dw = aᵀ dy
+    in the inputs' dtypes (tensor cores on a GPU, fp32 accumulation), db = the column sums of dy."""
+
+    @staticmethod
+    def forward(ctx, a, w, bias, out_dtype):
+        ctx.save_for_backward(a, w)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return mm(a, w, out_dtype, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, w = ctx.saved_tensors
+        gm = g.to(w.dtype)
+        da = mm(gm, w.t(), a.dtype) if ctx.needs_input_grad[0] else None
+        dw = mm(a.t(), gm, w.dtype) if ctx.needs_input_grad[1] else None
+        db = bias_grad(g, ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
+        return da, dw, db, None
+
+
+def bias_grad(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The bias's gradient: dy summed over the rows, in fp32 (fp64 for fp64), in the bias's dtype."""
+    return g.to(torch.promote_types(g.dtype, torch.float32)).sum(0).to(dtype)
+
+
+def linear(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """mm(a, w, out_dtype, bias) under autograd."""
+    return _Linear.apply(a, w, bias, out_dtype)
