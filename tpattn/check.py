@@ -71,3 +71,15 @@ def compare(y: torch.Tensor, ref: torch.Tensor, tol: float, ulp_of=None) -> dict
     if ulp_of is not None:
         out["ulp_allowed"] = True
     return out
+
+
+def grads_float64(x, w: dict, dy, heads: int, causal: bool) -> tuple[torch.Tensor, dict]:
+    """(dX, {name: gradient}) of the whole layer in float64 (torch autograd over layer_float64 with
+    every row), from the (already rounded) weights, input and upstream gradient dy."""
+    dev = x.device
+    leaves = {k: v.to(dev, torch.float64).requires_grad_(True) for k, v in w.items()}
+    x64 = x.to(dev, torch.float64).requires_grad_(True)
+    with torch.enable_grad():
+        y = layer_float64(x64, leaves, heads, causal, torch.arange(x.shape[1]))
+        y.backward(dy.to(dev, torch.float64))
+    return x64.grad, {k: t.grad for k, t in leaves.items()}

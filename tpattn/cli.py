@@ -16,7 +16,7 @@ import torch
 from . import dist as tpdist
 from . import faults, watch
 from .attention import backend_names
-from .check import TOL_BASELINE, TOL_FLOAT64, compare, layer_float64, sample_rows
+from .check import TOL_BASELINE, TOL_FLOAT64, compare, grads_float64, layer_float64, sample_rows
 from .config import DEVICES, DIST_BACKENDS, DTYPES, OUTPUT_COLLECTIVES, REDUCE_DTYPES, Config, ConfigError, resolve, validate
 from .layer import WORLD, TensorParallelAttention
 from .memory import preflight
@@ -113,6 +113,10 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="compare with the single-process baseline and a float64 reference; FAIL exits 1 "
                         "(default on)")
+    m.add_argument("--backward", action="store_true", help="time and check a training step instead of the "
+                   "forward alone: forward and backward per pass (the attention backward, the dX collective, the "
+                   "weight-gradient GEMMs); checks x.grad and the full gradients against the single-process layer "
+                   "and float64, as the forward check does (not with --cuda-graph or --output-collective p2p)")
     m.add_argument("--json", metavar="PATH", help="also write the report as JSON (rank 0)")
     m.add_argument("--profile", metavar="PATH", help="write a torch.profiler trace of one extra iteration "
                    "(chrome trace JSON; rank r > 0 writes PATH.rank<r>)")
@@ -128,7 +132,7 @@ def parse(argv: list[str]) -> Config:
                   check=a.check, json=a.json, dist_backend=a.dist_backend, reduce_dtype=a.reduce_dtype,
                   sequence_parallel=a.sequence_parallel, overlap=a.overlap,
                   output_collective=a.output_collective, cuda_graph=a.cuda_graph,
-                  timeout=a.timeout, profile=a.profile, load=a.load)
+                  timeout=a.timeout, profile=a.profile, load=a.load, backward=a.backward)
 
 
 def _say(proc, msg: str, stream=sys.stderr) -> None:
@@ -243,9 +247,12 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
                                     uneven_heads=cfg.uneven_heads)
     x_in = layer.shard_sequence(x) if cfg.sequence_parallel else x  # sequence parallel: N/W rows each
     timer = Timer(device)
+    if cfg.backward:  # a training step: forward and backward, dy the same for any world size
+        dy = layer_input(cfg.batch, cfg.seq_len, cfg.model_dim, cfg.seed + 1, cfg.torch_dtype, device)
+        step = _TrainStep(layer, x_in, layer.shard_sequence(dy) if cfg.sequence_parallel else dy)
     for _ in range(cfg.warmup):
-        layer(x_in)
-    call = layer.graphed(x_in) if cfg.cuda_graph else (lambda: layer(x_in))
+        step() if cfg.backward else layer(x_in)
+    call = step if cfg.backward else layer.graphed(x_in) if cfg.cuda_graph else (lambda: layer(x_in))
     samples: dict[str, list[float]] = {}
     for _ in range(cfg.iters):
         # "total" and "host": the layer as a user calls it, no per-pass timing inside; back to back,
@@ -259,9 +266,13 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
             samples.setdefault(name, []).append(ms)
     for _ in range(0 if cfg.cuda_graph else cfg.iters):  # then the calls with an event pair around every pass
         with recording(timer):
-            y = layer(x_in)
+            y = step() if cfg.backward else layer(x_in)
         for name, ms in timer.collect().items():
             samples.setdefault(name, []).append(ms)
+    grads = None
+    if cfg.backward:  # every rank joins these collectives: the whole dX and the whole gradients
+        grads = {"x": layer.gather_sequence(step.x_grad) if cfg.sequence_parallel else step.x_grad,
+                 **layer.full_grads()}
     if cfg.sequence_parallel:
         y = layer.gather_sequence(y)  # the whole output, for the checks (every rank joins)
     if cfg.profile:
@@ -275,8 +286,11 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
         verdict = tpdist.wait_for(proc, "verdict", max(cfg.timeout, 3600.0), "verdict")["verdict"]
         return 0 if verdict != "FAIL" else EXIT_FAIL
     checks = _checks(cfg, proc, layer, w, x, y, device, loaded) if cfg.check else {}
+    if cfg.check and grads is not None:
+        checks.update(_grad_checks(cfg, proc, w, x, dy, grads, device, loaded))
     verdict = "FAIL" if any(not c["pass"] for c in checks.values()) else ("PASS" if checks else "NOT CHECKED")
-    rep = build(cfg, proc, device, everyone, layer.collective_nbytes(cfg.batch, cfg.seq_len), checks, verdict,
+    nbytes = layer.train_nbytes if cfg.backward else layer.collective_nbytes
+    rep = build(cfg, proc, device, everyone, nbytes(cfg.batch, cfg.seq_len), checks, verdict,
                 ["python", "-m", "tpattn", *argv])
     print(text(rep), flush=True)
     if cfg.json:
@@ -307,6 +321,64 @@ def _checks(cfg: Config, proc, layer, w, x, y, device, loaded) -> dict:
     checks["vs_float64"] = {**compare(y[:, rows.to(y.device)], ref, TOL_FLOAT64[cfg.dtype]),
                             "what": f"{len(rows)} of {cfg.seq_len} rows, all heads"}
     return checks
+
+
+class _TrainStep:
+    """One training step of the layer: a fresh leaf input, the forward under autograd, the
+    backward with dy; the parameters' gradients set to None first (each step's own)."""
+
+    def __init__(self, layer, x, dy):
+        self.layer, self.x, self.dy, self.x_grad = layer, x, dy, None
+
+    def __call__(self):
+        for p in self.layer.parameters():
+            p.grad = None
+        x = self.x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            y = self.layer(x)
+            y.backward(self.dy)
+        self.x_grad = x.grad
+        return y.detach()
+
+
+def _grad_checks(cfg: Config, proc, w, x, dy, grads: dict, device, loaded) -> dict:
+    """Rank 0: x.grad and the whole gradients against the single-process layer's (same weights,
+    same backend, one rank) and against float64 autograd of the layer."""
+    checks = {}
+    full = w if proc.world == 1 else _weights(cfg, range(cfg.heads), range(cfg.kv_heads), device, loaded)
+    names = ["x", *(k for k in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo") if k in full)]
+    if proc.world > 1:
+        base = TensorParallelAttention(**full, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                                       backend=cfg.kernel, causal=cfg.causal, group=None, reduce_dtype=cfg.reduce_dtype)
+        step = _TrainStep(base, x, dy)
+        step()
+        want = {"x": step.x_grad, **base.full_grads()}
+        worst = _worst_grad(grads, {k: t.double() for k, t in want.items() if t is not None}, names,
+                            TOL_BASELINE[cfg.dtype], cfg.torch_dtype)
+        checks["grads_vs_single_process"] = {**worst, "what": f"x.grad and {len(names) - 1} weight gradients, the "
+                                             f"worst ({worst['name']}); world {proc.world} vs 1"}
+        del base, step
+    dx64, g64 = grads_float64(x, full, dy, cfg.heads, cfg.causal)
+    g64["x"] = dx64
+    worst = _worst_grad(grads, g64, names, TOL_FLOAT64[cfg.dtype])
+    checks["grads_vs_float64"] = {**worst, "what": f"x.grad and {len(names) - 1} weight gradients, the worst "
+                                                  f"({worst['name']})"}
+    return checks
+
+
+def _worst_grad(got: dict, want: dict, names: list[str], tol: float, ulp_of=None) -> dict:
+    """compare() of every gradient; the failing one, else the one with the largest error. b_k's
+    gradient is 0 in exact arithmetic (the softmax does not change when every key's score moves by
+    the same q . b_k), so its computed value is rounding noise: it is held to tol x rms(b_q's gradient)."""
+    out = []
+    for k in names:
+        c = compare(got[k], want[k], tol, ulp_of=ulp_of)
+        if k == "bk" and "bq" in want:
+            scale = want["bq"].pow(2).mean().sqrt().item()
+            c["pass"] = c["finite"] and c["max_abs_err"] <= tol * scale
+            c["rel_err"] = c["max_abs_err"] / max(scale, 1e-30)
+        out.append({**c, "name": k})
+    return max(out, key=lambda c: (not c["pass"], c["rel_err"]))
 
 
 def _profile(cfg: Config, proc, layer, x) -> None:

@@ -49,6 +49,7 @@ class Config:
     overlap: int = 1                   # row chunks that pipeline the output projection and the collective
     output_collective: str = "auto"    # head-parallel: all-reduce, or reduce-scatter + all-gather ("split")
     cuda_graph: bool = False           # capture the whole layer in a CUDA graph and replay it
+    backward: bool = False             # time and check a training step (forward + backward) instead
     timeout: float = 300.0
     profile: str | None = None
     load: str | None = None            # full weights (and optionally x) from a torch.save'd dict
@@ -175,6 +176,13 @@ def check_parallel_style(cfg: Config, world: int) -> None:
         if cfg.device != "cuda" or cfg.dist_backend != "nccl":
             raise ConfigError("--output-collective p2p needs one GPU per rank (--device cuda, --dist-backend nccl: "
                               "it maps the other GPUs' memory); use auto, allreduce or split here")
+    if cfg.backward:
+        if cfg.cuda_graph:
+            raise ConfigError("--backward with --cuda-graph: the training step is not captured in a graph yet; "
+                              "drop one of them")
+        if cfg.output_collective == "p2p":
+            raise ConfigError("--backward sums the partial outputs with an all-reduce; drop --output-collective p2p "
+                              "(the peer kernel serves inference)")
     if cfg.cuda_graph:
         if cfg.device != "cuda":
             raise ConfigError("--cuda-graph needs --device cuda; drop it on CPU")

@@ -357,7 +357,7 @@ class TensorParallelAttention(torch.nn.Module):
         qkv = _ColumnParallelQKV.apply(xf.reshape(B * N, D), w, b, comm, not seq, self.overlap > 1)
         q, k, v = (t.permute(0, 2, 1, 3) for t in qkv.view(B, N, h + 2 * g, d).split([h, g, g], dim=2))
         o = self.backend.attention(q, k, v, self.causal)
-        part = linear(o.permute(0, 2, 1, 3).reshape(B * N, h * d), self.wo, None, self.part_dtype).view(B, N, D)
+        part = linear(o.permute(0, 2, 1, 3).reshape(B * N, h * d), self.wo, None, self.part_dtype, "out_proj").view(B, N, D)
         y = scatter_sequence(part, comm) if seq else sum_from_ranks(part, comm)
         if self.bo is not None:  # sequence parallel: each rank adds b_o to its rows; its gradient sums them over the ranks
             y = y + (copy_to_ranks(self.bo, comm) if seq else self.bo).to(y.dtype)
@@ -375,6 +375,17 @@ class TensorParallelAttention(torch.nn.Module):
         if b is not None:
             b = torch.cat([b[:hd], sum_of_copies(b[hd:], self.comm, slot, G)])
         return w, b
+
+    def train_nbytes(self, batch: int, seq_len: int) -> dict[str, int]:
+        """Bytes of each collective a training step runs (forward and backward; the whole tensor)."""
+        p = self.plan(batch, seq_len)
+        if p.collective == "none":
+            return {}
+        dx = p.batch * p.seq_len * p.model_dim * self.dtype.itemsize  # dX, in the input's dtype
+        if p.collective == "sequence":
+            return {"allgather": p.x_bytes, "reducescatter": p.partial_bytes, "bwd_allgather": p.partial_bytes,
+                    "bwd_reducescatter": dx}
+        return {"allreduce": p.partial_bytes, "bwd_allreduce": dx}
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """The whole gradients in from_full()'s layout (wq, wk, wv, wo, bq, bk, bv, bo; wk and wv with
@@ -580,7 +591,8 @@ class _ColumnParallelQKV(torch.autograd.Function):
     def forward(ctx, x2d, w, b, comm, reduce_dx: bool, overlap: bool):
         ctx.save_for_backward(x2d, w)
         ctx.comm, ctx.reduce_dx, ctx.overlap, ctx.bias_dtype = comm, reduce_dx, overlap, None if b is None else b.dtype
-        return mm(x2d, w, w.dtype, b)
+        with section("qkv_proj"):
+            return mm(x2d, w, w.dtype, b)
 
     @staticmethod
     def backward(ctx, g):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from .timing import section
+
 
 def mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
        out: torch.Tensor | None = None) -> torch.Tensor:
@@ -46,19 +48,21 @@ class _Linear(torch.autograd.Function):
     in the inputs' dtypes (tensor cores on a GPU, fp32 accumulation), db = the column sums of dy."""
 
     @staticmethod
-    def forward(ctx, a, w, bias, out_dtype):
+    def forward(ctx, a, w, bias, out_dtype, name):
         ctx.save_for_backward(a, w)
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return mm(a, w, out_dtype, bias)
+        ctx.bias_dtype, ctx.name = (None if bias is None else bias.dtype), name
+        with section(name):
+            return mm(a, w, out_dtype, bias)
 
     @staticmethod
     def backward(ctx, g):
         a, w = ctx.saved_tensors
         gm = g.to(w.dtype)
-        da = mm(gm, w.t(), a.dtype) if ctx.needs_input_grad[0] else None
-        dw = mm(a.t(), gm, w.dtype) if ctx.needs_input_grad[1] else None
-        db = bias_grad(g, ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
-        return da, dw, db, None
+        with section("bwd_" + ctx.name):
+            da = mm(gm, w.t(), a.dtype) if ctx.needs_input_grad[0] else None
+            dw = mm(a.t(), gm, w.dtype) if ctx.needs_input_grad[1] else None
+            db = bias_grad(g, ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
+        return da, dw, db, None, None
 
 
 def bias_grad(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -66,6 +70,7 @@ def bias_grad(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return g.to(torch.promote_types(g.dtype, torch.float32)).sum(0).to(dtype)
 
 
-def linear(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """mm(a, w, out_dtype, bias) under autograd."""
-    return _Linear.apply(a, w, bias, out_dtype)
+def linear(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+           name: str = "linear") -> torch.Tensor:
+    """mm(a, w, out_dtype, bias) under autograd, timed as `name` (its backward as bwd_`name`)."""
+    return _Linear.apply(a, w, bias, out_dtype, name)

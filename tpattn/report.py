@@ -16,6 +16,12 @@ from .sharding import describe_blocks, kv_replicated
 
 COMPUTE = ("qkv_proj", "qk", "softmax", "pv", "fused", "out_proj")  # fused: --kernel fused's one pass
 PASSES = (*COMPUTE, *COLLECTIVES, "total", "host")  # host: time for the call to return (work queued)
+# --backward adds the training step's own passes (attention, bwd_*): shown after these, in the order timed
+
+
+def is_compute(name: str) -> bool:
+    """A pass that computes (every timed pass but the collectives and the whole call's times)."""
+    return name not in COLLECTIVES and name not in ("total", "host")
 
 
 def versions() -> dict:
@@ -68,8 +74,9 @@ def collective_stats(stats: dict, nbytes: dict, world: int, dtype: dict, samples
         med = s.get("median", 0.0)
         by_call = bool(per_rank) and all(per_rank) and len({len(r) for r in per_rank}) == 1
         last = last_rank_ms(per_rank) if by_call else s.get("min", 0.0)
-        algbw, busbw = bus_bandwidth(n, med, world, name)
-        _, busbw_last = bus_bandwidth(n, last, world, name)
+        kind = name.removeprefix("bwd_")  # a backward collective: the forward's kind
+        algbw, busbw = bus_bandwidth(n, med, world, kind)
+        _, busbw_last = bus_bandwidth(n, last, world, kind)
         out[name] = {"bytes": n, "dtype": dtype[name], "median_ms": med, "last_rank_ms": last,
                      "last_rank_from": "calls" if by_call else "rank medians",
                      "algbw_GBps": algbw, "busbw_GBps": busbw, "busbw_last_rank_GBps": busbw_last}
@@ -82,12 +89,12 @@ def exposure(rank_reports: list[dict]) -> dict | None:
     exposed, comm = [], []
     for r in rank_reports:
         p = r["passes"]
-        if "total" not in p or not any(c in p for c in COMPUTE):
+        if "total" not in p or not any(is_compute(c) for c in p):
             return None
         coll = sum(p[c]["median"] for c in COLLECTIVES if c in p)
         if not coll:
             return None
-        busy = sum(p[c]["median"] for c in COMPUTE if c in p)
+        busy = sum(s["median"] for c, s in p.items() if is_compute(c))
         exposed.append(max(0.0, p["total"]["median"] - busy))
         comm.append(coll)
     e, c = statistics.median(exposed), statistics.median(comm)
@@ -115,7 +122,7 @@ def balance(rank_reports: list[dict], heads: list[int]) -> dict | None:
     times (a CUDA graph) or with one rank."""
     if len(rank_reports) < 2:
         return None
-    compute = [sum(r["passes"][c]["median"] for c in COMPUTE if c in r["passes"]) for r in rank_reports]
+    compute = [sum(s["median"] for c, s in r["passes"].items() if is_compute(c)) for r in rank_reports]
     if not all(compute):
         return None
     mean = statistics.fmean(compute)
@@ -128,7 +135,8 @@ def balance(rank_reports: list[dict], heads: list[int]) -> dict | None:
 def across_ranks(rank_reports: list[dict]) -> dict:
     """Per pass: min, median and max over ranks of each rank's median over iterations."""
     out = {}
-    for p in PASSES:
+    extra = [p for r in rank_reports for p in r["passes"] if p not in PASSES]
+    for p in (*PASSES, *dict.fromkeys(extra)):
         meds = [r["passes"][p]["median"] for r in rank_reports if p in r["passes"]]
         if meds:
             out[p] = {"min": min(meds), "median": statistics.median(meds), "max": max(meds)}
@@ -141,7 +149,8 @@ def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, c
     stats = across_ranks(rank_reports)
     model = cfg.dtype
     part = "fp32" if cfg.reduce_dtype == "fp32" else model
-    dtypes = {"allreduce": part, "allgather": model, "reducescatter": part, "peer": f"{part} in, {model} out"}
+    dtypes = {"allreduce": part, "allgather": model, "reducescatter": part, "peer": f"{part} in, {model} out",
+              "bwd_allreduce": model, "bwd_allgather": part, "bwd_reducescatter": model}  # dX, dy, dX
     samples = {k: [r.get("collective_samples", {}).get(k, []) for r in rank_reports] for k in collective_bytes}
     colls = collective_stats(stats, collective_bytes, world, dtypes, samples) if proc.distributed else {}
     heads = [heads_per_rank(cfg, world, r) for r in range(world)]  # rank 0 holds the most

@@ -68,21 +68,27 @@ def _profiling() -> bool:
 
 
 _current: ContextVar["Timer | None"] = ContextVar("tpattn_timer", default=None)
+# the timer of the innermost recording() on any thread: autograd runs a backward on threads of its
+# own, which the context variable does not reach
+_shared: list = [None]
 
 
 @contextmanager
 def recording(timer: "Timer | None"):
-    """Make `timer` the one that section() times on, for the enclosed calls (None: time nothing)."""
-    token = _current.set(timer)
+    """Make `timer` the one that section() times on, for the enclosed calls and for the backward
+    passes they start (None: time nothing)."""
+    token, prev = _current.set(timer), _shared[0]
+    _shared[0] = timer
     try:
         yield timer
     finally:
         _current.reset(token)
+        _shared[0] = prev
 
 
 def section(name: str):
     """The current timer's section(name), or nothing when no timer is recording."""
-    timer = _current.get()
+    timer = _current.get() or _shared[0]
     return nullcontext() if timer is None else timer.section(name)
 
 

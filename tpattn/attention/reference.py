@@ -56,10 +56,15 @@ class ReferenceBackend(Backend):
     def attention(self, q, k, v, causal: bool, deterministic: bool = False):
         """The same math as forward(), in torch ops that autograd differentiates (fp32 inside, or
         fp64 for fp64 inputs; the storage dtype at the same rounding points: S, P and O rounded)."""
-        b, h, n, d = q.shape
         group = kv_group(q, k, v)
-        dtype, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)
-        g = k.shape[1]
+        acc = torch.promote_types(q.dtype, torch.float32)
+        with section("attention"):
+            return self._attention(q, k, v, causal, group, acc)
+
+    @staticmethod
+    def _attention(q, k, v, causal, group, acc):
+        b, h, n, d = q.shape
+        dtype, g = q.dtype, k.shape[1]
         qf = q.to(acc).reshape(b, g, group, n, d)
         s = torch.matmul(qf, k.to(acc).unsqueeze(2).transpose(-1, -2)) * (1.0 / math.sqrt(d))
         if causal:
