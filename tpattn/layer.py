@@ -49,6 +49,8 @@ from . import faults, watch
 from .attention import Backend, get_backend, head_chunks
 from .comm import Comm, CommPlan, CollectiveError, check_style, make_plan  # noqa: F401 (CollectiveError re-exported)
 from .comm import copy_to_ranks, gather_sequence, scatter_sequence, sum_from_ranks, sum_of_copies
+from .decode import KVCache, apply_rope, attend, rope_tables
+from .errors import ConfigError
 from .ops import add_bias, bias_grad, linear, mm
 from .sharding import Shard
 from .timing import section
@@ -94,7 +96,7 @@ class TensorParallelAttention(torch.nn.Module):
                  backend: str | Backend = "reference", causal: bool = False, group=WORLD,
                  reduce_dtype: str = "fp32", head_chunk: int | None = None, sequence_parallel: bool = False,
                  overlap: int = 1, output_collective: str = "auto", kv_heads: int | None = None,
-                 uneven_heads: bool = False):
+                 uneven_heads: bool = False, rope_theta: float | None = None, rope_interleaved: bool = False):
         super().__init__()
         self.group, rank, world = _resolve_group(group)
         self.shard = Shard.of(heads, heads if kv_heads is None else kv_heads, world, rank, uneven_heads)
@@ -117,6 +119,10 @@ class TensorParallelAttention(torch.nn.Module):
         self.sequence_parallel = sequence_parallel
         self.overlap = overlap
         self.output_collective = output_collective
+        if rope_theta is not None and (rope_theta <= 0 or head_dim % 2):
+            raise ValueError(f"rope_theta={rope_theta} with head_dim={head_dim}: rotary positions need a positive "
+                             "theta and an even head dim")
+        self.rope_theta, self.rope_interleaved = rope_theta, rope_interleaved
         # Q, K and V columns packed once, so the projection is one GEMM (bias fused into it): its
         # output rows are [h query heads | g K heads | g V heads] x d. Copies: training this layer
         # never writes into the caller's tensors.
@@ -216,6 +222,19 @@ class TensorParallelAttention(torch.nn.Module):
         return cls.from_full(w[:e].T, w[e:2 * e].T, w[2 * e:].T, mha.out_proj.weight.detach().T,
                              bq, bk, bv, ob, heads=mha.num_heads, **kw)
 
+    @classmethod
+    def from_hf_llama(cls, attn, **kw) -> "TensorParallelAttention":
+        """From a transformers LlamaAttention: its q/k/v/o projections, heads, K/V heads, head dim
+        and rope theta (from its config), causal. Keyword arguments go to the constructor."""
+        cfg = attn.config
+        rp = getattr(cfg, "rope_parameters", None) or {}
+        kind = rp.get("rope_type", getattr(cfg, "rope_scaling", None) and cfg.rope_scaling.get("rope_type"))
+        if kind not in (None, "default"):
+            raise ValueError(f"rope_type {kind!r} (scaled rotary positions) is not supported; only the default one")
+        theta = rp.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        return cls.from_linears(attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, heads=cfg.num_attention_heads,
+                                kv_heads=cfg.num_key_value_heads, causal=True, rope_theta=theta, **kw)
+
     # ---- the plan: what a call communicates, decided before it does -------------------------
 
     def plan(self, batch: int, seq_len: int) -> CommPlan:
@@ -259,14 +278,18 @@ class TensorParallelAttention(torch.nn.Module):
 
     # ---- forward -----------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """y = attention(x) over the ranks. Under autograd (grad enabled, and x or a parameter
         requiring it) the differentiable path of a training step (_forward_train); else the
-        inference path (in place, overlapped, CUDA-graph capturable). Time its passes with
-        `with tpattn.timing.recording(timer):`."""
+        inference path (in place, overlapped, CUDA-graph capturable). With a cache (new_cache): x's
+        rows are appended to it and attend causally over everything in it (a prefill, or a decode
+        step of one row; tpattn/decode.py). Time its passes with `with tpattn.timing.recording(timer):`."""
         if x.dim() != 3 or x.shape[-1] != self.model_dim:
             raise ValueError(f"input has shape {tuple(x.shape)}, the layer expects [B, N, {self.model_dim}]")
         faults.maybe_fail(self.rank, "forward")
+        if cache is not None:
+            with torch.no_grad():
+                return self._forward_cached(x, cache)
         seq = self.sequence_parallel and self.world > 1  # with one rank both styles are the same
         B, n, _ = x.shape
         plan = self.plan(B, n * self.world if seq else n)
@@ -286,6 +309,7 @@ class TensorParallelAttention(torch.nn.Module):
         with section("qkv_proj"):
             qkv = mm(x.reshape(B * N, D), self.wqkv, self.dtype, self.bqkv)   # [B*N, (h+2g)*d]
             q, k, v = self._split_heads(qkv.view(B, N, -1, d))                # [B, h|g|g, N, d]
+            q, k = self._rope(q, k, 0)
         o_rows = torch.empty(B, N, h, d, dtype=self.dtype, device=x.device)   # the output GEMM's rows
         o = o_rows.permute(0, 2, 1, 3)                                      # seen as [B, h, N, d]
         align = self.backend.row_chunks
@@ -322,6 +346,7 @@ class TensorParallelAttention(torch.nn.Module):
         with section("qkv_proj"):  # rows (c, w, b, i) -> sequence position w*n + c*m + i (a view if K=B=1)
             q, k, v = self._split_heads(qkv.view(K, W, B, m, h + 2 * g, d).permute(2, 1, 0, 3, 4, 5)
                                         .reshape(B, W * n, h + 2 * g, d))
+            q, k = self._rope(q, k, 0)
         o_rows = torch.empty(B, W, K, m, h * d, dtype=self.dtype, device=x.device)
         self._attention(q, k, v, o_rows.view(B, W * n, h, d).permute(0, 2, 1, 3))
         partial = torch.empty(K, W * B * m, D, dtype=self.part_dtype, device=x.device)
@@ -334,6 +359,56 @@ class TensorParallelAttention(torch.nn.Module):
         comm.join(K)
         return add_bias(y.view(K, B, m, D).transpose(0, 1), self.bo,
                         out=torch.empty(B, K, m, D, dtype=self.dtype, device=x.device)).view(B, n, D)
+
+    # ---- decoding: a KV cache of this rank's K/V heads (tpattn/decode.py) ----------------------------
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """A KV cache for `batch` sequences of up to `max_len` positions: K and V of this rank's
+        K/V heads, [B, g, max_len, d] each, on the layer's device and dtype."""
+        if batch < 1 or max_len < 1:
+            raise ConfigError(f"new_cache needs batch >= 1 and max_len >= 1 (got {batch}, {max_len})")
+        shape = (batch, self.local_kv_heads, max_len, self.head_dim)
+        dev = self.wqkv.device
+        return KVCache(torch.zeros(shape, dtype=self.dtype, device=dev), torch.zeros(shape, dtype=self.dtype, device=dev),
+                       owner=self._cache_owner(), layer_id=id(self))
+
+    def _cache_owner(self) -> tuple:
+        return (self.shard, self.head_dim, self.dtype)
+
+    def _rope(self, q: torch.Tensor, k: torch.Tensor, start: int):
+        """q and k rotated by their positions start, start + 1, ... (rope_theta; else as they are)."""
+        if self.rope_theta is None:
+            return q, k
+        cos, sin = rope_tables(torch.arange(start, start + q.shape[2], device=q.device), self.head_dim, self.rope_theta)
+        return (apply_rope(q, cos, sin, self.rope_interleaved), apply_rope(k, cos, sin, self.rope_interleaved))
+
+    def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """x [B, T, D] on every rank: QKV of its T rows, rotary positions from the cache's length,
+        K and V appended, attention of the T queries over the whole cache (causal), the output
+        projection and the plan's collective of B x T x D values."""
+        if self.sequence_parallel and self.world > 1:
+            raise ConfigError("a KV cache decodes head-parallel: build the layer without sequence_parallel to decode")
+        if not self.causal:
+            raise ConfigError("a KV cache decodes causally: build the layer with causal=True to decode")
+        B, T, D = x.shape
+        cache.check(id(self), self._cache_owner(), B, T)
+        h, g, d = self.local_heads, self.local_kv_heads, self.head_dim
+        L0 = cache.length
+        plan = make_plan(B, T, D, self.world, elem=self.dtype.itemsize, part_elem=self.part_dtype.itemsize,
+                         output_collective=self.output_collective)
+        with section("qkv_proj"):
+            qkv = mm(x.reshape(B * T, D), self.wqkv, self.dtype, self.bqkv)
+            q, k, v = (t.permute(0, 2, 1, 3) for t in qkv.view(B, T, h + 2 * g, d).split([h, g, g], dim=2))
+            q, k = self._rope(q, k, L0)
+        with section("cache_append"):
+            cache.k[:, :, L0:L0 + T] = k
+            cache.v[:, :, L0:L0 + T] = v
+            cache.length = L0 + T
+        with section("attention"):
+            o = attend(q, cache.k[:, :, :L0 + T], cache.v[:, :, :L0 + T], L0)
+        total = _OutputSum(self, plan, x.device)
+        total.add_rows(0, T, o.permute(0, 2, 1, 3).reshape(B * T, h * d))
+        return total.result()
 
     # ---- the training step: the same math, differentiable ------------------------------------------
 
@@ -356,6 +431,7 @@ class TensorParallelAttention(torch.nn.Module):
         w, b = self._train_qkv()
         qkv = _ColumnParallelQKV.apply(xf.reshape(B * N, D), w, b, comm, not seq, self.overlap > 1)
         q, k, v = (t.permute(0, 2, 1, 3) for t in qkv.view(B, N, h + 2 * g, d).split([h, g, g], dim=2))
+        q, k = self._rope(q, k, 0)
         o = self.backend.attention(q, k, v, self.causal)
         part = linear(o.permute(0, 2, 1, 3).reshape(B * N, h * d), self.wo, None, self.part_dtype, "out_proj").view(B, N, D)
         y = scatter_sequence(part, comm) if seq else sum_from_ranks(part, comm)

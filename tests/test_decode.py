@@ -1,0 +1,71 @@
+"""Decoding through the layer: a KV cache of this rank's K/V heads, rotary positions, a Llama
+attention from transformers tensor-parallel (prefill then token-by-token decode against the
+module's own output, W = 1, 2, 4 under a real mpirun on CPU), and the one-line refusals."""
+
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, mpirun_cmd, run
+from tpattn.decode import apply_rope, rope_tables
+from tpattn.errors import ConfigError
+from tpattn.layer import TensorParallelAttention
+
+pytest.importorskip("transformers", reason="the decode tests need transformers (the test extra installs it)")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("world,ran", [(1, 4), (2, 4), (4, 4)])
+def test_llama_attention_prefill_and_decode_match_transformers(world, ran):
+    r = run(mpirun_cmd(world) + [sys.executable, str(ROOT / "tests" / "mpi_decode_check.py")], timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count(f"DECODE PASS") == world and f"ran {ran}:" in r.stdout, r.stdout + r.stderr
+
+
+def test_rope_conventions():
+    """Halves (Hugging Face) and interleaved (Meta) rotate the same pairs, laid out differently; a
+    rotation keeps each pair's norm; position 0 is the identity."""
+    t = torch.randn(1, 2, 5, 8)
+    cos, sin = rope_tables(torch.arange(5), 8, 100.0)
+    halves = apply_rope(t, cos, sin)
+    perm = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])  # halves layout -> interleaved layout
+    inter = apply_rope(t[..., perm], cos, sin, interleaved=True)
+    assert torch.allclose(inter, halves[..., perm], atol=1e-6)
+    assert torch.allclose(halves[:, :, 0], t[:, :, 0]) and torch.allclose(halves.norm(dim=-1), t.norm(dim=-1), atol=1e-5)
+
+
+def _layer(**kw):
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+    return TensorParallelAttention.from_multihead_attention(mha, causal=True, rope_theta=10000.0, **kw)
+
+
+def test_decode_matches_the_full_forward_and_says_what_it_holds():
+    layer = _layer()
+    x = torch.randn(3, 12, 32)
+    with torch.no_grad():
+        full = layer(x)
+        cache = layer.new_cache(3, 16)
+        y = torch.cat([layer(x[:, :8], cache=cache), *(layer(x[:, i:i + 1], cache=cache) for i in range(8, 12))], 1)
+    assert torch.allclose(y, full, atol=1e-5)
+    assert cache.length == 12 and cache.nbytes() == 2 * 3 * 4 * 16 * 8 * 4
+
+
+def test_decode_refusals():
+    layer = _layer()
+    cache = layer.new_cache(2, 4)
+    with torch.no_grad():
+        layer(torch.randn(2, 3, 32), cache=cache)
+        with pytest.raises(ConfigError, match=r"max_len=4 positions, 3 filled: this call appends 2 more"):
+            layer(torch.randn(2, 2, 32), cache=cache)
+        with pytest.raises(ConfigError, match="the cache holds 2 sequences but the input has 1"):
+            layer(torch.randn(1, 1, 32), cache=cache)
+        with pytest.raises(ConfigError, match="this cache belongs to another layer"):
+            _layer()(torch.randn(2, 1, 32), cache=cache)
+        with pytest.raises(ConfigError, match="decodes causally"):
+            TensorParallelAttention.from_multihead_attention(torch.nn.MultiheadAttention(32, 4, batch_first=True))(
+                torch.randn(2, 1, 32), cache=layer.new_cache(2, 4))
+    with pytest.raises(ValueError, match="rotary positions need a positive theta and an even head dim"):
+        TensorParallelAttention.from_multihead_attention(torch.nn.MultiheadAttention(12, 4, batch_first=True),
+                                                         rope_theta=10000.0)
