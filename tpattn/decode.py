@@ -19,7 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, cupy_available
+
+DEC_SOURCE = "decode_attention.cu"
+DEC_HEAD_DIMS = (64, 128)
 
 
 @dataclass
@@ -92,3 +95,43 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> to
                           float("-inf"))
     p = torch.softmax(s.to(dtype).float(), dim=-1).to(dtype)
     return torch.matmul(p.float(), v.float().unsqueeze(2)).to(dtype).view(B, h, T, d)
+
+
+def decode_splits(bg: int, length: int, sms: int) -> int:
+    """How many chunks the cache length is split into: enough blocks for two per SM, chunks of at
+    least 64 keys."""
+    return max(1, min(-(-2 * sms // bg), -(-length // 64)))
+
+
+def decode_kernel_fits(q: torch.Tensor) -> bool:
+    """Whether kernels/decode_attention.cu takes q (else attend's torch math runs)."""
+    return (q.is_cuda and q.shape[-1] in DEC_HEAD_DIMS and q.dtype in (torch.float16, torch.bfloat16)
+            and cupy_available())
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int) -> torch.Tensor:
+    """The attention of one query row per sequence, q [B, h, 1, d] at position length - 1, over the
+    first `length` positions of the cache k, v [B, g, max_len, d] (contiguous): the split-K kernel
+    (kernels/decode_attention.cu) on a GPU, else attend()."""
+    B, h, T, d = q.shape
+    if T != 1 or not decode_kernel_fits(q) or not (k.is_contiguous() and v.is_contiguous()):
+        return attend(q, k[:, :, :length], v[:, :, :length], length - T)
+    import numpy as np
+
+    from .cuda import GRID_YZ_MAX, launch, ptr
+    g, lmax = k.shape[1], k.shape[2]
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    S = decode_splits(B * g, length, sms)
+    chunk = -(-length // S)
+    S = -(-length // chunk)
+    suf = "f16" if q.dtype == torch.float16 else "bf16"
+    q = q.contiguous()
+    op = torch.empty(B, h, S, d, dtype=torch.float32, device=q.device)
+    lp = torch.empty(B, h, S, dtype=torch.float32, device=q.device)
+    o = torch.empty_like(q)
+    launch(DEC_SOURCE, f"dec_split_{suf}_d{d}", q.device, (S, min(B * g, GRID_YZ_MAX), 1), (128, 1, 1),
+           (ptr(q), ptr(k), ptr(v), ptr(op), ptr(lp), np.int32(B * g), np.int32(g), np.int32(h // g),
+            np.int32(length), np.int32(lmax), np.int32(S), np.int32(chunk), np.float32(math.log2(math.e) / math.sqrt(d))))
+    launch(DEC_SOURCE, f"dec_combine_{suf}_d{d}", q.device, (-(-B * h // 8), 1, 1), (256, 1, 1),
+           (ptr(op), ptr(lp), ptr(o), np.uint64(0), np.int64(B * h), np.int32(S)))
+    return o

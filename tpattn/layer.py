@@ -49,7 +49,7 @@ from . import faults, watch
 from .attention import Backend, get_backend, head_chunks
 from .comm import Comm, CommPlan, CollectiveError, check_style, make_plan  # noqa: F401 (CollectiveError re-exported)
 from .comm import copy_to_ranks, gather_sequence, scatter_sequence, sum_from_ranks, sum_of_copies
-from .decode import KVCache, apply_rope, attend, rope_tables
+from .decode import KVCache, apply_rope, decode_attention, rope_tables
 from .errors import ConfigError
 from .ops import add_bias, bias_grad, linear, mm
 from .sharding import Shard
@@ -404,8 +404,8 @@ class TensorParallelAttention(torch.nn.Module):
             cache.k[:, :, L0:L0 + T] = k
             cache.v[:, :, L0:L0 + T] = v
             cache.length = L0 + T
-        with section("attention"):
-            o = attend(q, cache.k[:, :, :L0 + T], cache.v[:, :, :L0 + T], L0)
+        with section("attention"):  # one row: the split-K decode kernel on a GPU; a prefill: attend's math
+            o = decode_attention(q, cache.k, cache.v, L0 + T)
         total = _OutputSum(self, plan, x.device)
         total.add_rows(0, T, o.permute(0, 2, 1, 3).reshape(B * T, h * d))
         return total.result()
