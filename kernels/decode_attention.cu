@@ -15,8 +15,10 @@
 //               8 (or 4) output columns per lane; then the groups' partials are merged through
 //               shared memory and written: Op [B, H, S, D] fp32, Lp [B, H, S] fp32 (log2 units).
 //   dec_combine one warp per (b, h): the S partials into O [B, H, D] (storage dtype).
-// Heads of a group beyond GQ_MAX = 8 are done in further passes over the chunk (multi-query
-// attention with many heads re-reads K and V from L2).
+// The kernel is built for GQ = 1, 2, 4 and 8 query heads at a time (registers per head: its q
+// and its output columns); a group of more heads than 8 is done in passes of 8 over the chunk
+// (multi-query attention with many heads re-reads K and V from L2). Each group of lanes keeps
+// DEC_UNROLL keys' loads in flight.
 //
 // Layout: Q [B, H, D] (one row per sequence), K, V [B, G, LMAX, D] contiguous (the cache), the first
 // L positions valid. 16-bit storage (fp16 or bf16), fp32 accumulation, D = 64 or 128. Offsets that
@@ -24,8 +26,8 @@
 
 #include "tc_common.cuh"
 
-#define DEC_GQ_MAX 8
 #define DEC_THREADS 128
+#define DEC_UNROLL 4
 
 template <bool BF16>
 __device__ __forceinline__ void dec_load8(const tc_u16 *p, float (&x)[8]) {
@@ -36,68 +38,73 @@ __device__ __forceinline__ void dec_load8(const tc_u16 *p, float (&x)[8]) {
     tc_unpack<BF16>(v.w, x[6], x[7]);
 }
 
-template <int D, bool BF16>
+template <int D, int GQ, bool BF16>
 __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
                                           const tc_u16 *__restrict__ V, float *__restrict__ Op,
                                           float *__restrict__ Lp, int BG, int G, int group, int L, int LMAX,
                                           int S, int chunk, float scale_log2) {
     constexpr int LANES = D / 8;                  // lanes per key (8 elements each)
-    constexpr int NGRP = DEC_THREADS / LANES;     // keys in flight per block
-    __shared__ float sm[NGRP][DEC_GQ_MAX], sl[NGRP][DEC_GQ_MAX];
-    __shared__ float so[NGRP][DEC_GQ_MAX][D];
+    constexpr int NGRP = DEC_THREADS / LANES;     // key groups per block
+    constexpr int U = DEC_UNROLL;                 // keys per group in flight (their loads issued first)
+    __shared__ float sm[NGRP][GQ], sl[NGRP][GQ];
+    __shared__ float so[NGRP][GQ][D];
     const int tid = threadIdx.x, grp = tid / LANES, lane = tid % LANES;
     const int s = blockIdx.x, k0 = s * chunk, k1 = min(L, k0 + chunk);
     for (int bg = blockIdx.y; bg < BG; bg += gridDim.y) {
         const int b = bg / G, g = bg - b * G;
         const long long kv = (long long)bg * LMAX * D;
-        for (int h0 = 0; h0 < group; h0 += DEC_GQ_MAX) {
-            const int nh = min(DEC_GQ_MAX, group - h0);
-            float q[DEC_GQ_MAX][8], o[DEC_GQ_MAX][8], m[DEC_GQ_MAX], l[DEC_GQ_MAX];
+        for (int h0 = 0; h0 < group; h0 += GQ) {  // GQ heads of the group at a time
+            const int nh = min(GQ, group - h0);
+            float q[GQ][8], o[GQ][8], m[GQ], l[GQ];
 #pragma unroll
-            for (int i = 0; i < DEC_GQ_MAX; ++i) {
+            for (int i = 0; i < GQ; ++i) {
                 m[i] = TC_NEG_INF;
                 l[i] = 0.0f;
 #pragma unroll
-                for (int e = 0; e < 8; ++e) o[i][e] = 0.0f;
+                for (int e = 0; e < 8; ++e) o[i][e] = q[i][e] = 0.0f;
                 if (i < nh) {
                     const long long bh = (long long)b * G * group + (long long)g * group + h0 + i;
                     dec_load8<BF16>(Q + bh * D + lane * 8, q[i]);
                 }
             }
-            // every lane runs every iteration (the shuffles need the whole warp); a group past the
-            // chunk's end loads nothing and keeps its state
-            for (int base = k0; base < k1; base += NGRP) {
-                const int key = base + grp;
-                const bool ok = key < k1;
-                float kx[8], vx[8];
-                if (ok) {
-                    dec_load8<BF16>(K + kv + (long long)key * D + lane * 8, kx);
-                    dec_load8<BF16>(V + kv + (long long)key * D + lane * 8, vx);
-                } else {
+            // every lane runs every iteration (the shuffles need the whole warp); a key past the
+            // chunk's end loads nothing and leaves the state as it is
+            for (int base = k0; base < k1; base += U * NGRP) {
+                float kx[U][8], vx[U][8];
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) kx[e] = vx[e] = 0.0f;
+                for (int u = 0; u < U; ++u) {
+                    const int key = base + u * NGRP + grp;
+                    if (key < k1) {
+                        dec_load8<BF16>(K + kv + (long long)key * D + lane * 8, kx[u]);
+                        dec_load8<BF16>(V + kv + (long long)key * D + lane * 8, vx[u]);
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) kx[u][e] = vx[u][e] = 0.0f;
+                    }
                 }
 #pragma unroll
-                for (int i = 0; i < DEC_GQ_MAX; ++i) {
-                    if (i >= nh) break;
-                    float dot = 0.0f;
+                for (int u = 0; u < U; ++u) {
+                    const bool ok = base + u * NGRP + grp < k1;
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) dot = fmaf(q[i][e], kx[e], dot);
+                    for (int i = 0; i < GQ; ++i) {
+                        float dot = 0.0f;
 #pragma unroll
-                    for (int w = LANES / 2; w > 0; w >>= 1) dot += tc_shfl_xor(dot, w);
-                    if (!ok) continue;
-                    const float sc = dot * scale_log2, mn = fmaxf(m[i], sc);
-                    const float a = tc_exp2(m[i] - mn), p = tc_exp2(sc - mn);
-                    m[i] = mn;
-                    l[i] = l[i] * a + p;
+                        for (int e = 0; e < 8; ++e) dot = fmaf(q[i][e], kx[u][e], dot);
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) o[i][e] = fmaf(o[i][e], a, p * vx[e]);
+                        for (int w = LANES / 2; w > 0; w >>= 1) dot += tc_shfl_xor(dot, w);
+                        if (!ok || i >= nh) continue;
+                        const float sc = dot * scale_log2, mn = fmaxf(m[i], sc);
+                        const float a = tc_exp2(m[i] - mn), p = tc_exp2(sc - mn);
+                        m[i] = mn;
+                        l[i] = l[i] * a + p;
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) o[i][e] = fmaf(o[i][e], a, p * vx[u][e]);
+                    }
                 }
             }
             // merge the NGRP groups' partials (every lane of a group holds the same m and l)
 #pragma unroll
-            for (int i = 0; i < DEC_GQ_MAX; ++i) {
-                if (i >= nh) break;
+            for (int i = 0; i < GQ; ++i) {
                 if (lane == 0) sm[grp][i] = m[i], sl[grp][i] = l[i];
 #pragma unroll
                 for (int e = 0; e < 8; ++e) so[grp][i][lane * 8 + e] = o[i][e];
@@ -152,13 +159,15 @@ __device__ __forceinline__ void dec_combine(const float *__restrict__ Op, const 
     }
 }
 
-#define DEC_DEFINE(SUF, BF16, D)                                                                        \
-    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_split_##SUF##_d##D(                  \
+#define DEC_SPLIT(SUF, BF16, D, GQ)                                                                     \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_split_##SUF##_d##D##_g##GQ(          \
         const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,      \
         float *__restrict__ Op, float *__restrict__ Lp, int BG, int G, int group, int L, int LMAX, int S, \
         int chunk, float scale_log2) {                                                                  \
-        dec_split<D, BF16>(Q, K, V, Op, Lp, BG, G, group, L, LMAX, S, chunk, scale_log2);               \
-    }                                                                                                   \
+        dec_split<D, GQ, BF16>(Q, K, V, Op, Lp, BG, G, group, L, LMAX, S, chunk, scale_log2);           \
+    }
+#define DEC_DEFINE(SUF, BF16, D)                                                                        \
+    DEC_SPLIT(SUF, BF16, D, 1) DEC_SPLIT(SUF, BF16, D, 2) DEC_SPLIT(SUF, BF16, D, 4) DEC_SPLIT(SUF, BF16, D, 8) \
     extern "C" __global__ void __launch_bounds__(256) dec_combine_##SUF##_d##D(                         \
         const float *__restrict__ Op, const float *__restrict__ Lp, tc_u16 *__restrict__ O,              \
         float *__restrict__ Lse, long long BH, int S) {                                                 \

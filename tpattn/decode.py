@@ -98,9 +98,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> to
 
 
 def decode_splits(bg: int, length: int, sms: int) -> int:
-    """How many chunks the cache length is split into: enough blocks for two per SM, chunks of at
-    least 64 keys."""
-    return max(1, min(-(-2 * sms // bg), -(-length // 64)))
+    """How many chunks the cache length is split into: about eight blocks per SM (several waves, so
+    that the last one is short), chunks of at least 64 keys."""
+    return max(1, min(-(-8 * sms // bg), -(-length // 64)))
 
 
 def decode_kernel_fits(q: torch.Tensor) -> bool:
@@ -129,7 +129,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
     op = torch.empty(B, h, S, d, dtype=torch.float32, device=q.device)
     lp = torch.empty(B, h, S, dtype=torch.float32, device=q.device)
     o = torch.empty_like(q)
-    launch(DEC_SOURCE, f"dec_split_{suf}_d{d}", q.device, (S, min(B * g, GRID_YZ_MAX), 1), (128, 1, 1),
+    gq = next(n for n in (1, 2, 4, 8) if n >= min(h // g, 8))  # query heads a block takes at a time
+    launch(DEC_SOURCE, f"dec_split_{suf}_d{d}_g{gq}", q.device, (S, min(B * g, GRID_YZ_MAX), 1), (128, 1, 1),
            (ptr(q), ptr(k), ptr(v), ptr(op), ptr(lp), np.int32(B * g), np.int32(g), np.int32(h // g),
             np.int32(length), np.int32(lmax), np.int32(S), np.int32(chunk), np.float32(math.log2(math.e) / math.sqrt(d))))
     launch(DEC_SOURCE, f"dec_combine_{suf}_d{d}", q.device, (-(-B * h // 8), 1, 1), (256, 1, 1),
