@@ -84,7 +84,7 @@ def main() -> int:
         for key in ("tpattn", "cudnn", "flash"):
             us = row.get(f"{key}_us")
             row[f"{key}_TBps"] = kv_bytes / (us * 1e-6) / 1e12 if us else None
-        row["tpattn_of_copy_bw"] = row["tpattn_TBps"] * 1e3 / (bw / 2)  # copy: read + write count; K/V: read only
+        row["tpattn_of_copy_bw"] = row["tpattn_TBps"] * 1e3 / bw  # the copy's memory traffic (read + write) per second
         rows.append(row)
         print(f"B={B} H={H} G={G} L={L}: tpattn {row['tpattn_us']:.1f} us ({row['tpattn_TBps']:.2f} TB/s), "
               f"cuDNN {row['cudnn_us'] or float('nan'):.1f} us, flash {row['flash_us'] or float('nan'):.1f} us, "
@@ -97,8 +97,8 @@ def main() -> int:
     md = ["# Decode attention: tpattn's split-K kernel beside SDPA", "",
           f"{res['date']}, {res['gpu']}, commit {a.commit}, torch {res['versions'].get('torch')}; command "
           f"`{res['command']}`. CUDA-graph replays, fp16, one query row per sequence. Copy bandwidth "
-          f"{bw:.0f} GB/s (read + write; {bw / 2:.0f} GB/s of reads).", "",
-          "| B | H | G | L | d | tpattn µs | TB/s | of copy reads | cuDNN µs | TB/s | flash µs | max err |",
+          f"{bw:.0f} GB/s (bytes read + written by a device-to-device copy: the memory traffic it sustains).", "",
+          "| B | H | G | L | d | tpattn µs | TB/s | of copy | cuDNN µs | TB/s | flash µs | max err |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['B']} | {r['H']} | {r['G']} | {r['L']} | {r['d']} | {f(r['tpattn_us'])} | "
