@@ -69,3 +69,33 @@ def test_decode_refusals():
     with pytest.raises(ValueError, match="rotary positions need a positive theta and an even head dim"):
         TensorParallelAttention.from_multihead_attention(torch.nn.MultiheadAttention(12, 4, batch_first=True),
                                                          rope_theta=10000.0)
+
+
+def test_cli_decode_matches_the_full_recompute(tmp_path):
+    import json
+
+    from conftest import tpattn
+    out = tmp_path / "r.json"
+    r = tpattn(["--decode", "6", "--causal", "--seq-len", "40", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+                "--device", "cpu", "--iters", "2", "--warmup", "1", "--json", str(out)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["verdict"] == "PASS" and rep["checks"]["vs_full_recompute"]["pass"] and rep["checks"]["vs_float64"]["pass"]
+    assert rep["decode"]["steps"] == 6 and rep["decode"]["tokens_per_s"] > 0 and "prefill" in rep["passes"]
+    assert "decode: 6 steps after a prompt of 40" in r.stdout
+
+
+@pytest.mark.mpi
+def test_cli_decode_over_two_ranks():
+    from conftest import tpattn
+    r = tpattn(["--decode", "4", "--causal", "--seq-len", "32", "--heads", "4", "--kv-heads", "1", "--head-dim", "16",
+                "--device", "cpu", "--iters", "1", "--warmup", "0"], ranks=2, timeout=200)
+    assert r.returncode == 0 and "RESULT: PASS" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("extra,says", [([], "--decode decodes causally: add --causal"),
+                                        (["--causal", "--sequence-parallel"], "--decode with --sequence-parallel")])
+def test_cli_decode_refusals(extra, says):
+    from conftest import tpattn
+    r = tpattn(["--decode", "4", "--seq-len", "32", "--heads", "4", "--head-dim", "16", "--device", "cpu", *extra])
+    assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

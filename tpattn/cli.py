@@ -117,6 +117,10 @@ def parser() -> argparse.ArgumentParser:
                    "forward alone: forward and backward per pass (the attention backward, the dX collective, the "
                    "weight-gradient GEMMs); checks x.grad and the full gradients against the single-process layer "
                    "and float64, as the forward check does (not with --cuda-graph or --output-collective p2p)")
+    m.add_argument("--decode", type=int, default=0, metavar="T", help="decode instead: a prompt of --seq-len rows "
+                   "through a KV cache of each rank's K/V heads, then T steps of one row each (causal); per-step "
+                   "latency and tokens/s; every decoded row checked against the full forward and float64 "
+                   "(not with --sequence-parallel, --cuda-graph, --backward or --load)")
     m.add_argument("--json", metavar="PATH", help="also write the report as JSON (rank 0)")
     m.add_argument("--profile", metavar="PATH", help="write a torch.profiler trace of one extra iteration "
                    "(chrome trace JSON; rank r > 0 writes PATH.rank<r>)")
@@ -132,7 +136,7 @@ def parse(argv: list[str]) -> Config:
                   check=a.check, json=a.json, dist_backend=a.dist_backend, reduce_dtype=a.reduce_dtype,
                   sequence_parallel=a.sequence_parallel, overlap=a.overlap,
                   output_collective=a.output_collective, cuda_graph=a.cuda_graph,
-                  timeout=a.timeout, profile=a.profile, load=a.load, backward=a.backward)
+                  timeout=a.timeout, profile=a.profile, load=a.load, backward=a.backward, decode=a.decode)
 
 
 def _say(proc, msg: str, stream=sys.stderr) -> None:
@@ -245,6 +249,10 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
                                     reduce_dtype=cfg.reduce_dtype, sequence_parallel=cfg.sequence_parallel,
                                     overlap=cfg.overlap, output_collective=cfg.output_collective,
                                     uneven_heads=cfg.uneven_heads)
+    infos[proc.rank]["heads"] = f"{heads.start}-{heads.stop - 1}"
+    infos[proc.rank]["kv_heads"] = f"{kv_heads.start}-{kv_heads.stop - 1}"
+    if cfg.decode:
+        return _run_decode(cfg, proc, device, infos, argv, layer, w, loaded)
     x_in = layer.shard_sequence(x) if cfg.sequence_parallel else x  # sequence parallel: N/W rows each
     timer = Timer(device)
     if cfg.backward:  # a training step: forward and backward, dy the same for any world size
@@ -277,28 +285,92 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
         y = layer.gather_sequence(y)  # the whole output, for the checks (every rank joins)
     if cfg.profile:
         _profile(cfg, proc, layer, x_in)
-    infos[proc.rank]["heads"] = f"{heads.start}-{heads.stop - 1}"
-    infos[proc.rank]["kv_heads"] = f"{kv_heads.start}-{kv_heads.stop - 1}"
+
+    def checks() -> dict:
+        out = _checks(cfg, proc, layer, w, x, y, device, loaded)
+        if grads is not None:
+            out.update(_grad_checks(cfg, proc, w, x, dy, grads, device, loaded))
+        return out
+    nbytes = layer.train_nbytes if cfg.backward else layer.collective_nbytes
+    return _finish(cfg, proc, device, infos, argv, samples, checks, nbytes(cfg.batch, cfg.seq_len))
+
+
+def _finish(cfg: Config, proc, device, infos, argv, samples: dict, checks, collective_bytes: dict,
+            extra=None) -> int:
+    """Every rank's timings to rank 0; there the checks (a function: rank 0 only), the report, the
+    JSON and the verdict, which every other rank waits for. extra(rep): more of the report (a dict
+    merged into it, and a line printed after it)."""
     mine = {"info": infos[proc.rank], "passes": {k: summarize(v) for k, v in samples.items()},
             "collective_samples": {k: v for k, v in samples.items() if k in COLLECTIVES}}  # report.last_rank_ms
     everyone = tpdist.exchange(proc, "report", mine, cfg.timeout, "report")
     if proc.rank != 0:
         verdict = tpdist.wait_for(proc, "verdict", max(cfg.timeout, 3600.0), "verdict")["verdict"]
         return 0 if verdict != "FAIL" else EXIT_FAIL
-    checks = _checks(cfg, proc, layer, w, x, y, device, loaded) if cfg.check else {}
-    if cfg.check and grads is not None:
-        checks.update(_grad_checks(cfg, proc, w, x, dy, grads, device, loaded))
-    verdict = "FAIL" if any(not c["pass"] for c in checks.values()) else ("PASS" if checks else "NOT CHECKED")
-    nbytes = layer.train_nbytes if cfg.backward else layer.collective_nbytes
-    rep = build(cfg, proc, device, everyone, nbytes(cfg.batch, cfg.seq_len), checks, verdict,
-                ["python", "-m", "tpattn", *argv])
+    found = checks() if cfg.check else {}
+    verdict = "FAIL" if any(not c["pass"] for c in found.values()) else ("PASS" if found else "NOT CHECKED")
+    rep = build(cfg, proc, device, everyone, collective_bytes, found, verdict, ["python", "-m", "tpattn", *argv])
+    line = None
+    if extra is not None:
+        more, line = extra(rep)
+        rep.update(more)
     print(text(rep), flush=True)
+    if line:
+        print(line, flush=True)
     if cfg.json:
         with open(cfg.json, "w") as f:
             json.dump(rep, f, indent=2)
     if proc.distributed:  # last: on FAIL the others exit as soon as they read it
         proc.store.set("verdict", json.dumps({"verdict": verdict}))
     return 0 if verdict != "FAIL" else EXIT_FAIL
+
+
+def _run_decode(cfg: Config, proc, device, infos, argv, layer, w, loaded) -> int:
+    """--decode T: a prompt of N = --seq-len rows through a KV cache, then T decode steps of one
+    row each; every iteration a fresh cache. Times the prefill and each step; checks every decoded
+    row against the full forward over all N + T rows and float64 on sampled rows."""
+    B, N, T, D = cfg.batch, cfg.seq_len, cfg.decode, cfg.model_dim
+    xa = layer_input(B, N + T, D, cfg.seed, cfg.torch_dtype, device)
+    timer = Timer(device)
+    samples: dict[str, list[float]] = {}
+
+    def session(record: bool) -> torch.Tensor:
+        cache = layer.new_cache(B, N + T)
+        with timer.section("prefill"):
+            ys = [layer(xa[:, :N], cache=cache)]
+        got = timer.collect()
+        if record:
+            samples.setdefault("prefill", []).append(got["prefill"])
+        for t in range(N, N + T):
+            with timer.section("step"):
+                ys.append(layer(xa[:, t:t + 1], cache=cache))
+            got = timer.collect()
+            if record:
+                samples.setdefault("step", []).append(got["step"])
+        return torch.cat(ys, 1)
+    for _ in range(cfg.warmup):
+        session(False)
+    for _ in range(cfg.iters):
+        y = session(True)
+    y_full = layer(xa)  # the full recompute (every rank joins its collective)
+
+    def checks() -> dict:
+        out = {"vs_full_recompute": {**compare(y, y_full.double(), TOL_BASELINE[cfg.dtype], ulp_of=cfg.torch_dtype),
+                                     "what": f"all {N + T} rows: prefill {N}, then {T} decode steps"}}
+        full = w if proc.world == 1 else _weights(cfg, range(cfg.heads), range(cfg.kv_heads), device, loaded)
+        rows = sample_rows(N + T)
+        out["vs_float64"] = {**compare(y[:, rows.to(y.device)], layer_float64(xa, full, cfg.heads, True, rows),
+                                       TOL_FLOAT64[cfg.dtype]), "what": f"{len(rows)} of {N + T} rows, all heads"}
+        return out
+
+    def extra(rep) -> tuple[dict, str]:
+        step = rep["passes"]["step"]["max"]  # the slowest rank's median step
+        tps = B * 1e3 / step
+        cache_mib = 2 * B * layer.local_kv_heads * (N + T) * cfg.head_dim * xa.element_size() / 2**20
+        return ({"decode": {"prompt": N, "steps": T, "step_ms": step, "tokens_per_s": tps,
+                            "cache_MiB_per_rank": cache_mib}},
+                f"decode: {T} steps after a prompt of {N}: {step:.3f} ms a step (the slowest rank's median), "
+                f"{tps:.0f} tokens/s for {B} sequence(s); KV cache {cache_mib:.1f} MiB per rank")
+    return _finish(cfg, proc, device, infos, argv, samples, checks, layer.collective_nbytes(B, 1), extra)
 
 
 def _checks(cfg: Config, proc, layer, w, x, y, device, loaded) -> dict:

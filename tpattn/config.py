@@ -50,6 +50,7 @@ class Config:
     output_collective: str = "auto"    # head-parallel: all-reduce, or reduce-scatter + all-gather ("split")
     cuda_graph: bool = False           # capture the whole layer in a CUDA graph and replay it
     backward: bool = False             # time and check a training step (forward + backward) instead
+    decode: int = 0                    # T > 0: a prompt of seq_len rows through a KV cache, then T decode steps
     timeout: float = 300.0
     profile: str | None = None
     load: str | None = None            # full weights (and optionally x) from a torch.save'd dict
@@ -176,6 +177,16 @@ def check_parallel_style(cfg: Config, world: int) -> None:
         if cfg.device != "cuda" or cfg.dist_backend != "nccl":
             raise ConfigError("--output-collective p2p needs one GPU per rank (--device cuda, --dist-backend nccl: "
                               "it maps the other GPUs' memory); use auto, allreduce or split here")
+    if cfg.decode < 0:
+        raise ConfigError(f"--decode must be at least 1 step (got {cfg.decode}); 0 turns it off")
+    if cfg.decode:
+        other = next((flag for flag, on in (("--sequence-parallel", cfg.sequence_parallel), ("--cuda-graph", cfg.cuda_graph),
+                                           ("--backward", cfg.backward), ("--load", cfg.load)) if on), None)
+        if other:
+            raise ConfigError(f"--decode with {other}: the decode path is head-parallel, eager, inference and "
+                              f"generated inputs for now; drop one of them")
+        if not cfg.causal:
+            raise ConfigError("--decode decodes causally: add --causal")
     if cfg.backward:
         if cfg.cuda_graph:
             raise ConfigError("--backward with --cuda-graph: the training step is not captured in a graph yet; "

@@ -467,7 +467,7 @@ class TensorParallelAttention(torch.nn.Module):
         """The whole gradients in from_full()'s layout (wq, wk, wv, wo, bq, bk, bv, bo; wk and wv with
         G K/V heads), assembled on every rank from every rank's slices (a collective: call it on
         every rank). K/V heads held by several ranks carry the sum of their copies' gradients."""
-        h, g, d = self.local_heads, self.local_kv_heads, self.head_dim
+        d = self.head_dim
         dt = torch.promote_types(self.dtype, torch.float32)  # fp32 (fp64 for an fp64 layer)
         mine = {n: (p.grad.detach().to(dt).cpu() if p.grad is not None else None) for n, p in self.named_parameters()}
         everyone = self.comm.all_gather_object((self.shard, mine), label="gradgather")
