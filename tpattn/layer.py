@@ -404,8 +404,12 @@ class TensorParallelAttention(torch.nn.Module):
             cache.k[:, :, L0:L0 + T] = k
             cache.v[:, :, L0:L0 + T] = v
             cache.length = L0 + T
-        with section("attention"):  # one row: the split-K decode kernel on a GPU; a prefill: attend's math
-            o = decode_attention(q, cache.k, cache.v, L0 + T)
+        if L0 == 0 and T > 1:  # a prefill into an empty cache: the backend's causal attention over its rows
+            o = torch.empty(B, T, h, d, dtype=self.dtype, device=x.device).permute(0, 2, 1, 3)
+            self._attention(*((t if self.backend.strided else t.contiguous()) for t in (q, k, v)), o)
+        else:
+            with section("attention"):  # one row: the split-K decode kernel on a GPU; else attend's math
+                o = decode_attention(q, cache.k, cache.v, L0 + T)
         total = _OutputSum(self, plan, x.device)
         total.add_rows(0, T, o.permute(0, 2, 1, 3).reshape(B * T, h * d))
         return total.result()
