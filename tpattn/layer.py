@@ -51,7 +51,7 @@ from .comm import Comm, CommPlan, CollectiveError, check_style, make_plan  # noq
 from .comm import copy_to_ranks, gather_sequence, scatter_sequence, sum_from_ranks, sum_of_copies
 from .decode import KVCache, apply_rope, decode_attention, rope_tables
 from .errors import ConfigError
-from .ops import add_bias, bias_grad, linear, mm
+from .ops import ColumnParallelQKV, add_bias, linear, mm
 from .sharding import Shard
 from .timing import section
 from .weights import slice_heads
@@ -433,7 +433,7 @@ class TensorParallelAttention(torch.nn.Module):
         xf = gather_sequence(x, comm) if seq else x
         B, N, D = xf.shape
         w, b = self._train_qkv()
-        qkv = _ColumnParallelQKV.apply(xf.reshape(B * N, D), w, b, comm, not seq, self.overlap > 1)
+        qkv = ColumnParallelQKV.apply(xf.reshape(B * N, D), w, b, comm, not seq, self.overlap > 1)
         q, k, v = (t.permute(0, 2, 1, 3) for t in qkv.view(B, N, h + 2 * g, d).split([h, g, g], dim=2))
         q, k = self._rope(q, k, 0)
         o = self.backend.attention(q, k, v, self.causal)
@@ -659,34 +659,6 @@ class _OutputSum:
         for gathered, dst in self.late:
             dst.copy_(gathered.view(dst.shape))
         return self.y
-
-
-class _ColumnParallelQKV(torch.autograd.Function):
-    """The column-parallel QKV projection of a training step: qkv = x @ W_qkv (+ b_qkv) with this
-    rank's columns. Head-parallel (reduce_dx) it also holds copy_to_ranks's backward: dX = dQKV W_qkvᵀ
-    is this rank's share, all-reduced over the ranks; with overlap (a GPU, overlap > 1) that
-    all-reduce runs on the communication stream while dW = Xᵀ dQKV runs, as Megatron does."""
-
-    @staticmethod
-    def forward(ctx, x2d, w, b, comm, reduce_dx: bool, overlap: bool):
-        ctx.save_for_backward(x2d, w)
-        ctx.comm, ctx.reduce_dx, ctx.overlap, ctx.bias_dtype = comm, reduce_dx, overlap, None if b is None else b.dtype
-        with section("qkv_proj"):
-            return mm(x2d, w, w.dtype, b)
-
-    @staticmethod
-    def backward(ctx, g):
-        x2d, w = ctx.saved_tensors
-        comm = ctx.comm
-        gm = g.to(w.dtype)
-        with section("bwd_dx_proj"):
-            dx = mm(gm, w.t(), x2d.dtype)
-        done = comm.copy_to_ranks_backward(dx, 2 if ctx.overlap else 1) if ctx.reduce_dx else None
-        with section("bwd_dw_proj"):
-            dw = mm(x2d.t(), gm, w.dtype) if ctx.needs_input_grad[1] else None
-            db = bias_grad(g, ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
-        comm.wait(done)
-        return dx, dw, db, None, None, None
 
 
 def _describe(state: dict) -> str:
