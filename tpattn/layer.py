@@ -77,7 +77,7 @@ class TensorParallelAttention(torch.nn.Module):
     with a reduce-scatter of the partials and an all-gather of the rounded output (the same y,
     fewer bytes when the partials are fp32); "p2p" with one kernel over NVLink (one GPU per rank on
     one node); "auto" (default) splits when the partials are wider than the model dtype and every
-    row chunk divides by the world size. tpattn.comm.make_plan holds the rule (plan()).
+    row chunk divides by the world size. tpattn.commplan.make_plan holds the rule (plan()).
     kv_heads: G K/V heads in all (default heads: multi-head attention; fewer: grouped-query, 1:
     multi-query); wk and wv are then [D, g*d] for this rank's g K/V heads (kv_head_range: G/W of
     them when the world size W divides G, else the one its query heads use).
@@ -237,16 +237,18 @@ class TensorParallelAttention(torch.nn.Module):
 
     # ---- the plan: what a call communicates, decided before it does -------------------------
 
-    def plan(self, batch: int, seq_len: int) -> CommPlan:
+    def plan(self, batch: int, seq_len: int, decode: bool = False) -> CommPlan:
         """The communication plan for a call of `batch` x `seq_len` rows (seq_len: the whole
-        sequence, also in sequence parallel). The same on every rank: it depends on the shape and
-        the settings only. Raises ConfigError (one line, as the CLI's) for a shape it cannot run."""
-        key = (batch, seq_len, self.dtype)
+        sequence, also in sequence parallel; decode: rows appended to a KV cache, head-parallel and
+        in one chunk). The same on every rank: it depends on the shape and the settings only, and is
+        made once per shape. Raises ConfigError (one line, as the CLI's) for a shape it cannot run."""
+        key = (batch, seq_len, self.dtype, decode)
         p = self._plans.get(key)
         if p is None:
             p = make_plan(batch, seq_len, self.model_dim, self.world, elem=self.dtype.itemsize,
-                          part_elem=self.part_dtype.itemsize, sequence_parallel=self.sequence_parallel,
-                          output_collective=self.output_collective, overlap=self.overlap)
+                          part_elem=self.part_dtype.itemsize, output_collective=self.output_collective,
+                          sequence_parallel=self.sequence_parallel and not decode,
+                          overlap=1 if decode else self.overlap)
             self._plans[key] = p
         return p
 
@@ -394,8 +396,7 @@ class TensorParallelAttention(torch.nn.Module):
         cache.check(id(self), self._cache_owner(), B, T)
         h, g, d = self.local_heads, self.local_kv_heads, self.head_dim
         L0 = cache.length
-        plan = make_plan(B, T, D, self.world, elem=self.dtype.itemsize, part_elem=self.part_dtype.itemsize,
-                         output_collective=self.output_collective)
+        plan = self.plan(B, T, decode=True)
         with section("qkv_proj"):
             qkv = mm(x.reshape(B * T, D), self.wqkv, self.dtype, self.bqkv)
             q, k, v = (t.permute(0, 2, 1, 3) for t in qkv.view(B, T, h + 2 * g, d).split([h, g, g], dim=2))

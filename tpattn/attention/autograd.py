@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from ..timing import _current, recording
-
 
 class _Attention(torch.autograd.Function):
     """o = backend's attention(q, k, v); saves q, k, v, o and the backend's `saved` (never N x N)."""
@@ -28,7 +26,6 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, backend, causal: bool, deterministic: bool):
         o, saved = backend.forward_for_backward(q, k, v, causal)
         ctx.backend, ctx.causal, ctx.deterministic = backend, causal, deterministic
-        ctx.timer = _current.get()  # autograd runs the backward on its own thread: the timer goes along
         ctx.has_saved = saved is not None
         ctx.save_for_backward(q, k, v, o, *((saved,) if saved is not None else ()))
         return o
@@ -36,7 +33,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, *rest = ctx.saved_tensors
-        with recording(ctx.timer):
-            dq, dk, dv = ctx.backend.backward(q, k, v, o, rest[0] if ctx.has_saved else None, do.contiguous(),
-                                              ctx.causal, ctx.deterministic)
+        # (its passes time on the recording timer through tpattn.timing's fallback for autograd's threads)
+        dq, dk, dv = ctx.backend.backward(q, k, v, o, rest[0] if ctx.has_saved else None, do.contiguous(),
+                                          ctx.causal, ctx.deterministic)
         return dq, dk, dv, None, None, None
