@@ -28,13 +28,11 @@ from __future__ import annotations
 
 import re
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from . import faults, watch
-from .commplan import OUTPUT_COLLECTIVES, ROW_ALIGN, CommPlan, check_style, make_plan, query_chunks  # noqa: F401
 from .timing import section
 
 # The single-tensor all-gather and reduce-scatter (concatenated along dim 0): torch >= 2.13 names
@@ -60,13 +58,7 @@ class Comm:
         self.nccl = group is not None and dist.get_backend(group) == "nccl"
         self._side = None
 
-    # -- pair: copy to ranks (forward) / sum from ranks (its backward) --
-
-    @staticmethod
-    def copy_to_ranks(x: torch.Tensor) -> torch.Tensor:
-        """Head-parallel input: every rank already holds x, so the forward is the identity. Its
-        backward is sum_from_ranks of dX (each rank's share comes from its own heads)."""
-        return x
+    # -- pair: copy to ranks (forward: the identity, every rank holds x) / sum from ranks --
 
     def sum_from_ranks(self, part: torch.Tensor, overlap: int = 1):
         """all_reduce(SUM) of the partial outputs, in place. Its backward is copy_to_ranks (every
@@ -81,16 +73,8 @@ class Comm:
             return None
         return self._run("bwd_allreduce", _all_reduce, overlap, dx)
 
-    # -- the split and the peer path: the same sum as sum_from_ranks, fewer bytes --
-
-    def reduce_scatter_rows(self, mine: torch.Tensor, part: torch.Tensor, overlap: int = 1):
-        """The split's first half: this rank's 1/W of the rows of the summed partials (the dual of
-        all_gather_rows); False when an injected fault left the split out."""
-        return self._output("reducescatter", _reduce_scatter, overlap, mine, part)
-
-    def all_gather_rows(self, whole: torch.Tensor, mine: torch.Tensor, overlap: int = 1):
-        """The split's second half (and its dual's first): every rank's rows into `whole`."""
-        return self._run("allgather", _all_gather, overlap, whole, mine)
+    # -- the split (reduce_scatter, + b_o, all_gather below) and the peer path: the same sum as
+    #    sum_from_ranks, fewer bytes --
 
     def peer_reduce_gather(self, peer, out: torch.Tensor, bias):
         """The peer kernel: reduce-scatter and all-gather in one pass over NVLink (tpattn/peer.py)."""
@@ -99,12 +83,13 @@ class Comm:
     # -- pair: all-gather (sequence parallel's input) / reduce-scatter (its output) --
 
     def all_gather(self, whole: torch.Tensor, block: torch.Tensor, overlap: int = 1):
-        """Every rank's block of the sequence, concatenated along dim 0. Its backward is
-        reduce_scatter of the gradient."""
+        """Every rank's block (of the sequence, or the split's rounded rows), concatenated along
+        dim 0. Its backward is reduce_scatter of the gradient."""
         return self._run("allgather", _all_gather, overlap, whole, block)
 
     def reduce_scatter(self, block: torch.Tensor, whole: torch.Tensor, overlap: int = 1):
-        """This rank's block of the sum over ranks. Its backward is all_gather of the gradient."""
+        """This rank's block of the sum over ranks (sequence parallel's output, or the split's first
+        half); False when an injected fault left it out. Its backward is all_gather of the gradient."""
         return self._output("reducescatter", _reduce_scatter, overlap, block, whole)
 
     # -- objects on the host (set-up, not the data path) --

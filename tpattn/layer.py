@@ -4,7 +4,7 @@ as forward/backward pairs, and the plan that decides which of them a call runs).
 Two parallel styles, each one method read top to bottom (diagrams in docs/parallel.md):
 
 head-parallel (default), _forward_heads: one collective, or two
-    x [B, N, D]            replicated on every rank (comm.copy_to_ranks: the identity)
+    x [B, N, D]            replicated on every rank (copy_to_ranks: the identity; its dual sums dX)
     QKV GEMM               one GEMM with this rank's packed q, k, v columns (query heads [r*h, (r+1)*h)
                            and the K/V heads they use, see "K/V heads" below; with uneven_heads a
                            block of ceil or floor of H/W heads, see tpattn.sharding.head_range)
@@ -47,8 +47,9 @@ import torch.distributed as dist
 
 from . import faults, watch
 from .attention import Backend, get_backend, head_chunks
-from .comm import Comm, CommPlan, CollectiveError, check_style, make_plan  # noqa: F401 (CollectiveError re-exported)
+from .comm import Comm
 from .comm import copy_to_ranks, gather_sequence, scatter_sequence, sum_from_ranks, sum_of_copies
+from .commplan import CommPlan, check_style, make_plan
 from .decode import KVCache, apply_rope, decode_attention, rope_tables
 from .errors import ConfigError
 from .ops import ColumnParallelQKV, add_bias, linear, mm
@@ -307,7 +308,6 @@ class TensorParallelAttention(torch.nn.Module):
         output projection run."""
         B, N, D = x.shape
         h, d = self.local_heads, self.head_dim
-        x = self.comm.copy_to_ranks(x)
         with section("qkv_proj"):
             qkv = mm(x.reshape(B * N, D), self.wqkv, self.dtype, self.bqkv)   # [B*N, (h+2g)*d]
             q, k, v = self._split_heads(qkv.view(B, N, -1, d))                # [B, h|g|g, N, d]
@@ -638,7 +638,7 @@ class _OutputSum:
             W = L.world
             mine = torch.empty(rows // W, D, dtype=L.part_dtype, device=self.device)
             self.parts.append((r0, r1, mine))
-            if comm.reduce_scatter_rows(mine, part, K) is False:
+            if comm.reduce_scatter(mine, part, K) is False:
                 return  # a fault left this rank's collectives out (both of them)
             whole = dst.is_contiguous()
             gathered = dst.view(rows, D) if whole else torch.empty(rows, D, dtype=L.dtype, device=self.device)
@@ -646,7 +646,7 @@ class _OutputSum:
             mine_out = gathered[L.rank * m:(L.rank + 1) * m]  # this rank's rows of y: the all-gather is in place
             with comm.on_side(K, self.device):  # where the reduce-scatter ran: + b_o, rounded once
                 add_bias(mine, L.bo, out=mine_out)
-            comm.all_gather_rows(gathered, mine_out, K)
+            comm.all_gather(gathered, mine_out, K)
             if not whole:
                 self.late.append((gathered, dst))
 
