@@ -1,24 +1,36 @@
 // decode_attention.cu -- attention of one query row per sequence over a KV cache, split along the
-// cache ("flash-decoding"), written for this project.
+// cache ("flash-decoding"), and the step's rotary positions + cache append; written for this project.
 //
 // A decode step is memory-bound: every key and value of the cache is read once to produce one row
 // per head. One block per (sequence, K/V head) would leave most SMs idle at small batch, so the
 // cache length is split into S chunks: block (s, b * G + g) reads chunk s of K/V head g of sequence
 // b once for all the query heads of its group (grouped-query attention: GQ = H / G query heads share
 // each K/V tile, read in place), keeps an online softmax per head, and writes a partial output and
-// its logsumexp; a second kernel combines the S partials of each head:
-//   o = sum_s exp(L_s - L) o_s,   L = log sum_s exp(L_s)
+// its logsumexp. The last of the S blocks of a (b, g) to finish (a ticket from an atomic counter,
+// reset by that block for the next call) combines the S partials of its heads:
+//   o = sum_s 2^(L_s - L) o_s,   L = log2 sum_s 2^L_s
+// so a step is one launch, and no separate combine kernel waits for a launch and a whole grid.
 //
-//   dec_split   128 threads = 8 groups of 16 lanes; a group takes one key at a time (16 lanes x 8
-//               elements = 128 = d; d = 64: 8 lanes, 16 groups), 16-byte loads, the dot product
-//               reduced over the group's lanes with shuffles; per head a running max m, sum l and
-//               8 (or 4) output columns per lane; then the groups' partials are merged through
-//               shared memory and written: Op [B, H, S, D] fp32, Lp [B, H, S] fp32 (log2 units).
-//   dec_combine one warp per (b, h): the S partials into O [B, H, D] (storage dtype).
+//   dec_split   128 threads = 8 groups of 16 lanes; a group takes DEC_UNROLL keys at a time (16 lanes
+//               x 8 elements = 128 = d; d = 64: 8 lanes, 16 groups), 16-byte loads of all of them
+//               first, each dot product reduced over the group's lanes with shuffles, then one
+//               online-softmax update per head for the DEC_UNROLL keys (one rescale, not one per
+//               key); the groups' partials are merged through shared memory and written:
+//               Op [B, H, S, D] fp32, Lp [B, H, S] fp32 (log2 units); the last block reads them
+//               back (from L2) into O [B, H, D] in the storage dtype.
 // The kernel is built for GQ = 1, 2, 4 and 8 query heads at a time (registers per head: its q
 // and its output columns); a group of more heads than 8 is done in passes of 8 over the chunk
-// (multi-query attention with many heads re-reads K and V from L2). Each group of lanes keeps
-// DEC_UNROLL keys' loads in flight.
+// (multi-query attention with many heads re-reads K and V from L2).
+//
+// The cache length L = Ladd + (*Lpos where Lpos is not null): a CUDA graph of a decode step reads
+// the position from device memory, so that one graph serves every step. The chunk length is
+// ceil(L / S) for the S of the launch (chosen from the cache's capacity when the length is on the
+// device); blocks past L write an empty partial (L_s = -inf, o_s = 0).
+//
+//   dec_append  the step's q, k, v rows (the QKV GEMM's output [B, H + 2G, D]): q and k rotated
+//               (rotary positions at *pos: the cos/sin tables [LMAX, D/2], fp32; null: none;
+//               Hugging Face halves or interleaved pairs), q written out [B, H, D], k and v into
+//               the cache at position *pos. One launch instead of the slicing, rotation and copies.
 //
 // Layout: Q [B, H, D] (one row per sequence), K, V [B, G, LMAX, D] contiguous (the cache), the first
 // L positions valid. 16-bit storage (fp16 or bf16), fp32 accumulation, D = 64 or 128. Offsets that
@@ -38,21 +50,67 @@ __device__ __forceinline__ void dec_load8(const tc_u16 *p, float (&x)[8]) {
     tc_unpack<BF16>(v.w, x[6], x[7]);
 }
 
+template <bool BF16>
+__device__ __forceinline__ tc_u16 dec_round(float x) {
+    return (tc_u16)(tc_pack<BF16>(x, 0.0f) & 0xffffu);
+}
+
+// the last block of a (b, g): the S partials of each of its `group` heads into O
+template <int D, bool BF16>
+__device__ __forceinline__ void dec_combine(const float *__restrict__ Op, const float *__restrict__ Lp,
+                                            tc_u16 *__restrict__ O, long long bh0, int group, int S) {
+    constexpr int SUB = DEC_THREADS / D;  // threads per output column (each sums every SUB-th partial)
+    __shared__ float red[DEC_THREADS / 32], part[2][DEC_THREADS];
+    const int tid = threadIdx.x, c = tid % D, sub = tid / D;
+    for (int i = 0; i < group; ++i) {
+        const long long bh = bh0 + i;
+        const float *lp = Lp + bh * S;
+        float mx = TC_NEG_INF;
+        for (int s = tid; s < S; s += DEC_THREADS) mx = fmaxf(mx, __ldcg(lp + s));
+        mx = tc_warp_max(mx);
+        if ((tid & 31) == 0) red[tid >> 5] = mx;
+        __syncthreads();
+#pragma unroll
+        for (int w = 0; w < DEC_THREADS / 32; ++w) mx = fmaxf(mx, red[w]);
+        float acc = 0.0f, lsum = 0.0f;
+#pragma unroll 4
+        for (int s = sub; s < S; s += SUB) {  // empty partials: 2^-inf = 0 and o_s = 0
+            const float w = tc_exp2(__ldcg(lp + s) - mx);
+            lsum += w;
+            acc = fmaf(w, __ldcg(Op + (bh * S + s) * D + c), acc);
+        }
+        if (SUB > 1) {
+            part[0][tid] = acc;
+            part[1][tid] = lsum;
+            __syncthreads();
+            if (sub == 0)
+                for (int r = 1; r < SUB; ++r) acc += part[0][r * D + c], lsum += part[1][r * D + c];
+        }
+        if (sub == 0) O[bh * D + c] = dec_round<BF16>(lsum > 0.0f ? acc / lsum : 0.0f);
+        __syncthreads();
+    }
+}
+
 template <int D, int GQ, bool BF16>
 __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
                                           const tc_u16 *__restrict__ V, float *__restrict__ Op,
-                                          float *__restrict__ Lp, int BG, int G, int group, int L, int LMAX,
-                                          int S, int chunk, float scale_log2) {
+                                          float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets,
+                                          int BG, int G, int group, int Ladd, const long long *__restrict__ Lpos,
+                                          int LMAX, int S, float scale_log2) {
     constexpr int LANES = D / 8;                  // lanes per key (8 elements each)
     constexpr int NGRP = DEC_THREADS / LANES;     // key groups per block
     constexpr int U = DEC_UNROLL;                 // keys per group in flight (their loads issued first)
     __shared__ float sm[NGRP][GQ], sl[NGRP][GQ];
     __shared__ float so[NGRP][GQ][D];
+    __shared__ int last;
     const int tid = threadIdx.x, grp = tid / LANES, lane = tid % LANES;
+    const int L = Ladd + (Lpos != nullptr ? (int)*Lpos : 0);
+    const int chunk = (L + S - 1) / S;
     const int s = blockIdx.x, k0 = s * chunk, k1 = min(L, k0 + chunk);
     for (int bg = blockIdx.y; bg < BG; bg += gridDim.y) {
         const int b = bg / G, g = bg - b * G;
         const long long kv = (long long)bg * LMAX * D;
+        const long long bh0 = ((long long)b * G + g) * group;  // the group's first query head
         for (int h0 = 0; h0 < group; h0 += GQ) {  // GQ heads of the group at a time
             const int nh = min(GQ, group - h0);
             float q[GQ][8], o[GQ][8], m[GQ], l[GQ];
@@ -62,13 +120,10 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const tc
                 l[i] = 0.0f;
 #pragma unroll
                 for (int e = 0; e < 8; ++e) o[i][e] = q[i][e] = 0.0f;
-                if (i < nh) {
-                    const long long bh = (long long)b * G * group + (long long)g * group + h0 + i;
-                    dec_load8<BF16>(Q + bh * D + lane * 8, q[i]);
-                }
+                if (i < nh) dec_load8<BF16>(Q + (bh0 + h0 + i) * D + lane * 8, q[i]);
             }
             // every lane runs every iteration (the shuffles need the whole warp); a key past the
-            // chunk's end loads nothing and leaves the state as it is
+            // chunk's end loads nothing and adds nothing
             for (int base = k0; base < k1; base += U * NGRP) {
                 float kx[U][8], vx[U][8];
 #pragma unroll
@@ -83,23 +138,38 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const tc
                     }
                 }
 #pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const bool ok = base + u * NGRP + grp < k1;
+                for (int i = 0; i < GQ; ++i) {
+                    float sc[U];
 #pragma unroll
-                    for (int i = 0; i < GQ; ++i) {
+                    for (int u = 0; u < U; ++u) {
                         float dot = 0.0f;
 #pragma unroll
                         for (int e = 0; e < 8; ++e) dot = fmaf(q[i][e], kx[u][e], dot);
-#pragma unroll
-                        for (int w = LANES / 2; w > 0; w >>= 1) dot += tc_shfl_xor(dot, w);
-                        if (!ok || i >= nh) continue;
-                        const float sc = dot * scale_log2, mn = fmaxf(m[i], sc);
-                        const float a = tc_exp2(m[i] - mn), p = tc_exp2(sc - mn);
-                        m[i] = mn;
-                        l[i] = l[i] * a + p;
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) o[i][e] = fmaf(o[i][e], a, p * vx[u][e]);
+                        sc[u] = dot;
                     }
+#pragma unroll
+                    for (int w = LANES / 2; w > 0; w >>= 1)
+#pragma unroll
+                        for (int u = 0; u < U; ++u) sc[u] += tc_shfl_xor(sc[u], w);
+                    float mn = m[i];
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        sc[u] = base + u * NGRP + grp < k1 ? sc[u] * scale_log2 : TC_NEG_INF;
+                        mn = fmaxf(mn, sc[u]);
+                    }
+                    const float a = mn == m[i] ? 1.0f : tc_exp2(m[i] - mn);  // (both -inf: nothing yet)
+                    m[i] = mn;
+                    float ps = 0.0f;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) o[i][e] *= a;
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        const float p = tc_exp2(sc[u] - mn);  // masked: 2^-inf = 0
+                        ps += p;
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) o[i][e] = fmaf(p, vx[u][e], o[i][e]);
+                    }
+                    l[i] = l[i] * a + ps;
                 }
             }
             // merge the NGRP groups' partials (every lane of a group holds the same m and l)
@@ -121,59 +191,87 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const tc
                         lsum += sl[r][i] * w;
                         acc += so[r][i][c] * w;
                     }
-                const long long bh = (long long)b * G * group + (long long)g * group + h0 + i;
+                const long long bh = bh0 + h0 + i;
                 Op[(bh * S + s) * D + c] = lsum > 0.0f ? acc / lsum : 0.0f;
                 if (c == 0) Lp[bh * S + s] = lsum > 0.0f ? mx + tc_log2(lsum) : TC_NEG_INF;
             }
             __syncthreads();
         }
+        // this block's partials are written: take a ticket; the S-th combines (and resets the count)
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) {
+            const int t = atomicAdd(tickets + bg, 1);
+            last = t == S - 1;
+            if (last) tickets[bg] = 0;
+        }
+        __syncthreads();
+        if (last) {
+            __threadfence();
+            dec_combine<D, BF16>(Op, Lp, O, bh0, group, S);
+        }
+        __syncthreads();
     }
 }
 
-// one warp per (b, h): O = sum_s 2^(Lp_s - Lmax) Op_s / sum_s 2^(Lp_s - Lmax); Lse (may be null): ln
-template <int D, bool BF16>
-__device__ __forceinline__ void dec_combine(const float *__restrict__ Op, const float *__restrict__ Lp,
-                                            tc_u16 *__restrict__ O, float *__restrict__ Lse, long long BH, int S) {
-    const int lane = threadIdx.x & 31;
-    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
-    for (long long bh = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); bh < BH; bh += warps) {
-        float mx = TC_NEG_INF;
-        for (int s = lane; s < S; s += 32) mx = fmaxf(mx, Lp[bh * S + s]);
-        mx = tc_warp_max(mx);
-        float acc[D / 32];
-#pragma unroll
-        for (int j = 0; j < D / 32; ++j) acc[j] = 0.0f;
-        float lsum = 0.0f;
-        for (int s = 0; s < S; ++s) {
-            const float lp = Lp[bh * S + s];
-            if (lp == TC_NEG_INF) continue;
-            const float w = tc_exp2(lp - mx);
-            lsum += w;
-#pragma unroll
-            for (int j = 0; j < D / 32; ++j) acc[j] = fmaf(w, Op[(bh * S + s) * D + j * 32 + lane], acc[j]);
+// the step's rows: q, k rotated at position *pos (cosT null: no rotation), q out, k and v into the cache
+template <bool BF16>
+__device__ __forceinline__ void dec_append(const tc_u16 *__restrict__ QKV, tc_u16 *__restrict__ Qo,
+                                           tc_u16 *__restrict__ K, tc_u16 *__restrict__ V,
+                                           const float *__restrict__ cosT, const float *__restrict__ sinT,
+                                           const long long *__restrict__ pos, int B, int H, int G, int D, int LMAX,
+                                           int interleaved) {
+    const int half = D / 2, rows = H + 2 * G;
+    const long long n = (long long)B * rows * half;
+    const long long p0 = *pos;
+    for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n; t += (long long)gridDim.x * blockDim.x) {
+        const int j = (int)(t % half);
+        const long long bj = t / half;
+        const int r = (int)(bj % rows), b = (int)(bj / rows);
+        const int e0 = interleaved ? 2 * j : j, e1 = interleaved ? 2 * j + 1 : j + half;
+        const tc_u16 *src = QKV + bj * D;
+        float x0, x1, dummy;
+        tc_unpack<BF16>((tc_u32)src[e0], x0, dummy);
+        tc_unpack<BF16>((tc_u32)src[e1], x1, dummy);
+        if (cosT != nullptr && r < H + G) {  // as torch computes it: products and sums each rounded
+            const float c = cosT[p0 * half + j], sn = sinT[p0 * half + j];
+            const float y0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
+            const float y1 = __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, sn));
+            x0 = y0;
+            x1 = y1;
         }
-        const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
-#pragma unroll
-        for (int j = 0; j < D / 32; ++j) O[bh * D + j * 32 + lane] = (tc_u16)(tc_pack<BF16>(acc[j] * inv, 0.0f) & 0xffffu);
-        if (Lse != nullptr && lane == 0) Lse[bh] = lsum > 0.0f ? (mx + tc_log2(lsum)) * TC_LN2 : TC_POS_INF;
+        tc_u16 *dst;
+        if (r < H) {
+            dst = Qo + ((long long)b * H + r) * D;
+        } else {
+            const int kvh = r < H + G ? r - H : r - H - G;
+            dst = (r < H + G ? K : V) + (((long long)b * G + kvh) * LMAX + p0) * D;
+        }
+        dst[e0] = dec_round<BF16>(x0);
+        dst[e1] = dec_round<BF16>(x1);
     }
 }
 
 #define DEC_SPLIT(SUF, BF16, D, GQ)                                                                     \
     extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_split_##SUF##_d##D##_g##GQ(          \
         const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,      \
-        float *__restrict__ Op, float *__restrict__ Lp, int BG, int G, int group, int L, int LMAX, int S, \
-        int chunk, float scale_log2) {                                                                  \
-        dec_split<D, GQ, BF16>(Q, K, V, Op, Lp, BG, G, group, L, LMAX, S, chunk, scale_log2);           \
+        float *__restrict__ Op, float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets, \
+        int BG, int G, int group, int Ladd, const long long *__restrict__ Lpos, int LMAX, int S,        \
+        float scale_log2) {                                                                             \
+        dec_split<D, GQ, BF16>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, Lpos, LMAX, S, scale_log2); \
     }
 #define DEC_DEFINE(SUF, BF16, D)                                                                        \
-    DEC_SPLIT(SUF, BF16, D, 1) DEC_SPLIT(SUF, BF16, D, 2) DEC_SPLIT(SUF, BF16, D, 4) DEC_SPLIT(SUF, BF16, D, 8) \
-    extern "C" __global__ void __launch_bounds__(256) dec_combine_##SUF##_d##D(                         \
-        const float *__restrict__ Op, const float *__restrict__ Lp, tc_u16 *__restrict__ O,              \
-        float *__restrict__ Lse, long long BH, int S) {                                                 \
-        dec_combine<D, BF16>(Op, Lp, O, Lse, BH, S);                                                    \
-    }
+    DEC_SPLIT(SUF, BF16, D, 1) DEC_SPLIT(SUF, BF16, D, 2) DEC_SPLIT(SUF, BF16, D, 4) DEC_SPLIT(SUF, BF16, D, 8)
 DEC_DEFINE(f16, false, 64)
 DEC_DEFINE(bf16, true, 64)
 DEC_DEFINE(f16, false, 128)
 DEC_DEFINE(bf16, true, 128)
+#define DEC_APPEND(SUF, BF16)                                                                           \
+    extern "C" __global__ void __launch_bounds__(256) dec_append_##SUF(                                 \
+        const tc_u16 *__restrict__ QKV, tc_u16 *__restrict__ Qo, tc_u16 *__restrict__ K, tc_u16 *__restrict__ V, \
+        const float *__restrict__ cosT, const float *__restrict__ sinT, const long long *__restrict__ pos, int B, \
+        int H, int G, int D, int LMAX, int interleaved) {                                               \
+        dec_append<BF16>(QKV, Qo, K, V, cosT, sinT, pos, B, H, G, D, LMAX, interleaved);                 \
+    }
+DEC_APPEND(f16, false)
+DEC_APPEND(bf16, true)

@@ -38,6 +38,9 @@
 #           the layer's rows beside the NCCL ones
 #   speedshort  the main rows of speed (fused, 1 and 2 GPUs, eager and graph, fp16 partials, causal,
 #           sequence-parallel, fusedh for comparison)
+#   decode  decoding: pytest -m gpu tests/test_gpu_decode.py, scripts/bench_decode.py (the split-K kernel and
+#           the whole step beside SDPA and a plain PyTorch step), the CLI's --decode eager and with --cuda-graph
+#   gputests  the whole pytest -m gpu
 # Logs and JSON go to $OUT (default results/). Usage: bash scripts/gpu_session.sh [STEP]... (default all)
 set -u -o pipefail
 OUT=${OUT:-results}
@@ -324,5 +327,20 @@ if want model; then
       | tee "$OUT/model/collective_probe.log" || status=1
     kill $smi 2>/dev/null
   fi
+fi
+if want decode; then
+  note "decode"
+  python3 -m pytest -m gpu -q -p no:warnings --tb=short tests/test_gpu_decode.py 2>&1 | tee "$OUT/pytest_decode.log" \
+    | tail -15 || status=1
+  python3 scripts/bench_decode.py --commit "${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" \
+    --out "$OUT/decode_h200" 2>&1 || status=1
+  for graph in "" --cuda-graph; do
+    python3 -m tpattn --kernel fused --causal --decode 32 $graph 2>&1 | tee "$OUT/cli_decode${graph}.log" | tail -8 \
+      || status=1
+  done
+fi
+if want gputests; then
+  note "pytest -m gpu (all)"
+  python3 -m pytest -m gpu -q -p no:warnings --tb=line 2>&1 | tee "$OUT/pytest_gpu_all.log" | tail -25 || status=1
 fi
 exit $status

@@ -48,3 +48,79 @@ def test_layer_decode_on_the_gpu_matches_its_full_forward():
         ys = [layer(x[:, :290], cache=cache)] + [layer(x[:, i:i + 1], cache=cache) for i in range(290, 300)]
     y = torch.cat(ys, 1)
     assert (y.float() - full.float()).abs().max().item() < 2e-2 * full.float().abs().max().item()
+
+
+@pytest.mark.parametrize("b,h,g,d", [(1, 32, 32, 128), (3, 16, 4, 64), (2, 8, 1, 128)])
+@pytest.mark.parametrize("length,capacity", [(1, 1), (33, 4000), (1000, 1000), (4097, 9000)])
+def test_decode_kernel_reads_the_length_on_the_device(b, h, g, d, length, capacity):
+    """A CUDA graph's path: the length from the cache's device position, the splits from its capacity,
+    one launch (the last block of each (b, g) combines); called twice, the counters start at zero."""
+    gen = torch.Generator(device="cuda").manual_seed(length)
+    q = torch.randn(b, h, 1, d, device="cuda", generator=gen).half()
+    k, v = (torch.randn(b, g, capacity, d, device="cuda", generator=gen).half() for _ in range(2))
+    pos = torch.tensor([length - 1], device="cuda")
+    want = float64(q, k, v, length)
+    for _ in range(2):
+        got = decode_attention(q, k, v, length, pos=pos)
+        assert (got.double() - want).abs().max().item() <= 4e-3 * max(1.0, want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rope", [None, "halves", "interleaved"])
+def test_append_kernel_is_the_torch_ops_bit_for_bit(rope, dtype):
+    """dec_append (rotary positions, q out, k and v into the cache at the device position) against the
+    torch ops it replaces, the same cache and tables."""
+    from tpattn.decode import KVCache, append_row, rope_tables
+    B, h, g, d, cap, at = 3, 8, 2, 128, 50, 37
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    qkv = (torch.randn(B, h + 2 * g, d, device="cuda", generator=gen) * 3).to(dtype)
+    caches = []
+    for _ in range(2):
+        cos = sin = None
+        if rope:
+            cos, sin = rope_tables(torch.arange(cap, device="cuda"), d, 10000.0)
+        kv = [torch.zeros(B, g, cap, d, dtype=dtype, device="cuda") for _ in range(2)]
+        caches.append(KVCache(*kv, owner=(), length=at, cos=cos, sin=sin))
+    got = append_row(qkv, caches[0], h, rope == "interleaved")
+    import tpattn.decode as dec
+    fits = dec.decode_kernel_fits
+    try:
+        dec.decode_kernel_fits = lambda t: False  # the torch ops
+        want = append_row(qkv, caches[1], h, rope == "interleaved")
+    finally:
+        dec.decode_kernel_fits = fits
+    assert torch.equal(got, want)
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    assert caches[0].k[:, :, at].abs().sum() > 0 and caches[0].k[:, :, at + 1:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("rope", [None, 10000.0])
+def test_graphed_decode_step_replays_the_eager_steps(rope):
+    """layer.graphed(x, cache): one graph serves every step (the length read on the device); its
+    outputs are the eager steps' bit for bit, the cache advances, and a full cache is refused."""
+    from tpattn.errors import ConfigError
+    from tpattn.layer import TensorParallelAttention
+    from tpattn.weights import head_weights
+    w = head_weights(range(8), 8, 128, 0, torch.float16, "cuda", kv_heads=range(2))
+    layer = TensorParallelAttention(**w, heads=8, kv_heads=2, head_dim=128, backend="fused", causal=True, group=None,
+                                    rope_theta=rope)
+    x = torch.randn(2, 140, 1024, device="cuda").half()
+    with torch.no_grad():
+        eager = layer.new_cache(2, 140)
+        want = [layer(x[:, :128], cache=eager)] + [layer(x[:, t:t + 1], cache=eager) for t in range(128, 140)]
+        cache = layer.new_cache(2, 140)
+        xs = x[:, 128:129].clone()
+        step = layer.graphed(xs, cache)
+        assert cache.length == 0 and int(cache.pos) == 0
+        got = [layer(x[:, :128], cache=cache)]
+        for t in range(128, 140):
+            xs.copy_(x[:, t:t + 1])
+            got.append(step().clone())
+        assert cache.length == 140 and int(cache.pos) == 140
+        assert torch.equal(torch.cat(got, 1), torch.cat(want, 1))
+        with pytest.raises(ConfigError, match="max_len=140"):
+            step()
+        cache.reset()  # the same graph serves the emptied cache
+        layer(x[:, :128], cache=cache)
+        xs.copy_(x[:, 128:129])
+        assert torch.equal(step(), want[1])

@@ -120,7 +120,8 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--decode", type=int, default=0, metavar="T", help="decode instead: a prompt of --seq-len rows "
                    "through a KV cache of each rank's K/V heads, then T steps of one row each (causal); per-step "
                    "latency and tokens/s; every decoded row checked against the full forward and float64 "
-                   "(not with --sequence-parallel, --cuda-graph, --backward or --load)")
+                   "(with --cuda-graph: each step a replay of one graph; not with --sequence-parallel, --backward "
+                   "or --load)")
     m.add_argument("--json", metavar="PATH", help="also write the report as JSON (rank 0)")
     m.add_argument("--profile", metavar="PATH", help="write a torch.profiler trace of one extra iteration "
                    "(chrome trace JSON; rank r > 0 writes PATH.rank<r>)")
@@ -326,23 +327,30 @@ def _finish(cfg: Config, proc, device, infos, argv, samples: dict, checks, colle
 
 def _run_decode(cfg: Config, proc, device, infos, argv, layer, w, loaded) -> int:
     """--decode T: a prompt of N = --seq-len rows through a KV cache, then T decode steps of one
-    row each; every iteration a fresh cache. Times the prefill and each step; checks every decoded
+    row each (--cuda-graph: replays of one graph of a step); every iteration the same cache, emptied.
+    Times the prefill and each step; checks every decoded
     row against the full forward over all N + T rows and float64 on sampled rows."""
     B, N, T, D = cfg.batch, cfg.seq_len, cfg.decode, cfg.model_dim
     xa = layer_input(B, N + T, D, cfg.seed, cfg.torch_dtype, device)
     timer = Timer(device)
     samples: dict[str, list[float]] = {}
+    cache = layer.new_cache(B, N + T)
+    x_step = xa[:, N:N + 1].clone()  # --cuda-graph: the graph's input row, each step's row copied in
+    replay = layer.graphed(x_step, cache) if cfg.cuda_graph else None
 
     def session(record: bool) -> torch.Tensor:
-        cache = layer.new_cache(B, N + T)
+        cache.reset()
         with timer.section("prefill"):
             ys = [layer(xa[:, :N], cache=cache)]
         got = timer.collect()
         if record:
             samples.setdefault("prefill", []).append(got["prefill"])
         for t in range(N, N + T):
+            if replay is not None:
+                x_step.copy_(xa[:, t:t + 1])
             with timer.section("step"):
-                ys.append(layer(xa[:, t:t + 1], cache=cache))
+                y = replay() if replay is not None else layer(xa[:, t:t + 1], cache=cache)
+            ys.append(y.clone() if replay is not None else y)  # a replay writes the same buffer each step
             got = timer.collect()
             if record:
                 samples.setdefault("step", []).append(got["step"])

@@ -180,10 +180,10 @@ def check_parallel_style(cfg: Config, world: int) -> None:
     if cfg.decode < 0:
         raise ConfigError(f"--decode must be at least 1 step (got {cfg.decode}); 0 turns it off")
     if cfg.decode:
-        other = next((flag for flag, on in (("--sequence-parallel", cfg.sequence_parallel), ("--cuda-graph", cfg.cuda_graph),
+        other = next((flag for flag, on in (("--sequence-parallel", cfg.sequence_parallel),
                                            ("--backward", cfg.backward), ("--load", cfg.load)) if on), None)
         if other:
-            raise ConfigError(f"--decode with {other}: the decode path is head-parallel, eager, inference and "
+            raise ConfigError(f"--decode with {other}: the decode path is head-parallel, inference and "
                               f"generated inputs for now; drop one of them")
         if not cfg.causal:
             raise ConfigError("--decode decodes causally: add --causal")

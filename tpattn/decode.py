@@ -31,8 +31,20 @@ class KVCache:
     k: torch.Tensor          # [B, g, max_len, d]
     v: torch.Tensor
     owner: tuple             # the layer's shard record and head dim: a cache fits only its own layer
-    length: int = 0
+    length: int = 0          # what the host knows; `pos` holds the same on the cache's device
     layer_id: int = field(default=0, repr=False)
+    pos: torch.Tensor | None = field(default=None, repr=False)  # int64 [1]: where the next row goes
+    cos: torch.Tensor | None = field(default=None, repr=False)  # rotary tables [max_len, d/2], fp32 (or None)
+    sin: torch.Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.pos is None:
+            self.pos = torch.full((1,), self.length, dtype=torch.int64, device=self.k.device)
+
+    def reset(self) -> None:
+        """Empty the cache (its memory is kept: a CUDA graph of a step on it stays valid)."""
+        self.length = 0
+        self.pos.zero_()
 
     @property
     def batch(self) -> int:
@@ -109,10 +121,30 @@ def decode_kernel_fits(q: torch.Tensor) -> bool:
             and cupy_available())
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int) -> torch.Tensor:
+_tickets: dict = {}
+
+
+def _ticket_counters(device: torch.device, n: int) -> torch.Tensor:
+    """The split kernel's per-(b, g) counters on torch's current stream of `device`: zeros, left zero
+    by every launch (the last block of each (b, g) resets its own). Never freed or shrunk, so that a
+    CUDA graph that captured them keeps valid memory; one set per stream, so that launches on two
+    streams never share a count."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    t = _tickets.get(key)
+    if t is None or t.numel() < n:
+        t = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _tickets.setdefault(("kept", key), []).append(t)
+        _tickets[key] = t
+    return t
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int,
+                     pos: torch.Tensor | None = None) -> torch.Tensor:
     """The attention of one query row per sequence, q [B, h, 1, d] at position length - 1, over the
     first `length` positions of the cache k, v [B, g, max_len, d] (contiguous): the split-K kernel
-    (kernels/decode_attention.cu) on a GPU, else attend()."""
+    (kernels/decode_attention.cu) on a GPU, else attend(). pos (a cache's device position, int64
+    [1]): the kernel reads the length there instead (pos + 1: one CUDA graph serves every step) and
+    splits by the cache's capacity; `length` is then what the host knows it to be."""
     B, h, T, d = q.shape
     if T != 1 or not decode_kernel_fits(q) or not (k.is_contiguous() and v.is_contiguous()):
         return attend(q, k[:, :, :length], v[:, :, :length], length - T)
@@ -121,9 +153,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
     from .cuda import GRID_YZ_MAX, launch, ptr
     g, lmax = k.shape[1], k.shape[2]
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    S = decode_splits(B * g, length, sms)
-    chunk = -(-length // S)
-    S = -(-length // chunk)
+    S = decode_splits(B * g, lmax if pos is not None else length, sms)
     suf = "f16" if q.dtype == torch.float16 else "bf16"
     q = q.contiguous()
     op = torch.empty(B, h, S, d, dtype=torch.float32, device=q.device)
@@ -131,8 +161,37 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
     o = torch.empty_like(q)
     gq = next(n for n in (1, 2, 4, 8) if n >= min(h // g, 8))  # query heads a block takes at a time
     launch(DEC_SOURCE, f"dec_split_{suf}_d{d}_g{gq}", q.device, (S, min(B * g, GRID_YZ_MAX), 1), (128, 1, 1),
-           (ptr(q), ptr(k), ptr(v), ptr(op), ptr(lp), np.int32(B * g), np.int32(g), np.int32(h // g),
-            np.int32(length), np.int32(lmax), np.int32(S), np.int32(chunk), np.float32(math.log2(math.e) / math.sqrt(d))))
-    launch(DEC_SOURCE, f"dec_combine_{suf}_d{d}", q.device, (-(-B * h // 8), 1, 1), (256, 1, 1),
-           (ptr(op), ptr(lp), ptr(o), np.uint64(0), np.int64(B * h), np.int32(S)))
+           (ptr(q), ptr(k), ptr(v), ptr(op), ptr(lp), ptr(o), ptr(_ticket_counters(q.device, B * g)), np.int32(B * g),
+            np.int32(g), np.int32(h // g), np.int32(1 if pos is not None else length),
+            np.uint64(0) if pos is None else ptr(pos), np.int32(lmax), np.int32(S),
+            np.float32(math.log2(math.e) / math.sqrt(d))))
     return o
+
+
+def append_row(qkv: torch.Tensor, cache: KVCache, heads: int, interleaved: bool) -> torch.Tensor:
+    """A decode step's rows qkv [B, heads + 2g, d] (the QKV GEMM's output): q and k rotated at the
+    cache's device position (when the cache has rotary tables), k and v written into the cache
+    there; returns q [B, heads, 1, d]. One kernel (dec_append) on a GPU, torch ops elsewhere. The
+    cache's position is not advanced (the caller does it once the step's attention is queued)."""
+    B, rows, d = qkv.shape
+    g = (rows - heads) // 2
+    if not (decode_kernel_fits(qkv) and qkv.is_contiguous()):
+        q, k, v = (t.unsqueeze(2) for t in qkv.split([heads, g, g], dim=1))
+        if cache.cos is not None:
+            cos, sin = cache.cos.index_select(0, cache.pos), cache.sin.index_select(0, cache.pos)
+            q, k = apply_rope(q, cos, sin, interleaved), apply_rope(k, cos, sin, interleaved)
+        cache.k.index_copy_(2, cache.pos, k)
+        cache.v.index_copy_(2, cache.pos, v)
+        return q
+    import numpy as np
+
+    from .cuda import launch, ptr
+    q = torch.empty(B, heads, 1, d, dtype=qkv.dtype, device=qkv.device)
+    suf = "f16" if qkv.dtype == torch.float16 else "bf16"
+    rope = cache.cos is not None
+    n = B * rows * d // 2
+    launch(DEC_SOURCE, f"dec_append_{suf}", qkv.device, (min(-(-n // 256), 65535), 1, 1), (256, 1, 1),
+           (ptr(qkv), ptr(q), ptr(cache.k), ptr(cache.v), ptr(cache.cos) if rope else np.uint64(0),
+            ptr(cache.sin) if rope else np.uint64(0), ptr(cache.pos), np.int32(B), np.int32(heads), np.int32(g),
+            np.int32(d), np.int32(cache.max_len), np.int32(1 if interleaved else 0)))
+    return q

@@ -50,9 +50,10 @@ from .attention import Backend, get_backend, head_chunks
 from .comm import Comm
 from .comm import copy_to_ranks, gather_sequence, scatter_sequence, sum_from_ranks, sum_of_copies
 from .commplan import CommPlan, check_style, make_plan
-from .decode import KVCache, apply_rope, decode_attention, rope_tables
+from .decode import KVCache, append_row, apply_rope, decode_attention, rope_tables
 from .errors import ConfigError
 from .ops import ColumnParallelQKV, add_bias, linear, mm
+from .outputsum import OutputSum
 from .sharding import Shard
 from .timing import section
 from .weights import slice_heads
@@ -318,7 +319,7 @@ class TensorParallelAttention(torch.nn.Module):
         by_rows = len(plan.chunks) > 1 and align is not None and all(r0 % align == 0 for r0, _ in plan.chunks)
         if not by_rows:
             self._attention(q, k, v, o)
-        total = _OutputSum(self, plan, x.device)
+        total = OutputSum(self, plan, x.device)
         for r0, r1 in plan.chunks:
             if by_rows:
                 self._attention(q, k, v, o, rows=(r0, r1))
@@ -371,17 +372,24 @@ class TensorParallelAttention(torch.nn.Module):
             raise ConfigError(f"new_cache needs batch >= 1 and max_len >= 1 (got {batch}, {max_len})")
         shape = (batch, self.local_kv_heads, max_len, self.head_dim)
         dev = self.wqkv.device
+        cos = sin = None
+        if self.rope_theta is not None:  # the rotary angles of every position the cache can hold
+            cos, sin = rope_tables(torch.arange(max_len, device=dev), self.head_dim, self.rope_theta)
         return KVCache(torch.zeros(shape, dtype=self.dtype, device=dev), torch.zeros(shape, dtype=self.dtype, device=dev),
-                       owner=self._cache_owner(), layer_id=id(self))
+                       owner=self._cache_owner(), layer_id=id(self), cos=cos, sin=sin)
 
     def _cache_owner(self) -> tuple:
         return (self.shard, self.head_dim, self.dtype)
 
-    def _rope(self, q: torch.Tensor, k: torch.Tensor, start: int):
+    def _rope(self, q: torch.Tensor, k: torch.Tensor, start: int, cache: KVCache | None = None):
         """q and k rotated by their positions start, start + 1, ... (rope_theta; else as they are)."""
         if self.rope_theta is None:
             return q, k
-        cos, sin = rope_tables(torch.arange(start, start + q.shape[2], device=q.device), self.head_dim, self.rope_theta)
+        if cache is not None:
+            cos, sin = cache.cos[start:start + q.shape[2]], cache.sin[start:start + q.shape[2]]
+        else:
+            cos, sin = rope_tables(torch.arange(start, start + q.shape[2], device=q.device), self.head_dim,
+                                   self.rope_theta)
         return (apply_rope(q, cos, sin, self.rope_interleaved), apply_rope(k, cos, sin, self.rope_interleaved))
 
     def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -399,19 +407,26 @@ class TensorParallelAttention(torch.nn.Module):
         plan = self.plan(B, T, decode=True)
         with section("qkv_proj"):
             qkv = mm(x.reshape(B * T, D), self.wqkv, self.dtype, self.bqkv)
-            q, k, v = (t.permute(0, 2, 1, 3) for t in qkv.view(B, T, h + 2 * g, d).split([h, g, g], dim=2))
-            q, k = self._rope(q, k, L0)
-        with section("cache_append"):
-            cache.k[:, :, L0:L0 + T] = k
-            cache.v[:, :, L0:L0 + T] = v
-            cache.length = L0 + T
-        if L0 == 0 and T > 1:  # a prefill into an empty cache: the backend's causal attention over its rows
-            o = torch.empty(B, T, h, d, dtype=self.dtype, device=x.device).permute(0, 2, 1, 3)
-            self._attention(*((t if self.backend.strided else t.contiguous()) for t in (q, k, v)), o)
+        if T == 1:  # a step: positions read from the cache's device copy (a CUDA graph of it serves every step)
+            with section("cache_append"):  # rotary positions, q out, k and v in: one kernel on a GPU
+                q = append_row(qkv.view(B, h + 2 * g, d), cache, h, self.rope_interleaved)
+            with section("attention"):  # the split-K decode kernel on a GPU; else attend's math
+                o = decode_attention(q, cache.k, cache.v, L0 + 1, pos=cache.pos)
         else:
-            with section("attention"):  # one row: the split-K decode kernel on a GPU; else attend's math
-                o = decode_attention(q, cache.k, cache.v, L0 + T)
-        total = _OutputSum(self, plan, x.device)
+            q, k, v = (t.permute(0, 2, 1, 3) for t in qkv.view(B, T, h + 2 * g, d).split([h, g, g], dim=2))
+            q, k = self._rope(q, k, L0, cache)
+            with section("cache_append"):
+                cache.k[:, :, L0:L0 + T] = k
+                cache.v[:, :, L0:L0 + T] = v
+            if L0 == 0:  # a prefill into an empty cache: the backend's causal attention over its rows
+                o = torch.empty(B, T, h, d, dtype=self.dtype, device=x.device).permute(0, 2, 1, 3)
+                self._attention(*((t if self.backend.strided else t.contiguous()) for t in (q, k, v)), o)
+            else:
+                with section("attention"):
+                    o = decode_attention(q, cache.k, cache.v, L0 + T)
+        cache.pos.add_(T)
+        cache.length = L0 + T
+        total = OutputSum(self, plan, x.device)
         total.add_rows(0, T, o.permute(0, 2, 1, 3).reshape(B * T, h * d))
         return total.result()
 
@@ -568,98 +583,54 @@ class TensorParallelAttention(torch.nn.Module):
 
     # ---- a CUDA graph of the whole layer -----------------------------------------------------
 
-    def graphed(self, x: torch.Tensor):
+    def graphed(self, x: torch.Tensor, cache: KVCache | None = None):
         """Capture forward(x) (kernels, GEMMs and the collective) in one CUDA graph; returns a
         function that replays it on the same input buffer and returns the same output tensor.
         Copy new inputs into `x` in place before calling it. Each replay is one entry in the
         collective watch (tpattn/watch.py): a rank that stalls during a replay ends the job after
         --timeout like a stalled eager collective. With output_collective="p2p" the peer buffers
-        are fixed from here on: a later call that needs larger ones is refused."""
+        are fixed from here on: a later call that needs larger ones is refused.
+        With a cache: one decode step, x [B, 1, D]; each replay appends x's row at the cache's
+        length (read on the device) and returns that step's output, until the cache is full (then
+        the cache's one-line refusal). The cache is left as it was (capture runs no step)."""
+        if cache is not None:
+            if x.dim() != 3 or x.shape[1] != 1:
+                raise ValueError(f"graphed(x, cache) captures a decode step: x must be [B, 1, D] (got {tuple(x.shape)})")
+            cache.check(id(self), self._cache_owner(), x.shape[0], 1)
+            length = cache.length
+        call = (lambda: self(x, cache=cache)) if cache is not None else (lambda: self(x))
         current = torch.cuda.current_stream()
         side = torch.cuda.Stream(device=x.device)
         side.wait_stream(current)
         with torch.no_grad():
             with torch.cuda.stream(side):
-                for _ in range(2):  # compile and load every kernel, create NCCL's communicator
-                    self(x)
+                for _ in range(2 if cache is None else min(2, cache.max_len - length)):
+                    call()  # compile and load every kernel, create NCCL's communicator
             current.wait_stream(side)
             torch.cuda.synchronize()
+            if cache is not None:  # the warm-up steps wrote past the cache's length only: forget them
+                cache.length = length
+                cache.pos.fill_(length)
             graph = torch.cuda.CUDAGraph()
             # thread_local: the collective watchdog's thread polls CUDA events of earlier collectives; in
             # the default (global) mode such a query from any thread during the capture invalidates it
             # (seen once over NCCL: "operation failed due to a previous error during capture")
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                y = self(x)
+                y = call()
         self._peer_pinned = self._peer is not None
+        if cache is not None:
+            cache.length = length  # the capture ran the host side once, no kernel
 
         def replay() -> torch.Tensor:
+            if cache is not None:
+                cache.check(id(self), self._cache_owner(), x.shape[0], 1)
             with watch.collective("graph", self.world, True):  # a no-op unless the watch runs (the CLI's)
                 graph.replay()
+            if cache is not None:
+                cache.length += 1
             return y
         replay.graph = graph
         return replay
-
-
-class _OutputSum:
-    """Where one head-parallel call's partial outputs go, by the plan's collective: one rank (the
-    output GEMM rounds straight into y with b_o in its epilogue), the all-reduce (comm.sum_from_ranks,
-    then + b_o), the split (reduce-scatter, + b_o, all-gather) or the peer kernel (one pass)."""
-
-    def __init__(self, layer: TensorParallelAttention, plan: CommPlan, device):
-        self.layer, self.plan, self.device = layer, plan, device
-        self.y = torch.empty(plan.batch, plan.seq_len, layer.model_dim, dtype=layer.dtype, device=device)
-        # one rank: nothing to sum, unless a fault test injects one into the (local) collective
-        self.local = plan.collective == "none" and not faults.planned(layer.rank, "allreduce")
-        self.peer = layer._peer_buffers(plan, device) if plan.collective == "p2p" else None
-        self.parts = []  # what the collectives read or write, referenced until they are joined
-        self.late = []   # (gathered rows, where they go in y) to copy once the collectives are joined
-
-    def add_rows(self, r0: int, r1: int, o_rows: torch.Tensor) -> None:
-        """The output projection of query rows [r0, r1) (o_rows [B*(r1-r0), h*d]) and its collective."""
-        L, comm, K, D = self.layer, self.layer.comm, self.layer.overlap, self.layer.model_dim
-        rows, dst = o_rows.shape[0], self.y[:, r0:r1]
-        if self.local:  # fp32 accumulation, one rounding, as the fp32 partial path
-            with section("out_proj"):
-                out = mm(o_rows, L.wo, L.dtype, L.bo, out=dst.view(-1, D) if dst.is_contiguous() else None)
-            if not dst.is_contiguous():
-                dst.copy_(out.view(dst.shape))
-            return
-        part = self.peer.partial(rows, D) if self.peer else torch.empty(rows, D, dtype=L.part_dtype,
-                                                                         device=self.device)
-        with section("out_proj"):
-            mm(o_rows, L.wo, L.part_dtype, out=part)
-        how = self.plan.collective
-        if how == "p2p":  # reduce-scatter + all-gather in one kernel over NVLink, + b_o inside
-            comm.peer_reduce_gather(self.peer, self.y.view(rows, D), L.bo)
-        elif how in ("allreduce", "none"):
-            comm.sum_from_ranks(part, K)
-            self.parts.append((r0, r1, part))
-        else:  # the split: each rank sums 1/W of the rows, adds b_o, rounds, and all-gathers them
-            W = L.world
-            mine = torch.empty(rows // W, D, dtype=L.part_dtype, device=self.device)
-            self.parts.append((r0, r1, mine))
-            if comm.reduce_scatter(mine, part, K) is False:
-                return  # a fault left this rank's collectives out (both of them)
-            whole = dst.is_contiguous()
-            gathered = dst.view(rows, D) if whole else torch.empty(rows, D, dtype=L.dtype, device=self.device)
-            m = rows // W
-            mine_out = gathered[L.rank * m:(L.rank + 1) * m]  # this rank's rows of y: the all-gather is in place
-            with comm.on_side(K, self.device):  # where the reduce-scatter ran: + b_o, rounded once
-                add_bias(mine, L.bo, out=mine_out)
-            comm.all_gather(gathered, mine_out, K)
-            if not whole:
-                self.late.append((gathered, dst))
-
-    def result(self) -> torch.Tensor:
-        L = self.layer
-        L.comm.join(L.overlap)
-        if self.plan.collective in ("allreduce", "none") and not self.local:  # + b_o and the cast in one pass
-            B, D = self.plan.batch, L.model_dim
-            for r0, r1, part in self.parts:
-                add_bias(part.view(B, r1 - r0, D), L.bo, out=self.y[:, r0:r1])
-        for gathered, dst in self.late:
-            dst.copy_(gathered.view(dst.shape))
-        return self.y
 
 
 def _describe(state: dict) -> str:
