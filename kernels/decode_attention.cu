@@ -163,8 +163,10 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const tc
 #pragma unroll
                     for (int e = 0; e < 8; ++e) o[i][e] *= a;
 #pragma unroll
+                    const float ref = mn == TC_NEG_INF ? 0.0f : mn;  // no key yet: p = 2^-inf = 0, not NaN
+#pragma unroll
                     for (int u = 0; u < U; ++u) {
-                        const float p = tc_exp2(sc[u] - mn);  // masked: 2^-inf = 0
+                        const float p = tc_exp2(sc[u] - ref);  // masked: 2^-inf = 0
                         ps += p;
 #pragma unroll
                         for (int e = 0; e < 8; ++e) o[i][e] = fmaf(p, vx[u][e], o[i][e]);
@@ -198,6 +200,184 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const tc
             __syncthreads();
         }
         // this block's partials are written: take a ticket; the S-th combines (and resets the count)
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) {
+            const int t = atomicAdd(tickets + bg, 1);
+            last = t == S - 1;
+            if (last) tickets[bg] = 0;
+        }
+        __syncthreads();
+        if (last) {
+            __threadfence();
+            dec_combine<D, BF16>(Op, Lp, O, bh0, group, S);
+        }
+        __syncthreads();
+    }
+}
+
+// The same split on tensor cores (mma.sync m16n8k16, sm_80+): a warp takes 16 keys at a time; the
+// group's query heads are the rows of the m16 tile (8 per pass, or 16 when the group has more than
+// 8), S = Q Kᵀ in two n8 tiles over D/16 k-steps, then O += P V over D/8 n8 tiles. No shared
+// memory on the way: K and V go from global memory straight into the fragments, since a dot
+// product does not care in which order its d-columns are summed and the output's columns can be
+// put back in order when written. Lane (r, c) = (lane / 4, lane % 4) loads
+//   K: keys r and 8 + r of the tile, columns [c D/4, (c + 1) D/4)   -> B of k-step j: words 2j, 2j + 1
+//   Q: the same columns of heads r (and r + 8)                       -> A of k-step j: words 2j, 2j + 1
+//   V: keys 2c, 2c + 1, 2c + 8, 2c + 9, columns [r D/8, (r + 1) D/8) -> B of n-tile u: the u-th element
+//      of each (two keys' halves packed into a word with a byte permute)
+// so that output column n of n-tile u is column n D/8 + u of O. 16-byte loads throughout.
+template <int D, bool M16, bool BF16>
+__device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
+                                        const tc_u16 *__restrict__ V, float *__restrict__ Op,
+                                        float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets,
+                                        int BG, int G, int group, int Ladd, const long long *__restrict__ Lpos,
+                                        int LMAX, int S, float scale_log2) {
+    constexpr int E = D / 4, KS = D / 16, NT = D / 8, ROWS = M16 ? 16 : 8, W = DEC_THREADS / 32;
+    __shared__ float sm[W][ROWS], sl[W][ROWS];
+    __shared__ float so[W][ROWS][D];
+    __shared__ int last;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, c = lane & 3;
+    const int L = Ladd + (Lpos != nullptr ? (int)*Lpos : 0);
+    const int chunk = ((L + S - 1) / S + 16 * W - 1) / (16 * W) * (16 * W);  // whole 16-key tiles per warp
+    const int s = blockIdx.x, k0 = min(L, s * chunk), k1 = min(L, k0 + chunk);
+    for (int bg = blockIdx.y; bg < BG; bg += gridDim.y) {
+        const long long kv = (long long)bg * LMAX * D;
+        const long long bh0 = (long long)bg * group;  // the group's first query head
+        for (int h0 = 0; h0 < group; h0 += ROWS) {
+            const int nh = min(ROWS, group - h0);
+            tc_u32 qa[E / 2], qb[E / 2];
+            {
+                tc_u4 t[E / 8];
+#pragma unroll
+                for (int i = 0; i < E / 8; ++i) t[i] = tc_u4{0u, 0u, 0u, 0u};
+                if (r < nh)
+#pragma unroll
+                    for (int i = 0; i < E / 8; ++i) t[i] = ((const tc_u4 *)(Q + (bh0 + h0 + r) * D + c * E))[i];
+#pragma unroll
+                for (int i = 0; i < E / 8; ++i) qa[4 * i] = t[i].x, qa[4 * i + 1] = t[i].y, qa[4 * i + 2] = t[i].z, qa[4 * i + 3] = t[i].w;
+#pragma unroll
+                for (int i = 0; i < E / 8; ++i) t[i] = tc_u4{0u, 0u, 0u, 0u};
+                if (M16 && r + 8 < nh)
+#pragma unroll
+                    for (int i = 0; i < E / 8; ++i) t[i] = ((const tc_u4 *)(Q + (bh0 + h0 + r + 8) * D + c * E))[i];
+#pragma unroll
+                for (int i = 0; i < E / 8; ++i) qb[4 * i] = t[i].x, qb[4 * i + 1] = t[i].y, qb[4 * i + 2] = t[i].z, qb[4 * i + 3] = t[i].w;
+            }
+            float o[NT][4], m0 = TC_NEG_INF, m1 = TC_NEG_INF, l0 = 0.0f, l1 = 0.0f;
+#pragma unroll
+            for (int u = 0; u < NT; ++u) o[u][0] = o[u][1] = o[u][2] = o[u][3] = 0.0f;
+            for (int t0 = k0 + 16 * warp; t0 < k1; t0 += 16 * W) {
+                tc_u4 kr[2][E / 8], vr[4][NT / 8];
+#pragma unroll
+                for (int t = 0; t < 2; ++t) {
+                    const int key = t0 + 8 * t + r;
+#pragma unroll
+                    for (int i = 0; i < E / 8; ++i)
+                        kr[t][i] = key < k1 ? ((const tc_u4 *)(K + kv + (long long)key * D + c * E))[i] : tc_u4{0u, 0u, 0u, 0u};
+                }
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const int key = t0 + (k >> 1) * 8 + 2 * c + (k & 1);
+#pragma unroll
+                    for (int i = 0; i < NT / 8; ++i)
+                        vr[k][i] = key < k1 ? ((const tc_u4 *)(V + kv + (long long)key * D + r * NT))[i] : tc_u4{0u, 0u, 0u, 0u};
+                }
+                float sc[2][4];
+#pragma unroll
+                for (int t = 0; t < 2; ++t) {
+                    sc[t][0] = sc[t][1] = sc[t][2] = sc[t][3] = 0.0f;
+                    const tc_u32 *kw = (const tc_u32 *)kr[t];
+#pragma unroll
+                    for (int j = 0; j < KS; ++j) {
+                        const tc_u32 a[4] = {qa[2 * j], M16 ? qb[2 * j] : 0u, qa[2 * j + 1], M16 ? qb[2 * j + 1] : 0u};
+                        tc_mma<BF16>(sc[t], a, kw[2 * j], kw[2 * j + 1]);
+                    }
+                }
+                float mx0 = TC_NEG_INF, mx1 = TC_NEG_INF;
+#pragma unroll
+                for (int t = 0; t < 2; ++t)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const bool ok = t0 + 8 * t + 2 * c + (e & 1) < k1;
+                        sc[t][e] = ok ? sc[t][e] * scale_log2 : TC_NEG_INF;
+                        if (e < 2) mx0 = fmaxf(mx0, sc[t][e]);
+                        else mx1 = fmaxf(mx1, sc[t][e]);
+                    }
+                mx0 = fmaxf(mx0, tc_shfl_xor(mx0, 1));
+                mx0 = fmaxf(mx0, tc_shfl_xor(mx0, 2));
+                const float n0 = fmaxf(m0, mx0), ref0 = n0 == TC_NEG_INF ? 0.0f : n0, a0 = tc_exp2(m0 - ref0);
+                m0 = n0;
+                float n1 = 0.0f, ref1 = 0.0f, a1 = 1.0f;
+                if (M16) {
+                    mx1 = fmaxf(mx1, tc_shfl_xor(mx1, 1));
+                    mx1 = fmaxf(mx1, tc_shfl_xor(mx1, 2));
+                    n1 = fmaxf(m1, mx1);
+                    ref1 = n1 == TC_NEG_INF ? 0.0f : n1;
+                    a1 = tc_exp2(m1 - ref1);
+                    m1 = n1;
+                }
+                float ps0 = 0.0f, ps1 = 0.0f;
+#pragma unroll
+                for (int t = 0; t < 2; ++t) {
+                    sc[t][0] = tc_exp2(sc[t][0] - ref0);
+                    sc[t][1] = tc_exp2(sc[t][1] - ref0);
+                    ps0 += sc[t][0] + sc[t][1];
+                    if (M16) {
+                        sc[t][2] = tc_exp2(sc[t][2] - ref1);
+                        sc[t][3] = tc_exp2(sc[t][3] - ref1);
+                        ps1 += sc[t][2] + sc[t][3];
+                    }
+                }
+                l0 = l0 * a0 + ps0;
+                if (M16) l1 = l1 * a1 + ps1;
+                const tc_u32 pa[4] = {tc_pack<BF16>(sc[0][0], sc[0][1]), M16 ? tc_pack<BF16>(sc[0][2], sc[0][3]) : 0u,
+                                      tc_pack<BF16>(sc[1][0], sc[1][1]), M16 ? tc_pack<BF16>(sc[1][2], sc[1][3]) : 0u};
+                const tc_u32 *v0 = (const tc_u32 *)vr[0], *v1 = (const tc_u32 *)vr[1], *v2 = (const tc_u32 *)vr[2],
+                             *v3 = (const tc_u32 *)vr[3];
+#pragma unroll
+                for (int u = 0; u < NT; ++u) {
+                    const unsigned sel = (u & 1) ? 0x7632u : 0x5410u;
+                    o[u][0] *= a0;
+                    o[u][1] *= a0;
+                    if (M16) o[u][2] *= a1, o[u][3] *= a1;
+                    tc_mma<BF16>(o[u], pa, __byte_perm(v0[u >> 1], v1[u >> 1], sel), __byte_perm(v2[u >> 1], v3[u >> 1], sel));
+                }
+            }
+            // the warp's rows: l summed over the quad; output column n of n-tile u is column n NT + u
+            l0 += tc_shfl_xor(l0, 1);
+            l0 += tc_shfl_xor(l0, 2);
+            if (M16) l1 += tc_shfl_xor(l1, 1), l1 += tc_shfl_xor(l1, 2);
+            if (c == 0) {
+                sm[warp][r] = m0, sl[warp][r] = l0;
+                if (M16) sm[warp][r + 8] = m1, sl[warp][r + 8] = l1;
+            }
+#pragma unroll
+            for (int u = 0; u < NT; ++u) {
+                so[warp][r][(2 * c) * NT + u] = o[u][0];
+                so[warp][r][(2 * c + 1) * NT + u] = o[u][1];
+                if (M16) so[warp][r + 8][(2 * c) * NT + u] = o[u][2], so[warp][r + 8][(2 * c + 1) * NT + u] = o[u][3];
+            }
+            __syncthreads();
+            for (int t = tid; t < nh * D; t += DEC_THREADS) {
+                const int i = t / D, col = t - i * D;
+                float mx = TC_NEG_INF;
+#pragma unroll
+                for (int w = 0; w < W; ++w) mx = fmaxf(mx, sm[w][i]);
+                float lsum = 0.0f, acc = 0.0f;
+                if (mx != TC_NEG_INF)
+#pragma unroll
+                    for (int w = 0; w < W; ++w) {
+                        const float f = tc_exp2(sm[w][i] - mx);
+                        lsum += sl[w][i] * f;
+                        acc += so[w][i][col] * f;
+                    }
+                const long long bh = bh0 + h0 + i;
+                Op[(bh * S + s) * D + col] = lsum > 0.0f ? acc / lsum : 0.0f;
+                if (col == 0) Lp[bh * S + s] = lsum > 0.0f ? mx + tc_log2(lsum) : TC_NEG_INF;
+            }
+            __syncthreads();
+        }
         __threadfence();
         __syncthreads();
         if (tid == 0) {
@@ -260,8 +440,17 @@ __device__ __forceinline__ void dec_append(const tc_u16 *__restrict__ QKV, tc_u1
         float scale_log2) {                                                                             \
         dec_split<D, GQ, BF16>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, Lpos, LMAX, S, scale_log2); \
     }
+#define DEC_MMA(SUF, BF16, D, M16, ROWS)                                                                \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r##ROWS(            \
+        const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,      \
+        float *__restrict__ Op, float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets, \
+        int BG, int G, int group, int Ladd, const long long *__restrict__ Lpos, int LMAX, int S,        \
+        float scale_log2) {                                                                             \
+        dec_mma<D, M16, BF16>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, Lpos, LMAX, S, scale_log2); \
+    }
 #define DEC_DEFINE(SUF, BF16, D)                                                                        \
-    DEC_SPLIT(SUF, BF16, D, 1) DEC_SPLIT(SUF, BF16, D, 2) DEC_SPLIT(SUF, BF16, D, 4) DEC_SPLIT(SUF, BF16, D, 8)
+    DEC_SPLIT(SUF, BF16, D, 1) DEC_SPLIT(SUF, BF16, D, 2) DEC_SPLIT(SUF, BF16, D, 4) DEC_SPLIT(SUF, BF16, D, 8) \
+    DEC_MMA(SUF, BF16, D, false, 8) DEC_MMA(SUF, BF16, D, true, 16)
 DEC_DEFINE(f16, false, 64)
 DEC_DEFINE(bf16, true, 64)
 DEC_DEFINE(f16, false, 128)

@@ -121,6 +121,10 @@ def main() -> int:
         kv_bytes = 2 * k.numel() * 2
         row = {"B": B, "H": H, "G": G, "L": L, "d": d, "kv_bytes": kv_bytes}
         row["tpattn_us"] = graph_us(lambda: decode_attention(q, k, v, L), a.iters)
+        import tpattn.decode as dec  # the split on CUDA cores instead of tensor cores, for comparison
+        dec.SPLIT_KERNEL = "cores"
+        row["tpattn_cores_us"] = graph_us(lambda: decode_attention(q, k, v, L), a.iters)
+        dec.SPLIT_KERNEL = "mma"
         for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
             def sdpa(be=be):
                 with sdpa_kernel([be]):
@@ -133,7 +137,8 @@ def main() -> int:
             row[f"{key}_TBps"] = kv_bytes / (us * 1e-6) / 1e12 if us else None
         row["tpattn_of_copy_bw"] = row["tpattn_TBps"] * 1e3 / bw  # the copy's memory traffic (read + write) per second
         rows.append(row)
-        print(f"B={B} H={H} G={G} L={L}: tpattn {row['tpattn_us']:.1f} us ({row['tpattn_TBps']:.2f} TB/s), "
+        print(f"B={B} H={H} G={G} L={L}: tpattn {row['tpattn_us']:.1f} us ({row['tpattn_TBps']:.2f} TB/s; "
+              f"CUDA cores {row['tpattn_cores_us']:.1f} us), "
               f"cuDNN {row['cudnn_us'] or float('nan'):.1f} us, flash {row['flash_us'] or float('nan'):.1f} us, "
               f"err {row['max_err']:.2e}", flush=True)
     steps = step_rows(a.iters)

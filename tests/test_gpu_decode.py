@@ -20,11 +20,19 @@ def float64(q, k, v, length):
     return p @ vv
 
 
+@pytest.fixture(params=["mma", "cores"])
+def split_kernel(request, monkeypatch):
+    """Both splits of kernels/decode_attention.cu: tensor cores (the default) and CUDA cores."""
+    import tpattn.decode as dec
+    monkeypatch.setattr(dec, "SPLIT_KERNEL", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("b,h,g", [(1, 32, 32), (3, 32, 8), (2, 8, 1), (2, 40, 2)])
+@pytest.mark.parametrize("b,h,g", [(1, 32, 32), (3, 32, 8), (2, 8, 1), (2, 40, 2), (1, 16, 1)])
 @pytest.mark.parametrize("length", [1, 17, 1000, 4097])
-def test_decode_kernel_against_float64(b, h, g, length, d, dtype):
+def test_decode_kernel_against_float64(b, h, g, length, d, dtype, split_kernel):
     gen = torch.Generator(device="cuda").manual_seed(length + h)
     q = torch.randn(b, h, 1, d, device="cuda", generator=gen).to(dtype)
     k, v = (torch.randn(b, g, length + 5, d, device="cuda", generator=gen).to(dtype) for _ in range(2))
@@ -52,7 +60,7 @@ def test_layer_decode_on_the_gpu_matches_its_full_forward():
 
 @pytest.mark.parametrize("b,h,g,d", [(1, 32, 32, 128), (3, 16, 4, 64), (2, 8, 1, 128)])
 @pytest.mark.parametrize("length,capacity", [(1, 1), (33, 4000), (1000, 1000), (4097, 9000)])
-def test_decode_kernel_reads_the_length_on_the_device(b, h, g, d, length, capacity):
+def test_decode_kernel_reads_the_length_on_the_device(b, h, g, d, length, capacity, split_kernel):
     """A CUDA graph's path: the length from the cache's device position, the splits from its capacity,
     one launch (the last block of each (b, g) combines); called twice, the counters start at zero."""
     gen = torch.Generator(device="cuda").manual_seed(length)

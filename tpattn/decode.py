@@ -109,10 +109,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> to
     return torch.matmul(p.float(), v.float().unsqueeze(2)).to(dtype).view(B, h, T, d)
 
 
+BLOCKS_PER_SM = 8
+
+
 def decode_splits(bg: int, length: int, sms: int) -> int:
     """How many chunks the cache length is split into: about eight blocks per SM (several waves, so
     that the last one is short), chunks of at least 64 keys."""
-    return max(1, min(-(-8 * sms // bg), -(-length // 64)))
+    return max(1, min(-(-BLOCKS_PER_SM * sms // bg), -(-length // 64)))
 
 
 def decode_kernel_fits(q: torch.Tensor) -> bool:
@@ -121,6 +124,7 @@ def decode_kernel_fits(q: torch.Tensor) -> bool:
             and cupy_available())
 
 
+SPLIT_KERNEL = "mma"  # or "cores": the split on CUDA cores (kernels/decode_attention.cu has both)
 _tickets: dict = {}
 
 
@@ -159,8 +163,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
     op = torch.empty(B, h, S, d, dtype=torch.float32, device=q.device)
     lp = torch.empty(B, h, S, dtype=torch.float32, device=q.device)
     o = torch.empty_like(q)
-    gq = next(n for n in (1, 2, 4, 8) if n >= min(h // g, 8))  # query heads a block takes at a time
-    launch(DEC_SOURCE, f"dec_split_{suf}_d{d}_g{gq}", q.device, (S, min(B * g, GRID_YZ_MAX), 1), (128, 1, 1),
+    if SPLIT_KERNEL == "mma":  # tensor cores: the group's heads as the rows of an m16 tile, 8 or 16 at a time
+        name = f"dec_mma_{suf}_d{d}_r{16 if h // g > 8 else 8}"
+    else:  # CUDA cores: 1, 2, 4 or 8 query heads at a time
+        name = f"dec_split_{suf}_d{d}_g{next(n for n in (1, 2, 4, 8) if n >= min(h // g, 8))}"
+    launch(DEC_SOURCE, name, q.device, (S, min(B * g, GRID_YZ_MAX), 1), (128, 1, 1),
            (ptr(q), ptr(k), ptr(v), ptr(op), ptr(lp), ptr(o), ptr(_ticket_counters(q.device, B * g)), np.int32(B * g),
             np.int32(g), np.int32(h // g), np.int32(1 if pos is not None else length),
             np.uint64(0) if pos is None else ptr(pos), np.int32(lmax), np.int32(S),

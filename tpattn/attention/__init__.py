@@ -19,6 +19,7 @@ _BACKENDS = {
     "naive": "tpattn.attention.naive:NaiveBackend",
     "tiled": "tpattn.attention.tiled:TiledBackend",
     "fused": "tpattn.attention.fused:FusedBackend",
+    "triton": "tpattn.attention.triton_fused:TritonBackend",
 }
 
 
