@@ -18,9 +18,13 @@
 //               key); the groups' partials are merged through shared memory and written:
 //               Op [B, H, S, D] fp32, Lp [B, H, S] fp32 (log2 units); the last block reads them
 //               back (from L2) into O [B, H, D] in the storage dtype.
-// The kernel is built for GQ = 1, 2, 4 and 8 query heads at a time (registers per head: its q
-// and its output columns); a group of more heads than 8 is done in passes of 8 over the chunk
-// (multi-query attention with many heads re-reads K and V from L2).
+//               Built for GQ = 1, 2, 4 and 8 query heads at a time (registers per head: its q
+//               and its output columns); a group of more heads than 8 is done in passes of 8.
+//   dec_mma     the same split on tensor cores (see its comment): the group's heads are the rows
+//               of an m16 tile, so a K/V tile costs the same few instructions for 1 or 16 heads.
+// tpattn/decode.py runs dec_split for multi-head attention (one head per K/V head: the m16 tile
+// would be 15/16 empty, and dec_split is faster there, measured) and dec_mma for grouped heads
+// (CUDA cores run out of instructions before memory runs out of bandwidth at 4 heads a group).
 //
 // The cache length L = Ladd + (*Lpos where Lpos is not null): a CUDA graph of a decode step reads
 // the position from device memory, so that one graph serves every step. The chunk length is
@@ -55,13 +59,16 @@ __device__ __forceinline__ tc_u16 dec_round(float x) {
     return (tc_u16)(tc_pack<BF16>(x, 0.0f) & 0xffffu);
 }
 
-// the last block of a (b, g): the S partials of each of its `group` heads into O
+// the last block of a (b, g): the S partials of each of its `group` heads into O; a thread takes 4
+// columns (16-byte loads) of every SUB-th partial, the SUB sums are added through shared memory
 template <int D, bool BF16>
 __device__ __forceinline__ void dec_combine(const float *__restrict__ Op, const float *__restrict__ Lp,
                                             tc_u16 *__restrict__ O, long long bh0, int group, int S) {
-    constexpr int SUB = DEC_THREADS / D;  // threads per output column (each sums every SUB-th partial)
-    __shared__ float red[DEC_THREADS / 32], part[2][DEC_THREADS];
-    const int tid = threadIdx.x, c = tid % D, sub = tid / D;
+    constexpr int SUB = DEC_THREADS / (D / 4);
+    __shared__ float red[DEC_THREADS / 32];
+    __shared__ float4 part[DEC_THREADS];
+    __shared__ float lpart[DEC_THREADS];
+    const int tid = threadIdx.x, c4 = tid % (D / 4), sub = tid / (D / 4);
     for (int i = 0; i < group; ++i) {
         const long long bh = bh0 + i;
         const float *lp = Lp + bh * S;
@@ -72,21 +79,29 @@ __device__ __forceinline__ void dec_combine(const float *__restrict__ Op, const 
         __syncthreads();
 #pragma unroll
         for (int w = 0; w < DEC_THREADS / 32; ++w) mx = fmaxf(mx, red[w]);
-        float acc = 0.0f, lsum = 0.0f;
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        float lsum = 0.0f;
 #pragma unroll 4
         for (int s = sub; s < S; s += SUB) {  // empty partials: 2^-inf = 0 and o_s = 0
             const float w = tc_exp2(__ldcg(lp + s) - mx);
+            const float4 v = __ldcg((const float4 *)(Op + (bh * S + s) * D) + c4);
             lsum += w;
-            acc = fmaf(w, __ldcg(Op + (bh * S + s) * D + c), acc);
+            acc.x = fmaf(w, v.x, acc.x), acc.y = fmaf(w, v.y, acc.y), acc.z = fmaf(w, v.z, acc.z), acc.w = fmaf(w, v.w, acc.w);
         }
-        if (SUB > 1) {
-            part[0][tid] = acc;
-            part[1][tid] = lsum;
-            __syncthreads();
-            if (sub == 0)
-                for (int r = 1; r < SUB; ++r) acc += part[0][r * D + c], lsum += part[1][r * D + c];
+        part[tid] = acc;
+        lpart[tid] = lsum;
+        __syncthreads();
+        if (sub == 0) {
+            for (int r = 1; r < SUB; ++r) {
+                const float4 v = part[r * (D / 4) + c4];
+                acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
+                lsum += lpart[r * (D / 4) + c4];
+            }
+            const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+            tc_u16 *dst = O + bh * D + 4 * c4;
+            dst[0] = dec_round<BF16>(acc.x * inv), dst[1] = dec_round<BF16>(acc.y * inv);
+            dst[2] = dec_round<BF16>(acc.z * inv), dst[3] = dec_round<BF16>(acc.w * inv);
         }
-        if (sub == 0) O[bh * D + c] = dec_round<BF16>(lsum > 0.0f ? acc / lsum : 0.0f);
         __syncthreads();
     }
 }
@@ -162,7 +177,6 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const tc
                     float ps = 0.0f;
 #pragma unroll
                     for (int e = 0; e < 8; ++e) o[i][e] *= a;
-#pragma unroll
                     const float ref = mn == TC_NEG_INF ? 0.0f : mn;  // no key yet: p = 2^-inf = 0, not NaN
 #pragma unroll
                     for (int u = 0; u < U; ++u) {

@@ -5,7 +5,9 @@ on one GPU. Times are CUDA-graph replays (the call captured once, replayed --ite
 back: the GPU's time without the host's launch cost). Bandwidth = the K and V bytes read / time;
 the copy bandwidth (device-to-device, read + write) is measured in the same run.
 
-Shapes (B, H, G, L, d): 1 32 32 4096 128; 64 32 8 8192 128; 1 32 32 32768 128 (fp16).
+Shapes (B, H, G, L, d): 1 32 32 4096 128; 64 32 8 8192 128; 1 32 32 32768 128; 8 32 8 4096 128;
+1 32 8 8192 128; 16 32 1 4096 128 (fp16). tpattn's time is the split it picks; each split's own
+time beside it.
 
 Then the whole decode step on one GPU, D = H d = 4096, B = 1, a cache of L = 4096 positions: the
 layer's step (QKV GEMV, rotary positions and cache append in one kernel, the split-K kernel, the
@@ -36,7 +38,8 @@ from bench_kernels import copy_bandwidth, graph_ms  # noqa: E402
 from tpattn.decode import decode_attention  # noqa: E402
 from tpattn.report import versions  # noqa: E402
 
-SHAPES = [(1, 32, 32, 4096, 128), (64, 32, 8, 8192, 128), (1, 32, 32, 32768, 128)]
+SHAPES = [(1, 32, 32, 4096, 128), (64, 32, 8, 8192, 128), (1, 32, 32, 32768, 128), (8, 32, 8, 4096, 128),
+          (1, 32, 8, 8192, 128), (16, 32, 1, 4096, 128)]
 
 
 def graph_us(fn, iters: int) -> float | None:
@@ -121,10 +124,11 @@ def main() -> int:
         kv_bytes = 2 * k.numel() * 2
         row = {"B": B, "H": H, "G": G, "L": L, "d": d, "kv_bytes": kv_bytes}
         row["tpattn_us"] = graph_us(lambda: decode_attention(q, k, v, L), a.iters)
-        import tpattn.decode as dec  # the split on CUDA cores instead of tensor cores, for comparison
-        dec.SPLIT_KERNEL = "cores"
-        row["tpattn_cores_us"] = graph_us(lambda: decode_attention(q, k, v, L), a.iters)
-        dec.SPLIT_KERNEL = "mma"
+        import tpattn.decode as dec  # each split everywhere, for comparison
+        for kern in ("cores", "mma"):
+            dec.SPLIT_KERNEL = kern
+            row[f"tpattn_{kern}_us"] = graph_us(lambda: decode_attention(q, k, v, L), a.iters)
+        dec.SPLIT_KERNEL = "auto"
         for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
             def sdpa(be=be):
                 with sdpa_kernel([be]):
@@ -138,7 +142,7 @@ def main() -> int:
         row["tpattn_of_copy_bw"] = row["tpattn_TBps"] * 1e3 / bw  # the copy's memory traffic (read + write) per second
         rows.append(row)
         print(f"B={B} H={H} G={G} L={L}: tpattn {row['tpattn_us']:.1f} us ({row['tpattn_TBps']:.2f} TB/s; "
-              f"CUDA cores {row['tpattn_cores_us']:.1f} us), "
+              f"CUDA-core split {row['tpattn_cores_us']:.1f} us, tensor-core split {row['tpattn_mma_us']:.1f} us), "
               f"cuDNN {row['cudnn_us'] or float('nan'):.1f} us, flash {row['flash_us'] or float('nan'):.1f} us, "
               f"err {row['max_err']:.2e}", flush=True)
     steps = step_rows(a.iters)
@@ -151,11 +155,13 @@ def main() -> int:
           f"{res['date']}, {res['gpu']}, commit {a.commit}, torch {res['versions'].get('torch')}; command "
           f"`{res['command']}`. CUDA-graph replays, fp16, one query row per sequence. Copy bandwidth "
           f"{bw:.0f} GB/s (bytes read + written by a device-to-device copy: the memory traffic it sustains).", "",
-          "| B | H | G | L | d | tpattn µs | TB/s | of copy | cuDNN µs | TB/s | flash µs | max err |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| B | H | G | L | d | tpattn µs | TB/s | of copy | CUDA-core split µs | tensor-core split µs | cuDNN µs | TB/s "
+          "| flash µs | max err |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['B']} | {r['H']} | {r['G']} | {r['L']} | {r['d']} | {f(r['tpattn_us'])} | "
-                  f"{f(r['tpattn_TBps'], '{:.2f}')} | {f(r['tpattn_of_copy_bw'] * 100, '{:.0f}')}% | {f(r['cudnn_us'])} | "
+                  f"{f(r['tpattn_TBps'], '{:.2f}')} | {f(r['tpattn_of_copy_bw'] * 100, '{:.0f}')}% | {f(r['tpattn_cores_us'])} | "
+                  f"{f(r['tpattn_mma_us'])} | {f(r['cudnn_us'])} | "
                   f"{f(r['cudnn_TBps'], '{:.2f}')} | {f(r['flash_us'])} | {r['max_err']:.1e} |")
     md += ["", "The decode step (one GPU, B = 1, L = 4096, D = 4096, H = 32, d = 128, fp16, CUDA graphs): the "
            "layer's step beside a plain PyTorch step (GEMV, SDPA, GEMV) with the same weights and cache.", "",

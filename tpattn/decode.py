@@ -109,13 +109,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> to
     return torch.matmul(p.float(), v.float().unsqueeze(2)).to(dtype).view(B, h, T, d)
 
 
-BLOCKS_PER_SM = 8
-
-
-def decode_splits(bg: int, length: int, sms: int) -> int:
-    """How many chunks the cache length is split into: about eight blocks per SM (several waves, so
-    that the last one is short), chunks of at least 64 keys."""
-    return max(1, min(-(-BLOCKS_PER_SM * sms // bg), -(-length // 64)))
+def decode_splits(bg: int, length: int, sms: int, per_sm: int = 4) -> int:
+    """How many chunks the cache length is split into: about `per_sm` blocks per SM, chunks of at
+    least 64 keys. Measured on an H200 (scripts/bench_decode.py's shapes, 1 to 8 blocks an SM): 4
+    for the CUDA-core split, 2 for the tensor-core one (docs/decode.md)."""
+    return max(1, min(-(-per_sm * sms // bg), -(-length // 64)))
 
 
 def decode_kernel_fits(q: torch.Tensor) -> bool:
@@ -124,7 +122,9 @@ def decode_kernel_fits(q: torch.Tensor) -> bool:
             and cupy_available())
 
 
-SPLIT_KERNEL = "mma"  # or "cores": the split on CUDA cores (kernels/decode_attention.cu has both)
+# which split of kernels/decode_attention.cu runs: "auto" (CUDA cores for multi-head attention,
+# tensor cores for grouped heads: the faster one of each, measured), or "cores" / "mma" everywhere
+SPLIT_KERNEL = "auto"
 _tickets: dict = {}
 
 
@@ -157,13 +157,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
     from .cuda import GRID_YZ_MAX, launch, ptr
     g, lmax = k.shape[1], k.shape[2]
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    S = decode_splits(B * g, lmax if pos is not None else length, sms)
+    mma = SPLIT_KERNEL == "mma" or (SPLIT_KERNEL == "auto" and h > g)
+    S = decode_splits(B * g, lmax if pos is not None else length, sms, 2 if mma else 4)
     suf = "f16" if q.dtype == torch.float16 else "bf16"
     q = q.contiguous()
     op = torch.empty(B, h, S, d, dtype=torch.float32, device=q.device)
     lp = torch.empty(B, h, S, dtype=torch.float32, device=q.device)
     o = torch.empty_like(q)
-    if SPLIT_KERNEL == "mma":  # tensor cores: the group's heads as the rows of an m16 tile, 8 or 16 at a time
+    if mma:  # tensor cores: the group's heads as the rows of an m16 tile, 8 or 16 at a time
         name = f"dec_mma_{suf}_d{d}_r{16 if h // g > 8 else 8}"
     else:  # CUDA cores: 1, 2, 4 or 8 query heads at a time
         name = f"dec_split_{suf}_d{d}_g{next(n for n in (1, 2, 4, 8) if n >= min(h // g, 8))}"

@@ -29,28 +29,45 @@ def _n_bucket(n: int) -> int:
     return max(64, 1 << max(0, n - 1).bit_length())
 
 
-def _prune(block_m: str, block_n: str):
-    """Drop configs whose tiles are wider than the (bucketed) sequence: they only add autotune time."""
+# The autotune sets, (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim, chosen so that none
+# spills registers on sm_90 (checked with ptxas: the d = 128 backward tiles are register-bound, so
+# its inner step is 16 or 32 rows). Forward: BLOCK_M query rows per program, BLOCK_N keys per tile.
+# dK/dV: BLOCK_N keys per program (dK, dV in registers), BLOCK_M query rows per step. dQ: BLOCK_M
+# query rows per program (dQ in registers), BLOCK_N keys per step.
+TUNE = {
+    "fwd": {128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3)],
+            64: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3)]},
+    "kv": {128: [(32, 128, 8, 3), (16, 128, 8, 3), (32, 128, 8, 2), (32, 64, 8, 3)],
+           64: [(64, 128, 8, 3), (32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)]},
+    "q": {128: [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2)],
+          64: [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2)]},
+}
+
+
+def _key(c) -> tuple:
+    return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
+
+
+def configs(which: str) -> list:
+    """Every config of a kernel's sets (both head dims), the first of the d = 128 set first."""
+    out = []
+    for d in (128, 64):
+        for t in TUNE[which][d]:
+            if t not in out:
+                out.append(t)
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in out]
+
+
+def _prune(which: str):
+    """Keep the head dim's set, less tiles wider than the (bucketed) sequence: they only add autotune time."""
     def prune(configs, nargs, **kwargs):
+        d = nargs.get("HEAD_DIM", kwargs.get("HEAD_DIM"))
         bucket = nargs.get("N_KEY", kwargs.get("N_KEY"))
-        kept = [c for c in configs if c.kwargs[block_m] <= bucket and c.kwargs[block_n] <= bucket]
-        return kept or configs[:1]
+        mine = [c for c in configs if _key(c) in TUNE[which].get(d, ())] or configs[:1]
+        return [c for c in mine if c.kwargs["BLOCK_M"] <= bucket and c.kwargs["BLOCK_N"] <= bucket] or mine[-1:]
     return prune
 
 
-def _cfg(bm, bn, warps, stages, m="BLOCK_M", n="BLOCK_N"):
-    return triton.Config({m: bm, n: bn}, num_warps=warps, num_stages=stages)
-
-
-# Forward: BLOCK_M query rows per program, BLOCK_N keys per tile.
-FWD_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 4, 3), _cfg(128, 64, 8, 4),
-               _cfg(64, 64, 4, 3), _cfg(64, 128, 4, 2)]
-# dK/dV: BLOCK_N keys per program (dK, dV accumulate in registers), BLOCK_M query rows per step.
-BWD_KV_CONFIGS = [_cfg(64, 128, 8, 3), _cfg(32, 128, 8, 3), _cfg(64, 64, 4, 3), _cfg(64, 128, 8, 2),
-                  _cfg(32, 64, 4, 4)]
-# dQ: BLOCK_M query rows per program (dQ in registers), BLOCK_N keys per step.
-BWD_Q_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(128, 32, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 64, 8, 2),
-                 _cfg(64, 32, 4, 4)]
 PRE_BLOCK = 64  # rows per program of the D = rowsum(dO * O) kernel (memory-bound, not tuned)
 KEY = ["N_KEY", "HEAD_DIM", "CAUSAL"]  # (+ the tensors' dtypes, which the autotuner adds itself)
 
@@ -91,7 +108,7 @@ def _fwd_tiles(acc, l_i, m_i, q, kT_ptrs, v_ptrs, step_k, step_v, start, stop, o
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=FWD_CONFIGS, key=KEY, prune_configs_by={"early_config_prune": _prune("BLOCK_M", "BLOCK_N")})
+@triton.autotune(configs=configs("fwd"), key=KEY, prune_configs_by={"early_config_prune": _prune("fwd")})
 @triton.jit(do_not_specialize=["N_CTX"])
 def attn_fwd(Q, K, V, O, L, qk_scale, N_CTX, H, GROUP,
              sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
@@ -161,10 +178,12 @@ def bwd_delta(O, DO, DELTA, N_CTX, H, sob, soh, son, sdb, sdh, sdn,
 
 
 @triton.jit
-def _kv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, step_q, step_do, start, stop, offs_n, N_CTX, qk_scale,
+def _kv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_row, d_row, step_q, step_do, start, stop, offs_n, N_CTX, qk_scale,
               MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
     """Query tiles [start, stop) of one query head into dK, dV of one key tile (transposed: Sᵀ, Pᵀ
-    are [BLOCK_N, BLOCK_M]). P is recomputed from L; dK is scaled by 1/sqrt(d) by the caller."""
+    are [BLOCK_N, BLOCK_M]). P is recomputed from L; dK is scaled by 1/sqrt(d) by the caller.
+    l_row, d_row: scalar pointers to the first tile's L and D (a scalar carried, not a tensor of
+    pointers in the products' layout)."""
     rows = tl.arange(0, BLOCK_M)
     for s in range(start, stop, BLOCK_M):
         offs_m = s + rows
@@ -172,13 +191,13 @@ def _kv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, step_q, step_do, st
             ok = offs_m < N_CTX
             q = tl.load(q_ptrs, mask=ok[:, None], other=0.0)
             do = tl.load(do_ptrs, mask=ok[:, None], other=0.0)
-            lse = tl.load(l_ptrs, mask=ok, other=0.0)
-            delta = tl.load(d_ptrs, mask=ok, other=0.0)
+            lse = tl.load(l_row + rows, mask=ok, other=0.0)
+            delta = tl.load(d_row + rows, mask=ok, other=0.0)
         else:
             q = tl.load(q_ptrs)
             do = tl.load(do_ptrs)
-            lse = tl.load(l_ptrs)
-            delta = tl.load(d_ptrs)
+            lse = tl.load(l_row + rows)
+            delta = tl.load(d_row + rows)
         sT = tl.dot(k, tl.trans(q))
         pT = tl.math.exp2(sT * qk_scale - (lse * LOG2E)[None, :])
         if MASK:
@@ -192,12 +211,12 @@ def _kv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, step_q, step_do, st
         dk += tl.dot(dsT.to(q.dtype), q)
         q_ptrs += step_q
         do_ptrs += step_do
-        l_ptrs += BLOCK_M
-        d_ptrs += BLOCK_M
+        l_row += BLOCK_M
+        d_row += BLOCK_M
     return dk, dv
 
 
-@triton.autotune(configs=BWD_KV_CONFIGS, key=KEY, prune_configs_by={"early_config_prune": _prune("BLOCK_M", "BLOCK_N")})
+@triton.autotune(configs=configs("kv"), key=KEY, prune_configs_by={"early_config_prune": _prune("kv")})
 @triton.jit(do_not_specialize=["N_CTX"])
 def attn_bwd_kv(Q, K, V, DO, L, DELTA, DK, DV, sm_scale, qk_scale, N_CTX, H, G, GROUP,
                 sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
@@ -241,14 +260,14 @@ def attn_bwd_kv(Q, K, V, DO, L, DELTA, DK, DV, sm_scale, qk_scale, N_CTX, H, G, 
         d_base = DELTA + bh * N_CTX
         if CAUSAL:  # the query tiles crossing this key tile's diagonal
             dk, dv = _kv_tiles(dk, dv, k, v, q_base + lo.to(tl.int64) * sqn + q_local,
-                               do_base + lo.to(tl.int64) * sdon + do_local, l_base + lo + rows, d_base + lo + rows,
+                               do_base + lo.to(tl.int64) * sdon + do_local, l_base + lo, d_base + lo,
                                BLOCK_M * sqn, BLOCK_M * sdon, lo, diag_stop, offs_n, N_CTX, qk_scale, True, CAUSAL,
                                BLOCK_M)
         dk, dv = _kv_tiles(dk, dv, k, v, q_base + mid.to(tl.int64) * sqn + q_local,
-                           do_base + mid.to(tl.int64) * sdon + do_local, l_base + mid + rows, d_base + mid + rows,
+                           do_base + mid.to(tl.int64) * sdon + do_local, l_base + mid, d_base + mid,
                            BLOCK_M * sqn, BLOCK_M * sdon, mid, full, offs_n, N_CTX, qk_scale, False, CAUSAL, BLOCK_M)
         dk, dv = _kv_tiles(dk, dv, k, v, q_base + tail.to(tl.int64) * sqn + q_local,
-                           do_base + tail.to(tl.int64) * sdon + do_local, l_base + tail + rows, d_base + tail + rows,
+                           do_base + tail.to(tl.int64) * sdon + do_local, l_base + tail, d_base + tail,
                            BLOCK_M * sqn, BLOCK_M * sdon, tail, N_CTX, offs_n, N_CTX, qk_scale, True, CAUSAL, BLOCK_M)
     dk = dk * sm_scale
     tl.store(DK + b * sdkb + hk * sdkh + n0.to(tl.int64) * sdkn + (cols[:, None] * sdkn + dims[None, :]),
@@ -284,7 +303,7 @@ def _q_tiles(dq, q, do, lse2, delta, kT_ptrs, vT_ptrs, step_k, step_v, start, st
     return dq
 
 
-@triton.autotune(configs=BWD_Q_CONFIGS, key=KEY, prune_configs_by={"early_config_prune": _prune("BLOCK_M", "BLOCK_N")})
+@triton.autotune(configs=configs("q"), key=KEY, prune_configs_by={"early_config_prune": _prune("q")})
 @triton.jit(do_not_specialize=["N_CTX"])
 def attn_bwd_q(Q, K, V, DO, L, DELTA, DQ, sm_scale, qk_scale, N_CTX, H, GROUP,
                sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sdqb, sdqh, sdqn,
