@@ -59,48 +59,53 @@ __device__ __forceinline__ tc_u16 dec_round(float x) {
     return (tc_u16)(tc_pack<BF16>(x, 0.0f) & 0xffffu);
 }
 
-// the last block of a (b, g): the S partials of each of its `group` heads into O; a thread takes 4
-// columns (16-byte loads) of every SUB-th partial, the SUB sums are added through shared memory
+// the last block of a (b, g): the S partials of each of its `group` heads into O, all heads at once
+// (a head at a time would cost a few round trips to L2 per head: ~80 us for 32 heads, measured).
+// The weights 2^(L_s - max) / sum go to shared memory (DEC_COMBINE_W of them at a time: as many
+// heads as fit; the host keeps S <= DEC_COMBINE_W), a warp a head; then a thread per 4 columns of a
+// head sums its S partials, the loads of several partials in flight.
+#define DEC_COMBINE_W 1024
 template <int D, bool BF16>
 __device__ __forceinline__ void dec_combine(const float *__restrict__ Op, const float *__restrict__ Lp,
                                             tc_u16 *__restrict__ O, long long bh0, int group, int S) {
-    constexpr int SUB = DEC_THREADS / (D / 4);
-    __shared__ float red[DEC_THREADS / 32];
-    __shared__ float4 part[DEC_THREADS];
-    __shared__ float lpart[DEC_THREADS];
-    const int tid = threadIdx.x, c4 = tid % (D / 4), sub = tid / (D / 4);
-    for (int i = 0; i < group; ++i) {
-        const long long bh = bh0 + i;
-        const float *lp = Lp + bh * S;
-        float mx = TC_NEG_INF;
-        for (int s = tid; s < S; s += DEC_THREADS) mx = fmaxf(mx, __ldcg(lp + s));
-        mx = tc_warp_max(mx);
-        if ((tid & 31) == 0) red[tid >> 5] = mx;
+    __shared__ float wts[DEC_COMBINE_W];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int hc = min(group, DEC_COMBINE_W / S);
+    for (int h0 = 0; h0 < group; h0 += hc) {
+        const int nh = min(hc, group - h0);
+        const float *lp = Lp + (bh0 + h0) * S;  // [nh, S]: the heads of a group are consecutive
+        for (int e = tid; e < nh * S; e += DEC_THREADS) wts[e] = __ldcg(lp + e);
         __syncthreads();
-#pragma unroll
-        for (int w = 0; w < DEC_THREADS / 32; ++w) mx = fmaxf(mx, red[w]);
-        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        float lsum = 0.0f;
-#pragma unroll 4
-        for (int s = sub; s < S; s += SUB) {  // empty partials: 2^-inf = 0 and o_s = 0
-            const float w = tc_exp2(__ldcg(lp + s) - mx);
-            const float4 v = __ldcg((const float4 *)(Op + (bh * S + s) * D) + c4);
-            lsum += w;
-            acc.x = fmaf(w, v.x, acc.x), acc.y = fmaf(w, v.y, acc.y), acc.z = fmaf(w, v.z, acc.z), acc.w = fmaf(w, v.w, acc.w);
-        }
-        part[tid] = acc;
-        lpart[tid] = lsum;
-        __syncthreads();
-        if (sub == 0) {
-            for (int r = 1; r < SUB; ++r) {
-                const float4 v = part[r * (D / 4) + c4];
-                acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
-                lsum += lpart[r * (D / 4) + c4];
+        for (int i = warp; i < nh; i += DEC_THREADS / 32) {
+            float *w = wts + i * S;
+            float mx = TC_NEG_INF, sum = 0.0f;
+            for (int s = lane; s < S; s += 32) mx = fmaxf(mx, w[s]);
+            mx = tc_warp_max(mx);
+            const float ref = mx == TC_NEG_INF ? 0.0f : mx;
+            for (int s = lane; s < S; s += 32) {  // empty partials: 2^-inf = 0 (and their o_s = 0)
+                w[s] = tc_exp2(w[s] - ref);
+                sum += w[s];
             }
-            const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+            sum = tc_warp_sum(sum);
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            for (int s = lane; s < S; s += 32) w[s] *= inv;
+        }
+        __syncthreads();
+        for (int it = tid; it < nh * (D / 4); it += DEC_THREADS) {
+            const int i = it / (D / 4), c4 = it - i * (D / 4);
+            const long long bh = bh0 + h0 + i;
+            const float4 *op = (const float4 *)(Op + bh * S * D) + c4;
+            const float *w = wts + i * S;
+            float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
+            for (int s = 0; s < S; ++s) {
+                const float4 v = __ldcg(op + (long long)s * (D / 4));
+                acc.x = fmaf(w[s], v.x, acc.x), acc.y = fmaf(w[s], v.y, acc.y);
+                acc.z = fmaf(w[s], v.z, acc.z), acc.w = fmaf(w[s], v.w, acc.w);
+            }
             tc_u16 *dst = O + bh * D + 4 * c4;
-            dst[0] = dec_round<BF16>(acc.x * inv), dst[1] = dec_round<BF16>(acc.y * inv);
-            dst[2] = dec_round<BF16>(acc.z * inv), dst[3] = dec_round<BF16>(acc.w * inv);
+            dst[0] = dec_round<BF16>(acc.x), dst[1] = dec_round<BF16>(acc.y);
+            dst[2] = dec_round<BF16>(acc.z), dst[3] = dec_round<BF16>(acc.w);
         }
         __syncthreads();
     }

@@ -30,7 +30,7 @@ def split_kernel(request, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("b,h,g", [(1, 32, 32), (3, 32, 8), (2, 8, 1), (2, 40, 2), (1, 16, 1)])
+@pytest.mark.parametrize("b,h,g", [(1, 32, 32), (3, 32, 8), (2, 8, 1), (2, 40, 2), (1, 16, 1), (2, 64, 1)])
 @pytest.mark.parametrize("length", [1, 17, 1000, 4097])
 def test_decode_kernel_against_float64(b, h, g, length, d, dtype, split_kernel):
     gen = torch.Generator(device="cuda").manual_seed(length + h)

@@ -113,7 +113,7 @@ def decode_splits(bg: int, length: int, sms: int, per_sm: int = 4) -> int:
     """How many chunks the cache length is split into: about `per_sm` blocks per SM, chunks of at
     least 64 keys. Measured on an H200 (scripts/bench_decode.py's shapes, 1 to 8 blocks an SM): 4
     for the CUDA-core split, 2 for the tensor-core one (docs/decode.md)."""
-    return max(1, min(-(-per_sm * sms // bg), -(-length // 64)))
+    return max(1, min(-(-per_sm * sms // bg), -(-length // 64), 1024))  # the combine's weights: <= 1024
 
 
 def decode_kernel_fits(q: torch.Tensor) -> bool:
