@@ -2,7 +2,7 @@
 """Decode attention benchmark: one query row per sequence over a KV cache, tpattn's split-K kernel
 (kernels/decode_attention.cu) beside torch SDPA (cuDNN, flash) given the same tensors, in one run
 on one GPU. Times are CUDA-graph replays (the call captured once, replayed --iters times back to
-back: the GPU's time without the host's launch cost). Bandwidth = the K and V bytes read / time;
+back: the GPU's time without the host's launch cost; the best of three captures). Bandwidth = the K and V bytes read / time;
 the copy bandwidth (device-to-device, read + write) is measured in the same run.
 
 Shapes (B, H, G, L, d): 1 32 32 4096 128; 64 32 8 8192 128; 1 32 32 32768 128; 8 32 8 4096 128;
