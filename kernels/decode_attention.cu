@@ -63,10 +63,12 @@ __device__ __forceinline__ tc_u16 dec_round(float x) {
 // (a head at a time would cost a few round trips to L2 per head: ~80 us for 32 heads, measured).
 // The weights 2^(L_s - max) / sum go to shared memory (DEC_COMBINE_W of them at a time: as many
 // heads as fit; the host keeps S <= DEC_COMBINE_W), a warp a head; then a thread per 4 columns of a
-// head sums its S partials, the loads of several partials in flight.
+// head sums its S partials, the loads of several partials in flight. Not inlined: inlined, it
+// changed how the split's main loop was compiled and slowed the tensor-core split by a fifth at
+// B = 64, G = 8 (measured), though it runs once, after that loop.
 #define DEC_COMBINE_W 1024
 template <int D, bool BF16>
-__device__ __forceinline__ void dec_combine(const float *__restrict__ Op, const float *__restrict__ Lp,
+__device__ __noinline__ void dec_combine(const float *__restrict__ Op, const float *__restrict__ Lp,
                                             tc_u16 *__restrict__ O, long long bh0, int group, int S) {
     __shared__ float wts[DEC_COMBINE_W];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -246,7 +248,9 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const tc
 //   V: keys 2c, 2c + 1, 2c + 8, 2c + 9, columns [r D/8, (r + 1) D/8) -> B of n-tile u: the u-th element
 //      of each (two keys' halves packed into a word with a byte permute)
 // so that output column n of n-tile u is column n D/8 + u of O. 16-byte loads throughout.
-template <int D, bool M16, bool BF16>
+// PIPE (the _p kernels): the next tile's K and V loads are issued before the current tile is
+// computed (64 more registers a thread: 3 blocks an SM instead of 4 at d = 128).
+template <int D, bool M16, bool PIPE, bool BF16>
 __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
                                         const tc_u16 *__restrict__ V, float *__restrict__ Op,
                                         float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets,
@@ -286,22 +290,7 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const tc_u
             float o[NT][4], m0 = TC_NEG_INF, m1 = TC_NEG_INF, l0 = 0.0f, l1 = 0.0f;
 #pragma unroll
             for (int u = 0; u < NT; ++u) o[u][0] = o[u][1] = o[u][2] = o[u][3] = 0.0f;
-            for (int t0 = k0 + 16 * warp; t0 < k1; t0 += 16 * W) {
-                tc_u4 kr[2][E / 8], vr[4][NT / 8];
-#pragma unroll
-                for (int t = 0; t < 2; ++t) {
-                    const int key = t0 + 8 * t + r;
-#pragma unroll
-                    for (int i = 0; i < E / 8; ++i)
-                        kr[t][i] = key < k1 ? ((const tc_u4 *)(K + kv + (long long)key * D + c * E))[i] : tc_u4{0u, 0u, 0u, 0u};
-                }
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    const int key = t0 + (k >> 1) * 8 + 2 * c + (k & 1);
-#pragma unroll
-                    for (int i = 0; i < NT / 8; ++i)
-                        vr[k][i] = key < k1 ? ((const tc_u4 *)(V + kv + (long long)key * D + r * NT))[i] : tc_u4{0u, 0u, 0u, 0u};
-                }
+            auto compute = [&](const tc_u4 (&kr)[2][E / 8], const tc_u4 (&vr)[4][NT / 8], int t0) {
                 float sc[2][4];
 #pragma unroll
                 for (int t = 0; t < 2; ++t) {
@@ -361,6 +350,43 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const tc_u
                     o[u][1] *= a0;
                     if (M16) o[u][2] *= a1, o[u][3] *= a1;
                     tc_mma<BF16>(o[u], pa, __byte_perm(v0[u >> 1], v1[u >> 1], sel), __byte_perm(v2[u >> 1], v3[u >> 1], sel));
+                }
+            };
+            // a tile's K and V fragments; keys past the chunk load zeros (and no memory)
+            auto load = [&](int t0, tc_u4 (&kr)[2][E / 8], tc_u4 (&vr)[4][NT / 8]) {
+#pragma unroll
+                for (int t = 0; t < 2; ++t) {
+                    const int key = t0 + 8 * t + r;
+#pragma unroll
+                    for (int i = 0; i < E / 8; ++i)
+                        kr[t][i] = key < k1 ? ((const tc_u4 *)(K + kv + (long long)key * D + c * E))[i] : tc_u4{0u, 0u, 0u, 0u};
+                }
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const int key = t0 + (k >> 1) * 8 + 2 * c + (k & 1);
+#pragma unroll
+                    for (int i = 0; i < NT / 8; ++i)
+                        vr[k][i] = key < k1 ? ((const tc_u4 *)(V + kv + (long long)key * D + r * NT))[i] : tc_u4{0u, 0u, 0u, 0u};
+                }
+            };
+            tc_u4 kr[2][E / 8], vr[4][NT / 8];
+            if (PIPE) load(k0 + 16 * warp, kr, vr);
+            for (int t0 = k0 + 16 * warp; t0 < k1; t0 += 16 * W) {
+                if (PIPE) {  // the next tile's loads in flight while this one is computed
+                    tc_u4 kn[2][E / 8], vn[4][NT / 8];
+                    load(t0 + 16 * W, kn, vn);
+                    compute(kr, vr, t0);
+#pragma unroll
+                    for (int t = 0; t < 2; ++t)
+#pragma unroll
+                        for (int i = 0; i < E / 8; ++i) kr[t][i] = kn[t][i];
+#pragma unroll
+                    for (int k = 0; k < 4; ++k)
+#pragma unroll
+                        for (int i = 0; i < NT / 8; ++i) vr[k][i] = vn[k][i];
+                } else {
+                    load(t0, kr, vr);
+                    compute(kr, vr, t0);
                 }
             }
             // the warp's rows: l summed over the quad; output column n of n-tile u is column n NT + u
@@ -459,17 +485,18 @@ __device__ __forceinline__ void dec_append(const tc_u16 *__restrict__ QKV, tc_u1
         float scale_log2) {                                                                             \
         dec_split<D, GQ, BF16>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, Lpos, LMAX, S, scale_log2); \
     }
-#define DEC_MMA(SUF, BF16, D, M16, ROWS)                                                                \
-    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r##ROWS(            \
+#define DEC_MMA(SUF, BF16, D, M16, ROWS, PIPE, P)                                                       \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r##ROWS##P(         \
         const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,      \
         float *__restrict__ Op, float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets, \
         int BG, int G, int group, int Ladd, const long long *__restrict__ Lpos, int LMAX, int S,        \
         float scale_log2) {                                                                             \
-        dec_mma<D, M16, BF16>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, Lpos, LMAX, S, scale_log2); \
+        dec_mma<D, M16, PIPE, BF16>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, Lpos, LMAX, S, scale_log2); \
     }
 #define DEC_DEFINE(SUF, BF16, D)                                                                        \
     DEC_SPLIT(SUF, BF16, D, 1) DEC_SPLIT(SUF, BF16, D, 2) DEC_SPLIT(SUF, BF16, D, 4) DEC_SPLIT(SUF, BF16, D, 8) \
-    DEC_MMA(SUF, BF16, D, false, 8) DEC_MMA(SUF, BF16, D, true, 16)
+    DEC_MMA(SUF, BF16, D, false, 8, false, ) DEC_MMA(SUF, BF16, D, true, 16, false, )                     \
+    DEC_MMA(SUF, BF16, D, false, 8, true, _p) DEC_MMA(SUF, BF16, D, true, 16, true, _p)
 DEC_DEFINE(f16, false, 64)
 DEC_DEFINE(bf16, true, 64)
 DEC_DEFINE(f16, false, 128)

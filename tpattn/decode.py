@@ -111,9 +111,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> to
 
 def decode_splits(bg: int, length: int, sms: int, per_sm: int = 4) -> int:
     """How many chunks the cache length is split into: about `per_sm` blocks per SM, chunks of at
-    least 64 keys. Measured on an H200 (scripts/bench_decode.py's shapes, 1 to 8 blocks an SM): 4
-    for the CUDA-core split, 2 for the tensor-core one (docs/decode.md)."""
-    return max(1, min(-(-per_sm * sms // bg), -(-length // 64), 1024))  # the combine's weights: <= 1024
+    least 64 keys, at most 1024 chunks (the combine's weights). Measured on an H200
+    (scripts/bench_decode.py's shapes, 1 to 8 blocks an SM): 4 for the CUDA-core split, 2 for the
+    tensor-core one (docs/decode.md)."""
+    return max(1, min(-(-per_sm * sms // bg), -(-length // 64), 1024))
 
 
 def decode_kernel_fits(q: torch.Tensor) -> bool:
@@ -158,16 +159,18 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
     g, lmax = k.shape[1], k.shape[2]
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     mma = SPLIT_KERNEL == "mma" or (SPLIT_KERNEL == "auto" and h > g)
-    S = decode_splits(B * g, lmax if pos is not None else length, sms, 2 if mma else 4)
     suf = "f16" if q.dtype == torch.float16 else "bf16"
+    S = decode_splits(B * g, lmax if pos is not None else length, sms, 2 if mma else 4)
+    if mma:  # tensor cores: the group's heads as the rows of an m16 tile, 8 or 16 at a time; with 3
+        # or more chunks, the next tile's loads in flight while one is computed (_p: faster there,
+        # slower at large batch, where fewer blocks fit: measured)
+        name = f"dec_mma_{suf}_d{d}_r{16 if h // g > 8 else 8}{'_p' if S >= 3 else ''}"
+    else:  # CUDA cores: 1, 2, 4 or 8 query heads at a time
+        name = f"dec_split_{suf}_d{d}_g{next(n for n in (1, 2, 4, 8) if n >= min(h // g, 8))}"
     q = q.contiguous()
     op = torch.empty(B, h, S, d, dtype=torch.float32, device=q.device)
     lp = torch.empty(B, h, S, dtype=torch.float32, device=q.device)
     o = torch.empty_like(q)
-    if mma:  # tensor cores: the group's heads as the rows of an m16 tile, 8 or 16 at a time
-        name = f"dec_mma_{suf}_d{d}_r{16 if h // g > 8 else 8}"
-    else:  # CUDA cores: 1, 2, 4 or 8 query heads at a time
-        name = f"dec_split_{suf}_d{d}_g{next(n for n in (1, 2, 4, 8) if n >= min(h // g, 8))}"
     launch(DEC_SOURCE, name, q.device, (S, min(B * g, GRID_YZ_MAX), 1), (128, 1, 1),
            (ptr(q), ptr(k), ptr(v), ptr(op), ptr(lp), ptr(o), ptr(_ticket_counters(q.device, B * g)), np.int32(B * g),
             np.int32(g), np.int32(h // g), np.int32(1 if pos is not None else length),
