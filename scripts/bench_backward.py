@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Attention backward benchmark: the kernel ladder (naive, tiled, fused; the torch reference beside
-them) through tpattn.attention.attention(...).backward(do), beside torch SDPA's flash, cuDNN and
-memory-efficient backends, forward and backward, in one run on one GPU.
+"""Attention backward benchmark: the kernel ladder (naive, tiled, fused, triton; the torch reference
+beside them) through tpattn.attention.attention(...).backward(do), beside torch SDPA's flash, cuDNN
+and memory-efficient backends, forward and backward, in one run on one GPU.
 
 Per shape and kernel (all times in milliseconds, median over --iters after --warmup, CUDA events):
   fwd ms        o = attention(q, k, v) with q, k, v requiring grad (what training runs: it saves
@@ -21,9 +21,14 @@ Per shape and kernel (all times in milliseconds, median over --iters after --war
                 in float32 by torch autograd; above 1e-2 (fp16) or 5e-2 (bf16) the row is CHECK
                 FAILED and its numbers are not shown in the table
 
+  first call s  triton only: its first forward+backward, synchronized, timed apart before all of the
+                above (compile, or load from Triton's disk cache ~/.triton/cache, and autotune of
+                its three kernels; later calls in the process reuse both)
+
 A kernel without a backward is a "no backward" row; an SDPA backend that refuses the shape is a
-skipped row with torch's reason. naive, tiled and reference write N x N scores (S, P, dP, dS: tens
-of GB at N = 16384, H = 32), so they run only at N <= --max-materialized-n (default 4096).
+skipped row with torch's reason; triton is a skipped row where the triton package is missing.
+naive, tiled and reference write N x N scores (S, P, dP, dS: tens of GB at N = 16384, H = 32), so
+they run only at N <= --max-materialized-n (default 4096).
 GQA (--kv-heads G < H): the tpattn kernels read the G K/V heads in place; SDPA gets k and v repeated
 to H heads by repeat_interleave inside the timed forward (its backward sums them back), the same for
 every SDPA backend (--sdpa-gqa native: enable_gqa=True instead).
@@ -33,7 +38,7 @@ Writes PREFIX.json and PREFIX.md (--out, default benchmarks/backward_h200): GPU,
 command, date (UTC), git commit and a table per shape.
 
     PYTHONPATH=. python scripts/bench_backward.py [--seq-lens 4096 16384] [--heads 32] [--kv-heads 8]
-        [--causal | --non-causal | --both-causal] [--kernels fused sdpa_flash sdpa_cudnn] [--out PREFIX]
+        [--causal | --non-causal | --both-causal] [--kernels fused triton sdpa_flash sdpa_cudnn] [--out PREFIX]
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 import warnings
 from datetime import datetime, timezone
 from pathlib import Path
@@ -58,7 +64,8 @@ from tpattn.errors import ConfigError  # noqa: E402
 from tpattn.report import versions  # noqa: E402
 from tpattn.timing import section  # noqa: E402
 
-RUNGS = ("naive", "tiled", "fused", "reference")
+RUNGS = ("naive", "tiled", "fused", "triton", "reference")
+FIRST_CALL = ("triton",)  # rungs whose first call compiles and autotunes: timed apart
 MATERIALIZED = ("naive", "tiled", "reference")  # write N x N scores and their gradients
 SDPA = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")  # the names bench_kernels.sdpa_backends() gives
 TOL = {"fp16": 1e-2, "bf16": 5e-2}  # grad err beyond which a row is CHECK FAILED
@@ -142,6 +149,17 @@ def refusal(exc: BaseException, caught: list) -> str:
     return "; ".join([msg[:160], *[w[:160] for w in why[:3]]])
 
 
+def first_call(fwd, q, k, v, do) -> float:
+    """Seconds of one synchronized forward+backward: for triton the first one in the process compiles
+    (or loads from the disk cache) and autotunes; run before peak_bytes, whose number it would skew."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fwd().backward(do)
+    torch.cuda.synchronize()
+    q.grad = k.grad = v.grad = None
+    return time.perf_counter() - t0
+
+
 def measure(name, fwd, q, k, v, do, args, flops: float, ref) -> dict:
     """One kernel's row: peak memory, timed fwd / bwd / fwd+bwd, grad check, graph times."""
     def clear():
@@ -156,6 +174,7 @@ def measure(name, fwd, q, k, v, do, args, flops: float, ref) -> dict:
                 o.backward(do)
 
     clear()
+    first = first_call(fwd, q, k, v, do) if name in FIRST_CALL else None
     mem = peak_bytes(step)
     t = timed(step, args.warmup, args.iters)
     err = grad_error(q, k, v, ref)
@@ -173,7 +192,7 @@ def measure(name, fwd, q, k, v, do, args, flops: float, ref) -> dict:
             "fwdbwd_tflops": (1 + BWD_FLOPS) * flops / (ms["fwd+bwd"] * 1e-3) / 1e12,
             "passes_ms": {p: x for p, x in t.items() if p not in ("fwd", "bwd", "fwd+bwd", "total")},
             "graph_fwd_ms": gf, "graph_fwdbwd_ms": gfb, "graph_bwd_ms": gfb - gf if gf and gfb else None,
-            "peak_bytes": mem, "grad_err": err}
+            "peak_bytes": mem, "grad_err": err, "first_call_s": first}
 
 
 def run(args) -> dict:
@@ -262,9 +281,10 @@ def row_line(r: dict) -> str:
     if "fwd_ms" not in r:
         return f"{r['kernel']:<16} {r['status']}: {r['reason']}"
     g = f"  graph fwd {r['graph_fwd_ms']:.3f} fwd+bwd {r['graph_fwdbwd_ms']:.3f}" if r.get("graph_fwdbwd_ms") else ""
+    fc = f"  first call {r['first_call_s']:.2f} s" if r.get("first_call_s") is not None else ""
     return (f"{r['kernel']:<16} fwd {r['fwd_ms']:8.3f} bwd {r['bwd_ms']:8.3f} fwd+bwd {r['fwdbwd_ms']:8.3f} ms  "
             f"bwd {r['bwd_tflops']:6.1f} TFLOP/s  {r['peak_bytes'] / 2**20:9.1f} MiB  grad err {r['grad_err']:.1e}"
-            f"{g}{'  ' + r['status'] if r['status'] != 'ok' else ''}")
+            f"{g}{fc}{'  ' + r['status'] if r['status'] != 'ok' else ''}")
 
 
 def fmt(x, spec: str) -> str:
@@ -291,7 +311,9 @@ def markdown(res: dict) -> str:
              "host's); graph bwd = their difference. `peak MiB`: device memory the forward+backward allocates "
              "beyond q, k, v and do (gradients included). "
              "`grad err`: max over dq, dk, dv of ‖g − ref‖/‖ref‖ on "
-             "batch 0's first K/V group against float32 torch autograd; a CHECK FAILED row shows no times.", ""]
+             "batch 0's first K/V group against float32 torch autograd; a CHECK FAILED row shows no times. "
+             "`first call s` (triton): its first forward+backward in the process, compile or disk-cache load and "
+             "autotune included, timed apart before the rest.", ""]
     if any(r["kv_heads"] != r["heads"] for r in res["rows"]):
         how = ("k and v repeated to H heads with repeat_interleave inside the timed forward (its backward sums "
                "the gradients back), for every SDPA backend alike" if res["sdpa_gqa"] == "repeat"
@@ -308,21 +330,21 @@ def markdown(res: dict) -> str:
         b, h, g, n, d, dt, causal = key
         lines += [f"## B={b}, H={h}, G={g}, N={n}, d={d}, {dt}, {'causal' if causal else 'non-causal'}", "",
                   "| kernel | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s | bwd TFLOP/s | fwd+bwd TFLOP/s | bwd / flash "
-                  "| bwd / cudnn | graph fwd / bwd ms | peak MiB | grad err | status |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| bwd / cudnn | graph fwd / bwd ms | peak MiB | grad err | first call s | status |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["rows"]:
             if (r["batch"], r["heads"], r["kv_heads"], r["seq_len"], r["head_dim"], r["dtype"], r["causal"]) != key:
                 continue
             status = r["status"] + (f": {r['reason']}" if r.get("reason") else "")
             if r["status"] != "ok":
                 err = fmt(r.get("grad_err"), ".1e")
-                lines.append(f"| {r['kernel']} | - | - | - | - | - | - | - | - | - | - | {err} | {status} |")
+                lines.append(f"| {r['kernel']} | - | - | - | - | - | - | - | - | - | - | {err} | - | {status} |")
                 continue
             graph = f"{fmt(r['graph_fwd_ms'], '.3f')} / {fmt(r['graph_bwd_ms'], '.3f')}"
             lines.append(f"| {r['kernel']} | {r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} "
                          f"| {r['fwd_tflops']:.1f} | {r['bwd_tflops']:.1f} | {r['fwdbwd_tflops']:.1f} "
                          f"| {fmt(r['bwd_x_flash'], '.2f')} | {fmt(r['bwd_x_cudnn'], '.2f')} | {graph} "
-                         f"| {r['peak_bytes'] / 2**20:.1f} | {r['grad_err']:.1e} | ok |")
+                         f"| {r['peak_bytes'] / 2**20:.1f} | {r['grad_err']:.1e} | {fmt(r.get('first_call_s'), '.2f')} | ok |")
         lines.append("")
     return "\n".join(lines)
 

@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
-"""Kernel benchmark: the kernel ladder (naive three passes, tiled three passes, fused), pass by
-pass, beside torch's materialized attention (matmul, softmax, matmul) and torch SDPA's backends,
-in one run.
+"""Kernel benchmark: the kernel ladder (naive three passes, tiled three passes, fused; triton, the
+fused algorithm in OpenAI Triton, where triton is installed), pass by pass, beside torch's
+materialized attention (matmul, softmax, matmul) and torch SDPA's backends, in one run.
 
 For each kernel and shape: ms, TFLOP/s (4*B*H*N^2*d, halved when causal), GB/s (bytes it must
 move), the ratio to the memory floor of the three-pass algorithm (S and P written and read once,
 at the measured copy bandwidth), and the peak device memory the call allocates beyond its inputs
 (torch.cuda.max_memory_allocated after reset_peak_memory_stats): N^2 for the three-pass rungs, N
-for the fused kernel and SDPA. Writes benchmarks/kernels[_causal].json and .md (GPU, versions,
-command).
+for the fused kernel and SDPA. triton's first call (compile, or load from Triton's disk cache,
+and autotune) is timed apart, before any of that, and shown as `first call s`. Writes
+benchmarks/kernels[_causal].json and .md (GPU, versions, command).
 
     PYTHONPATH=. python scripts/bench_kernels.py [--seq-lens 1024 2048 4096 8192] [--heads 1 32]
         [--causal] [--kernels naive tiled fused ...] [--fused-configs 2:w4_m2_c32 h]
@@ -22,6 +23,7 @@ import math
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -108,6 +110,22 @@ def peak_bytes(fn) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
+def triton_available() -> bool:
+    """--kernel triton can run here (the triton package imports)."""
+    from tpattn.attention.triton_fused import triton_available as available
+    return available()
+
+
+def first_call_s(fn) -> float:
+    """Seconds of fn's first call, synchronized: for triton, compile (or load from ~/.triton/cache)
+    and autotune; later calls reuse both."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn(None)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def materialized(q, k, v, causal, timer):
     scale = 1.0 / math.sqrt(q.shape[-1])
     with timer.section("qk"):
@@ -138,6 +156,9 @@ def run(args) -> dict:
     print(f"copy bandwidth {bw:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
     rows = []
     naive, tiled, fused = get_backend("naive"), get_backend("tiled"), get_backend("fused")
+    triton_rung = get_backend("triton") if triton_available() else None
+    if triton_rung is None and (not args.kernels or "triton" in args.kernels):
+        print("  triton: skipped (the triton package is not installed)", flush=True)
 
     def with_env(env: dict, backend):
         """backend.forward with the environment variables in env set for the call."""
@@ -181,6 +202,8 @@ def run(args) -> dict:
                 "fused": (lambda t: fused.forward(q, k, v, args.causal), qkvo),
                 "torch_materialized": (lambda t: materialized(q, k, v, args.causal, t), 4 * sp_bytes + qkvo),
             }
+            if triton_rung is not None:
+                kernels["triton"] = (lambda t: triton_rung.forward(q, k, v, args.causal), qkvo)
             if hopper:  # the mma.sync QK and PV passes beside the wgmma ones tiled runs here
                 kernels["tiled[mma]"] = (lambda t, fn=with_env({"TPATTN_TILED_IMPL": "mma"}, tiled): fn(t, q, k, v),
                                          4 * sp_bytes + qkvo)
@@ -195,24 +218,26 @@ def run(args) -> dict:
                 if args.kernels and name.split("[")[0] not in args.kernels:
                     continue
                 try:
+                    first = first_call_s(fn) if name == "triton" else None  # before peak_bytes: the autotune allocates
                     mem = peak_bytes(fn)
                     t = timed(fn, args.warmup, args.iters)
                 except (RuntimeError, ValueError) as exc:  # a backend that does not support this shape
                     print(f"  {name:<20} H={h:<3} N={n:<6} skipped: {str(exc).splitlines()[0][:80]}", flush=True)
                     continue
                 ms = t["total"]
-                gms = graph_ms(fn, args.iters) if name.startswith(("fused", "sdpa")) else None
+                gms = graph_ms(fn, args.iters) if name.startswith(("fused", "sdpa", "triton")) else None
                 row = {"kernel": name, "batch": b, "heads": h, "seq_len": n, "head_dim": d, "dtype": args.dtype,
                        "causal": args.causal, "ms": ms, "graph_ms": gms,
                        "graph_tflops": flops / (gms * 1e-3) / 1e12 if gms else None,
                        "passes_ms": {p: t[p] for p in ("qk", "softmax", "pv", "fused") if p in t},
                        "tflops": flops / (ms * 1e-3) / 1e12, "gbps": nbytes / (ms * 1e-3) / 1e9,
-                       "floor_ms": floor_ms, "x_floor": ms / floor_ms, "peak_bytes": mem}
+                       "floor_ms": floor_ms, "x_floor": ms / floor_ms, "peak_bytes": mem, "first_call_s": first}
                 rows.append(row)
                 passes = " ".join(f"{p} {x:.3f}" for p, x in row["passes_ms"].items())
                 graph = f"  graph {gms:.3f} ms {row['graph_tflops']:.1f} TFLOP/s" if gms else ""
+                fc = f"  first call {first:.2f} s" if first is not None else ""
                 print(f"  {name:<20} H={h:<3} N={n:<6} {ms:9.3f} ms  {row['tflops']:7.1f} TFLOP/s "
-                      f"{row['gbps']:8.0f} GB/s  {row['x_floor']:6.2f}x floor  {mem / 2**20:9.1f} MiB  {passes}{graph}",
+                      f"{row['gbps']:8.0f} GB/s  {row['x_floor']:6.2f}x floor  {mem / 2**20:9.1f} MiB  {passes}{graph}{fc}",
                       flush=True)
             del q, k, v
             torch.cuda.empty_cache()
@@ -228,15 +253,17 @@ def markdown(res: dict, target: float) -> str:
              f"Causal: {'yes' if res['rows'] and res['rows'][0]['causal'] else 'no'}. Memory = peak device memory "
              "the call allocates beyond its inputs.", "",
              "`ms`: CUDA events around the whole Python call. `graph ms`: the call captured in a CUDA graph and "
-             "replayed back to back, the GPU's time without the host's (for SDPA, its kernels).", "",
+             "replayed back to back, the GPU's time without the host's (for SDPA, its kernels). `first call s`: "
+             "triton's first call (compile or disk-cache load, and autotune), timed apart.", "",
              "| kernel | H | N | ms | qk / softmax / pv ms | TFLOP/s | graph ms | graph TFLOP/s | GB/s | x floor "
-             "| memory MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| memory MiB | first call s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         p = " / ".join(f"{x:.3f}" for x in r["passes_ms"].values()) or "-"
         g = f"{r['graph_ms']:.3f} | {r['graph_tflops']:.1f}" if r.get("graph_ms") else "- | -"
         lines.append(f"| {r['kernel']} | {r['heads']} | {r['seq_len']} | {r['ms']:.3f} | {p} | {r['tflops']:.1f} "
-                     f"| {g} | {r['gbps']:.0f} | {r['x_floor']:.2f} | {r.get('peak_bytes', 0) / 2**20:.1f} |")
+                     f"| {g} | {r['gbps']:.0f} | {r['x_floor']:.2f} | {r.get('peak_bytes', 0) / 2**20:.1f} "
+                     f"| {'-' if r.get('first_call_s') is None else format(r['first_call_s'], '.2f')} |")
     one = [r for r in res["rows"] if r["kernel"] == "naive" and r["heads"] == 1 and r["seq_len"] == 4096
            and r["head_dim"] == 128 and not r["causal"]]
     if one:
@@ -257,8 +284,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--kernels", nargs="+", default=None,
-                   help="rows to run (default all): naive tiled fused torch_materialized sdpa_flash sdpa_cudnn "
-                        "sdpa_efficient")
+                   help="rows to run (default all): naive tiled fused triton torch_materialized sdpa_flash "
+                        "sdpa_cudnn sdpa_efficient")
     p.add_argument("--fused-configs", nargs="*", default=[], metavar="2:wW_mM_cC|h",
                    help="extra fused rows (a sweep): 2:wW_mM_cC is the mma.sync kernel with W warps per block, "
                         "M m16 row tiles per warp and C keys per tile (see tpattn/attention/fused.py), "

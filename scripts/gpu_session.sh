@@ -40,6 +40,9 @@
 #           sequence-parallel, fusedh for comparison)
 #   decode  decoding: pytest -m gpu tests/test_gpu_decode.py, scripts/bench_decode.py (the split-K kernel and
 #           the whole step beside SDPA and a plain PyTorch step), the CLI's --decode eager and with --cuda-graph
+#   triton  the Triton rung: pytest -m gpu tests/test_gpu_triton.py, then bench_kernels (forward) and
+#           bench_backward beside the CUDA fused kernel and SDPA at N = 4096 and 16384, causal and not;
+#           the first call (compile + autotune) with an empty Triton cache
 #   gputests  the whole pytest -m gpu
 # Logs and JSON go to $OUT (default results/). Usage: bash scripts/gpu_session.sh [STEP]... (default all)
 set -u -o pipefail
@@ -338,6 +341,18 @@ if want decode; then
     python3 -m tpattn --kernel fused --causal --decode 32 $graph 2>&1 | tee "$OUT/cli_decode${graph}.log" | tail -8 \
       || status=1
   done
+fi
+if want triton; then
+  note "triton"
+  export TRITON_CACHE_DIR=$(mktemp -d)  # a cold first call: compile and autotune timed from nothing
+  python3 -m pytest -m gpu -q -p no:warnings --tb=short tests/test_gpu_triton.py 2>&1 | tee "$OUT/pytest_triton.log" \
+    | tail -15 || status=1
+  for c in "" --causal; do
+    python3 scripts/bench_kernels.py --seq-lens 4096 16384 --heads 32 --kernels fused triton sdpa_flash sdpa_cudnn $c \
+      --out "$OUT/triton_fwd${c}" 2>&1 | tail -12 || status=1
+  done
+  python3 scripts/bench_backward.py --seq-lens 4096 16384 --both-causal --kernels fused triton sdpa_flash sdpa_cudnn \
+    --commit "${COMMIT:-unknown}" --out "$OUT/triton_bwd" 2>&1 | tail -14 || status=1
 fi
 if want gputests; then
   note "pytest -m gpu (all)"
