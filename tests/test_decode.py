@@ -94,8 +94,31 @@ def test_cli_decode_over_two_ranks():
 
 
 @pytest.mark.parametrize("extra,says", [([], "--decode decodes causally: add --causal"),
-                                        (["--causal", "--sequence-parallel"], "--decode with --sequence-parallel")])
+                                        (["--causal", "--sequence-parallel"], "--decode with --sequence-parallel"),
+                                        (["--causal", "--cuda-graph"], "--decode with --cuda-graph needs the decode "
+                                         "kernel (--dtype fp16 or bf16, --head-dim 64 or 128; got fp16, 16)")])
 def test_cli_decode_refusals(extra, says):
     from conftest import tpattn
     r = tpattn(["--decode", "4", "--seq-len", "32", "--heads", "4", "--head-dim", "16", "--device", "cpu", *extra])
     assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_cache_brings_its_own_position_and_counters_and_a_graph_needs_the_kernel():
+    """The device copy of the length (what a CUDA graph of a step reads) follows every call; the
+    decode kernel's counters come with the cache; graphed(x, cache) refuses, in one line and before
+    touching a GPU, where the step would run torch's fallback (it slices at the host's length)."""
+    layer = _layer()
+    cache = layer.new_cache(3, 16)
+    assert cache.tickets.shape == (3 * layer.local_kv_heads,) and not cache.tickets.any()
+    with torch.no_grad():
+        layer(torch.randn(3, 5, 32), cache=cache)
+        layer(torch.randn(3, 1, 32), cache=cache)
+        assert cache.length == 6 and int(cache.pos) == 6
+        cache.reset()
+        assert cache.length == 0 and int(cache.pos) == 0
+        with pytest.raises(ConfigError, match=r"^a graphed decode step needs the decode kernel \(a CUDA device, fp16 "
+                                              r"or bf16, head dim 64 or 128, CuPy; here cpu, float32, head dim 8\); "
+                                              r"call the layer eagerly instead$"):
+            layer.graphed(torch.randn(3, 1, 32), cache)
+    assert cache.length == 0 and int(cache.pos) == 0
+

@@ -187,6 +187,9 @@ def check_parallel_style(cfg: Config, world: int) -> None:
                               f"generated inputs for now; drop one of them")
         if not cfg.causal:
             raise ConfigError("--decode decodes causally: add --causal")
+        if cfg.cuda_graph and (cfg.dtype == "fp32" or cfg.head_dim not in (64, 128)):
+            raise ConfigError(f"--decode with --cuda-graph needs the decode kernel (--dtype fp16 or bf16, --head-dim 64 "
+                              f"or 128; got {cfg.dtype}, {cfg.head_dim}); drop --cuda-graph")
     if cfg.backward:
         if cfg.cuda_graph:
             raise ConfigError("--backward with --cuda-graph: the training step is not captured in a graph yet; "

@@ -36,10 +36,13 @@ class KVCache:
     pos: torch.Tensor | None = field(default=None, repr=False)  # int64 [1]: where the next row goes
     cos: torch.Tensor | None = field(default=None, repr=False)  # rotary tables [max_len, d/2], fp32 (or None)
     sin: torch.Tensor | None = field(default=None, repr=False)
+    tickets: torch.Tensor | None = field(default=None, repr=False)  # the decode kernel's counters, [B x g]
 
     def __post_init__(self):
         if self.pos is None:
             self.pos = torch.full((1,), self.length, dtype=torch.int64, device=self.k.device)
+        if self.tickets is None:
+            self.tickets = torch.zeros(self.k.shape[0] * self.k.shape[1], dtype=torch.int32, device=self.k.device)
 
     def reset(self) -> None:
         """Empty the cache (its memory is kept: a CUDA graph of a step on it stays valid)."""
@@ -129,27 +132,41 @@ SPLIT_KERNEL = "auto"
 _tickets: dict = {}
 
 
-def _ticket_counters(device: torch.device, n: int) -> torch.Tensor:
-    """The split kernel's per-(b, g) counters on torch's current stream of `device`: zeros, left zero
-    by every launch (the last block of each (b, g) resets its own). Never freed or shrunk, so that a
-    CUDA graph that captured them keeps valid memory; one set per stream, so that launches on two
-    streams never share a count."""
+def ticket_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Counters for a split kernel launch that was given none (a cache brings its own, made with
+    it): zeros, and every launch leaves them zero (the last block of each (b, g) resets its own).
+    Eager: one set per stream, kept, so that launches on two streams never share a count. While a
+    CUDA graph is being captured: a new set, which that graph owns and zeroes on each replay (a set
+    kept from another graph may never have been zeroed when this one first replays)."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, dtype=torch.int32, device=device)
     key = (device, torch.cuda.current_stream(device).cuda_stream)
     t = _tickets.get(key)
     if t is None or t.numel() < n:
-        t = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _tickets.setdefault(("kept", key), []).append(t)
-        _tickets[key] = t
+        t = _tickets[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
     return t
 
 
+def graph_refusal(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why a decode step on this device, dtype and head dim cannot be captured in a CUDA graph (the
+    torch fallback slices the cache at the length the host knows: a graph would keep that length),
+    or None."""
+    if device.type == "cuda" and head_dim in DEC_HEAD_DIMS and dtype in (torch.float16, torch.bfloat16) \
+            and cupy_available():
+        return None
+    return (f"a graphed decode step needs the decode kernel (a CUDA device, fp16 or bf16, head dim 64 or 128, "
+            f"CuPy; here {device.type}, {str(dtype).replace('torch.', '')}, head dim {head_dim}); call the layer "
+            "eagerly instead")
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int,
-                     pos: torch.Tensor | None = None) -> torch.Tensor:
+                     pos: torch.Tensor | None = None, tickets: torch.Tensor | None = None) -> torch.Tensor:
     """The attention of one query row per sequence, q [B, h, 1, d] at position length - 1, over the
     first `length` positions of the cache k, v [B, g, max_len, d] (contiguous): the split-K kernel
     (kernels/decode_attention.cu) on a GPU, else attend(). pos (a cache's device position, int64
     [1]): the kernel reads the length there instead (pos + 1: one CUDA graph serves every step) and
-    splits by the cache's capacity; `length` is then what the host knows it to be."""
+    splits by the cache's capacity; `length` is then what the host knows it to be. tickets: the
+    kernel's counters (int32, B x g of them, zeros; a cache's own), else ticket_counters()."""
     B, h, T, d = q.shape
     if T != 1 or not decode_kernel_fits(q) or not (k.is_contiguous() and v.is_contiguous()):
         return attend(q, k[:, :, :length], v[:, :, :length], length - T)
@@ -172,7 +189,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
     lp = torch.empty(B, h, S, dtype=torch.float32, device=q.device)
     o = torch.empty_like(q)
     launch(DEC_SOURCE, name, q.device, (S, min(B * g, GRID_YZ_MAX), 1), (128, 1, 1),
-           (ptr(q), ptr(k), ptr(v), ptr(op), ptr(lp), ptr(o), ptr(_ticket_counters(q.device, B * g)), np.int32(B * g),
+           (ptr(q), ptr(k), ptr(v), ptr(op), ptr(lp), ptr(o), ptr(tickets if tickets is not None else ticket_counters(q.device, B * g)), np.int32(B * g),
             np.int32(g), np.int32(h // g), np.int32(1 if pos is not None else length),
             np.uint64(0) if pos is None else ptr(pos), np.int32(lmax), np.int32(S),
             np.float32(math.log2(math.e) / math.sqrt(d))))

@@ -50,7 +50,7 @@ from .attention import Backend, get_backend, head_chunks
 from .comm import Comm
 from .comm import copy_to_ranks, gather_sequence, scatter_sequence, sum_from_ranks, sum_of_copies
 from .commplan import CommPlan, check_style, make_plan
-from .decode import KVCache, append_row, apply_rope, decode_attention, rope_tables
+from .decode import KVCache, append_row, apply_rope, decode_attention, graph_refusal, rope_tables
 from .errors import ConfigError
 from .ops import ColumnParallelQKV, add_bias, linear, mm
 from .outputsum import OutputSum
@@ -411,7 +411,7 @@ class TensorParallelAttention(torch.nn.Module):
             with section("cache_append"):  # rotary positions, q out, k and v in: one kernel on a GPU
                 q = append_row(qkv.view(B, h + 2 * g, d), cache, h, self.rope_interleaved)
             with section("attention"):  # the split-K decode kernel on a GPU; else attend's math
-                o = decode_attention(q, cache.k, cache.v, L0 + 1, pos=cache.pos)
+                o = decode_attention(q, cache.k, cache.v, L0 + 1, pos=cache.pos, tickets=cache.tickets)
         else:
             q, k, v = (t.permute(0, 2, 1, 3) for t in qkv.view(B, T, h + 2 * g, d).split([h, g, g], dim=2))
             q, k = self._rope(q, k, L0, cache)
@@ -596,30 +596,36 @@ class TensorParallelAttention(torch.nn.Module):
         if cache is not None:
             if x.dim() != 3 or x.shape[1] != 1:
                 raise ValueError(f"graphed(x, cache) captures a decode step: x must be [B, 1, D] (got {tuple(x.shape)})")
+            why = graph_refusal(x.device, self.dtype, self.head_dim)
+            if why:
+                raise ConfigError(why)
             cache.check(id(self), self._cache_owner(), x.shape[0], 1)
             length = cache.length
         call = (lambda: self(x, cache=cache)) if cache is not None else (lambda: self(x))
         current = torch.cuda.current_stream()
         side = torch.cuda.Stream(device=x.device)
         side.wait_stream(current)
-        with torch.no_grad():
-            with torch.cuda.stream(side):
-                for _ in range(2 if cache is None else min(2, cache.max_len - length)):
-                    call()  # compile and load every kernel, create NCCL's communicator
-            current.wait_stream(side)
-            torch.cuda.synchronize()
-            if cache is not None:  # the warm-up steps wrote past the cache's length only: forget them
+        try:
+            with torch.no_grad():
+                with torch.cuda.stream(side):
+                    for _ in range(2 if cache is None else min(2, cache.max_len - length)):
+                        call()  # compile and load every kernel, create NCCL's communicator
+                current.wait_stream(side)
+                torch.cuda.synchronize()
+                if cache is not None:  # the warm-up steps wrote past the cache's length only: forget them
+                    cache.length = length
+                    cache.pos.fill_(length)
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: the collective watchdog's thread polls CUDA events of earlier collectives; in
+                # the default (global) mode such a query from any thread during the capture invalidates it
+                # (seen once over NCCL: "operation failed due to a previous error during capture")
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    y = call()
+        finally:
+            if cache is not None:  # as it was: the capture ran the host side once, no kernel
                 cache.length = length
                 cache.pos.fill_(length)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: the collective watchdog's thread polls CUDA events of earlier collectives; in
-            # the default (global) mode such a query from any thread during the capture invalidates it
-            # (seen once over NCCL: "operation failed due to a previous error during capture")
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                y = call()
         self._peer_pinned = self._peer is not None
-        if cache is not None:
-            cache.length = length  # the capture ran the host side once, no kernel
 
         def replay() -> torch.Tensor:
             if cache is not None:
