@@ -120,10 +120,15 @@ def decode_splits(bg: int, length: int, sms: int, per_sm: int = 4) -> int:
     return max(1, min(-(-per_sm * sms // bg), -(-length // 64), 1024))
 
 
+def kernel_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether kernels/decode_attention.cu runs for tensors of this device, dtype and head dim."""
+    return (device.type == "cuda" and head_dim in DEC_HEAD_DIMS and dtype in (torch.float16, torch.bfloat16)
+            and cupy_available())
+
+
 def decode_kernel_fits(q: torch.Tensor) -> bool:
     """Whether kernels/decode_attention.cu takes q (else attend's torch math runs)."""
-    return (q.is_cuda and q.shape[-1] in DEC_HEAD_DIMS and q.dtype in (torch.float16, torch.bfloat16)
-            and cupy_available())
+    return kernel_takes(q.device, q.dtype, q.shape[-1])
 
 
 # which split of kernels/decode_attention.cu runs: "auto" (CUDA cores for multi-head attention,
@@ -151,8 +156,7 @@ def graph_refusal(device: torch.device, dtype: torch.dtype, head_dim: int) -> st
     """Why a decode step on this device, dtype and head dim cannot be captured in a CUDA graph (the
     torch fallback slices the cache at the length the host knows: a graph would keep that length),
     or None."""
-    if device.type == "cuda" and head_dim in DEC_HEAD_DIMS and dtype in (torch.float16, torch.bfloat16) \
-            and cupy_available():
+    if kernel_takes(device, dtype, head_dim):
         return None
     return (f"a graphed decode step needs the decode kernel (a CUDA device, fp16 or bf16, head dim 64 or 128, "
             f"CuPy; here {device.type}, {str(dtype).replace('torch.', '')}, head dim {head_dim}); call the layer "
