@@ -1,4 +1,5 @@
-"""What the backward GPU tests share (tests/test_gpu_backward_naive.py, tests/test_gpu_backward_props.py):
+"""What the backward GPU tests share (tests/test_gpu_backward_naive.py, test_gpu_backward_props.py,
+test_gpu_backward_fused.py, test_gpu_triton.py):
 gradients through tpattn.attention.attention, and FlashAttention's accuracy rule.
 
 The rule: a backend's gradient in a low dtype is as good as torch's own in that dtype. For each of dq,
@@ -69,6 +70,21 @@ def check_rule(got, torch_low, exact, dtype, what: str = "") -> None:
         tol = 3 * err_t + atol(r, scale, dtype)
         assert err <= tol, (f"{what} {name}: max error {err:.3e} > 3 x torch's {err_t:.3e} + atol "
                             f"= {tol:.3e} (max|{name}| {r.abs().max().item():.3e})")
+
+
+def check_output_and_grads(q, k, v, do, causal, got) -> None:
+    """got = grads(q, k, v, do, causal, backend) (o, dq, dk, dv) against float64 autograd of the
+    reference, each by the rule's form with the output and a floor of 1e-3 of its largest value
+    (the fused and Triton kernels' tests): max error <= 3 x torch's own in q's dtype + that floor."""
+    want = grads(q.double(), k.double(), v.double(), do.double(), causal, "reference")
+    torch_low = grads(q, k, v, do, causal, "reference")
+    for name, w, t, x in zip(("o", "dq", "dk", "dv"), want, torch_low, got):
+        assert x.dtype == q.dtype and x.shape == w.shape, name
+        assert torch.isfinite(x).all(), name
+        err = (x.double() - w).abs().max().item()
+        ref_err = (t.double() - w).abs().max().item()
+        floor = 1e-3 * w.abs().max().item() + 1e-5
+        assert err <= 3 * ref_err + floor, f"{name}: {err:.3g} > 3 x {ref_err:.3g} + {floor:.2g}"
 
 
 def check_against_reference(q, k, v, do, causal, backend, what: str = "") -> None:

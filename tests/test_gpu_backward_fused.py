@@ -8,35 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from backward_check import check_output_and_grads, grads, inputs
 from tpattn.attention import attention, get_backend
 
 pytestmark = pytest.mark.gpu
 
 
-def _grads(q, k, v, do, causal, backend, **kw):
-    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    o = attention(q, k, v, causal, backend=backend, **kw)
-    o.backward(do)
-    return o.detach(), q.grad, k.grad, v.grad
-
-
-def _inputs(b, h, g, n, d, dtype, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    mk = lambda heads: torch.randn(b, heads, n, d, device="cuda", generator=gen).to(dtype)  # noqa: E731
-    return mk(h), mk(g), mk(g), mk(h)
-
-
 def check(b, h, g, n, d, causal, dtype=torch.float16, deterministic=False):
-    q, k, v, do = _inputs(b, h, g, n, d, dtype)
-    want = _grads(q.double(), k.double(), v.double(), do.double(), causal, "reference")
-    torch_low = _grads(q, k, v, do, causal, "reference")
-    got = _grads(q, k, v, do, causal, "fused", deterministic=deterministic)
-    for name, w, t, x in zip(("o", "dq", "dk", "dv"), want, torch_low, got):
-        assert torch.isfinite(x).all(), name
-        err = (x.double() - w).abs().max().item()
-        ref_err = (t.double() - w).abs().max().item()
-        floor = 1e-3 * w.abs().max().item() + 1e-5
-        assert err <= 3 * ref_err + floor, f"{name}: {err:.3g} > 3 x {ref_err:.3g} + {floor:.2g}"
+    q, k, v, do = inputs(b, h, g, n, d, dtype)
+    check_output_and_grads(q, k, v, do, causal, grads(q, k, v, do, causal, "fused", deterministic=deterministic))
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -59,16 +39,16 @@ def test_fused_backward_bf16_and_deterministic(d):
 
 
 def test_deterministic_gives_the_same_bits():
-    q, k, v, do = _inputs(1, 8, 2, 1000, 128, torch.float16)
-    a = _grads(q, k, v, do, True, "fused", deterministic=True)
-    b = _grads(q, k, v, do, True, "fused", deterministic=True)
+    q, k, v, do = inputs(1, 8, 2, 1000, 128, torch.float16)
+    a = grads(q, k, v, do, True, "fused", deterministic=True)
+    b = grads(q, k, v, do, True, "fused", deterministic=True)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("n", [100, 4096])
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_writes_the_logsumexp_and_the_same_output(n, causal):
-    q, k, v, _ = _inputs(1, 32 if n == 4096 else 2, 32 if n == 4096 else 2, n, 128, torch.float16)
+    q, k, v, _ = inputs(1, 32 if n == 4096 else 2, 32 if n == 4096 else 2, n, 128, torch.float16)
     fused = get_backend("fused")
     plain = fused.forward(q, k, v, causal)
     o, lse = fused.forward_for_backward(q, k, v, causal)
@@ -82,7 +62,7 @@ def test_forward_writes_the_logsumexp_and_the_same_output(n, causal):
 def test_backward_memory_is_linear_in_n():
     """Beyond its inputs and outputs the backward allocates O(N) (L, Dl) and the fp32 dQ buffer:
     no N x N tensor (at N = 8192 with 8 heads an N x N fp16 tensor alone would be 1 GiB)."""
-    q, k, v, do = _inputs(1, 8, 8, 8192, 128, torch.float16)
+    q, k, v, do = inputs(1, 8, 8, 8192, 128, torch.float16)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     o = attention(q, k, v, True, backend="fused")
     torch.cuda.synchronize()

@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from backward_check import check_output_and_grads, grads, inputs
 from tpattn.attention import attention, get_backend
 
 pytestmark = [pytest.mark.gpu,
@@ -21,36 +22,15 @@ pytestmark = [pytest.mark.gpu,
                                  reason="needs a CUDA GPU and the triton package")]
 
 
-def _grads(q, k, v, do, causal, backend):
-    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    o = attention(q, k, v, causal, backend=backend)
-    o.backward(do)
-    return o.detach(), q.grad, k.grad, v.grad
-
-
-def _inputs(b, h, g, n, d, dtype, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    mk = lambda heads: torch.randn(b, heads, n, d, device="cuda", generator=gen).to(dtype)  # noqa: E731
-    return mk(h), mk(g), mk(g), mk(h)
-
-
 def check(b, h, g, n, d, causal, dtype=torch.float16, config=None):
-    q, k, v, do = _inputs(b, h, g, n, d, dtype)
-    want = _grads(q.double(), k.double(), v.double(), do.double(), causal, "reference")
-    torch_low = _grads(q, k, v, do, causal, "reference")
+    q, k, v, do = inputs(b, h, g, n, d, dtype)
     if config is None:
-        got = _grads(q, k, v, do, causal, "triton")
+        got = grads(q, k, v, do, causal, "triton")
     else:
         from tpattn.attention.triton_fused import forced_configs
         with forced_configs(*config):
-            got = _grads(q, k, v, do, causal, "triton")
-    for name, w, t, x in zip(("o", "dq", "dk", "dv"), want, torch_low, got):
-        assert x.dtype == dtype and x.shape == w.shape, name
-        assert torch.isfinite(x).all(), name
-        err = (x.double() - w).abs().max().item()
-        ref_err = (t.double() - w).abs().max().item()
-        floor = 1e-3 * w.abs().max().item() + 1e-5
-        assert err <= 3 * ref_err + floor, f"{name}: {err:.3g} > 3 x {ref_err:.3g} + {floor:.2g}"
+            got = grads(q, k, v, do, causal, "triton")
+    check_output_and_grads(q, k, v, do, causal, got)
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -103,15 +83,15 @@ def test_strided_views_read_in_place(causal):
     tri.forward(q, k, v, causal, out=out)
     assert torch.equal(out, want)
     do = torch.randn(b, h, n, d, device="cuda").half()
-    got = _grads(q, k, v, do, causal, "triton")
-    ref = _grads(q.contiguous(), k.contiguous(), v.contiguous(), do, causal, "triton")
+    got = grads(q, k, v, do, causal, "triton")
+    ref = grads(q.contiguous(), k.contiguous(), v.contiguous(), do, causal, "triton")
     assert all(torch.equal(x, y) for x, y in zip(got, ref))
 
 
 def test_deterministic_gives_the_same_bits():
-    q, k, v, do = _inputs(1, 8, 2, 1000, 128, torch.float16)
-    a = _grads(q, k, v, do, True, "triton")
-    b = _grads(q, k, v, do, True, "triton")
+    q, k, v, do = inputs(1, 8, 2, 1000, 128, torch.float16)
+    a = grads(q, k, v, do, True, "triton")
+    b = grads(q, k, v, do, True, "triton")
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
@@ -119,7 +99,7 @@ def test_deterministic_gives_the_same_bits():
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_writes_the_logsumexp_and_the_same_output(n, causal):
     h = 32 if n == 4096 else 2
-    q, k, v, _ = _inputs(1, h, h, n, 128, torch.float16)
+    q, k, v, _ = inputs(1, h, h, n, 128, torch.float16)
     tri = get_backend("triton")
     plain = tri.forward(q, k, v, causal)
     o, lse = tri.forward_for_backward(q, k, v, causal)
@@ -133,7 +113,7 @@ def test_forward_writes_the_logsumexp_and_the_same_output(n, causal):
 def test_backward_memory_is_linear_in_n():
     """Beyond its inputs and outputs the backward allocates O(N) (D) and the gradients: no N x N
     tensor (at N = 8192 with 8 heads an N x N fp16 tensor alone would be 1 GiB)."""
-    q, k, v, do = _inputs(1, 8, 8, 8192, 128, torch.float16)
+    q, k, v, do = inputs(1, 8, 8, 8192, 128, torch.float16)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     o = attention(q, k, v, True, backend="triton")
     o.backward(do)  # the first backward autotunes (its timing runs allocate): measure the second
@@ -152,8 +132,8 @@ def test_long_sequence_past_32_bit_scores():
     """N = 46 341 (N^2 > 2^31), one head, causal: the last query rows' o and dq against float64
     computed for those rows only (all keys), and every gradient finite."""
     n, d, rows = 46341, 64, 64
-    q, k, v, do = _inputs(1, 1, 1, n, d, torch.float16)
-    o, dq, dk, dv = _grads(q, k, v, do, True, "triton")
+    q, k, v, do = inputs(1, 1, 1, n, d, torch.float16)
+    o, dq, dk, dv = grads(q, k, v, do, True, "triton")
     assert all(torch.isfinite(t).all() for t in (o, dq, dk, dv))
     r0 = n - rows
     qd, kd, vd, dod = (t[0, 0].double() for t in (q, k, v, do))
