@@ -176,39 +176,59 @@ __device__ __forceinline__ void hw_store_tile(tc_u16 *g, long long ld, int q0, i
     }
 }
 
+// acc (64 x NB, this warpgroup's rows) = A B^T, the product over D with both operands K-major in
+// shared memory: a is the warpgroup's first row in panel 0 of an A tile of AROWS rows, b the first
+// row of a B tile of NB rows. Issues D / 16 wgmma m64nNBk16 (the first ignores acc's old values).
+template <int D, int AROWS, int NB, bool BF16>
+__device__ __forceinline__ void hw_abt(float (&acc)[NB / 2], tc_u32 a, tc_u32 b) {
+    static_assert(NB == 64 || NB == 128, "n64 or n128");
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const tc_u64 da = hw_desc(a + (kk >> 2) * (AROWS * 128) + (kk & 3) * 32, 16, 1024);
+        const tc_u64 db = hw_desc(b + (kk >> 2) * (NB * 128) + (kk & 3) * 32, 16, 1024);
+        if constexpr (NB == 128)
+            hw_mma_ss_n128<BF16, 0>(acc, da, db, kk > 0);
+        else
+            hw_mma_ss_n64<BF16, 0>(acc, da, db, kk > 0);
+    }
+}
+
+// acc (64 x D) += A B: A (64 x 16 KS) as KS k16 steps of register fragments, B the first 16 KS rows
+// of a tile of BROWS rows x D columns in the tile layout, read transposed (MN-major: its 64-column
+// panels BROWS * 128 bytes apart). Issues KS wgmma m64nDk16.
+template <int D, int KS, int BROWS, bool BF16>
+__device__ __forceinline__ void hw_ab(float (&acc)[D / 2], const tc_u32 (&a)[KS][4], tc_u32 b) {
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+        const tc_u64 db = hw_desc(b + kk * 16 * 128, BROWS * 128, 1024);
+        if constexpr (D == 128)
+            hw_mma_rs_n128<BF16, 1>(acc, a[kk], db, 1);
+        else
+            hw_mma_rs_n64<BF16, 1>(acc, a[kk], db, 1);
+    }
+}
+
 // S (64 x 128, this warpgroup's rows) = Q K^T: sq is the warpgroup's first Q row in panel 0 of a
 // Q tile of QROWS rows, sk the first row of a K tile of 128 rows. Issues D / 16 wgmma.
 template <int D, int QROWS, bool BF16>
 __device__ __forceinline__ void hw_qk(float (&s)[64], tc_u32 sq, tc_u32 sk) {
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-        const tc_u32 q = sq + (kk >> 2) * (QROWS * 128) + (kk & 3) * 32;
-        const tc_u32 k = sk + (kk >> 2) * (128 * 128) + (kk & 3) * 32;
-        hw_mma_ss_n128<BF16, 0>(s, hw_desc(q, 16, 1024), hw_desc(k, 16, 1024), kk > 0);
-    }
+    hw_abt<D, QROWS, 128, BF16>(s, sq, sk);
 }
-
 
 // O (64 x D) += P V: P as A fragments (one k16 step of keys per pa[kk]), sv the first row of a V tile
 // of 128 keys in the tile layout (read transposed: MN-major, panels 128 * 128 bytes apart).
 template <int D, bool BF16>
 __device__ __forceinline__ void hw_pv(float (&o)[D / 2], const tc_u32 (&pa)[8][4], tc_u32 sv) {
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
-        const tc_u64 db = hw_desc(sv + kk * 16 * 128, 128 * 128, 1024);
-        if constexpr (D == 128)
-            hw_mma_rs_n128<BF16, 1>(o, pa[kk], db, 1);
-        else
-            hw_mma_rs_n64<BF16, 1>(o, pa[kk], db, 1);
-    }
+    hw_ab<D, 8, 128, BF16>(o, pa, sv);
 }
 
-// P fragments for O += P V from the S accumulators (n8 block j holds columns 8j..8j+7): k16 step kk
-// takes blocks 2kk and 2kk + 1, the register order of an m16n8k16 A fragment
-template <bool BF16>
-__device__ __forceinline__ void hw_pack_p(tc_u32 (&pa)[8][4], const float (&s)[64]) {
+// A fragments from accumulators (n8 block j holds columns 8j..8j+7), rounded to the storage type:
+// k16 step kk takes blocks 2kk and 2kk + 1, the register order of an m16n8k16 A fragment. P for
+// O += P V from the S accumulators (KS = 8), and the backward's P^T and dS (KS = 4, n64).
+template <bool BF16, int KS = 8>
+__device__ __forceinline__ void hw_pack_p(tc_u32 (&pa)[KS][4], const float (&s)[8 * KS]) {
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
+    for (int kk = 0; kk < KS; ++kk) {
         pa[kk][0] = tc_pack<BF16>(s[8 * kk + 0], s[8 * kk + 1]);
         pa[kk][1] = tc_pack<BF16>(s[8 * kk + 2], s[8 * kk + 3]);
         pa[kk][2] = tc_pack<BF16>(s[8 * kk + 4], s[8 * kk + 5]);

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Attention backward benchmark: the kernel ladder (naive, tiled, fused, triton; the torch reference
+"""Attention backward benchmark: the kernel ladder (naive, tiled, fused, fused_mma, triton; the torch reference
 beside them) through tpattn.attention.attention(...).backward(do), beside torch SDPA's flash, cuDNN
 and memory-efficient backends, forward and backward, in one run on one GPU.
 
@@ -25,6 +25,8 @@ Per shape and kernel (all times in milliseconds, median over --iters after --war
                 above (compile, or load from Triton's disk cache ~/.triton/cache, and autotune of
                 its three kernels; later calls in the process reuse both)
 
+fused is the backward this GPU runs by default (wgmma on compute capability 9.0); fused_mma the same
+calls with TPATTN_FUSED_BWD=mma (the portable mma.sync backward, kernels/fused_attention_backward.cu).
 A kernel without a backward is a "no backward" row; an SDPA backend that refuses the shape is a
 skipped row with torch's reason; triton is a skipped row where the triton package is missing.
 naive, tiled and reference write N x N scores (S, P, dP, dS: tens of GB at N = 16384, H = 32), so
@@ -46,10 +48,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 import time
 import warnings
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -64,7 +68,8 @@ from tpattn.errors import ConfigError  # noqa: E402
 from tpattn.report import versions  # noqa: E402
 from tpattn.timing import section  # noqa: E402
 
-RUNGS = ("naive", "tiled", "fused", "triton", "reference")
+RUNGS = ("naive", "tiled", "fused", "fused_mma", "triton", "reference")
+RUNG_ENV = {"fused_mma": {"TPATTN_FUSED_BWD": "mma"}}  # environment a rung runs under (forward and backward)
 FIRST_CALL = ("triton",)  # rungs whose first call compiles and autotunes: timed apart
 MATERIALIZED = ("naive", "tiled", "reference")  # write N x N scores and their gradients
 SDPA = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")  # the names bench_kernels.sdpa_backends() gives
@@ -195,6 +200,21 @@ def measure(name, fwd, q, k, v, do, args, flops: float, ref) -> dict:
             "peak_bytes": mem, "grad_err": err, "first_call_s": first}
 
 
+@contextmanager
+def env_set(env: dict):
+    """The environment variables in env set inside the block, put back after it."""
+    old = {var: os.environ.get(var) for var in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for var, value in old.items():
+            if value is None:
+                os.environ.pop(var)
+            else:
+                os.environ[var] = value
+
+
 def run(args) -> dict:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     el = torch.empty((), dtype=dtype).element_size()
@@ -218,8 +238,8 @@ def run(args) -> dict:
                 flops = 4 * b * h * n * n * d / (2 if causal else 1)
                 kernels = {}
                 for rung in RUNGS:
-                    kernels[rung] = lambda rung=rung: attention(q, k, v, causal, backend=rung,
-                                                                deterministic=args.deterministic)
+                    kernels[rung] = lambda rung=rung.split("_")[0]: attention(q, k, v, causal, backend=rung,
+                                                                              deterministic=args.deterministic)
                 for name, backend in sdpa.items():
                     kernels[name] = lambda backend=backend: sdpa_forward(backend, q, k, v, causal, args.sdpa_gqa)
                 shape_rows = []
@@ -233,7 +253,7 @@ def run(args) -> dict:
                                                             f"N > --max-materialized-n {args.max_materialized_n}")
                     else:
                         try:
-                            with warnings.catch_warnings(record=True) as caught:
+                            with warnings.catch_warnings(record=True) as caught, env_set(RUNG_ENV.get(name, {})):
                                 warnings.simplefilter("always")
                                 row.update(measure(name, fwd, q, k, v, do, args, flops, ref))
                         except ConfigError as exc:

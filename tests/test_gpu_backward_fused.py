@@ -1,5 +1,6 @@
-"""The fused backward (kernels/fused_attention_backward.cu) on the GPU: dQ, dK, dV against float64
-autograd of the reference with FlashAttention's rule (the kernel's error at most 3x torch's own in
+"""The fused backward on the GPU, both of its kernel sets (kernels/fused_hopper_backward.cu, wgmma, on
+compute capability 9.0; kernels/fused_attention_backward.cu, mma.sync, everywhere): dQ, dK, dV against
+float64 autograd of the reference with FlashAttention's rule (the kernel's error at most 3x torch's own in
 the same dtype, plus a small absolute term), the forward's L, determinism, and the forward's output
 unchanged when it also writes L."""
 
@@ -12,6 +13,15 @@ from backward_check import check_output_and_grads, grads, inputs
 from tpattn.attention import attention, get_backend
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True, params=["wgmma", "mma"])
+def bwd_kernels(request, monkeypatch):
+    """Every test runs with each backward kernel set this GPU has (wgmma on compute capability 9.0)."""
+    if request.param == "wgmma" and torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma backward needs compute capability 9.0")
+    monkeypatch.setenv("TPATTN_FUSED_BWD", request.param)
+    return request.param
 
 
 def check(b, h, g, n, d, causal, dtype=torch.float16, deterministic=False):

@@ -43,6 +43,21 @@ def test_kernel_compiles(src, arch, tmp_path):
                 assert f"{k}_{suf}" in syms
 
 
+def test_the_backward_runs_on_wgmma_on_hopper_only(monkeypatch):
+    from tpattn.attention.fused import HOPPER_BWD_SOURCE, bwd_kernels
+    assert ARCH_SPECIFIC[HOPPER_BWD_SOURCE][0] == (9, 0)
+    monkeypatch.delenv("TPATTN_FUSED_BWD", raising=False)
+    assert bwd_kernels((9, 0)) == "wgmma" and bwd_kernels((8, 0)) == bwd_kernels((12, 0)) == "mma"
+    monkeypatch.setenv("TPATTN_FUSED_BWD", "mma")
+    assert bwd_kernels((9, 0)) == "mma"
+    monkeypatch.setenv("TPATTN_FUSED_BWD", "wgmma")
+    with pytest.raises(ConfigError, match="compute capability 9.0"):
+        bwd_kernels((8, 9))
+    monkeypatch.setenv("TPATTN_FUSED_BWD", "fast")
+    with pytest.raises(ConfigError, match="use mma or wgmma"):
+        bwd_kernels((9, 0))
+
+
 def test_hopper_kernels_exist_and_are_refused_elsewhere(monkeypatch):
     from tpattn.attention.fused import HOPPER_SOURCE, WS_SOURCE, kernel_for
     for src in (HOPPER_SOURCE, WS_SOURCE):

@@ -25,6 +25,7 @@ SOURCE = "fused_attention.cu"
 HOPPER_SOURCE = "fused_hopper_attention.cu"  # wgmma (sm_90a): runs on compute capability 9.0 only
 WS_SOURCE = "fused_ws_attention.cu"          # warp-specialized: TMA, mbarriers, wgmma (sm_90a) too
 BWD_SOURCE = "fused_attention_backward.cu"   # the backward (mma.sync): any compute capability >= 8.0
+HOPPER_BWD_SOURCE = "fused_hopper_backward.cu"  # the backward on wgmma (sm_90a): compute capability 9.0
 BWD_ROWS = {64: 64, 128: 32}  # query rows per step of its dK/dV kernel (the .cu file's TPB_DEFINE)
 HOPPER_CC = (9, 0)
 HEAD_DIMS = (64, 128)
@@ -187,10 +188,12 @@ class FusedBackend(CudaBackend):
         return self.forward(q, k, v, causal, lse=lse), lse
 
     def backward(self, q, k, v, o, lse, do, causal: bool, deterministic: bool = False):
-        """(dq, dk, dv): Dl = rowsum(dO o O); then one block per 64 keys of a K/V head recomputes P
+        """(dq, dk, dv): Dl = rowsum(dO o O); then one block per key tile of a K/V head recomputes P
         from L and accumulates dK and dV (summed over the query heads of its group) in registers,
-        and one block per 64 query rows dQ. No atomics: deterministic always (the option is
-        accepted for the interface)."""
+        and one block per query tile dQ. On compute capability 9.0 the wgmma kernels
+        (kernels/fused_hopper_backward.cu: 128 keys / 128 query rows a block), elsewhere the mma.sync
+        ones (64 and 64); see bwd_kernels. No atomics: deterministic always (the option is accepted
+        for the interface)."""
         b, h, n, d = q.shape
         suf = self.kernel_suffix(q)
         group = kv_group(q, k, v)
@@ -204,18 +207,34 @@ class FusedBackend(CudaBackend):
             return dq, dk, dv
         dl = torch.empty(b, h, n, dtype=torch.float32, device=q.device)
         dev, scale = q.device, np.float32(1.0 / math.sqrt(d))
+        hopper = bwd_kernels(_device_info(dev)[1]) == "wgmma"
+        src, pre = (HOPPER_BWD_SOURCE, "hbwd") if hopper else (BWD_SOURCE, "fbwd")
+        keys, rows, threads = (128, 128, 256) if hopper else (64, 64, 128)
         br = BWD_ROWS[d]
+        kv_smem = (2 * 128 * d + 4 * 64 * d) * 2 + 512 + 1024 if hopper else (2 * 64 * d + 4 * br * d) * 2 + 4 * br * 4
+        dq_smem = (2 * 128 * d + 4 * 64 * d) * 2 + 1024 if hopper else 6 * 64 * d * 2
         with section("bwd_dot"):
-            rows = b * h * n
-            launch(BWD_SOURCE, f"fbwd_dot_{suf}_d{d}", dev, (min(_cdiv(rows, 8), GRID_X_MAX), 1, 1), (256, 1, 1),
-                   (ptr(o), ptr(do), ptr(dl), np.int64(rows)))
+            rows_all = b * h * n
+            launch(BWD_SOURCE, f"fbwd_dot_{suf}_d{d}", dev, (min(_cdiv(rows_all, 8), GRID_X_MAX), 1, 1), (256, 1, 1),
+                   (ptr(o), ptr(do), ptr(dl), np.int64(rows_all)))
         with section("bwd_kv"):
-            launch(BWD_SOURCE, f"fbwd_kv_{suf}_d{d}", dev, (_cdiv(n, 64), min(b * g, GRID_YZ_MAX), 1), (128, 1, 1),
+            launch(src, f"{pre}_kv_{suf}_d{d}", dev, (_cdiv(n, keys), min(b * g, GRID_YZ_MAX), 1), (threads, 1, 1),
                    (ptr(q), ptr(k), ptr(v), ptr(do), ptr(lse), ptr(dl), ptr(dk), ptr(dv), np.int32(b * g), np.int32(g),
-                    np.int32(group), np.int32(n), scale, np.int32(causal)),
-                   shared_mem=(2 * 64 * d + 4 * br * d) * 2 + 4 * br * 4)
+                    np.int32(group), np.int32(n), scale, np.int32(causal)), shared_mem=kv_smem)
         with section("bwd_dq"):
-            launch(BWD_SOURCE, f"fbwd_dq_{suf}_d{d}", dev, (_cdiv(n, 64), min(b * h, GRID_YZ_MAX), 1), (128, 1, 1),
+            launch(src, f"{pre}_dq_{suf}_d{d}", dev, (_cdiv(n, rows), min(b * h, GRID_YZ_MAX), 1), (threads, 1, 1),
                    (ptr(q), ptr(k), ptr(v), ptr(do), ptr(lse), ptr(dl), ptr(dq), np.int32(b * h), np.int32(h),
-                    np.int32(group), np.int32(n), scale, np.int32(causal)), shared_mem=6 * 64 * d * 2)
+                    np.int32(group), np.int32(n), scale, np.int32(causal)), shared_mem=dq_smem)
         return dq, dk, dv
+
+
+def bwd_kernels(cc: tuple[int, int]) -> str:
+    """Which fused backward runs on a GPU of compute capability cc: "wgmma" on 9.0
+    (kernels/fused_hopper_backward.cu), "mma" (kernels/fused_attention_backward.cu, mma.sync) elsewhere.
+    TPATTN_FUSED_BWD=mma picks the portable one on 9.0 too (the benchmark's comparison)."""
+    env = os.environ.get("TPATTN_FUSED_BWD") or ""
+    if env not in ("", "mma", "wgmma"):
+        raise ConfigError(f"TPATTN_FUSED_BWD={env!r}: use mma or wgmma (or leave it unset)")
+    if env == "wgmma" and cc != HOPPER_CC:
+        raise ConfigError(f"TPATTN_FUSED_BWD=wgmma needs compute capability 9.0 (this GPU has {cc[0]}.{cc[1]}); unset it")
+    return env or ("wgmma" if cc == HOPPER_CC else "mma")

@@ -168,7 +168,9 @@ class TritonBackend(Backend):
         with section("fused"):
             for b0, b1 in _batches(b, h):
                 qs, ks, vs, os_ = (t[b0:b1] for t in (q, k, v, o))
-                ls = lse[b0:b1] if lse is not None else os_  # (not written without STORE_LSE)
+                # without lse: an empty fp32 tensor (never written), so that the autotuner's key (which
+                # holds every tensor's dtype) and hence the tile sizes and o's bits match the call with lse
+                ls = lse[b0:b1] if lse is not None else torch.empty(0, dtype=torch.float32, device=q.device)
                 grid = lambda meta, bh=(b1 - b0) * h: (K.triton.cdiv(n, meta["BLOCK_M"]), bh)  # noqa: E731
                 _launch(K.attn_fwd, "fwd", grid,
                         (qs, ks, vs, os_, ls, qk_scale, n, h, group, *qs.stride()[:3], *ks.stride()[:3],

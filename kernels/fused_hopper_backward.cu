@@ -1,0 +1,251 @@
+// fused_hopper_backward.cu -- the fused backward of attention on Hopper's wgmma (compute capability
+// 9.0, compiled as sm_90a). The algorithm is fused_attention_backward.cu's (FlashAttention-2's, with
+// dQ in a kernel of its own instead of atomics, so every sum runs in a fixed order and the result is
+// the same bits every run); the products move from mma.sync to the asynchronous warpgroup
+// instructions, whose operands come straight from shared memory in the layout the forward's wgmma
+// kernels use (hopper_common.cuh).
+//
+// The math (S = Q K^T / sqrt(d), P = softmax(S) = exp(S - L) with the forward's logsumexp L, O = P V):
+//   dV = P^T dO    dP = dO V^T    Dl = rowsum(dO o O)    dS = P o (dP - Dl)
+//   dQ = dS K / sqrt(d)    dK = dS^T Q / sqrt(d)
+// Dl comes from fbwd_dot (fused_attention_backward.cu) before these two kernels run.
+//
+//   hbwd_kv   a block is two warpgroups and owns BC = 128 keys of one K/V head (warpgroup w: keys
+//             64w..64w+63) and walks BM = 64 query rows at a time over every query head of its group
+//             (grouped-query attention: dK and dV summed over the group in registers, K and V never
+//             repeated). Per step, in each warpgroup:
+//               S^T = K Q^T and dP^T = V dO^T   wgmma m64n64k16, both operands in shared memory;
+//               P^T = exp2(S^T log2e / sqrt(d) - L log2e), dS^T = P^T o (dP^T - Dl) / sqrt(d), in registers;
+//               dV += P^T dO and dK += dS^T Q   wgmma m64nDk16, A from the registers just computed
+//                                               (rounded to the storage type), B read transposed;
+//             the next step's Q and dO tiles (and their L, Dl) load with cp.async meanwhile.
+//   hbwd_dq   a block is two warpgroups and owns BR = 128 query rows of one head (64 a warpgroup)
+//             and walks BN = 64 keys at a time: S = Q K^T and dP = dO V^T (shared x shared), P, dS,
+//             then dQ += dS K (registers x shared, K read transposed); the next K and V tiles load
+//             meanwhile. It recomputes S and dP: seven products in all where FlashAttention-2 does
+//             five, the price of no atomics.
+// Causal: query tiles wholly before a key block are never visited (hbwd_kv starts at the first query
+// tile that reaches its keys; hbwd_dq stops at the last key tile its rows reach; its longest tiles
+// start first); only tiles that cross the diagonal or the end of the sequence are masked element by
+// element. Any N >= 1: rows past N load as zeros (cp.async zero fill); keys past N get P = 0, query
+// rows past N get L = +inf (P = 0); a row whose L is +inf (every key masked) gets zero gradients,
+// never NaN. dK, dV and dQ leave through shared memory in 16-byte stores, rows < N only.
+//
+// Layout: Q, O, dO, dQ [B, H, N, D] contiguous; K, V, dK, dV [B, G, N, D] contiguous (G K/V heads,
+// group = H / G query heads each); L and Dl fp32 [B, H, N]. 16-bit storage (fp16 or bf16), fp32
+// accumulation, D = 64 or 128. Offsets that scale with B * H * N are 64-bit; grid y walks batch x
+// heads with a stride beyond 65535. Block 256 threads, one block an SM (registers); dynamic shared
+// memory: hbwd_kv 2 * 128 * D * 2 + 4 * 64 * D * 2 + 512 + 1024 bytes, hbwd_dq 2 * 128 * D * 2 +
+// 4 * 64 * D * 2 + 1024 (the 1024 aligns the swizzle atoms).
+
+#include "hopper_common.cuh"
+
+#define HB_LOG2E 1.4426950408889634f
+
+// ------------------------------------------------------------------------------------ dK, dV
+template <int D, bool BF16>
+__device__ __forceinline__ void hb_kv(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
+                                      const tc_u16 *__restrict__ V, const tc_u16 *__restrict__ dO,
+                                      const float *__restrict__ L, const float *__restrict__ Dl,
+                                      tc_u16 *__restrict__ dK, tc_u16 *__restrict__ dV, int BG, int G, int group,
+                                      int N, float scale, int causal) {
+    constexpr int BC = 128, BM = 64, NT = 256;
+    constexpr tc_u32 KB = BC * D * 2, MB = BM * D * 2;  // bytes of a K (or V) tile, of a Q (or dO) tile
+    // shared: K, V (this block's keys), two buffers of (Q, dO), then L and Dl of each buffer
+    const tc_u32 sK = hw_smem_base(), sV = sK + KB, sB = sV + KB;  // buffer b: Q at sB + 2 b MB, dO + MB
+    float *sLD = (float *)(hw_smem + (sB + 4 * MB - tc_saddr(hw_smem)));  // [buffer][L 64, Dl 64]
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int rl = wg * 64 + warp * 16 + (lane >> 2);  // this thread's keys in the block: rl and rl + 8
+    const float scale_log2 = scale * HB_LOG2E;
+    const int k0 = blockIdx.x * BC, kr = k0 + rl;
+    const int n_qt = (N + BM - 1) / BM, qt_first = causal ? k0 / BM : 0, per = n_qt - qt_first;
+    const int steps = group * per;  // (query head of the group, query tile) pairs
+    for (int bg = blockIdx.y; bg < BG; bg += gridDim.y) {
+        const long long kv_off = (long long)bg * N * D, bh0 = (long long)bg * group;  // bg = b G + g
+        // step t: query head bh0 + t / per, query tile qt_first + t % per, into buffer t & 1
+        auto issue = [&](int t) {
+            const int buf = t & 1;
+            const long long bh = bh0 + t / per;
+            const int q0 = (qt_first + t % per) * BM;
+            hw_load_tile<D, BM, NT>(sB + buf * 2 * MB, Q + bh * N * D, q0, N, tid);
+            hw_load_tile<D, BM, NT>(sB + buf * 2 * MB + MB, dO + bh * N * D, q0, N, tid);
+            if (tid < 2 * BM) {
+                const int r = q0 + (tid & (BM - 1));
+                float x;
+                if (tid < BM)
+                    x = r < N ? L[bh * N + r] * HB_LOG2E : TC_POS_INF;
+                else
+                    x = r < N ? Dl[bh * N + r] : 0.0f;
+                sLD[buf * 2 * BM + tid] = x;
+            }
+            tc_cp_commit();
+        };
+        __syncthreads();  // the previous head's tiles are no longer read
+        hw_load_tile<D, BC, NT>(sK, K + kv_off, k0, N, tid);
+        hw_load_tile<D, BC, NT>(sV, V + kv_off, k0, N, tid);
+        tc_cp_commit();
+        issue(0);  // steps >= 1: k0 < N, so the first query tile that reaches it exists
+        float dk[D / 2], dv[D / 2];
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.0f;
+        for (int t = 0; t < steps; ++t) {
+            const int buf = t & 1, q0 = (qt_first + t % per) * BM;
+            tc_cp_wait<0>();  // this step's tiles (and K, V) have landed ...
+            hw_fence_proxy();
+            __syncthreads();  // ... for every thread; both warpgroups are done with the other buffer
+            if (t + 1 < steps) issue(t + 1);
+            const tc_u32 sq = sB + buf * 2 * MB, sdo = sq + MB;
+            const float *cL = sLD + buf * 2 * BM, *cD = cL + BM;
+            float st[32], dpt[32];  // S^T and dP^T: this warpgroup's 64 keys x the step's 64 queries
+            hw_keep(st);
+            hw_keep(dpt);
+            hw_wg_fence();
+            hw_abt<D, BC, BM, BF16>(st, sK + wg * 64 * 128, sq);
+            hw_abt<D, BC, BM, BF16>(dpt, sV + wg * 64 * 128, sdo);
+            hw_wg_commit();
+            hw_wg_wait<0>();
+            hw_keep(st);
+            hw_keep(dpt);
+            const bool edge = k0 + BC > N || (causal && q0 < k0 + BC);
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int qc = j * 8 + (lane & 3) * 2 + (e & 1), key = kr + (e >> 1) * 8;
+                    float p = tc_exp2(fmaf(st[4 * j + e], scale_log2, -cL[qc]));
+                    if (edge && (key >= N || (causal && q0 + qc < key))) p = 0.0f;
+                    st[4 * j + e] = p;
+                    dpt[4 * j + e] = p * (dpt[4 * j + e] - cD[qc]) * scale;
+                }
+            tc_u32 pa[4][4], da[4][4];
+            hw_pack_p<BF16>(pa, st);
+            hw_pack_p<BF16>(da, dpt);
+            hw_keep(dv);
+            hw_keep(dk);
+            hw_keep(pa);
+            hw_keep(da);
+            hw_wg_fence();
+            hw_ab<D, 4, BM, BF16>(dv, pa, sdo);  // dV += P^T dO
+            hw_ab<D, 4, BM, BF16>(dk, da, sq);   // dK += dS^T Q
+            hw_wg_commit();
+            hw_wg_wait<0>();
+            hw_keep(dv);
+            hw_keep(dk);
+            hw_keep(pa);
+            hw_keep(da);
+        }
+        tc_cp_wait<0>();
+        // dK and dV of this block's keys (rows < N), rounded once, staged through the Q/dO buffers
+        hw_store_tile<D, BF16>(dK + kv_off, D, k0, N, 0, D, sB, dk, 1.0f, 1.0f, rl, tid);
+        __syncthreads();
+        hw_store_tile<D, BF16>(dV + kv_off, D, k0, N, 0, D, sB, dv, 1.0f, 1.0f, rl, tid);
+    }
+}
+
+// ------------------------------------------------------------------------------------ dQ
+template <int D, bool BF16>
+__device__ __forceinline__ void hb_dq(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
+                                      const tc_u16 *__restrict__ V, const tc_u16 *__restrict__ dO,
+                                      const float *__restrict__ L, const float *__restrict__ Dl,
+                                      tc_u16 *__restrict__ dQ, int BH, int H, int group, int N, float scale,
+                                      int causal) {
+    constexpr int BR = 128, BN = 64, NT = 256;
+    constexpr tc_u32 QB = BR * D * 2, NB = BN * D * 2;  // bytes of a Q (or dO) tile, of a K (or V) tile
+    // shared: Q and dO of this block's rows, then two buffers of (K, V) tiles
+    const tc_u32 sQ = hw_smem_base(), sO = sQ + QB, sB = sO + QB;  // buffer b: K at sB + 2 b NB, V + NB
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int rl = wg * 64 + warp * 16 + (lane >> 2);  // this thread's rows in the tile: rl and rl + 8
+    const float scale_log2 = scale * HB_LOG2E;
+    const int n_qt = (N + BR - 1) / BR, n_kt_all = (N + BN - 1) / BN;
+    const int qt = causal ? n_qt - 1 - blockIdx.x : blockIdx.x;  // causal: the longest rows first
+    const int q0 = qt * BR, r = q0 + rl, wr0 = q0 + wg * 64;
+    int n_kt = n_kt_all;
+    if (causal) {
+        const int last = (q0 + BR - 1) / BN + 1;
+        n_kt = last < n_kt ? last : n_kt;
+    }
+    for (long long bh = blockIdx.y; bh < BH; bh += gridDim.y) {
+        const long long kv_off = ((bh / H) * (H / group) + (bh % H) / group) * N * D;
+        auto issue = [&](int kt) {
+            const tc_u32 dst = sB + (kt & 1) * 2 * NB;
+            hw_load_tile<D, BN, NT>(dst, K + kv_off, kt * BN, N, tid);
+            hw_load_tile<D, BN, NT>(dst + NB, V + kv_off, kt * BN, N, tid);
+            tc_cp_commit();
+        };
+        __syncthreads();  // the previous head's tiles are no longer read
+        hw_load_tile<D, BR, NT>(sQ, Q + bh * N * D, q0, N, tid);
+        hw_load_tile<D, BR, NT>(sO, dO + bh * N * D, q0, N, tid);
+        tc_cp_commit();
+        issue(0);
+        float lr[2], dr[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int row = r + 8 * i;
+            lr[i] = row < N ? L[bh * N + row] * HB_LOG2E : TC_POS_INF;
+            dr[i] = row < N ? Dl[bh * N + row] : 0.0f;
+        }
+        float dq[D / 2];
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) dq[i] = 0.0f;
+        for (int kt = 0; kt < n_kt; ++kt) {
+            const int k0 = kt * BN;
+            tc_cp_wait<0>();
+            hw_fence_proxy();
+            __syncthreads();  // tile kt has landed for all; both warpgroups are done with tile kt - 1
+            if (kt + 1 < n_kt) issue(kt + 1);
+            const tc_u32 sk = sB + (kt & 1) * 2 * NB, sv = sk + NB;
+            float s[32], dp[32];  // S and dP: this warpgroup's 64 rows x the tile's 64 keys
+            hw_keep(s);
+            hw_keep(dp);
+            hw_wg_fence();
+            hw_abt<D, BR, BN, BF16>(s, sQ + wg * 64 * 128, sk);
+            hw_abt<D, BR, BN, BF16>(dp, sO + wg * 64 * 128, sv);
+            hw_wg_commit();
+            hw_wg_wait<0>();
+            hw_keep(s);
+            hw_keep(dp);
+            const bool edge = k0 + BN > N || (causal && k0 + BN - 1 > wr0);
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int i = e >> 1, col = k0 + j * 8 + (lane & 3) * 2 + (e & 1);
+                    float p = tc_exp2(fmaf(s[4 * j + e], scale_log2, -lr[i]));
+                    if (edge && (col >= N || (causal && col > r + 8 * i))) p = 0.0f;
+                    dp[4 * j + e] = p * (dp[4 * j + e] - dr[i]) * scale;
+                }
+            tc_u32 da[4][4];
+            hw_pack_p<BF16>(da, dp);
+            hw_keep(dq);
+            hw_keep(da);
+            hw_wg_fence();
+            hw_ab<D, 4, BN, BF16>(dq, da, sk);  // dQ += dS K
+            hw_wg_commit();
+            hw_wg_wait<0>();
+            hw_keep(dq);
+            hw_keep(da);
+        }
+        tc_cp_wait<0>();
+        // dQ of this block's rows (rows < N), rounded once, staged through the K/V buffers
+        hw_store_tile<D, BF16>(dQ + bh * N * D, D, q0, N, 0, D, sB, dq, 1.0f, 1.0f, rl, tid);
+    }
+}
+
+#define HB_DEFINE(SUF, BF16, D)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256, 1) hbwd_kv_##SUF##_d##D(                        \
+        const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,     \
+        const tc_u16 *__restrict__ dO, const float *__restrict__ L, const float *__restrict__ Dl,     \
+        tc_u16 *__restrict__ dK, tc_u16 *__restrict__ dV, int BG, int G, int group, int N, float scale, \
+        int causal) {                                                                                  \
+        hb_kv<D, BF16>(Q, K, V, dO, L, Dl, dK, dV, BG, G, group, N, scale, causal);                    \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256, 1) hbwd_dq_##SUF##_d##D(                        \
+        const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,     \
+        const tc_u16 *__restrict__ dO, const float *__restrict__ L, const float *__restrict__ Dl,     \
+        tc_u16 *__restrict__ dQ, int BH, int H, int group, int N, float scale, int causal) {           \
+        hb_dq<D, BF16>(Q, K, V, dO, L, Dl, dQ, BH, H, group, N, scale, causal);                        \
+    }
+HB_DEFINE(f16, false, 64)
+HB_DEFINE(bf16, true, 64)
+HB_DEFINE(f16, false, 128)
+HB_DEFINE(bf16, true, 128)
