@@ -8,7 +8,8 @@
 // The math (S = Q K^T / sqrt(d), P = softmax(S) = exp(S - L) with the forward's logsumexp L, O = P V):
 //   dV = P^T dO    dP = dO V^T    Dl = rowsum(dO o O)    dS = P o (dP - Dl)
 //   dQ = dS K / sqrt(d)    dK = dS^T Q / sqrt(d)
-// Dl comes from fbwd_dot (fused_attention_backward.cu) before these two kernels run.
+// Two launches: hbwd_dq first (it also computes Dl of its rows from O and dO and writes it), then
+// hbwd_kv (which reads Dl).
 //
 //   hbwd_kv   a block is two warpgroups and owns BC = 128 keys of one K/V head (warpgroup w: keys
 //             64w..64w+63) and walks BM = 64 query rows at a time over every query head of its group
@@ -21,9 +22,10 @@
 //             the next step's Q and dO tiles (and their L, Dl) load with cp.async meanwhile.
 //   hbwd_dq   a block is two warpgroups and owns BR = 128 query rows of one head (64 a warpgroup)
 //             and walks BN = 64 keys at a time: S = Q K^T and dP = dO V^T (shared x shared), P, dS,
-//             then dQ += dS K (registers x shared, K read transposed); the next K and V tiles load
-//             meanwhile. It recomputes S and dP: seven products in all where FlashAttention-2 does
-//             five, the price of no atomics.
+//             then dQ += dS K (registers x shared, K read transposed). Software pipelined: the
+//             product dQ += dS_{j-1} K_{j-1} runs behind S_j and dP_j while dS_j is computed; K and
+//             V tiles in three buffers, the next one loading meanwhile. It recomputes S and dP:
+//             seven products in all where FlashAttention-2 does five, the price of no atomics.
 // Causal: query tiles wholly before a key block are never visited (hbwd_kv starts at the first query
 // tile that reaches its keys; hbwd_dq stops at the last key tile its rows reach; its longest tiles
 // start first); only tiles that cross the diagonal or the end of the sequence are masked element by
@@ -36,7 +38,7 @@
 // accumulation, D = 64 or 128. Offsets that scale with B * H * N are 64-bit; grid y walks batch x
 // heads with a stride beyond 65535. Block 256 threads, one block an SM (registers); dynamic shared
 // memory: hbwd_kv 2 * 128 * D * 2 + 4 * 64 * D * 2 + 512 + 1024 bytes, hbwd_dq 2 * 128 * D * 2 +
-// 4 * 64 * D * 2 + 1024 (the 1024 aligns the swizzle atoms).
+// 6 * 64 * D * 2 + 1024 (the 1024 aligns the swizzle atoms).
 
 #include "hopper_common.cuh"
 
@@ -143,15 +145,46 @@ __device__ __forceinline__ void hb_kv(const tc_u16 *__restrict__ Q, const tc_u16
 }
 
 // ------------------------------------------------------------------------------------ dQ
+// Dl of this thread's rows r and r + 8 (rowsum(dO o O), the quad of threads that shares the rows
+// splitting D in 16-byte chunks), written to Dl[base + row] for rows < N by the quad's first thread
+template <int D, bool BF16>
+__device__ __forceinline__ void hb_rowdot(float (&dr)[2], const tc_u16 *__restrict__ O, const tc_u16 *__restrict__ dO,
+                                          float *__restrict__ Dl, long long base, int r, int N, int lane) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int row = r + 8 * i;
+        float acc = 0.0f;
+        if (row < N) {
+            const tc_u4 *o = (const tc_u4 *)(O + (base + row) * D), *g = (const tc_u4 *)(dO + (base + row) * D);
+#pragma unroll
+            for (int c = lane & 3; c < D / 8; c += 4) {
+                const tc_u4 ov = o[c], gv = g[c];
+                const tc_u32 ow[4] = {ov.x, ov.y, ov.z, ov.w}, gw[4] = {gv.x, gv.y, gv.z, gv.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float o0, o1, g0, g1;
+                    tc_unpack<BF16>(ow[e], o0, o1);
+                    tc_unpack<BF16>(gw[e], g0, g1);
+                    acc = fmaf(o0, g0, fmaf(o1, g1, acc));
+                }
+            }
+        }
+        acc += tc_shfl_xor(acc, 1);
+        acc += tc_shfl_xor(acc, 2);
+        dr[i] = acc;
+        if ((lane & 3) == 0 && row < N) Dl[base + row] = acc;
+    }
+}
+
 template <int D, bool BF16>
 __device__ __forceinline__ void hb_dq(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
-                                      const tc_u16 *__restrict__ V, const tc_u16 *__restrict__ dO,
-                                      const float *__restrict__ L, const float *__restrict__ Dl,
-                                      tc_u16 *__restrict__ dQ, int BH, int H, int group, int N, float scale,
-                                      int causal) {
+                                      const tc_u16 *__restrict__ V, const tc_u16 *__restrict__ O,
+                                      const tc_u16 *__restrict__ dO, const float *__restrict__ L,
+                                      float *__restrict__ Dl, tc_u16 *__restrict__ dQ, int BH, int H, int group,
+                                      int N, float scale, int causal) {
     constexpr int BR = 128, BN = 64, NT = 256;
     constexpr tc_u32 QB = BR * D * 2, NB = BN * D * 2;  // bytes of a Q (or dO) tile, of a K (or V) tile
-    // shared: Q and dO of this block's rows, then two buffers of (K, V) tiles
+    // shared: Q and dO of this block's rows, then three buffers of (K, V) tiles
     const tc_u32 sQ = hw_smem_base(), sO = sQ + QB, sB = sO + QB;  // buffer b: K at sB + 2 b NB, V + NB
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int rl = wg * 64 + warp * 16 + (lane >> 2);  // this thread's rows in the tile: rl and rl + 8
@@ -167,7 +200,7 @@ __device__ __forceinline__ void hb_dq(const tc_u16 *__restrict__ Q, const tc_u16
     for (long long bh = blockIdx.y; bh < BH; bh += gridDim.y) {
         const long long kv_off = ((bh / H) * (H / group) + (bh % H) / group) * N * D;
         auto issue = [&](int kt) {
-            const tc_u32 dst = sB + (kt & 1) * 2 * NB;
+            const tc_u32 dst = sB + (kt % 3) * 2 * NB;
             hw_load_tile<D, BN, NT>(dst, K + kv_off, kt * BN, N, tid);
             hw_load_tile<D, BN, NT>(dst + NB, V + kv_off, kt * BN, N, tid);
             tc_cp_commit();
@@ -178,32 +211,16 @@ __device__ __forceinline__ void hb_dq(const tc_u16 *__restrict__ Q, const tc_u16
         tc_cp_commit();
         issue(0);
         float lr[2], dr[2];
+        hb_rowdot<D, BF16>(dr, O, dO, Dl, bh * N, r, N, lane);  // (hbwd_kv, launched after, reads Dl)
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int row = r + 8 * i;
-            lr[i] = row < N ? L[bh * N + row] * HB_LOG2E : TC_POS_INF;
-            dr[i] = row < N ? Dl[bh * N + row] : 0.0f;
-        }
-        float dq[D / 2];
+        for (int i = 0; i < 2; ++i) lr[i] = r + 8 * i < N ? L[bh * N + r + 8 * i] * HB_LOG2E : TC_POS_INF;
+        float dq[D / 2], s[32], dp[32];  // S and dP: this warpgroup's 64 rows x a tile's 64 keys
+        tc_u32 da[4][4];
 #pragma unroll
         for (int i = 0; i < D / 2; ++i) dq[i] = 0.0f;
-        for (int kt = 0; kt < n_kt; ++kt) {
+        // dS of tile kt in dp (S and dP in, rows r and r + 8 x keys kt * BN ..), rounded into da
+        auto dsoft = [&](int kt) {
             const int k0 = kt * BN;
-            tc_cp_wait<0>();
-            hw_fence_proxy();
-            __syncthreads();  // tile kt has landed for all; both warpgroups are done with tile kt - 1
-            if (kt + 1 < n_kt) issue(kt + 1);
-            const tc_u32 sk = sB + (kt & 1) * 2 * NB, sv = sk + NB;
-            float s[32], dp[32];  // S and dP: this warpgroup's 64 rows x the tile's 64 keys
-            hw_keep(s);
-            hw_keep(dp);
-            hw_wg_fence();
-            hw_abt<D, BR, BN, BF16>(s, sQ + wg * 64 * 128, sk);
-            hw_abt<D, BR, BN, BF16>(dp, sO + wg * 64 * 128, sv);
-            hw_wg_commit();
-            hw_wg_wait<0>();
-            hw_keep(s);
-            hw_keep(dp);
             const bool edge = k0 + BN > N || (causal && k0 + BN - 1 > wr0);
 #pragma unroll
             for (int j = 0; j < 8; ++j)
@@ -214,17 +231,58 @@ __device__ __forceinline__ void hb_dq(const tc_u16 *__restrict__ Q, const tc_u16
                     if (edge && (col >= N || (causal && col > r + 8 * i))) p = 0.0f;
                     dp[4 * j + e] = p * (dp[4 * j + e] - dr[i]) * scale;
                 }
-            tc_u32 da[4][4];
-            hw_pack_p<BF16>(da, dp);
+        };
+        // tile 0 alone; then iteration kt issues S_kt = Q K_kt^T and dP_kt = dO V_kt^T, and dQ += dS_{kt-1}
+        // K_{kt-1} behind them, computing dS_kt while that product runs; then the last dQ product. K and V
+        // sit in three buffers: tile kt + 1 loads into the one tile kt - 2 used.
+        tc_cp_wait<0>();
+        hw_fence_proxy();
+        __syncthreads();
+        if (n_kt > 1) issue(1);
+        hw_keep(s);
+        hw_keep(dp);
+        hw_wg_fence();
+        hw_abt<D, BR, BN, BF16>(s, sQ + wg * 64 * 128, sB);
+        hw_abt<D, BR, BN, BF16>(dp, sO + wg * 64 * 128, sB + NB);
+        hw_wg_commit();
+        hw_wg_wait<0>();
+        hw_keep(s);
+        hw_keep(dp);
+        dsoft(0);
+        hw_pack_p<BF16>(da, dp);
+        for (int kt = 1; kt < n_kt; ++kt) {
+            tc_cp_wait<0>();
+            hw_fence_proxy();
+            __syncthreads();  // tile kt has landed for all; both warpgroups are done with tile kt - 2
+            if (kt + 1 < n_kt) issue(kt + 1);
+            const tc_u32 sk = sB + (kt % 3) * 2 * NB;
+            hw_keep(s);
+            hw_keep(dp);
             hw_keep(dq);
             hw_keep(da);
             hw_wg_fence();
-            hw_ab<D, 4, BN, BF16>(dq, da, sk);  // dQ += dS K
+            hw_abt<D, BR, BN, BF16>(s, sQ + wg * 64 * 128, sk);
+            hw_abt<D, BR, BN, BF16>(dp, sO + wg * 64 * 128, sk + NB);
             hw_wg_commit();
-            hw_wg_wait<0>();
+            hw_ab<D, 4, BN, BF16>(dq, da, sB + ((kt - 1) % 3) * 2 * NB);  // dQ += dS K
+            hw_wg_commit();
+            hw_wg_wait<1>();  // S_kt and dP_kt are done; the dQ product may still run
+            hw_keep(s);
+            hw_keep(dp);
+            dsoft(kt);
+            hw_wg_wait<0>();  // the dQ product no longer reads da
             hw_keep(dq);
             hw_keep(da);
+            hw_pack_p<BF16>(da, dp);
         }
+        hw_keep(dq);
+        hw_keep(da);
+        hw_wg_fence();
+        hw_ab<D, 4, BN, BF16>(dq, da, sB + ((n_kt - 1) % 3) * 2 * NB);
+        hw_wg_commit();
+        hw_wg_wait<0>();
+        hw_keep(dq);
+        hw_keep(da);
         tc_cp_wait<0>();
         // dQ of this block's rows (rows < N), rounded once, staged through the K/V buffers
         hw_store_tile<D, BF16>(dQ + bh * N * D, D, q0, N, 0, D, sB, dq, 1.0f, 1.0f, rl, tid);
@@ -241,9 +299,10 @@ __device__ __forceinline__ void hb_dq(const tc_u16 *__restrict__ Q, const tc_u16
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256, 1) hbwd_dq_##SUF##_d##D(                        \
         const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,     \
-        const tc_u16 *__restrict__ dO, const float *__restrict__ L, const float *__restrict__ Dl,     \
-        tc_u16 *__restrict__ dQ, int BH, int H, int group, int N, float scale, int causal) {           \
-        hb_dq<D, BF16>(Q, K, V, dO, L, Dl, dQ, BH, H, group, N, scale, causal);                        \
+        const tc_u16 *__restrict__ O, const tc_u16 *__restrict__ dO, const float *__restrict__ L,     \
+        float *__restrict__ Dl, tc_u16 *__restrict__ dQ, int BH, int H, int group, int N, float scale, \
+        int causal) {                                                                                  \
+        hb_dq<D, BF16>(Q, K, V, O, dO, L, Dl, dQ, BH, H, group, N, scale, causal);                     \
     }
 HB_DEFINE(f16, false, 64)
 HB_DEFINE(bf16, true, 64)

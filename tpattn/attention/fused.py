@@ -188,12 +188,12 @@ class FusedBackend(CudaBackend):
         return self.forward(q, k, v, causal, lse=lse), lse
 
     def backward(self, q, k, v, o, lse, do, causal: bool, deterministic: bool = False):
-        """(dq, dk, dv): Dl = rowsum(dO o O); then one block per key tile of a K/V head recomputes P
-        from L and accumulates dK and dV (summed over the query heads of its group) in registers,
-        and one block per query tile dQ. On compute capability 9.0 the wgmma kernels
-        (kernels/fused_hopper_backward.cu: 128 keys / 128 query rows a block), elsewhere the mma.sync
-        ones (64 and 64); see bwd_kernels. No atomics: deterministic always (the option is accepted
-        for the interface)."""
+        """(dq, dk, dv): Dl = rowsum(dO o O); one block per key tile of a K/V head recomputes P from L
+        and accumulates dK and dV (summed over the query heads of its group) in registers, and one
+        block per query tile dQ. On compute capability 9.0 the wgmma kernels
+        (kernels/fused_hopper_backward.cu: 128 keys / 128 query rows a block; the dQ kernel, first,
+        also computes Dl: two launches), elsewhere the mma.sync ones (64 and 64, after a Dl kernel);
+        see bwd_kernels. No atomics: deterministic always (the option is accepted for the interface)."""
         b, h, n, d = q.shape
         suf = self.kernel_suffix(q)
         group = kv_group(q, k, v)
@@ -207,24 +207,30 @@ class FusedBackend(CudaBackend):
             return dq, dk, dv
         dl = torch.empty(b, h, n, dtype=torch.float32, device=q.device)
         dev, scale = q.device, np.float32(1.0 / math.sqrt(d))
-        hopper = bwd_kernels(_device_info(dev)[1]) == "wgmma"
-        src, pre = (HOPPER_BWD_SOURCE, "hbwd") if hopper else (BWD_SOURCE, "fbwd")
-        keys, rows, threads = (128, 128, 256) if hopper else (64, 64, 128)
+        kv_args = (ptr(q), ptr(k), ptr(v), ptr(do), ptr(lse), ptr(dl), ptr(dk), ptr(dv), np.int32(b * g), np.int32(g),
+                   np.int32(group), np.int32(n), scale, np.int32(causal))
+        tail = (np.int32(b * h), np.int32(h), np.int32(group), np.int32(n), scale, np.int32(causal))
+        if bwd_kernels(_device_info(dev)[1]) == "wgmma":
+            # hbwd_dq also writes Dl (of its own rows, from O and dO), which hbwd_kv, launched after it, reads
+            with section("bwd_dq"):
+                launch(HOPPER_BWD_SOURCE, f"hbwd_dq_{suf}_d{d}", dev, (_cdiv(n, 128), min(b * h, GRID_YZ_MAX), 1),
+                       (256, 1, 1), (ptr(q), ptr(k), ptr(v), ptr(o), ptr(do), ptr(lse), ptr(dl), ptr(dq), *tail),
+                       shared_mem=(2 * 128 + 6 * 64) * d * 2 + 1024)
+            with section("bwd_kv"):
+                launch(HOPPER_BWD_SOURCE, f"hbwd_kv_{suf}_d{d}", dev, (_cdiv(n, 128), min(b * g, GRID_YZ_MAX), 1),
+                       (256, 1, 1), kv_args, shared_mem=(2 * 128 + 4 * 64) * d * 2 + 512 + 1024)
+            return dq, dk, dv
         br = BWD_ROWS[d]
-        kv_smem = (2 * 128 * d + 4 * 64 * d) * 2 + 512 + 1024 if hopper else (2 * 64 * d + 4 * br * d) * 2 + 4 * br * 4
-        dq_smem = (2 * 128 * d + 4 * 64 * d) * 2 + 1024 if hopper else 6 * 64 * d * 2
         with section("bwd_dot"):
-            rows_all = b * h * n
-            launch(BWD_SOURCE, f"fbwd_dot_{suf}_d{d}", dev, (min(_cdiv(rows_all, 8), GRID_X_MAX), 1, 1), (256, 1, 1),
-                   (ptr(o), ptr(do), ptr(dl), np.int64(rows_all)))
+            rows = b * h * n
+            launch(BWD_SOURCE, f"fbwd_dot_{suf}_d{d}", dev, (min(_cdiv(rows, 8), GRID_X_MAX), 1, 1), (256, 1, 1),
+                   (ptr(o), ptr(do), ptr(dl), np.int64(rows)))
         with section("bwd_kv"):
-            launch(src, f"{pre}_kv_{suf}_d{d}", dev, (_cdiv(n, keys), min(b * g, GRID_YZ_MAX), 1), (threads, 1, 1),
-                   (ptr(q), ptr(k), ptr(v), ptr(do), ptr(lse), ptr(dl), ptr(dk), ptr(dv), np.int32(b * g), np.int32(g),
-                    np.int32(group), np.int32(n), scale, np.int32(causal)), shared_mem=kv_smem)
+            launch(BWD_SOURCE, f"fbwd_kv_{suf}_d{d}", dev, (_cdiv(n, 64), min(b * g, GRID_YZ_MAX), 1), (128, 1, 1),
+                   kv_args, shared_mem=(2 * 64 * d + 4 * br * d) * 2 + 4 * br * 4)
         with section("bwd_dq"):
-            launch(src, f"{pre}_dq_{suf}_d{d}", dev, (_cdiv(n, rows), min(b * h, GRID_YZ_MAX), 1), (threads, 1, 1),
-                   (ptr(q), ptr(k), ptr(v), ptr(do), ptr(lse), ptr(dl), ptr(dq), np.int32(b * h), np.int32(h),
-                    np.int32(group), np.int32(n), scale, np.int32(causal)), shared_mem=dq_smem)
+            launch(BWD_SOURCE, f"fbwd_dq_{suf}_d{d}", dev, (_cdiv(n, 64), min(b * h, GRID_YZ_MAX), 1), (128, 1, 1),
+                   (ptr(q), ptr(k), ptr(v), ptr(do), ptr(lse), ptr(dl), ptr(dq), *tail), shared_mem=6 * 64 * d * 2)
         return dq, dk, dv
 
 
