@@ -1,8 +1,8 @@
 """--kernel triton: the fused rung written in OpenAI Triton instead of CUDA C (the kernels:
 tpattn/attention/triton_kernels.py). FlashAttention-style: Q tiles against streamed K/V tiles,
 online softmax in base 2, S and P never in device memory; the backward recomputes P from the
-saved logsumexp (FlashAttention-2: D = rowsum(dO * O), one kernel over key tiles for dK and dV,
-another over query tiles for dQ; no atomics). Grouped-query attention is read in place; dK and dV
+saved logsumexp (FlashAttention-2's math: one kernel over query tiles for D = rowsum(dO * O) and dQ,
+then one over key tiles for dK and dV; no atomics). Grouped-query attention is read in place; dK and dV
 of a K/V head sum its group's query heads inside the dK/dV kernel. fp16 and bf16, head dims 64 and
 128, any N.
 
@@ -89,16 +89,24 @@ def forced_configs(fwd=None, kv=None, q=None):
         _forced.update(old)
 
 
-def _launch(kernel, which: str, grid, args) -> None:
-    """kernel[grid](*args) through its autotuner, or with the forced config (always one under the
-    interpreter, which cannot time configs)."""
+_tuned: dict[tuple, object] = {}  # the autotuner's pick per (kernel, autotune key), once it has made it
+
+
+def _launch(kernel, which: str, grid, args, key: tuple) -> None:
+    """kernel[grid](*args) through its autotuner the first time for `key` (the autotuner's own key: the
+    bucketed N, head dim, causal and the tensors' dtype), then straight to the compiled kernel with the
+    config it chose (the autotuner's per-call work is ~70 us of host time a launch); a forced config
+    (always one under the interpreter, which cannot time configs) skips the autotuner altogether."""
     cfg = _forced.get(which)
     if cfg is None and interpreting():
         cfg = kernel.configs[0]
     if cfg is None:
-        kernel[grid](*args)
-    else:
-        kernel.fn[grid](*args, **cfg.all_kwargs())
+        cfg = _tuned.get((which, *key))
+        if cfg is None:
+            kernel[grid](*args)
+            _tuned[(which, *key)] = kernel.best_config
+            return
+    kernel.fn[grid](*args, **cfg.all_kwargs())
 
 
 def _batches(b: int, heads: int):
@@ -174,7 +182,8 @@ class TritonBackend(Backend):
                 grid = lambda meta, bh=(b1 - b0) * h: (K.triton.cdiv(n, meta["BLOCK_M"]), bh)  # noqa: E731
                 _launch(K.attn_fwd, "fwd", grid,
                         (qs, ks, vs, os_, ls, qk_scale, n, h, group, *qs.stride()[:3], *ks.stride()[:3],
-                         *vs.stride()[:3], *os_.stride()[:3], K._n_bucket(n), d, bool(causal), lse is not None))
+                         *vs.stride()[:3], *os_.stride()[:3], K._n_bucket(n), d, bool(causal), lse is not None),
+                        (K._n_bucket(n), d, bool(causal), q.dtype))
         return o
 
     # ---- the backward (the math: tpattn/attention/autograd.py) ----
@@ -186,9 +195,9 @@ class TritonBackend(Backend):
         return self.forward(q, k, v, causal, lse=lse), lse
 
     def backward(self, q, k, v, o, lse, do, causal: bool, deterministic: bool = False):
-        """(dq, dk, dv): D = rowsum(dO * O); one program per key tile of a K/V head recomputes P from
-        L and accumulates dK and dV in registers, over every query head of its group in turn; one
-        program per query tile accumulates dQ. No atomics anywhere, so the result is the same bits
+        """(dq, dk, dv): one program per query tile computes D = rowsum(dO * O) of its rows and
+        accumulates dQ; then one program per key tile of a K/V head recomputes P from L and
+        accumulates dK and dV in registers, over every query head of its group in turn. No atomics anywhere, so the result is the same bits
         from run to run: `deterministic` is accepted for the interface and needs nothing more."""
         d = self._check(q, k, v, o, do)
         group = kv_group(q, k, v)
@@ -206,12 +215,15 @@ class TritonBackend(Backend):
         sm_scale = 1.0 / math.sqrt(d)
         qk_scale = math.log2(math.e) * sm_scale
         bucket = K._n_bucket(n)
-        with section("bwd_dot"):
+        key = (bucket, d, bool(causal), q.dtype)
+        with section("bwd_dq"):  # first: it also writes D = rowsum(dO * O), which the dK/dV kernel reads
             for b0, b1 in _batches(b, h):
-                os_, dos = o[b0:b1], do[b0:b1]
-                K.bwd_delta[(K.triton.cdiv(n, K.PRE_BLOCK), (b1 - b0) * h)](
-                    os_, dos, delta[b0:b1], n, h, *os_.stride()[:3], *dos.stride()[:3],
-                    HEAD_DIM=d, BLOCK_M=K.PRE_BLOCK, num_warps=4)
+                qs, ks, vs, os_, dos, dqs = (t[b0:b1] for t in (q, k, v, o, do, dq))
+                grid = lambda meta, bh=(b1 - b0) * h: (K.triton.cdiv(n, meta["BLOCK_M"]), bh)  # noqa: E731
+                _launch(K.attn_bwd_q, "q", grid,
+                        (qs, ks, vs, os_, dos, lse[b0:b1], delta[b0:b1], dqs, sm_scale, qk_scale, n, h, group,
+                         *qs.stride()[:3], *ks.stride()[:3], *vs.stride()[:3], *os_.stride()[:3], *dos.stride()[:3],
+                         *dqs.stride()[:3], bucket, d, bool(causal)), key)
         with section("bwd_kv"):
             for b0, b1 in _batches(b, max(h, g)):
                 qs, ks, vs, dos, dks, dvs = (t[b0:b1] for t in (q, k, v, do, dk, dv))
@@ -219,13 +231,5 @@ class TritonBackend(Backend):
                 _launch(K.attn_bwd_kv, "kv", grid,
                         (qs, ks, vs, dos, lse[b0:b1], delta[b0:b1], dks, dvs, sm_scale, qk_scale, n, h, g, group,
                          *qs.stride()[:3], *ks.stride()[:3], *vs.stride()[:3], *dos.stride()[:3],
-                         *dks.stride()[:3], *dvs.stride()[:3], bucket, d, bool(causal)))
-        with section("bwd_dq"):
-            for b0, b1 in _batches(b, h):
-                qs, ks, vs, dos, dqs = (t[b0:b1] for t in (q, k, v, do, dq))
-                grid = lambda meta, bh=(b1 - b0) * h: (K.triton.cdiv(n, meta["BLOCK_M"]), bh)  # noqa: E731
-                _launch(K.attn_bwd_q, "q", grid,
-                        (qs, ks, vs, dos, lse[b0:b1], delta[b0:b1], dqs, sm_scale, qk_scale, n, h, group,
-                         *qs.stride()[:3], *ks.stride()[:3], *vs.stride()[:3], *dos.stride()[:3],
-                         *dqs.stride()[:3], bucket, d, bool(causal)))
+                         *dks.stride()[:3], *dvs.stride()[:3], bucket, d, bool(causal)), key)
         return dq, dk, dv

@@ -68,7 +68,6 @@ def _prune(which: str):
     return prune
 
 
-PRE_BLOCK = 64  # rows per program of the D = rowsum(dO * O) kernel (memory-bound, not tuned)
 KEY = ["N_KEY", "HEAD_DIM", "CAUSAL"]  # (+ the tensors' dtypes, which the autotuner adds itself)
 
 
@@ -157,25 +156,6 @@ def attn_fwd(Q, K, V, O, L, qk_scale, N_CTX, H, GROUP,
 
 
 # --------------------------------------------------------------- backward ----
-
-@triton.jit
-def bwd_delta(O, DO, DELTA, N_CTX, H, sob, soh, son, sdb, sdh, sdn,
-              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """D = rowsum(dO * O) in fp32, [B, h, N] contiguous. Grid (query tiles, B * h)."""
-    m0 = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    hq = (bh % H).to(tl.int64)
-    rows = tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, HEAD_DIM)
-    ok = (m0 + rows) < N_CTX
-    o = tl.load(O + b * sob + hq * soh + m0.to(tl.int64) * son + (rows[:, None] * son + dims[None, :]),
-                mask=ok[:, None], other=0.0)
-    do = tl.load(DO + b * sdb + hq * sdh + m0.to(tl.int64) * sdn + (rows[:, None] * sdn + dims[None, :]),
-                 mask=ok[:, None], other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + bh.to(tl.int64) * N_CTX + m0 + rows, delta, mask=ok)
-
 
 @triton.jit
 def _kv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_row, d_row, step_q, step_do, start, stop, offs_n, N_CTX, qk_scale,
@@ -305,11 +285,12 @@ def _q_tiles(dq, q, do, lse2, delta, kT_ptrs, vT_ptrs, step_k, step_v, start, st
 
 @triton.autotune(configs=configs("q"), key=KEY, prune_configs_by={"early_config_prune": _prune("q")})
 @triton.jit(do_not_specialize=["N_CTX"])
-def attn_bwd_q(Q, K, V, DO, L, DELTA, DQ, sm_scale, qk_scale, N_CTX, H, GROUP,
-               sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sdqb, sdqh, sdqn,
+def attn_bwd_q(Q, K, V, O, DO, L, DELTA, DQ, sm_scale, qk_scale, N_CTX, H, GROUP,
+               sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon, sdqb, sdqh, sdqn,
                N_KEY, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (query tiles, B * h). One program: dQ of BLOCK_M query rows, over its K/V head's tiles."""
+    """Grid (query tiles, B * h). One program: D = rowsum(dO * O) of BLOCK_M query rows (fp32, written
+    to DELTA [B, h, N] for attn_bwd_kv, launched after it), then their dQ over the K/V head's tiles."""
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -328,7 +309,10 @@ def attn_bwd_q(Q, K, V, DO, L, DELTA, DQ, sm_scale, qk_scale, N_CTX, H, GROUP,
     do = tl.load(DO + b * sdob + hq * sdoh + m0.to(tl.int64) * sdon + (rows[:, None] * sdon + dims[None, :]),
                  mask=row_ok[:, None], other=0.0)
     lse2 = tl.load(L + bh.to(tl.int64) * N_CTX + offs_m, mask=row_ok, other=0.0) * LOG2E
-    delta = tl.load(DELTA + bh.to(tl.int64) * N_CTX + offs_m, mask=row_ok, other=0.0)
+    o = tl.load(O + b * sob + hq * soh + m0.to(tl.int64) * son + (rows[:, None] * son + dims[None, :]),
+                mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + bh.to(tl.int64) * N_CTX + offs_m, delta, mask=row_ok)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     kT_local = cols[None, :] * skn + dims[:, None]  # Kᵀ and Vᵀ tiles [d, BLOCK_N]
