@@ -572,7 +572,8 @@ def parse_args(argv):
     s.add_argument("--head-dim", type=int, metavar="d", help="default 128 on GPU, 64 on CPU")
     s.add_argument("--batch", type=int, default=1)
     s.add_argument("--dtype", default="fp16", choices=list(DTYPES))
-    s.add_argument("--kernel", help="naive or reference (default naive on a GPU with CuPy, else reference)")
+    s.add_argument("--kernel", help="python -m tpattn's --kernel: naive, tiled, fused, triton or reference "
+                   "(default naive on a GPU with CuPy, else reference)")
     s.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     s.add_argument("--causal", action="store_true")
     s.add_argument("--uneven-heads", action="store_true", help="also run world sizes that do not divide --heads "
