@@ -37,7 +37,7 @@
 // group = H / G query heads each); L and Dl fp32 [B, H, N]. 16-bit storage (fp16 or bf16), fp32
 // accumulation, D = 64 or 128. Offsets that scale with B * H * N are 64-bit; grid y walks batch x
 // heads with a stride beyond 65535. Block 256 threads, one block an SM (registers); dynamic shared
-// memory: hbwd_kv 2 * 128 * D * 2 + 4 * 64 * D * 2 + 512 + 1024 bytes, hbwd_dq 2 * 128 * D * 2 +
+// memory: hbwd_kv 2 * 128 * D * 2 + 4 * 64 * D * 2 + 1024 + 1024 bytes, hbwd_dq 2 * 128 * D * 2 +
 // 6 * 64 * D * 2 + 1024 (the 1024 aligns the swizzle atoms).
 
 #include "hopper_common.cuh"

@@ -25,7 +25,7 @@ def backend_ready(backend: str) -> None:
 @pytest.mark.parametrize("backend,dtype", [("fused", "fp16"), ("fused", "bf16"), ("naive", "fp16"), ("triton", "fp16")])
 def test_layer_gradients_over_gloo_sharing_one_gpu(world, ran, backend, dtype):
     backend_ready(backend)
-    r = run(mpirun_cmd(world) + [sys.executable, CHECK, backend, dtype, "gloo"], timeout=600)
+    r = run(mpirun_cmd(world) + [sys.executable, CHECK, backend, dtype, "gloo"], timeout=600, CUDA_VISIBLE_DEVICES="0")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("TRAIN PASS") == world, r.stdout + r.stderr
     assert f"ran {ran} of 26 ({backend}, {dtype}, cuda)" in r.stdout
@@ -38,3 +38,4 @@ def test_layer_gradients_over_nccl_on_two_gpus(backend):
     r = run(mpirun_cmd(2) + [sys.executable, CHECK, backend, "fp16", "nccl"], timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("TRAIN PASS") == 2, r.stdout + r.stderr
+    assert f"ran 26 of 26 ({backend}, fp16, cuda)" in r.stdout

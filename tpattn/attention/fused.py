@@ -200,7 +200,9 @@ class FusedBackend(CudaBackend):
         if not (q.dtype == k.dtype == v.dtype == o.dtype == do.dtype):
             raise ValueError(f"q, k, v, o and do must share a dtype (got {q.dtype}, {k.dtype}, {v.dtype}, {o.dtype}, "
                              f"{do.dtype})")
-        q, k, v, o, do = (t.contiguous() for t in (q, k, v, o, do))
+        # contiguous, and starting on 16 bytes (the kernels' cp.async and 16-byte loads): a contiguous view
+        # that starts elsewhere is copied
+        q, k, v, o, do = (t if _rows_aligned(t) else t.clone() for t in (t.contiguous() for t in (q, k, v, o, do)))
         g = k.shape[1]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         if b * h * n == 0:
@@ -218,7 +220,7 @@ class FusedBackend(CudaBackend):
                        shared_mem=(2 * 128 + 6 * 64) * d * 2 + 1024)
             with section("bwd_kv"):
                 launch(HOPPER_BWD_SOURCE, f"hbwd_kv_{suf}_d{d}", dev, (_cdiv(n, 128), min(b * g, GRID_YZ_MAX), 1),
-                       (256, 1, 1), kv_args, shared_mem=(2 * 128 + 4 * 64) * d * 2 + 512 + 1024)
+                       (256, 1, 1), kv_args, shared_mem=(2 * 128 + 4 * 64) * d * 2 + 1024 + 1024)
             return dq, dk, dv
         br = BWD_ROWS[d]
         with section("bwd_dot"):
