@@ -48,12 +48,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import time
 import warnings
-from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -62,7 +60,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import graph_ms, peak_bytes, sdpa_backends, timed  # noqa: E402
+from bench_kernels import env_set, graph_ms, peak_bytes, sdpa_backends, timed  # noqa: E402
 from tpattn.attention import attention  # noqa: E402
 from tpattn.errors import ConfigError  # noqa: E402
 from tpattn.report import versions  # noqa: E402
@@ -198,21 +196,6 @@ def measure(name, fwd, q, k, v, do, args, flops: float, ref) -> dict:
             "passes_ms": {p: x for p, x in t.items() if p not in ("fwd", "bwd", "fwd+bwd", "total")},
             "graph_fwd_ms": gf, "graph_fwdbwd_ms": gfb, "graph_bwd_ms": gfb - gf if gf and gfb else None,
             "peak_bytes": mem, "grad_err": err, "first_call_s": first}
-
-
-@contextmanager
-def env_set(env: dict):
-    """The environment variables in env set inside the block, put back after it."""
-    old = {var: os.environ.get(var) for var in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for var, value in old.items():
-            if value is None:
-                os.environ.pop(var)
-            else:
-                os.environ[var] = value
 
 
 def run(args) -> dict:

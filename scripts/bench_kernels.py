@@ -24,6 +24,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -52,6 +53,21 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
         e1.synchronize()
         times.append(e0.elapsed_time(e1))
     return 2 * a.numel() * 2 / (statistics.median(times) * 1e-3) / 1e9
+
+
+@contextmanager
+def env_set(env: dict):
+    """The environment variables in env set inside the block, put back after it."""
+    old = {var: os.environ.get(var) for var in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for var, value in old.items():
+            if value is None:
+                os.environ.pop(var)
+            else:
+                os.environ[var] = value
 
 
 def timed(fn, warmup: int, iters: int) -> dict:
@@ -163,16 +179,8 @@ def run(args) -> dict:
     def with_env(env: dict, backend):
         """backend.forward with the environment variables in env set for the call."""
         def fn(t, q, k, v):
-            old = {var: os.environ.get(var) for var in env}
-            os.environ.update(env)
-            try:
+            with env_set(env):
                 return backend.forward(q, k, v, args.causal)
-            finally:
-                for var, value in old.items():
-                    if value is None:
-                        os.environ.pop(var)
-                    else:
-                        os.environ[var] = value
         return fn
 
     def fused_cfg(cfg):
