@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import sys
 import time
 import warnings
@@ -60,7 +59,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import env_set, graph_ms, peak_bytes, sdpa_backends, timed  # noqa: E402
+from bench_kernels import env_set, git_commit, graph_ms, peak_bytes, sdpa_backends, sh, timed  # noqa: E402
 from tpattn.attention import attention  # noqa: E402
 from tpattn.errors import ConfigError  # noqa: E402
 from tpattn.report import versions  # noqa: E402
@@ -73,23 +72,6 @@ MATERIALIZED = ("naive", "tiled", "reference")  # write N x N scores and their g
 SDPA = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")  # the names bench_kernels.sdpa_backends() gives
 TOL = {"fp16": 1e-2, "bf16": 5e-2}  # grad err beyond which a row is CHECK FAILED
 BWD_FLOPS = 2.5  # backward FLOPs per forward FLOP (the usual count: dV, dP, dQ, dK matmuls + recomputed S)
-
-
-def sh(cmd: list[str]) -> str | None:
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20, cwd=ROOT)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-def git_commit(given: str | None) -> str:
-    """The short commit of the tree, '+ uncommitted changes' when tracked files differ from it; `given`
-    (--commit) first where the tree is a copy whose .git is not the one it came from."""
-    head = sh(["git", "rev-parse", "--short", "HEAD"])
-    here = "no git checkout here" if head is None else head + (
-        " + uncommitted changes" if sh(["git", "status", "--porcelain", "--untracked-files=no"]) else "")
-    return f"{given} (given with --commit; git here: {here})" if given else here
 
 
 def gpu_info() -> dict:

@@ -22,9 +22,11 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -36,6 +38,44 @@ from tpattn.report import versions  # noqa: E402
 from tpattn.timing import Timer, recording  # noqa: E402
 
 TARGET_NAIVE_MS = 6.2  # one head, N=4096, d=128, fp16: the seed reports 5.75 ms on an H100
+
+
+def shape(name, b, h, n, d, kv=None, dtype="fp16", causal=False) -> dict:
+    return {"name": name, "batch": b, "heads": h, "kv_heads": kv or h, "seq_len": n, "head_dim": d,
+            "dtype": dtype, "causal": causal}
+
+
+# --shapes users: shapes people run, off the default one (the fused kernel against cuDNN on each)
+SHAPE_SETS = {"users": [
+    shape("default", 1, 32, 4096, 128),
+    shape("default causal", 1, 32, 4096, 128, causal=True),
+    shape("ViT-B/16", 256, 12, 197, 64),
+    shape("ViT-L/14", 128, 16, 257, 64),
+    shape("d64 long", 1, 64, 4096, 64),
+    shape("d64 causal", 2, 32, 4096, 64, causal=True),
+    shape("GQA bf16 causal", 4, 32, 2048, 128, kv=8, dtype="bf16", causal=True),
+    shape("GQA bf16", 4, 32, 2048, 128, kv=8, dtype="bf16"),
+    shape("long causal", 1, 32, 16384, 128, causal=True),
+    shape("batch short", 8, 16, 1024, 128),
+    shape("batch short causal", 8, 16, 1024, 128, causal=True),
+]}
+
+
+def sh(cmd: list[str]) -> str | None:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20, cwd=Path(__file__).resolve().parents[1])
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_commit(given: str | None) -> str:
+    """The short commit of the tree, '+ uncommitted changes' when tracked files differ from it; `given`
+    (--commit) first where the tree is a copy whose .git is not the one it came from."""
+    head = sh(["git", "rev-parse", "--short", "HEAD"])
+    here = "no git checkout here" if head is None else head + (
+        " + uncommitted changes" if sh(["git", "status", "--porcelain", "--untracked-files=no"]) else "")
+    return f"{given} (given with --commit; git here: {here})" if given else here
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
@@ -164,10 +204,16 @@ def sdpa_backends() -> dict:
     return out
 
 
+def shapes_of(args) -> list[dict]:
+    """The named set (--shapes), or every --heads x --seq-lens with the other options."""
+    if args.shapes:
+        return SHAPE_SETS[args.shapes]
+    return [shape(f"H={h} N={n}", args.batch, h, n, args.head_dim, args.kv_heads, args.dtype, args.causal)
+            for h in args.heads for n in args.seq_lens]
+
+
 def run(args) -> dict:
     from torch.nn.attention import sdpa_kernel
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    el = torch.empty((), dtype=dtype).element_size()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
     rows = []
@@ -178,98 +224,132 @@ def run(args) -> dict:
 
     def with_env(env: dict, backend):
         """backend.forward with the environment variables in env set for the call."""
-        def fn(t, q, k, v):
+        def fn(t, q, k, v, causal):
             with env_set(env):
-                return backend.forward(q, k, v, args.causal)
+                return backend.forward(q, k, v, causal)
         return fn
 
     def fused_cfg(cfg):
         """A fused kernel by shorthand: 2:w4_m2_c32 is fused2_{suf}_d{d}_w4_m2_c32, h is fusedh_{suf}_d{d}
         (wgmma, compute capability 9.0 only), w is fusedw_{suf}_d{d} (warp-specialized, TMA; 9.0 only),
-        w:sms and w:tiles that one with its grid forced persistent or a block per tile"""
+        w:sms, w:static and w:tiles that one with its grid forced persistent (causal tiles from a
+        counter), persistent in a fixed order, or a block per tile"""
         ver, _, rest = cfg.partition(":")
-        if ver not in ("2", "h", "w") or (ver == "w" and rest not in ("", "sms", "tiles")):
-            raise SystemExit(f"--fused-configs {cfg}: use 2:wW_mM_cC, h, w, w:sms or w:tiles")
+        if ver not in ("2", "h", "w") or (ver == "w" and rest not in ("", "sms", "static", "tiles")) or (
+                ver == "h" and rest):
+            raise SystemExit(f"--fused-configs {cfg}: use 2:wW_mM_cC, h, w, w:sms, w:static or w:tiles")
         env = {"TPATTN_FUSED_CFG": "fused2_{suf}_d{d}_" + rest if ver == "2" else f"fused{ver}_{{suf}}_d{{d}}"}
         if ver == "w" and rest:
             env["TPATTN_FUSED_GRID"] = rest
         return with_env(env, fused)
     hopper = torch.cuda.get_device_capability() == (9, 0)
-    for h in args.heads:
-        for n in args.seq_lens:
-            b, d = args.batch, args.head_dim
-            g = torch.Generator(device="cuda").manual_seed(0)
-            q, k, v = (torch.randn(b, h, n, d, device="cuda", generator=g, dtype=dtype) for _ in range(3))
-            flops = 4 * b * h * n * n * d / (2 if args.causal else 1)
-            sp_bytes = b * h * n * n * el
-            qkvo = 4 * b * h * n * d * el
-            floor_ms = 4 * sp_bytes / (bw * 1e9) * 1e3   # S written + read, P written + read
-            kernels = {
-                "naive": (lambda t: naive.forward(q, k, v, args.causal), 4 * sp_bytes + qkvo),
-                "tiled": (lambda t: tiled.forward(q, k, v, args.causal), 4 * sp_bytes + qkvo),
-                "fused": (lambda t: fused.forward(q, k, v, args.causal), qkvo),
-                "torch_materialized": (lambda t: materialized(q, k, v, args.causal, t), 4 * sp_bytes + qkvo),
-            }
-            if triton_rung is not None:
-                kernels["triton"] = (lambda t: triton_rung.forward(q, k, v, args.causal), qkvo)
-            if hopper:  # the mma.sync QK and PV passes beside the wgmma ones tiled runs here
-                kernels["tiled[mma]"] = (lambda t, fn=with_env({"TPATTN_TILED_IMPL": "mma"}, tiled): fn(t, q, k, v),
-                                         4 * sp_bytes + qkvo)
-            for cfg in args.fused_configs:
-                kernels[f"fused[{cfg}]"] = (lambda t, fn=fused_cfg(cfg): fn(t, q, k, v), qkvo)
-            for name, backend in sdpa_backends().items():
-                def fn(t, backend=backend):
-                    with sdpa_kernel([backend]):
-                        return F.scaled_dot_product_attention(q, k, v, is_causal=args.causal)
-                kernels[name] = (fn, qkvo)
-            for name, (fn, nbytes) in kernels.items():
-                if args.kernels and name.split("[")[0] not in args.kernels:
-                    continue
-                try:
-                    first = first_call_s(fn) if name == "triton" else None  # before peak_bytes: the autotune allocates
-                    mem = peak_bytes(fn)
-                    t = timed(fn, args.warmup, args.iters)
-                except (RuntimeError, ValueError) as exc:  # a backend that does not support this shape
-                    print(f"  {name:<20} H={h:<3} N={n:<6} skipped: {str(exc).splitlines()[0][:80]}", flush=True)
-                    continue
-                ms = t["total"]
-                gms = graph_ms(fn, args.iters) if name.startswith(("fused", "sdpa", "triton")) else None
-                row = {"kernel": name, "batch": b, "heads": h, "seq_len": n, "head_dim": d, "dtype": args.dtype,
-                       "causal": args.causal, "ms": ms, "graph_ms": gms,
-                       "graph_tflops": flops / (gms * 1e-3) / 1e12 if gms else None,
-                       "passes_ms": {p: t[p] for p in ("qk", "softmax", "pv", "fused") if p in t},
-                       "tflops": flops / (ms * 1e-3) / 1e12, "gbps": nbytes / (ms * 1e-3) / 1e9,
-                       "floor_ms": floor_ms, "x_floor": ms / floor_ms, "peak_bytes": mem, "first_call_s": first}
-                rows.append(row)
-                passes = " ".join(f"{p} {x:.3f}" for p, x in row["passes_ms"].items())
-                graph = f"  graph {gms:.3f} ms {row['graph_tflops']:.1f} TFLOP/s" if gms else ""
-                fc = f"  first call {first:.2f} s" if first is not None else ""
-                print(f"  {name:<20} H={h:<3} N={n:<6} {ms:9.3f} ms  {row['tflops']:7.1f} TFLOP/s "
-                      f"{row['gbps']:8.0f} GB/s  {row['x_floor']:6.2f}x floor  {mem / 2**20:9.1f} MiB  {passes}{graph}{fc}",
-                      flush=True)
-            del q, k, v
-            torch.cuda.empty_cache()
+    for sh in shapes_of(args):
+        b, h, kvh, n, d, causal = sh["batch"], sh["heads"], sh["kv_heads"], sh["seq_len"], sh["head_dim"], sh["causal"]
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[sh["dtype"]]
+        el = torch.empty((), dtype=dtype).element_size()
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(b, h, n, d, device="cuda", generator=g, dtype=dtype)
+        k, v = (torch.randn(b, kvh, n, d, device="cuda", generator=g, dtype=dtype) for _ in range(2))
+        flops = 4 * b * h * n * n * d / (2 if causal else 1)
+        sp_bytes = b * h * n * n * el
+        qkvo = 2 * b * (h + kvh) * n * d * el  # Q and O, K and V
+        floor_ms = 4 * sp_bytes / (bw * 1e9) * 1e3   # S written + read, P written + read
+        kernels = {
+            "naive": (lambda t: naive.forward(q, k, v, causal), 4 * sp_bytes + qkvo),
+            "tiled": (lambda t: tiled.forward(q, k, v, causal), 4 * sp_bytes + qkvo),
+            "fused": (lambda t: fused.forward(q, k, v, causal), qkvo),
+            "torch_materialized": (lambda t: materialized(q, k, v, causal, t), 4 * sp_bytes + qkvo),
+        }
+        if triton_rung is not None:
+            kernels["triton"] = (lambda t: triton_rung.forward(q, k, v, causal), qkvo)
+        if hopper:  # the mma.sync QK and PV passes beside the wgmma ones tiled runs here
+            kernels["tiled[mma]"] = (lambda t, fn=with_env({"TPATTN_TILED_IMPL": "mma"}, tiled): fn(t, q, k, v, causal),
+                                     4 * sp_bytes + qkvo)
+        for cfg in args.fused_configs:
+            kernels[f"fused[{cfg}]"] = (lambda t, fn=fused_cfg(cfg): fn(t, q, k, v, causal), qkvo)
+        for name, backend in sdpa_backends().items():
+            def fn(t, backend=backend):
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kvh != h)
+            kernels[name] = (fn, qkvo)
+        for name, (fn, nbytes) in kernels.items():
+            if args.kernels and name.split("[")[0] not in args.kernels:
+                continue
+            try:
+                first = first_call_s(fn) if name == "triton" else None  # before peak_bytes: the autotune allocates
+                mem = peak_bytes(fn)
+                t = timed(fn, args.warmup, args.iters)
+            except (RuntimeError, ValueError) as exc:  # a backend that does not support this shape
+                print(f"  {name:<20} {sh['name']:<20} skipped: {str(exc).splitlines()[0][:80]}", flush=True)
+                continue
+            ms = t["total"]
+            gms = graph_ms(fn, args.iters) if name.startswith(("fused", "sdpa", "triton")) else None
+            row = {"kernel": name, "shape": sh["name"], "batch": b, "heads": h, "kv_heads": kvh, "seq_len": n,
+                   "head_dim": d, "dtype": sh["dtype"], "causal": causal, "ms": ms, "graph_ms": gms,
+                   "graph_tflops": flops / (gms * 1e-3) / 1e12 if gms else None,
+                   "passes_ms": {p: t[p] for p in ("qk", "softmax", "pv", "fused") if p in t},
+                   "tflops": flops / (ms * 1e-3) / 1e12, "gbps": nbytes / (ms * 1e-3) / 1e9,
+                   "floor_ms": floor_ms, "x_floor": ms / floor_ms, "peak_bytes": mem, "first_call_s": first}
+            rows.append(row)
+            passes = " ".join(f"{p} {x:.3f}" for p, x in row["passes_ms"].items())
+            graph = f"  graph {gms:.3f} ms {row['graph_tflops']:.1f} TFLOP/s" if gms else ""
+            fc = f"  first call {first:.2f} s" if first is not None else ""
+            print(f"  {name:<20} {sh['name']:<20} {ms:9.3f} ms  {row['tflops']:7.1f} TFLOP/s "
+                  f"{row['gbps']:8.0f} GB/s  {row['x_floor']:6.2f}x floor  {mem / 2**20:9.1f} MiB  {passes}{graph}{fc}",
+                  flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
     return {"gpu": torch.cuda.get_device_name(), "copy_GBps": bw, "versions": versions(),
-            "command": "python " + " ".join(sys.argv), "rows": rows}
+            "command": "python " + " ".join(sys.argv), "commit": git_commit(args.commit),
+            "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "rows": rows}
+
+
+def ratios(res: dict) -> str:
+    """Per shape: the fused kernel's graph time beside SDPA cuDNN's and flash's, and cuDNN / fused."""
+    by = {}
+    for r in res["rows"]:
+        by.setdefault(r["shape"], {})[r["kernel"]] = r
+    lines = ["| shape | B | H | G | N | d | dtype | causal | fused graph ms | cuDNN graph ms | flash graph ms "
+             "| cuDNN / fused | flash / fused |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    worst = None
+    for name, ks in by.items():
+        f = ks.get("fused")
+        if not f or not f.get("graph_ms"):
+            continue
+        c, fl = (ks.get(x, {}).get("graph_ms") for x in ("sdpa_cudnn", "sdpa_flash"))
+        rc = c / f["graph_ms"] if c else None
+        worst = rc if rc is not None and (worst is None or rc < worst) else worst
+        fmt = lambda x, p=3: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
+        lines.append(f"| {name} | {f['batch']} | {f['heads']} | {f['kv_heads']} | {f['seq_len']} | {f['head_dim']} "
+                     f"| {f['dtype']} | {'yes' if f['causal'] else 'no'} | {fmt(f['graph_ms'])} | {fmt(c)} | {fmt(fl)} "
+                     f"| {fmt(rc, 2)} | {fmt(fl / f['graph_ms'] if fl else None, 2)} |")
+    if worst is not None:
+        lines += ["", f"Lowest cuDNN / fused ratio: {worst:.2f} (graph time, same run)."]
+    return "\n".join(lines)
 
 
 def markdown(res: dict, target: float) -> str:
     lines = [f"# Kernel benchmark on {res['gpu']}", "",
-             f"Command: `{res['command']}`  ", f"Versions: {res['versions']}  ",
+             f"Command: `{res['command']}`  ", f"Date: {res.get('date_utc', '-')}; commit: {res.get('commit', '-')}  ",
+             f"Versions: {res['versions']}  ",
              f"Measured copy bandwidth: {res['copy_GBps']:.0f} GB/s (read + write). Floor = S and P each "
              "written and read once at that bandwidth.", "",
-             f"Causal: {'yes' if res['rows'] and res['rows'][0]['causal'] else 'no'}. Memory = peak device memory "
-             "the call allocates beyond its inputs.", "",
+             "Memory = peak device memory the call allocates beyond its inputs. G = K/V heads.", "",
              "`ms`: CUDA events around the whole Python call. `graph ms`: the call captured in a CUDA graph and "
              "replayed back to back, the GPU's time without the host's (for SDPA, its kernels). `first call s`: "
              "triton's first call (compile or disk-cache load, and autotune), timed apart.", "",
-             "| kernel | H | N | ms | qk / softmax / pv ms | TFLOP/s | graph ms | graph TFLOP/s | GB/s | x floor "
-             "| memory MiB | first call s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| kernel | shape | B | H | G | N | d | dtype | causal | ms | qk / softmax / pv ms | TFLOP/s | graph ms "
+             "| graph TFLOP/s | GB/s | x floor | memory MiB | first call s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    if any(r.get("shape") for r in res["rows"]) and any(r["kernel"] == "sdpa_cudnn" for r in res["rows"]):
+        lines[-2:-2] = ["Graph time, fused against SDPA's cuDNN and flash backends (ratio > 1: fused is faster):",
+                        "", ratios(res), ""]
     for r in res["rows"]:
         p = " / ".join(f"{x:.3f}" for x in r["passes_ms"].values()) or "-"
         g = f"{r['graph_ms']:.3f} | {r['graph_tflops']:.1f}" if r.get("graph_ms") else "- | -"
-        lines.append(f"| {r['kernel']} | {r['heads']} | {r['seq_len']} | {r['ms']:.3f} | {p} | {r['tflops']:.1f} "
+        lines.append(f"| {r['kernel']} | {r.get('shape', '-')} | {r['batch']} | {r['heads']} | {r.get('kv_heads', r['heads'])} "
+                     f"| {r['seq_len']} | {r['head_dim']} | {r['dtype']} | {'yes' if r['causal'] else 'no'} "
+                     f"| {r['ms']:.3f} | {p} | {r['tflops']:.1f} "
                      f"| {g} | {r['gbps']:.0f} | {r['x_floor']:.2f} | {r.get('peak_bytes', 0) / 2**20:.1f} "
                      f"| {'-' if r.get('first_call_s') is None else format(r['first_call_s'], '.2f')} |")
     one = [r for r in res["rows"] if r["kernel"] == "naive" and r["heads"] == 1 and r["seq_len"] == 4096
@@ -287,6 +367,11 @@ def main() -> int:
     p.add_argument("--heads", type=int, nargs="+", default=[1, 32])
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--kv-heads", type=int, default=None, help="K/V heads (grouped-query attention; default --heads)")
+    p.add_argument("--shapes", choices=sorted(SHAPE_SETS), default=None,
+                   help="a named set of shapes instead of --heads x --seq-lens (users: ViT, d=64, GQA bf16, long "
+                        "causal, short sequences in large batches, the default shape); the .md adds the fused "
+                        "kernel's graph time against SDPA cuDNN's and flash's")
     p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     p.add_argument("--causal", action="store_true")
     p.add_argument("--warmup", type=int, default=2)
@@ -294,11 +379,16 @@ def main() -> int:
     p.add_argument("--kernels", nargs="+", default=None,
                    help="rows to run (default all): naive tiled fused triton torch_materialized sdpa_flash "
                         "sdpa_cudnn sdpa_efficient")
-    p.add_argument("--fused-configs", nargs="*", default=[], metavar="2:wW_mM_cC|h",
+    p.add_argument("--fused-configs", nargs="*", default=[], metavar="2:wW_mM_cC|h|w[:GRID]",
                    help="extra fused rows (a sweep): 2:wW_mM_cC is the mma.sync kernel with W warps per block, "
                         "M m16 row tiles per warp and C keys per tile (see tpattn/attention/fused.py), "
-                        "e.g. 2:w4_m2_c32; h is the wgmma kernel (compute capability 9.0)")
+                        "e.g. 2:w4_m2_c32; h is the wgmma kernel (compute capability 9.0); w the warp-specialized "
+                        "one, w:sms, w:static or w:tiles with its grid forced (see TPATTN_FUSED_GRID)")
     p.add_argument("--out", default="benchmarks", help="folder for kernels.json and kernels.md")
+    p.add_argument("--name", default=None, help="file stem of the .json and .md (default kernels, kernels_causal; "
+                                                 "fused_shapes with --shapes)")
+    p.add_argument("--commit", default=None,
+                   help="the commit to record, for a tree copied to another machine whose .git differs")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU (and CuPy); nothing to measure here", file=sys.stderr)
@@ -306,7 +396,7 @@ def main() -> int:
     res = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "kernels" + ("_causal" if args.causal else "")
+    stem = args.name or ("fused_shapes" if args.shapes else "kernels" + ("_causal" if args.causal else ""))
     (out / f"{stem}.json").write_text(json.dumps(res, indent=2))
     (out / f"{stem}.md").write_text(markdown(res, TARGET_NAIVE_MS))
     print(markdown(res, TARGET_NAIVE_MS))

@@ -32,6 +32,9 @@
 #           beside SDPA cuDNN and flash
 #   wsbench fusedw (the default there) against SDPA with graph (kernel-only) times: N = 4096 and 16384,
 #           causal and not, fp16, bf16, d = 64; compute-sanitizer memcheck and racecheck on it
+#   shapes  fusedw on the shapes users run (bench_kernels --shapes users: ViT, d = 64, GQA bf16, long
+#           causal, short sequences in large batches, the default) beside SDPA cuDNN and flash, its GPU
+#           tests, then the wsbench sanitizer runs
 #   p2p     --output-collective p2p (the peer reduce-gather over NVLink, 2 GPUs): pytest -m gpu -k
 #           "peer or output_collectives", scripts/model/bench_comm.py (NCCL, a registered pool, peer loads;
 #           the reduce-scatter after busy GEMMs), scripts/nccl_faults.sh with p2p (hang, skip, kill),
@@ -54,6 +57,29 @@ status=0
 want() { [[ " $steps " == *" $1 "* || " $steps " == *" all "* ]]; }
 note() { echo "=== $* ($(date +%T))"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+sanitize_fusedw() {
+  note "compute-sanitizer memcheck and racecheck on fusedw (N=300, d=128 and 64, causal and not; B=1 H=2, and B=4 H=40: more tiles than SMs, causal ones from the counter)"
+  san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  for tool in memcheck racecheck; do
+    TPATTN_FUSED_CFG="fusedw_{suf}_d{d}" timeout 240 "$san" --tool $tool --error-exitcode 9 python3 -c "
+import torch
+from tpattn.attention import get_backend
+for b, h in ((1, 2), (4, 40)):
+    for d in (128, 64):
+        for causal in (False, True):
+            q, k, v = (torch.randn(b, h, 300, d, device='cuda', dtype=torch.float16) for _ in range(3))
+            get_backend('fused').forward(q, k, v, causal)
+torch.cuda.synchronize()
+print('fusedw ran under $tool')" 2>&1 | tail -6; echo "$tool exit ${PIPESTATUS[0]}"
+  done
+}
+if want shapes; then
+  note "fusedw on the shapes users run, beside SDPA cuDNN and flash (graph time); its GPU tests"
+  timeout 400 python3 scripts/bench_kernels.py --shapes users --kernels fused sdpa_cudnn sdpa_flash --fused-configs w:static \
+    --iters 100 --out "$OUT" --name fused_shapes_h200 2>&1 | grep -E "^  |Lowest" || status=1
+  timeout 400 python3 -m pytest -m gpu -q -p no:warnings --tb=short tests/test_gpu_ladder.py 2>&1 | tail -5 || status=1
+  sanitize_fusedw
+fi
 if want tests; then
   note "pytest -m gpu"
   python3 -m pytest -m gpu -q -p no:warnings --tb=line tests/test_gpu.py tests/test_gpu_ladder.py 2>&1 \
@@ -98,19 +124,7 @@ if want wsbench; then
     timeout 300 python3 scripts/bench_kernels.py --seq-lens 4096 16384 --heads 32 --head-dim 64 $c \
       --kernels fused sdpa_flash sdpa_cudnn --out "$OUT/wsb_d64${c:+_causal}" 2>&1 | grep -E "^  " || status=1
   done
-  note "compute-sanitizer memcheck and racecheck on fusedw (B=1, H=2, N=300, d=128 and 64, causal and not)"
-  san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-  for tool in memcheck racecheck; do
-    TPATTN_FUSED_CFG="fusedw_{suf}_d{d}" timeout 240 "$san" --tool $tool --error-exitcode 9 python3 -c "
-import torch
-from tpattn.attention import get_backend
-for d in (128, 64):
-    for causal in (False, True):
-        q, k, v = (torch.randn(1, 2, 300, d, device='cuda', dtype=torch.float16) for _ in range(3))
-        get_backend('fused').forward(q, k, v, causal)
-torch.cuda.synchronize()
-print('fusedw ran under $tool')" 2>&1 | tail -6; echo "$tool exit ${PIPESTATUS[0]}"
-  done
+  sanitize_fusedw
 fi
 if want layer; then
   note "mpirun -n 1 python -m tpattn (NCCL)"

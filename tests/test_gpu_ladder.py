@@ -140,6 +140,58 @@ def test_fused_picks_the_warp_specialized_kernel_on_hopper(monkeypatch):
     assert kernel_for(64, "bf16", (8, 0)).name.startswith("fused2_bf16_d64")
 
 
+@pytest.mark.skipif(not HOPPER, reason="fusedw needs compute capability 9.0")
+@pytest.mark.parametrize("grid", ["sms", "static"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [17, 197, 1500, 4097])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_fused_ws_tile_orders(dtype, d, n, causal, grid, monkeypatch):
+    """fusedw's persistent grid with causal tiles handed out by the counter (sms) or every grid-th one
+    (static); more tiles than SMs (B x H = 32; causal heads in groups, at N = 1500 the last group
+    smaller than the others on 132 SMs); called three times into NaN-poisoned outputs: the counter is back at zero after each call (a tile skipped would
+    stay NaN), and every call gives the same bits, as the other order does."""
+    monkeypatch.setenv("TPATTN_FUSED_CFG", "fusedw_{suf}_d{d}")
+    monkeypatch.setenv("TPATTN_FUSED_GRID", grid)
+    b, h = 4, 8
+    q, k, v = qkv(b, h, n, d, DT[dtype], seed=n + 7)
+    outs = []
+    for _ in range(3):
+        outs.append(get_backend("fused").forward(q, k, v, causal, out=nan_like(q.shape, DT[dtype])))
+    torch.cuda.synchronize()
+    assert torch.isfinite(outs[0]).all(), "the kernel left poisoned outputs"
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    assert rel_err(outs[0], attention64(q, k, v, causal)) <= TOL_F64[dtype]
+    monkeypatch.setenv("TPATTN_FUSED_GRID", "tiles")  # a block per tile: the hardware's order
+    assert torch.equal(outs[0], get_backend("fused").forward(q, k, v, causal))
+
+
+@pytest.mark.skipif(not HOPPER, reason="fusedw needs compute capability 9.0")
+@pytest.mark.parametrize("d", [64, 128])
+def test_fused_ws_causal_in_a_cuda_graph(d, monkeypatch):
+    """The causal counter in a CUDA graph: captured after an eager call, replayed five times, each
+    replay the eager bits (the kernel puts the counter back to zero for the next replay)."""
+    monkeypatch.delenv("TPATTN_FUSED_CFG", raising=False)
+    monkeypatch.delenv("TPATTN_FUSED_GRID", raising=False)
+    q, k, v = qkv(2, 32, 2048, d, torch.bfloat16, seed=3)
+    fused = get_backend("fused")
+    eager = fused.forward(q, k, v, True)
+    out = torch.empty_like(q)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fused.forward(q, k, v, True, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fused.forward(q, k, v, True, out=out)
+    for _ in range(5):
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n", [4100, 8191, 16384])
 def test_tiled_softmax_long_rows(n, causal):

@@ -177,7 +177,14 @@ def test_fused_ws_launch(launches, monkeypatch, causal, h, g):
     check_launch(source, name, grid, block, args)
     assert name == "fusedw_f16_d128" and block == (384, 1, 1)
     tiles = 8 * b * h  # ceil(1000 / 128) query tiles per head
-    assert grid == (40, 1, 1)
+    assert grid == (40, 1, 1) and tiles > 40
+    # causal: the blocks ask a counter (a pair of int32 zeros in device memory) for their tiles
+    counter, hg = int(args[-1]), int(args[-2])
+    assert (counter != 0) == causal
+    assert hg == (min(b * h, 10) if causal else 1)  # causal: heads in groups of ceil(2 * 40 SMs / 8 tiles)
+    if causal:
+        pool = fused._counters[str(q.device)]
+        assert pool.data_ptr() <= counter < pool.data_ptr() + pool.numel() * 4 and counter % 8 == 0
     qm, km, vm = args[:3]
     assert (qm.address, km.address, vm.address) == (q.data_ptr(), k.data_ptr(), v.data_ptr())
     assert qm.dims == (d, n, h, b) and km.dims == (d, n, g, b) and qm.box == (64, 128)
@@ -225,8 +232,12 @@ def test_fused_ws_packs_a_launch_once_per_set_of_tensors(launches, monkeypatch):
     monkeypatch.setenv("TPATTN_FUSED_GRID", "tiles")
     be.forward(q, k, v, True, out=o)
     assert len(launches) == 4 and launches[-1][2] == (8 * 32, 1, 1) and launches[-2][2] == (132, 1, 1)
+    assert int(launches[-1][4][-1]) == 0 and int(launches[-2][4][-1]) != 0  # a block per tile: no counter
+    monkeypatch.setenv("TPATTN_FUSED_GRID", "static")
+    be.forward(q, k, v, True, out=o)
+    assert len(launches) == 5 and launches[-1][2] == (132, 1, 1) and int(launches[-1][4][-1]) == 0
     monkeypatch.setenv("TPATTN_FUSED_GRID", "all")
-    with pytest.raises(Exception, match="use sms or tiles"):
+    with pytest.raises(Exception, match="use sms, static or tiles"):
         be.forward(q, k, v, True, out=o)
 
 

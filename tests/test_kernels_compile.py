@@ -73,6 +73,19 @@ def test_hopper_kernels_exist_and_are_refused_elsewhere(monkeypatch):
             kernel_for(64, "bf16", (8, 9))
 
 
+
+def test_fusedw_shared_memory_matches_its_stages(monkeypatch):
+    """fusedw's shared memory: two Q stages, 2 x KVS K/V stages (the .cu file's and the host's KVS
+    agree), barriers and tile numbers; within the 227 KB a block may have on 9.0."""
+    from tpattn.attention.fused import WS_KV_STAGES, kernel_for
+    monkeypatch.delenv("TPATTN_FUSED_CFG", raising=False)
+    src = kernel_source("fused_ws_attention.cu")
+    assert "KVS = D == 64 ? 4 : 2" in src and WS_KV_STAGES == {64: 4, 128: 2}
+    for d in (64, 128):
+        ch = kernel_for(d, "bf16", (9, 0))
+        assert ch.name == f"fusedw_bf16_d{d}" and ch.shared == (2 + 2 * WS_KV_STAGES[d]) * 128 * d * 2 + 1280
+        assert ch.shared <= 232448
+
 class _FakeNvrtc:
     """Stands in for cupy.cuda.nvrtc: records the options, returns a PTX string or fails."""
     def __init__(self, fail=False, cubin=True):

@@ -31,12 +31,14 @@ HOPPER_CC = (9, 0)
 HEAD_DIMS = (64, 128)
 # The kernel per head dim, "{suf}" standing for f16 or bf16. On compute capability 9.0 (H100, H200)
 # fusedw (a TMA producer warpgroup and two wgmma consumer warpgroups, 128 query rows, 128 keys per
-# tile, persistent grid) unless the call is too small to fill half the GPU (see kernel_for);
+# tile, two Q stages, persistent grid) unless the call is too small to fill half the GPU (see
+# kernel_for);
 # fusedh (two wgmma warpgroups that load their own tiles) by name; elsewhere fused2, the mma.sync
 # version, software pipelined; _wW: W warps, _mM: M tiles of 16 query rows per warp, _cC: C keys per tile.
 # Chosen on the H200 (benchmarks/ladder.md); TPATTN_FUSED_CFG=NAME overrides it (the bench's sweep).
 CONFIG = {64: "fused2_{suf}_d64_w4_m1_c64", 128: "fused2_{suf}_d128_w4_m1_c64"}
 HOPPER_CONFIG = "fusedw_{suf}_d{d}"
+WS_KV_STAGES = {64: 4, 128: 2}  # fusedw's K/V stages per head dim (KVS in the .cu file)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -63,7 +65,7 @@ def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True) -> Choi
     key = (d, suf, cc, wide, os.environ.get("TPATTN_FUSED_CFG"))
     if key not in _kernels:
         name = (key[4] or (HOPPER_CONFIG if cc == HOPPER_CC and wide else CONFIG[d])).format(suf=suf, d=d)
-        m = re.fullmatch(rf"fused2_{suf}_d{d}_w(\d+)_m(\d+)_c(\d+)|fused[hw]_{suf}_d{d}", name)
+        m = re.fullmatch(rf"fused2_{suf}_d{d}_w(\d+)_m(\d+)_c(\d+)|fusedh_{suf}_d{d}|fused[hw]_{suf}_d{d}", name)
         if not m:
             raise ConfigError(f"TPATTN_FUSED_CFG={name!r} is not a fused kernel for {suf}, d={d}")
         if name.startswith(("fusedh_", "fusedw_")) and cc != HOPPER_CC:
@@ -71,8 +73,8 @@ def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True) -> Choi
                               f"{cc[0]}.{cc[1]}); unset it")
         if name.startswith("fusedh_"):
             _kernels[key] = Choice(HOPPER_SOURCE, name, 256, 128, (128 + 4 * 128) * d * 2 + 1024)
-        elif name.startswith("fusedw_"):  # three warpgroups; + 128 bytes of mbarriers
-            _kernels[key] = Choice(WS_SOURCE, name, 384, 128, (128 + 4 * 128) * d * 2 + 1024 + 128)
+        elif name.startswith("fusedw_"):  # three warpgroups; + 256 bytes of mbarriers and tile numbers
+            _kernels[key] = Choice(WS_SOURCE, name, 384, 128, (2 * 128 + 2 * WS_KV_STAGES[d] * 128) * d * 2 + 1024 + 256)
         else:
             w, mt, c = (int(g) for g in m.groups())
             rows = 16 * mt * w
@@ -80,19 +82,40 @@ def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True) -> Choi
     return _kernels[key]
 
 
-def persistent() -> bool:
+def grid_mode() -> str:
     """fusedw's grid: one block per SM walking the tiles (persistent, the default: faster on the H200,
-    causal or not, benchmarks/ladder.md), or one block per tile (the hardware hands out the next tile
-    as a block ends): TPATTN_FUSED_GRID=sms or tiles."""
+    causal or not, benchmarks/ladder.md), with causal tiles handed out by a counter ("sms") or every
+    grid-th one ("static"); or one block per tile, the hardware handing out the next tile as a block
+    ends ("tiles"). TPATTN_FUSED_GRID=sms, static or tiles."""
     env = os.environ.get("TPATTN_FUSED_GRID") or "sms"
-    if env not in ("sms", "tiles"):
-        raise ConfigError(f"TPATTN_FUSED_GRID={env!r}: use sms or tiles")
-    return env == "sms"
+    if env not in ("sms", "static", "tiles"):
+        raise ConfigError(f"TPATTN_FUSED_GRID={env!r}: use sms, static or tiles")
+    return env
 
 
 _kernels: dict[tuple, Choice] = {}
 _prepared: dict[tuple, Prepared] = {}  # fusedw launches, packed once per (tensors, shape, options)
 _devices: dict[int, tuple[int, tuple[int, int]]] = {}
+_counters: dict[str, torch.Tensor] = {}  # per device: COUNTER_SLOTS pairs of int32 zeros for causal fusedw
+_slots = [0]  # the next pair to hand out (round robin)
+COUNTER_SLOTS = 1024
+GROUP_TILES = 2  # causal fusedw: heads in groups of about this many query tiles per SM (0: a head at a time)
+
+
+def _counter(device) -> int:
+    """The address of a pair of int32 zeros in device memory for one causal fusedw launch to hand out its
+    tiles with (the kernel leaves them at zero); 0 (the static order) while a CUDA graph is being
+    captured before any eager call made the pool, whose zeros would be written only at replay. The
+    pool is never freed (a captured graph keeps pointing into it); a pair is shared by launches
+    COUNTER_SLOTS apart in creation, which would clash only if both ran at the same time."""
+    key = str(device)
+    if key not in _counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return 0
+        _counters[key] = torch.zeros(2 * COUNTER_SLOTS, dtype=torch.int32, device=device)
+    slot = _slots[0] % COUNTER_SLOTS
+    _slots[0] += 1
+    return _counters[key].data_ptr() + 8 * slot
 
 
 def _device_info(device) -> tuple[int, tuple[int, int]]:
@@ -151,18 +174,24 @@ class FusedBackend(CudaBackend):
         t0, t1 = r0 // ch.rows, _cdiv(r1, ch.rows)
         with section("fused"):
             if ch.source == WS_SOURCE:  # one grid dimension over (query tile, head) pairs; TMA maps of Q, K, V
-                grid_sms = persistent()
-                key = (ch.name, causal, t0, t1, grid_sms, q.device.index, tuple(q.shape), tuple(k.shape), int(lse_ptr),
+                mode = grid_mode()
+                key = (ch.name, causal, t0, t1, mode, q.device.index, tuple(q.shape), tuple(k.shape), int(lse_ptr),
                        *((t.data_ptr(), t.stride()) for t in (q, k, v, o)))
                 prep = _prepared.get(key)
                 if prep is None:
                     tiles = (t1 - t0) * bh
-                    grid = (min(tiles, sms if grid_sms else GRID_X_MAX), 1, 1)
+                    grid = (min(tiles, GRID_X_MAX if mode == "tiles" else sms), 1, 1)
+                    # causal tiles differ in work (1 to N / 128 key tiles): a persistent block asks a
+                    # counter for its next tile instead of taking every grid-th one; without causal
+                    # the static order is already even
+                    counter = _counter(q.device) if causal and mode == "sms" and tiles > grid[0] else 0
+                    # causal: heads in groups of about GROUP_TILES tiles per SM, each group's longest tiles first
+                    hg = min(bh, _cdiv(GROUP_TILES * sms, t1 - t0)) if causal and GROUP_TILES else 1
                     prep = Prepared(ch.source, ch.name, q.device, grid, (ch.threads, 1, 1),
                                     (TensorMap(q), TensorMap(k), TensorMap(v), ptr(o), lse_ptr, np.int32(bh), np.int32(n),
                                      scale_log2, np.int32(causal), np.int32(t0), np.int32(t1), np.int32(h),
                                      np.int32(group), np.int64(o.stride(0)), np.int64(o.stride(1)),
-                                     np.int32(o.stride(2))), shared_mem=ch.shared)
+                                     np.int32(o.stride(2)), np.int32(hg), np.uint64(counter)), shared_mem=ch.shared)
                     if len(_prepared) >= 64:
                         _prepared.clear()
                     _prepared[key] = prep
