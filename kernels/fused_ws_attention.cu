@@ -27,10 +27,11 @@
 //     work), it takes i + gridDim.x, i + 2 gridDim.x, ...; with causal (tiles of 1 to N / 128 key
 //     tiles) its producer asks a counter in device memory for the next tile as it starts one
 //     (an atomicAdd), so a block that drew short tiles takes more of them. The producer hands the
-//     tile number to the consumers in shared memory beside its Q stage (-1: no more tiles). The
-//     counter goes up by exactly one per tile and per block; the last block to finish puts it back
-//     to zero, so the next launch (or graph replay) starts from zero. Which block runs a tile does
-//     not change its arithmetic: the output is the same bit for bit;
+//     tile number to the consumers in global memory beside the counter (two slots a block, one per
+//     Q stage; -1: no more tiles), written before the stage's full barrier arrives and read after
+//     it completes. The counter goes up by exactly one per tile and per block; the last block to
+//     finish puts it back to zero, so the next launch (or graph replay) starts from zero. Which
+//     block runs a tile does not change its arithmetic: the output is the same bit for bit;
 //   * O: each consumer rounds its 64 rows into its own rows of its Q stage and writes them with
 //     16-byte stores for rows < N; then it frees the Q stage for the tile after next.
 //
@@ -40,8 +41,8 @@
 // O as a pointer and its strides. D = 64 or 128. Grid x: any number of blocks up to the tile count
 // (tiles = (qt_end - qt_begin) * B * H); block 384 threads; dynamic shared memory
 // (2 * BR + 2 * KVS * BC) * D * 2 + 1024 + 256 bytes. sched: null (the static order) or two int32
-// zeros in device memory that this kernel alone uses (and leaves at zero). Needs compute capability
-// 9.0 (sm_90a).
+// zeros in device memory that this kernel alone uses (and leaves at zero) followed by 16 bytes a
+// block for the tile numbers. Needs compute capability 9.0 (sm_90a).
 
 #include "hopper_common.cuh"
 
@@ -73,6 +74,16 @@ __device__ __forceinline__ void tw_tma(tc_u32 dst, const tw_tmap *map, int c, in
     asm volatile(
         "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
         ::"r"(dst), "l"((tc_u64)map), "r"(c), "r"(r), "r"(h), "r"(b), "r"(bar) : "memory");
+}
+
+// the tile numbers a producer hands its consumers (volatile: never a stale copy in L1)
+__device__ __forceinline__ void tw_st_global(long long *p, long long v) {
+    asm volatile("st.volatile.global.s64 [%0], %1;\n" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ long long tw_ld_global(const long long *p) {
+    long long v;
+    asm volatile("ld.volatile.global.s64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
+    return v;
 }
 
 // named barriers: `count` threads take part; arrive does not wait
@@ -131,7 +142,9 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
     auto k_empty = [&](int s) { return bars + 16 * QS + 8 * (KVS + s); };
     auto v_full = [&](int s) { return bars + 16 * QS + 8 * (2 * KVS + s); };
     auto v_empty = [&](int s) { return bars + 16 * QS + 8 * (3 * KVS + s); };
-    const tc_u32 tile_slot = bars + 16 * QS + 32 * KVS;
+    // with the counter: the tile number of each Q stage, written by the producer in global memory beside
+    // the counter (this block's two slots), read by the consumers once the stage's Q is in
+    long long *ring = sched ? reinterpret_cast<long long *>(sched + 2) + QS * blockIdx.x : nullptr;
     auto q_stage = [](int n) { return n % QS; };
     auto q_parity = [](int n) { return (n / QS) & 1; };
     // a ring position k (K/V tiles counted over the block's whole run): its stage and phase parity
@@ -164,11 +177,14 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
             long long t = blockIdx.x;
             for (int n = 0;; ++n) {  // n: query tiles handed over so far
                 const int qs = q_stage(n);
+                if (!sched && t >= tiles) break;  // the static order: the consumers know where it ends
                 tw_bar_wait(q_empty(qs), q_parity(n) ^ 1);
-                asm volatile("st.shared.s64 [%0], %1;\n" ::"r"(tile_slot + 8 * qs), "l"(t < tiles ? t : -1ll) : "memory");
-                if (t >= tiles) {  // no more: the consumers read -1 (an arrival with no bytes completes the phase)
-                    tw_bar_arrive(q_full(qs));
-                    break;
+                if (sched) {  // the tile number (-1: no more) for the consumers, seen once q_full completes
+                    tw_st_global(ring + qs, t < tiles ? t : -1ll);
+                    if (t >= tiles) {
+                        tw_bar_arrive(q_full(qs));  // an arrival with no bytes completes the phase
+                        break;
+                    }
                 }
                 // the next tile, asked for now so that the atomic's round trip hides behind the loads
                 const long long next = sched ? gridDim.x + (long long)atomicAdd(sched, 1) : t + gridDim.x;
@@ -224,10 +240,13 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
     int kt = 0;
     for (int n = 0;; ++n) {
         const int qs = q_stage(n);
+        long long t = blockIdx.x + (long long)n * gridDim.x;  // the static order
+        if (!sched && t >= tiles) break;
         tw_bar_wait(q_full(qs), q_parity(n));
-        long long t;
-        asm volatile("ld.shared.s64 %0, [%1];\n" : "=l"(t) : "r"(tile_slot + 8 * qs) : "memory");
-        if (t < 0) break;
+        if (sched) {
+            t = tw_ld_global(ring + qs);
+            if (t < 0) break;
+        }
         const tw_tile x = tw_tile_of(t, nq, qt_begin, qt_end, N, causal, BH, hg);
         const int q0 = x.qt * BR, n_kt = x.n_kt;
         const int r0 = q0 + rl, wr0 = q0 + c * 64;  // this thread's first row, the warpgroup's first
@@ -301,6 +320,9 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         // done reading them), then 16-byte stores of the rows < N
         hw_write_lse(Lse, (long long)x.bh * N, r0, N, m, l, lane);
         hw_finish_l(l);
+        // without turns nothing else lines up this warpgroup's warps between this write of the Q stage's
+        // rows and their last read, two tiles ago (ordered through the producer's barriers): say so
+        if constexpr (!PP) tw_sync(EPI + c, 128);
         const int b = x.bh / H, hh = x.bh - b * H;
         tc_u16 *Oh = O + b * o_sb + hh * o_sh;
         constexpr int CH = D / 8;

@@ -70,7 +70,8 @@ for b, h in ((1, 2), (4, 40)):
             q, k, v = (torch.randn(b, h, 300, d, device='cuda', dtype=torch.float16) for _ in range(3))
             get_backend('fused').forward(q, k, v, causal)
 torch.cuda.synchronize()
-print('fusedw ran under $tool')" 2>&1 | tail -6; echo "$tool exit ${PIPESTATUS[0]}"
+print('fusedw ran under $tool')" > "$OUT/sanitizer_$tool.log" 2>&1; echo "$tool exit $?"
+    grep -E "ran under|SUMMARY|reported between|Access at|access at" "$OUT/sanitizer_$tool.log" | sort | uniq -c | head -20
   done
 }
 if want shapes; then

@@ -73,7 +73,7 @@ def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True) -> Choi
                               f"{cc[0]}.{cc[1]}); unset it")
         if name.startswith("fusedh_"):
             _kernels[key] = Choice(HOPPER_SOURCE, name, 256, 128, (128 + 4 * 128) * d * 2 + 1024)
-        elif name.startswith("fusedw_"):  # three warpgroups; + 256 bytes of mbarriers and tile numbers
+        elif name.startswith("fusedw_"):  # three warpgroups; + 256 bytes for the mbarriers
             _kernels[key] = Choice(WS_SOURCE, name, 384, 128, (2 * 128 + 2 * WS_KV_STAGES[d] * 128) * d * 2 + 1024 + 256)
         else:
             w, mt, c = (int(g) for g in m.groups())
@@ -96,26 +96,28 @@ def grid_mode() -> str:
 _kernels: dict[tuple, Choice] = {}
 _prepared: dict[tuple, Prepared] = {}  # fusedw launches, packed once per (tensors, shape, options)
 _devices: dict[int, tuple[int, tuple[int, int]]] = {}
-_counters: dict[str, torch.Tensor] = {}  # per device: COUNTER_SLOTS pairs of int32 zeros for causal fusedw
+_counters: dict[str, torch.Tensor] = {}  # per device: COUNTER_SLOTS counters (and tile numbers) for causal fusedw
 _slots = [0]  # the next pair to hand out (round robin)
 COUNTER_SLOTS = 1024
 GROUP_TILES = 2  # causal fusedw: heads in groups of about this many query tiles per SM (0: a head at a time)
 
 
-def _counter(device) -> int:
+def _counter(device, sms: int) -> int:
     """The address of a pair of int32 zeros in device memory for one causal fusedw launch to hand out its
-    tiles with (the kernel leaves them at zero); 0 (the static order) while a CUDA graph is being
-    captured before any eager call made the pool, whose zeros would be written only at replay. The
-    pool is never freed (a captured graph keeps pointing into it); a pair is shared by launches
-    COUNTER_SLOTS apart in creation, which would clash only if both ran at the same time."""
+    tiles with (the kernel leaves them at zero), followed by two int64 tile numbers for each of its
+    `sms` blocks; 0 (the static order) while a CUDA graph is being captured before any eager call
+    made the pool, whose zeros would be written only at replay. The pool is never freed (a captured
+    graph keeps pointing into it); a slot is shared by launches COUNTER_SLOTS apart in creation,
+    which would clash only if both ran at the same time."""
     key = str(device)
+    slot_bytes = 256 * _cdiv(8 + 16 * sms, 256)
     if key not in _counters:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return 0
-        _counters[key] = torch.zeros(2 * COUNTER_SLOTS, dtype=torch.int32, device=device)
+        _counters[key] = torch.zeros(COUNTER_SLOTS * slot_bytes // 4, dtype=torch.int32, device=device)
     slot = _slots[0] % COUNTER_SLOTS
     _slots[0] += 1
-    return _counters[key].data_ptr() + 8 * slot
+    return _counters[key].data_ptr() + slot_bytes * slot
 
 
 def _device_info(device) -> tuple[int, tuple[int, int]]:
@@ -184,7 +186,7 @@ class FusedBackend(CudaBackend):
                     # causal tiles differ in work (1 to N / 128 key tiles): a persistent block asks a
                     # counter for its next tile instead of taking every grid-th one; without causal
                     # the static order is already even
-                    counter = _counter(q.device) if causal and mode == "sms" and tiles > grid[0] else 0
+                    counter = _counter(q.device, sms) if causal and mode == "sms" and tiles > grid[0] else 0
                     # causal: heads in groups of about GROUP_TILES tiles per SM, each group's longest tiles first
                     hg = min(bh, _cdiv(GROUP_TILES * sms, t1 - t0)) if causal and GROUP_TILES else 1
                     prep = Prepared(ch.source, ch.name, q.device, grid, (ch.threads, 1, 1),
