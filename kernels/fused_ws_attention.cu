@@ -126,11 +126,8 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                                          int qt_begin, int qt_end, int H, int group, long long o_sb, long long o_sh,
                                          int o_ld, int hg, int *__restrict__ sched) {
     constexpr int BR = 128, BC = 128, PANELS = D / 64;
-    // two Q stages; K/V stages: two at D = 128 (2 Q + 4 K/V tiles = 192 KB of shared memory), four at
-    // D = 64; the consumers take turns issuing their products at D = 128 only (at D = 64 free
-    // issue measured 4-5% faster, ping-pong no faster at D = 128: docs/kernels.md)
+    // two Q stages; K/V stages: two at D = 128 (2 Q + 4 K/V tiles = 192 KB of shared memory), four at D = 64
     constexpr int QS = 2, KVS = D == 64 ? 4 : 2;
-    constexpr bool PP = D == 128;
     constexpr tc_u32 QB = BR * D * 2, KB = BC * D * 2;  // bytes of one Q tile and of one K or V tile
     constexpr int TURN = 1, EPI = 3;                    // named barrier ids: turns 1, 2; epilogues 3, 4
     const tc_u32 sQ = hw_smem_base(), sK = sQ + QS * QB, sV = sK + KVS * KB, bars = sV + KVS * KB;
@@ -225,12 +222,8 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     const int c = wg - 1, ctid = tid - 128 * wg, warp = ctid >> 5;
     const int rl = c * 64 + warp * 16 + (lane >> 2);  // this thread's rows in the tile: rl and rl + 8
-    auto my_turn = [&]() {
-        if constexpr (PP) tw_sync(TURN + c, 256);
-    };
-    auto your_turn = [&]() {
-        if constexpr (PP) tw_arrive(TURN + (c ^ 1), 256);
-    };
+    auto my_turn = [&]() { tw_sync(TURN + c, 256); };
+    auto your_turn = [&]() { tw_arrive(TURN + (c ^ 1), 256); };
     auto release = [&](tc_u32 bar) {
         __syncwarp();
         if (lane == 0) tw_bar_arrive(bar);
@@ -320,9 +313,6 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         // done reading them), then 16-byte stores of the rows < N
         hw_write_lse(Lse, (long long)x.bh * N, r0, N, m, l, lane);
         hw_finish_l(l);
-        // without turns nothing else lines up this warpgroup's warps between this write of the Q stage's
-        // rows and their last read, two tiles ago (ordered through the producer's barriers): say so
-        if constexpr (!PP) tw_sync(EPI + c, 128);
         const int b = x.bh / H, hh = x.bh - b * H;
         tc_u16 *Oh = O + b * o_sb + hh * o_sh;
         constexpr int CH = D / 8;

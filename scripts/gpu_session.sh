@@ -47,7 +47,8 @@
 #           bench_backward beside the CUDA fused kernel and SDPA at N = 4096 and 16384, causal and not;
 #           the first call (compile + autotune) with an empty Triton cache
 #   gputests  the whole pytest -m gpu
-# Logs and JSON go to $OUT (default results/). Usage: bash scripts/gpu_session.sh [STEP]... (default all)
+# Logs and JSON go to $OUT (default results/); COMMIT=<hash> records the commit where the copy's .git differs.
+# Usage: bash scripts/gpu_session.sh [STEP]... (default all)
 set -u -o pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
@@ -77,7 +78,7 @@ print('fusedw ran under $tool')" > "$OUT/sanitizer_$tool.log" 2>&1; echo "$tool 
 if want shapes; then
   note "fusedw on the shapes users run, beside SDPA cuDNN and flash (graph time); its GPU tests"
   timeout 400 python3 scripts/bench_kernels.py --shapes users --kernels fused sdpa_cudnn sdpa_flash --fused-configs w:static \
-    --iters 100 --out "$OUT" --name fused_shapes_h200 2>&1 | grep -E "^  |Lowest" || status=1
+    --iters 100 --out "$OUT" --name fused_shapes_h200 ${COMMIT:+--commit "$COMMIT"} 2>&1 | grep -E "^  |Lowest" || status=1
   timeout 400 python3 -m pytest -m gpu -q -p no:warnings --tb=short tests/test_gpu_ladder.py 2>&1 | tail -5 || status=1
   sanitize_fusedw
 fi
