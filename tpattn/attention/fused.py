@@ -84,9 +84,10 @@ def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True) -> Choi
 
 def grid_mode() -> str:
     """fusedw's grid: one block per SM walking the tiles (persistent, the default: faster on the H200,
-    causal or not, benchmarks/ladder.md), with causal tiles handed out by a counter ("sms") or every
-    grid-th one ("static"); or one block per tile, the hardware handing out the next tile as a block
-    ends ("tiles"). TPATTN_FUSED_GRID=sms, static or tiles."""
+    causal or not, benchmarks/ladder.md), with causal tiles handed out by a counter ("sms",
+    benchmarks/fused_shapes_h200.md) or every grid-th one ("static"); or one block per tile, the
+    hardware handing out the next tile as a block ends ("tiles"). TPATTN_FUSED_GRID=sms, static or
+    tiles."""
     env = os.environ.get("TPATTN_FUSED_GRID") or "sms"
     if env not in ("sms", "static", "tiles"):
         raise ConfigError(f"TPATTN_FUSED_GRID={env!r}: use sms, static or tiles")
