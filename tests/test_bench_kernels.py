@@ -1,0 +1,76 @@
+"""scripts/bench_kernels.py on CPU: its named shape set, the ratio table it writes (fused against SDPA
+cuDNN and flash, graph time), --help, and the one-line refusal without a GPU. The measurement itself
+runs on a GPU machine only (`bash scripts/gpu_session.sh shapes`)."""
+
+import argparse
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, run
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench_kernels  # noqa: E402
+
+
+def args(**kw):
+    base = dict(shapes=None, heads=[1, 32], seq_lens=[1024, 4096], batch=1, head_dim=128, kv_heads=None,
+                dtype="fp16", causal=False)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_the_users_set_holds_the_issue_rows_and_the_default_shape():
+    shapes = {(s["batch"], s["heads"], s["kv_heads"], s["seq_len"], s["head_dim"], s["dtype"], s["causal"])
+              for s in bench_kernels.shapes_of(args(shapes="users"))}
+    for row in [(256, 12, 12, 197, 64, "fp16", False), (1, 64, 64, 4096, 64, "fp16", False),
+                (4, 32, 8, 2048, 128, "bf16", True), (1, 32, 32, 16384, 128, "fp16", True),
+                (8, 16, 16, 1024, 128, "fp16", False), (1, 32, 32, 4096, 128, "fp16", False),
+                (1, 32, 32, 4096, 128, "fp16", True)]:
+        assert row in shapes, row
+    names = [s["name"] for s in bench_kernels.SHAPE_SETS["users"]]
+    assert len(names) == len(set(names))  # the ratio table is keyed by name
+
+
+def test_without_a_set_the_grid_of_heads_and_lengths():
+    shapes = bench_kernels.shapes_of(args(kv_heads=8, causal=True, dtype="bf16"))
+    assert [(s["heads"], s["seq_len"]) for s in shapes] == [(1, 1024), (1, 4096), (32, 1024), (32, 4096)]
+    assert all(s["kv_heads"] == 8 and s["causal"] and s["dtype"] == "bf16" for s in shapes)
+
+
+def row(kernel, shape, graph_ms):
+    return {"kernel": kernel, "shape": shape["name"], "batch": shape["batch"], "heads": shape["heads"],
+            "kv_heads": shape["kv_heads"], "seq_len": shape["seq_len"], "head_dim": shape["head_dim"],
+            "dtype": shape["dtype"], "causal": shape["causal"], "ms": graph_ms * 1.2, "graph_ms": graph_ms,
+            "graph_tflops": 1.0, "passes_ms": {}, "tflops": 1.0, "gbps": 1.0, "floor_ms": 1.0, "x_floor": 1.0,
+            "peak_bytes": 0, "first_call_s": None}
+
+
+def test_markdown_ratio_table_is_cudnn_over_fused_with_the_lowest_named():
+    vit, default = bench_kernels.SHAPE_SETS["users"][2], bench_kernels.SHAPE_SETS["users"][0]
+    rows = [row("fused", vit, 0.2), row("sdpa_cudnn", vit, 0.16), row("sdpa_flash", vit, 0.24),
+            row("fused", default, 0.40), row("sdpa_cudnn", default, 0.42)]  # no flash row for this one
+    md = bench_kernels.markdown({"gpu": "Test GPU", "command": "c", "versions": {}, "copy_GBps": 1.0, "rows": rows,
+                                 "commit": "abc1234", "date_utc": "2026-12-01 00:00 UTC"}, 6.2)
+    assert "commit: abc1234" in md and "2026-12-01 00:00 UTC" in md
+    assert "| ViT-B/16 | 256 | 12 | 12 | 197 | 64 | fp16 | no | 0.200 | 0.160 | 0.240 | 0.80 | 1.20 |" in md
+    assert "| default | 1 | 32 | 32 | 4096 | 128 | fp16 | no | 0.400 | 0.420 | - | 1.05 | - |" in md
+    assert "Lowest cuDNN / fused ratio: 0.80" in md
+
+
+def test_help_names_the_shape_set():
+    res = run([sys.executable, "scripts/bench_kernels.py", "--help"], timeout=120)
+    assert res.returncode == 0, res.stderr
+    for word in ("--shapes", "users", "--kv-heads", "--name", "--commit", "w:static"):
+        assert word in res.stdout, word
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the script would measure")
+def test_refuses_without_gpu_in_one_line(tmp_path):
+    res = run([sys.executable, "scripts/bench_kernels.py", "--shapes", "users", "--out", str(tmp_path / "k")],
+              timeout=120)
+    assert res.returncode == 2
+    lines = (res.stdout + res.stderr).strip().splitlines()
+    assert len(lines) == 1 and "CUDA GPU" in lines[0], lines
+    assert not (tmp_path / "k").exists()
