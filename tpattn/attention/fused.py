@@ -65,7 +65,7 @@ def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True) -> Choi
     key = (d, suf, cc, wide, os.environ.get("TPATTN_FUSED_CFG"))
     if key not in _kernels:
         name = (key[4] or (HOPPER_CONFIG if cc == HOPPER_CC and wide else CONFIG[d])).format(suf=suf, d=d)
-        m = re.fullmatch(rf"fused2_{suf}_d{d}_w(\d+)_m(\d+)_c(\d+)|fusedh_{suf}_d{d}|fused[hw]_{suf}_d{d}", name)
+        m = re.fullmatch(rf"fused2_{suf}_d{d}_w(\d+)_m(\d+)_c(\d+)|fused[hw]_{suf}_d{d}", name)
         if not m:
             raise ConfigError(f"TPATTN_FUSED_CFG={name!r} is not a fused kernel for {suf}, d={d}")
         if name.startswith(("fusedh_", "fusedw_")) and cc != HOPPER_CC:
@@ -98,7 +98,7 @@ _kernels: dict[tuple, Choice] = {}
 _prepared: dict[tuple, Prepared] = {}  # fusedw launches, packed once per (tensors, shape, options)
 _devices: dict[int, tuple[int, tuple[int, int]]] = {}
 _counters: dict[str, torch.Tensor] = {}  # per device: COUNTER_SLOTS counters (and tile numbers) for causal fusedw
-_slots = [0]  # the next pair to hand out (round robin)
+_slots = [0]  # the next slot to hand out (round robin)
 COUNTER_SLOTS = 1024
 GROUP_TILES = 2  # causal fusedw: heads in groups of about this many query tiles per SM (0: a head at a time)
 
