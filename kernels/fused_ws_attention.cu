@@ -22,8 +22,8 @@
 //   * ping-pong between the consumers: two named barriers make them take turns issuing their
 //     products, so one warpgroup's softmax runs while the other's GEMMs own the tensor cores;
 //   * persistent: the grid may be smaller than the number of (query tile, head) pairs, in
-//     head-major order (a head's K and V stay in L2 while its query tiles run; causal: a head's
-//     longest tiles first). Block i starts with tile i; then, without causal (every tile the same
+//     head-major order (a head's K and V stay in L2 while its query tiles run; causal: heads in
+//     groups, each group's longest tiles first, see tw_tile_of). Block i starts with tile i; then, without causal (every tile the same
 //     work), it takes i + gridDim.x, i + 2 gridDim.x, ...; with causal (tiles of 1 to N / 128 key
 //     tiles) its producer asks a counter in device memory for the next tile as it starts one
 //     (an atomicAdd), so a block that drew short tiles takes more of them. The producer hands the
