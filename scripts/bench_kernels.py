@@ -304,6 +304,10 @@ def run(args) -> dict:
             "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "rows": rows}
 
 
+def _num(x: float | None, places: int = 3) -> str:
+    return "-" if x is None else f"{x:.{places}f}"
+
+
 def ratios(res: dict) -> str:
     """Per shape: the fused kernel's graph time beside SDPA cuDNN's and flash's, and cuDNN / fused."""
     by = {}
@@ -311,20 +315,20 @@ def ratios(res: dict) -> str:
         by.setdefault(r["shape"], {})[r["kernel"]] = r
     lines = ["| shape | B | H | G | N | d | dtype | causal | fused graph ms | cuDNN graph ms | flash graph ms "
              "| cuDNN / fused | flash / fused |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    worst = None
+    cudnn_over_fused = []
     for name, ks in by.items():
         f = ks.get("fused")
         if not f or not f.get("graph_ms"):
             continue
         c, fl = (ks.get(x, {}).get("graph_ms") for x in ("sdpa_cudnn", "sdpa_flash"))
         rc = c / f["graph_ms"] if c else None
-        worst = rc if rc is not None and (worst is None or rc < worst) else worst
-        fmt = lambda x, p=3: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
+        if rc is not None:
+            cudnn_over_fused.append(rc)
         lines.append(f"| {name} | {f['batch']} | {f['heads']} | {f['kv_heads']} | {f['seq_len']} | {f['head_dim']} "
-                     f"| {f['dtype']} | {'yes' if f['causal'] else 'no'} | {fmt(f['graph_ms'])} | {fmt(c)} | {fmt(fl)} "
-                     f"| {fmt(rc, 2)} | {fmt(fl / f['graph_ms'] if fl else None, 2)} |")
-    if worst is not None:
-        lines += ["", f"Lowest cuDNN / fused ratio: {worst:.2f} (graph time, same run)."]
+                     f"| {f['dtype']} | {'yes' if f['causal'] else 'no'} | {_num(f['graph_ms'])} | {_num(c)} "
+                     f"| {_num(fl)} | {_num(rc, 2)} | {_num(fl / f['graph_ms'] if fl else None, 2)} |")
+    if cudnn_over_fused:
+        lines += ["", f"Lowest cuDNN / fused ratio: {min(cudnn_over_fused):.2f} (graph time, same run)."]
     return "\n".join(lines)
 
 
