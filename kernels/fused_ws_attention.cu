@@ -27,22 +27,27 @@
 //     work), it takes i + gridDim.x, i + 2 gridDim.x, ...; with causal (tiles of 1 to N / 128 key
 //     tiles) its producer asks a counter in device memory for the next tile as it starts one
 //     (an atomicAdd), so a block that drew short tiles takes more of them. The producer hands the
-//     tile number to the consumers in global memory beside the counter (two slots a block, one per
-//     Q stage; -1: no more tiles), written before the stage's full barrier arrives and read after
-//     it completes. The counter goes up by exactly one per tile and per block; the last block to
+//     tile number to the consumers with the Q tile: it writes the number in global memory beside
+//     the counter (two slots a block, one per Q stage; -1: no more tiles) and a 16-byte bulk copy
+//     brings it into the stage's slot in shared memory, completing on the stage's full barrier like
+//     the Q tile's TMA loads. The counter goes up by exactly one per tile and per block; the last block to
 //     finish puts it back to zero, so the next launch (or graph replay) starts from zero. Which
 //     block runs a tile does not change its arithmetic: the output is the same bit for bit;
 //   * O: each consumer rounds its 64 rows into its own rows of its Q stage and writes them with
-//     16-byte stores for rows < N; then it frees the Q stage for the tile after next.
+//     16-byte stores for rows < N; then it frees the Q stage for the tile after next;
+//   * D = 64: a sequence's last key tile, when it holds at most 80 keys (ViT's N = 197 and 257),
+//     is computed as 80 keys (wgmma n80, the softmax over 80 columns, 5 k16 steps of P V), see
+//     TW_BY_KEYS.
 //
 // Layout (as fused_hopper_attention.cu): Q and O [B, H, N, D], K and V [B, H / group, N, D] or strided
 // views (the QKV GEMM output read in place), 16-bit. Q, K and V arrive as TMA tensor maps over
 // (D, N, heads, B) with a box of 64 columns x 128 rows (tpattn/attention/fused.py encodes them);
 // O as a pointer and its strides. D = 64 or 128. Grid x: any number of blocks up to the tile count
 // (tiles = (qt_end - qt_begin) * B * H); block 384 threads; dynamic shared memory
-// (2 * BR + 2 * KVS * BC) * D * 2 + 1024 + 256 bytes. sched: null (the static order) or two int32
-// zeros in device memory that this kernel alone uses (and leaves at zero) followed by 16 bytes a
-// block for the tile numbers. Needs compute capability 9.0 (sm_90a).
+// (2 * BR + 2 * KVS * BC) * D * 2 + 1024 + 256 bytes (the last 256: the mbarriers, then a 16-byte
+// slot per Q stage for its tile number). sched: null (the static order) or two int32 zeros in device
+// memory that this kernel alone uses (and leaves at zero), 8 bytes of padding, then 32 bytes a block
+// for the tile numbers (two 16-byte slots). Needs compute capability 9.0 (sm_90a).
 
 #include "hopper_common.cuh"
 
@@ -76,13 +81,19 @@ __device__ __forceinline__ void tw_tma(tc_u32 dst, const tw_tmap *map, int c, in
         ::"r"(dst), "l"((tc_u64)map), "r"(c), "r"(r), "r"(h), "r"(b), "r"(bar) : "memory");
 }
 
-// the tile numbers a producer hands its consumers (volatile: never a stale copy in L1)
+// the tile numbers a producer hands its consumers: written in global memory, then 16 bytes copied
+// from there into shared memory by the TMA unit, completing on the Q stage's mbarrier with the Q tile
 __device__ __forceinline__ void tw_st_global(long long *p, long long v) {
-    asm volatile("st.volatile.global.s64 [%0], %1;\n" ::"l"(p), "l"(v) : "memory");
+    asm volatile("st.global.s64 [%0], %1;\n" ::"l"(p), "l"(v) : "memory");
 }
-__device__ __forceinline__ long long tw_ld_global(const long long *p) {
+__device__ __forceinline__ void tw_fence_proxy_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+__device__ __forceinline__ void tw_bulk16(tc_u32 dst, const long long *src, tc_u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 16, [%2];\n"
+                 ::"r"(dst), "l"(src), "r"(bar) : "memory");
+}
+__device__ __forceinline__ long long tw_ld_shared64(tc_u32 addr) {
     long long v;
-    asm volatile("ld.volatile.global.s64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
+    asm volatile("ld.shared.s64 %0, [%1];\n" : "=l"(v) : "r"(addr) : "memory");
     return v;
 }
 
@@ -119,6 +130,26 @@ __device__ __forceinline__ tw_tile tw_tile_of(long long t, int nq, int qt_begin,
     return x;
 }
 
+// The statements after w run with W, a constant: TW_NARROW where w is TW_NARROW (at D = 64 only),
+// else 128. At D = 64 a sequence's last key tile, when it holds at most 80 keys (N = 197: 69, N = 257:
+// 1), is computed as 80 keys: S = Q K^T with wgmma n80, the softmax over 80 columns, P V over 5 k16
+// steps. One extra width only: measured on the H200, each width is more code in the consumer, and
+// with eight (16, 32, ..., 112) or two others beside 80 the 128-key loop itself ran up to 20 % slower.
+#define TW_NARROW 80
+#define TW_BY_KEYS(D, w, ...)              \
+    if constexpr (D == 64) {               \
+        if ((w) == TW_NARROW) {            \
+            constexpr int W = TW_NARROW;   \
+            __VA_ARGS__;                   \
+        } else {                           \
+            constexpr int W = 128;         \
+            __VA_ARGS__;                   \
+        }                                  \
+    } else {                               \
+        constexpr int W = 128;             \
+        __VA_ARGS__;                       \
+    }
+
 template <int D, bool BF16>
 __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, const tw_tmap *vm,
                                          tc_u16 *__restrict__ O, float *__restrict__ Lse, int BH, int N,
@@ -139,9 +170,12 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
     auto k_empty = [&](int s) { return bars + 16 * QS + 8 * (KVS + s); };
     auto v_full = [&](int s) { return bars + 16 * QS + 8 * (2 * KVS + s); };
     auto v_empty = [&](int s) { return bars + 16 * QS + 8 * (3 * KVS + s); };
-    // with the counter: the tile number of each Q stage, written by the producer in global memory beside
-    // the counter (this block's two slots), read by the consumers once the stage's Q is in
-    long long *ring = sched ? reinterpret_cast<long long *>(sched + 2) + QS * blockIdx.x : nullptr;
+    // with the counter: the tile number of each Q stage. The producer writes it in global memory beside
+    // the counter (this block's QS slots of 16 bytes) and copies it with a bulk copy into the stage's
+    // slot in shared memory (after the mbarriers), completing on the stage's full barrier with the Q
+    // tile: the consumers read it from shared memory once the stage is in
+    long long *ring = sched ? reinterpret_cast<long long *>(sched + 4) + 2 * QS * blockIdx.x : nullptr;
+    auto q_slot = [&](int s) { return bars + 16 * QS + 32 * KVS + 16 * s; };
     auto q_stage = [](int n) { return n % QS; };
     auto q_parity = [](int n) { return (n / QS) & 1; };
     // a ring position k (K/V tiles counted over the block's whole run): its stage and phase parity
@@ -176,18 +210,19 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 const int qs = q_stage(n);
                 if (!sched && t >= tiles) break;  // the static order: the consumers know where it ends
                 tw_bar_wait(q_empty(qs), q_parity(n) ^ 1);
-                if (sched) {  // the tile number (-1: no more) for the consumers, seen once q_full completes
-                    tw_st_global(ring + qs, t < tiles ? t : -1ll);
-                    if (t >= tiles) {
-                        tw_bar_arrive(q_full(qs));  // an arrival with no bytes completes the phase
-                        break;
-                    }
+                if (sched) {  // the tile number (-1: no more) into the stage's slot, with the Q tile
+                    tw_st_global(ring + 2 * qs, t < tiles ? t : -1ll);
+                    tw_fence_proxy_global();  // the bulk copy (async proxy) reads what was just written
+                    tw_bar_expect(q_full(qs), t < tiles ? QB + 16 : 16);
+                    tw_bulk16(q_slot(qs), ring + 2 * qs, q_full(qs));
+                    if (t >= tiles) break;
+                } else {
+                    tw_bar_expect(q_full(qs), QB);
                 }
                 // the next tile, asked for now so that the atomic's round trip hides behind the loads
                 const long long next = sched ? gridDim.x + (long long)atomicAdd(sched, 1) : t + gridDim.x;
                 const tw_tile x = tw_tile_of(t, nq, qt_begin, qt_end, N, causal, BH, hg);
                 const int b = x.bh / H, hh = x.bh - b * H, hk = hh / group;
-                tw_bar_expect(q_full(qs), QB);
 #pragma unroll
                 for (int p = 0; p < PANELS; ++p)
                     tw_tma(sQ + qs * QB + p * BR * 128, qm, 64 * p, x.qt * BR, hh, b, q_full(qs));
@@ -237,7 +272,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         if (!sched && t >= tiles) break;
         tw_bar_wait(q_full(qs), q_parity(n));
         if (sched) {
-            t = tw_ld_global(ring + qs);
+            t = tw_ld_shared64(q_slot(qs));
             if (t < 0) break;
         }
         const tw_tile x = tw_tile_of(t, nq, qt_begin, qt_end, N, causal, BH, hg);
@@ -249,64 +284,76 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
         float m[2] = {TC_NEG_INF, TC_NEG_INF}, l[2] = {0.0f, 0.0f}, alpha[2];
 
-        tw_bar_wait(k_full(stage(kt)), parity(kt));
-        my_turn();
-        hw_keep(s);
-        hw_wg_fence();
-        hw_qk<D, BR, BF16>(s, sq, sK + stage(kt) * KB);
-        hw_wg_commit();
-        your_turn();
-        hw_wg_wait<0>();
-        hw_keep(s);
-        release(k_empty(stage(kt)));
-        hw_mask(s, 0, N, causal, wr0, r0, lane);
-        hw_softmax(s, m, l, alpha, scale_log2);
-
-        // iteration j (1 <= j < n_kt): S_j = Q K_j^T and O += P_{j-1} V_{j-1}; then the last PV
-        for (int j = 1; j < n_kt; ++j) {
+        // keys of the last key tile that are computed: TW_NARROW where it holds that many or fewer (D = 64)
+        const int wl = D == 64 && N - (n_kt - 1) * BC <= TW_NARROW ? TW_NARROW : BC;
+        // S_0 = Q K_0^T (W keys), its mask and softmax
+        auto first = [&](int w) {
+            TW_BY_KEYS(D, w,
+                tw_bar_wait(k_full(stage(kt)), parity(kt));
+                my_turn();
+                hw_keep(s);
+                hw_wg_fence();
+                hw_qk<D, BR, BF16, W>(s, sq, sK + stage(kt) * KB);
+                hw_wg_commit();
+                your_turn();
+                hw_wg_wait<0>();
+                hw_keep(s);
+                release(k_empty(stage(kt)));
+                hw_mask<W>(s, 0, N, causal, wr0, r0, lane);
+                hw_softmax<W>(s, m, l, alpha, scale_log2));
+        };
+        // iteration j (1 <= j < n_kt): S_j = Q K_j^T (W keys) and O += P_{j-1} V_{j-1} (128 keys)
+        auto step = [&](int j, int w) {
             const int kj = kt + j, vj = kj - 1;  // ring positions of K_j and V_{j-1}
-            tw_bar_wait(k_full(stage(kj)), parity(kj));
-            tw_bar_wait(v_full(stage(vj)), parity(vj));
-            tc_u32 pa[8][4];
-            hw_pack_p<BF16>(pa, s);
-            my_turn();
-            hw_keep(o);
-            hw_keep(pa);
-            hw_wg_fence();
-            hw_qk<D, BR, BF16>(s, sq, sK + stage(kj) * KB);
-            hw_wg_commit();
-            hw_pv<D, BF16>(o, pa, sV + stage(vj) * KB);
-            hw_wg_commit();
-            your_turn();
-            hw_wg_wait<1>();  // S_j is done; the PV product may still run
-            hw_keep(s);
-            release(k_empty(stage(kj)));
-            hw_mask(s, j * BC, N, causal, wr0, r0, lane);
-            hw_softmax(s, m, l, alpha, scale_log2);
-            hw_wg_wait<0>();
-            hw_keep(o);
-            hw_keep(pa);
-            release(v_empty(stage(vj)));
-#pragma unroll
-            for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
-        }
-        {
+            TW_BY_KEYS(D, w,
+                tw_bar_wait(k_full(stage(kj)), parity(kj));
+                tw_bar_wait(v_full(stage(vj)), parity(vj));
+                tc_u32 pa[8][4];
+                hw_pack_p<BF16>(pa, s);
+                my_turn();
+                hw_keep(o);
+                hw_keep(pa);
+                hw_wg_fence();
+                hw_qk<D, BR, BF16, W>(s, sq, sK + stage(kj) * KB);
+                hw_wg_commit();
+                hw_pv<D, BF16>(o, pa, sV + stage(vj) * KB);
+                hw_wg_commit();
+                your_turn();
+                hw_wg_wait<1>();  // S_j is done; the PV product may still run
+                hw_keep(s);
+                release(k_empty(stage(kj)));
+                hw_mask<W>(s, j * BC, N, causal, wr0, r0, lane);
+                hw_softmax<W>(s, m, l, alpha, scale_log2);
+                hw_wg_wait<0>();
+                hw_keep(o);
+                hw_keep(pa);
+                release(v_empty(stage(vj)));
+                _Pragma("unroll") for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1]);
+        };
+        // the last O += P V (W keys)
+        auto last = [&](int w) {
             const int vj = kt + n_kt - 1;
-            tw_bar_wait(v_full(stage(vj)), parity(vj));
-            tc_u32 pa[8][4];
-            hw_pack_p<BF16>(pa, s);
-            my_turn();
-            hw_keep(o);
-            hw_keep(pa);
-            hw_wg_fence();
-            hw_pv<D, BF16>(o, pa, sV + stage(vj) * KB);
-            hw_wg_commit();
-            your_turn();
-            hw_wg_wait<0>();
-            hw_keep(o);
-            hw_keep(pa);
-            release(v_empty(stage(vj)));
-        }
+            TW_BY_KEYS(D, w,
+                tw_bar_wait(v_full(stage(vj)), parity(vj));
+                tc_u32 pa[8][4];
+                hw_pack_p<BF16, 8, W / 16>(pa, s);
+                my_turn();
+                hw_keep(o);
+                hw_keep(pa);
+                hw_wg_fence();
+                hw_pv<D, BF16, W / 16>(o, pa, sV + stage(vj) * KB);
+                hw_wg_commit();
+                your_turn();
+                hw_wg_wait<0>();
+                hw_keep(o);
+                hw_keep(pa);
+                release(v_empty(stage(vj))));
+        };
+        // the last key tile apart, so that the loop's copy has 128-key tiles only
+        first(n_kt == 1 ? wl : BC);
+        for (int j = 1; j < n_kt - 1; ++j) step(j, BC);
+        if (n_kt > 1) step(n_kt - 1, wl);
+        last(wl);
         kt += n_kt;
 
         // O = acc / l: this warpgroup's rows, staged in its own rows of the Q stage (its products are

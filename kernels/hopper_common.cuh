@@ -70,6 +70,13 @@ __device__ __forceinline__ tc_u64 hw_desc(tc_u32 addr, tc_u32 lbo, tc_u32 sbo) {
            ((tc_u64)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
 }
 
+// the descriptor d with its start address moved by `bytes` (a multiple of 16, the address staying below
+// 256 KB): a 32-bit add to the address field in the low word, which cannot carry out of it; inside a
+// loop of wgmma this replaces a mask, a shift and an or for every instruction
+__device__ __forceinline__ tc_u64 hw_desc_add(tc_u64 d, tc_u32 bytes) {
+    return ((d >> 32) << 32) | (tc_u32)((tc_u32)d + (bytes >> 4));
+}
+
 __device__ __forceinline__ void hw_wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void hw_wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -146,6 +153,28 @@ __device__ __forceinline__ void hw_mma_rs_n128(float (&d)[64], const tc_u32 (&a)
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
 }
 
+// S = Q K^T over a narrower key tile (the last one of a sequence whose length is not a multiple of
+// 128): wgmma m64n80k16, writing the first 40 accumulators of d (the same layout as the first 10
+// column groups of n128); W = 64 and 128 go to the wgmma above.
+#define HW_OPS_W80 HW_OPS32 ", %32, %33, %34, %35, %36, %37, %38, %39"
+#define HW_F_W80(d) HW_F32(d), HW_F8(d, 32)
+template <int W, bool BF16>
+__device__ __forceinline__ void hw_mma_ss_w(float (&d)[64], tc_u64 da, tc_u64 db, int scale_d) {
+    if constexpr (W == 80) {
+        if (BF16)
+            asm volatile(HW_SS(80, "bf16", HW_OPS_W80, "%40", "%41", "%42", "%43") : HW_F_W80(d)
+                         : "l"(da), "l"(db), "r"(scale_d), "n"(0));
+        else
+            asm volatile(HW_SS(80, "f16", HW_OPS_W80, "%40", "%41", "%42", "%43") : HW_F_W80(d)
+                         : "l"(da), "l"(db), "r"(scale_d), "n"(0));
+    } else if constexpr (W == 64) {
+        hw_mma_ss_n64<BF16, 0>(*reinterpret_cast<float(*)[32]>(&d[0]), da, db, scale_d);
+    } else {
+        static_assert(W == 128, "a key tile of 64, 80 or 128 keys");
+        hw_mma_ss_n128<BF16, 0>(d, da, db, scale_d);
+    }
+}
+
 // Rows [q0, q0 + 128) x columns [c0, c0 + W) of a matrix with row stride ld, from the W / 2 fp32
 // accumulators a thread holds in the wgmma m64nW layout of a two-warpgroup block (rows rl and
 // rl + 8 of the tile, rl = 64 * warpgroup + 16 * warp + lane / 4), row by row scaled by sc0 and sc1 and rounded
@@ -195,12 +224,15 @@ __device__ __forceinline__ void hw_abt(float (&acc)[NB / 2], tc_u32 a, tc_u32 b)
 
 // acc (64 x D) += A B: A (64 x 16 KS) as KS k16 steps of register fragments, B the first 16 KS rows
 // of a tile of BROWS rows x D columns in the tile layout, read transposed (MN-major: its 64-column
-// panels BROWS * 128 bytes apart). Issues KS wgmma m64nDk16.
-template <int D, int KS, int BROWS, bool BF16>
+// panels BROWS * 128 bytes apart). Issues KS wgmma m64nDk16. ADD: the descriptors by hw_desc_add
+// from the first (fewer instructions in the forward's loop; the backward's dK/dV kernel spills more
+// with it, so it keeps the full hw_desc).
+template <int D, int KS, int BROWS, bool BF16, bool ADD = false>
 __device__ __forceinline__ void hw_ab(float (&acc)[D / 2], const tc_u32 (&a)[KS][4], tc_u32 b) {
+    const tc_u64 db0 = hw_desc(b, BROWS * 128, 1024);
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
-        const tc_u64 db = hw_desc(b + kk * 16 * 128, BROWS * 128, 1024);
+        const tc_u64 db = ADD ? hw_desc_add(db0, kk * 16 * 128) : hw_desc(b + kk * 16 * 128, BROWS * 128, 1024);
         if constexpr (D == 128)
             hw_mma_rs_n128<BF16, 1>(acc, a[kk], db, 1);
         else
@@ -208,27 +240,34 @@ __device__ __forceinline__ void hw_ab(float (&acc)[D / 2], const tc_u32 (&a)[KS]
     }
 }
 
-// S (64 x 128, this warpgroup's rows) = Q K^T: sq is the warpgroup's first Q row in panel 0 of a
-// Q tile of QROWS rows, sk the first row of a K tile of 128 rows. Issues D / 16 wgmma.
-template <int D, int QROWS, bool BF16>
+// S (64 x W, this warpgroup's rows) = Q K^T over the first W keys of a K tile of 128 rows: sq is the
+// warpgroup's first Q row in panel 0 of a Q tile of QROWS rows, sk the first row of the K tile. Issues
+// D / 16 wgmma m64nWk16 (W = 128: all of S; fewer: the first W / 2 accumulators).
+template <int D, int QROWS, bool BF16, int W = 128>
 __device__ __forceinline__ void hw_qk(float (&s)[64], tc_u32 sq, tc_u32 sk) {
-    hw_abt<D, QROWS, 128, BF16>(s, sq, sk);
+    const tc_u64 da0 = hw_desc(sq, 16, 1024), db0 = hw_desc(sk, 16, 1024);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+        hw_mma_ss_w<W, BF16>(s, hw_desc_add(da0, (kk >> 2) * (QROWS * 128) + (kk & 3) * 32),
+                             hw_desc_add(db0, (kk >> 2) * (128 * 128) + (kk & 3) * 32), kk > 0);
 }
 
-// O (64 x D) += P V: P as A fragments (one k16 step of keys per pa[kk]), sv the first row of a V tile
-// of 128 keys in the tile layout (read transposed: MN-major, panels 128 * 128 bytes apart).
-template <int D, bool BF16>
+// O (64 x D) += P V: P as A fragments (one k16 step of keys per pa[kk]; the first KS of them), sv the
+// first row of a V tile of 128 keys in the tile layout (read transposed: MN-major, panels 128 * 128
+// bytes apart).
+template <int D, bool BF16, int KS = 8>
 __device__ __forceinline__ void hw_pv(float (&o)[D / 2], const tc_u32 (&pa)[8][4], tc_u32 sv) {
-    hw_ab<D, 8, 128, BF16>(o, pa, sv);
+    hw_ab<D, KS, 128, BF16, true>(o, *reinterpret_cast<const tc_u32(*)[KS][4]>(&pa[0][0]), sv);
 }
 
 // A fragments from accumulators (n8 block j holds columns 8j..8j+7), rounded to the storage type:
 // k16 step kk takes blocks 2kk and 2kk + 1, the register order of an m16n8k16 A fragment. P for
-// O += P V from the S accumulators (KS = 8), and the backward's P^T and dS (KS = 4, n64).
-template <bool BF16, int KS = 8>
+// O += P V from the S accumulators (KS = 8), and the backward's P^T and dS (KS = 4, n64). Only the
+// first USE steps (a key tile of 16 USE keys).
+template <bool BF16, int KS = 8, int USE = KS>
 __device__ __forceinline__ void hw_pack_p(tc_u32 (&pa)[KS][4], const float (&s)[8 * KS]) {
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk) {
+    for (int kk = 0; kk < USE; ++kk) {
         pa[kk][0] = tc_pack<BF16>(s[8 * kk + 0], s[8 * kk + 1]);
         pa[kk][1] = tc_pack<BF16>(s[8 * kk + 2], s[8 * kk + 3]);
         pa[kk][2] = tc_pack<BF16>(s[8 * kk + 4], s[8 * kk + 5]);
@@ -237,11 +276,13 @@ __device__ __forceinline__ void hw_pack_p(tc_u32 (&pa)[KS][4], const float (&s)[
 }
 
 // -inf in S (this thread's rows r0 and r0 + 8 of a warpgroup whose first row is wr0, keys k0 ..
-// k0 + 127) where a key is past N or (causal) after the row; only tiles that cross either are touched
+// k0 + 127; the first NC of them held) where a key is past N or (causal) after the row; only tiles
+// that cross either are touched
+template <int NC = 128>
 __device__ __forceinline__ void hw_mask(float (&s)[64], int k0, int N, int causal, int wr0, int r0, int lane) {
     if (k0 + 128 > N || (causal && k0 + 127 > wr0)) {
 #pragma unroll
-        for (int j = 0; j < 16; ++j)
+        for (int j = 0; j < NC / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int col = k0 + j * 8 + (lane & 3) * 2 + (e & 1);
@@ -252,14 +293,16 @@ __device__ __forceinline__ void hw_mask(float (&s)[64], int k0, int N, int causa
 }
 
 // online softmax of S in place (S becomes P, relative to the new running max m, in log2 units);
-// l the running sums, alpha the factor the accumulators of each of the two rows are rescaled by
+// l the running sums, alpha the factor the accumulators of each of the two rows are rescaled by.
+// Only the first NC columns of S (NC / 8 groups of 8) are read and written: a key tile of NC keys.
+template <int NC = 128>
 __device__ __forceinline__ void hw_softmax(float (&s)[64], float (&m)[2], float (&l)[2], float (&alpha)[2],
                                            float scale_log2) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         float mx = TC_NEG_INF;
 #pragma unroll
-        for (int j = 0; j < 16; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
+        for (int j = 0; j < NC / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
         mx = fmaxf(mx, tc_shfl_xor(mx, 1));
         mx = fmaxf(mx, tc_shfl_xor(mx, 2));
         const float mn = fmaxf(m[i], mx * scale_log2);
@@ -268,7 +311,7 @@ __device__ __forceinline__ void hw_softmax(float (&s)[64], float (&m)[2], float 
         m[i] = mn;
         float sum = 0.0f;
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
+        for (int j = 0; j < NC / 8; ++j) {
             const float p0 = tc_exp2(fmaf(s[4 * j + 2 * i], scale_log2, -ms));
             const float p1 = tc_exp2(fmaf(s[4 * j + 2 * i + 1], scale_log2, -ms));
             s[4 * j + 2 * i] = p0;

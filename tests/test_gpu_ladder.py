@@ -167,6 +167,29 @@ def test_fused_ws_tile_orders(dtype, d, n, causal, grid, monkeypatch):
 
 
 @pytest.mark.skipif(not HOPPER, reason="fusedw needs compute capability 9.0")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [80, 81, 129, 207, 208, 209, 257])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_fused_ws_narrow_last_key_tile(dtype, n, causal, monkeypatch):
+    """fusedw at d = 64 computes a last key tile of at most 80 keys as 80 (wgmma n80, a softmax over 80
+    columns, 5 k16 steps of P V): lengths on both sides of 80 in the last tile (N = 80 and 208: a tile
+    of 80; 81 and 209: of 128; 129 and 257: a tile of one key), the only tile (N = 80, 81) and after
+    full ones; the output and each row's logsumexp against float64, into NaN-poisoned outputs."""
+    monkeypatch.setenv("TPATTN_FUSED_CFG", "fusedw_{suf}_d{d}")
+    b, h, d = 3, 5, 64
+    q, k, v = qkv(b, h, n, d, DT[dtype], seed=n)
+    lse = torch.full((b, h, n), float("nan"), dtype=torch.float32, device="cuda")
+    out = get_backend("fused").forward(q, k, v, causal, out=nan_like(q.shape, DT[dtype]), lse=lse)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all(), "the kernel left poisoned outputs"
+    assert rel_err(out, attention64(q, k, v, causal)) <= TOL_F64[dtype]
+    s = q.double() @ k.double().transpose(-1, -2) / math.sqrt(d)
+    if causal:
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    assert (lse.double() - torch.logsumexp(s, -1)).abs().max().item() < 1e-3
+
+
+@pytest.mark.skipif(not HOPPER, reason="fusedw needs compute capability 9.0")
 @pytest.mark.parametrize("d", [64, 128])
 def test_fused_ws_causal_in_a_cuda_graph(d, monkeypatch):
     """The causal counter in a CUDA graph: captured after an eager call, replayed five times, each

@@ -184,8 +184,9 @@ def test_fused_ws_launch(launches, monkeypatch, causal, h, g):
     assert hg == (min(b * h, 10) if causal else 1)  # causal: heads in groups of ceil(2 * 40 SMs / 8 tiles)
     if causal:
         pool = fused._counters[str(q.device)]
-        # the counter, then 16 bytes of tile numbers for each of the 40 blocks, inside the pool
-        assert pool.data_ptr() <= counter and counter + 8 + 16 * 40 <= pool.data_ptr() + pool.numel() * 4
+        # the counter and padding (16 bytes), then two 16-byte tile-number slots for each of the 40
+        # blocks, inside the pool
+        assert pool.data_ptr() <= counter and counter + 16 + 32 * 40 <= pool.data_ptr() + pool.numel() * 4
         assert (counter - pool.data_ptr()) % 256 == 0
     qm, km, vm = args[:3]
     assert (qm.address, km.address, vm.address) == (q.data_ptr(), k.data_ptr(), v.data_ptr())

@@ -105,13 +105,14 @@ GROUP_TILES = 2  # causal fusedw: heads in groups of about this many query tiles
 
 def _counter(device, sms: int) -> int:
     """The address of a pair of int32 zeros in device memory for one causal fusedw launch to hand out its
-    tiles with (the kernel leaves them at zero), followed by two int64 tile numbers for each of its
-    `sms` blocks; 0 (the static order) while a CUDA graph is being captured before any eager call
+    tiles with (the kernel leaves them at zero), followed, from byte 16, by two 16-byte slots for
+    the tile numbers of each of its `sms` blocks (the kernel bulk-copies them into shared memory);
+    0 (the static order) while a CUDA graph is being captured before any eager call
     made the pool, whose zeros would be written only at replay. The pool is never freed (a captured
     graph keeps pointing into it); a slot is shared by launches COUNTER_SLOTS apart in creation,
     which would clash only if both ran at the same time."""
     key = str(device)
-    slot_bytes = 256 * _cdiv(8 + 16 * sms, 256)
+    slot_bytes = 256 * _cdiv(16 + 32 * sms, 256)
     if key not in _counters:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return 0
