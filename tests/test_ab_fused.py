@@ -1,0 +1,56 @@
+"""scripts/ab_fused.py on CPU: the kernel source at a git revision (headers inlined from the same
+revision, as the launcher inlines the working tree's), --help, and the one-line refusals (an unknown
+revision or shape; no Hopper GPU). The timing itself runs on an H200 only."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import ab_fused  # noqa: E402
+from tpattn.cuda import kernel_source  # noqa: E402
+
+
+def run(args, timeout=120):
+    return subprocess.run([sys.executable, "scripts/ab_fused.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_source_at_head_inlines_the_headers_of_that_revision():
+    src = ab_fused.source_at("HEAD")
+    assert '#include "hopper_common.cuh"' not in src and '#include "tc_common.cuh"' not in src
+    assert "hw_smem_base" in src and "tw_fused" in src and "#pragma once" not in src
+    clean = not subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "kernels"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+    if clean:  # the working tree's kernels are HEAD's: the same text the launcher compiles
+        assert src == kernel_source(ab_fused.KERNEL)
+
+
+def test_help_names_the_builds_and_shapes():
+    res = run(["--help"])
+    assert res.returncode == 0, res.stderr
+    for word in ("--against", "--only", "--rounds", "ViT-B/16", "working tree"):
+        assert word in res.stdout, word
+
+
+@pytest.mark.parametrize("argv,says", [(["--against", "no-such-revision-x"], "git has no kernels/fused_ws_attention.cu"),
+                                       (["--against", "HEAD", "--only", "ViT-Z"], "no shape 'ViT-Z'")])
+def test_bad_input_is_one_line(argv, says, tmp_path):
+    res = run([*argv, "--out", str(tmp_path / "o")])
+    assert res.returncode == 2
+    lines = (res.stdout + res.stderr).strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], lines
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the script would measure")
+def test_refuses_without_a_hopper_gpu_in_one_line(tmp_path):
+    res = run(["--against", "HEAD", "--out", str(tmp_path / "o")])
+    assert res.returncode == 2
+    lines = (res.stdout + res.stderr).strip().splitlines()
+    assert len(lines) == 1 and "compute capability 9.0" in lines[0], lines
+    assert not (tmp_path / "o").exists()
