@@ -155,7 +155,7 @@ __device__ __forceinline__ void hw_mma_rs_n128(float (&d)[64], const tc_u32 (&a)
 
 // S = Q K^T over a narrower key tile (the last one of a sequence whose length is not a multiple of
 // 128): wgmma m64n80k16, writing the first 40 accumulators of d (the same layout as the first 10
-// column groups of n128); W = 64 and 128 go to the wgmma above.
+// column groups of n128); W = 128 is hw_mma_ss_n128.
 #define HW_OPS_W80 HW_OPS32 ", %32, %33, %34, %35, %36, %37, %38, %39"
 #define HW_F_W80(d) HW_F32(d), HW_F8(d, 32)
 template <int W, bool BF16>
@@ -167,10 +167,8 @@ __device__ __forceinline__ void hw_mma_ss_w(float (&d)[64], tc_u64 da, tc_u64 db
         else
             asm volatile(HW_SS(80, "f16", HW_OPS_W80, "%40", "%41", "%42", "%43") : HW_F_W80(d)
                          : "l"(da), "l"(db), "r"(scale_d), "n"(0));
-    } else if constexpr (W == 64) {
-        hw_mma_ss_n64<BF16, 0>(*reinterpret_cast<float(*)[32]>(&d[0]), da, db, scale_d);
     } else {
-        static_assert(W == 128, "a key tile of 64, 80 or 128 keys");
+        static_assert(W == 128, "a key tile of 80 or 128 keys");
         hw_mma_ss_n128<BF16, 0>(d, da, db, scale_d);
     }
 }
