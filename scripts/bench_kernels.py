@@ -243,9 +243,9 @@ def run(args) -> dict:
             env["TPATTN_FUSED_GRID"] = rest
         return with_env(env, fused)
     hopper = torch.cuda.get_device_capability() == (9, 0)
-    for sh in shapes_of(args):
-        b, h, kvh, n, d, causal = sh["batch"], sh["heads"], sh["kv_heads"], sh["seq_len"], sh["head_dim"], sh["causal"]
-        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[sh["dtype"]]
+    for sp in shapes_of(args):
+        b, h, kvh, n, d, causal = sp["batch"], sp["heads"], sp["kv_heads"], sp["seq_len"], sp["head_dim"], sp["causal"]
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[sp["dtype"]]
         el = torch.empty((), dtype=dtype).element_size()
         g = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(b, h, n, d, device="cuda", generator=g, dtype=dtype)
@@ -280,12 +280,12 @@ def run(args) -> dict:
                 mem = peak_bytes(fn)
                 t = timed(fn, args.warmup, args.iters)
             except (RuntimeError, ValueError) as exc:  # a backend that does not support this shape
-                print(f"  {name:<20} {sh['name']:<20} skipped: {str(exc).splitlines()[0][:80]}", flush=True)
+                print(f"  {name:<20} {sp['name']:<20} skipped: {str(exc).splitlines()[0][:80]}", flush=True)
                 continue
             ms = t["total"]
             gms = graph_ms(fn, args.iters) if name.startswith(("fused", "sdpa", "triton")) else None
-            row = {"kernel": name, "shape": sh["name"], "batch": b, "heads": h, "kv_heads": kvh, "seq_len": n,
-                   "head_dim": d, "dtype": sh["dtype"], "causal": causal, "ms": ms, "graph_ms": gms,
+            row = {"kernel": name, "shape": sp["name"], "batch": b, "heads": h, "kv_heads": kvh, "seq_len": n,
+                   "head_dim": d, "dtype": sp["dtype"], "causal": causal, "ms": ms, "graph_ms": gms,
                    "graph_tflops": flops / (gms * 1e-3) / 1e12 if gms else None,
                    "passes_ms": {p: t[p] for p in ("qk", "softmax", "pv", "fused") if p in t},
                    "tflops": flops / (ms * 1e-3) / 1e12, "gbps": nbytes / (ms * 1e-3) / 1e9,
@@ -294,7 +294,7 @@ def run(args) -> dict:
             passes = " ".join(f"{p} {x:.3f}" for p, x in row["passes_ms"].items())
             graph = f"  graph {gms:.3f} ms {row['graph_tflops']:.1f} TFLOP/s" if gms else ""
             fc = f"  first call {first:.2f} s" if first is not None else ""
-            print(f"  {name:<20} {sh['name']:<20} {ms:9.3f} ms  {row['tflops']:7.1f} TFLOP/s "
+            print(f"  {name:<20} {sp['name']:<20} {ms:9.3f} ms  {row['tflops']:7.1f} TFLOP/s "
                   f"{row['gbps']:8.0f} GB/s  {row['x_floor']:6.2f}x floor  {mem / 2**20:9.1f} MiB  {passes}{graph}{fc}",
                   flush=True)
         del q, k, v
