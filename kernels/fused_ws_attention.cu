@@ -4,8 +4,11 @@
 // registers, wgmma with fp32 accumulators, exp2 with the scale folded in), with the work split by
 // role instead of every thread doing everything:
 //
-//   * a block is three warpgroups (384 threads) and owns BR = 128 query rows of one (batch, head)
-//     at a time: warpgroup 0 is the producer, warpgroups 1 and 2 the consumers (64 rows each);
+//   * a block is 1 + NC warpgroups and owns BR = 64 NC query rows of one (batch, head) at a time:
+//     warpgroup 0 is the producer, warpgroups 1 .. NC the consumers (64 rows each). fusedw: NC = 2
+//     (384 threads, 128 rows); fusedw3 (D = 64): NC = 3 (512 threads, 192 rows), more warps to hide
+//     the softmax's latency where the products are half as long (measured 10-20 % faster at D = 64);
+//     tpattn/attention/fused.py picks it where 192-row tiles do not pad the rows much more;
 //   * the producer is one thread issuing TMA loads (cp.async.bulk.tensor, 128-byte swizzle: the
 //     layout wgmma reads, zeros past the end of the sequence) of Q tiles into two stages and of K
 //     and V tiles of BC = 128 keys into a ring of KVS K and KVS V stages (KVS = 2 at D = 128, more
@@ -14,13 +17,14 @@
 //     the producer never waits for a consumer except for a free stage. With two Q stages the next
 //     tile's Q is in shared memory before the consumers finish this one: a short tile (N = 197 has
 //     two key tiles) no longer waits a TMA round trip between tiles;
-//   * register reallocation: the producer drops to 40 registers, the consumers rise to 232, so
-//     two 64-row accumulators of D fp32 values, S, and the packed P fit without spills;
+//   * register reallocation: the producer drops to 40 registers, the consumers rise to 232 (NC = 3:
+//     24 and 160), so a 64-row accumulator of D fp32 values, S, and the packed P fit without spills;
 //   * inside a consumer, the pipeline of fused_hopper_attention.cu: iteration j issues
 //     S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, waits for S_j only, and runs the softmax of
 //     S_j while the PV product still runs;
-//   * ping-pong between the consumers: two named barriers make them take turns issuing their
-//     products, so one warpgroup's softmax runs while the other's GEMMs own the tensor cores;
+//   * ping-pong between the consumers: NC named barriers make them take turns (0, 1, .., NC - 1, 0,
+//     ...) issuing their products, so one warpgroup's softmax runs while another's GEMMs own the
+//     tensor cores;
 //   * persistent: the grid may be smaller than the number of (query tile, head) pairs, in
 //     head-major order (a head's K and V stay in L2 while its query tiles run; causal: heads in
 //     groups, each group's longest tiles first, see tw_tile_of). Block i starts with tile i; then, without causal (every tile the same
@@ -34,16 +38,18 @@
 //     finish puts it back to zero, so the next launch (or graph replay) starts from zero. Which
 //     block runs a tile does not change its arithmetic: the output is the same bit for bit;
 //   * O: each consumer rounds its 64 rows into its own rows of its Q stage and writes them with
-//     16-byte stores for rows < N; then it frees the Q stage for the tile after next;
-//   * D = 64: a sequence's last key tile, when it holds at most 80 keys (ViT's N = 197 and 257),
-//     is computed as 80 keys (wgmma n80, the softmax over 80 columns, 5 k16 steps of P V), see
-//     TW_BY_KEYS.
+//     16-byte stores for rows < row_end; then it frees the Q stage for the tile after next;
+//   * D = 64, NC = 2: a sequence's last key tile, when it holds at most 80 keys (ViT's N = 197 and
+//     257), is computed as 80 keys (wgmma n80, the softmax over 80 columns, 5 k16 steps of P V), see
+//     TW_BY_KEYS (NC = 3 has no registers to spare for it: ptxas serialized the wgmma).
 //
 // Layout (as fused_hopper_attention.cu): Q and O [B, H, N, D], K and V [B, H / group, N, D] or strided
 // views (the QKV GEMM output read in place), 16-bit. Q, K and V arrive as TMA tensor maps over
-// (D, N, heads, B) with a box of 64 columns x 128 rows (tpattn/attention/fused.py encodes them);
-// O as a pointer and its strides. D = 64 or 128. Grid x: any number of blocks up to the tile count
-// (tiles = (qt_end - qt_begin) * B * H); block 384 threads; dynamic shared memory
+// (D, N, heads, B) with a box of 64 columns x BR rows for Q and 64 x 128 for K and V
+// (tpattn/attention/fused.py encodes them); O as a pointer and its strides. D = 64 or 128. Query
+// rows [row_begin, row_end) of every head are computed, in tiles of BR rows from row_begin (rows of
+// the last tile past row_end are computed and not stored). Grid x: any number of blocks up to the
+// tile count (tiles = ceil((row_end - row_begin) / BR) * B * H); block 128 (NC + 1) threads; dynamic shared memory
 // (2 * BR + 2 * KVS * BC) * D * 2 + 1024 + 256 bytes (the last 256: the mbarriers, then a 16-byte
 // slot per Q stage for its tile number). sched: null (the static order) or two int32 zeros in device
 // memory that this kernel alone uses (and leaves at zero), 8 bytes of padding, then 32 bytes a block
@@ -111,20 +117,20 @@ __device__ __forceinline__ void tw_arrive(int id, int count) {
 // next longest, ... (handed out by the counter, the last tiles of the run are the shortest ones and
 // the blocks finish together); without causal hg = 1 and a head's tiles in order.
 struct tw_tile {
-    int bh, qt, n_kt;
+    int bh, q0, n_kt;  // (batch, head), the tile's first query row, its key tiles
 };
-__device__ __forceinline__ tw_tile tw_tile_of(long long t, int nq, int qt_begin, int qt_end, int N, int causal,
-                                              int BH, int hg) {
+template <int BR>
+__device__ __forceinline__ tw_tile tw_tile_of(long long t, int nq, int row_begin, int N, int causal, int BH, int hg) {
     tw_tile x;
     const long long per = (long long)hg * nq;
     const int g = (int)(t / per);
     const int idx = (int)(t - g * per), hn = min(hg, BH - g * hg);  // heads in this group
     const int qi = idx / hn;
     x.bh = g * hg + (idx - qi * hn);
-    x.qt = causal ? qt_end - 1 - qi : qt_begin + qi;  // causal: the longest rows first
+    x.q0 = row_begin + (causal ? nq - 1 - qi : qi) * BR;  // causal: the longest rows first
     x.n_kt = (N + 127) / 128;
     if (causal) {
-        const int last = (x.qt * 128 + 127) / 128 + 1;
+        const int last = (x.q0 + BR - 1) / 128 + 1;
         x.n_kt = last < x.n_kt ? last : x.n_kt;
     }
     return x;
@@ -150,17 +156,17 @@ __device__ __forceinline__ tw_tile tw_tile_of(long long t, int nq, int qt_begin,
         __VA_ARGS__;                       \
     }
 
-template <int D, bool BF16>
+template <int D, bool BF16, int NC>
 __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, const tw_tmap *vm,
                                          tc_u16 *__restrict__ O, float *__restrict__ Lse, int BH, int N,
                                          float scale_log2, int causal,
-                                         int qt_begin, int qt_end, int H, int group, long long o_sb, long long o_sh,
+                                         int row_begin, int row_end, int H, int group, long long o_sb, long long o_sh,
                                          int o_ld, int hg, int *__restrict__ sched) {
-    constexpr int BR = 128, BC = 128, PANELS = D / 64;
+    constexpr int BR = 64 * NC, BC = 128, PANELS = D / 64;
     // two Q stages; K/V stages: two at D = 128 (2 Q + 4 K/V tiles = 192 KB of shared memory), four at D = 64
     constexpr int QS = 2, KVS = D == 64 ? 4 : 2;
     constexpr tc_u32 QB = BR * D * 2, KB = BC * D * 2;  // bytes of one Q tile and of one K or V tile
-    constexpr int TURN = 1, EPI = 3;                    // named barrier ids: turns 1, 2; epilogues 3, 4
+    constexpr int TURN = 1, EPI = 1 + NC;  // named barrier ids: turns 1 .. NC, epilogues NC + 1 .. 2 NC
     const tc_u32 sQ = hw_smem_base(), sK = sQ + QS * QB, sV = sK + KVS * KB, bars = sV + KVS * KB;
     // mbarriers, 8 bytes each: Q full [QS], Q empty [QS], K full [KVS], K empty [KVS], V full [KVS],
     // V empty [KVS]; then the tile number of each Q stage (8 bytes each)
@@ -182,19 +188,19 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
     auto stage = [](int k) { return k % KVS; };
     auto parity = [](int k) { return (k / KVS) & 1; };
     const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
-    const int nq = qt_end - qt_begin;
+    const int nq = (row_end - row_begin + BR - 1) / BR;
     const long long tiles = (long long)nq * BH;
 
     if (tid == 0) {
         for (int s = 0; s < QS; ++s) {
             tw_bar_init(q_full(s), 1);
-            tw_bar_init(q_empty(s), 8);  // every consumer warp
+            tw_bar_init(q_empty(s), 4 * NC);  // every consumer warp
         }
         for (int s = 0; s < KVS; ++s) {
             tw_bar_init(k_full(s), 1);
-            tw_bar_init(k_empty(s), 8);
+            tw_bar_init(k_empty(s), 4 * NC);
             tw_bar_init(v_full(s), 1);
-            tw_bar_init(v_empty(s), 8);
+            tw_bar_init(v_empty(s), 4 * NC);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         hw_fence_proxy();
@@ -202,7 +208,10 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
     __syncthreads();
 
     if (wg == 0) {  // ---------------------------------------------------------------- producer
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if constexpr (NC == 2)
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        else
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
         if (tid == 0) {
             int kt = 0;  // key tiles loaded so far
             long long t = blockIdx.x;
@@ -221,11 +230,11 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 }
                 // the next tile, asked for now so that the atomic's round trip hides behind the loads
                 const long long next = sched ? gridDim.x + (long long)atomicAdd(sched, 1) : t + gridDim.x;
-                const tw_tile x = tw_tile_of(t, nq, qt_begin, qt_end, N, causal, BH, hg);
+                const tw_tile x = tw_tile_of<BR>(t, nq, row_begin, N, causal, BH, hg);
                 const int b = x.bh / H, hh = x.bh - b * H, hk = hh / group;
 #pragma unroll
                 for (int p = 0; p < PANELS; ++p)
-                    tw_tma(sQ + qs * QB + p * BR * 128, qm, 64 * p, x.qt * BR, hh, b, q_full(qs));
+                    tw_tma(sQ + qs * QB + p * BR * 128, qm, 64 * p, x.q0, hh, b, q_full(qs));
                 for (int j = 0; j < x.n_kt; ++j, ++kt) {
                     const int s = stage(kt), free_parity = parity(kt) ^ 1;
                     tw_bar_wait(k_empty(s), free_parity);
@@ -254,16 +263,19 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
     }
 
     // ------------------------------------------------------------------------------ consumers
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    if constexpr (NC == 2)
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    else
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n" ::: "memory");
     const int c = wg - 1, ctid = tid - 128 * wg, warp = ctid >> 5;
     const int rl = c * 64 + warp * 16 + (lane >> 2);  // this thread's rows in the tile: rl and rl + 8
     auto my_turn = [&]() { tw_sync(TURN + c, 256); };
-    auto your_turn = [&]() { tw_arrive(TURN + (c ^ 1), 256); };
+    auto your_turn = [&]() { tw_arrive(TURN + (c + 1) % NC, 256); };
     auto release = [&](tc_u32 bar) {
         __syncwarp();
         if (lane == 0) tw_bar_arrive(bar);
     };
-    if (c == 1) your_turn();  // consumer 0 issues first
+    if (c == NC - 1) your_turn();  // consumer 0 issues first, then 1, ...
 
     int kt = 0;
     for (int n = 0;; ++n) {
@@ -275,8 +287,8 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
             t = tw_ld_shared64(q_slot(qs));
             if (t < 0) break;
         }
-        const tw_tile x = tw_tile_of(t, nq, qt_begin, qt_end, N, causal, BH, hg);
-        const int q0 = x.qt * BR, n_kt = x.n_kt;
+        const tw_tile x = tw_tile_of<BR>(t, nq, row_begin, N, causal, BH, hg);
+        const int q0 = x.q0, n_kt = x.n_kt;
         const int r0 = q0 + rl, wr0 = q0 + c * 64;  // this thread's first row, the warpgroup's first
         const tc_u32 sQs = sQ + qs * QB, sq = sQs + c * 64 * 128;  // the Q stage; this warpgroup's rows (panel 0)
         float o[D / 2], s[64];
@@ -285,7 +297,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         float m[2] = {TC_NEG_INF, TC_NEG_INF}, l[2] = {0.0f, 0.0f}, alpha[2];
 
         // keys of the last key tile that are computed: TW_NARROW where it holds that many or fewer (D = 64)
-        const int wl = D == 64 && N - (n_kt - 1) * BC <= TW_NARROW ? TW_NARROW : BC;
+        const int wl = D == 64 && NC == 2 && N - (n_kt - 1) * BC <= TW_NARROW ? TW_NARROW : BC;
         // S_0 = Q K_0^T (W keys), its mask and softmax
         auto first = [&](int w) {
             TW_BY_KEYS(D, w,
@@ -358,7 +370,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
 
         // O = acc / l: this warpgroup's rows, staged in its own rows of the Q stage (its products are
         // done reading them), then 16-byte stores of the rows < N
-        hw_write_lse(Lse, (long long)x.bh * N, r0, N, m, l, lane);
+        hw_write_lse(Lse, (long long)x.bh * N, r0, row_end, m, l, lane);
         hw_finish_l(l);
         const int b = x.bh / H, hh = x.bh - b * H;
         tc_u16 *Oh = O + b * o_sb + hh * o_sh;
@@ -374,25 +386,27 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         for (int i = 0; i < 64 * CH / 128; ++i) {
             const int e = ctid + i * 128;
             const int r = c * 64 + e / CH, ch = e % CH;
-            if (q0 + r < N) *(tc_u4 *)(Oh + (long long)(q0 + r) * o_ld + ch * 8) = hw_ld_shared4(sQs + hw_swz<BR>(r, ch));
+            if (q0 + r < row_end) *(tc_u4 *)(Oh + (long long)(q0 + r) * o_ld + ch * 8) = hw_ld_shared4(sQs + hw_swz<BR>(r, ch));
         }
         hw_fence_proxy();  // these generic reads of the Q stage before a later tile's TMA writes it
         release(q_empty(qs));
     }
-    if (c == 0) my_turn();  // consumer 1's last turn hand-over, so no barrier is left half arrived
+    if (c == 0) my_turn();  // the last consumer's last turn hand-over, so no barrier is left half arrived
 }
 
-#define TW_DEFINE(SUF, BF16, D)                                                                          \
-    extern "C" __global__ void __launch_bounds__(384, 1)                                                \
-        fusedw_##SUF##_d##D(const __grid_constant__ tw_tmap qm, const __grid_constant__ tw_tmap km,     \
+#define TW_DEFINE(NAME, SUF, BF16, D, NC)                                                                \
+    extern "C" __global__ void __launch_bounds__(128 + 128 * NC, 1)                                     \
+        NAME##_##SUF##_d##D(const __grid_constant__ tw_tmap qm, const __grid_constant__ tw_tmap km,     \
                             const __grid_constant__ tw_tmap vm, tc_u16 *__restrict__ O,                  \
                             float *__restrict__ Lse, int BH, int N,                                      \
-                            float scale_log2, int causal, int qt_begin, int qt_end, int H, int group,    \
+                            float scale_log2, int causal, int row_begin, int row_end, int H, int group,  \
                             long long o_sb, long long o_sh, int o_ld, int hg, int *__restrict__ sched) { \
-        tw_fused<D, BF16>(&qm, &km, &vm, O, Lse, BH, N, scale_log2, causal, qt_begin, qt_end, H, group, o_sb, \
-                          o_sh, o_ld, hg, sched);                                                        \
+        tw_fused<D, BF16, NC>(&qm, &km, &vm, O, Lse, BH, N, scale_log2, causal, row_begin, row_end, H, group, \
+                              o_sb, o_sh, o_ld, hg, sched);                                              \
     }
-TW_DEFINE(f16, false, 64)
-TW_DEFINE(bf16, true, 64)
-TW_DEFINE(f16, false, 128)
-TW_DEFINE(bf16, true, 128)
+TW_DEFINE(fusedw, f16, false, 64, 2)
+TW_DEFINE(fusedw, bf16, true, 64, 2)
+TW_DEFINE(fusedw, f16, false, 128, 2)
+TW_DEFINE(fusedw, bf16, true, 128, 2)
+TW_DEFINE(fusedw3, f16, false, 64, 3)
+TW_DEFINE(fusedw3, bf16, true, 64, 3)

@@ -115,10 +115,12 @@ def run(args) -> dict:
         gen = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(b, h, n, d, device="cuda", dtype=dtype, generator=gen)
         k, v = (torch.randn(b, g, n, d, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
-        outs, graphs = {}, {}
+        # bufs: each graph writes into its build's output; held here while the graph lives (a freed one
+        # could be handed back to the driver by the next capture, and the replays would write there)
+        outs, graphs, bufs = {}, {}, {}
         for label in builds:
             use(f"ab_{label}.cu")
-            o = torch.empty_like(q)
+            o = bufs[label] = torch.empty_like(q)
             fused.forward(q, k, v, s["causal"], out=o)
             torch.cuda.synchronize()
             outs[label] = o.clone()

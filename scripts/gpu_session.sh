@@ -59,17 +59,19 @@ want() { [[ " $steps " == *" $1 "* || " $steps " == *" all "* ]]; }
 note() { echo "=== $* ($(date +%T))"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 sanitize_fusedw() {
-  note "compute-sanitizer memcheck and racecheck on fusedw (N=300, d=128 and 64, causal and not; B=1 H=2, and B=4 H=40: more tiles than SMs, causal ones from the counter)"
+  note "compute-sanitizer memcheck and racecheck on fusedw (N=300, d=128 and 64, causal and not; B=1 H=2, and B=4 H=40: more tiles than SMs, causal ones from the counter) and fusedw3 (d=64)"
   san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
   for tool in memcheck racecheck; do
-    TPATTN_FUSED_CFG="fusedw_{suf}_d{d}" timeout 240 "$san" --tool $tool --error-exitcode 9 python3 -c "
-import torch
+    timeout 300 "$san" --tool $tool --error-exitcode 9 python3 -c "
+import os, torch
 from tpattn.attention import get_backend
-for b, h in ((1, 2), (4, 40)):
-    for d in (128, 64):
-        for causal in (False, True):
-            q, k, v = (torch.randn(b, h, 300, d, device='cuda', dtype=torch.float16) for _ in range(3))
-            get_backend('fused').forward(q, k, v, causal)
+for cfg, ds in (('fusedw_{suf}_d{d}', (128, 64)), ('fusedw3_{suf}_d{d}', (64,))):
+    os.environ['TPATTN_FUSED_CFG'] = cfg
+    for b, h in ((1, 2), (4, 40)):
+        for d in ds:
+            for causal in (False, True):
+                q, k, v = (torch.randn(b, h, 300, d, device='cuda', dtype=torch.float16) for _ in range(3))
+                get_backend('fused').forward(q, k, v, causal)
 torch.cuda.synchronize()
 print('fusedw ran under $tool')" > "$OUT/sanitizer_$tool.log" 2>&1; echo "$tool exit $?"
     grep -E "ran under|SUMMARY|reported between|Access at|access at" "$OUT/sanitizer_$tool.log" | sort | uniq -c | head -20

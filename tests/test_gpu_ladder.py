@@ -167,6 +167,40 @@ def test_fused_ws_tile_orders(dtype, d, n, causal, grid, monkeypatch):
 
 
 @pytest.mark.skipif(not HOPPER, reason="fusedw needs compute capability 9.0")
+@pytest.mark.parametrize("grid", ["sms", "static"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [1, 17, 197, 300, 1000, 4097])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_fused_ws3_gives_fusedws_bits(dtype, n, causal, grid, monkeypatch):
+    """fusedw3 (d = 64, three consumer warpgroups, 192-row tiles) computes each row as fusedw does: the
+    same bits, output and logsumexp, into NaN-poisoned outputs, over more tiles than SMs (B x H = 40,
+    4 query heads a K/V head), with the counter or the static order; row chunks starting at rows
+    that are no multiple of 192 leave the rows outside them untouched."""
+    monkeypatch.setenv("TPATTN_FUSED_GRID", grid)
+    b, h, g, d = 4, 40, 10, 64
+    q, k, v = gqa_qkv(b, h, g, n, d, DT[dtype], seed=n + 11)
+    fused = get_backend("fused")
+    outs, lses = {}, {}
+    for cfg in ("fusedw_{suf}_d{d}", "fusedw3_{suf}_d{d}"):
+        monkeypatch.setenv("TPATTN_FUSED_CFG", cfg)
+        lses[cfg] = torch.full((b, h, n), float("nan"), dtype=torch.float32, device="cuda")
+        outs[cfg] = fused.forward(q, k, v, causal, out=nan_like(q.shape, DT[dtype]), lse=lses[cfg])
+    torch.cuda.synchronize()
+    o3 = outs["fusedw3_{suf}_d{d}"]
+    assert torch.isfinite(o3).all() and torch.isfinite(lses["fusedw3_{suf}_d{d}"]).all(), "poisoned outputs left"
+    assert torch.equal(o3, outs["fusedw_{suf}_d{d}"])
+    assert torch.equal(lses["fusedw3_{suf}_d{d}"], lses["fusedw_{suf}_d{d}"])
+    ref = attention64(q, k.repeat_interleave(h // g, 1), v.repeat_interleave(h // g, 1), causal)
+    assert rel_err(o3, ref) <= TOL_F64[dtype]
+    if n > 384:
+        chunks = nan_like(q.shape, DT[dtype])
+        for r0, r1 in ((128, 384), (384, n)):
+            fused.forward(q, k, v, causal, out=chunks, rows=(r0, r1))
+        torch.cuda.synchronize()
+        assert torch.isnan(chunks[:, :, :128]).all() and torch.equal(chunks[:, :, 128:], o3[:, :, 128:])
+
+
+@pytest.mark.skipif(not HOPPER, reason="fusedw needs compute capability 9.0")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n", [80, 81, 129, 207, 208, 209, 257])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])

@@ -196,6 +196,25 @@ def test_fused_ws_launch(launches, monkeypatch, causal, h, g):
     assert (args[11], args[12]) == (h, h // g)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_ws3_launch_over_a_row_range(launches, monkeypatch, causal):
+    """fusedw3 (d = 64, N = 4096): 512 threads, Q's tensor map in boxes of 192 rows, and the query rows
+    as a range (a chunk starting at row 128, which is no multiple of 192), tiles of 192 rows from it."""
+    monkeypatch.setattr(fused, "_device_info", lambda dev: (40, (9, 0)))
+    monkeypatch.delenv("TPATTN_FUSED_GRID", raising=False)
+    b, h, n, d = 1, 4, 4096, 64
+    q, k, v = qkv(b, h, h, n, d)
+    fused.FusedBackend().forward(q, k, v, causal, rows=(128, 2048))
+    (source, name, grid, block, args), = launches
+    check_launch(source, name, grid, block, args)
+    assert name == "fusedw3_f16_d64" and block == (512, 1, 1)
+    assert args[0].box == (64, 192) and args[1].box == args[2].box == (64, 128)
+    assert (int(args[9]), int(args[10])) == (128, 2048)  # row_begin, row_end
+    nq = -(-(2048 - 128) // 192)  # 10 tiles of 192 rows a head
+    assert grid == (40, 1, 1) and nq * b * h == 40
+    assert int(args[-2]) == (min(b * h, 8) if causal else 1)  # causal: heads in groups of ceil(2 * 40 / 10)
+
+
 def test_fused_ws_reads_the_packed_projection_in_place(launches, monkeypatch):
     monkeypatch.setattr(fused, "_device_info", lambda dev: (132, (9, 0)))
     monkeypatch.setenv("TPATTN_FUSED_CFG", "fusedw_{suf}_d{d}")
@@ -234,7 +253,8 @@ def test_fused_ws_packs_a_launch_once_per_set_of_tensors(launches, monkeypatch):
     be.forward(q, k, v, True, out=o)
     monkeypatch.setenv("TPATTN_FUSED_GRID", "tiles")
     be.forward(q, k, v, True, out=o)
-    assert len(launches) == 4 and launches[-1][2] == (8 * 32, 1, 1) and launches[-2][2] == (132, 1, 1)
+    # d = 64, N = 1024: fusedw3, tiles of 192 rows (6 a head)
+    assert len(launches) == 4 and launches[-1][2] == (6 * 32, 1, 1) and launches[-2][2] == (132, 1, 1)
     assert int(launches[-1][4][-1]) == 0 and int(launches[-2][4][-1]) != 0  # a block per tile: no counter
     monkeypatch.setenv("TPATTN_FUSED_GRID", "static")
     be.forward(q, k, v, True, out=o)

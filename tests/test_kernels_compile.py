@@ -85,6 +85,26 @@ def test_fusedw_shared_memory_matches_its_stages(monkeypatch):
         ch = kernel_for(d, "bf16", (9, 0))
         assert ch.name == f"fusedw_bf16_d{d}" and ch.shared == (2 + 2 * WS_KV_STAGES[d]) * 128 * d * 2 + 1280
         assert ch.shared <= 232448
+    # fusedw3 (d = 64): two Q stages of 192 rows, three consumer warpgroups
+    ch = kernel_for(64, "bf16", (9, 0), rows=4096)
+    assert ch.name == "fusedw3_bf16_d64" and (ch.threads, ch.rows) == (512, 192)
+    assert ch.shared == (2 * 192 + 2 * WS_KV_STAGES[64] * 128) * 64 * 2 + 1280 <= 232448
+    assert "setmaxnreg.inc.sync.aligned.u32 160" in src and 24 * 128 + 160 * 384 <= 65536
+
+
+@pytest.mark.parametrize("n,w3", [(64, False), (197, False), (257, True), (300, True), (640, False), (1024, True),
+                                  (4096, True), (16384, True)])
+def test_fusedw3_where_192_row_tiles_pad_little(monkeypatch, n, w3):
+    """At d = 64 the three-consumer kernel (192-row tiles) where its rows are at most W3_PAD times the
+    128-row kernel's: N = 197 stays on 128-row tiles (384 rows against 256); d = 128 always does."""
+    from tpattn.attention.fused import kernel_for
+    monkeypatch.delenv("TPATTN_FUSED_CFG", raising=False)
+    assert kernel_for(64, "f16", (9, 0), rows=n).name == ("fusedw3_f16_d64" if w3 else "fusedw_f16_d64")
+    assert kernel_for(128, "f16", (9, 0), rows=n).name == "fusedw_f16_d128"
+    assert kernel_for(64, "f16", (8, 0), rows=n).name.startswith("fused2_")
+    monkeypatch.setenv("TPATTN_FUSED_CFG", "fusedw3_{suf}_d{d}")
+    with pytest.raises(ConfigError, match="not a fused kernel"):
+        kernel_for(128, "f16", (9, 0), rows=n)
 
 class _FakeNvrtc:
     """Stands in for cupy.cuda.nvrtc: records the options, returns a PTX string or fails."""

@@ -32,12 +32,18 @@ HEAD_DIMS = (64, 128)
 # The kernel per head dim, "{suf}" standing for f16 or bf16. On compute capability 9.0 (H100, H200)
 # fusedw (a TMA producer warpgroup and two wgmma consumer warpgroups, 128 query rows, 128 keys per
 # tile, two Q stages, persistent grid) unless the call is too small to fill half the GPU (see
-# kernel_for);
+# kernel_for); at d = 64 fusedw3 (three consumer warpgroups, 192 query rows a tile) where 192-row
+# tiles pad the query rows little more than 128-row ones (W3_PAD);
 # fusedh (two wgmma warpgroups that load their own tiles) by name; elsewhere fused2, the mma.sync
 # version, software pipelined; _wW: W warps, _mM: M tiles of 16 query rows per warp, _cC: C keys per tile.
 # Chosen on the H200 (benchmarks/ladder.md); TPATTN_FUSED_CFG=NAME overrides it (the bench's sweep).
 CONFIG = {64: "fused2_{suf}_d64_w4_m1_c64", 128: "fused2_{suf}_d128_w4_m1_c64"}
 HOPPER_CONFIG = "fusedw_{suf}_d{d}"
+W3_CONFIG = "fusedw3_{suf}_d{d}"  # d = 64 only
+# fusedw3 when its rows (a multiple of 192) are at most this many times fusedw's (of 128): measured on
+# the H200 it is 10-20 % faster per row at d = 64 (docs/kernels.md), so N = 257, 1024, 4096 take it and
+# N = 197 (384 rows against 256) does not
+W3_PAD = 1.15
 WS_KV_STAGES = {64: 4, 128: 2}  # fusedw's K/V stages per head dim (KVS in the .cu file)
 
 
@@ -58,23 +64,28 @@ class Choice(NamedTuple):
     shared: int      # dynamic shared memory, bytes
 
 
-def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True) -> Choice:
+def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True, rows: int = 0) -> Choice:
     """The kernel for head dim d, dtype suffix suf, on a GPU of compute capability cc. wide: the call
     has enough 128-row query tiles for the wgmma kernel to fill at least half the GPU's SMs; with
-    fewer (one head at N = 4096: 32 tiles on 132 SMs) fused2's 64-row blocks spread wider and win."""
-    key = (d, suf, cc, wide, os.environ.get("TPATTN_FUSED_CFG"))
+    fewer (one head at N = 4096: 32 tiles on 132 SMs) fused2's 64-row blocks spread wider and win.
+    rows: the query rows of each head the call computes (0: unknown), which picks fusedw3 at d = 64."""
+    w3 = d == 64 and rows > 0 and _cdiv(rows, 192) * 192 <= W3_PAD * _cdiv(rows, 128) * 128
+    key = (d, suf, cc, wide, w3, os.environ.get("TPATTN_FUSED_CFG"))
     if key not in _kernels:
-        name = (key[4] or (HOPPER_CONFIG if cc == HOPPER_CC and wide else CONFIG[d])).format(suf=suf, d=d)
-        m = re.fullmatch(rf"fused2_{suf}_d{d}_w(\d+)_m(\d+)_c(\d+)|fused[hw]_{suf}_d{d}", name)
+        hopper = W3_CONFIG if w3 else HOPPER_CONFIG
+        name = (key[5] or (hopper if cc == HOPPER_CC and wide else CONFIG[d])).format(suf=suf, d=d)
+        m = re.fullmatch(rf"fused2_{suf}_d{d}_w(\d+)_m(\d+)_c(\d+)|fused[hw]_{suf}_d{d}|fusedw3_{suf}_d64", name)
         if not m:
             raise ConfigError(f"TPATTN_FUSED_CFG={name!r} is not a fused kernel for {suf}, d={d}")
-        if name.startswith(("fusedh_", "fusedw_")) and cc != HOPPER_CC:
+        if name.startswith(("fusedh_", "fusedw")) and cc != HOPPER_CC:
             raise ConfigError(f"TPATTN_FUSED_CFG={name!r} needs compute capability 9.0 (this GPU has "
                               f"{cc[0]}.{cc[1]}); unset it")
         if name.startswith("fusedh_"):
             _kernels[key] = Choice(HOPPER_SOURCE, name, 256, 128, (128 + 4 * 128) * d * 2 + 1024)
-        elif name.startswith("fusedw_"):  # three warpgroups; + 256 bytes for the mbarriers
-            _kernels[key] = Choice(WS_SOURCE, name, 384, 128, (2 * 128 + 2 * WS_KV_STAGES[d] * 128) * d * 2 + 1024 + 256)
+        elif name.startswith("fusedw"):  # a producer warpgroup and 2 (fusedw) or 3 (fusedw3) consumers of 64
+            rows = 64 * (3 if name.startswith("fusedw3") else 2)  # rows each; + 256 bytes for the mbarriers
+            _kernels[key] = Choice(WS_SOURCE, name, 128 + 2 * rows, rows,
+                                   (2 * rows + 2 * WS_KV_STAGES[d] * 128) * d * 2 + 1024 + 256)
         else:
             w, mt, c = (int(g) for g in m.groups())
             rows = 16 * mt * w
@@ -170,7 +181,7 @@ class FusedBackend(CudaBackend):
         if bh == 0:  # nothing to compute (and no grid to launch)
             return o
         sms, cc = _device_info(q.device)
-        ch = kernel_for(d, suf, cc, wide=2 * _cdiv(r1 - r0, 128) * bh >= sms)
+        ch = kernel_for(d, suf, cc, wide=2 * _cdiv(r1 - r0, 128) * bh >= sms, rows=r1 - r0)
         if lse is not None:
             assert lse.dtype == torch.float32 and lse.is_contiguous() and lse.shape == (b, h, n)
         lse_ptr = np.uint64(0 if lse is None else lse.data_ptr())
@@ -179,21 +190,22 @@ class FusedBackend(CudaBackend):
         with section("fused"):
             if ch.source == WS_SOURCE:  # one grid dimension over (query tile, head) pairs; TMA maps of Q, K, V
                 mode = grid_mode()
-                key = (ch.name, causal, t0, t1, mode, q.device.index, tuple(q.shape), tuple(k.shape), int(lse_ptr),
+                key = (ch.name, causal, r0, r1, mode, q.device.index, tuple(q.shape), tuple(k.shape), int(lse_ptr),
                        *((t.data_ptr(), t.stride()) for t in (q, k, v, o)))
                 prep = _prepared.get(key)
                 if prep is None:
-                    tiles = (t1 - t0) * bh
+                    nq = _cdiv(r1 - r0, ch.rows)  # query tiles of ch.rows rows a head
+                    tiles = nq * bh
                     grid = (min(tiles, GRID_X_MAX if mode == "tiles" else sms), 1, 1)
                     # causal tiles differ in work (1 to N / 128 key tiles): a persistent block asks a
                     # counter for its next tile instead of taking every grid-th one; without causal
                     # the static order is already even
                     counter = _counter(q.device, sms) if causal and mode == "sms" and tiles > grid[0] else 0
                     # causal: heads in groups of about GROUP_TILES tiles per SM, each group's longest tiles first
-                    hg = min(bh, _cdiv(GROUP_TILES * sms, t1 - t0)) if causal and GROUP_TILES else 1
+                    hg = min(bh, _cdiv(GROUP_TILES * sms, nq)) if causal and GROUP_TILES else 1
                     prep = Prepared(ch.source, ch.name, q.device, grid, (ch.threads, 1, 1),
-                                    (TensorMap(q), TensorMap(k), TensorMap(v), ptr(o), lse_ptr, np.int32(bh), np.int32(n),
-                                     scale_log2, np.int32(causal), np.int32(t0), np.int32(t1), np.int32(h),
+                                    (TensorMap(q, box=(64, ch.rows)), TensorMap(k), TensorMap(v), ptr(o), lse_ptr,
+                                     np.int32(bh), np.int32(n), scale_log2, np.int32(causal), np.int32(r0), np.int32(r1), np.int32(h),
                                      np.int32(group), np.int64(o.stride(0)), np.int64(o.stride(1)),
                                      np.int32(o.stride(2)), np.int32(hg), np.uint64(counter)), shared_mem=ch.shared)
                     if len(_prepared) >= 64:
