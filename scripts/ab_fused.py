@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Builds of the warp-specialized fused kernel (kernels/fused_ws_attention.cu, fusedw) side by side in
-one process: the working tree's against the same file, with its headers, at other git revisions.
+one process: the working tree's against the same file, with its headers, at other git revisions, and
+the working tree's kernels of that file by name (--configs, as TPATTN_FUSED_CFG names them: fusedw
+against fusedw3 at d = 64; a kernel a shape has no such name for is left out of that row).
 
 Differences of a few percent between kernel builds drown in the drift between two benchmark runs (the
 same kernel and cuDNN each move by up to 5 %), so every build is compiled under its own name and timed
@@ -12,12 +14,14 @@ against fp32 SDPA on two heads. Writes OUT/NAME.json and .md (GPU, versions, com
 
     PYTHONPATH=. python scripts/ab_fused.py --against e31c956 [--only "ViT-B/16" "d64 long"]
         [--rounds 11] [--reps 20] [--out benchmarks/fused_shapes_h200] [--name ab_e31c956]
+    PYTHONPATH=. python scripts/ab_fused.py --configs "fusedw_{suf}_d{d}" "fusedw3_{suf}_d{d}" --name ab_fusedw3
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import sys
@@ -103,9 +107,16 @@ def replay_ms(g, reps: int) -> float:
 def run(args) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from tpattn.attention import get_backend
+    from tpattn.config import ConfigError
     builds = {"tree": None, **{rev: rev for rev in args.against}}
     for label, rev in builds.items():
         build(f"ab_{label}.cu", kernel_source(KERNEL) if rev is None else source_at(rev))
+    # label -> (module, TPATTN_FUSED_CFG or None: the kernel the backend picks)
+    variants = {label: (f"ab_{label}.cu", None) for label in builds}
+    for cfg in args.configs:
+        label = cfg.split("_{suf}")[0]
+        variants[label] = ("ab_tree.cu", cfg)
+        builds[label] = None
     fused = get_backend("fused")
     shapes = [s for s in SHAPE_SETS["users"] if not args.only or s["name"] in args.only]
     rows = []
@@ -118,13 +129,21 @@ def run(args) -> dict:
         # bufs: each graph writes into its build's output; held here while the graph lives (a freed one
         # could be handed back to the driver by the next capture, and the replays would write there)
         outs, graphs, bufs = {}, {}, {}
-        for label in builds:
-            use(f"ab_{label}.cu")
+        for label, (module, cfg) in variants.items():
+            use(module)
+            os.environ.pop("TPATTN_FUSED_CFG", None)
+            if cfg:
+                os.environ["TPATTN_FUSED_CFG"] = cfg
             o = bufs[label] = torch.empty_like(q)
-            fused.forward(q, k, v, s["causal"], out=o)
+            try:
+                fused.forward(q, k, v, s["causal"], out=o)
+            except ConfigError:  # no kernel of that name for this shape's head dim
+                continue
             torch.cuda.synchronize()
             outs[label] = o.clone()
             graphs[label] = graph(lambda o=o: fused.forward(q, k, v, s["causal"], out=o), args.reps)
+        os.environ.pop("TPATTN_FUSED_CFG", None)
+        ran = [label for label in builds if label in outs]
         kk, vv = (k.repeat_interleave(h // g, 1), v.repeat_interleave(h // g, 1)) if g != h else (k, v)
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             graphs["cudnn"] = graph(lambda: F.scaled_dot_product_attention(q, kk, vv, is_causal=s["causal"]), args.reps)
@@ -139,15 +158,16 @@ def run(args) -> dict:
                 times[label].append(replay_ms(gr, args.reps))
         med = {label: statistics.median(t) for label, t in times.items()}
         row = {**s, "median_ms": med, "best_ms": {label: min(t) for label, t in times.items()},
-               "cudnn_over": {label: med["cudnn"] / med[label] for label in builds},
-               "same_bits_as_tree": {label: torch.equal(outs[label], outs["tree"]) for label in builds},
-               "max_err_vs_fp32": {label: (outs[label][:1, :2].float() - ref).abs().max().item() for label in builds}}
+               "cudnn_over": {label: med["cudnn"] / med[label] for label in ran},
+               "same_bits_as_tree": {label: torch.equal(outs[label], outs["tree"]) for label in ran},
+               "max_err_vs_fp32": {label: (outs[label][:1, :2].float() - ref).abs().max().item() for label in ran}}
         rows.append(row)
         print(f"  {s['name']:20s} " + "  ".join(f"{label} {med[label]:.4f}" for label in graphs)
-              + "  cuDNN/build " + " ".join(f"{row['cudnn_over'][label]:.3f}" for label in builds), flush=True)
+              + "  cuDNN/build " + " ".join(f"{row['cudnn_over'][label]:.3f}" for label in ran), flush=True)
     return {"gpu": torch.cuda.get_device_name(), "versions": versions(), "command": "python " + " ".join(sys.argv),
             "commit": git_commit(args.commit), "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "builds": {label: rev or "the working tree" for label, rev in builds.items()},
+            "builds": {label: rev or ("the working tree" + (f", TPATTN_FUSED_CFG={variants[label][1]}"
+                                                             if variants[label][1] else "")) for label, rev in builds.items()},
             "rounds": args.rounds, "reps": args.reps, "rows": rows}
 
 
@@ -164,8 +184,10 @@ def markdown(res: dict) -> str:
              + " | ".join(f"cuDNN / {b}" for b in builds) + " | same bits |",
              "|" + "---|" * (2 + 2 * len(builds) + 1)]
     for r in res["rows"]:
-        lines.append(f"| {r['name']} | " + " | ".join(f"{r['median_ms'][b]:.4f} ({r['best_ms'][b]:.4f})" for b in builds)
-                     + f" | {r['median_ms']['cudnn']:.4f} | " + " | ".join(f"{r['cudnn_over'][b]:.3f}" for b in builds)
+        lines.append(f"| {r['name']} | " + " | ".join(f"{r['median_ms'][b]:.4f} ({r['best_ms'][b]:.4f})"
+                                                      if b in r["cudnn_over"] else "-" for b in builds)
+                     + f" | {r['median_ms']['cudnn']:.4f} | "
+                     + " | ".join(f"{r['cudnn_over'][b]:.3f}" if b in r["cudnn_over"] else "-" for b in builds)
                      + " | " + ("yes" if all(r["same_bits_as_tree"].values()) else
                                 ", ".join(b for b, same in r["same_bits_as_tree"].items() if not same) + " differ")
                      + " |")
@@ -174,9 +196,12 @@ def markdown(res: dict) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--against", nargs="+", required=True, metavar="REV",
+    p.add_argument("--against", nargs="+", default=[], metavar="REV",
                    help="git revisions whose kernels/fused_ws_attention.cu (with its headers) run beside the "
                         "working tree's")
+    p.add_argument("--configs", nargs="+", default=[], metavar="CFG",
+                   help="kernels of the working tree's file by TPATTN_FUSED_CFG name, each timed beside it "
+                        "(e.g. \"fusedw_{suf}_d{d}\" \"fusedw3_{suf}_d{d}\")")
     p.add_argument("--only", nargs="+", default=None, metavar="SHAPE",
                    help="shapes of the users set by name (default all: " + ", ".join(
                        s["name"] for s in SHAPE_SETS["users"]) + ")")
@@ -187,6 +212,14 @@ def main() -> int:
     p.add_argument("--commit", default=None,
                    help="the commit to record, for a tree copied to another machine whose .git differs")
     args = p.parse_args()
+    if not args.against and not args.configs:
+        print("ab_fused: nothing to compare: give --against REV... or --configs CFG...; see --help", file=sys.stderr)
+        return 2
+    bad = [c for c in args.configs if not re.fullmatch(r"fusedw3?_\{suf\}_d\{d\}", c)]
+    if bad:
+        print(f"ab_fused: --configs {bad[0]!r} is not a fusedw kernel name such as fusedw3_{{suf}}_d{{d}}",
+              file=sys.stderr)
+        return 2
     unknown = sorted(set(args.only or []) - {s["name"] for s in SHAPE_SETS["users"]})
     if unknown:
         print(f"ab_fused: no shape {unknown[0]!r} in the users set; see --help", file=sys.stderr)
@@ -204,7 +237,7 @@ def main() -> int:
     res = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = args.name or "ab_" + "_".join(args.against)
+    stem = args.name or "ab_" + "_".join(args.against + [c.split("_{suf}")[0] for c in args.configs])
     (out / f"{stem}.json").write_text(json.dumps(res, indent=2))
     (out / f"{stem}.md").write_text(markdown(res))
     print(markdown(res))

@@ -33,12 +33,14 @@ def test_source_at_head_inlines_the_headers_of_that_revision():
 def test_help_names_the_builds_and_shapes():
     res = run(["--help"])
     assert res.returncode == 0, res.stderr
-    for word in ("--against", "--only", "--rounds", "ViT-B/16", "working tree"):
+    for word in ("--against", "--configs", "fusedw3_{suf}_d{d}", "--only", "--rounds", "ViT-B/16", "working tree"):
         assert word in res.stdout, word
 
 
 @pytest.mark.parametrize("argv,says", [(["--against", "no-such-revision-x"], "git has no kernels/fused_ws_attention.cu"),
-                                       (["--against", "HEAD", "--only", "ViT-Z"], "no shape 'ViT-Z'")])
+                                       (["--against", "HEAD", "--only", "ViT-Z"], "no shape 'ViT-Z'"),
+                                       (["--configs", "fusedw4_{suf}_d{d}"], "is not a fusedw kernel name"),
+                                       ([], "nothing to compare")])
 def test_bad_input_is_one_line(argv, says, tmp_path):
     res = run([*argv, "--out", str(tmp_path / "o")])
     assert res.returncode == 2
