@@ -32,9 +32,10 @@
 //     tiles) its producer asks a counter in device memory for the next tile as it starts one
 //     (an atomicAdd), so a block that drew short tiles takes more of them. The producer hands the
 //     tile number to the consumers with the Q tile: it writes the number in global memory beside
-//     the counter (two slots a block, one per Q stage; -1: no more tiles) and a 16-byte bulk copy
-//     brings it into the stage's slot in shared memory, completing on the stage's full barrier like
-//     the Q tile's TMA loads. The counter goes up by exactly one per tile and per block; the last block to
+//     the counter (two slots a block, one per Q stage; -1: no more tiles) before its arrive on the
+//     stage's full barrier, and the consumers read it there once the stage is in (compute-sanitizer
+//     racecheck follows this handoff; a bulk copy of the number into shared memory it did not, and
+//     the two measured the same). The counter goes up by exactly one per tile and per block; the last block to
 //     finish puts it back to zero, so the next launch (or graph replay) starts from zero. Which
 //     block runs a tile does not change its arithmetic: the output is the same bit for bit;
 //   * O: each consumer rounds its 64 rows into its own rows of its Q stage and writes them with
@@ -50,8 +51,7 @@
 // rows [row_begin, row_end) of every head are computed, in tiles of BR rows from row_begin (rows of
 // the last tile past row_end are computed and not stored). Grid x: any number of blocks up to the
 // tile count (tiles = ceil((row_end - row_begin) / BR) * B * H); block 128 (NC + 1) threads; dynamic shared memory
-// (2 * BR + 2 * KVS * BC) * D * 2 + 1024 + 256 bytes (the last 256: the mbarriers, then a 16-byte
-// slot per Q stage for its tile number). sched: null (the static order) or two int32 zeros in device
+// (2 * BR + 2 * KVS * BC) * D * 2 + 1024 + 256 bytes (the last 256: the mbarriers). sched: null (the static order) or two int32 zeros in device
 // memory that this kernel alone uses (and leaves at zero), 8 bytes of padding, then 32 bytes a block
 // for the tile numbers (two 16-byte slots). Needs compute capability 9.0 (sm_90a).
 
@@ -87,19 +87,14 @@ __device__ __forceinline__ void tw_tma(tc_u32 dst, const tw_tmap *map, int c, in
         ::"r"(dst), "l"((tc_u64)map), "r"(c), "r"(r), "r"(h), "r"(b), "r"(bar) : "memory");
 }
 
-// the tile numbers a producer hands its consumers: written in global memory, then 16 bytes copied
-// from there into shared memory by the TMA unit, completing on the Q stage's mbarrier with the Q tile
+// the tile numbers a producer hands its consumers, in global memory: written before the producer's
+// arrive on the Q stage's full barrier (a release), read after the consumers' wait on it (an acquire)
 __device__ __forceinline__ void tw_st_global(long long *p, long long v) {
     asm volatile("st.global.s64 [%0], %1;\n" ::"l"(p), "l"(v) : "memory");
 }
-__device__ __forceinline__ void tw_fence_proxy_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
-__device__ __forceinline__ void tw_bulk16(tc_u32 dst, const long long *src, tc_u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 16, [%2];\n"
-                 ::"r"(dst), "l"(src), "r"(bar) : "memory");
-}
-__device__ __forceinline__ long long tw_ld_shared64(tc_u32 addr) {
+__device__ __forceinline__ long long tw_ld_global(const long long *p) {
     long long v;
-    asm volatile("ld.shared.s64 %0, [%1];\n" : "=l"(v) : "r"(addr) : "memory");
+    asm volatile("ld.global.s64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
     return v;
 }
 
@@ -177,11 +172,9 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
     auto v_full = [&](int s) { return bars + 16 * QS + 8 * (2 * KVS + s); };
     auto v_empty = [&](int s) { return bars + 16 * QS + 8 * (3 * KVS + s); };
     // with the counter: the tile number of each Q stage. The producer writes it in global memory beside
-    // the counter (this block's QS slots of 16 bytes) and copies it with a bulk copy into the stage's
-    // slot in shared memory (after the mbarriers), completing on the stage's full barrier with the Q
-    // tile: the consumers read it from shared memory once the stage is in
+    // the counter (this block's QS slots of 16 bytes) before it arrives on the stage's full barrier;
+    // the consumers read it there once the stage is in
     long long *ring = sched ? reinterpret_cast<long long *>(sched + 4) + 2 * QS * blockIdx.x : nullptr;
-    auto q_slot = [&](int s) { return bars + 16 * QS + 32 * KVS + 16 * s; };
     auto q_stage = [](int n) { return n % QS; };
     auto q_parity = [](int n) { return (n / QS) & 1; };
     // a ring position k (K/V tiles counted over the block's whole run): its stage and phase parity
@@ -219,15 +212,14 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 const int qs = q_stage(n);
                 if (!sched && t >= tiles) break;  // the static order: the consumers know where it ends
                 tw_bar_wait(q_empty(qs), q_parity(n) ^ 1);
-                if (sched) {  // the tile number (-1: no more) into the stage's slot, with the Q tile
+                if (sched) {  // the tile number (-1: no more) into the stage's slot, before the stage's arrive
                     tw_st_global(ring + 2 * qs, t < tiles ? t : -1ll);
-                    tw_fence_proxy_global();  // the bulk copy (async proxy) reads what was just written
-                    tw_bar_expect(q_full(qs), t < tiles ? QB + 16 : 16);
-                    tw_bulk16(q_slot(qs), ring + 2 * qs, q_full(qs));
-                    if (t >= tiles) break;
-                } else {
-                    tw_bar_expect(q_full(qs), QB);
+                    if (t >= tiles) {
+                        tw_bar_arrive(q_full(qs));
+                        break;
+                    }
                 }
+                tw_bar_expect(q_full(qs), QB);
                 // the next tile, asked for now so that the atomic's round trip hides behind the loads
                 const long long next = sched ? gridDim.x + (long long)atomicAdd(sched, 1) : t + gridDim.x;
                 const tw_tile x = tw_tile_of<BR>(t, nq, row_begin, N, causal, BH, hg);
@@ -284,7 +276,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         if (!sched && t >= tiles) break;
         tw_bar_wait(q_full(qs), q_parity(n));
         if (sched) {
-            t = tw_ld_shared64(q_slot(qs));
+            t = tw_ld_global(ring + 2 * qs);
             if (t < 0) break;
         }
         const tw_tile x = tw_tile_of<BR>(t, nq, row_begin, N, causal, BH, hg);

@@ -117,7 +117,7 @@ GROUP_TILES = 2  # causal fusedw: heads in groups of about this many query tiles
 def _counter(device, sms: int) -> int:
     """The address of a pair of int32 zeros in device memory for one causal fusedw launch to hand out its
     tiles with (the kernel leaves them at zero), followed, from byte 16, by two 16-byte slots for
-    the tile numbers of each of its `sms` blocks (the kernel bulk-copies them into shared memory);
+    the tile numbers of each of its `sms` blocks (its producers write them, its consumers read them);
     0 (the static order) while a CUDA graph is being captured before any eager call
     made the pool, whose zeros would be written only at replay. The pool is never freed (a captured
     graph keeps pointing into it); a slot is shared by launches COUNTER_SLOTS apart in creation,
