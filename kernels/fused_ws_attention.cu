@@ -7,7 +7,7 @@
 //   * a block is 1 + NC warpgroups and owns BR = 64 NC query rows of one (batch, head) at a time:
 //     warpgroup 0 is the producer, warpgroups 1 .. NC the consumers (64 rows each). fusedw: NC = 2
 //     (384 threads, 128 rows); fusedw3 (D = 64): NC = 3 (512 threads, 192 rows), more warps to hide
-//     the softmax's latency where the products are half as long (measured 10-20 % faster at D = 64);
+//     the softmax's latency where the products are half as long (measured 7-14 % faster at D = 64);
 //     tpattn/attention/fused.py picks it where 192-row tiles do not pad the rows much more;
 //   * the producer is one thread issuing TMA loads (cp.async.bulk.tensor, 128-byte swizzle: the
 //     layout wgmma reads, zeros past the end of the sequence) of Q tiles into two stages and of K
@@ -164,7 +164,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
     constexpr int TURN = 1, EPI = 1 + NC;  // named barrier ids: turns 1 .. NC, epilogues NC + 1 .. 2 NC
     const tc_u32 sQ = hw_smem_base(), sK = sQ + QS * QB, sV = sK + KVS * KB, bars = sV + KVS * KB;
     // mbarriers, 8 bytes each: Q full [QS], Q empty [QS], K full [KVS], K empty [KVS], V full [KVS],
-    // V empty [KVS]; then the tile number of each Q stage (8 bytes each)
+    // V empty [KVS]
     auto q_full = [&](int s) { return bars + 8 * s; };
     auto q_empty = [&](int s) { return bars + 8 * (QS + s); };
     auto k_full = [&](int s) { return bars + 16 * QS + 8 * s; };
@@ -361,7 +361,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         kt += n_kt;
 
         // O = acc / l: this warpgroup's rows, staged in its own rows of the Q stage (its products are
-        // done reading them), then 16-byte stores of the rows < N
+        // done reading them), then 16-byte stores of the rows < row_end
         hw_write_lse(Lse, (long long)x.bh * N, r0, row_end, m, l, lane);
         hw_finish_l(l);
         const int b = x.bh / H, hh = x.bh - b * H;

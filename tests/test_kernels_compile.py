@@ -103,7 +103,7 @@ def test_fusedw3_where_192_row_tiles_pad_little(monkeypatch, n, w3):
     assert kernel_for(128, "f16", (9, 0), rows=n).name == "fusedw_f16_d128"
     assert kernel_for(64, "f16", (8, 0), rows=n).name.startswith("fused2_")
     monkeypatch.setenv("TPATTN_FUSED_CFG", "fusedw3_{suf}_d{d}")
-    with pytest.raises(ConfigError, match="not a fused kernel"):
+    with pytest.raises(ConfigError, match="fusedw3 is for head dim 64 only .* use fusedw_"):
         kernel_for(128, "f16", (9, 0), rows=n)
 
 class _FakeNvrtc:

@@ -41,7 +41,7 @@ CONFIG = {64: "fused2_{suf}_d64_w4_m1_c64", 128: "fused2_{suf}_d128_w4_m1_c64"}
 HOPPER_CONFIG = "fusedw_{suf}_d{d}"
 W3_CONFIG = "fusedw3_{suf}_d{d}"  # d = 64 only
 # fusedw3 when its rows (a multiple of 192) are at most this many times fusedw's (of 128): measured on
-# the H200 it is 10-20 % faster per row at d = 64 (docs/kernels.md), so N = 257, 1024, 4096 take it and
+# the H200 it is 7-14 % faster per row at d = 64 (docs/kernels.md), so N = 257, 1024, 4096 take it and
 # N = 197 (384 rows against 256) does not
 W3_PAD = 1.15
 WS_KV_STAGES = {64: 4, 128: 2}  # fusedw's K/V stages per head dim (KVS in the .cu file)
@@ -75,6 +75,9 @@ def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True, rows: i
         hopper = W3_CONFIG if w3 else HOPPER_CONFIG
         name = (key[5] or (hopper if cc == HOPPER_CC and wide else CONFIG[d])).format(suf=suf, d=d)
         m = re.fullmatch(rf"fused2_{suf}_d{d}_w(\d+)_m(\d+)_c(\d+)|fused[hw]_{suf}_d{d}|fusedw3_{suf}_d64", name)
+        if not m and name.startswith("fusedw3_"):
+            raise ConfigError(f"TPATTN_FUSED_CFG={name!r}: fusedw3 is for head dim 64 only (this call has d={d}); "
+                              "use fusedw_{suf}_d{d} or unset it")
         if not m:
             raise ConfigError(f"TPATTN_FUSED_CFG={name!r} is not a fused kernel for {suf}, d={d}")
         if name.startswith(("fusedh_", "fusedw")) and cc != HOPPER_CC:
