@@ -108,15 +108,12 @@ def run(args) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from tpattn.attention import get_backend
     from tpattn.config import ConfigError
-    builds = {"tree": None, **{rev: rev for rev in args.against}}
-    for label, rev in builds.items():
+    revs = {"tree": None, **{rev: rev for rev in args.against}}
+    for label, rev in revs.items():
         build(f"ab_{label}.cu", kernel_source(KERNEL) if rev is None else source_at(rev))
-    # label -> (module, TPATTN_FUSED_CFG or None: the kernel the backend picks)
-    variants = {label: (f"ab_{label}.cu", None) for label in builds}
-    for cfg in args.configs:
-        label = cfg.split("_{suf}")[0]
-        variants[label] = ("ab_tree.cu", cfg)
-        builds[label] = None
+    # label -> (module, TPATTN_FUSED_CFG or None: the kernel the backend picks), the order of the columns
+    variants = {label: (f"ab_{label}.cu", None) for label in revs}
+    variants.update({cfg.split("_{suf}")[0]: ("ab_tree.cu", cfg) for cfg in args.configs})
     fused = get_backend("fused")
     shapes = [s for s in SHAPE_SETS["users"] if not args.only or s["name"] in args.only]
     rows = []
@@ -143,7 +140,7 @@ def run(args) -> dict:
             outs[label] = o.clone()
             graphs[label] = graph(lambda o=o: fused.forward(q, k, v, s["causal"], out=o), args.reps)
         os.environ.pop("TPATTN_FUSED_CFG", None)
-        ran = [label for label in builds if label in outs]
+        ran = [label for label in variants if label in outs]
         kk, vv = (k.repeat_interleave(h // g, 1), v.repeat_interleave(h // g, 1)) if g != h else (k, v)
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             graphs["cudnn"] = graph(lambda: F.scaled_dot_product_attention(q, kk, vv, is_causal=s["causal"]), args.reps)
@@ -166,8 +163,8 @@ def run(args) -> dict:
               + "  cuDNN/build " + " ".join(f"{row['cudnn_over'][label]:.3f}" for label in ran), flush=True)
     return {"gpu": torch.cuda.get_device_name(), "versions": versions(), "command": "python " + " ".join(sys.argv),
             "commit": git_commit(args.commit), "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "builds": {label: rev or ("the working tree" + (f", TPATTN_FUSED_CFG={variants[label][1]}"
-                                                             if variants[label][1] else "")) for label, rev in builds.items()},
+            "builds": {label: revs.get(label) or ("the working tree" + (f", TPATTN_FUSED_CFG={cfg}" if cfg else ""))
+                       for label, (_, cfg) in variants.items()},
             "rounds": args.rounds, "reps": args.reps, "rows": rows}
 
 

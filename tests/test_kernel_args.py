@@ -199,10 +199,11 @@ def test_fused_ws_launch(launches, monkeypatch, causal, h, g):
 @pytest.mark.parametrize("causal", [False, True])
 def test_fused_ws3_launch_over_a_row_range(launches, monkeypatch, causal):
     """fusedw3 (d = 64, N = 4096): 512 threads, Q's tensor map in boxes of 192 rows, and the query rows
-    as a range (a chunk starting at row 128, which is no multiple of 192), tiles of 192 rows from it."""
-    monkeypatch.setattr(fused, "_device_info", lambda dev: (40, (9, 0)))
+    as a range (a chunk starting at row 128, which is no multiple of 192), tiles of 192 rows from it:
+    on 132 SMs the grid is one block per tile, so it counts them."""
+    monkeypatch.setattr(fused, "_device_info", lambda dev: (132, (9, 0)))
     monkeypatch.delenv("TPATTN_FUSED_GRID", raising=False)
-    b, h, n, d = 1, 4, 4096, 64
+    b, h, n, d = 1, 8, 4096, 64
     q, k, v = qkv(b, h, h, n, d)
     fused.FusedBackend().forward(q, k, v, causal, rows=(128, 2048))
     (source, name, grid, block, args), = launches
@@ -210,9 +211,9 @@ def test_fused_ws3_launch_over_a_row_range(launches, monkeypatch, causal):
     assert name == "fusedw3_f16_d64" and block == (512, 1, 1)
     assert args[0].box == (64, 192) and args[1].box == args[2].box == (64, 128)
     assert (int(args[9]), int(args[10])) == (128, 2048)  # row_begin, row_end
-    nq = -(-(2048 - 128) // 192)  # 10 tiles of 192 rows a head
-    assert grid == (40, 1, 1) and nq * b * h == 40
-    assert int(args[-2]) == (min(b * h, 8) if causal else 1)  # causal: heads in groups of ceil(2 * 40 / 10)
+    assert grid == (10 * b * h, 1, 1)  # 1920 rows a head: 10 tiles of 192 (15 of 128 would be 120 blocks)
+    assert int(args[-1]) == 0  # no more tiles than blocks: no counter, causal or not
+    assert int(args[-2]) == (b * h if causal else 1)  # causal: heads in groups of ceil(2 * 132 / 10), at most 8
 
 
 def test_fused_ws_reads_the_packed_projection_in_place(launches, monkeypatch):

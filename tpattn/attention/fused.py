@@ -86,9 +86,9 @@ def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True, rows: i
         if name.startswith("fusedh_"):
             _kernels[key] = Choice(HOPPER_SOURCE, name, 256, 128, (128 + 4 * 128) * d * 2 + 1024)
         elif name.startswith("fusedw"):  # a producer warpgroup and 2 (fusedw) or 3 (fusedw3) consumers of 64
-            rows = 64 * (3 if name.startswith("fusedw3") else 2)  # rows each; + 256 bytes for the mbarriers
-            _kernels[key] = Choice(WS_SOURCE, name, 128 + 2 * rows, rows,
-                                   (2 * rows + 2 * WS_KV_STAGES[d] * 128) * d * 2 + 1024 + 256)
+            br = 64 * (3 if name.startswith("fusedw3") else 2)  # rows each: br a tile; + 256 bytes for the mbarriers
+            _kernels[key] = Choice(WS_SOURCE, name, 128 + 2 * br, br,
+                                   (2 * br + 2 * WS_KV_STAGES[d] * 128) * d * 2 + 1024 + 256)
         else:
             w, mt, c = (int(g) for g in m.groups())
             rows = 16 * mt * w
