@@ -115,7 +115,8 @@ struct tw_tile {
     int bh, q0, n_kt;  // (batch, head), the tile's first query row, its key tiles
 };
 template <int BR>
-__device__ __forceinline__ tw_tile tw_tile_of(long long t, int nq, int row_begin, int N, int causal, int BH, int hg) {
+__device__ __forceinline__ tw_tile tw_tile_of(long long t, int nq, int row_begin, int row_end, int N, int causal, int BH,
+                                              int hg) {
     tw_tile x;
     const long long per = (long long)hg * nq;
     const int g = (int)(t / per);
@@ -124,8 +125,8 @@ __device__ __forceinline__ tw_tile tw_tile_of(long long t, int nq, int row_begin
     x.bh = g * hg + (idx - qi * hn);
     x.q0 = row_begin + (causal ? nq - 1 - qi : qi) * BR;  // causal: the longest rows first
     x.n_kt = (N + 127) / 128;
-    if (causal) {
-        const int last = (x.q0 + BR - 1) / 128 + 1;
+    if (causal) {  // up to the key tile of the tile's last row (< row_end)
+        const int last = (min(x.q0 + BR, row_end) - 1) / 128 + 1;
         x.n_kt = last < x.n_kt ? last : x.n_kt;
     }
     return x;
@@ -222,7 +223,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 tw_bar_expect(q_full(qs), QB);
                 // the next tile, asked for now so that the atomic's round trip hides behind the loads
                 const long long next = sched ? gridDim.x + (long long)atomicAdd(sched, 1) : t + gridDim.x;
-                const tw_tile x = tw_tile_of<BR>(t, nq, row_begin, N, causal, BH, hg);
+                const tw_tile x = tw_tile_of<BR>(t, nq, row_begin, row_end, N, causal, BH, hg);
                 const int b = x.bh / H, hh = x.bh - b * H, hk = hh / group;
 #pragma unroll
                 for (int p = 0; p < PANELS; ++p)
@@ -279,7 +280,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
             t = tw_ld_global(ring + 2 * qs);
             if (t < 0) break;
         }
-        const tw_tile x = tw_tile_of<BR>(t, nq, row_begin, N, causal, BH, hg);
+        const tw_tile x = tw_tile_of<BR>(t, nq, row_begin, row_end, N, causal, BH, hg);
         const int q0 = x.q0, n_kt = x.n_kt;
         const int r0 = q0 + rl, wr0 = q0 + c * 64;  // this thread's first row, the warpgroup's first
         const tc_u32 sQs = sQ + qs * QB, sq = sQs + c * 64 * 128;  // the Q stage; this warpgroup's rows (panel 0)
@@ -288,8 +289,15 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
         float m[2] = {TC_NEG_INF, TC_NEG_INF}, l[2] = {0.0f, 0.0f}, alpha[2];
 
+        // this warpgroup's key tiles: none where its 64 rows start at or past row_end (the last tile of a
+        // head, 192-row tiles: N = 4096 is 21 1/3 of them); with causal, up to the key tile of its last
+        // row (< row_end), which in a 192-row tile is one key tile before the tile's last for a third of
+        // the warpgroups. The key tiles after my_kt are masked out for all of its rows: skipping them
+        // leaves its output the same bits
+        const int wend = min(wr0 + 64, row_end);
+        const int my_kt = wend <= wr0 ? 0 : causal ? min(n_kt, (wend - 1) / BC + 1) : n_kt;
         // keys of the last key tile that are computed: TW_NARROW where it holds that many or fewer (D = 64)
-        const int wl = D == 64 && NC == 2 && N - (n_kt - 1) * BC <= TW_NARROW ? TW_NARROW : BC;
+        const int wl = D == 64 && NC == 2 && N - (my_kt - 1) * BC <= TW_NARROW ? TW_NARROW : BC;
         // S_0 = Q K_0^T (W keys), its mask and softmax
         auto first = [&](int w) {
             TW_BY_KEYS(D, w,
@@ -353,32 +361,52 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 hw_keep(pa);
                 release(v_empty(stage(vj))));
         };
+        // a key tile this warpgroup does not compute: its turn passed on at once (every consumer takes
+        // n_kt + 1 turns a tile), its K and V stages released once they are in (an arrive before the
+        // stage's full phase would count towards the previous phase of its empty barrier)
+        auto skip = [&](int j) {
+            const int kj = kt + j;
+            my_turn();
+            your_turn();
+            tw_bar_wait(k_full(stage(kj)), parity(kj));
+            release(k_empty(stage(kj)));
+            tw_bar_wait(v_full(stage(kj)), parity(kj));
+            release(v_empty(stage(kj)));
+        };
         // the last key tile apart, so that the loop's copy has 128-key tiles only
-        first(n_kt == 1 ? wl : BC);
-        for (int j = 1; j < n_kt - 1; ++j) step(j, BC);
-        if (n_kt > 1) step(n_kt - 1, wl);
-        last(wl);
+        if (my_kt > 0) {
+            first(my_kt == 1 ? wl : BC);
+            for (int j = 1; j < my_kt - 1; ++j) step(j, BC);
+            if (my_kt > 1) step(my_kt - 1, wl);
+            last(wl);
+        } else {  // the turn `last` would have taken
+            my_turn();
+            your_turn();
+        }
+        for (int j = my_kt; j < n_kt; ++j) skip(j);
         kt += n_kt;
 
         // O = acc / l: this warpgroup's rows, staged in its own rows of the Q stage (its products are
         // done reading them), then 16-byte stores of the rows < row_end
-        hw_write_lse(Lse, (long long)x.bh * N, r0, row_end, m, l, lane);
-        hw_finish_l(l);
-        const int b = x.bh / H, hh = x.bh - b * H;
-        tc_u16 *Oh = O + b * o_sb + hh * o_sh;
-        constexpr int CH = D / 8;
+        if (my_kt > 0) {
+            hw_write_lse(Lse, (long long)x.bh * N, r0, row_end, m, l, lane);
+            hw_finish_l(l);
+            const int b = x.bh / H, hh = x.bh - b * H;
+            tc_u16 *Oh = O + b * o_sb + hh * o_sh;
+            constexpr int CH = D / 8;
 #pragma unroll
-        for (int j = 0; j < CH; ++j)
+            for (int j = 0; j < CH; ++j)
 #pragma unroll
-            for (int i = 0; i < 2; ++i)
-                hw_st_shared(sQs + hw_swz<BR>(rl + 8 * i, j) + (lane & 3) * 4,
-                             tc_pack<BF16>(o[4 * j + 2 * i] * l[i], o[4 * j + 2 * i + 1] * l[i]));
-        tw_sync(EPI + c, 128);
+                for (int i = 0; i < 2; ++i)
+                    hw_st_shared(sQs + hw_swz<BR>(rl + 8 * i, j) + (lane & 3) * 4,
+                                 tc_pack<BF16>(o[4 * j + 2 * i] * l[i], o[4 * j + 2 * i + 1] * l[i]));
+            tw_sync(EPI + c, 128);
 #pragma unroll
-        for (int i = 0; i < 64 * CH / 128; ++i) {
-            const int e = ctid + i * 128;
-            const int r = c * 64 + e / CH, ch = e % CH;
-            if (q0 + r < row_end) *(tc_u4 *)(Oh + (long long)(q0 + r) * o_ld + ch * 8) = hw_ld_shared4(sQs + hw_swz<BR>(r, ch));
+            for (int i = 0; i < 64 * CH / 128; ++i) {
+                const int e = ctid + i * 128;
+                const int r = c * 64 + e / CH, ch = e % CH;
+                if (q0 + r < row_end) *(tc_u4 *)(Oh + (long long)(q0 + r) * o_ld + ch * 8) = hw_ld_shared4(sQs + hw_swz<BR>(r, ch));
+            }
         }
         hw_fence_proxy();  // these generic reads of the Q stage before a later tile's TMA writes it
         release(q_empty(qs));

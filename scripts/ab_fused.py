@@ -48,8 +48,12 @@ class RevisionError(ValueError):
 
 def source_at(rev: str, filename: str = KERNEL, _seen: set | None = None) -> str:
     """kernels/`filename` at git revision `rev` with its local headers inlined from the same revision
-    (as tpattn.cuda.kernel_source does for the working tree). A revision git does not know: RevisionError."""
+    (as tpattn.cuda.kernel_source does for the working tree), or the text of the file `rev` where that
+    is a file (a copy of the tree whose .git lacks the revision: `--save-source`). A revision git does
+    not know: RevisionError."""
     seen = set() if _seen is None else _seen
+    if _seen is None and Path(rev).is_file():  # a file: the kernel with its headers already inlined
+        return Path(rev).read_text()
     text = sh(["git", "show", f"{rev}:kernels/{filename}"])
     if text is None:
         raise RevisionError(f"ab_fused: git has no kernels/{filename} at {rev!r}; give a commit of this repository")
@@ -195,7 +199,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--against", nargs="+", default=[], metavar="REV",
                    help="git revisions whose kernels/fused_ws_attention.cu (with its headers) run beside the "
-                        "working tree's")
+                        "working tree's, or files written by --save-source")
+    p.add_argument("--save-source", nargs=2, default=None, metavar=("REV", "FILE"),
+                   help="write the kernel at REV with its headers inlined to FILE and stop (for a copy of the "
+                        "tree without that revision: --against FILE there)")
     p.add_argument("--configs", nargs="+", default=[], metavar="CFG",
                    help="kernels of the working tree's file by TPATTN_FUSED_CFG name, each timed beside it "
                         "(e.g. \"fusedw_{suf}_d{d}\" \"fusedw3_{suf}_d{d}\")")
@@ -209,6 +216,13 @@ def main() -> int:
     p.add_argument("--commit", default=None,
                    help="the commit to record, for a tree copied to another machine whose .git differs")
     args = p.parse_args()
+    if args.save_source:
+        try:
+            Path(args.save_source[1]).write_text(source_at(args.save_source[0]))
+        except RevisionError as exc:
+            print(exc, file=sys.stderr)
+            return 2
+        return 0
     if not args.against and not args.configs:
         print("ab_fused: nothing to compare: give --against REV... or --configs CFG...; see --help", file=sys.stderr)
         return 2

@@ -56,3 +56,14 @@ def test_refuses_without_a_hopper_gpu_in_one_line(tmp_path):
     lines = (res.stdout + res.stderr).strip().splitlines()
     assert len(lines) == 1 and "compute capability 9.0" in lines[0], lines
     assert not (tmp_path / "o").exists()
+
+
+def test_save_source_writes_the_revision_that_against_reads_back(tmp_path):
+    f = tmp_path / "head.cu"
+    res = run(["--save-source", "HEAD", str(f)])
+    assert res.returncode == 0, res.stderr
+    assert f.read_text() == ab_fused.source_at("HEAD")
+    assert ab_fused.source_at(str(f)) == f.read_text()  # --against FILE: the file as written
+    res = run(["--save-source", "no-such-revision-x", str(tmp_path / "x.cu")])
+    assert res.returncode == 2 and "git has no kernels/fused_ws_attention.cu" in res.stderr
+    assert not (tmp_path / "x.cu").exists()

@@ -201,6 +201,35 @@ def test_fused_ws3_gives_fusedws_bits(dtype, n, causal, grid, monkeypatch):
 
 
 @pytest.mark.skipif(not HOPPER, reason="fusedw needs compute capability 9.0")
+@pytest.mark.parametrize("cfg,d", [("fusedw_{suf}_d{d}", 64), ("fusedw_{suf}_d{d}", 128), ("fusedw3_{suf}_d{d}", 64)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [300, 1050])
+def test_fused_ws_warpgroups_stop_at_their_own_rows(cfg, d, n, causal, monkeypatch):
+    """Each consumer warpgroup computes the key tiles of its own 64 rows only: none where they start at
+    or past the call's last row (N = 300 and 1050: the last 128-row tile's second warpgroup; 192-row
+    tiles: the last tile of a head or of a chunk ending at row 256), and with causal none past its last
+    row's diagonal (192-row tiles from row 128 or 256: the first warpgroup's rows end a key tile before
+    the last one's). Row chunks give the full call's bits, output and logsumexp, and leave the rows
+    outside untouched; the full call against float64."""
+    monkeypatch.setenv("TPATTN_FUSED_CFG", cfg)
+    b, h = 2, 6
+    q, k, v = qkv(b, h, n, d, torch.float16, seed=n + d)
+    fused = get_backend("fused")
+    lse = torch.full((b, h, n), float("nan"), dtype=torch.float32, device="cuda")
+    full = fused.forward(q, k, v, causal, out=nan_like(q.shape, torch.float16), lse=lse)
+    chunks = nan_like(q.shape, torch.float16)
+    clse = torch.full((b, h, n), float("nan"), dtype=torch.float32, device="cuda")
+    bounds = (128, 256, 640, n) if n > 640 else (128, 256, n)
+    for r0, r1 in zip(bounds, bounds[1:]):
+        fused.forward(q, k, v, causal, out=chunks, lse=clse, rows=(r0, r1))
+    torch.cuda.synchronize()
+    assert torch.isfinite(full).all() and torch.isfinite(lse).all(), "the kernel left poisoned outputs"
+    assert rel_err(full, attention64(q, k, v, causal)) <= TOL_F64["fp16"]
+    assert torch.isnan(chunks[:, :, :128]).all() and torch.isnan(clse[:, :, :128]).all()
+    assert torch.equal(chunks[:, :, 128:], full[:, :, 128:]) and torch.equal(clse[:, :, 128:], lse[:, :, 128:])
+
+
+@pytest.mark.skipif(not HOPPER, reason="fusedw needs compute capability 9.0")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n", [80, 81, 129, 207, 208, 209, 257])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
