@@ -111,6 +111,12 @@ __device__ __forceinline__ void tw_arrive(int id, int count) {
 // and V stay in L2. Inside a group, causal: the longest query tiles of all its heads first, then the
 // next longest, ... (handed out by the counter, the last tiles of the run are the shortest ones and
 // the blocks finish together); without causal hg = 1 and a head's tiles in order.
+// the key tiles of rows that end before row `end`: with causal up to that row's, else all of them
+__device__ __forceinline__ int tw_tile_keys(int end, int N, int causal) {
+    const int all = (N + 127) / 128, last = (end - 1) / 128 + 1;
+    return causal && last < all ? last : all;
+}
+
 struct tw_tile {
     int bh, q0, n_kt;  // (batch, head), the tile's first query row, its key tiles
 };
@@ -125,8 +131,10 @@ __device__ __forceinline__ tw_tile tw_tile_of(long long t, int nq, int row_begin
     x.bh = g * hg + (idx - qi * hn);
     x.q0 = row_begin + (causal ? nq - 1 - qi : qi) * BR;  // causal: the longest rows first
     x.n_kt = (N + 127) / 128;
-    if (causal) {  // up to the key tile of the tile's last row (< row_end)
-        const int last = (min(x.q0 + BR, row_end) - 1) / 128 + 1;
+    if (causal) {  // up to the key tile of the tile's last row (< row_end: 192-row tiles; with 128 rows from a
+                   // row_begin that is a multiple of 128 the same key tile, and ptxas serialized fusedw's wgmma
+                   // at D = 64 with the min)
+        const int last = ((BR == 128 ? x.q0 + BR : min(x.q0 + BR, row_end)) - 1) / 128 + 1;
         x.n_kt = last < x.n_kt ? last : x.n_kt;
     }
     return x;
@@ -289,15 +297,17 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
         float m[2] = {TC_NEG_INF, TC_NEG_INF}, l[2] = {0.0f, 0.0f}, alpha[2];
 
-        // this warpgroup's key tiles: none where its 64 rows start at or past row_end (the last tile of a
-        // head, 192-row tiles: N = 4096 is 21 1/3 of them); with causal, up to the key tile of its last
-        // row (< row_end), which in a 192-row tile is one key tile before the tile's last for a third of
-        // the warpgroups. The key tiles after my_kt are masked out for all of its rows: skipping them
-        // leaves its output the same bits
-        const int wend = min(wr0 + 64, row_end);
-        const int my_kt = wend <= wr0 ? 0 : causal ? min(n_kt, (wend - 1) / BC + 1) : n_kt;
+        // fusedw3: this warpgroup's key tiles. None where its 64 rows start at or past row_end (the last
+        // tile of a head: N = 4096 is 21 1/3 tiles of 192 rows); with causal nk, up to the key tile of its
+        // last row (< row_end), one key tile before the tile's last for a third of the warpgroups. The
+        // key tiles it skips are masked out for all of its rows: its output is the same bits. NC = 2:
+        // both warpgroups of a 128-row tile end on the same key tile (row_begin a multiple of 128 from
+        // the host), and a second warpgroup without rows (N mod 128 <= 64) computes them as before: with
+        // the branch around its products ptxas serialized the wgmma at D = 64
+        const bool rows_here = NC == 2 || wr0 < row_end;
+        const int nk = NC == 2 ? n_kt : tw_tile_keys(min(wr0 + 64, row_end), N, causal);
         // keys of the last key tile that are computed: TW_NARROW where it holds that many or fewer (D = 64)
-        const int wl = D == 64 && NC == 2 && N - (my_kt - 1) * BC <= TW_NARROW ? TW_NARROW : BC;
+        const int wl = D == 64 && NC == 2 && N - (nk - 1) * BC <= TW_NARROW ? TW_NARROW : BC;
         // S_0 = Q K_0^T (W keys), its mask and softmax
         auto first = [&](int w) {
             TW_BY_KEYS(D, w,
@@ -344,7 +354,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         };
         // the last O += P V (W keys)
         auto last = [&](int w) {
-            const int vj = kt + n_kt - 1;
+            const int vj = kt + nk - 1;
             TW_BY_KEYS(D, w,
                 tw_bar_wait(v_full(stage(vj)), parity(vj));
                 tc_u32 pa[8][4];
@@ -374,21 +384,28 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
             release(v_empty(stage(kj)));
         };
         // the last key tile apart, so that the loop's copy has 128-key tiles only
-        if (my_kt > 0) {
-            first(my_kt == 1 ? wl : BC);
-            for (int j = 1; j < my_kt - 1; ++j) step(j, BC);
-            if (my_kt > 1) step(my_kt - 1, wl);
+        if (rows_here) {
+            first(nk == 1 ? wl : BC);
+            for (int j = 1; j < nk - 1; ++j) step(j, BC);
+            if (nk > 1) step(nk - 1, wl);
             last(wl);
         } else {  // the turn `last` would have taken
             my_turn();
             your_turn();
         }
-        for (int j = my_kt; j < n_kt; ++j) skip(j);
-        kt += n_kt;
+        if constexpr (NC == 2) {
+            kt += n_kt;
+        } else {  // n_kt and nk again, from q0 through an opaque copy: held across the loop, they cost a spill there
+            int q0o;
+            asm volatile("mov.b32 %0, %1;\n" : "=r"(q0o) : "r"(q0));
+            const int wr0o = q0o + c * 64, n_kt_o = tw_tile_keys(min(q0o + BR, row_end), N, causal);
+            for (int j = wr0o < row_end ? tw_tile_keys(min(wr0o + 64, row_end), N, causal) : 0; j < n_kt_o; ++j) skip(j);
+            kt += n_kt_o;
+        }
 
         // O = acc / l: this warpgroup's rows, staged in its own rows of the Q stage (its products are
         // done reading them), then 16-byte stores of the rows < row_end
-        if (my_kt > 0) {
+        if (rows_here) {
             hw_write_lse(Lse, (long long)x.bh * N, r0, row_end, m, l, lane);
             hw_finish_l(l);
             const int b = x.bh / H, hh = x.bh - b * H;
