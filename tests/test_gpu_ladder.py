@@ -205,12 +205,12 @@ def test_fused_ws3_gives_fusedws_bits(dtype, n, causal, grid, monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n", [300, 1050])
 def test_fused_ws_warpgroups_stop_at_their_own_rows(cfg, d, n, causal, monkeypatch):
-    """Each consumer warpgroup computes the key tiles of its own 64 rows only: none where they start at
-    or past the call's last row (N = 300 and 1050: the last 128-row tile's second warpgroup; 192-row
-    tiles: the last tile of a head or of a chunk ending at row 256), and with causal none past its last
-    row's diagonal (192-row tiles from row 128 or 256: the first warpgroup's rows end a key tile before
-    the last one's). Row chunks give the full call's bits, output and logsumexp, and leave the rows
-    outside untouched; the full call against float64."""
+    """fusedw3's consumer warpgroups compute the key tiles of their own 64 rows only: none where they
+    start at or past the call's last row (the last 192-row tile of a head, N = 300 and 1050, or of a
+    chunk ending at row 256), and with causal none past their last row's diagonal (tiles from row 128
+    or 256: the first warpgroup's rows end a key tile before the last one's). fusedw beside it (its
+    warpgroups compute every key tile of the tile). Row chunks give the full call's bits, output and
+    logsumexp, and leave the rows outside untouched; the full call against float64."""
     monkeypatch.setenv("TPATTN_FUSED_CFG", cfg)
     b, h = 2, 6
     q, k, v = qkv(b, h, n, d, torch.float16, seed=n + d)
