@@ -268,11 +268,12 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     else
         asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n" ::: "memory");
-    // fusedw3: the warpgroup index through a shuffle from lane 0, so that the compiler knows it is the same in
-    // every lane, and so are the key tile counts taken from it (with wg - 1 it took the loops for divergent
-    // and moved the ring arithmetic off the uniform datapath: 14 % slower at N = 257). fusedw does not need
-    // it (its loops do not depend on c), and with it ptxas serialized the wgmma at D = 64
-    const int c = NC == 2 ? wg - 1 : __shfl_sync(0xffffffffu, wg - 1, 0), ctid = tid - 128 * wg, warp = ctid >> 5;
+    // the warpgroup index through a shuffle from lane 0, so that the compiler knows it is the same in every
+    // lane, and so is what is taken from it (fusedw3's key tile counts: with wg - 1 it took the loops for
+    // divergent and moved the ring arithmetic off the uniform datapath, 14 % slower at N = 257; fusedw at
+    // D = 128: half the R2UR moves, 2-4 % faster). Not fusedw at D = 64: ptxas serialized its wgmma with it
+    const int c = NC == 2 && D == 64 ? wg - 1 : __shfl_sync(0xffffffffu, wg - 1, 0), ctid = tid - 128 * wg,
+              warp = ctid >> 5;
     const int rl = c * 64 + warp * 16 + (lane >> 2);  // this thread's rows in the tile: rl and rl + 8
     auto my_turn = [&]() { tw_sync(TURN + c, 256); };
     auto your_turn = [&]() { tw_arrive(TURN + (c + 1) % NC, 256); };
