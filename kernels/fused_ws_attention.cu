@@ -38,6 +38,10 @@
 //     the two measured the same). The counter goes up by exactly one per tile and per block; the last block to
 //     finish puts it back to zero, so the next launch (or graph replay) starts from zero. Which
 //     block runs a tile does not change its arithmetic: the output is the same bit for bit;
+//   * fusedw3: each consumer warpgroup computes the key tiles of its own 64 rows only: none where they
+//     start at or past row_end (a head's last 192-row tile), with causal none past its last row's key
+//     tile; the turns of the key tiles it skips are passed on at once and their stages released unread,
+//     so every consumer still takes n_kt + 1 turns a tile (the same bits as computing them);
 //   * O: each consumer rounds its 64 rows into its own rows of its Q stage and writes them with
 //     16-byte stores for rows < row_end; then it frees the Q stage for the tile after next;
 //   * D = 64, NC = 2: a sequence's last key tile, when it holds at most 80 keys (ViT's N = 197 and
