@@ -52,7 +52,9 @@ def source_at(rev: str, filename: str = KERNEL, _seen: set | None = None) -> str
     is a file (a copy of the tree whose .git lacks the revision: `--save-source`). A revision git does
     not know: RevisionError."""
     seen = set() if _seen is None else _seen
-    if _seen is None and Path(rev).is_file():  # a file: the kernel with its headers already inlined
+    if _seen is None and rev.endswith(".cu"):  # a file: the kernel with its headers already inlined
+        if not Path(rev).is_file():
+            raise RevisionError(f"ab_fused: no file {rev!r}; write one with --save-source REV {rev}")
         return Path(rev).read_text()
     text = sh(["git", "show", f"{rev}:kernels/{filename}"])
     if text is None:
@@ -64,6 +66,11 @@ def source_at(rev: str, filename: str = KERNEL, _seen: set | None = None) -> str
         seen.add(m.group(1))
         return re.sub(r"^#pragma once[ \t]*\n", "", source_at(rev, m.group(1), seen), flags=re.M)
     return _INCLUDE.sub(inline, text + "\n")
+
+
+def label_of(rev: str) -> str:
+    """The column label and file-name part of a build: a revision as given, a .cu file by its stem."""
+    return Path(rev).stem if rev.endswith(".cu") else rev
 
 
 def build(name: str, src: str) -> None:
@@ -112,7 +119,7 @@ def run(args) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from tpattn.attention import get_backend
     from tpattn.config import ConfigError
-    revs = {"tree": None, **{rev: rev for rev in args.against}}
+    revs = {"tree": None, **{label_of(rev): rev for rev in args.against}}
     for label, rev in revs.items():
         build(f"ab_{label}.cu", kernel_source(KERNEL) if rev is None else source_at(rev))
     # label -> (module, TPATTN_FUSED_CFG or None: the kernel the backend picks), the order of the columns
@@ -199,10 +206,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--against", nargs="+", default=[], metavar="REV",
                    help="git revisions whose kernels/fused_ws_attention.cu (with its headers) run beside the "
-                        "working tree's, or files written by --save-source")
-    p.add_argument("--save-source", nargs=2, default=None, metavar=("REV", "FILE"),
-                   help="write the kernel at REV with its headers inlined to FILE and stop (for a copy of the "
-                        "tree without that revision: --against FILE there)")
+                        "working tree's, or .cu files written by --save-source (labelled by their stem)")
+    p.add_argument("--save-source", nargs=2, default=None, metavar=("REV", "FILE.cu"),
+                   help="write the kernel at REV with its headers inlined to FILE.cu and stop (for a copy of the "
+                        "tree without that revision: --against FILE.cu there)")
     p.add_argument("--configs", nargs="+", default=[], metavar="CFG",
                    help="kernels of the working tree's file by TPATTN_FUSED_CFG name, each timed beside it "
                         "(e.g. \"fusedw_{suf}_d{d}\" \"fusedw3_{suf}_d{d}\")")
@@ -217,6 +224,9 @@ def main() -> int:
                    help="the commit to record, for a tree copied to another machine whose .git differs")
     args = p.parse_args()
     if args.save_source:
+        if not args.save_source[1].endswith(".cu"):
+            print(f"ab_fused: --save-source writes a .cu file (got {args.save_source[1]!r})", file=sys.stderr)
+            return 2
         try:
             Path(args.save_source[1]).write_text(source_at(args.save_source[0]))
         except RevisionError as exc:
@@ -248,7 +258,7 @@ def main() -> int:
     res = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = args.name or "ab_" + "_".join(args.against + [c.split("_{suf}")[0] for c in args.configs])
+    stem = args.name or "ab_" + "_".join([label_of(r) for r in args.against] + [c.split("_{suf}")[0] for c in args.configs])
     (out / f"{stem}.json").write_text(json.dumps(res, indent=2))
     (out / f"{stem}.md").write_text(markdown(res))
     print(markdown(res))

@@ -40,6 +40,8 @@ def test_help_names_the_builds_and_shapes():
 @pytest.mark.parametrize("argv,says", [(["--against", "no-such-revision-x"], "git has no kernels/fused_ws_attention.cu"),
                                        (["--against", "HEAD", "--only", "ViT-Z"], "no shape 'ViT-Z'"),
                                        (["--configs", "fusedw4_{suf}_d{d}"], "is not a fusedw kernel name"),
+                                       (["--against", "no/such/file.cu"], "no file 'no/such/file.cu'; write one with"),
+                                       (["--save-source", "HEAD", "x.txt"], "--save-source writes a .cu file"),
                                        ([], "nothing to compare")])
 def test_bad_input_is_one_line(argv, says, tmp_path):
     res = run([*argv, "--out", str(tmp_path / "o")])
@@ -64,6 +66,7 @@ def test_save_source_writes_the_revision_that_against_reads_back(tmp_path):
     assert res.returncode == 0, res.stderr
     assert f.read_text() == ab_fused.source_at("HEAD")
     assert ab_fused.source_at(str(f)) == f.read_text()  # --against FILE: the file as written
+    assert ab_fused.label_of(str(f)) == "head" and ab_fused.label_of("4b8845f") == "4b8845f"
     res = run(["--save-source", "no-such-revision-x", str(tmp_path / "x.cu")])
     assert res.returncode == 2 and "git has no kernels/fused_ws_attention.cu" in res.stderr
     assert not (tmp_path / "x.cu").exists()
