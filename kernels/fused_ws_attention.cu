@@ -110,17 +110,17 @@ __device__ __forceinline__ void tw_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
-// the tile sequence every warpgroup walks: tile t -> (batch * head, query tile, key tiles). The heads
-// go in groups of hg (the last group may be smaller): a group's tiles run together, so its heads' K
-// and V stay in L2. Inside a group, causal: the longest query tiles of all its heads first, then the
-// next longest, ... (handed out by the counter, the last tiles of the run are the shortest ones and
-// the blocks finish together); without causal hg = 1 and a head's tiles in order.
 // the key tiles of rows that end before row `end`: with causal up to that row's, else all of them
 __device__ __forceinline__ int tw_tile_keys(int end, int N, int causal) {
     const int all = (N + 127) / 128, last = (end - 1) / 128 + 1;
     return causal && last < all ? last : all;
 }
 
+// the tile sequence every warpgroup walks: tile t -> (batch * head, query tile, key tiles). The heads
+// go in groups of hg (the last group may be smaller): a group's tiles run together, so its heads' K
+// and V stay in L2. Inside a group, causal: the longest query tiles of all its heads first, then the
+// next longest, ... (handed out by the counter, the last tiles of the run are the shortest ones and
+// the blocks finish together); without causal hg = 1 and a head's tiles in order.
 struct tw_tile {
     int bh, q0, n_kt;  // (batch, head), the tile's first query row, its key tiles
 };
