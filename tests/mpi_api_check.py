@@ -50,6 +50,17 @@ except ValueError as exc:
 if proc.world > 1 and not (len(refused) == 1 and "output_collective='p2p': rank 0: it needs CUDA tensors" in refused[0]):
     errs.append(float("inf"))
     print(f"p2p refusal missing or wrong: {refused}", flush=True)
+# output_collective="oneshot" on CPU: every rank refuses with the same line (the buffers need CUDA)
+refused = []
+layer = TensorParallelAttention.from_multihead_attention(mha, backend="reference", output_collective="oneshot")
+try:
+    with torch.no_grad():
+        layer(x)
+except ValueError as exc:
+    refused.append(str(exc))
+if proc.world > 1 and not (len(refused) == 1 and "output_collective='oneshot': rank 0: it needs CUDA tensors" in refused[0]):
+    errs.append(float("inf"))
+    print(f"oneshot refusal missing or wrong: {refused}", flush=True)
 ok = max(errs) < 1e-5
 print(f"API {'PASS' if ok else 'FAIL'} rank {proc.rank} of {proc.world} err {max(errs):.2e}", flush=True)
 torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None

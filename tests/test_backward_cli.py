@@ -43,6 +43,7 @@ def test_backward_over_ranks_matches_single_process_and_float64(world, extra, co
 @pytest.mark.parametrize("extra,says", [
     (["--cuda-graph"], "--backward with --cuda-graph"),
     (["--output-collective", "p2p"], "--backward sums the partial outputs with an all-reduce"),
+    (["--output-collective", "oneshot"], "drop --output-collective oneshot"),
 ])
 def test_backward_refuses_what_it_cannot_do(extra, says):
     r = tpattn([*SMALL, "--backward", *extra])

@@ -129,6 +129,39 @@ def test_peer_output_collective_on_two_gpus(tmp_path, extra):
         assert list(rep["collectives"]) == ["peer"] and rep["collectives"]["peer"]["busbw_GBps"] > 0
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_oneshot_allreduce_over_gloo(world):
+    """The one-shot peer all-reduce (tests/mpi_oneshot_check.py): ranks sharing this GPU, or one
+    GPU each where there are enough. The kernel bit for bit against torch (every dtype pair, widths
+    that divide by 4 and not, b_o or not, many calls on the same buffers), auto's choice by size, the
+    decode against the single-process layer, the same bits on every rank, a graphed decode step,
+    and a rank that cannot map the others (auto falls back, "oneshot" refuses on every rank)."""
+    r = run(mpirun_cmd(world) + [sys.executable, "tests/mpi_oneshot_check.py"], timeout=600)
+    assert r.returncode == 0 and r.stdout.count("ONESHOT PASS") == world, r.stdout + r.stderr
+
+
+def test_oneshot_allreduce_stops_when_a_rank_never_comes():
+    """The last rank never calls the one-shot all-reduce: the others' kernels stop after the timeout
+    (3 s here) with one printed line each and an error, not a hang."""
+    r = run(mpirun_cmd(3) + [sys.executable, "tests/mpi_oneshot_check.py", "late"], timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    stopped = [line for line in r.stdout.splitlines() if line.startswith("ONESHOT STOPPED")]
+    assert len(stopped) == 2 and all(float(line.split(" after ")[1].split()[0]) < 60 for line in stopped), r.stdout
+    assert "waited 3 s for rank 2" in r.stdout, r.stdout
+
+
+def test_decode_cli_over_gloo_takes_the_oneshot_allreduce(tmp_path):
+    """python -m tpattn --decode with two ranks sharing this GPU: auto sums the steps' partials with
+    the one-shot peer all-reduce, and every decoded row passes against the full recompute."""
+    out = tmp_path / "r.json"
+    r = tpattn(["--decode", "6", "--causal", "--seq-len", "64", "--heads", "8", "--head-dim", "64", "--kernel",
+                "fused", "--device", "cuda", "--dist-backend", "gloo", "--json", str(out)], ranks=2, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["verdict"] == "PASS", rep["checks"]
+    assert "oneshot" in rep["collectives"], rep["collectives"]
+
+
 def test_peer_reduce_gather_sums_every_rank_in_order(tmp_path):
     """The peer kernel against torch on the same data, several calls and sizes (buffers regrow),
     under mpirun: every rank's out equals the fp32 sum of every rank's partial (+ the bias, but

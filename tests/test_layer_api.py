@@ -108,6 +108,39 @@ def test_plan_rule_is_one_and_backend_free():
         make_plan(1, 1000, 64, 3, elem=2, part_elem=4, overlap=4, output_collective="split")
 
 
+def test_auto_takes_the_oneshot_allreduce_for_small_partials_when_peers_map():
+    """auto: the one-shot peer all-reduce for head-parallel partials of at most ONESHOT_MAX_BYTES, in
+    one chunk, once the ranks agreed that they can map each other's memory (peers=True); NCCL's
+    collectives otherwise. Named, "oneshot" is taken at any size."""
+    from tpattn.commplan import ONESHOT_MAX_BYTES, oneshot_candidate
+    rows = ONESHOT_MAX_BYTES // (4096 * 4)  # fp32 partials of D = 4096: 32 rows fit
+    p = make_plan(rows, 1, 4096, 2, elem=2, part_elem=4, peers=True)
+    assert p.collective == "oneshot" and p.nbytes == {"oneshot": ONESHOT_MAX_BYTES}
+    assert p.peer_elements == rows * 4096
+    assert make_plan(rows + 2, 1, 4096, 2, elem=2, part_elem=4, peers=True).collective == "split"
+    assert make_plan(rows, 1, 4096, 2, elem=2, part_elem=4).collective == "split"  # no agreement: NCCL
+    assert make_plan(2 * rows, 1, 4096, 2, elem=2, part_elem=2, peers=True).collective == "oneshot"  # model dtype
+    assert make_plan(1, 256, 64, 2, elem=2, part_elem=4, peers=True, overlap=2).collective == "split"  # chunks
+    assert make_plan(1, 256, 64, 2, elem=2, part_elem=4, peers=True, sequence_parallel=True).collective == "sequence"
+    assert make_plan(1, 256, 64, 1, elem=2, part_elem=4, peers=True).collective == "none"
+    big = make_plan(1, 4096, 4096, 2, elem=2, part_elem=4, output_collective="oneshot")
+    assert big.collective == "oneshot" and big.peer_elements == 4096 * 4096
+    assert not oneshot_candidate(1, 1, 4096, 2, part_elem=4, output_collective="allreduce")
+    assert oneshot_candidate(1, 1, 4096, 2, part_elem=4)
+    with pytest.raises(ConfigError, match="--output-collective oneshot sums all rows in one pass"):
+        make_plan(1, 256, 64, 2, elem=2, part_elem=4, output_collective="oneshot", overlap=2)
+
+
+def test_training_never_takes_the_oneshot_allreduce_by_itself():
+    """A call under autograd plans without the peers (its backward is NCCL's), even once they agreed."""
+    layer = TensorParallelAttention.from_multihead_attention(_mha())
+    layer.shard = layer.shard.__class__.of(layer.heads, layer.kv_heads, 2, 0, False)  # as rank 0 of 2 sees it
+    assert layer.plan(1, 8).collective == "allreduce"  # fp32 model: nothing for the split to save
+    layer._peers = True
+    assert layer.plan(1, 8).collective == "oneshot"
+    assert layer.plan(1, 8, training=True).collective == "allreduce"
+
+
 def test_the_cost_model_prices_the_plan_or_says_it_cannot():
     shape = steps.Shape(seq_len=4096, heads=32, head_dim=128, output_collective="p2p")
     with pytest.raises(ModelError, match="no price for --output-collective p2p"):

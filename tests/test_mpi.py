@@ -90,6 +90,7 @@ def test_auto_keeps_the_all_reduce_when_rows_do_not_split(tmp_path):
     (["--output-collective", "split", "--seq-len", "97"], "--output-collective split needs --batch x the rows"),
     (["--output-collective", "allreduce", "--sequence-parallel"], "is for the head-parallel style"),
     (["--output-collective", "p2p"], "--output-collective p2p needs one GPU per rank"),
+    (["--output-collective", "oneshot"], "--output-collective oneshot needs --device cuda"),
     (["--output-collective", "p2p", "--sequence-parallel"], "is for the head-parallel style"),
 ])
 def test_sequence_parallel_refusals_on_every_rank(args, needle):

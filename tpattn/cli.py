@@ -86,10 +86,14 @@ def parser() -> argparse.ArgumentParser:
                    "head-parallel sums the partial outputs: allreduce (one all-reduce, then b_o and the cast), "
                    "split (a reduce-scatter of the partials; each rank adds b_o to and rounds its 1/W of the "
                    "rows; an all-gather of those: the same y, 3/4 of the bytes with fp32 partials), auto "
-                   "(default: split when the partials are fp32 and the rows divide by the world size), p2p "
+                   "(default: the one-shot peer all-reduce for partials of at most 512 KiB when every rank can map "
+                   "the others' GPU memory, as on one node; else split when the partials are fp32 and the rows "
+                   "divide by the world size; else allreduce), p2p "
                    "(one GPU per rank on one node: a kernel reads the other GPUs' partials over NVLink, sums its "
                    "1/W of the rows in fp32, rounds once and writes them into every GPU's output: both "
-                   "collectives in one pass, without NCCL; torch symmetric memory)")
+                   "collectives in one pass, without NCCL; torch symmetric memory), oneshot (every rank's kernel "
+                   "reads all the partials through CUDA IPC, sums them in rank order, adds b_o and rounds once: "
+                   "one kernel, no NCCL; the decode step's choice; ranks on one node, or sharing one GPU)")
     d.add_argument("--uneven-heads", action="store_true", help="allow a world size W that does not divide "
                    "--heads H: ranks own contiguous blocks of ceil(H/W) or floor(H/W) heads, the first H mod W ranks "
                    "one more (with --kv-heads G: blocks of whole K/V groups, ceil or floor of G/W, so W <= G). "
@@ -116,7 +120,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--backward", action="store_true", help="time and check a training step instead of the "
                    "forward alone: forward and backward per pass (the attention backward, the dX collective, the "
                    "weight-gradient GEMMs); checks x.grad and the full gradients against the single-process layer "
-                   "and float64, as the forward check does (not with --cuda-graph or --output-collective p2p)")
+                   "and float64, as the forward check does (not with --cuda-graph or --output-collective p2p or oneshot)")
     m.add_argument("--decode", type=int, default=0, metavar="T", help="decode instead: a prompt of --seq-len rows "
                    "through a KV cache of each rank's K/V heads, then T steps of one row each (causal); per-step "
                    "latency and tokens/s; every decoded row checked against the full forward and float64 "

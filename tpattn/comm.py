@@ -13,6 +13,7 @@ linear map: a sum over ranks transposes to a copy to every rank, a gather to a s
     sum_from_ranks   all_reduce of partials     identity (every rank holds the full dy)
       or the split   reduce_scatter + all_gather of the rounded rows (the same sum)
       or the peer    one kernel over NVLink that reduces and gathers (tpattn/peer.py)
+      or one-shot    small partials: one kernel reads every rank's (peer_all_reduce, tpattn/peer.py)
     all_gather       sequence blocks -> whole   reduce_scatter of the gradient
     reduce_scatter   partials -> own block      all_gather of the gradient
 
@@ -65,6 +66,12 @@ class Comm:
         rank already holds the whole dy). Returns the end event with overlap on a GPU, else None;
         False when an injected fault left it out."""
         return self._output("allreduce", _all_reduce, overlap, part)
+
+    def peer_all_reduce(self, peer, out: torch.Tensor, bias):
+        """sum_from_ranks for small partials on one node (the plan's "oneshot"): one kernel reads
+        every rank's partial through mapped memory and writes this rank's out (+ bias), rounded once
+        (tpattn/peer.py). Inference only; its dual would be the same identity as sum_from_ranks's."""
+        return self._output("oneshot", lambda o, b, group: peer.all_reduce(o, b), 1, out, bias)
 
     def copy_to_ranks_backward(self, dx: torch.Tensor, overlap: int = 1):
         """copy_to_ranks's backward: all_reduce(SUM) of dX, in place (the end event with overlap on

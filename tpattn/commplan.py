@@ -14,11 +14,17 @@ from dataclasses import dataclass
 from .errors import ConfigError
 from .sharding import row_chunks, rows_split
 
-OUTPUT_COLLECTIVES = ("auto", "allreduce", "split", "p2p")  # head-parallel: how the partial outputs are summed
+OUTPUT_COLLECTIVES = ("auto", "allreduce", "split", "p2p", "oneshot")  # head-parallel: how the partials are summed
+# auto sums partial outputs of at most this many bytes with the one-shot peer all-reduce when every rank
+# can map every other's memory (one node): a decode step's B x D values, up to B x T x D = 128 Ki fp32
+# values (32 rows of D = 4096). NCCL's all-reduce costs 10-20 us at these sizes however few bytes move;
+# the one-shot kernel reads (W - 1) x this over NVLink, about 1.3 us at W = 2. Larger sums go to NCCL.
+ONESHOT_MAX_BYTES = 512 * 1024
 ROW_ALIGN = 128  # overlap chunks start at multiples of this (the fused kernel's row tile) when N allows
 # the collectives by label, as the report and the watch name them
 COLLECTIVES = {"allreduce": "all-reduce", "allgather": "all-gather", "reducescatter": "reduce-scatter",
                "peer": "peer reduce-gather",  # peer: --output-collective p2p, both collectives in one kernel
+               "oneshot": "one-shot peer all-reduce",  # small partials, one kernel reads every rank's
                # the backward's (a training step): the duals of the forward's
                "bwd_allreduce": "all-reduce (backward: dX)", "bwd_allgather": "all-gather (backward: dy)",
                "bwd_reducescatter": "reduce-scatter (backward: dX)"}
@@ -39,9 +45,9 @@ def check_style(seq_len: int | None, world: int, sequence_parallel: bool, output
     if sequence_parallel and output_collective != "auto":
         raise ConfigError(f"--output-collective {output_collective} is for the head-parallel style; "
                           "--sequence-parallel always reduce-scatters: drop one of them")
-    if output_collective == "p2p" and overlap > 1:
-        raise ConfigError(f"--output-collective p2p sums all rows in one pass and does not overlap; drop "
-                          f"--overlap {overlap} or use --output-collective auto")
+    if output_collective in ("p2p", "oneshot") and overlap > 1:
+        raise ConfigError(f"--output-collective {output_collective} sums all rows in one pass and does not overlap; "
+                          f"drop --overlap {overlap} or use --output-collective auto")
     if seq_len is None:
         return
     if sequence_parallel:
@@ -70,7 +76,8 @@ class CommPlan:
     """What one call of the layer communicates, decided before it does.
 
     collective: "none" (one rank), "allreduce", "split" (reduce-scatter + all-gather), "p2p" (the
-    peer kernel) or "sequence" (sequence parallel: all-gather of x, reduce-scatter of the partials).
+    peer reduce-gather kernel), "oneshot" (the one-shot peer all-reduce) or "sequence" (sequence
+    parallel: all-gather of x, reduce-scatter of the partials).
     chunks: the overlap chunks of the rows, [r0, r1): head-parallel of the N query rows, sequence
     parallel of the N/W rows of each rank's block."""
     world: int
@@ -96,19 +103,23 @@ class CommPlan:
         """{collective label: bytes of the whole tensor it moves per call} (nccl-tests' "size"), in order."""
         return {"none": {}, "allreduce": {"allreduce": self.partial_bytes},
                 "split": {"reducescatter": self.partial_bytes, "allgather": self.x_bytes},
-                "p2p": {"peer": self.partial_bytes + self.x_bytes},
+                "p2p": {"peer": self.partial_bytes + self.x_bytes}, "oneshot": {"oneshot": self.partial_bytes},
                 "sequence": {"allgather": self.x_bytes, "reducescatter": self.partial_bytes}}[self.collective]
 
     @property
     def peer_elements(self) -> int:
-        """Elements of each peer buffer a call needs (the whole partial [B, N, D]); 0 off the peer path."""
-        return self.batch * self.seq_len * self.model_dim if self.collective == "p2p" else 0
+        """Elements of each peer buffer a call needs (the whole partial [B, N, D]); 0 off the peer paths."""
+        return self.batch * self.seq_len * self.model_dim if self.collective in ("p2p", "oneshot") else 0
 
 
 def make_plan(batch: int, seq_len: int, model_dim: int, world: int, *, elem: int, part_elem: int,
-              sequence_parallel: bool = False, output_collective: str = "auto", overlap: int = 1) -> CommPlan:
+              sequence_parallel: bool = False, output_collective: str = "auto", overlap: int = 1,
+              peers: bool = False) -> CommPlan:
     """The plan for one call of B x N rows (N the whole sequence). Raises ConfigError for what the
-    layer cannot run (check_style's rules, and a split whose rows do not divide by the world)."""
+    layer cannot run (check_style's rules, and a split whose rows do not divide by the world).
+    peers: every rank can map every other's memory (the layer asks them once, on the GPU, before
+    the first call that could use it: oneshot_candidate); auto then sums partials of at most
+    ONESHOT_MAX_BYTES with the one-shot peer all-reduce."""
     check_style(seq_len, world, sequence_parallel, output_collective, overlap)
     common = dict(world=world, batch=batch, seq_len=seq_len, model_dim=model_dim, elem=elem,
                   part_elem=part_elem, overlap=overlap)
@@ -124,10 +135,22 @@ def make_plan(batch: int, seq_len: int, model_dim: int, world: int, *, elem: int
         raise ConfigError(f"--output-collective split needs --batch x the rows of each chunk divisible by the "
                           f"world size {world} (a chunk has {rows} rows); use --output-collective allreduce "
                           f"or auto, or a --seq-len divisible by {world}")
-    if output_collective in ("allreduce", "p2p"):
+    if output_collective in ("allreduce", "p2p", "oneshot"):
         how = output_collective
+    elif peers and oneshot_candidate(batch, seq_len, model_dim, world, part_elem=part_elem,
+                                     sequence_parallel=sequence_parallel, output_collective=output_collective,
+                                     overlap=overlap):
+        how = "oneshot"
     elif output_collective == "split" or (divides and part_elem > elem):
         how = "split"
     else:
         how = "allreduce"
     return CommPlan(**common, collective=how, chunks=chunks)
+
+
+def oneshot_candidate(batch: int, seq_len: int, model_dim: int, world: int, *, part_elem: int,
+                      sequence_parallel: bool = False, output_collective: str = "auto", overlap: int = 1) -> bool:
+    """Whether auto would sum this call's partials with the one-shot peer all-reduce if the ranks can
+    map each other's memory: head-parallel, several ranks, one chunk, at most ONESHOT_MAX_BYTES."""
+    return (output_collective == "auto" and world > 1 and not sequence_parallel and overlap == 1
+            and batch * seq_len * model_dim * part_elem <= ONESHOT_MAX_BYTES)

@@ -177,6 +177,9 @@ def check_parallel_style(cfg: Config, world: int) -> None:
         if cfg.device != "cuda" or cfg.dist_backend != "nccl":
             raise ConfigError("--output-collective p2p needs one GPU per rank (--device cuda, --dist-backend nccl: "
                               "it maps the other GPUs' memory); use auto, allreduce or split here")
+    if cfg.output_collective == "oneshot" and world > 1 and cfg.device != "cuda":
+        raise ConfigError("--output-collective oneshot needs --device cuda (every rank maps the others' GPU memory); "
+                          "use auto, allreduce or split here")
     if cfg.decode < 0:
         raise ConfigError(f"--decode must be at least 1 step (got {cfg.decode}); 0 turns it off")
     if cfg.decode:
@@ -194,9 +197,9 @@ def check_parallel_style(cfg: Config, world: int) -> None:
         if cfg.cuda_graph:
             raise ConfigError("--backward with --cuda-graph: the training step is not captured in a graph yet; "
                               "drop one of them")
-        if cfg.output_collective == "p2p":
-            raise ConfigError("--backward sums the partial outputs with an all-reduce; drop --output-collective p2p "
-                              "(the peer kernel serves inference)")
+        if cfg.output_collective in ("p2p", "oneshot"):
+            raise ConfigError(f"--backward sums the partial outputs with an all-reduce; drop --output-collective "
+                              f"{cfg.output_collective} (the peer kernels serve inference)")
     if cfg.cuda_graph:
         if cfg.device != "cuda":
             raise ConfigError("--cuda-graph needs --device cuda; drop it on CPU")

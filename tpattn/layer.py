@@ -49,7 +49,7 @@ from . import faults, watch
 from .attention import Backend, get_backend, head_chunks
 from .comm import Comm
 from .comm import copy_to_ranks, gather_sequence, scatter_sequence, sum_from_ranks, sum_of_copies
-from .commplan import CommPlan, check_style, make_plan
+from .commplan import ONESHOT_MAX_BYTES, CommPlan, check_style, make_plan, oneshot_candidate
 from .decode import KVCache, append_row, apply_rope, decode_attention, graph_refusal, rope_tables
 from .errors import ConfigError
 from .ops import ColumnParallelQKV, add_bias, linear, mm
@@ -139,6 +139,8 @@ class TensorParallelAttention(torch.nn.Module):
         self._peer = None  # output_collective="p2p": tpattn.peer.PeerBuffers, made on the first forward
         self._peer_checked = False
         self._peer_pinned = False  # a CUDA graph captured with the peer buffers: they must not move
+        self._oneshot = None  # tpattn.peer.OneShotBuffers: the one-shot all-reduce's, made when a call first needs them
+        self._peers = None    # auto: whether every rank mapped every other's buffer (asked once, on the GPU)
 
     # ---- the shard: what this rank holds ---------------------------------------------------------
 
@@ -239,20 +241,25 @@ class TensorParallelAttention(torch.nn.Module):
 
     # ---- the plan: what a call communicates, decided before it does -------------------------
 
-    def plan(self, batch: int, seq_len: int, decode: bool = False) -> CommPlan:
+    def plan(self, batch: int, seq_len: int, decode: bool = False, training: bool = False) -> CommPlan:
         """The communication plan for a call of `batch` x `seq_len` rows (seq_len: the whole
         sequence, also in sequence parallel; decode: rows appended to a KV cache, head-parallel and
-        in one chunk). The same on every rank: it depends on the shape and the settings only, and is
+        in one chunk; training: a call under autograd, which never takes the peer paths by itself).
+        The same on every rank: it depends on the shape, the settings and what the ranks agreed about
+        mapping each other's memory (_ask_peers, before the first call that could use it), and is
         made once per shape. Raises ConfigError (one line, as the CLI's) for a shape it cannot run."""
-        key = (batch, seq_len, self.dtype, decode)
+        peers = bool(self._peers) and not training
+        key = (batch, seq_len, self.dtype, decode, peers)
         p = self._plans.get(key)
         if p is None:
-            p = make_plan(batch, seq_len, self.model_dim, self.world, elem=self.dtype.itemsize,
-                          part_elem=self.part_dtype.itemsize, output_collective=self.output_collective,
-                          sequence_parallel=self.sequence_parallel and not decode,
-                          overlap=1 if decode else self.overlap)
+            p = make_plan(batch, seq_len, self.model_dim, self.world, peers=peers, **self._plan_kw(decode))
             self._plans[key] = p
         return p
+
+    def _plan_kw(self, decode: bool) -> dict:
+        return dict(elem=self.dtype.itemsize, part_elem=self.part_dtype.itemsize,
+                    output_collective=self.output_collective, sequence_parallel=self.sequence_parallel and not decode,
+                    overlap=1 if decode else self.overlap)
 
     def partial_nbytes(self, batch: int, seq_len: int) -> int:
         """Bytes of the partial output that the all-reduce (or reduce-scatter) sums: [B, N, D]."""
@@ -296,9 +303,10 @@ class TensorParallelAttention(torch.nn.Module):
                 return self._forward_cached(x, cache)
         seq = self.sequence_parallel and self.world > 1  # with one rank both styles are the same
         B, n, _ = x.shape
-        plan = self.plan(B, n * self.world if seq else n)
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
-            return self._forward_train(x, plan)
+            return self._forward_train(x, self.plan(B, n * self.world if seq else n, training=True))
+        self._ask_peers(B, n, x.device, decode=False)
+        plan = self.plan(B, n * self.world if seq else n)
         with torch.no_grad():
             return self._forward_sequence(x, plan) if seq else self._forward_heads(x, plan)
 
@@ -404,6 +412,7 @@ class TensorParallelAttention(torch.nn.Module):
         cache.check(id(self), self._cache_owner(), B, T)
         h, g, d = self.local_heads, self.local_kv_heads, self.head_dim
         L0 = cache.length
+        self._ask_peers(B, T, x.device, decode=True)
         plan = self.plan(B, T, decode=True)
         with section("qkv_proj"):
             qkv = mm(x.reshape(B * T, D), self.wqkv, self.dtype, self.bqkv)
@@ -545,7 +554,52 @@ class TensorParallelAttention(torch.nn.Module):
             else:
                 os_.copy_(self.backend.forward(qs.contiguous(), ks.contiguous(), vs.contiguous(), self.causal, **kw))
 
-    # ---- the peer path's buffers -----------------------------------------------------------------
+    # ---- the peer paths' buffers -----------------------------------------------------------------
+
+    def _ask_peers(self, batch: int, seq_len: int, device: torch.device, decode: bool) -> None:
+        """output_collective="auto", on the GPU: before the first call whose partials auto would sum
+        with the one-shot peer all-reduce (oneshot_candidate: the shape decides, the same on every
+        rank), every rank makes its buffer and tries to map every other's (collective); if all of
+        them can, auto uses it for every such call from then on, else NCCL's all-reduce, on every rank."""
+        kw = self._plan_kw(decode)
+        del kw["elem"]
+        if self._peers is not None or device.type != "cuda" or not oneshot_candidate(
+                batch, seq_len, self.model_dim, self.world, **kw):
+            return
+        self._peers = self._map_oneshot(ONESHOT_MAX_BYTES // self.part_dtype.itemsize, device, required=False) is not None
+
+    def _oneshot_buffers(self, plan: CommPlan, device: torch.device):
+        """The one-shot all-reduce's buffers for this call: auto made them in _ask_peers; with
+        output_collective="oneshot" they are made on the first call and again when a call needs more
+        (refused once a CUDA graph captured them, as the p2p buffers are)."""
+        need, p = plan.peer_elements, self._oneshot
+        if p is not None and p.capacity >= need and p.device == device:
+            return p
+        if self._peer_pinned:
+            raise ValueError(f"output_collective='oneshot': this call needs peer buffers of {need} elements but a "
+                             f"CUDA graph captured by graphed() replays the current ones ({p.capacity}); capture the "
+                             "graph at the largest shape first, or build another layer for this shape")
+        return self._map_oneshot(max(need, ONESHOT_MAX_BYTES // self.part_dtype.itemsize), device, required=True)
+
+    def _map_oneshot(self, capacity: int, device: torch.device, required: bool):
+        """Make this rank's one-shot buffer, map every other rank's (two gathers over the group):
+        the buffers when every rank mapped every other's; else None on every rank, or (required)
+        the same one-line error on every rank."""
+        from . import peer
+        if self._oneshot is not None:
+            self._oneshot.close()
+        self._oneshot = None
+        buf = peer.OneShotBuffers(capacity, self.part_dtype, self.dtype, device, self.rank, self.world)
+        why = buf.open(self.comm.all_gather_object(buf.exported))
+        bad = next((w for w in self.comm.all_gather_object(why) if w), None)
+        if bad:
+            buf.close()
+            if required:
+                raise ValueError(f"output_collective='oneshot': {bad}; use 'auto' (NCCL where the ranks cannot map "
+                                 "each other's memory)")
+            return None
+        self._oneshot = buf
+        return buf
 
     def _peer_buffers(self, plan: CommPlan, device: torch.device):
         """output_collective="p2p": the symmetric buffers, made (collectively) on the first call and
@@ -625,7 +679,7 @@ class TensorParallelAttention(torch.nn.Module):
             if cache is not None:  # as it was: the capture ran the host side once, no kernel
                 cache.length = length
                 cache.pos.fill_(length)
-        self._peer_pinned = self._peer is not None
+        self._peer_pinned = self._peer is not None or self._oneshot is not None
 
         def replay() -> torch.Tensor:
             if cache is not None:

@@ -15,14 +15,16 @@ from .timing import section
 class OutputSum:
     """Where one head-parallel call's partial outputs go, by the plan's collective: one rank (the
     output GEMM rounds straight into y with b_o in its epilogue), the all-reduce (comm.sum_from_ranks,
-    then + b_o), the split (reduce-scatter, + b_o, all-gather) or the peer kernel (one pass)."""
+    then + b_o), the split (reduce-scatter, + b_o, all-gather) or a peer kernel (one pass: the
+    reduce-gather, or the one-shot all-reduce of small partials)."""
 
     def __init__(self, layer, plan: CommPlan, device):
         self.layer, self.plan, self.device = layer, plan, device
         self.y = torch.empty(plan.batch, plan.seq_len, layer.model_dim, dtype=layer.dtype, device=device)
         # one rank: nothing to sum, unless a fault test injects one into the (local) collective
         self.local = plan.collective == "none" and not faults.planned(layer.rank, "allreduce")
-        self.peer = layer._peer_buffers(plan, device) if plan.collective == "p2p" else None
+        self.peer = (layer._peer_buffers(plan, device) if plan.collective == "p2p" else
+                     layer._oneshot_buffers(plan, device) if plan.collective == "oneshot" else None)
         self.parts = []  # what the collectives read or write, referenced until they are joined
         self.late = []   # (gathered rows, where they go in y) to copy once the collectives are joined
 
@@ -43,6 +45,8 @@ class OutputSum:
         how = self.plan.collective
         if how == "p2p":  # reduce-scatter + all-gather in one kernel over NVLink, + b_o inside
             comm.peer_reduce_gather(self.peer, self.y.view(rows, D), L.bo)
+        elif how == "oneshot":  # every rank reads every rank's partial, + b_o inside: one kernel
+            comm.peer_all_reduce(self.peer, self.y.view(rows, D), L.bo)
         elif how in ("allreduce", "none"):
             comm.sum_from_ranks(part, K)
             self.parts.append((r0, r1, part))

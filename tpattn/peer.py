@@ -1,4 +1,7 @@
-"""The head-parallel layer's output collective peer to peer over NVLink (comm="p2p").
+"""The head-parallel layer's output collectives peer to peer: the reduce-gather over NVLink
+(output_collective="p2p", PeerBuffers) and the one-shot all-reduce for small partials
+(output_collective="oneshot", and "auto"'s choice for them where the ranks can map each other's
+memory: OneShotBuffers, at the end of this file).
 
 NCCL's reduce-scatter + all-gather of the fp32 partials moves the bytes through NCCL's own staging
 buffers in two kernels. Here every rank's partial and an output inbox live in torch symmetric
@@ -15,6 +18,8 @@ module that communicates) and agrees with the other ranks that it can, before th
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 import torch
@@ -104,4 +109,147 @@ class PeerBuffers:
                 a, b = row_block(rows, self.world, w)
                 if b > a:
                     out[a:b].copy_(inbox[a:b])
+        return out
+
+
+# ---- the one-shot all-reduce (small partials: decode steps) --------------------------------------
+#
+# NCCL's all-reduce of a few KiB costs 10-20 us of latency, more than a decode step's attention. Here
+# every rank's partial lives in a buffer that every other rank has mapped (CUDA IPC: the memory is
+# torch's, exported with cudaIpcGetMemHandle, opened by the others with peer access enabled; ranks on
+# one GPU share it the same way), and one kernel (kernels/peer_reduce.cu, peer_allreduce_*) waits
+# for every rank, reads all W partials, sums them in rank order, adds b_o, rounds once and writes this
+# rank's output, then waits for every rank again before the next call may overwrite its partial.
+# The waits are flags in the same buffers, counted on the device, so a CUDA graph replays them.
+#
+# Setting up is the layer's (it is collective, through tpattn/comm.py): OneShotBuffers(...) on every
+# rank, comm.all_gather_object(buf.exported), buf.open(every rank's), comm.all_gather_object of what
+# open returned, and every rank goes on only if every rank opened every other's (else all fall back
+# to NCCL, or all raise the same line when the user asked for it by name).
+
+ONESHOT_BLOCKS, ONESHOT_WORLD = 64, 16  # as kernels/peer_reduce.cu's: the most blocks and ranks it takes
+SIGNAL_BYTES = 4 * (2 * ONESHOT_BLOCKS * ONESHOT_WORLD + ONESHOT_BLOCKS)  # the flags, then the partial
+DATA_OFFSET = -(-SIGNAL_BYTES // 256) * 256
+ONESHOT_TIMEOUT_S = 600  # a rank that never arrives: the waiting kernel traps (an error, not a hang)
+
+
+def oneshot_unavailable(device: torch.device, world: int, part_dtype: torch.dtype, out_dtype: torch.dtype) -> str | None:
+    """Why this rank cannot take part in the one-shot all-reduce (None: it can, as far as it alone
+    can tell; mapping the others' buffers is tried in open())."""
+    if device.type != "cuda":
+        return f"it needs CUDA tensors (this rank's are on {device.type})"
+    if world > ONESHOT_WORLD:
+        return f"the kernel takes up to {ONESHOT_WORLD} ranks (the world has {world})"
+    if (part_dtype, out_dtype) not in PAIRS:
+        return f"no kernel for {part_dtype} partials and {out_dtype} output"
+    return None
+
+
+def _allocation_base(cupy, address: int) -> int:
+    """The start of the cudaMalloc allocation holding `address` (torch's caching allocator hands out
+    pieces of larger segments; an IPC handle names a whole segment)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    rc = lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(address))
+    if rc:
+        raise RuntimeError(f"cuMemGetAddressRange failed (CUresult {rc})")
+    return base.value
+
+
+class OneShotBuffers:
+    """This rank's partial buffer of up to `capacity` elements (and its flags), and once open(), the
+    addresses of every rank's. Made on every rank with the same capacity."""
+
+    def __init__(self, capacity: int, part_dtype: torch.dtype, out_dtype: torch.dtype, device: torch.device,
+                 rank: int, world: int):
+        import socket
+        self.capacity, self.part_dtype, self.out_dtype = capacity, part_dtype, out_dtype
+        self.rank, self.world, self.device = rank, world, device
+        self._opened: list[int] = []
+        self.table = None
+        why = oneshot_unavailable(device, world, part_dtype, out_dtype)
+        handle = offset = None
+        if why is None:
+            self.mem = torch.zeros(DATA_OFFSET + capacity * part_dtype.itemsize, dtype=torch.uint8, device=device)
+            torch.cuda.synchronize(device)  # the flags are zero before any rank can see them
+            try:
+                from .cuda import _cupy
+                cupy = _cupy()
+                with cupy.cuda.Device(device.index):
+                    base = _allocation_base(cupy, self.mem.data_ptr())
+                    handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(base))
+                offset = self.mem.data_ptr() - base
+            except Exception as exc:  # noqa: BLE001 - any failure means: not this way, on every rank
+                why = f"cannot export its buffer ({str(exc).splitlines()[0][:120]})"
+        # what every other rank needs to map this buffer (or why it cannot)
+        self.exported = (socket.gethostname(), why, handle, offset)
+
+    def open(self, exported: list) -> str | None:
+        """Map every other rank's buffer from their `exported`; None when all are mapped, else why
+        not (nothing stays mapped then)."""
+        hosts = {host for host, *_ in exported}
+        if len(hosts) > 1:
+            return f"the ranks span {len(hosts)} hosts"
+        bad = next(((r, why) for r, (_, why, _, _) in enumerate(exported) if why), None)
+        if bad:
+            return f"rank {bad[0]}: {bad[1]}"
+        from .cuda import _cupy
+        cupy = _cupy()
+        data, sig = [], []
+        try:
+            with cupy.cuda.Device(self.device.index):
+                for r, (_, _, handle, offset) in enumerate(exported):
+                    if r == self.rank:
+                        base = self.mem.data_ptr()
+                    else:
+                        mapped = cupy.cuda.runtime.ipcOpenMemHandle(handle)
+                        self._opened.append(mapped)
+                        base = mapped + offset
+                    sig.append(base)
+                    data.append(base + DATA_OFFSET)
+        except Exception as exc:  # noqa: BLE001
+            self.close()
+            return f"rank {self.rank} cannot map rank {len(sig)}'s buffer ({str(exc).splitlines()[0][:120]})"
+        self.table = torch.tensor(data + sig, dtype=torch.int64).to(self.device)
+        return None
+
+    def close(self) -> None:
+        """Unmap the other ranks' buffers (this rank's own is torch's, freed with the object)."""
+        if self._opened:
+            from .cuda import _cupy
+            cupy = _cupy()
+            with cupy.cuda.Device(self.device.index):
+                try:
+                    torch.cuda.synchronize(self.device)  # no queued kernel still reads through the mappings
+                    for p in self._opened:
+                        cupy.cuda.runtime.ipcCloseMemHandle(p)
+                except Exception:  # noqa: BLE001 - at exit the context may be gone
+                    pass
+        self._opened, self.table = [], None
+
+    def __del__(self):
+        self.close()
+
+    def partial(self, rows: int, dim: int) -> torch.Tensor:
+        """This rank's partial [rows, dim] in the mapped buffer (the output GEMM writes it)."""
+        n = rows * dim
+        return self.mem[DATA_OFFSET:DATA_OFFSET + n * self.part_dtype.itemsize].view(self.part_dtype).view(rows, dim)
+
+    def all_reduce(self, out: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """out [rows, dim] = the sum over ranks of partial(rows, dim) (+ bias), rounded once to out's
+        dtype; the same bits on every rank. Queued on torch's current stream, barriers inside."""
+        rows, dim = out.shape
+        n = rows * dim
+        if self.table is None or not out.is_contiguous() or out.dtype != self.out_dtype or n > self.capacity:
+            raise ValueError(f"one-shot all-reduce: out must be a contiguous {self.out_dtype} tensor of at most "
+                             f"{self.capacity} elements on mapped buffers (got {tuple(out.shape)} {out.dtype})")
+        if bias is not None:
+            bias = bias.to(self.out_dtype).contiguous()
+        vec = dim % 4 == 0 and out.data_ptr() % 16 == 0 and (bias is None or bias.data_ptr() % 16 == 0)
+        grid = max(1, min(-(-n // (4 * THREADS)), ONESHOT_BLOCKS))  # n alone: the same grid on every rank
+        name = f"peer_allreduce_{DTYPE_SUFFIX[self.part_dtype]}_{DTYPE_SUFFIX[self.out_dtype]}"
+        launch(SOURCE, name, out.device, (grid, 1, 1), (THREADS, 1, 1),
+               (np.uint64(self.table.data_ptr()), np.uint64(out.data_ptr()),
+                np.uint64(0 if bias is None else bias.data_ptr()), np.int32(self.world), np.int32(self.rank),
+                np.int64(n), np.int64(dim), np.int32(vec), np.int64(ONESHOT_TIMEOUT_S * 10**9)))
         return out

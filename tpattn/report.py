@@ -47,13 +47,14 @@ def versions() -> dict:
 
 def bus_bandwidth(nbytes: int, ms: float, world: int, kind: str = "allreduce") -> tuple[float, float]:
     """(algbw, busbw) in GB/s by the nccl-tests convention: busbw = algbw * 2(n-1)/n for an
-    all-reduce, algbw * (n-1)/n for an all-gather or reduce-scatter (nbytes: the whole tensor), and
+    all-reduce (the one-shot one too), algbw * (n-1)/n for an all-gather or reduce-scatter (nbytes: the
+    whole tensor), and
     for the peer reduce-gather, a reduce-scatter of the partials and an all-gather of the output in
     one (nbytes: both tensors)."""
     if ms <= 0 or world < 2:
         return 0.0, 0.0
     algbw = nbytes / (ms * 1e-3) / 1e9
-    return algbw, algbw * (2 if kind == "allreduce" else 1) * (world - 1) / world
+    return algbw, algbw * (2 if kind in ("allreduce", "oneshot") else 1) * (world - 1) / world
 
 
 def last_rank_ms(per_rank: list[list[float]]) -> float:
@@ -150,6 +151,7 @@ def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, c
     model = cfg.dtype
     part = "fp32" if cfg.reduce_dtype == "fp32" else model
     dtypes = {"allreduce": part, "allgather": model, "reducescatter": part, "peer": f"{part} in, {model} out",
+              "oneshot": f"{part} in, {model} out",
               "bwd_allreduce": model, "bwd_allgather": part, "bwd_reducescatter": model}  # dX, dy, dX
     samples = {k: [r.get("collective_samples", {}).get(k, []) for r in rank_reports] for k in collective_bytes}
     colls = collective_stats(stats, collective_bytes, world, dtypes, samples) if proc.distributed else {}
@@ -187,7 +189,7 @@ def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, c
         "rank0_passes": rank_reports[0]["passes"],
         "per_rank_passes": [r["passes"] for r in rank_reports],
         # the first collective's numbers under the old key (head-parallel: the all-reduce)
-        "allreduce": colls.get("allreduce") or colls.get("reducescatter") or colls.get("peer") or
+        "allreduce": colls.get("allreduce") or colls.get("reducescatter") or colls.get("peer") or colls.get("oneshot") or
                      {"bytes": collective_bytes.get("allreduce", 0), "dtype": dtypes["allreduce"], "median_ms": 0.0,
                       "algbw_GBps": 0.0, "busbw_GBps": 0.0},
         "collectives": colls,

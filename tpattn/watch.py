@@ -35,7 +35,7 @@ from .commplan import COLLECTIVES
 POLL_S = 0.2
 HOST_GRACE_S = 5.0  # gloo raises its own timeout first; the watch only backs it up
 ACK_WAIT_S = 3.0    # how long the rank that ends the job waits for the others to print their line
-NAMES = {**COLLECTIVES, "peersetup": "peer-to-peer setup (symmetric memory)",
+NAMES = {**COLLECTIVES, "peersetup": "peer-to-peer setup (mapping the other ranks' memory)",
          "graph": "CUDA graph replay of the layer (its collectives inside)",
          "gradgather": "gathering the gradients (full_grads)"}
 
