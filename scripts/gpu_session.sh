@@ -43,6 +43,9 @@
 #           sequence-parallel, fusedh for comparison)
 #   decode  decoding: pytest -m gpu tests/test_gpu_decode.py, scripts/bench_decode.py (the split-K kernel and
 #           the whole step beside SDPA and a plain PyTorch step), the CLI's --decode eager and with --cuda-graph
+#   oneshot  the one-shot peer all-reduce: pytest -m gpu -k oneshot (ranks sharing the GPU over gloo), and with
+#           2 GPUs scripts/bench_allreduce.py (beside NCCL, 8 KiB - 1 MiB) and the decode step (--cuda-graph) on 1 and 2
+#           GPUs with auto (the one-shot sum) and allreduce (NCCL's)
 #   triton  the Triton rung: pytest -m gpu tests/test_gpu_triton.py, then bench_kernels (forward) and
 #           bench_backward beside the CUDA fused kernel and SDPA at N = 4096 and 16384, causal and not;
 #           the first call (compile + autotune) with an empty Triton cache
@@ -359,6 +362,21 @@ if want decode; then
     python3 -m tpattn --kernel fused --causal --decode 32 $graph 2>&1 | tee "$OUT/cli_decode${graph}.log" | tail -8 \
       || status=1
   done
+fi
+if want oneshot; then
+  note "oneshot: the one-shot peer all-reduce (ranks sharing a GPU over gloo; one GPU each with 2+ GPUs)"
+  python3 -m pytest -m gpu -q -p no:warnings --tb=short tests/test_gpu_layer.py -k oneshot 2>&1 \
+    | tee "$OUT/pytest_oneshot.log" | tail -5 || status=1
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # the 2-GPU rows: the decode step on 1 and 2 GPUs, the sums
+    mpirun -n 2 python3 scripts/bench_allreduce.py --commit "${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" \
+      --out "$OUT/allreduce_h200x2" 2>&1 | tee "$OUT/bench_allreduce.log" || status=1
+    for w in 1 2; do
+      for coll in auto allreduce; do
+        mpirun -n $w python3 -m tpattn --kernel fused --causal --decode 32 --cuda-graph --output-collective $coll \
+          --json "$OUT/decode_w${w}_${coll}.json" 2>&1 | tee "$OUT/cli_decode_w${w}_${coll}.log" | tail -6 || status=1
+      done
+    done
+  fi
 fi
 if want triton; then
   note "triton"
