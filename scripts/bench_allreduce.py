@@ -86,6 +86,7 @@ def main() -> int:
     group = torch.distributed.group.WORLD
     comm = Comm(group, R, W)
     nccl_sum = bare("allreduce", group)
+    lib = "NCCL" if torch.distributed.get_backend(group) == "nccl" else "gloo"  # gloo: ranks sharing a GPU
     rows = []
     for kib in SIZES_KIB:
         n = kib * 1024 // 4
@@ -127,8 +128,8 @@ def main() -> int:
         rows.append({"kib": kib, "shape": [r, d], **slowest, "max_diff": err})
         buf.close()
         if R == 0:
-            print(f"{kib:5d} KiB  one-shot {slowest['oneshot_us']:8.1f} us   NCCL {slowest['nccl_us']:8.1f} us   "
-                  f"NCCL + b_o {slowest['nccl_bias_us']:8.1f} us   max |diff| {err:.2g}", flush=True)
+            print(f"{kib:5d} KiB  one-shot {slowest['oneshot_us']:8.1f} us   {lib} {slowest['nccl_us']:8.1f} us   "
+                  f"{lib} + b_o {slowest['nccl_bias_us']:8.1f} us   max |diff| {err:.2g}", flush=True)
     if R == 0:
         when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         gpu = torch.cuda.get_device_name(dev)
@@ -138,9 +139,9 @@ def main() -> int:
         rep = {"when": when, "commit": a.commit, "gpu": gpu, "world": W, "shared": shared, "how": how,
                "command": " ".join(["mpirun -n", str(W), "python", *sys.argv]), "versions": versions(), "rows": rows}
         out.with_suffix(".json").write_text(json.dumps(rep, indent=1) + "\n")
-        lines = [f"# The output sum of small partials: one-shot peer all-reduce beside NCCL ({when}, commit {a.commit})",
+        lines = [f"# The output sum of small partials: one-shot peer all-reduce beside {lib} ({when}, commit {a.commit})",
                  "", f"{how}. Command: `{rep['command']}`. Times per call, the slowest rank's.", "",
-                 "| fp32 partials | one-shot (+ b_o, fp16 out) | NCCL all-reduce | NCCL + b_o | NCCL + b_o / one-shot |",
+                 f"| fp32 partials | one-shot (+ b_o, fp16 out) | {lib} all-reduce | {lib} + b_o | {lib} + b_o / one-shot |",
                  "|---:|---:|---:|---:|---:|"]
         for row in rows:
             lines.append(f"| {row['kib']} KiB | {row['oneshot_us']:.1f} us | {row['nccl_us']:.1f} us | "
