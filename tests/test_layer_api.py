@@ -136,7 +136,7 @@ def test_training_never_takes_the_oneshot_allreduce_by_itself():
     layer = TensorParallelAttention.from_multihead_attention(_mha())
     layer.shard = layer.shard.__class__.of(layer.heads, layer.kv_heads, 2, 0, False)  # as rank 0 of 2 sees it
     assert layer.plan(1, 8).collective == "allreduce"  # fp32 model: nothing for the split to save
-    layer._peers = True
+    layer._peers = ((torch.device("cpu"), layer.part_dtype, layer.dtype), True)  # as _ask_peers leaves it
     assert layer.plan(1, 8).collective == "oneshot"
     assert layer.plan(1, 8, training=True).collective == "allreduce"
 

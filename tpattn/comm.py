@@ -132,7 +132,7 @@ class Comm:
                     if isinstance(t, torch.Tensor):
                         t.record_stream(stream)
         with (torch.cuda.stream(stream) if stream is not None else nullcontext()), section(name), \
-                watch.collective(name, self.world, self.nccl):
+                watch.collective(name, self.world, self.nccl or name == "oneshot"):  # a kernel: watched on the GPU
             try:
                 op(*tensors, group=self.group)
             except RuntimeError as exc:

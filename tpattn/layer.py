@@ -140,7 +140,7 @@ class TensorParallelAttention(torch.nn.Module):
         self._peer_checked = False
         self._peer_pinned = False  # a CUDA graph captured with the peer buffers: they must not move
         self._oneshot = None  # tpattn.peer.OneShotBuffers: the one-shot all-reduce's, made when a call first needs them
-        self._peers = None    # auto: whether every rank mapped every other's buffer (asked once, on the GPU)
+        self._peers = None    # auto: ((device, partial dtype, dtype), whether every rank mapped every other's buffer)
 
     # ---- the shard: what this rank holds ---------------------------------------------------------
 
@@ -248,7 +248,8 @@ class TensorParallelAttention(torch.nn.Module):
         The same on every rank: it depends on the shape, the settings and what the ranks agreed about
         mapping each other's memory (_ask_peers, before the first call that could use it), and is
         made once per shape. Raises ConfigError (one line, as the CLI's) for a shape it cannot run."""
-        peers = bool(self._peers) and not training
+        peers = self._peers is not None and self._peers[1] and self._peers[0][1:] == (self.part_dtype, self.dtype) \
+            and not training
         key = (batch, seq_len, self.dtype, decode, peers)
         p = self._plans.get(key)
         if p is None:
@@ -560,25 +561,26 @@ class TensorParallelAttention(torch.nn.Module):
         """output_collective="auto", on the GPU: before the first call whose partials auto would sum
         with the one-shot peer all-reduce (oneshot_candidate: the shape decides, the same on every
         rank), every rank makes its buffer and tries to map every other's (collective); if all of
-        them can, auto uses it for every such call from then on, else NCCL's all-reduce, on every rank."""
+        them can, auto uses it for every such call from then on, else NCCL's all-reduce, on every rank.
+        Asked again after the layer moved to another device or dtype. Inside a CUDA graph capture
+        that the layer did not warm up (graphed() does) nothing is asked: that call keeps NCCL."""
         kw = self._plan_kw(decode)
         del kw["elem"]
-        if self._peers is not None or device.type != "cuda" or not oneshot_candidate(
-                batch, seq_len, self.model_dim, self.world, **kw):
+        key = (device, self.part_dtype, self.dtype)
+        if (self._peers is not None and self._peers[0] == key) or device.type != "cuda" or not oneshot_candidate(
+                batch, seq_len, self.model_dim, self.world, **kw) or torch.cuda.is_current_stream_capturing():
             return
-        self._peers = self._map_oneshot(ONESHOT_MAX_BYTES // self.part_dtype.itemsize, device, required=False) is not None
+        self._peers = (key, self._map_oneshot(ONESHOT_MAX_BYTES // self.part_dtype.itemsize, device,
+                                              required=False) is not None)
 
     def _oneshot_buffers(self, plan: CommPlan, device: torch.device):
         """The one-shot all-reduce's buffers for this call: auto made them in _ask_peers; with
         output_collective="oneshot" they are made on the first call and again when a call needs more
         (refused once a CUDA graph captured them, as the p2p buffers are)."""
         need, p = plan.peer_elements, self._oneshot
-        if p is not None and p.capacity >= need and p.device == device:
+        if p is not None and p.capacity >= need and (p.part_dtype, p.out_dtype, p.device) == \
+                (self.part_dtype, self.dtype, device):
             return p
-        if self._peer_pinned:
-            raise ValueError(f"output_collective='oneshot': this call needs peer buffers of {need} elements but a "
-                             f"CUDA graph captured by graphed() replays the current ones ({p.capacity}); capture the "
-                             "graph at the largest shape first, or build another layer for this shape")
         return self._map_oneshot(max(need, ONESHOT_MAX_BYTES // self.part_dtype.itemsize), device, required=True)
 
     def _map_oneshot(self, capacity: int, device: torch.device, required: bool):
@@ -586,11 +588,23 @@ class TensorParallelAttention(torch.nn.Module):
         the buffers when every rank mapped every other's; else None on every rank, or (required)
         the same one-line error on every rank."""
         from . import peer
-        if self._oneshot is not None:
-            self._oneshot.close()
+        old = self._oneshot
+        if old is not None and self._peer_pinned:
+            raise ValueError(f"output_collective='{self.output_collective}': this call needs new one-shot buffers "
+                             f"({capacity} elements of {self.part_dtype}) but a CUDA graph captured by graphed() "
+                             "replays the current ones; capture the graph at the largest shape first, or build "
+                             "another layer for this shape")
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValueError(f"output_collective='{self.output_collective}': the first call maps the other ranks' "
+                             "buffers and cannot run inside a CUDA graph capture; call the layer once before "
+                             "capturing (layer.graphed() does)")
+        if old is not None:
+            old.close()  # this rank's mappings of the others' old buffers; its own stays allocated until every
+            # rank has closed its mappings of it (they all have by the first gather below)
         self._oneshot = None
         buf = peer.OneShotBuffers(capacity, self.part_dtype, self.dtype, device, self.rank, self.world)
         why = buf.open(self.comm.all_gather_object(buf.exported))
+        del old
         bad = next((w for w in self.comm.all_gather_object(why) if w), None)
         if bad:
             buf.close()
@@ -614,7 +628,7 @@ class TensorParallelAttention(torch.nn.Module):
             return p
         if self._peer_pinned:
             raise ValueError(f"output_collective='p2p': this call needs peer buffers of {need} elements but a CUDA "
-                             f"graph captured by graphed() replays the current ones ({p.capacity}); capture the "
+                             f"graph captured by graphed() replays the current ones ({getattr(p, 'capacity', 0)}); capture the "
                              "graph at the largest shape first, or build another layer for this shape")
         from . import peer
         if not self._peer_checked:

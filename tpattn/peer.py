@@ -170,9 +170,9 @@ class OneShotBuffers:
         why = oneshot_unavailable(device, world, part_dtype, out_dtype)
         handle = offset = None
         if why is None:
-            self.mem = torch.zeros(DATA_OFFSET + capacity * part_dtype.itemsize, dtype=torch.uint8, device=device)
-            torch.cuda.synchronize(device)  # the flags are zero before any rank can see them
-            try:
+            try:  # any failure here is reported to every rank in the gathers that follow, never raised alone
+                self.mem = torch.zeros(DATA_OFFSET + capacity * part_dtype.itemsize, dtype=torch.uint8, device=device)
+                torch.cuda.synchronize(device)  # the flags are zero before any rank can see them
                 from .cuda import _cupy
                 cupy = _cupy()
                 with cupy.cuda.Device(device.index):
@@ -180,7 +180,7 @@ class OneShotBuffers:
                     handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(base))
                 offset = self.mem.data_ptr() - base
             except Exception as exc:  # noqa: BLE001 - any failure means: not this way, on every rank
-                why = f"cannot export its buffer ({str(exc).splitlines()[0][:120]})"
+                why = f"cannot make or export its buffer ({(str(exc).splitlines() or [type(exc).__name__])[0][:120]})"
         # what every other rank needs to map this buffer (or why it cannot)
         self.exported = (socket.gethostname(), why, handle, offset)
 

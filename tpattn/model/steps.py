@@ -152,8 +152,10 @@ def _attention_steps(kernel, bh, n, d, e, causal, flops_mm, tri, tri_t, qkv_io, 
 
 def layer_collectives(shape: Shape, world: int) -> dict[str, int]:
     """{name: bytes} of the collectives one call runs, in order: the layer's own communication plan
-    (tpattn.commplan.make_plan, the rule the layer runs by). A configuration the layer refuses, or
-    one the model has no price for (the peer kernel), raises ModelError with one line."""
+    (tpattn.commplan.make_plan, the rule the layer runs by, for ranks that do not map each other's
+    memory: the model prices NCCL's collectives, not auto's one-shot peer sum of small partials on
+    one node). A configuration the layer refuses, or one the model has no price for (the peer
+    kernels), raises ModelError with one line."""
     from ..commplan import make_plan
     from ..errors import ConfigError
     if world == 1:
