@@ -150,6 +150,18 @@ def test_oneshot_allreduce_stops_when_a_rank_never_comes():
     assert "waited 3 s for rank 2" in r.stdout, r.stdout
 
 
+def test_decode_cli_ends_the_job_when_a_rank_skips_the_oneshot_sum():
+    """Rank 1 leaves the one-shot sum out (fault injection): the collective watch on rank 0 sees its
+    kernel not finish within --timeout and ends the job with one line per rank, long before the
+    kernel's own 600 s stop."""
+    r = tpattn(["--decode", "4", "--causal", "--seq-len", "64", "--heads", "8", "--head-dim", "64", "--kernel",
+                "fused", "--device", "cuda", "--dist-backend", "gloo", "--timeout", "15"], ranks=2, timeout=200,
+               TPATTN_DEBUG_INJECT_FAULT="1:allreduce:skip")
+    assert r.returncode != 0
+    assert "one-shot peer all-reduce #" in r.stderr and "did not complete within 15 s (--timeout 15): rank(s) 1 never " \
+        "joined it" in r.stderr, r.stderr
+
+
 def test_decode_cli_over_gloo_takes_the_oneshot_allreduce(tmp_path):
     """python -m tpattn --decode with two ranks sharing this GPU: auto sums the steps' partials with
     the one-shot peer all-reduce, and every decoded row passes against the full recompute."""
