@@ -38,7 +38,6 @@ from tpattn.report import versions  # noqa: E402
 from tpattn.timing import Timer, recording  # noqa: E402
 
 TARGET_NAIVE_MS = 6.2  # one head, N=4096, d=128, fp16: the seed reports 5.75 ms on an H100
-TURNS = ("fused", "sdpa_cudnn", "sdpa_flash")  # measured again in turns per shape (with any fused[...] rows)
 
 
 def shape(name, b, h, n, d, kv=None, dtype="fp16", causal=False) -> dict:
@@ -160,22 +159,12 @@ def replays_ms(g, iters: int) -> float:
 def graph_ms(fn, iters: int) -> float | None:
     """GPU time per call with the host out of the way: one call captured in a CUDA graph, replayed
     `iters` times back to back between two events. For SDPA that is its kernels' time, which the call
-    time (`ms`) hides behind torch's dispatch; ours the same. None where the call cannot be captured."""
+    time (`ms`) hides behind torch's dispatch; ours the same. None where the call cannot be captured.
+    A short run after a pause runs at the boost clock, a long one at the power cap's (on the H200
+    1.98 against ~1.65 GHz: 12-14 % at 0.4-0.6 ms calls; scripts/power_probe.py): compare kernels
+    measured the same way, and see docs/kernels.md ("Measuring under the power cap")."""
     g = captured(fn)
     return None if g is None else replays_ms(g, iters)
-
-
-def in_turns_ms(fns: dict, iters: int, rounds: int) -> dict:
-    """{name: graph ms} for calls measured in turns: each captured once, then `rounds` rounds in which
-    every graph is replayed `iters` times back to back, the order rotated each round; the median of
-    the rounds. Clocks and the power state drift within a run (the same kernel's graph time moved by
-    up to 15 % between lines of one run); in turns, every call of a comparison sees the same drift."""
-    graphs = {name: g for name, g in ((name, captured(fn)) for name, fn in fns.items()) if g is not None}
-    names, got = list(graphs), {name: [] for name in graphs}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            got[name].append(replays_ms(graphs[name], iters))
-    return {name: statistics.median(t) for name, t in got.items() if t}
 
 
 def peak_bytes(fn) -> int:
@@ -298,7 +287,6 @@ def run(args) -> dict:
                 with sdpa_kernel([backend]):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kvh != h)
             kernels[name] = (fn, qkvo)
-        turns = {}  # the graph-timed kernels of the comparison, measured again in turns below
         for name, (fn, nbytes) in kernels.items():
             if args.kernels and name.split("[")[0] not in args.kernels:
                 continue
@@ -318,21 +306,13 @@ def run(args) -> dict:
                    "tflops": flops / (ms * 1e-3) / 1e12, "gbps": nbytes / (ms * 1e-3) / 1e9,
                    "floor_ms": floor_ms, "x_floor": ms / floor_ms, "peak_bytes": mem, "first_call_s": first}
             rows.append(row)
-            if gms and (name in TURNS or name.startswith("fused[")):
-                turns[name] = (fn, row)
             passes = " ".join(f"{p} {x:.3f}" for p, x in row["passes_ms"].items())
             graph = f"  graph {gms:.3f} ms {row['graph_tflops']:.1f} TFLOP/s" if gms else ""
             fc = f"  first call {first:.2f} s" if first is not None else ""
             print(f"  {name:<20} {sp['name']:<20} {ms:9.3f} ms  {row['tflops']:7.1f} TFLOP/s "
                   f"{row['gbps']:8.0f} GB/s  {row['x_floor']:6.2f}x floor  {mem / 2**20:9.1f} MiB  {passes}{graph}{fc}",
                   flush=True)
-        if args.rounds and len(turns) > 1:
-            got = in_turns_ms({name: fn for name, (fn, _) in turns.items()}, args.iters, args.rounds)
-            for name, ms in got.items():
-                turns[name][1]["graph_ms_turns"] = ms
-            print(f"  in turns ({args.rounds} rounds of {args.iters} replays): " +
-                  ", ".join(f"{name} {ms:.4f} ms" for name, ms in got.items()), flush=True)
-        del q, k, v, turns
+        del q, k, v
         torch.cuda.empty_cache()
     return {"gpu": torch.cuda.get_device_name(), "copy_GBps": bw, "versions": versions(),
             "command": "python " + " ".join(sys.argv), "commit": git_commit(args.commit),
@@ -344,11 +324,10 @@ def _num(x: float | None, places: int = 3) -> str:
 
 
 def ratios(res: dict) -> str:
-    """Per shape: the fused kernel's graph time beside SDPA cuDNN's and flash's, and cuDNN / fused:
-    measured in turns (graph_ms_turns) where the run did, else each on its own line (graph_ms)."""
+    """Per shape: the fused kernel's graph time beside SDPA cuDNN's and flash's, and cuDNN / fused."""
     by = {}
     for r in res["rows"]:
-        by.setdefault(r["shape"], {})[r["kernel"]] = {**r, "graph_ms": r.get("graph_ms_turns") or r.get("graph_ms")}
+        by.setdefault(r["shape"], {})[r["kernel"]] = r
     lines = ["| shape | B | H | G | N | d | dtype | causal | fused graph ms | cuDNN graph ms | flash graph ms "
              "| cuDNN / fused | flash / fused |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     cudnn_over_fused = []
@@ -364,9 +343,7 @@ def ratios(res: dict) -> str:
                      f"| {f['dtype']} | {'yes' if f['causal'] else 'no'} | {_num(f['graph_ms'])} | {_num(c)} "
                      f"| {_num(fl)} | {_num(rc, 2)} | {_num(fl / f['graph_ms'] if fl else None, 2)} |")
     if cudnn_over_fused:
-        turns = any(r.get("graph_ms_turns") for r in res["rows"])
-        lines += ["", f"Lowest cuDNN / fused ratio: {min(cudnn_over_fused):.2f} (graph time, same run"
-                      f"{', measured in turns' if turns else ''})."]
+        lines += ["", f"Lowest cuDNN / fused ratio: {min(cudnn_over_fused):.2f} (graph time, same run)."]
     return "\n".join(lines)
 
 
@@ -384,11 +361,8 @@ def markdown(res: dict, target: float) -> str:
              "| graph TFLOP/s | GB/s | x floor | memory MiB | first call s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     if any(r.get("shape") for r in res["rows"]) and any(r["kernel"] == "sdpa_cudnn" for r in res["rows"]):
-        how = ("the kernels of a shape measured in turns (each graph replayed back to back, the kernels "
-               "alternating, the median of the rounds)" if any(r.get("graph_ms_turns") for r in res["rows"])
-               else "each kernel on its own")
-        lines[-2:-2] = [f"Graph time, fused against SDPA's cuDNN and flash backends, {how} (ratio > 1: fused is "
-                        "faster):", "", ratios(res), ""]
+        lines[-2:-2] = ["Graph time, fused against SDPA's cuDNN and flash backends (ratio > 1: fused is faster):",
+                        "", ratios(res), ""]
     for r in res["rows"]:
         p = " / ".join(f"{x:.3f}" for x in r["passes_ms"].values()) or "-"
         g = f"{r['graph_ms']:.3f} | {r['graph_tflops']:.1f}" if r.get("graph_ms") else "- | -"
@@ -421,10 +395,6 @@ def main() -> int:
     p.add_argument("--causal", action="store_true")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=7,
-                   help="per shape, fused, its --fused-configs rows and SDPA measured again in turns: this many "
-                        "rounds of --iters graph replays each, the kernels alternating; the ratio table takes the "
-                        "medians (default 7; 0: off, each kernel's own graph time)")
     p.add_argument("--kernels", nargs="+", default=None,
                    help="rows to run (default all): naive tiled fused triton torch_materialized sdpa_flash "
                         "sdpa_cudnn sdpa_efficient")
