@@ -16,6 +16,9 @@
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#ifndef __CUDACC_RTC__
+#include <cstdio>  // printf (NVRTC, which builds the kernels at run time, declares it itself)
+#endif
 
 typedef long long i64;
 
