@@ -141,6 +141,45 @@ def test_training_never_takes_the_oneshot_allreduce_by_itself():
     assert layer.plan(1, 8, training=True).collective == "allreduce"
 
 
+def test_oneshot_mapping_is_all_ranks_or_none(monkeypatch):
+    """The layer's agreement on the one-shot buffers (two gathers: the handles, then whether each rank
+    mapped all), with rank 1's answer simulated: one rank that cannot map makes every rank fall back
+    (auto) or raise the same line (named); a graph's pinned buffers are never replaced."""
+    from types import SimpleNamespace
+
+    from tpattn import peer
+    made = []
+
+    class Buffers:  # stands in for peer.OneShotBuffers (CUDA IPC) on this CPU
+        def __init__(self, capacity, part_dtype, out_dtype, device, rank, world):
+            self.capacity, self.closed, self.exported = capacity, False, ("host", None, b"handle", 0)
+            made.append(self)
+
+        def open(self, exported):
+            assert len(exported) == 2 and exported[0] == exported[1] == self.exported
+            return None
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(peer, "OneShotBuffers", Buffers)
+    layer = TensorParallelAttention.from_multihead_attention(_mha())
+    for rank1 in ("rank 1 cannot map rank 0's buffer (simulated)", None):
+        layer.comm = SimpleNamespace(all_gather_object=lambda obj, r1=rank1: [obj, obj if isinstance(obj, tuple) else r1])
+        got = layer._map_oneshot(64, torch.device("cpu"), required=False)
+        if rank1:
+            assert got is None and made[-1].closed and layer._oneshot is None
+            with pytest.raises(ValueError, match=r"output_collective='oneshot': rank 1 cannot map rank 0's buffer "
+                                                 r"\(simulated\); use 'auto'"):
+                layer._map_oneshot(64, torch.device("cpu"), required=True)
+        else:
+            assert got is made[-1] and layer._oneshot is got and not got.closed
+    layer._peer_pinned = True
+    with pytest.raises(ValueError, match="a CUDA graph captured by graphed\\(\\) replays the current ones"):
+        layer._map_oneshot(128, torch.device("cpu"), required=True)
+    assert layer._oneshot is made[-1] and not made[-1].closed
+
+
 def test_the_cost_model_prices_the_plan_or_says_it_cannot():
     shape = steps.Shape(seq_len=4096, heads=32, head_dim=128, output_collective="p2p")
     with pytest.raises(ModelError, match="no price for --output-collective p2p"):
