@@ -59,10 +59,22 @@ def test_markdown_ratio_table_is_cudnn_over_fused_with_the_lowest_named():
     assert "Lowest cuDNN / fused ratio: 0.80" in md
 
 
+def test_ratio_table_gets_steady_state_columns_where_the_run_has_them():
+    vit = bench_kernels.SHAPE_SETS["users"][2]
+    rows = [row("fused", vit, 0.2), row("sdpa_cudnn", vit, 0.16), row("sdpa_flash", vit, 0.24)]
+    for r, ms in zip(rows, (0.18, 0.171, 0.25)):
+        r["graph_ms_steady"] = ms
+    md = bench_kernels.markdown({"gpu": "Test GPU", "command": "c", "versions": {}, "copy_GBps": 1.0, "rows": rows}, 6.2)
+    assert ("| ViT-B/16 | 256 | 12 | 12 | 197 | 64 | fp16 | no | 0.200 | 0.160 | 0.240 | 0.80 | 1.20 | 0.1800 | 0.1710 "
+            "| 0.2500 | 0.95 | 1.39 |") in md
+    assert "Lowest cuDNN / fused ratio: 0.80 (graph time, same run)" in md
+    assert "Lowest cuDNN / fused ratio in the steady state: 0.95" in md
+
+
 def test_help_names_the_shape_set():
     res = run([sys.executable, "scripts/bench_kernels.py", "--help"], timeout=120)
     assert res.returncode == 0, res.stderr
-    for word in ("--shapes", "users", "--kv-heads", "--name", "--commit", "w:static"):
+    for word in ("--shapes", "users", "--kv-heads", "--name", "--commit", "w:static", "--steady"):
         assert word in res.stdout, word
 
 
