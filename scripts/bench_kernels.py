@@ -157,8 +157,8 @@ def replays_ms(g, iters: int) -> float:
 
 
 def steady_ms(fn, iters: int, seconds: float) -> float | None:
-    """graph_ms in the power-capped steady state: the graph replayed for `seconds` first (the H200
-    takes ~0.7 s of sustained load to settle at its 700 W cap), then `iters` replays timed. Every
+    """graph_ms in the power-capped steady state: the graph replayed for `seconds` first (the H200's
+    power takes about a second of sustained load to settle at its 700 W cap), then `iters` replays timed. Every
     kernel is timed after its own load, so the order of a comparison no longer decides its clock."""
     g = captured(fn)
     if g is None:
@@ -173,7 +173,7 @@ def graph_ms(fn, iters: int) -> float | None:
     `iters` times back to back between two events. For SDPA that is its kernels' time, which the call
     time (`ms`) hides behind torch's dispatch; ours the same. None where the call cannot be captured.
     A short run after a pause runs at the boost clock, a long one at the power cap's (on the H200
-    1.98 against ~1.65 GHz: 12-14 % at 0.4-0.6 ms calls; scripts/power_probe.py): compare kernels
+    1.98 against ~1.65 GHz: 12.5 % less time at the default shape; scripts/power_probe.py): compare kernels
     measured the same way, and see docs/kernels.md ("Measuring under the power cap")."""
     g = captured(fn)
     return None if g is None else replays_ms(g, iters)
