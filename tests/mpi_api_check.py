@@ -39,28 +39,20 @@ for kw in ({"sequence_parallel": True}, {"sequence_parallel": True, "overlap": 2
         y = layer.gather_sequence(layer(mine)) if kw.get("sequence_parallel") else layer(mine)
         ref, _ = mha(x2, x2, x2, need_weights=False, attn_mask=torch.ones(36, 36, dtype=torch.bool).triu(1))
     errs.append((y - ref).abs().max().item())
-# output_collective="p2p" on CPU: every rank refuses with the same line before any buffer is made
-refused = []
-layer = TensorParallelAttention.from_multihead_attention(mha, backend="reference", output_collective="p2p")
-try:
-    with torch.no_grad():
-        layer(x)
-except ValueError as exc:
-    refused.append(str(exc))
-if proc.world > 1 and not (len(refused) == 1 and "output_collective='p2p': rank 0: it needs CUDA tensors" in refused[0]):
-    errs.append(float("inf"))
-    print(f"p2p refusal missing or wrong: {refused}", flush=True)
-# output_collective="oneshot" on CPU: every rank refuses with the same line (the buffers need CUDA)
-refused = []
-layer = TensorParallelAttention.from_multihead_attention(mha, backend="reference", output_collective="oneshot")
-try:
-    with torch.no_grad():
-        layer(x)
-except ValueError as exc:
-    refused.append(str(exc))
-if proc.world > 1 and not (len(refused) == 1 and "output_collective='oneshot': rank 0: it needs CUDA tensors" in refused[0]):
-    errs.append(float("inf"))
-    print(f"oneshot refusal missing or wrong: {refused}", flush=True)
+# output_collective="p2p" or "oneshot" on CPU: every rank refuses with the same line before any buffer is
+# made (both map GPU memory)
+for how in ("p2p", "oneshot"):
+    refused = []
+    layer = TensorParallelAttention.from_multihead_attention(mha, backend="reference", output_collective=how)
+    try:
+        with torch.no_grad():
+            layer(x)
+    except ValueError as exc:
+        refused.append(str(exc))
+    if proc.world > 1 and not (len(refused) == 1 and f"output_collective='{how}': rank 0: it needs CUDA tensors" in
+                               refused[0]):
+        errs.append(float("inf"))
+        print(f"{how} refusal missing or wrong: {refused}", flush=True)
 ok = max(errs) < 1e-5
 print(f"API {'PASS' if ok else 'FAIL'} rank {proc.rank} of {proc.world} err {max(errs):.2e}", flush=True)
 torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
