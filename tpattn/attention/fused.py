@@ -98,8 +98,9 @@ def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True, rows: i
 
 def grid_mode() -> str:
     """fusedw's grid: one block per SM walking the tiles (persistent, the default: faster on the H200,
-    causal or not, benchmarks/ladder.md), with causal tiles handed out by a counter ("sms",
-    benchmarks/fused_shapes_h200.md) or every grid-th one ("static"); or one block per tile, the
+    causal or not, benchmarks/ladder.md), with tiles of uneven work (causal; fusedw3's partly empty
+    last tile of a head) handed out by a counter ("sms", benchmarks/fused_shapes_h200.md) or every
+    grid-th one ("static"); or one block per tile, the
     hardware handing out the next tile as a block ends ("tiles"). TPATTN_FUSED_GRID=sms, static or
     tiles."""
     env = os.environ.get("TPATTN_FUSED_GRID") or "sms"
@@ -111,14 +112,14 @@ def grid_mode() -> str:
 _kernels: dict[tuple, Choice] = {}
 _prepared: dict[tuple, Prepared] = {}  # fusedw launches, packed once per (tensors, shape, options)
 _devices: dict[int, tuple[int, tuple[int, int]]] = {}
-_counters: dict[str, torch.Tensor] = {}  # per device: COUNTER_SLOTS counters (and tile numbers) for causal fusedw
+_counters: dict[str, torch.Tensor] = {}  # per device: COUNTER_SLOTS counters (and tile numbers) for fusedw launches with uneven tiles
 _slots = [0]  # the next slot to hand out (round robin)
 COUNTER_SLOTS = 1024
 GROUP_TILES = 2  # causal fusedw: heads in groups of about this many query tiles per SM (0: a head at a time)
 
 
 def _counter(device, sms: int) -> int:
-    """The address of a pair of int32 zeros in device memory for one causal fusedw launch to hand out its
+    """The address of a pair of int32 zeros in device memory for one fusedw launch of uneven tiles to hand out its
     tiles with (the kernel leaves them at zero), followed, from byte 16, by two 16-byte slots for
     the tile numbers of each of its `sms` blocks (its producers write them, its consumers read them);
     0 (the static order) while a CUDA graph is being captured before any eager call
@@ -200,10 +201,13 @@ class FusedBackend(CudaBackend):
                     nq = _cdiv(r1 - r0, ch.rows)  # query tiles of ch.rows rows a head
                     tiles = nq * bh
                     grid = (min(tiles, GRID_X_MAX if mode == "tiles" else sms), 1, 1)
-                    # causal tiles differ in work (1 to N / 128 key tiles): a persistent block asks a
-                    # counter for its next tile instead of taking every grid-th one; without causal
-                    # the static order is already even
-                    counter = _counter(q.device, sms) if causal and mode == "sms" and tiles > grid[0] else 0
+                    # causal tiles differ in work (1 to N / 128 key tiles), and so do fusedw3's without
+                    # causal where a head's last 192-row tile leaves a warpgroup without rows (N = 257:
+                    # 65 rows; with two tiles a head and an even grid every other block drew only those):
+                    # a persistent block asks a counter for its next tile instead of taking every
+                    # grid-th one. Otherwise the static order is even (the counter measured 1 % slower)
+                    uneven = causal or (ch.rows == 192 and 0 < (r1 - r0) % 192 <= 128)
+                    counter = _counter(q.device, sms) if uneven and mode == "sms" and tiles > grid[0] else 0
                     # causal: heads in groups of about GROUP_TILES tiles per SM, each group's longest tiles first
                     hg = min(bh, _cdiv(GROUP_TILES * sms, nq)) if causal and GROUP_TILES else 1
                     prep = Prepared(ch.source, ch.name, q.device, grid, (ch.threads, 1, 1),
