@@ -21,15 +21,17 @@
 //     24 and 160), so a 64-row accumulator of D fp32 values, S, and the packed P fit without spills;
 //   * inside a consumer, the pipeline of fused_hopper_attention.cu: iteration j issues
 //     S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, waits for S_j only, and runs the softmax of
-//     S_j while the PV product still runs;
+//     S_j while the PV product still runs; at D = 128 the rescale of O by the previous softmax's
+//     factors sits between the two issues, so that it runs while S_j does (at D = 64 after the wait);
 //   * ping-pong between the consumers: NC named barriers make them take turns (0, 1, .., NC - 1, 0,
 //     ...) issuing their products, so one warpgroup's softmax runs while another's GEMMs own the
 //     tensor cores;
 //   * persistent: the grid may be smaller than the number of (query tile, head) pairs, in
 //     head-major order (a head's K and V stay in L2 while its query tiles run; causal: heads in
-//     groups, each group's longest tiles first, see tw_tile_of). Block i starts with tile i; then, without causal (every tile the same
-//     work), it takes i + gridDim.x, i + 2 gridDim.x, ...; with causal (tiles of 1 to N / 128 key
-//     tiles) its producer asks a counter in device memory for the next tile as it starts one
+//     groups, each group's longest tiles first, see tw_tile_of). Block i starts with tile i; then, where
+//     every tile is the same work, it takes i + gridDim.x, i + 2 gridDim.x, ... (sched null); where they
+//     differ (causal: 1 to N / 128 key tiles; fusedw3's last tile of a head with a warpgroup
+//     without rows) its producer asks a counter in device memory for the next tile as it starts one
 //     (an atomicAdd), so a block that drew short tiles takes more of them. The producer hands the
 //     tile number to the consumers with the Q tile: it writes the number in global memory beside
 //     the counter (two slots a block, one per Q stage; -1: no more tiles) before its arrive on the
@@ -42,8 +44,9 @@
 //     start at or past row_end (a head's last 192-row tile), with causal none past its last row's key
 //     tile; the turns of the key tiles it skips are passed on at once and their stages released unread,
 //     so every consumer still takes n_kt + 1 turns a tile (the same bits as computing them);
-//   * O: each consumer rounds its 64 rows into its own rows of its Q stage and writes them with
-//     16-byte stores for rows < row_end; then it frees the Q stage for the tile after next;
+//   * O: each consumer rounds its 64 rows into its own rows of its Q stage and each warp writes its
+//     16 rows (< row_end) with 16-byte stores after a __syncwarp (no barrier across the warpgroup);
+//     then it frees the Q stage for the tile after next;
 //   * D = 64, NC = 2: a sequence's last key tile, when it holds at most 80 keys (ViT's N = 197 and
 //     257), is computed as 80 keys (wgmma n80, the softmax over 80 columns, 5 k16 steps of P V), see
 //     TW_BY_KEYS (NC = 3 has no registers to spare for it: ptxas serialized the wgmma).
@@ -60,13 +63,6 @@
 // for the tile numbers (two 16-byte slots). Needs compute capability 9.0 (sm_90a).
 
 #include "hopper_common.cuh"
-
-#ifndef TW_K3
-#define TW_K3 0
-#endif
-#ifndef TW_R240
-#define TW_R240 0
-#endif
 
 struct __align__(64) tw_tmap {  // a CUtensorMap: 128 bytes the driver encodes, opaque here
     tc_u64 v[16];
@@ -179,18 +175,18 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                                          int o_ld, int hg, int *__restrict__ sched) {
     constexpr int BR = 64 * NC, BC = 128, PANELS = D / 64;
     // two Q stages; K/V stages: two at D = 128 (2 Q + 4 K/V tiles = 192 KB of shared memory), four at D = 64
-    constexpr int QS = 2, KVS = D == 64 ? 4 : 2, KS = TW_K3 && D == 128 ? 3 : KVS;
+    constexpr int QS = 2, KVS = D == 64 ? 4 : 2;
     constexpr tc_u32 QB = BR * D * 2, KB = BC * D * 2;  // bytes of one Q tile and of one K or V tile
     constexpr int TURN = 1;  // named barrier ids: turns 1 .. NC
-    const tc_u32 sQ = hw_smem_base(), sK = sQ + QS * QB, sV = sK + KS * KB, bars = sV + KVS * KB;
+    const tc_u32 sQ = hw_smem_base(), sK = sQ + QS * QB, sV = sK + KVS * KB, bars = sV + KVS * KB;
     // mbarriers, 8 bytes each: Q full [QS], Q empty [QS], K full [KVS], K empty [KVS], V full [KVS],
     // V empty [KVS]
     auto q_full = [&](int s) { return bars + 8 * s; };
     auto q_empty = [&](int s) { return bars + 8 * (QS + s); };
     auto k_full = [&](int s) { return bars + 16 * QS + 8 * s; };
-    auto k_empty = [&](int s) { return bars + 16 * QS + 8 * (KS + s); };
-    auto v_full = [&](int s) { return bars + 16 * QS + 8 * (2 * KS + s); };
-    auto v_empty = [&](int s) { return bars + 16 * QS + 8 * (2 * KS + KVS + s); };
+    auto k_empty = [&](int s) { return bars + 16 * QS + 8 * (KVS + s); };
+    auto v_full = [&](int s) { return bars + 16 * QS + 8 * (2 * KVS + s); };
+    auto v_empty = [&](int s) { return bars + 16 * QS + 8 * (3 * KVS + s); };
     // with the counter: the tile number of each Q stage. The producer writes it in global memory beside
     // the counter (this block's QS slots of 16 bytes) before it arrives on the stage's full barrier;
     // the consumers read it there once the stage is in
@@ -200,8 +196,6 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
     // a ring position k (K/V tiles counted over the block's whole run): its stage and phase parity
     auto stage = [](int k) { return k % KVS; };
     auto parity = [](int k) { return (k / KVS) & 1; };
-    auto kstage = [](int k) { return k % KS; };
-    auto kparity = [](int k) { return (k / KS) & 1; };
     const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
     const int nq = (row_end - row_begin + BR - 1) / BR;
     const long long tiles = (long long)nq * BH;
@@ -211,11 +205,9 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
             tw_bar_init(q_full(s), 1);
             tw_bar_init(q_empty(s), 4 * NC);  // every consumer warp
         }
-        for (int s = 0; s < KS; ++s) {
+        for (int s = 0; s < KVS; ++s) {
             tw_bar_init(k_full(s), 1);
             tw_bar_init(k_empty(s), 4 * NC);
-        }
-        for (int s = 0; s < KVS; ++s) {
             tw_bar_init(v_full(s), 1);
             tw_bar_init(v_empty(s), 4 * NC);
         }
@@ -225,9 +217,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
     __syncthreads();
 
     if (wg == 0) {  // ---------------------------------------------------------------- producer
-        if constexpr (NC == 2 && TW_R240)
-            asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
-        else if constexpr (NC == 2)
+        if constexpr (NC == 2)
             asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         else
             asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
@@ -254,13 +244,13 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 for (int p = 0; p < PANELS; ++p)
                     tw_tma(sQ + qs * QB + p * BR * 128, qm, 64 * p, x.q0, hh, b, q_full(qs));
                 for (int j = 0; j < x.n_kt; ++j, ++kt) {
-                    const int ks = kstage(kt), s = stage(kt);
-                    tw_bar_wait(k_empty(ks), kparity(kt) ^ 1);
-                    tw_bar_expect(k_full(ks), KB);
+                    const int s = stage(kt), free_parity = parity(kt) ^ 1;
+                    tw_bar_wait(k_empty(s), free_parity);
+                    tw_bar_expect(k_full(s), KB);
 #pragma unroll
                     for (int p = 0; p < PANELS; ++p)
-                        tw_tma(sK + ks * KB + p * BC * 128, km, 64 * p, j * BC, hk, b, k_full(ks));
-                    tw_bar_wait(v_empty(s), parity(kt) ^ 1);
+                        tw_tma(sK + s * KB + p * BC * 128, km, 64 * p, j * BC, hk, b, k_full(s));
+                    tw_bar_wait(v_empty(s), free_parity);
                     tw_bar_expect(v_full(s), KB);
 #pragma unroll
                     for (int p = 0; p < PANELS; ++p)
@@ -281,9 +271,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
     }
 
     // ------------------------------------------------------------------------------ consumers
-    if constexpr (NC == 2 && TW_R240)
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
-    else if constexpr (NC == 2)
+    if constexpr (NC == 2)
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     else
         asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n" ::: "memory");
@@ -341,16 +329,16 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         // S_0 = Q K_0^T (W keys), its mask and softmax
         auto first = [&](int w) {
             TW_BY_KEYS(D, w,
-                tw_bar_wait(k_full(kstage(kt)), kparity(kt));
+                tw_bar_wait(k_full(stage(kt)), parity(kt));
                 my_turn();
                 hw_keep(s);
                 hw_wg_fence();
-                hw_qk<D, BR, BF16, W>(s, sq, sK + kstage(kt) * KB);
+                hw_qk<D, BR, BF16, W>(s, sq, sK + stage(kt) * KB);
                 hw_wg_commit();
                 your_turn();
                 hw_wg_wait<0>();
                 hw_keep(s);
-                release(k_empty(kstage(kt)));
+                release(k_empty(stage(kt)));
                 hw_mask<W>(s, 0, N, causal, wr0, r0, lane);
                 hw_softmax<W>(s, m, l, alpha, scale_log2));
         };
@@ -358,7 +346,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         auto step = [&](int j, int w) {
             const int kj = kt + j, vj = kj - 1;  // ring positions of K_j and V_{j-1}
             TW_BY_KEYS(D, w,
-                tw_bar_wait(k_full(kstage(kj)), kparity(kj));
+                tw_bar_wait(k_full(stage(kj)), parity(kj));
                 tw_bar_wait(v_full(stage(vj)), parity(vj));
                 tc_u32 pa[8][4];
                 hw_pack_p<BF16>(pa, s);
@@ -366,7 +354,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 hw_keep(o);
                 hw_keep(pa);
                 hw_wg_fence();
-                hw_qk<D, BR, BF16, W>(s, sq, sK + kstage(kj) * KB);
+                hw_qk<D, BR, BF16, W>(s, sq, sK + stage(kj) * KB);
                 hw_wg_commit();
                 if constexpr (D == 128) {  // O rescaled by the last softmax's factors while S_j runs
                     rescale();
@@ -378,7 +366,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 your_turn();
                 hw_wg_wait<1>();  // S_j is done; the PV product may still run
                 hw_keep(s);
-                release(k_empty(kstage(kj)));
+                release(k_empty(stage(kj)));
                 hw_mask<W>(s, j * BC, N, causal, wr0, r0, lane);
                 hw_softmax<W>(s, m, l, alpha, scale_log2);
                 hw_wg_wait<0>();
@@ -414,8 +402,8 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
             const int kj = kt + j;
             my_turn();
             your_turn();
-            tw_bar_wait(k_full(kstage(kj)), kparity(kj));
-            release(k_empty(kstage(kj)));
+            tw_bar_wait(k_full(stage(kj)), parity(kj));
+            release(k_empty(stage(kj)));
             tw_bar_wait(v_full(stage(kj)), parity(kj));
             release(v_empty(stage(kj)));
         };
@@ -440,7 +428,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         }
 
         // O = acc / l: this warpgroup's rows, staged in its own rows of the Q stage (its products are
-        // done reading them), then 16-byte stores of the rows < row_end
+        // done reading them), then 16-byte stores of the rows < row_end, each warp its own 16 rows
         if (rows_here) {
             hw_write_lse(Lse, (long long)x.bh * N, r0, row_end, m, l, lane);
             hw_finish_l(l);
