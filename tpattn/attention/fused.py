@@ -100,9 +100,8 @@ def grid_mode() -> str:
     """fusedw's grid: one block per SM walking the tiles (persistent, the default: faster on the H200,
     causal or not, benchmarks/ladder.md), with tiles of uneven work (causal; fusedw3's partly empty
     last tile of a head) handed out by a counter ("sms", benchmarks/fused_shapes_h200.md) or every
-    grid-th one ("static"); or one block per tile, the
-    hardware handing out the next tile as a block ends ("tiles"). TPATTN_FUSED_GRID=sms, static or
-    tiles."""
+    grid-th one ("static"); or one block per tile, the hardware handing out the next tile as a block
+    ends ("tiles"). TPATTN_FUSED_GRID=sms, static or tiles."""
     env = os.environ.get("TPATTN_FUSED_GRID") or "sms"
     if env not in ("sms", "static", "tiles"):
         raise ConfigError(f"TPATTN_FUSED_GRID={env!r}: use sms, static or tiles")
@@ -112,15 +111,16 @@ def grid_mode() -> str:
 _kernels: dict[tuple, Choice] = {}
 _prepared: dict[tuple, Prepared] = {}  # fusedw launches, packed once per (tensors, shape, options)
 _devices: dict[int, tuple[int, tuple[int, int]]] = {}
-_counters: dict[str, torch.Tensor] = {}  # per device: COUNTER_SLOTS counters (and tile numbers) for fusedw launches with uneven tiles
+# per device: COUNTER_SLOTS counters (and tile numbers) for fusedw launches with uneven tiles
+_counters: dict[str, torch.Tensor] = {}
 _slots = [0]  # the next slot to hand out (round robin)
 COUNTER_SLOTS = 1024
 GROUP_TILES = 2  # causal fusedw: heads in groups of about this many query tiles per SM (0: a head at a time)
 
 
 def _counter(device, sms: int) -> int:
-    """The address of a pair of int32 zeros in device memory for one fusedw launch of uneven tiles to hand out its
-    tiles with (the kernel leaves them at zero), followed, from byte 16, by two 16-byte slots for
+    """The address of a pair of int32 zeros in device memory for one fusedw launch of uneven tiles to
+    hand out its tiles with (the kernel leaves them at zero), followed, from byte 16, by two 16-byte slots for
     the tile numbers of each of its `sms` blocks (its producers write them, its consumers read them);
     0 (the static order) while a CUDA graph is being captured before any eager call
     made the pool, whose zeros would be written only at replay. The pool is never freed (a captured
