@@ -10,8 +10,10 @@ choosing it for a decode step's partials and NCCL's/gloo's collectives for large
 decode against the single-process layer, every rank's output the same bits; a graphed decode step
 against the eager steps bit for bit; a rank that cannot map the others' buffers: auto falls back on
 every rank, "oneshot" raises the same line on every rank. Prints 'ONESHOT PASS rank R' and exits 0,
-or the failures and exit 1. Mode late prints 'ONESHOT STOPPED rank R after S s' on the waiting ranks."""
+or the failures and exit 1. Mode late prints 'ONESHOT STOPPED rank R after S s' on the waiting ranks
+(a rank stuck for 30 s prints where and exits 1)."""
 
+import faulthandler
 import sys
 import time
 
@@ -39,7 +41,8 @@ def mapped(capacity: int, part_dtype: torch.dtype, out_dtype: torch.dtype) -> pe
 
 if sys.argv[1:] == ["late"]:
     buf = mapped(1024, torch.float32, torch.float32)
-    peer.ONESHOT_TIMEOUT_S = 3
+    peer.ONESHOT_TIMEOUT_S = 3  # rank r's kernel stops after 3 + 3 r s (peer.ONESHOT_STAGGER_S)
+    faulthandler.dump_traceback_later(30, exit=True)  # a rank stuck after its kernel stopped: where, then exit
     if R < W - 1:  # the last rank never comes
         t0 = time.time()
         try:
@@ -50,6 +53,7 @@ if sys.argv[1:] == ["late"]:
             print(f"ONESHOT STOPPED rank {R} after {time.time() - t0:.1f} s: {str(exc).splitlines()[0][:100]}",
                   flush=True)
     comm.all_gather_object(None)  # the last rank waits here until the others are done
+    faulthandler.cancel_dump_traceback_later()
     exit_now(0)
 
 # ---- the kernel against torch's sum in rank order, bit for bit -----------------------------------

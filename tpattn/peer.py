@@ -131,6 +131,10 @@ ONESHOT_BLOCKS, ONESHOT_WORLD = 64, 16  # as kernels/peer_reduce.cu's: the most 
 SIGNAL_BYTES = 4 * (2 * ONESHOT_BLOCKS * ONESHOT_WORLD + ONESHOT_BLOCKS)  # the flags, then the partial
 DATA_OFFSET = -(-SIGNAL_BYTES // 256) * 256
 ONESHOT_TIMEOUT_S = 600  # a rank that never arrives: the waiting kernel traps (an error, not a hang)
+# ... rank r after ONESHOT_TIMEOUT_S + r * ONESHOT_STAGGER_S: ranks sharing one GPU (over gloo) must not trap
+# at the same moment; when two contexts' kernels trapped together on the H200, one host's
+# torch.cuda.synchronize() never returned (3 of 6 runs of tests/mpi_oneshot_check.py late; none staggered)
+ONESHOT_STAGGER_S = 3
 
 
 def oneshot_unavailable(device: torch.device, world: int, part_dtype: torch.dtype, out_dtype: torch.dtype) -> str | None:
@@ -251,5 +255,5 @@ class OneShotBuffers:
         launch(SOURCE, name, out.device, (grid, 1, 1), (THREADS, 1, 1),
                (np.uint64(self.table.data_ptr()), np.uint64(out.data_ptr()),
                 np.uint64(0 if bias is None else bias.data_ptr()), np.int32(self.world), np.int32(self.rank),
-                np.int64(n), np.int64(dim), np.int32(vec), np.int64(ONESHOT_TIMEOUT_S * 10**9)))
+                np.int64(n), np.int64(dim), np.int32(vec), np.int64((ONESHOT_TIMEOUT_S + self.rank * ONESHOT_STAGGER_S) * 10**9)))
         return out
