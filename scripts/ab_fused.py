@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import sys
 from datetime import datetime, timezone
@@ -172,7 +173,7 @@ def run(args) -> dict:
         rows.append(row)
         print(f"  {s['name']:20s} " + "  ".join(f"{label} {med[label]:.4f}" for label in graphs)
               + "  cuDNN/build " + " ".join(f"{row['cudnn_over'][label]:.3f}" for label in ran), flush=True)
-    return {"gpu": torch.cuda.get_device_name(), "versions": versions(), "command": "python " + " ".join(sys.argv),
+    return {"gpu": torch.cuda.get_device_name(), "versions": versions(), "command": "python " + shlex.join(sys.argv),
             "commit": git_commit(args.commit), "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "builds": {label: revs.get(label) or ("the working tree" + (f", TPATTN_FUSED_CFG={cfg}" if cfg else ""))
                        for label, (_, cfg) in variants.items()},

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 import time
 import warnings
@@ -256,7 +257,7 @@ def results(args, rows: list, broken: str | None) -> dict:
         import cupy  # noqa: F401 - so that versions() names it
     except ImportError:
         pass
-    return {"gpu": gpu_info(), "versions": versions(), "command": "python " + " ".join(sys.argv),
+    return {"gpu": gpu_info(), "versions": versions(), "command": "python " + shlex.join(sys.argv),
             "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(args.commit),
             "sdpa_gqa": args.sdpa_gqa, "max_materialized_n": args.max_materialized_n, "iters": args.iters,
             "warmup": args.warmup, "deterministic": args.deterministic, "stopped": broken, "rows": rows}

@@ -37,6 +37,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -176,7 +177,7 @@ def run(args) -> dict:
                       + ("" if row["check"] == "PASS" else "  CHECK FAILED"), flush=True)
             del q, k, v, ke, ve, ref
             torch.cuda.empty_cache()
-    return {"gpu": torch.cuda.get_device_name(), "versions": versions(), "command": "python " + " ".join(sys.argv),
+    return {"gpu": torch.cuda.get_device_name(), "versions": versions(), "command": "python " + shlex.join(sys.argv),
             "config": {"heads": H, "kv_heads": args.kv_heads, "head_dim": d, "batch": B, "dtype": args.dtype,
                        "causal": args.causal, "warmup": args.warmup, "iters": args.iters},
             "rows": rows}

@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -331,7 +332,7 @@ def run(args) -> dict:
         del q, k, v
         torch.cuda.empty_cache()
     return {"gpu": torch.cuda.get_device_name(), "copy_GBps": bw, "versions": versions(),
-            "command": "python " + " ".join(sys.argv), "commit": git_commit(args.commit),
+            "command": "python " + shlex.join(sys.argv), "commit": git_commit(args.commit),
             "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "rows": rows}
 
 

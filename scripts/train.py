@@ -45,6 +45,7 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -461,7 +462,7 @@ def train(args, proc) -> int:
                    "heads_per_rank": [len(Shard.of(args.heads, args.kv_heads, world, r, args.uneven_heads).head_range)
                                       for r in range(world)],
                    "versions": versions(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                   "commit": git_commit(), "command": " ".join(sys.argv)}
+                   "commit": git_commit(), "command": shlex.join(sys.argv)}
             path = Path(args.out + ".json")
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(rec, indent=1) + "\n")
