@@ -48,8 +48,9 @@
 //     16 rows (< row_end) with 16-byte stores after a __syncwarp (no barrier across the warpgroup);
 //     then it frees the Q stage for the tile after next. At D = 128 the copy waits for the next
 //     tile's first turn and runs while that tile's S_0 = Q K_0^T does (after the last tile: at the
-//     end), off the path between tiles: measured 1-2 % faster on the short and causal shapes, the
-//     default shape 0.8 % slower (side by side, 2026-12-02);
+//     end), off the path between tiles: side by side against 263d524 on one H200 (2026-12-02, scripts/
+//     ab_fused.py), the short batched shape 0.7-1.1 % faster, short causal 1.6-2.1 %, the default
+//     shape 0.8-0.9 % slower (docs/kernels.md, item 15);
 //   * D = 64, NC = 2: a sequence's last key tile, when it holds at most 80 keys (ViT's N = 197 and
 //     257), is computed as 80 keys (wgmma n80, the softmax over 80 columns, 5 k16 steps of P V), see
 //     TW_BY_KEYS (NC = 3 has no registers to spare for it: ptxas serialized the wgmma).
@@ -460,7 +461,8 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         }
 
         // O = acc / l: this warpgroup's rows, staged in its own rows of the Q stage (its products are
-        // done reading them), then 16-byte stores of the rows < row_end, each warp its own 16 rows
+        // done reading them), then 16-byte stores of the rows < row_end, each warp its own 16 rows (at
+        // D = 128 those in the next tile's first turn: copy_out)
         if (rows_here) {
             hw_write_lse(Lse, (long long)x.bh * N, r0, row_end, m, l, lane);
             hw_finish_l(l);

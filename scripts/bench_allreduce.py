@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 from datetime import datetime, timezone
@@ -137,7 +138,7 @@ def main() -> int:
                if shared else f"{W} x {gpu}, NCCL, CUDA graphs of {a.calls} calls, median of {a.iters} replays")
         out = Path(a.out or ROOT / "benchmarks" / f"allreduce_h200x{W}")
         rep = {"when": when, "commit": a.commit, "gpu": gpu, "world": W, "shared": shared, "how": how,
-               "command": " ".join(["mpirun -n", str(W), "python", *sys.argv]), "versions": versions(), "rows": rows}
+               "command": shlex.join(["mpirun", "-n", str(W), "python", *sys.argv]), "versions": versions(), "rows": rows}
         out.with_suffix(".json").write_text(json.dumps(rep, indent=1) + "\n")
         lines = [f"# The output sum of small partials: one-shot peer all-reduce beside {lib} ({when}, commit {a.commit})",
                  "", f"{how}. Command: `{rep['command']}`. Times per call, the slowest rank's.", "",

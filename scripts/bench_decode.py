@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -149,7 +150,7 @@ def main() -> int:
               f"err {row['max_err']:.2e}", flush=True)
     steps = step_rows(a.iters)
     res = {"gpu": torch.cuda.get_device_name(), "versions": versions(), "copy_GBps": bw,
-           "command": " ".join(["python", *sys.argv]), "commit": a.commit,
+           "command": shlex.join(["python", *sys.argv]), "commit": a.commit,
            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "rows": rows, "steps": steps}
     Path(a.out + ".json").write_text(json.dumps(res, indent=2))
     f = (lambda x, s="{:.1f}": "-" if x is None else s.format(x))  # noqa: E731

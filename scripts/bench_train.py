@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 from datetime import datetime, timezone
@@ -109,7 +110,7 @@ def main() -> int:
         rows.append({"layer": name, "fwd_ms": round(fwd, 4), "fwd_bwd_ms": round(train, 4)})
         print(f"{name:<16} forward {fwd:8.3f} ms   forward + backward {train:8.3f} ms", flush=True)
     commit = a.commit or (subprocess_out(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]) or "unknown")
-    res = {"gpu": torch.cuda.get_device_name(), "versions": versions(), "command": " ".join(["python", *sys.argv]),
+    res = {"gpu": torch.cuda.get_device_name(), "versions": versions(), "command": shlex.join(["python", *sys.argv]),
            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit,
            "shape": {"B": B, "N": N, "H": H, "d": d, "dtype": "fp16", "causal": a.causal}, "rows": rows}
     Path(a.out + ".json").write_text(json.dumps(res, indent=2))

@@ -132,7 +132,7 @@ SIGNAL_BYTES = 4 * (2 * ONESHOT_BLOCKS * ONESHOT_WORLD + ONESHOT_BLOCKS)  # the 
 DATA_OFFSET = -(-SIGNAL_BYTES // 256) * 256
 ONESHOT_TIMEOUT_S = 600  # a rank that never arrives: the waiting kernel traps (an error, not a hang)
 # ... rank r after ONESHOT_TIMEOUT_S + r * ONESHOT_STAGGER_S: ranks sharing one GPU (over gloo) must not trap
-# at the same moment; when two contexts' kernels trapped together on the H200, one host's
+# at the same moment; when two contexts' kernels trapped together on the H200, one process's
 # torch.cuda.synchronize() never returned (3 of 6 runs of tests/mpi_oneshot_check.py late; none staggered)
 ONESHOT_STAGGER_S = 3
 
