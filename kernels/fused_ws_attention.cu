@@ -68,6 +68,28 @@
 
 #include "hopper_common.cuh"
 
+// TW_TRACE (scripts/trace_fused.py defines it; the kernels tpattn launches are built without it): the
+// producer thread and thread 0 of each consumer warpgroup of blocks 0 .. TW_TRACE_BLOCKS - 1 write
+// (event code << 48 | clock64) at the points marked TW_MARK, in order, into tw_trace: per block, one row
+// of TW_TRACE_LEN for the producer and one for each consumer
+#ifdef TW_TRACE
+#define TW_TRACE_BLOCKS 4
+#define TW_TRACE_LEN 4096
+__device__ unsigned long long tw_trace[TW_TRACE_BLOCKS * 4 * TW_TRACE_LEN];
+#define TW_TRACE_COUNT int tr_n = 0
+#define TW_MARK(role, code)                                                                              \
+    do {                                                                                                 \
+        if (blockIdx.x < TW_TRACE_BLOCKS && tr_n < TW_TRACE_LEN) {                                       \
+            tc_u64 clk;                                                                                  \
+            asm volatile("mov.u64 %0, %%clock64;\n" : "=l"(clk));                                        \
+            tw_trace[(blockIdx.x * 4 + (role)) * TW_TRACE_LEN + tr_n++] = ((tc_u64)(code) << 48) | (clk & 0xffffffffffffull); \
+        }                                                                                                \
+    } while (0)
+#else
+#define TW_TRACE_COUNT
+#define TW_MARK(role, code)
+#endif
+
 struct __align__(64) tw_tmap {  // a CUtensorMap: 128 bytes the driver encodes, opaque here
     tc_u64 v[16];
 };
@@ -226,12 +248,15 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         else
             asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
         if (tid == 0) {
+            TW_TRACE_COUNT;
             int kt = 0;  // key tiles loaded so far
             long long t = blockIdx.x;
             for (int n = 0;; ++n) {  // n: query tiles handed over so far
                 const int qs = q_stage(n);
                 if (!sched && t >= tiles) break;  // the static order: the consumers know where it ends
+                TW_MARK(0, 20);
                 tw_bar_wait(q_empty(qs), q_parity(n) ^ 1);
+                TW_MARK(0, 21);
                 if (sched) {  // the tile number (-1: no more) into the stage's slot, before the stage's arrive
                     tw_st_global(ring + 2 * qs, t < tiles ? t : -1ll);
                     if (t >= tiles) {
@@ -248,13 +273,15 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 for (int p = 0; p < PANELS; ++p)
                     tw_tma(sQ + qs * QB + p * BR * 128, qm, 64 * p, x.q0, hh, b, q_full(qs));
                 for (int j = 0; j < x.n_kt; ++j, ++kt) {
-                    const int s = stage(kt), free_parity = parity(kt) ^ 1;
-                    tw_bar_wait(k_empty(s), free_parity);
+                    const int s = stage(kt);
+                    tw_bar_wait(k_empty(s), parity(kt) ^ 1);
+                    TW_MARK(0, 22);
                     tw_bar_expect(k_full(s), KB);
 #pragma unroll
                     for (int p = 0; p < PANELS; ++p)
                         tw_tma(sK + s * KB + p * BC * 128, km, 64 * p, j * BC, hk, b, k_full(s));
-                    tw_bar_wait(v_empty(s), free_parity);
+                    tw_bar_wait(v_empty(s), parity(kt) ^ 1);
+                    TW_MARK(0, 23);
                     tw_bar_expect(v_full(s), KB);
 #pragma unroll
                     for (int p = 0; p < PANELS; ++p)
@@ -293,6 +320,9 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         if (lane == 0) tw_bar_arrive(bar);
     };
     if (c == NC - 1) your_turn();  // consumer 0 issues first, then 1, ...
+    TW_TRACE_COUNT;
+#define TW_CMARK(code) \
+    if (ctid == 0) TW_MARK(1 + c, code)
 
     // D = 128: a tile's O, staged in its Q stage, is copied out by the next tile's first turn while
     // S_0 = Q K_0^T runs (or after the last tile), and the stage freed then: the copy off the path
@@ -326,7 +356,9 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         const int qs = q_stage(n);
         long long t = blockIdx.x + (long long)n * gridDim.x;  // the static order
         if (!sched && t >= tiles) break;
+        TW_CMARK(1);
         tw_bar_wait(q_full(qs), q_parity(n));
+        TW_CMARK(2);
         if (sched) {
             t = tw_ld_global(ring + 2 * qs);
             if (t < 0) break;
@@ -362,28 +394,36 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         auto first = [&](int w) {
             TW_BY_KEYS(D, w,
                 tw_bar_wait(k_full(stage(kt)), parity(kt));
+                TW_CMARK(3);
                 my_turn();
+                TW_CMARK(4);
                 hw_keep(s);
                 hw_wg_fence();
                 hw_qk<D, BR, BF16, W>(s, sq, sK + stage(kt) * KB);
                 hw_wg_commit();
                 your_turn();
                 if constexpr (DEFER) copy_out();  // the previous tile's O, while S_0 runs
+                TW_CMARK(18);
                 hw_wg_wait<0>();
+                TW_CMARK(5);
                 hw_keep(s);
                 release(k_empty(stage(kt)));
                 hw_mask<W>(s, 0, N, causal, wr0, r0, lane);
-                hw_softmax<W>(s, m, l, alpha, scale_log2));
+                hw_softmax<W>(s, m, l, alpha, scale_log2);
+                TW_CMARK(6));
         };
         // iteration j (1 <= j < n_kt): S_j = Q K_j^T (W keys) and O += P_{j-1} V_{j-1} (128 keys)
         auto step = [&](int j, int w) {
             const int kj = kt + j, vj = kj - 1;  // ring positions of K_j and V_{j-1}
             TW_BY_KEYS(D, w,
+                TW_CMARK(7);
                 tw_bar_wait(k_full(stage(kj)), parity(kj));
                 tw_bar_wait(v_full(stage(vj)), parity(vj));
+                TW_CMARK(8);
                 tc_u32 pa[8][4];
                 hw_pack_p<BF16>(pa, s);
                 my_turn();
+                TW_CMARK(9);
                 hw_keep(o);
                 hw_keep(pa);
                 hw_wg_fence();
@@ -398,11 +438,14 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 hw_wg_commit();
                 your_turn();
                 hw_wg_wait<1>();  // S_j is done; the PV product may still run
+                TW_CMARK(10);
                 hw_keep(s);
                 release(k_empty(stage(kj)));
                 hw_mask<W>(s, j * BC, N, causal, wr0, r0, lane);
                 hw_softmax<W>(s, m, l, alpha, scale_log2);
+                TW_CMARK(11);
                 hw_wg_wait<0>();
+                TW_CMARK(12);
                 hw_keep(o);
                 hw_keep(pa);
                 release(v_empty(stage(vj)));
@@ -412,11 +455,14 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         auto last = [&](int w) {
             const int vj = kt + nk - 1;
             TW_BY_KEYS(D, w,
+                TW_CMARK(13);
                 tw_bar_wait(v_full(stage(vj)), parity(vj));
+                TW_CMARK(14);
                 tc_u32 pa[8][4];
                 hw_pack_p<BF16, 8, W / 16>(pa, s);
                 if constexpr (D == 128) rescale();
                 my_turn();
+                TW_CMARK(15);
                 hw_keep(o);
                 hw_keep(pa);
                 hw_wg_fence();
@@ -424,6 +470,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 hw_wg_commit();
                 your_turn();
                 hw_wg_wait<0>();
+                TW_CMARK(16);
                 hw_keep(o);
                 hw_keep(pa);
                 release(v_empty(stage(vj))));
@@ -475,6 +522,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                     hw_st_shared(sQs + hw_swz<BR>(rl + 8 * i, j) + (lane & 3) * 4,
                                  tc_pack<BF16>(o[4 * j + 2 * i] * l[i], o[4 * j + 2 * i + 1] * l[i]));
             __syncwarp();  // a warp's 16 rows are its own: no barrier across the warpgroup
+            TW_CMARK(17);
             if constexpr (DEFER) {
                 pend_o = Oh;
                 pend_q0 = q0;
