@@ -9,16 +9,19 @@
 //     (384 threads, 128 rows); fusedw3 (D = 64): NC = 3 (512 threads, 192 rows), more warps to hide
 //     the softmax's latency where the products are half as long (measured 7-14 % faster at D = 64);
 //     tpattn/attention/fused.py picks it where 192-row tiles do not pad the rows much more;
-//   * the producer is one thread issuing TMA loads (cp.async.bulk.tensor, 128-byte swizzle: the
+//   * the producer warpgroup: its first thread issues TMA loads (cp.async.bulk.tensor, 128-byte swizzle: the
 //     layout wgmma reads, zeros past the end of the sequence) of Q tiles into two stages and of K
 //     and V tiles of BC = 128 keys into a ring of KVS K and KVS V stages (KVS = 2 at D = 128, more
 //     at D = 64 where they are half the size); each stage has a "full" mbarrier (the TMA completes
 //     its bytes on it) and an "empty" one (every consumer warp arrives once it is done reading);
 //     the producer never waits for a consumer except for a free stage. With two Q stages the next
 //     tile's Q is in shared memory before the consumers finish this one: a short tile (N = 197 has
-//     two key tiles) no longer waits a TMA round trip between tiles;
-//   * register reallocation: the producer drops to 40 registers, the consumers rise to 232 (NC = 3:
-//     24 and 160), so a 64-row accumulator of D fp32 values, S, and the packed P fit without spills;
+//     two key tiles) no longer waits a TMA round trip between tiles. Its warps 1 .. 3 are the writers:
+//     they copy each tile's O, which the consumers stage in the tile's Q stage, to device memory and
+//     then free the stage (see O below);
+//   * register reallocation: the producer warpgroup drops to 40 registers, the consumers rise to 232
+//     (NC = 3: 32 and 160; at 24 the writers spilled), so a 64-row accumulator of D fp32 values, S, and
+//     the packed P fit without spills;
 //   * inside a consumer, the pipeline of fused_hopper_attention.cu: iteration j issues
 //     S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, waits for S_j only, and runs the softmax of
 //     S_j while the PV product still runs; at D = 128 the rescale of O by the previous softmax's
@@ -44,13 +47,13 @@
 //     start at or past row_end (a head's last 192-row tile), with causal none past its last row's key
 //     tile; the turns of the key tiles it skips are passed on at once and their stages released unread,
 //     so every consumer still takes n_kt + 1 turns a tile (the same bits as computing them);
-//   * O: each consumer rounds its 64 rows into its own rows of its Q stage and each warp writes its
-//     16 rows (< row_end) with 16-byte stores after a __syncwarp (no barrier across the warpgroup);
-//     then it frees the Q stage for the tile after next. At D = 128 the copy waits for the next
-//     tile's first turn and runs while that tile's S_0 = Q K_0^T does (after the last tile: at the
-//     end), off the path between tiles: side by side against 263d524 on one H200 (2026-12-02, scripts/
-//     ab_fused.py), the short batched shape 0.7-1.1 % faster, short causal 1.6-2.1 %, the default
-//     shape 0.8-0.9 % slower (docs/kernels.md, item 15);
+//   * O: each consumer rounds its 64 rows into its own rows of its Q stage (stmatrix, four 8 x 8 blocks
+//     a warp at a time) and each of its warps arrives on the stage's "O staged" mbarrier; the writer
+//     warps wait for all of them, copy the tile's rows (< row_end) with 16-byte loads and stores, and
+//     free the Q stage for the tile after next. The consumers go on to their next tile at once: the
+//     copy, which took ~1 500 cycles of a consumer's first turn when the consumers did it (traced with
+//     TW_TRACE), is off their path (side by side on one H200, 2026-12-02: every shape 0-4 % faster, the
+//     short batched one 2 %; docs/kernels.md, item 16);
 //   * D = 64, NC = 2: a sequence's last key tile, when it holds at most 80 keys (ViT's N = 197 and
 //     257), is computed as 80 keys (wgmma n80, the softmax over 80 columns, 5 k16 steps of P V), see
 //     TW_BY_KEYS (NC = 3 has no registers to spare for it: ptxas serialized the wgmma).
@@ -131,6 +134,13 @@ __device__ __forceinline__ long long tw_ld_global(const long long *p) {
     return v;
 }
 
+// four 8 x 8 matrices of 16-bit values from a warp's registers (each lane two values of a row: the mma
+// accumulator layout) to shared memory, the rows at the addresses lanes 8 k .. 8 k + 7 give for matrix k
+__device__ __forceinline__ void tw_stmatrix4(tc_u32 addr, tc_u32 a, tc_u32 b, tc_u32 c, tc_u32 d) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c),
+                 "r"(d) : "memory");
+}
+
 // named barriers: `count` threads take part; arrive does not wait
 __device__ __forceinline__ void tw_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
@@ -206,13 +216,14 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
     constexpr int TURN = 1;  // named barrier ids: turns 1 .. NC
     const tc_u32 sQ = hw_smem_base(), sK = sQ + QS * QB, sV = sK + KVS * KB, bars = sV + KVS * KB;
     // mbarriers, 8 bytes each: Q full [QS], Q empty [QS], K full [KVS], K empty [KVS], V full [KVS],
-    // V empty [KVS]
+    // V empty [KVS], O staged [QS]
     auto q_full = [&](int s) { return bars + 8 * s; };
     auto q_empty = [&](int s) { return bars + 8 * (QS + s); };
     auto k_full = [&](int s) { return bars + 16 * QS + 8 * s; };
     auto k_empty = [&](int s) { return bars + 16 * QS + 8 * (KVS + s); };
     auto v_full = [&](int s) { return bars + 16 * QS + 8 * (2 * KVS + s); };
     auto v_empty = [&](int s) { return bars + 16 * QS + 8 * (3 * KVS + s); };
+    auto o_full = [&](int s) { return bars + 16 * QS + 32 * KVS + 8 * s; };
     // with the counter: the tile number of each Q stage. The producer writes it in global memory beside
     // the counter (this block's QS slots of 16 bytes) before it arrives on the stage's full barrier;
     // the consumers read it there once the stage is in
@@ -222,6 +233,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
     // a ring position k (K/V tiles counted over the block's whole run): its stage and phase parity
     auto stage = [](int k) { return k % KVS; };
     auto parity = [](int k) { return (k / KVS) & 1; };
+    constexpr int CH = D / 8;  // 16-byte chunks of a row of O
     const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
     const int nq = (row_end - row_begin + BR - 1) / BR;
     const long long tiles = (long long)nq * BH;
@@ -229,7 +241,8 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
     if (tid == 0) {
         for (int s = 0; s < QS; ++s) {
             tw_bar_init(q_full(s), 1);
-            tw_bar_init(q_empty(s), 4 * NC);  // every consumer warp
+            tw_bar_init(q_empty(s), 3);       // every writer warp, once it has copied the stage's O out
+            tw_bar_init(o_full(s), 4 * NC);   // every consumer warp, once it has staged its rows of O
         }
         for (int s = 0; s < KVS; ++s) {
             tw_bar_init(k_full(s), 1);
@@ -246,7 +259,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         if constexpr (NC == 2)
             asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         else
-            asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n" ::: "memory");
         if (tid == 0) {
             TW_TRACE_COUNT;
             int kt = 0;  // key tiles loaded so far
@@ -297,6 +310,29 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                     sched[1] = 0;
                 }
             }
+        } else if (tid >= 32) {  // warps 1 .. 3, the writers: each tile's O, staged in its Q stage, to device memory
+            for (int n = 0;; ++n) {  // the tiles in the consumers' order
+                const int qs = q_stage(n);
+                long long t = blockIdx.x + (long long)n * gridDim.x;
+                if (!sched && t >= tiles) break;
+                tw_bar_wait(q_full(qs), q_parity(n));
+                if (sched) {
+                    t = tw_ld_global(ring + 2 * qs);
+                    if (t < 0) break;
+                }
+                const tw_tile x = tw_tile_of<BR>(t, nq, row_begin, row_end, N, causal, BH, hg);
+                const int b = x.bh / H, hh = x.bh - b * H, rows = min(BR, row_end - x.q0);
+                tc_u16 *Oh = O + b * o_sb + hh * o_sh + (long long)x.q0 * o_ld;
+                const tc_u32 sQs = sQ + qs * QB;
+                tw_bar_wait(o_full(qs), q_parity(n));
+                for (int e = tid - 32; e < rows * CH; e += 96) {
+                    const int r = e / CH, ch = e - r * CH;
+                    *(tc_u4 *)(Oh + (long long)r * o_ld + ch * 8) = hw_ld_shared4(sQs + hw_swz<BR>(r, ch));
+                }
+                hw_fence_proxy();  // these generic reads of the Q stage before a later tile's TMA writes it
+                __syncwarp();
+                if (lane == 0) tw_bar_arrive(q_empty(qs));
+            }
         }
         return;
     }
@@ -323,33 +359,6 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
     TW_TRACE_COUNT;
 #define TW_CMARK(code) \
     if (ctid == 0) TW_MARK(1 + c, code)
-
-    // D = 128: a tile's O, staged in its Q stage, is copied out by the next tile's first turn while
-    // S_0 = Q K_0^T runs (or after the last tile), and the stage freed then: the copy off the path
-    // between the tiles. These say what is pending: the output's head, the tile's first row, its stage
-    constexpr bool DEFER = NC == 2 && D == 128;
-    tc_u16 *pend_o = nullptr;
-    int pend_q0 = 0, pend_qs = -1;
-    constexpr int CH = D / 8;  // 16-byte chunks of a row of O
-    // a warp's 16 rows of O from the staged Q stage sQs to device memory (rows < row_end)
-    auto store_rows = [&](tc_u16 *Oh, int q0, int qs_) {
-        const tc_u32 sQs = sQ + qs_ * QB;
-#pragma unroll
-        for (int i = 0; i < 16 * CH / 32; ++i) {
-            const int e = lane + i * 32;
-            const int r = c * 64 + warp * 16 + e / CH, ch = e % CH;
-            if (q0 + r < row_end) *(tc_u4 *)(Oh + (long long)(q0 + r) * o_ld + ch * 8) = hw_ld_shared4(sQs + hw_swz<BR>(r, ch));
-        }
-    };
-    auto store_free = [&](tc_u16 *Oh, int q0, int qs_) {
-        store_rows(Oh, q0, qs_);
-        hw_fence_proxy();  // these generic reads of the Q stage before a later tile's TMA writes it
-        release(q_empty(qs_));
-    };
-    auto copy_out = [&]() {  // the pending tile's rows, then its Q stage freed
-        if (pend_qs >= 0) store_free(pend_o, pend_q0, pend_qs);
-        pend_qs = -1;
-    };
 
     int kt = 0;
     for (int n = 0;; ++n) {
@@ -402,8 +411,6 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 hw_qk<D, BR, BF16, W>(s, sq, sK + stage(kt) * KB);
                 hw_wg_commit();
                 your_turn();
-                if constexpr (DEFER) copy_out();  // the previous tile's O, while S_0 runs
-                TW_CMARK(18);
                 hw_wg_wait<0>();
                 TW_CMARK(5);
                 hw_keep(s);
@@ -508,35 +515,24 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         }
 
         // O = acc / l: this warpgroup's rows, staged in its own rows of the Q stage (its products are
-        // done reading them), then 16-byte stores of the rows < row_end, each warp its own 16 rows (at
-        // D = 128 those in the next tile's first turn: copy_out)
+        // done reading them); the writer warps copy the stage out once every consumer warp has arrived
         if (rows_here) {
             hw_write_lse(Lse, (long long)x.bh * N, r0, row_end, m, l, lane);
             hw_finish_l(l);
-            const int b = x.bh / H, hh = x.bh - b * H;
-            tc_u16 *Oh = O + b * o_sb + hh * o_sh;
+            // by stmatrix, chunks j and j + 1 of the warp's 16 rows at a time: lane L gives the address of
+            // row L & 7 of matrix L >> 3, the matrices (rows 0-7, j), (8-15, j), (0-7, j + 1), (8-15, j + 1)
+            const int srow = c * 64 + warp * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
 #pragma unroll
-            for (int j = 0; j < CH; ++j)
-#pragma unroll
-                for (int i = 0; i < 2; ++i)
-                    hw_st_shared(sQs + hw_swz<BR>(rl + 8 * i, j) + (lane & 3) * 4,
-                                 tc_pack<BF16>(o[4 * j + 2 * i] * l[i], o[4 * j + 2 * i + 1] * l[i]));
-            __syncwarp();  // a warp's 16 rows are its own: no barrier across the warpgroup
-            TW_CMARK(17);
-            if constexpr (DEFER) {
-                pend_o = Oh;
-                pend_q0 = q0;
-                pend_qs = qs;
-            } else {
-                store_rows(Oh, q0, qs);
-            }
+            for (int j = 0; j < CH; j += 2)
+                tw_stmatrix4(sQs + hw_swz<BR>(srow, j + (lane >> 4)),
+                             tc_pack<BF16>(o[4 * j] * l[0], o[4 * j + 1] * l[0]),
+                             tc_pack<BF16>(o[4 * j + 2] * l[1], o[4 * j + 3] * l[1]),
+                             tc_pack<BF16>(o[4 * j + 4] * l[0], o[4 * j + 5] * l[0]),
+                             tc_pack<BF16>(o[4 * j + 6] * l[1], o[4 * j + 7] * l[1]));
         }
-        if constexpr (!DEFER) {
-            hw_fence_proxy();  // these generic reads of the Q stage before a later tile's TMA writes it
-            release(q_empty(qs));
-        }
+        TW_CMARK(17);
+        release(o_full(qs));
     }
-    if constexpr (DEFER) copy_out();  // the last tile's O
     if (c == 0) my_turn();  // the last consumer's last turn hand-over, so no barrier is left half arrived
 }
 
