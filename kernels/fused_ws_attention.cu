@@ -264,6 +264,22 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
             TW_TRACE_COUNT;
             int kt = 0;  // key tiles loaded so far
             long long t = blockIdx.x;
+            // the tile's coordinates (key tiles, first query row, batch, head, K/V head). At D = 128 worked out
+            // for the next tile during this tile's last V wait, off the path between the tiles (side by side
+            // on one H200: 0-3 % faster at D = 128, long causal most, short batched 1 %; 2-3 % slower at
+            // D = 64, which works them out as the tile starts; docs/kernels.md, item 18)
+            constexpr bool EARLY = D == 128;
+            int n_kt = 0, q0 = 0, b = 0, hh = 0, hk = 0;
+            auto coords = [&](long long u) {
+                if (EARLY && u >= tiles) return;
+                const tw_tile x = tw_tile_of<BR>(u, nq, row_begin, row_end, N, causal, BH, hg);
+                n_kt = x.n_kt;
+                q0 = x.q0;
+                b = x.bh / H;
+                hh = x.bh - b * H;
+                hk = hh / group;
+            };
+            if constexpr (EARLY) coords(t);
             for (int n = 0;; ++n) {  // n: query tiles handed over so far
                 const int qs = q_stage(n);
                 if (!sched && t >= tiles) break;  // the static order: the consumers know where it ends
@@ -280,25 +296,26 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 tw_bar_expect(q_full(qs), QB);
                 // the next tile, asked for now so that the atomic's round trip hides behind the loads
                 const long long next = sched ? gridDim.x + (long long)atomicAdd(sched, 1) : t + gridDim.x;
-                const tw_tile x = tw_tile_of<BR>(t, nq, row_begin, row_end, N, causal, BH, hg);
-                const int b = x.bh / H, hh = x.bh - b * H, hk = hh / group;
+                if constexpr (!EARLY) coords(t);
 #pragma unroll
                 for (int p = 0; p < PANELS; ++p)
-                    tw_tma(sQ + qs * QB + p * BR * 128, qm, 64 * p, x.q0, hh, b, q_full(qs));
-                for (int j = 0; j < x.n_kt; ++j, ++kt) {
+                    tw_tma(sQ + qs * QB + p * BR * 128, qm, 64 * p, q0, hh, b, q_full(qs));
+                const int nk = n_kt, bb = b, hv = hk;  // this tile's, while coords() moves on to the next
+                for (int j = 0; j < nk; ++j, ++kt) {
                     const int s = stage(kt);
                     tw_bar_wait(k_empty(s), parity(kt) ^ 1);
                     TW_MARK(0, 22);
                     tw_bar_expect(k_full(s), KB);
 #pragma unroll
                     for (int p = 0; p < PANELS; ++p)
-                        tw_tma(sK + s * KB + p * BC * 128, km, 64 * p, j * BC, hk, b, k_full(s));
+                        tw_tma(sK + s * KB + p * BC * 128, km, 64 * p, j * BC, hv, bb, k_full(s));
+                    if (EARLY && j == nk - 1) coords(next);
                     tw_bar_wait(v_empty(s), parity(kt) ^ 1);
                     TW_MARK(0, 23);
                     tw_bar_expect(v_full(s), KB);
 #pragma unroll
                     for (int p = 0; p < PANELS; ++p)
-                        tw_tma(sV + s * KB + p * BC * 128, vm, 64 * p, j * BC, hk, b, v_full(s));
+                        tw_tma(sV + s * KB + p * BC * 128, vm, 64 * p, j * BC, hv, bb, v_full(s));
                 }
                 t = next;
             }
