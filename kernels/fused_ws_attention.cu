@@ -13,7 +13,8 @@
 //     layout wgmma reads, zeros past the end of the sequence) of Q tiles into two stages and of K
 //     and V tiles of BC = 128 keys into a ring of KVS K and KVS V stages (KVS = 2 at D = 128, more
 //     at D = 64 where they are half the size); each stage has a "full" mbarrier (the TMA completes
-//     its bytes on it) and an "empty" one (every consumer warp arrives once it is done reading);
+//     its bytes on it) and an "empty" one (every consumer warp arrives once it is done reading; for a
+//     Q stage the writer warps below, once they have copied the tile's O out of it);
 //     the producer never waits for a consumer except for a free stage. With two Q stages the next
 //     tile's Q is in shared memory before the consumers finish this one: a short tile (N = 197 has
 //     two key tiles) no longer waits a TMA round trip between tiles. Its warps 1 .. 3 are the writers:
@@ -52,8 +53,8 @@
 //     warps wait for all of them, copy the tile's rows (< row_end) with 16-byte loads and stores, and
 //     free the Q stage for the tile after next. The consumers go on to their next tile at once: the
 //     copy, which took ~1 500 cycles of a consumer's first turn when the consumers did it (traced with
-//     TW_TRACE), is off their path (side by side on one H200, 2026-12-02: every shape 0-4 % faster, the
-//     short batched one 2 %; docs/kernels.md, item 16);
+//     TW_TRACE), is off their path (side by side on one H200, 2026-12-02, with stmatrix: every shape 0-5 %
+//     faster, the short batched one 3 %; docs/kernels.md, items 16 and 17);
 //   * D = 64, NC = 2: a sequence's last key tile, when it holds at most 80 keys (ViT's N = 197 and
 //     257), is computed as 80 keys (wgmma n80, the softmax over 80 columns, 5 k16 steps of P V), see
 //     TW_BY_KEYS (NC = 3 has no registers to spare for it: ptxas serialized the wgmma).
@@ -266,8 +267,8 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
             long long t = blockIdx.x;
             // the tile's coordinates (key tiles, first query row, batch, head, K/V head). At D = 128 worked out
             // for the next tile during this tile's last V wait, off the path between the tiles (side by side
-            // on one H200: 0-3 % faster at D = 128, long causal most, short batched 1 %; 2-3 % slower at
-            // D = 64, which works them out as the tile starts; docs/kernels.md, item 18)
+            // on one H200: 0-3.3 % faster at D = 128, long causal most, short batched 1 %; 0.4-2.7 % slower
+            // at D = 64, which works them out as the tile starts; docs/kernels.md, item 18)
             constexpr bool EARLY = D == 128;
             int n_kt = 0, q0 = 0, b = 0, hh = 0, hk = 0;
             auto coords = [&](long long u) {
