@@ -89,9 +89,12 @@ __device__ unsigned long long tw_trace[TW_TRACE_BLOCKS * 4 * TW_TRACE_LEN];
             tw_trace[(blockIdx.x * 4 + (role)) * TW_TRACE_LEN + tr_n++] = ((tc_u64)(code) << 48) | (clk & 0xffffffffffffull); \
         }                                                                                                \
     } while (0)
+#define TW_CMARK(code) /* in a consumer warpgroup c: its thread ctid == 0 */ \
+    if (ctid == 0) TW_MARK(1 + c, code)
 #else
 #define TW_TRACE_COUNT
 #define TW_MARK(role, code)
+#define TW_CMARK(code)
 #endif
 
 struct __align__(64) tw_tmap {  // a CUtensorMap: 128 bytes the driver encodes, opaque here
@@ -375,8 +378,6 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
     };
     if (c == NC - 1) your_turn();  // consumer 0 issues first, then 1, ...
     TW_TRACE_COUNT;
-#define TW_CMARK(code) \
-    if (ctid == 0) TW_MARK(1 + c, code)
 
     int kt = 0;
     for (int n = 0;; ++n) {
