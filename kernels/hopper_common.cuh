@@ -320,7 +320,6 @@ __device__ __forceinline__ void hw_softmax(float (&s)[64], float (&m)[2], float 
     }
 }
 
-// the row sums over the quad of threads that share a row, inverted (0 for a row that saw no key)
 // The backward's L of this thread's two rows r0 and r0 + 8 (before hw_finish_l: l holds the thread's
 // partial sums, m the rows' maxima): the quad's sums, then its first thread writes rows < N of
 // Lse[base + row]. A null Lse: nothing (no backward will run).
@@ -335,11 +334,21 @@ __device__ __forceinline__ void hw_write_lse(float *Lse, long long base, int r0,
     }
 }
 
+// the row sums over the quad of threads that share a row, inverted (0 for a row that saw no key). APPROX:
+// by the approximate reciprocal (rcp.approx, within 1 ulp) instead of the IEEE division, whose check and
+// slow-path call sit on the way from a tile's last product to its output
+template <bool APPROX = false>
 __device__ __forceinline__ void hw_finish_l(float (&l)[2]) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         l[i] += tc_shfl_xor(l[i], 1);
         l[i] += tc_shfl_xor(l[i], 2);
-        l[i] = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+        if constexpr (APPROX) {
+            float r;
+            asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(l[i]));
+            l[i] = l[i] > 0.0f ? r : 0.0f;
+        } else {
+            l[i] = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+        }
     }
 }

@@ -157,27 +157,36 @@ def replays_ms(g, iters: int) -> float:
     return e0.elapsed_time(e1) / iters
 
 
-def steady_ms(fn, iters: int, seconds: float) -> float | None:
+def steady_ms(fn, iters: int, seconds: float, window: float = 0.0) -> float | None:
     """graph_ms in the power-capped steady state: the graph replayed for `seconds` first (the H200's
-    power takes about a second of sustained load to settle at its 700 W cap), then `iters` replays timed. Every
-    kernel is timed after its own load, so the order of a comparison no longer decides its clock."""
+    power takes about a second of sustained load to settle at its 700 W cap, the clock dipping once on
+    the way), then `window` seconds of replays (at least `iters`) timed. Every kernel is timed after its
+    own load, so the order of a comparison no longer decides its clock, and over a window long enough
+    that one dip of the clock does not decide it either."""
     g = captured(fn)
     if g is None:
         return None
     per = replays_ms(g, 10)
     replays_ms(g, max(1, math.ceil(seconds * 1e3 / per)))
-    return replays_ms(g, iters)
+    return replays_ms(g, max(iters, math.ceil(window * 1e3 / per)))
 
 
-def graph_ms(fn, iters: int) -> float | None:
+def graph_ms(fn, iters: int, pause: float = 0.0) -> float | None:
     """GPU time per call with the host out of the way: one call captured in a CUDA graph, replayed
     `iters` times back to back between two events. For SDPA that is its kernels' time, which the call
     time (`ms`) hides behind torch's dispatch; ours the same. None where the call cannot be captured.
     A short run after a pause runs at the boost clock, a long one at the power cap's (on the H200
     1.98 against ~1.65 GHz: 12.5 % less time at the default shape; scripts/power_probe.py): compare kernels
-    measured the same way, and see docs/kernels.md ("Measuring under the power cap")."""
+    measured the same way, and see docs/kernels.md ("Measuring under the power cap"). `pause`: the GPU
+    left idle that many seconds between the capture and the timed replays, so that every kernel starts
+    them from the same state (the boost clock) instead of from whatever the kernel before it left."""
     g = captured(fn)
-    return None if g is None else replays_ms(g, iters)
+    if g is None:
+        return None
+    if pause > 0:
+        torch.cuda.synchronize()
+        time.sleep(pause)
+    return replays_ms(g, iters)
 
 
 def peak_bytes(fn) -> int:
@@ -311,7 +320,7 @@ def run(args) -> dict:
                 print(f"  {name:<20} {sp['name']:<20} skipped: {str(exc).splitlines()[0][:80]}", flush=True)
                 continue
             ms = t["total"]
-            gms = graph_ms(fn, args.iters) if name.startswith(("fused", "sdpa", "triton")) else None
+            gms = graph_ms(fn, args.iters, args.pause) if name.startswith(("fused", "sdpa", "triton")) else None
             row = {"kernel": name, "shape": sp["name"], "batch": b, "heads": h, "kv_heads": kvh, "seq_len": n,
                    "head_dim": d, "dtype": sp["dtype"], "causal": causal, "ms": ms, "graph_ms": gms,
                    "graph_tflops": flops / (gms * 1e-3) / 1e12 if gms else None,
@@ -319,7 +328,7 @@ def run(args) -> dict:
                    "tflops": flops / (ms * 1e-3) / 1e12, "gbps": nbytes / (ms * 1e-3) / 1e9,
                    "floor_ms": floor_ms, "x_floor": ms / floor_ms, "peak_bytes": mem, "first_call_s": first}
             if args.steady and gms and name in ("fused", "sdpa_cudnn", "sdpa_flash"):
-                row["graph_ms_steady"] = steady_ms(fn, args.iters, args.steady)
+                row["graph_ms_steady"] = steady_ms(fn, args.iters, args.steady, args.steady_window)
             rows.append(row)
             passes = " ".join(f"{p} {x:.3f}" for p, x in row["passes_ms"].items())
             graph = f"  graph {gms:.3f} ms {row['graph_tflops']:.1f} TFLOP/s" if gms else ""
@@ -333,7 +342,8 @@ def run(args) -> dict:
         torch.cuda.empty_cache()
     return {"gpu": torch.cuda.get_device_name(), "copy_GBps": bw, "versions": versions(),
             "command": "python " + shlex.join(sys.argv), "commit": git_commit(args.commit),
-            "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "rows": rows}
+            "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "pause_s": args.pause,
+            "steady_s": args.steady, "steady_window_s": args.steady_window if args.steady else None, "rows": rows}
 
 
 def _num(x: float | None, places: int = 3) -> str:
@@ -369,11 +379,16 @@ def ratios(res: dict) -> str:
                 steady_ratios.append(rs)
             lines[-1] += (f" {_num(fs, 4)} | {_num(cs, 4)} | {_num(ls, 4)} | {_num(rs, 2)} "
                           f"| {_num(ls / fs if ls and fs else None, 2)} |")
+    pause, window = res.get("pause_s"), res.get("steady_window_s")
     if cudnn_over_fused:
-        lines += ["", f"Lowest cuDNN / fused ratio: {min(cudnn_over_fused):.2f} (graph time, same run)."]
+        after = f", each kernel's replays timed after {pause:g} s idle" if pause else ""
+        lines += ["", f"Lowest cuDNN / fused ratio: {min(cudnn_over_fused):.2f} (graph time, same run{after})."]
     if steady_ratios:
+        timed = f"{window:g} s of" if window else "its"
+        load = f"{res['steady_s']:g}" if res.get("steady_s") else "--steady"
         lines += [f"Lowest cuDNN / fused ratio in the steady state: {min(steady_ratios):.2f} (each kernel's graph "
-                  "replayed for --steady seconds before its timed replays: the clock the power cap holds)."]
+                  f"replayed for {load} s before {timed} timed replays: the clock the "
+                  "power cap holds)."]
     return "\n".join(lines)
 
 
@@ -427,8 +442,15 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--steady", type=float, default=0.0, metavar="S",
                    help="also time fused and SDPA in the power-capped steady state: each graph replayed for S "
-                        "seconds before its timed replays (the .md's steady columns; default 0: off). The line's "
-                        "own graph time comes first after the previous kernel, at whatever clock that left")
+                        "seconds before --steady-window seconds of timed replays (the .md's steady columns; "
+                        "default 0: off)")
+    p.add_argument("--steady-window", type=float, default=0.5, metavar="W",
+                   help="seconds of replays the steady columns time (at least --iters; default 0.5: long enough "
+                        "that the clock's one dip as the power reaches its cap does not decide a kernel's time)")
+    p.add_argument("--pause", type=float, default=0.0, metavar="P",
+                   help="seconds the GPU is left idle before each fused, SDPA and triton graph time of the line, so "
+                        "that every kernel's replays start from the same clock (default 0: right after the "
+                        "kernel before it, at whatever clock that load left)")
     p.add_argument("--kernels", nargs="+", default=None,
                    help="rows to run (default all): naive tiled fused triton torch_materialized sdpa_flash "
                         "sdpa_cudnn sdpa_efficient")
@@ -443,6 +465,11 @@ def main() -> int:
     p.add_argument("--commit", default=None,
                    help="the commit to record, for a tree copied to another machine whose .git differs")
     args = p.parse_args()
+    negative = [f"--{k.replace('_', '-')} {v:g}" for k, v in (("steady", args.steady), ("steady_window", args.steady_window),
+                                                            ("pause", args.pause)) if v < 0]
+    if negative:
+        print(f"bench_kernels: {', '.join(negative)}: seconds are 0 or more", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU (and CuPy); nothing to measure here", file=sys.stderr)
         return 2

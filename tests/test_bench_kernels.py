@@ -71,10 +71,28 @@ def test_ratio_table_gets_steady_state_columns_where_the_run_has_them():
     assert "Lowest cuDNN / fused ratio in the steady state: 0.95" in md
 
 
+def test_ratio_table_says_how_its_lines_and_steady_columns_were_timed():
+    vit = bench_kernels.SHAPE_SETS["users"][2]
+    rows = [row("fused", vit, 0.2), row("sdpa_cudnn", vit, 0.21)]
+    for r, ms in zip(rows, (0.18, 0.19)):
+        r["graph_ms_steady"] = ms
+    md = bench_kernels.markdown({"gpu": "Test GPU", "command": "c", "versions": {}, "copy_GBps": 1.0, "rows": rows,
+                                 "pause_s": 2.0, "steady_s": 2.0, "steady_window_s": 0.5}, 6.2)
+    assert "Lowest cuDNN / fused ratio: 1.05 (graph time, same run, each kernel's replays timed after 2 s idle)" in md
+    assert "replayed for 2 s before 0.5 s of timed replays" in md
+
+
+def test_negative_seconds_are_refused_in_one_line():
+    res = run([sys.executable, "scripts/bench_kernels.py", "--shapes", "users", "--pause", "-1"], timeout=120)
+    assert res.returncode == 2
+    lines = (res.stdout + res.stderr).strip().splitlines()
+    assert lines == ["bench_kernels: --pause -1: seconds are 0 or more"], lines
+
+
 def test_help_names_the_shape_set():
     res = run([sys.executable, "scripts/bench_kernels.py", "--help"], timeout=120)
     assert res.returncode == 0, res.stderr
-    for word in ("--shapes", "users", "--kv-heads", "--name", "--commit", "w:static", "--steady"):
+    for word in ("--shapes", "users", "--kv-heads", "--name", "--commit", "w:static", "--steady", "--steady-window", "--pause"):
         assert word in res.stdout, word
 
 
