@@ -537,7 +537,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         // done reading them); the writer warps copy the stage out once every consumer warp has arrived
         if (rows_here) {
             hw_write_lse(Lse, (long long)x.bh * N, r0, row_end, m, l, lane);
-            hw_finish_l<D == 128>(l);  // at D = 128 by the approximate reciprocal
+            hw_finish_l<true>(l);  // by the approximate reciprocal
             // by stmatrix, chunks j and j + 1 of the warp's 16 rows at a time: lane L gives the address of
             // row L & 7 of matrix L >> 3, the matrices (rows 0-7, j), (8-15, j), (0-7, j + 1), (8-15, j + 1)
             const int srow = c * 64 + warp * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
