@@ -82,8 +82,8 @@ print('fusedw ran under $tool')" > "$OUT/sanitizer_$tool.log" 2>&1; echo "$tool 
 }
 if want shapes; then
   note "fusedw on the shapes users run, beside SDPA cuDNN and flash (graph time); its GPU tests"
-  timeout 400 python3 scripts/bench_kernels.py --shapes users --kernels fused sdpa_cudnn sdpa_flash --iters 60 \
-    --steady 1.0 --out "$OUT" --name fused_shapes_h200 ${COMMIT:+--commit "$COMMIT"} 2>&1 | grep -E "^  |Lowest" || status=1
+  timeout 500 python3 scripts/bench_kernels.py --shapes users --kernels fused sdpa_cudnn sdpa_flash --iters 60 \
+    --pause 2 --steady 2 --steady-window 0.5 --out "$OUT" --name fused_shapes_h200 ${COMMIT:+--commit "$COMMIT"} 2>&1 | grep -E "^  |Lowest" || status=1
   timeout 400 python3 -m pytest -m gpu -q -p no:warnings --tb=short tests/test_gpu_ladder.py 2>&1 | tail -5 || status=1
   sanitize_fusedw
 fi
