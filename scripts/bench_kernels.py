@@ -385,9 +385,9 @@ def ratios(res: dict) -> str:
         lines += ["", f"Lowest cuDNN / fused ratio: {min(cudnn_over_fused):.2f} (graph time, same run{after})."]
     if steady_ratios:
         timed = f"{window:g} s of" if window else "its"
-        load = f"{res['steady_s']:g}" if res.get("steady_s") else "--steady"
+        load = f"{res['steady_s']:g} s" if res.get("steady_s") else "--steady seconds"
         lines += [f"Lowest cuDNN / fused ratio in the steady state: {min(steady_ratios):.2f} (each kernel's graph "
-                  f"replayed for {load} s before {timed} timed replays: the clock the "
+                  f"replayed for {load} before {timed} timed replays: the clock the "
                   "power cap holds)."]
     return "\n".join(lines)
 
@@ -465,10 +465,10 @@ def main() -> int:
     p.add_argument("--commit", default=None,
                    help="the commit to record, for a tree copied to another machine whose .git differs")
     args = p.parse_args()
-    negative = [f"--{k.replace('_', '-')} {v:g}" for k, v in (("steady", args.steady), ("steady_window", args.steady_window),
-                                                            ("pause", args.pause)) if v < 0]
-    if negative:
-        print(f"bench_kernels: {', '.join(negative)}: seconds are 0 or more", file=sys.stderr)
+    seconds = {"--steady": args.steady, "--steady-window": args.steady_window, "--pause": args.pause}
+    bad = [f"{flag} {v:g}" for flag, v in seconds.items() if not (math.isfinite(v) and v >= 0)]
+    if bad:
+        print(f"bench_kernels: {', '.join(bad)}: seconds are a finite number, 0 or more", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU (and CuPy); nothing to measure here", file=sys.stderr)

@@ -82,11 +82,22 @@ def test_ratio_table_says_how_its_lines_and_steady_columns_were_timed():
     assert "replayed for 2 s before 0.5 s of timed replays" in md
 
 
-def test_negative_seconds_are_refused_in_one_line():
-    res = run([sys.executable, "scripts/bench_kernels.py", "--shapes", "users", "--pause", "-1"], timeout=120)
+@pytest.mark.parametrize("flag, value", [("--pause", "-1"), ("--steady-window", "inf"), ("--steady", "nan")])
+def test_seconds_that_are_not_a_finite_number_are_refused_in_one_line(flag, value):
+    res = run([sys.executable, "scripts/bench_kernels.py", "--shapes", "users", flag, value], timeout=120)
     assert res.returncode == 2
     lines = (res.stdout + res.stderr).strip().splitlines()
-    assert lines == ["bench_kernels: --pause -1: seconds are 0 or more"], lines
+    assert lines == [f"bench_kernels: {flag} {value}: seconds are a finite number, 0 or more"], lines
+
+
+def test_a_run_without_the_timing_fields_still_renders():  # JSON files written before --pause and --steady-window
+    vit = bench_kernels.SHAPE_SETS["users"][2]
+    rows = [row("fused", vit, 0.2), row("sdpa_cudnn", vit, 0.21)]
+    for r in rows:
+        r["graph_ms_steady"] = 0.19
+    md = bench_kernels.markdown({"gpu": "Test GPU", "command": "c", "versions": {}, "copy_GBps": 1.0, "rows": rows}, 6.2)
+    assert "Lowest cuDNN / fused ratio: 1.05 (graph time, same run)." in md
+    assert "replayed for --steady seconds before its timed replays" in md
 
 
 def test_help_names_the_shape_set():
