@@ -387,8 +387,7 @@ def ratios(res: dict) -> str:
         timed = f"{window:g} s of" if window else "its"
         load = f"{res['steady_s']:g} s" if res.get("steady_s") else "--steady seconds"
         lines += [f"Lowest cuDNN / fused ratio in the steady state: {min(steady_ratios):.2f} (each kernel's graph "
-                  f"replayed for {load} before {timed} timed replays: the clock the "
-                  "power cap holds)."]
+                  f"replayed for {load} before {timed} timed replays: the clock the power cap holds)."]
     return "\n".join(lines)
 
 

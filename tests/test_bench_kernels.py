@@ -71,13 +71,18 @@ def test_ratio_table_gets_steady_state_columns_where_the_run_has_them():
     assert "Lowest cuDNN / fused ratio in the steady state: 0.95" in md
 
 
-def test_ratio_table_says_how_its_lines_and_steady_columns_were_timed():
+def fused_and_cudnn_md(**timing) -> str:
+    """The .md of a run of ViT-B/16, fused and cuDNN with graph and steady times, and `timing`'s fields."""
     vit = bench_kernels.SHAPE_SETS["users"][2]
     rows = [row("fused", vit, 0.2), row("sdpa_cudnn", vit, 0.21)]
     for r, ms in zip(rows, (0.18, 0.19)):
         r["graph_ms_steady"] = ms
-    md = bench_kernels.markdown({"gpu": "Test GPU", "command": "c", "versions": {}, "copy_GBps": 1.0, "rows": rows,
-                                 "pause_s": 2.0, "steady_s": 2.0, "steady_window_s": 0.5}, 6.2)
+    return bench_kernels.markdown({"gpu": "Test GPU", "command": "c", "versions": {}, "copy_GBps": 1.0, "rows": rows,
+                                   **timing}, 6.2)
+
+
+def test_ratio_table_says_how_its_lines_and_steady_columns_were_timed():
+    md = fused_and_cudnn_md(pause_s=2.0, steady_s=2.0, steady_window_s=0.5)
     assert "Lowest cuDNN / fused ratio: 1.05 (graph time, same run, each kernel's replays timed after 2 s idle)" in md
     assert "replayed for 2 s before 0.5 s of timed replays" in md
 
@@ -91,11 +96,7 @@ def test_seconds_that_are_not_a_finite_number_are_refused_in_one_line(flag, valu
 
 
 def test_a_run_without_the_timing_fields_still_renders():  # JSON files written before --pause and --steady-window
-    vit = bench_kernels.SHAPE_SETS["users"][2]
-    rows = [row("fused", vit, 0.2), row("sdpa_cudnn", vit, 0.21)]
-    for r in rows:
-        r["graph_ms_steady"] = 0.19
-    md = bench_kernels.markdown({"gpu": "Test GPU", "command": "c", "versions": {}, "copy_GBps": 1.0, "rows": rows}, 6.2)
+    md = fused_and_cudnn_md()
     assert "Lowest cuDNN / fused ratio: 1.05 (graph time, same run)." in md
     assert "replayed for --steady seconds before its timed replays" in md
 
