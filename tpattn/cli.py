@@ -162,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, tpdist.LaunchError) as exc:
         code = EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_FAIL
         if watch.claim():  # else the watch is printing another rank's reason and ends the job
-            _say(proc, f"error: {exc}")
-            watch.end_job(f"{type(exc).__name__}: {exc}", code)  # no watch before the process group
+            said = getattr(exc, "cli_message", exc)  # a ConfigError in the CLI's flags
+            _say(proc, f"error: {said}")
+            watch.end_job(f"{type(exc).__name__}: {said}", code)  # no watch before the process group
         else:
             watch.wait_for_end()
         proc.abort(code)
@@ -210,7 +211,7 @@ def _main(argv: list[str], proc) -> int:
             free, _ = torch.cuda.mem_get_info(device)
             preflight(cfg, proc.world, proc.rank, free)
     except ConfigError as exc:
-        local_error = str(exc)
+        local_error = exc.cli_message
     timeout = cfg.timeout if cfg is not None and local_error is None else 300.0
     info = {"rank": proc.rank, "host": proc.hostname, "pid": os.getpid(), "local_rank": proc.local_rank,
             "device": str(device),

@@ -1,28 +1,30 @@
 """Every collective tpattn runs, in one module: the collectives as forward/backward pairs.
 
-The layer (tpattn/layer.py) calls only what is here, in the order its plan (tpattn/commplan.py,
-decided before any rank communicates) says; calibration (tpattn/model) times bare collectives
-through `bare()`, `barrier()` and `gather_objects()`. Nothing else in tpattn calls
-torch.distributed's collectives (tests/test_comm.py greps for them).
+The layer (tpattn/layer.py, with tpattn/outputsum.py where its activations meet the collectives)
+calls only what is here, in the order its plan (tpattn/commplan.py, decided before any rank
+communicates) says; calibration (tpattn/model) times bare collectives through `bare()`,
+`barrier()` and `gather_objects()`. Nothing else in tpattn calls torch.distributed's collectives
+(tests/test_layer_api.py greps for them).
 
 The pairs. Each collective of the forward has a dual that its backward runs (the transpose of a
 linear map: a sum over ranks transposes to a copy to every rank, a gather to a scatter):
 
     forward                                     backward (its dual)
-    copy_to_ranks    x on every rank: identity  sum of dX over ranks: all_reduce
+    copy_to_ranks    x on every rank: identity  sum of dX over ranks: copy_to_ranks_backward (all-reduce)
     sum_from_ranks   all_reduce of partials     identity (every rank holds the full dy)
       or the split   reduce_scatter + all_gather of the rounded rows (the same sum)
       or the peer    one kernel over NVLink that reduces and gathers (tpattn/peer.py)
       or one-shot    small partials: one kernel reads every rank's (peer_all_reduce, tpattn/peer.py)
-    all_gather       sequence blocks -> whole   reduce_scatter of the gradient
-    reduce_scatter   partials -> own block      all_gather of the gradient
+    all_gather       sequence blocks -> whole   scatter_backward: reduce_scatter of dX
+    reduce_scatter   partials -> own block      gather_backward: all_gather of dy
+    (copies)         K/V heads on several ranks sum_of_copies: all_reduce of their gradients
 
 Each op owns its stream handling (a side stream with overlap, `record_stream` of what it reads
 there), the collective watch (tpattn/watch.py), fault injection (tpattn/faults.py) and its timing
-label (tpattn/timing.section). Under autograd (a training step) each pair is one
-torch.autograd.Function whose forward is the op and whose backward is its dual (copy_to_ranks,
-sum_from_ranks, gather_sequence, scatter_sequence at the end of this file; sum_of_copies for
-K/V heads held by several ranks).
+label (tpattn/timing.section). Under autograd the pairs are torch.autograd.Functions: at the end
+of this file copy_to_ranks (with the QKV GEMM that reads x), gather_sequence and sum_of_copies;
+in tpattn/outputsum.py the output sum and sequence parallel's gather and scatter, whose Functions
+call the methods here.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from . import faults, watch
+from .ops import bias_grad, mm
 from .timing import section
 
 # The single-tensor all-gather and reduce-scatter (concatenated along dim 0): torch >= 2.13 names
@@ -76,7 +79,7 @@ class Comm:
     def copy_to_ranks_backward(self, dx: torch.Tensor, overlap: int = 1):
         """copy_to_ranks's backward: all_reduce(SUM) of dX, in place (the end event with overlap on
         a GPU, so that the weight-gradient GEMM runs meanwhile; else None)."""
-        if _backward_fault(self):
+        if backward_fault(self):
             return None
         return self._run("bwd_allreduce", _all_reduce, overlap, dx)
 
@@ -98,6 +101,20 @@ class Comm:
         """This rank's block of the sum over ranks (sequence parallel's output, or the split's first
         half); False when an injected fault left it out. Its backward is all_gather of the gradient."""
         return self._output("reducescatter", _reduce_scatter, overlap, block, whole)
+
+    def scatter_backward(self, block: torch.Tensor, whole: torch.Tensor):
+        """all_gather's backward: this rank's block of the sum of every rank's dX (reduce_scatter);
+        False when an injected fault left it out."""
+        if backward_fault(self):
+            return False
+        return self._run("bwd_reducescatter", _reduce_scatter, 1, block, whole)
+
+    def gather_backward(self, whole: torch.Tensor, block: torch.Tensor):
+        """reduce_scatter's backward: every rank's block of dy (all_gather); False when an injected
+        fault left it out."""
+        if backward_fault(self):
+            return False
+        return self._run("bwd_allgather", _all_gather, 1, whole, block)
 
     # -- objects on the host (set-up, not the data path) --
 
@@ -134,9 +151,15 @@ class Comm:
         with (torch.cuda.stream(stream) if stream is not None else nullcontext()), section(name), \
                 watch.collective(name, self.world, self.nccl or name == "oneshot"):  # a kernel: watched on the GPU
             try:
-                op(*tensors, group=self.group)
-            except RuntimeError as exc:
+                with torch.no_grad():  # the pairs' Functions carry the gradients; the op itself is not differentiable
+                    op(*tensors, group=self.group)
+            except dist.DistError as exc:  # the backend's: a peer that died, hangs or never came
                 raise CollectiveError(watch.explain(name, self.world, first_line(exc))) from None
+            except RuntimeError as exc:  # raised on this rank before or without a peer: say so, not "a rank died"
+                if _from_peer(exc):
+                    raise CollectiveError(watch.explain(name, self.world, first_line(exc))) from None
+                raise CollectiveError(f"{COLLECTIVE_NAME.get(name, name)} on rank {self.rank} failed on this rank "
+                                      f"(no other rank caused it): {first_line(exc)}") from None
         return stream.record_event() if stream is not None else None
 
     def side_stream(self, overlap: int, device: torch.device):
@@ -166,40 +189,39 @@ class Comm:
 # Each Function's forward is one collective of the pairs above (or none) and its backward is the
 # dual: a linear map's transpose. Fault injection step "backward" fires before a backward collective.
 
-def _backward_fault(comm: Comm) -> bool:
+def backward_fault(comm: Comm) -> bool:
     """The fault tests' hook before a backward collective; True: leave it out (mode skip)."""
     return faults.maybe_fail(comm.rank, "backward") == "skip"
 
 
 class _CopyToRanks(torch.autograd.Function):
-    """Forward: x as it is (every rank holds it). Backward: all_reduce(SUM) of dX (each rank's share
-    comes from its own heads). With overlap (the column-parallel GEMM's own Function does that)."""
+    """The head-parallel input, x on every rank, and the QKV GEMM that reads it: qkv = x @ W_qkv
+    (+ b_qkv) with this rank's columns. Forward: copy_to_ranks is the identity (every rank holds x).
+    Backward: dX = dQKV W_qkvᵀ is this rank's share, all-reduced over the ranks (its dual); with
+    overlap (a GPU) that all-reduce runs on the communication stream while dW = Xᵀ dQKV runs, as
+    Megatron does. The all-reduce runs whenever this backward does, whatever this rank's x needs:
+    a choice from x.requires_grad could differ between ranks and leave one waiting."""
 
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x.view_as(x)
+    def forward(ctx, x2d, w, b, comm, overlap: bool):
+        ctx.save_for_backward(x2d, w)
+        ctx.comm, ctx.overlap, ctx.bias_dtype = comm, overlap, None if b is None else b.dtype
+        with section("qkv_proj"):
+            return mm(x2d, w, w.dtype, b)
 
     @staticmethod
-    def backward(ctx, dx):
-        dx = dx.contiguous().clone()
-        ctx.comm.copy_to_ranks_backward(dx)
-        return dx, None
-
-
-class _SumFromRanks(torch.autograd.Function):
-    """Forward: all_reduce(SUM) of the partial outputs. Backward: the identity (every rank holds
-    the whole dy already)."""
-
-    @staticmethod
-    def forward(ctx, part, comm):
-        out = part.contiguous().clone()
-        comm.sum_from_ranks(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, dy):
-        return dy, None
+    def backward(ctx, g):
+        x2d, w = ctx.saved_tensors
+        comm = ctx.comm
+        gm = g.to(w.dtype)
+        with section("bwd_dx_proj"):
+            dx = mm(gm, w.t(), x2d.dtype)
+        done = comm.copy_to_ranks_backward(dx, 2 if ctx.overlap else 1)
+        with section("bwd_dw_proj"):
+            dw = mm(x2d.t(), gm, w.dtype) if ctx.needs_input_grad[1] else None
+            db = bias_grad(g, ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
+        comm.wait(done)
+        return dx if ctx.needs_input_grad[0] else None, dw, db, None, None
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -221,35 +243,10 @@ class _GatherSequence(torch.autograd.Function):
         n = N // comm.world
         blocks = dx.reshape(B, comm.world, n, D).transpose(0, 1).contiguous().view(comm.world * B, n, D)
         mine = torch.empty(B, n, D, dtype=dx.dtype, device=dx.device)
-        if _backward_fault(comm):
+        if backward_fault(comm):
             return mine.zero_(), None
         comm._run("bwd_reducescatter", _reduce_scatter, 1, mine, blocks)
         return mine, None
-
-
-class _ScatterSequence(torch.autograd.Function):
-    """Forward: reduce_scatter(SUM) of the partial outputs [B, N, D] to this rank's block of rows.
-    Backward: all_gather of dy's blocks to the whole sequence."""
-
-    @staticmethod
-    def forward(ctx, part, comm):
-        ctx.comm = comm
-        B, N, D = part.shape
-        n = N // comm.world
-        blocks = part.reshape(B, comm.world, n, D).transpose(0, 1).contiguous().view(comm.world * B, n, D)
-        mine = torch.empty(B, n, D, dtype=part.dtype, device=part.device)
-        comm.reduce_scatter(mine, blocks)
-        return mine
-
-    @staticmethod
-    def backward(ctx, dy):
-        comm = ctx.comm
-        B, n, D = dy.shape
-        whole = torch.empty(comm.world * B, n, D, dtype=dy.dtype, device=dy.device)
-        if _backward_fault(comm):
-            return whole.zero_().view(B, comm.world * n, D), None
-        comm._run("bwd_allgather", _all_gather, 1, whole, dy.contiguous())
-        return whole.view(comm.world, B, n, D).transpose(0, 1).reshape(B, comm.world * n, D), None
 
 
 class _SumOfCopies(torch.autograd.Function):
@@ -268,25 +265,18 @@ class _SumOfCopies(torch.autograd.Function):
         comm = ctx.comm
         buf = torch.zeros((ctx.slots, *g.shape), dtype=torch.promote_types(g.dtype, torch.float32), device=g.device)
         buf[ctx.slot] = g
-        if not _backward_fault(comm):
+        if not backward_fault(comm):
             comm._run("bwd_allreduce", _all_reduce, 1, buf)
         return buf[ctx.slot].to(g.dtype), None, None, None
 
 
-def copy_to_ranks(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    return _CopyToRanks.apply(x, comm)
-
-
-def sum_from_ranks(part: torch.Tensor, comm: Comm) -> torch.Tensor:
-    return _SumFromRanks.apply(part, comm)
+def copy_to_ranks(x2d: torch.Tensor, w: torch.Tensor, b, comm: Comm, overlap: bool = False) -> torch.Tensor:
+    """x2d @ w (+ b) of the x every rank holds, differentiable: its backward all-reduces dX."""
+    return _CopyToRanks.apply(x2d, w, b, comm, overlap)
 
 
 def gather_sequence(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     return _GatherSequence.apply(x, comm)
-
-
-def scatter_sequence(part: torch.Tensor, comm: Comm) -> torch.Tensor:
-    return _ScatterSequence.apply(part, comm)
 
 
 def sum_of_copies(t: torch.Tensor, comm: Comm, slot: int, slots: int) -> torch.Tensor:
@@ -324,6 +314,18 @@ def bare(kind: str, group=None):
     if kind == "allgather":
         return lambda out, inp: _all_gather(out, inp, group=group)
     raise ValueError(f"unknown collective {kind!r}")
+
+
+# what a backend says when the failure is another rank's (gloo and NCCL, seen in tests/test_faults.py)
+_PEER_WORDS = re.compile(r"connection|closed|reset by peer|timed? ?out|timeout|abort|nccl|gloo|socket|remote",
+                         re.IGNORECASE)
+COLLECTIVE_NAME = {"allreduce": "the all-reduce", "allgather": "the all-gather", "reducescatter": "the reduce-scatter"}
+
+
+def _from_peer(exc: BaseException) -> bool:
+    """Whether a RuntimeError from a collective came from the other ranks (the link, a timeout, the
+    backend), not from this rank's own tensors."""
+    return bool(_PEER_WORDS.search(str(exc)))
 
 
 def first_line(exc: BaseException) -> str:

@@ -197,9 +197,6 @@ def check_parallel_style(cfg: Config, world: int) -> None:
         if cfg.cuda_graph:
             raise ConfigError("--backward with --cuda-graph: the training step is not captured in a graph yet; "
                               "drop one of them")
-        if cfg.output_collective in ("p2p", "oneshot"):
-            raise ConfigError(f"--backward sums the partial outputs with an all-reduce; drop --output-collective "
-                              f"{cfg.output_collective} (the peer kernels serve inference)")
     if cfg.cuda_graph:
         if cfg.device != "cuda":
             raise ConfigError("--cuda-graph needs --device cuda; drop it on CPU")

@@ -23,6 +23,7 @@ from .errors import ConfigError, cupy_available
 
 DEC_SOURCE = "decode_attention.cu"
 DEC_HEAD_DIMS = (64, 128)
+CHUNK_BYTES = {"cpu": 256 << 20, "cuda": 1 << 30}  # attend(): the most bytes of scores a block of query rows holds
 
 
 @dataclass
@@ -60,11 +61,18 @@ class KVCache:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
-    def check(self, layer_id: int, owner: tuple, batch: int, rows: int) -> None:
+    def check(self, layer_id: int, owner: tuple, batch: int, rows: int, dtype=None, device=None) -> None:
         """One line naming the fix, the same on every rank (every rank's cache has the same length)."""
         if self.layer_id != layer_id or self.owner != owner:
             raise ConfigError("this cache belongs to another layer (or another world size or shard); make one with "
                               "this layer's new_cache(batch, max_len)")
+        if dtype is not None and self.k.dtype != dtype:
+            raise ConfigError(f"this cache holds {str(self.k.dtype).replace('torch.', '')} K/V but the layer is now "
+                              f"{str(dtype).replace('torch.', '')} (.half() or .to() after new_cache); make a new cache "
+                              "with new_cache(batch, max_len)")
+        if device is not None and self.k.device != device:
+            raise ConfigError(f"this cache is on {self.k.device} but the layer is now on {device} (.to() after "
+                              "new_cache); make a new cache with new_cache(batch, max_len)")
         if batch != self.batch:
             raise ConfigError(f"the cache holds {self.batch} sequences but the input has {batch}; make a cache with "
                               f"new_cache({batch}, max_len)")
@@ -84,7 +92,7 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype=torc
 def apply_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """t [B, heads, T, d] rotated by the angles of its T positions, in fp32, back in t's dtype.
     Halves (Hugging Face): column i pairs with column i + d/2; interleaved: 2i with 2i + 1."""
-    x = t.float()
+    x = t.to(torch.promote_types(t.dtype, torch.float32))  # fp32 (fp64 for an fp64 layer)
     if interleaved:
         a, b = x[..., 0::2], x[..., 1::2]
         out = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
@@ -98,18 +106,22 @@ def apply_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
     """softmax(q kᵀ/√d) v for q [B, h, T, d] at positions offset..offset+T-1 over the cache's first
     offset + T positions k, v [B, g, L, d] (g divides h: grouped-query attention read in place),
-    causal: query i sees keys up to offset + i. fp32 inside, S and P rounded to the storage dtype as
-    the reference backend rounds them."""
+    causal: query i sees keys up to offset + i. fp32 inside (fp64 for fp64), S and P rounded to the
+    storage dtype as the reference backend rounds them. The scores are materialized a block of query
+    rows at a time, each block's at most CHUNK_BYTES (memory O(rows x L) per block, never T x L)."""
     B, h, T, d = q.shape
     g, L = k.shape[1], k.shape[2]
-    dtype = q.dtype
-    qf = q.float().view(B, g, h // g, T, d)
-    s = torch.matmul(qf, k.float().unsqueeze(2).transpose(-1, -2)) * (1.0 / math.sqrt(d))  # [B, g, h/g, T, L]
-    if T > 1:
+    dtype, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)
+    step = max(1, CHUNK_BYTES.get(q.device.type, CHUNK_BYTES["cpu"]) // max(1, 3 * B * h * L * acc.itemsize))
+    if T > step:
+        return torch.cat([attend(q[:, :, t0:t0 + step], k, v, offset + t0) for t0 in range(0, T, step)], dim=2)
+    qf = q.to(acc).view(B, g, h // g, T, d)
+    s = torch.matmul(qf, k.to(acc).unsqueeze(2).transpose(-1, -2)) * (1.0 / math.sqrt(d))  # [B, g, h/g, T, L]
+    if T > 1 or offset + T < L:
         s = s.masked_fill(torch.arange(L, device=q.device)[None, :] > offset + torch.arange(T, device=q.device)[:, None],
                           float("-inf"))
-    p = torch.softmax(s.to(dtype).float(), dim=-1).to(dtype)
-    return torch.matmul(p.float(), v.float().unsqueeze(2)).to(dtype).view(B, h, T, d)
+    p = torch.softmax(s.to(dtype).to(acc), dim=-1).to(dtype)
+    return torch.matmul(p.to(acc), v.to(acc).unsqueeze(2)).to(dtype).view(B, h, T, d)
 
 
 def decode_splits(bg: int, length: int, sms: int, per_sm: int = 4) -> int:
@@ -227,3 +239,162 @@ def append_row(qkv: torch.Tensor, cache: KVCache, heads: int, interleaved: bool)
             ptr(cache.sin) if rope else np.uint64(0), ptr(cache.pos), np.int32(B), np.int32(heads), np.int32(g),
             np.int32(d), np.int32(cache.max_len), np.int32(1 if interleaved else 0)))
     return q
+
+
+# ---- the layer's cached forward and its graphed decode step (tpattn/layer.py calls these) -------
+
+def new_cache(layer, batch: int, max_len: int) -> KVCache:
+    """A KV cache for `batch` sequences of up to `max_len` positions: K and V of the layer's K/V heads
+    on this rank, [B, g, max_len, d] each, on the layer's device and dtype."""
+    if batch < 1 or max_len < 1:
+        raise ConfigError(f"new_cache needs batch >= 1 and max_len >= 1 (got {batch}, {max_len})")
+    shape = (batch, layer.local_kv_heads, max_len, layer.head_dim)
+    dev, dt = layer.wqkv.device, layer.dtype
+    cos = sin = None
+    if layer.rope_theta is not None:  # the rotary angles of every position the cache can hold
+        cos, sin = rope_tables(torch.arange(max_len, device=dev), layer.head_dim, layer.rope_theta,
+                               torch.promote_types(dt, torch.float32))
+    return KVCache(torch.zeros(shape, dtype=dt, device=dev), torch.zeros(shape, dtype=dt, device=dev),
+                   owner=cache_owner(layer), layer_id=id(layer), cos=cos, sin=sin)
+
+
+def cache_owner(layer) -> tuple:
+    return (layer.shard.rank, layer.shard.world, layer.head_range, layer.shard.kv_head_range, layer.head_dim)
+
+
+def check_cache(layer, cache: KVCache, batch: int, rows: int) -> None:
+    cache.check(id(layer), cache_owner(layer), batch, rows, layer.dtype, layer.wqkv.device)
+
+
+def forward_cached(layer, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """x [B, T, D] on every rank: QKV of its T rows, rotary positions from the cache's length, K and
+    V appended, attention of the T queries over the whole cache (causal), the output projection and
+    the plan's collective of B x T x D values. A prefill over rows already in the cache runs the
+    fused kernel with the causal diagonal shifted by their number where it can (prefix_attention),
+    else attend's blocks of query rows: never T x L scores at once."""
+    from .outputsum import OutputSum
+    from .timing import section
+    if layer.sequence_parallel and layer.world > 1:
+        raise ConfigError("a KV cache decodes head-parallel: build the layer without sequence_parallel to decode "
+                          "(layer.replace(sequence_parallel=False) shares its weights)")
+    if not layer.causal:
+        raise ConfigError("a KV cache decodes causally: build the layer with causal=True to decode "
+                          "(layer.replace(causal=True))")
+    B, T, D = x.shape
+    check_cache(layer, cache, B, T)
+    h, g, d = layer.local_heads, layer.local_kv_heads, layer.head_dim
+    L0 = cache.length
+    layer._ask_peers(B, T, x.device, decode=True)
+    plan = layer.plan(B, T, decode=True)
+    with section("qkv_proj"):
+        from .ops import mm
+        qkv = mm(x.reshape(B * T, D), layer.wqkv, layer.dtype, layer._qkv_bias())
+    if T == 1:  # a step: positions read from the cache's device copy (a CUDA graph of it serves every step)
+        with section("cache_append"):  # rotary positions, q out, k and v in: one kernel on a GPU
+            q = append_row(qkv.view(B, h + 2 * g, d), cache, h, layer.rope_interleaved)
+        with section("attention"):  # the split-K decode kernel on a GPU; else attend's math
+            o = decode_attention(q, cache.k, cache.v, L0 + 1, pos=cache.pos, tickets=cache.tickets)
+    else:
+        q, k, v = (t.permute(0, 2, 1, 3) for t in qkv.view(B, T, h + 2 * g, d).split([h, g, g], dim=2))
+        q, k = layer._rope(q, k, L0, cache)
+        with section("cache_append"):
+            cache.k[:, :, L0:L0 + T] = k
+            cache.v[:, :, L0:L0 + T] = v
+        if L0 == 0:  # a prefill into an empty cache: the backend's causal attention over its rows
+            o = torch.empty(B, T, h, d, dtype=layer.dtype, device=x.device).permute(0, 2, 1, 3)
+            layer._attention(*((t if layer.backend.strided else t.contiguous()) for t in (q, k, v)), o)
+        else:
+            with section("attention"):
+                o = prefix_attention(layer.backend, q, cache.k, cache.v, L0)
+    cache.pos.add_(T)
+    cache.length = L0 + T
+    total = OutputSum(layer, plan, x.device)
+    total.add_rows(0, T, o.permute(0, 2, 1, 3).reshape(B * T, h * d))
+    return total.result()
+
+
+def prefix_attention(backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, L0: int) -> torch.Tensor:
+    """The T query rows q [B, h, T, d] at positions L0..L0+T-1 over the cache's first L0 + T positions
+    (k, v [B, g, max_len, d]), causal. The fused kernel where it takes them: it computes query rows
+    [r0, N) of a sequence of N = L0 + T keys (r0 = L0 rounded down to its row tile), reading q and
+    writing o through a view of N rows whose first r0 rows no head owns (each head's block holds only
+    its own L0 - r0 + T rows, after a pad of r0 rows that the view starts in and the kernel never
+    reads): memory O(T x d), no scores. Else attend(), a block of query rows at a time."""
+    B, h, T, d = q.shape
+    N = L0 + T
+    if backend.name == "fused" and fused_prefix_fits(q):
+        a = backend.row_chunks
+        r0 = L0 // a * a
+        rows = N - r0  # each head's block: rows [r0, N) of the sequence
+        buf = torch.zeros(r0 * d + B * h * rows * d, dtype=q.dtype, device=q.device)
+        out = torch.empty_like(buf)
+        strides = (h * rows * d, rows * d, d, 1)
+        qv, ov = (t.as_strided((B, h, N, d), strides) for t in (buf, out))
+        qv[:, :, L0:].copy_(q)
+        backend.forward(qv, k[:, :, :N], v[:, :, :N], True, out=ov, rows=(r0, N))
+        return ov[:, :, L0:]
+    return attend(q, k[:, :, :N], v[:, :, :N], L0)
+
+
+def fused_prefix_fits(q: torch.Tensor) -> bool:
+    """Whether the fused kernel runs this prefill (a CUDA device, fp16/bf16, head dim 64 or 128)."""
+    from .attention.fused import HEAD_DIMS
+    return q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in HEAD_DIMS \
+        and cupy_available()
+
+
+def graphed(layer, x: torch.Tensor, cache: KVCache | None = None):
+    """Capture layer(x) (kernels, GEMMs and the collective) in one CUDA graph; returns a function that
+    replays it on the same input buffer and returns the same output tensor. Copy new inputs into `x`
+    in place before calling it. Each replay is one entry in the collective watch (tpattn/watch.py): a
+    rank that stalls during a replay ends the job after --timeout like a stalled eager collective.
+    With output_collective="p2p" or "oneshot" the peer buffers are fixed from here on: a later call
+    that needs larger ones is refused. With a cache: one decode step, x [B, 1, D]; each replay appends
+    x's row at the cache's length (read on the device) and returns that step's output, until the
+    cache is full (then the cache's one-line refusal). The cache is left as it was (capture runs no
+    step). Captured under torch.no_grad(): a graph records no gradients."""
+    from . import watch
+    if cache is not None:
+        if x.dim() != 3 or x.shape[1] != 1:
+            raise ValueError(f"graphed(x, cache) captures a decode step: x must be [B, 1, D] (got {tuple(x.shape)})")
+        why = graph_refusal(x.device, layer.dtype, layer.head_dim)
+        if why:
+            raise ConfigError(why)
+        check_cache(layer, cache, x.shape[0], 1)
+        length = cache.length
+    call = (lambda: layer(x, cache=cache)) if cache is not None else (lambda: layer(x))
+    current = torch.cuda.current_stream()
+    side = torch.cuda.Stream(device=x.device)
+    side.wait_stream(current)
+    try:
+        with torch.no_grad():
+            with torch.cuda.stream(side):
+                for _ in range(2 if cache is None else min(2, cache.max_len - length)):
+                    call()  # compile and load every kernel, create NCCL's communicator
+            current.wait_stream(side)
+            torch.cuda.synchronize()
+            if cache is not None:  # the warm-up steps wrote past the cache's length only: forget them
+                cache.length = length
+                cache.pos.fill_(length)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the collective watchdog's thread polls CUDA events of earlier collectives; in
+            # the default (global) mode such a query from any thread during the capture invalidates it
+            # (seen once over NCCL: "operation failed due to a previous error during capture")
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                y = call()
+    finally:
+        if cache is not None:  # as it was: the capture ran the host side once, no kernel
+            cache.length = length
+            cache.pos.fill_(length)
+    layer.peers.pin()
+
+    def replay() -> torch.Tensor:
+        if cache is not None:
+            check_cache(layer, cache, x.shape[0], 1)
+        with watch.collective("graph", layer.world, True):  # a no-op unless the watch runs (the CLI's)
+            graph.replay()
+        if cache is not None:
+            cache.length += 1
+        return y
+    replay.graph = graph
+    return replay

@@ -5,12 +5,40 @@ module can use it without an import circle (tests/test_imports.py checks there i
 from __future__ import annotations
 
 import importlib.util
+import re
 
 __version__ = "0.1.0"
 
 
 class ConfigError(ValueError):
-    """A bad input: the message is one line that names the fix."""
+    """A bad input: the message is one line that names the fix. Written once, in the CLI's flags
+    (`cli_message`, what `python -m tpattn` prints); str() says it in the Python API's argument
+    names (spell()), which is what a caller of the layer or the attention functions reads."""
+
+    def __init__(self, message: str):
+        super().__init__(spell(message))
+        self.cli_message = message
+
+
+# The one table of names: each CLI flag (with its value, when it has one) as the Python API says it.
+_SPELLINGS = (
+    (r"--kernel (\w+)", r"backend='\1'"), (r"--kernel\b", "backend"),
+    (r"--overlap (\d+)", r"overlap=\1"), (r"--overlap\b", "overlap"),
+    (r"--output-collective (\w+)", r"output_collective='\1'"), (r"--output-collective\b", "output_collective"),
+    (r"--sequence-parallel\b", "sequence_parallel=True"), (r"--uneven-heads\b", "uneven_heads=True"),
+    (r"--seq-len (\d+)", r"\1 rows (x.shape[1])"), (r"--seq-len\b", "the rows of x (x.shape[1])"),
+    (r"--batch\b", "the batch (x.shape[0])"), (r"--dtype (\w+)", r"dtype \1"), (r"--dtype\b", "dtype"),
+    (r"--heads (\d+)", r"heads=\1"), (r"--heads\b", "heads"), (r"--kv-heads (\d+)", r"kv_heads=\1"),
+    (r"--kv-heads\b", "kv_heads"), (r"--head-dim (\d+)", r"head_dim=\1"), (r"--head-dim\b", "head_dim"),
+    (r"--causal\b", "causal=True"),
+)
+
+
+def spell(message: str) -> str:
+    """A one-line error written in the CLI's flags, in the Python API's argument names."""
+    for flag, name in _SPELLINGS:
+        message = re.sub(flag, name, message)
+    return message
 
 
 def cupy_available() -> bool:

@@ -74,32 +74,3 @@ def linear(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtyp
            name: str = "linear") -> torch.Tensor:
     """mm(a, w, out_dtype, bias) under autograd, timed as `name` (its backward as bwd_`name`)."""
     return _Linear.apply(a, w, bias, out_dtype, name)
-
-
-class ColumnParallelQKV(torch.autograd.Function):
-    """The column-parallel QKV projection of a training step: qkv = x @ W_qkv (+ b_qkv) with this
-    rank's columns. Head-parallel (reduce_dx) it also holds copy_to_ranks's backward: dX = dQKV W_qkvᵀ
-    is this rank's share, all-reduced over the ranks; with overlap (a GPU, overlap > 1) that
-    all-reduce runs on the communication stream while dW = Xᵀ dQKV runs, as Megatron does. comm: the
-    layer's tpattn.comm.Comm (its copy_to_ranks_backward and wait)."""
-
-    @staticmethod
-    def forward(ctx, x2d, w, b, comm, reduce_dx: bool, overlap: bool):
-        ctx.save_for_backward(x2d, w)
-        ctx.comm, ctx.reduce_dx, ctx.overlap, ctx.bias_dtype = comm, reduce_dx, overlap, None if b is None else b.dtype
-        with section("qkv_proj"):
-            return mm(x2d, w, w.dtype, b)
-
-    @staticmethod
-    def backward(ctx, g):
-        x2d, w = ctx.saved_tensors
-        comm = ctx.comm
-        gm = g.to(w.dtype)
-        with section("bwd_dx_proj"):
-            dx = mm(gm, w.t(), x2d.dtype)
-        done = comm.copy_to_ranks_backward(dx, 2 if ctx.overlap else 1) if ctx.reduce_dx else None
-        with section("bwd_dw_proj"):
-            dw = mm(x2d.t(), gm, w.dtype) if ctx.needs_input_grad[1] else None
-            db = bias_grad(g, ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
-        comm.wait(done)
-        return dx, dw, db, None, None, None

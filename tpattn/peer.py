@@ -24,6 +24,7 @@ import ctypes
 import numpy as np
 import torch
 
+from .commplan import ONESHOT_MAX_BYTES
 from .cuda import launch
 
 SOURCE = "peer_reduce.cu"
@@ -257,3 +258,121 @@ class OneShotBuffers:
                 np.uint64(0 if bias is None else bias.data_ptr()), np.int32(self.world), np.int32(self.rank),
                 np.int64(n), np.int64(dim), np.int32(vec), np.int64((ONESHOT_TIMEOUT_S + self.rank * ONESHOT_STAGGER_S) * 10**9)))
         return out
+
+
+# ---- one layer's peer paths: their buffers' lifecycle and what the ranks agreed ------------------
+
+class PeerLinks:
+    """The peer paths' state of one layer: the p2p reduce-gather's buffers, the one-shot
+    all-reduce's, what every rank said about mapping each other's memory (asked once, collectively,
+    before the first call that could use it), and whether a CUDA graph captured the buffers (then
+    they never move). The output sum (tpattn/outputsum.py) asks it for a call's buffers; the layer
+    asks it whether auto may take the one-shot path (agreed()). Every decision here comes from the
+    plan or from what every rank said in a gather, so every rank decides alike."""
+
+    def __init__(self, comm, output_collective: str):
+        self.comm, self.output_collective = comm, output_collective
+        self.p2p = None         # PeerBuffers (output_collective="p2p"), made on the first call
+        self.p2p_checked = False
+        self.oneshot = None     # OneShotBuffers, made when a call first needs them
+        self.said = None        # ((device, partial dtype, dtype), whether every rank mapped every other's buffer)
+        self.pinned = False     # a CUDA graph captured the buffers: they must not move
+
+    def agreed(self, part_dtype: torch.dtype, dtype: torch.dtype) -> bool:
+        """Whether every rank mapped every other's one-shot buffer for these dtypes."""
+        return self.said is not None and self.said[1] and self.said[0][1:] == (part_dtype, dtype)
+
+    def ask(self, candidate: bool, device: torch.device, part_dtype: torch.dtype, dtype: torch.dtype) -> None:
+        """output_collective="auto", on the GPU: before the first call whose partials auto would sum
+        with the one-shot peer all-reduce (candidate: commplan.oneshot_candidate, from the shape, the
+        same on every rank), every rank makes its buffer and tries to map every other's (collective);
+        if all of them can, auto uses it for every such call from then on, else NCCL's all-reduce, on
+        every rank. Asked again after the layer moved to another device or dtype. Inside a CUDA
+        graph capture that the layer did not warm up (graphed() does) nothing is asked."""
+        key = (device, part_dtype, dtype)
+        if (self.said is not None and self.said[0] == key) or device.type != "cuda" or not candidate \
+                or torch.cuda.is_current_stream_capturing():
+            return
+        self.said = (key, self._map_oneshot(ONESHOT_MAX_BYTES // part_dtype.itemsize, device, part_dtype,
+                                            dtype, required=False) is not None)
+
+    def buffers(self, plan, device: torch.device, part_dtype: torch.dtype, dtype: torch.dtype):
+        """The peer buffers for a call whose plan takes a peer path (None for the others)."""
+        if plan.collective == "p2p":
+            return self._p2p_buffers(plan.peer_elements, device, part_dtype, dtype)
+        if plan.collective == "oneshot":
+            need, p = plan.peer_elements, self.oneshot
+            if p is not None and p.capacity >= need and (p.part_dtype, p.out_dtype, p.device) == \
+                    (part_dtype, dtype, device):
+                return p
+            return self._map_oneshot(max(need, ONESHOT_MAX_BYTES // part_dtype.itemsize), device,
+                                     part_dtype, dtype, required=True)
+        return None
+
+    def pin(self) -> None:
+        """A CUDA graph captured the current buffers: from here on they never move."""
+        self.pinned = self.p2p is not None or self.oneshot is not None
+
+    def _map_oneshot(self, capacity: int, device, part_dtype, dtype, required: bool):
+        """Make this rank's one-shot buffer, map every other rank's (two gathers over the group):
+        the buffers when every rank mapped every other's; else None on every rank, or (required)
+        the same one-line error on every rank."""
+        old = self.oneshot
+        if old is not None and self.pinned:
+            raise ValueError(f"output_collective='{self.output_collective}': this call needs new one-shot buffers "
+                             f"({capacity} elements of {part_dtype}) but a CUDA graph captured by graphed() "
+                             "replays the current ones; capture the graph at the largest shape first, or build "
+                             "another layer for this shape")
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValueError(f"output_collective='{self.output_collective}': the first call maps the other ranks' "
+                             "buffers and cannot run inside a CUDA graph capture; call the layer once before "
+                             "capturing (layer.graphed() does)")
+        if old is not None:
+            old.close()  # this rank's mappings of the others' old buffers; its own stays allocated until every
+            # rank has closed its mappings of it (they all have by the first gather below)
+        self.oneshot = None
+        comm = self.comm
+        buf = OneShotBuffers(capacity, part_dtype, dtype, device, comm.rank, comm.world)
+        why = buf.open(comm.all_gather_object(buf.exported))
+        del old
+        bad = next((w for w in comm.all_gather_object(why) if w), None)
+        if bad:
+            buf.close()
+            if required:
+                raise ValueError(f"output_collective='oneshot': {bad}; use 'auto' (NCCL where the ranks cannot map "
+                                 "each other's memory)")
+            return None
+        self.oneshot = buf
+        return buf
+
+    def _p2p_buffers(self, need: int, device, part_dtype, dtype):
+        """output_collective="p2p": the symmetric buffers, made (collectively) on the first call and
+        again when a call needs more, unless a CUDA graph captured the current ones (then the call
+        is refused: the graph would read and write freed memory). Before the first, every rank says
+        whether it can take part and on which host: all of them go on, or all of them raise the
+        same one-line error."""
+        p = self.p2p
+        if p is not None and p.capacity >= need and (p.part_dtype, p.out_dtype, p.device) == \
+                (part_dtype, dtype, device):
+            return p
+        if self.pinned:
+            raise ValueError(f"output_collective='p2p': this call needs peer buffers of {need} elements but a CUDA "
+                             f"graph captured by graphed() replays the current ones ({getattr(p, 'capacity', 0)}); "
+                             "capture the graph at the largest shape first, or build another layer for this shape")
+        comm = self.comm
+        if not self.p2p_checked:
+            import socket
+            said = comm.all_gather_object((socket.gethostname(), unavailable(device, part_dtype, dtype)))
+            hosts = {host for host, _ in said}
+            if len(hosts) > 1:
+                raise ValueError(f"output_collective='p2p' needs every rank on one node (these span "
+                                 f"{len(hosts)} hosts); use 'auto'")
+            bad = [(r, w) for r, (_, w) in enumerate(said) if w]
+            if bad:
+                raise ValueError(f"output_collective='p2p': rank {bad[0][0]}: {bad[0][1]}; use 'auto'")
+            self.p2p_checked = True
+        self.p2p = None  # this rank's old buffers go (every rank drops its own here)
+        from . import watch
+        with watch.collective("peersetup", comm.world, False):  # collective: blocks until every rank came
+            self.p2p = PeerBuffers(need, part_dtype, dtype, device, comm.group.group_name, comm.rank, comm.world)
+        return self.p2p
