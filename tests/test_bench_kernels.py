@@ -1,6 +1,6 @@
 """scripts/bench_kernels.py on CPU: its named shape set, the ratio table it writes (fused against SDPA
 cuDNN and flash, graph time), --help, and the one-line refusal without a GPU. The measurement itself
-runs on a GPU machine only (`bash scripts/gpu_session.sh shapes`)."""
+runs on a GPU machine only (`bash scripts/gpu_runs.sh shapes`)."""
 
 import argparse
 import sys

@@ -2,15 +2,17 @@
 the associative-recall model through TensorParallelAttention to a loss far below chance, the
 replicated parameters' gradients are identical on every rank (the script checks and says so), and
 the loss curves agree step by step within the tolerance docs/training.md states (--compare); a
-perturbed curve fails --compare. --help answers; bad input is one line and exit 2 on every rank."""
+perturbed curve fails --compare. --help answers; bad input is one line and exit 2 on every rank, and
+so is --plot without matplotlib (the line names the plot extra)."""
 
 import json
 import math
+import os
 import sys
 
 import pytest
 
-from conftest import mpirun_cmd, run
+from conftest import ROOT, mpirun_cmd, run
 
 pytestmark = pytest.mark.mpi
 
@@ -96,6 +98,22 @@ def test_bad_input_is_one_line_and_exit_2():
     r = run([sys.executable, SCRIPT, "--kernel", "fused", "--device", "cpu"], timeout=60)
     lines = (r.stdout + r.stderr).strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "--kernel fused" in lines[0], lines
+
+
+def test_plot_without_matplotlib_is_one_line(tmp_path):
+    """--plot where matplotlib cannot be imported (a matplotlib.py raising ImportError first on the path):
+    one line naming the plot extra and exit 2, before any training or comparing; no traceback."""
+    fake = tmp_path / "no_matplotlib"
+    fake.mkdir()
+    (fake / "matplotlib.py").write_text("raise ImportError(\"No module named 'matplotlib'\")\n")
+    path = os.pathsep.join([str(fake), str(ROOT)])
+    for args in (["--steps", "2", "--log-every", "0", "--out", str(tmp_path / "w1"), "--plot", str(tmp_path / "w1.png")],
+                 ["--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--plot", str(tmp_path / "c.png")]):
+        r = run([sys.executable, SCRIPT, *args], timeout=60, PYTHONPATH=path)
+        lines = (r.stdout + r.stderr).strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, lines
+        assert "--plot needs matplotlib" in lines[0] and "pip install -e '.[plot]'" in lines[0], lines
+    assert not list(tmp_path.glob("*.png")) and not (tmp_path / "w1.json").exists()
 
 
 def test_bad_world_size_refused_on_every_rank():

@@ -225,8 +225,11 @@ class _CopyToRanks(torch.autograd.Function):
 
 
 class _GatherSequence(torch.autograd.Function):
-    """Forward: every rank's block of rows [B, n, D] -> the whole sequence [B, W n, D]. Backward:
-    reduce_scatter(SUM) of dX back to this rank's block."""
+    """Forward: every rank's block of rows [B, n, D] -> the whole sequence [B, W n, D], the same on
+    every rank. Backward: this rank's block of dy. Whatever follows the gather runs alike on every
+    rank (the whole sequence is replicated), so every rank's dy is the whole gradient and no sum is
+    needed (a reduce-scatter would count it W times; the layer's own gather, followed by this
+    rank's heads only, is sequence_parallel_qkv's, whose dual is the reduce-scatter)."""
 
     @staticmethod
     def forward(ctx, x, comm):
@@ -237,16 +240,10 @@ class _GatherSequence(torch.autograd.Function):
         return whole.view(comm.world, B, n, D).transpose(0, 1).reshape(B, comm.world * n, D)
 
     @staticmethod
-    def backward(ctx, dx):
+    def backward(ctx, dy):
         comm = ctx.comm
-        B, N, D = dx.shape
-        n = N // comm.world
-        blocks = dx.reshape(B, comm.world, n, D).transpose(0, 1).contiguous().view(comm.world * B, n, D)
-        mine = torch.empty(B, n, D, dtype=dx.dtype, device=dx.device)
-        if backward_fault(comm):
-            return mine.zero_(), None
-        comm._run("bwd_reducescatter", _reduce_scatter, 1, mine, blocks)
-        return mine, None
+        n = dy.shape[1] // comm.world
+        return dy[:, comm.rank * n:(comm.rank + 1) * n], None
 
 
 class _SumOfCopies(torch.autograd.Function):
@@ -256,8 +253,8 @@ class _SumOfCopies(torch.autograd.Function):
     one all_reduce(SUM), and each takes its slot back."""
 
     @staticmethod
-    def forward(ctx, t, comm, slot: int, slots: int):
-        ctx.comm, ctx.slot, ctx.slots = comm, slot, slots
+    def forward(ctx, t, comm, slot: int, slots: int, label: str):
+        ctx.comm, ctx.slot, ctx.slots, ctx.label = comm, slot, slots, label
         return t.view_as(t)
 
     @staticmethod
@@ -266,8 +263,8 @@ class _SumOfCopies(torch.autograd.Function):
         buf = torch.zeros((ctx.slots, *g.shape), dtype=torch.promote_types(g.dtype, torch.float32), device=g.device)
         buf[ctx.slot] = g
         if not backward_fault(comm):
-            comm._run("bwd_allreduce", _all_reduce, 1, buf)
-        return buf[ctx.slot].to(g.dtype), None, None, None
+            comm._run(ctx.label, _all_reduce, 1, buf)
+        return buf[ctx.slot].to(g.dtype), None, None, None, None
 
 
 def copy_to_ranks(x2d: torch.Tensor, w: torch.Tensor, b, comm: Comm, overlap: bool = False) -> torch.Tensor:
@@ -279,8 +276,8 @@ def gather_sequence(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     return _GatherSequence.apply(x, comm)
 
 
-def sum_of_copies(t: torch.Tensor, comm: Comm, slot: int, slots: int) -> torch.Tensor:
-    return _SumOfCopies.apply(t, comm, slot, slots)
+def sum_of_copies(t: torch.Tensor, comm: Comm, slot: int, slots: int, label: str = "bwd_copies") -> torch.Tensor:
+    return _SumOfCopies.apply(t, comm, slot, slots, label)
 
 
 def _all_reduce(t: torch.Tensor, group=None):

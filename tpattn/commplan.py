@@ -26,7 +26,9 @@ COLLECTIVES = {"allreduce": "all-reduce", "allgather": "all-gather", "reducescat
                "peer": "peer reduce-gather",  # peer: --output-collective p2p, both collectives in one kernel
                "oneshot": "one-shot peer all-reduce",  # small partials, one kernel reads every rank's
                # the backward's (a training step): the duals of the forward's
-               "bwd_allreduce": "all-reduce (backward: dX)", "bwd_allgather": "all-gather (backward: dy)",
+               "bwd_allreduce": "all-reduce (backward: dX)",
+               "bwd_copies": "all-reduce (backward: K/V copies' weights)",
+               "bwd_copies_bias": "all-reduce (backward: K/V copies' biases)", "bwd_allgather": "all-gather (backward: dy)",
                "bwd_reducescatter": "reduce-scatter (backward: dX)"}
 
 

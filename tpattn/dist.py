@@ -74,14 +74,37 @@ def exit_now(code: int) -> None:
     releasing a collective's tensors at exit, and a release that needs the interpreter while it
     finalizes aborts the process (seen with torch 2.13: "terminate called without an active
     exception" after a run that passed, about 1 in 10 runs after chunked or sequence-parallel
-    collectives)."""
+    collectives).
+
+    With MPI up, the end is the C library's exit(), not os._exit(): the MPI library's own exit
+    handlers must run. MPICH (4.1 and later, the mpich wheel's 5.0) leaves the connection to its
+    launcher open in MPI_Finalize and closes it, with PMI's "finalize", in an atexit() handler;
+    a rank that ends by _exit() closes that connection without it, which hydra takes for a rank
+    that died: it sends SIGKILL to every other rank of the node still running (rank 0, which
+    leaves last, most often; "BAD TERMINATION ... EXIT CODE: 9" after RESULT: PASS). exit()
+    runs the C handlers and destructors, as any program's exit after MPI_Finalize does, but
+    not Python's finalization, which is what this function avoids."""
     sys.stdout.flush()
     sys.stderr.flush()
-    if "mpi4py.MPI" in sys.modules:
-        MPI = sys.modules["mpi4py.MPI"]
-        if MPI.Is_initialized() and not MPI.Is_finalized():
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is not None and MPI.Is_initialized():
+        if not MPI.Is_finalized():
             MPI.Finalize()
+        _c_exit(code)
     os._exit(code)
+
+
+def _c_exit(code: int) -> None:
+    """The C library's exit(code): atexit() handlers, C++ static destructors, C stdio flushed;
+    not the interpreter's finalization (no Python atexit, no module teardown). Returns only where
+    there is no C exit() to call (then the caller's os._exit ends the process)."""
+    try:
+        import ctypes
+        libc_exit = ctypes.CDLL(None).exit  # the process's own C library (glibc, musl, macOS)
+    except (ImportError, OSError, AttributeError):
+        return
+    libc_exit.argtypes, libc_exit.restype = [ctypes.c_int], None
+    libc_exit(code)  # releases the GIL: a thread finishing a release in Python still can
 
 
 def _process_alive(pid: int) -> bool:

@@ -379,7 +379,7 @@ class TensorParallelAttention(torch.nn.Module):
             with section("qkv_proj"):
                 qkv = mm(x2d, self.wqkv, self.dtype, self._qkv_bias())
         with section("qkv_proj"):
-            q, k, v = self._split_heads(qkv.view(B, N, -1, d), grad)           # [B, h|g|g, N, d]
+            q, k, v = self._split_heads(qkv.view(B, N, -1, d))           # [B, h|g|g, N, d]
             q, k = self._rope(q, k, 0)
         if grad:
             o = self._attention_grad(q, k, v)
@@ -405,7 +405,7 @@ class TensorParallelAttention(torch.nn.Module):
         qkv = sequence_parallel_qkv(self, plan, x, w, b)  # [K, W, B, m, (h+2g)*d]
         with section("qkv_proj"):  # rows (c, w, b, i) -> sequence position w*n + c*m + i (a view if K=B=1)
             q, k, v = self._split_heads(qkv.view(K, W, B, m, h + 2 * g, d).permute(2, 1, 0, 3, 4, 5)
-                                        .reshape(B, W * n, h + 2 * g, d), grad)
+                                        .reshape(B, W * n, h + 2 * g, d))
             q, k = self._rope(q, k, 0)
         if grad:
             o_rows = self._attention_grad(q, k, v).permute(0, 2, 1, 3).reshape(B, W, K, m, h * d)
@@ -435,16 +435,16 @@ class TensorParallelAttention(torch.nn.Module):
         hd, slot, G = self.local_heads * self.head_dim, self.shard.kv_head_range.start, self.kv_heads
         w = torch.cat([w[:, :hd], sum_of_copies(w[:, hd:], self.comm, slot, G)], dim=1)
         if b is not None:
-            b = torch.cat([b[:hd], sum_of_copies(b[hd:], self.comm, slot, G)])
+            b = torch.cat([b[:hd], sum_of_copies(b[hd:], self.comm, slot, G, "bwd_copies_bias")])
         return w, b
 
-    def _split_heads(self, qkv: torch.Tensor, grad: bool = False):
+    def _split_heads(self, qkv: torch.Tensor):
         """q [B, h, N, d] and k, v [B, g, N, d] from the QKV GEMM's output [B, N, h + 2g, d]: strided
-        views for a backend that reads them in place (fused) and under autograd (its Function copies
-        what it needs), else contiguous copies."""
+        views for a backend that reads them in place (fused), else contiguous copies (under autograd
+        too: the same inputs, the same bits)."""
         h, g = self.local_heads, self.local_kv_heads
         q, k, v = (t.permute(0, 2, 1, 3) for t in qkv.split([h, g, g], dim=2))
-        if self.backend.strided or grad:
+        if self.backend.strided:
             return q, k, v
         return q.contiguous(), k.contiguous(), v.contiguous()
 

@@ -75,7 +75,8 @@ def collective_stats(stats: dict, nbytes: dict, world: int, dtype: dict, samples
         med = s.get("median", 0.0)
         by_call = bool(per_rank) and all(per_rank) and len({len(r) for r in per_rank}) == 1
         last = last_rank_ms(per_rank) if by_call else s.get("min", 0.0)
-        kind = name.removeprefix("bwd_")  # a backward collective: the forward's kind
+        kind = name.removeprefix("bwd_")  # a backward collective: the forward's kind (the copies': all-reduces)
+        kind = "allreduce" if kind.startswith("copies") else kind
         algbw, busbw = bus_bandwidth(n, med, world, kind)
         _, busbw_last = bus_bandwidth(n, last, world, kind)
         out[name] = {"bytes": n, "dtype": dtype[name], "median_ms": med, "last_rank_ms": last,
@@ -152,7 +153,8 @@ def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, c
     part = "fp32" if cfg.reduce_dtype == "fp32" else model
     dtypes = {"allreduce": part, "allgather": model, "reducescatter": part, "peer": f"{part} in, {model} out",
               "oneshot": f"{part} in, {model} out",
-              "bwd_allreduce": model, "bwd_allgather": part, "bwd_reducescatter": model}  # dX, dy, dX
+              "bwd_allreduce": model, "bwd_allgather": model, "bwd_reducescatter": model,  # dX, dy, dX
+              "bwd_copies": "fp32", "bwd_copies_bias": "fp32"}  # the K/V copies' gradients, summed in fp32
     samples = {k: [r.get("collective_samples", {}).get(k, []) for r in rank_reports] for k in collective_bytes}
     colls = collective_stats(stats, collective_bytes, world, dtypes, samples) if proc.distributed else {}
     heads = [heads_per_rank(cfg, world, r) for r in range(world)]  # rank 0 holds the most

@@ -6,6 +6,7 @@ heads are multiplied with its one K/V head by broadcasting (K and V are never re
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 
@@ -26,31 +27,18 @@ class ReferenceBackend(Backend):
     name = "reference"
 
     def forward(self, q, k, v, causal: bool, out=None):
+        """attention()'s math a chunk of heads at a time (the float32 scores of a chunk below
+        CHUNK_BYTES), outside autograd: the same bits as the training forward."""
         b, h, n, d = q.shape
         group = kv_group(q, k, v)
-        dtype = q.dtype
-        scale = 1.0 / math.sqrt(d)
+        acc = torch.promote_types(q.dtype, torch.float32)
         o = out if out is not None else torch.empty_like(q)
-        per_head = b * n * n * 4
+        per_head = b * n * n * acc.itemsize
         chunk = max(1, min(h, CHUNK_BYTES[q.device.type] // max(per_head, 1)))
-        mask = causal_mask(n, q.device) if causal else None
         for h0, h1 in head_chunks(h, group, chunk):
-            # [b, kv heads, query heads per K/V head, n, d]: the K/V heads broadcast over the last
             kv = slice(h0 // group, (h1 - 1) // group + 1)
-            per = (h1 - h0) // (kv.stop - kv.start)
-            qc = q[:, h0:h1].float().view(b, kv.stop - kv.start, per, n, d)
-            kc, vc = k[:, kv].float().unsqueeze(2), v[:, kv].float().unsqueeze(2)
-            with section("qk"):
-                s = torch.matmul(qc, kc.transpose(-1, -2)).mul_(scale)
-                if mask is not None:
-                    s.masked_fill_(mask, float("-inf"))
-                s = s.to(dtype)
-            with section("softmax"):
-                p = torch.softmax(s.float(), dim=-1).to(dtype)
-            del s
-            with section("pv"):
-                o[:, h0:h1] = torch.matmul(p.float(), vc).to(dtype).view(b, h1 - h0, n, d)
-            del p
+            o[:, h0:h1] = self._attention(q[:, h0:h1], k[:, kv], v[:, kv], causal, (h1 - h0) // (kv.stop - kv.start),
+                                          acc, timed=True)
         return o
 
     def attention(self, q, k, v, causal: bool, deterministic: bool = False):
@@ -62,12 +50,21 @@ class ReferenceBackend(Backend):
             return self._attention(q, k, v, causal, group, acc)
 
     @staticmethod
-    def _attention(q, k, v, causal, group, acc):
+    def _attention(q, k, v, causal, group, acc, timed=False):
+        """The three passes for q [B, h, N, d] and its K/V heads k, v [B, g, N, d] (g = h / group),
+        a group's query heads against their K/V head by broadcasting; timed: each pass on the
+        recording timer (qk, softmax, pv)."""
         b, h, n, d = q.shape
         dtype, g = q.dtype, k.shape[1]
-        qf = q.to(acc).reshape(b, g, group, n, d)
-        s = torch.matmul(qf, k.to(acc).unsqueeze(2).transpose(-1, -2)) * (1.0 / math.sqrt(d))
-        if causal:
-            s = s.masked_fill(causal_mask(n, q.device), float("-inf"))
-        p = torch.softmax(s.to(dtype).to(acc), dim=-1).to(dtype)
-        return torch.matmul(p.to(acc), v.to(acc).unsqueeze(2)).to(dtype).reshape(b, h, n, d)
+        on = section if timed else (lambda name: nullcontext())
+        with on("qk"):
+            qf = q.to(acc).reshape(b, g, group, n, d)
+            s = torch.matmul(qf, k.to(acc).unsqueeze(2).transpose(-1, -2)) * (1.0 / math.sqrt(d))
+            if causal:
+                s = s.masked_fill(causal_mask(n, q.device), float("-inf"))
+            s = s.to(dtype)
+        with on("softmax"):
+            p = torch.softmax(s.to(acc), dim=-1).to(dtype)
+        del s
+        with on("pv"):
+            return torch.matmul(p.to(acc), v.to(acc).unsqueeze(2)).to(dtype).reshape(b, h, n, d)
