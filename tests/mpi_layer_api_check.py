@@ -29,11 +29,11 @@ def refused(fn, says: str) -> None:
 # rows lost without a word: N = 10 over 3 ranks used to give every rank 3 rows and drop row 9
 sp = TensorParallelAttention.from_multihead_attention(mha, sequence_parallel=True)
 refused(lambda: sp.shard_sequence(torch.randn(1, 10, E)),
-        f"--sequence-parallel needs --seq-len divisible by the world size {W} (got 10)")
+        f"sequence_parallel=True needs the rows of x (x.shape[1]) divisible by the world size {W} (got 10)")
 # an option accepted and ignored: the CLI refuses the pair, so does the API, with the same line
 refused(lambda: TensorParallelAttention.from_multihead_attention(mha, sequence_parallel=True,
                                                                   output_collective="allreduce"),
-        "--output-collective allreduce is for the head-parallel style")
+        "output_collective='allreduce' is for the head-parallel style")
 # the collective a call runs depends on the shape and settings, never on the attention backend
 for kw in ({"overlap": 4}, {"overlap": 3}, {}):
     plans = {b: TensorParallelAttention.from_multihead_attention(mha, backend=b, **kw).plan(1, 1000)

@@ -128,7 +128,7 @@ with torch.no_grad():
     c2 = fallback.new_cache(B, N + T)
     y2 = torch.cat([fallback(x[:, :N], cache=c2)] + [fallback(x[:, t:t + 1], cache=c2) for t in range(N, N + T)], 1)
     how = fallback.plan(B, 1, decode=True).collective
-    if how == "oneshot" or fallback._peers is None or fallback._peers[1]:
+    if how == "oneshot" or fallback.peers.said is None or fallback.peers.said[1]:
         bad.append(f"with a rank that cannot map, auto chose {how}")
     if (y2.float() - y.float()).abs().max().item() > 1e-2:
         bad.append("the fallback's decode differs from the one-shot decode")

@@ -37,7 +37,7 @@ if W > 1:
         TensorParallelAttention.from_multihead_attention(mha, backend="reference")
         raise AssertionError(f"{H} heads over {W} ranks were not refused")
     except ValueError as exc:
-        assert "--uneven-heads" in str(exc) and f"--heads {H} is not divisible by world size {W}" in str(exc), exc
+        assert "uneven_heads=True" in str(exc) and f"heads={H} is not divisible by world size {W}" in str(exc), exc
 
 for kw in ({"causal": False}, {"causal": True}, {"causal": True, "output_collective": "split"},
            {"causal": False, "overlap": 3}, {"causal": True, "sequence_parallel": True},

@@ -300,7 +300,8 @@ def test_cpu_tensors_refused(backend):
     q, k, v = qkv(1, 2, 1, 4, 16, torch.float16)
     with pytest.raises(ConfigError) as e:
         get_backend(backend).backward(q, k, v, q, None, q, False)
-    assert _one_line(e) == f"--kernel {backend} needs CUDA tensors; use --kernel reference on CPU"
+    assert _one_line(e) == f"backend='{backend}' needs CUDA tensors; use backend='reference' on CPU"  # the API's names
+    assert e.value.cli_message == f"--kernel {backend} needs CUDA tensors; use --kernel reference on CPU"
     with pytest.raises(ConfigError) as e:
         attention(q.requires_grad_(True), k, v, False, backend=backend)
     assert "needs CUDA tensors" in _one_line(e)
@@ -326,7 +327,7 @@ def test_head_dim_out_of_range_refused(backend, d, match):
 
 def test_tiled_backward_refuses_fp32():
     t = _OnCuda((1, 2, 4, 64), torch.float32)
-    with pytest.raises(ConfigError, match=r"--kernel tiled supports fp16, bf16 \(got torch.float32\)") as e:
+    with pytest.raises(ConfigError, match=r"backend='tiled' supports fp16, bf16 \(got torch.float32\)") as e:
         get_backend("tiled").backward(t, t, t, t, None, t, False)
     _one_line(e)
 
@@ -342,7 +343,7 @@ def test_backend_without_backward_refused():
     q, k, v = qkv(1, 2, 1, 4, 8)
     with pytest.raises(ConfigError) as e:
         attention(q.requires_grad_(True), k, v, False, backend=_NoBackward())
-    assert _one_line(e).startswith("--kernel nobackward has no backward pass")
+    assert _one_line(e).startswith("backend='nobackward' has no backward pass")
     with pytest.raises(ConfigError) as e:
         _NoBackward().backward(q, k, v, q, None, q, False)
     assert "has no backward pass" in _one_line(e)

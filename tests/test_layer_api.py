@@ -81,14 +81,17 @@ def test_state_dict_round_trip_and_shard_mismatch():
         other.load_state_dict(state)
 
 
-def test_the_api_refuses_with_the_clis_line():
+def test_the_api_refuses_what_the_cli_refuses_in_its_own_names():
+    """The CLI's rule and line, the API's argument names (the CLI prints cli_message)."""
     mha = _mha()
-    with pytest.raises(ConfigError, match="--output-collective split is for the head-parallel style"):
+    with pytest.raises(ConfigError, match=r"^output_collective='split' is for the head-parallel style; "
+                                          r"sequence_parallel=True always reduce-scatters") as e:
         TensorParallelAttention.from_multihead_attention(mha, sequence_parallel=True, output_collective="split")
-    with pytest.raises(ConfigError, match="--overlap must be at least 1"):
+    assert e.value.cli_message.startswith("--output-collective split is for the head-parallel style")
+    with pytest.raises(ConfigError, match="^overlap must be at least 1"):
         TensorParallelAttention.from_multihead_attention(mha, overlap=0)
     layer = TensorParallelAttention.from_multihead_attention(mha, overlap=8)
-    with pytest.raises(ConfigError, match="--overlap 8 is more chunks than the 5 rows"):
+    with pytest.raises(ConfigError, match=r"^overlap=8 is more chunks than the 5 rows of x \(x.shape\[1\]\); use fewer"):
         layer(torch.randn(1, 5, 16))
 
 
@@ -104,7 +107,7 @@ def test_plan_rule_is_one_and_backend_free():
     p = make_plan(2, 1024, 64, 2, elem=2, part_elem=4, output_collective="p2p")
     assert p.collective == "p2p" and p.peer_elements == 2 * 1024 * 64
     assert make_plan(1, 96, 8, 4, elem=2, part_elem=4, sequence_parallel=True, overlap=2).chunks == ((0, 12), (12, 24))
-    with pytest.raises(ConfigError, match="--output-collective split needs --batch x the rows"):
+    with pytest.raises(ConfigError, match=r"output_collective='split' needs the batch \(x.shape\[0\]\) x the rows"):
         make_plan(1, 1000, 64, 3, elem=2, part_elem=4, overlap=4, output_collective="split")
 
 
@@ -127,18 +130,21 @@ def test_auto_takes_the_oneshot_allreduce_for_small_partials_when_peers_map():
     assert big.collective == "oneshot" and big.peer_elements == 4096 * 4096
     assert not oneshot_candidate(1, 1, 4096, 2, part_elem=4, output_collective="allreduce")
     assert oneshot_candidate(1, 1, 4096, 2, part_elem=4)
-    with pytest.raises(ConfigError, match="--output-collective oneshot sums all rows in one pass"):
+    with pytest.raises(ConfigError, match="output_collective='oneshot' sums all rows in one pass"):
         make_plan(1, 256, 64, 2, elem=2, part_elem=4, output_collective="oneshot", overlap=2)
 
 
-def test_training_never_takes_the_oneshot_allreduce_by_itself():
-    """A call under autograd plans without the peers (its backward is NCCL's), even once they agreed."""
+def test_training_takes_the_plan_inference_takes():
+    """One plan for inference and training (a choice from autograd state could differ between ranks):
+    once the ranks agreed on the one-shot buffers, a call under autograd plans them too (its backward,
+    the identity, is the same for every sum)."""
     layer = TensorParallelAttention.from_multihead_attention(_mha())
-    layer.shard = layer.shard.__class__.of(layer.heads, layer.kv_heads, 2, 0, False)  # as rank 0 of 2 sees it
+    object.__setattr__(layer, "shard", layer.shard.__class__.of(layer.heads, layer.kv_heads, 2, 0, False))  # rank 0 of 2
     assert layer.plan(1, 8).collective == "allreduce"  # fp32 model: nothing for the split to save
-    layer._peers = ((torch.device("cpu"), layer.part_dtype, layer.dtype), True)  # as _ask_peers leaves it
+    layer.peers.said = ((torch.device("cpu"), layer.part_dtype, layer.dtype), True)  # as PeerLinks.ask leaves it
     assert layer.plan(1, 8).collective == "oneshot"
-    assert layer.plan(1, 8, training=True).collective == "allreduce"
+    with pytest.raises(TypeError):
+        layer.plan(1, 8, training=True)  # there is no separate training plan
 
 
 def test_oneshot_mapping_is_all_ranks_or_none(monkeypatch):
@@ -163,21 +169,23 @@ def test_oneshot_mapping_is_all_ranks_or_none(monkeypatch):
             self.closed = True
 
     monkeypatch.setattr(peer, "OneShotBuffers", Buffers)
-    layer = TensorParallelAttention.from_multihead_attention(_mha())
+    links = TensorParallelAttention.from_multihead_attention(_mha()).peers
+    cpu, f32 = torch.device("cpu"), torch.float32
     for rank1 in ("rank 1 cannot map rank 0's buffer (simulated)", None):
-        layer.comm = SimpleNamespace(all_gather_object=lambda obj, r1=rank1: [obj, obj if isinstance(obj, tuple) else r1])
-        got = layer._map_oneshot(64, torch.device("cpu"), required=False)
+        links.comm = SimpleNamespace(rank=0, world=2, all_gather_object=lambda obj, r1=rank1: [
+            obj, obj if isinstance(obj, tuple) else r1])
+        got = links._map_oneshot(64, cpu, f32, f32, required=False)
         if rank1:
-            assert got is None and made[-1].closed and layer._oneshot is None
+            assert got is None and made[-1].closed and links.oneshot is None
             with pytest.raises(ValueError, match=r"output_collective='oneshot': rank 1 cannot map rank 0's buffer "
                                                  r"\(simulated\); use 'auto'"):
-                layer._map_oneshot(64, torch.device("cpu"), required=True)
+                links._map_oneshot(64, cpu, f32, f32, required=True)
         else:
-            assert got is made[-1] and layer._oneshot is got and not got.closed
-    layer._peer_pinned = True
+            assert got is made[-1] and links.oneshot is got and not got.closed
+    links.pinned = True
     with pytest.raises(ValueError, match="a CUDA graph captured by graphed\\(\\) replays the current ones"):
-        layer._map_oneshot(128, torch.device("cpu"), required=True)
-    assert layer._oneshot is made[-1] and not made[-1].closed
+        links._map_oneshot(128, cpu, f32, f32, required=True)
+    assert links.oneshot is made[-1] and not made[-1].closed
 
 
 def test_the_cost_model_prices_the_plan_or_says_it_cannot():
@@ -208,9 +216,10 @@ def test_peer_buffers_under_a_captured_graph_never_move():
     plan = make_plan(1, 64, 16, 2, elem=4, part_elem=4, output_collective="p2p")
     held = SimpleNamespace(capacity=32 * 16, part_dtype=torch.float32, out_dtype=torch.float32,
                            device=torch.device("cpu"))
-    layer._peer, layer._peer_pinned = held, True
+    layer.peers.p2p, layer.peers.pinned = held, True
+    cpu, f32 = torch.device("cpu"), torch.float32
     with pytest.raises(ValueError, match=r"needs peer buffers of 1024 elements but a CUDA graph captured by "
                                          r"graphed\(\) replays the current ones \(512\)"):
-        layer._peer_buffers(plan, torch.device("cpu"))
+        layer.peers.buffers(plan, cpu, f32, f32)
     small = make_plan(1, 32, 16, 2, elem=4, part_elem=4, output_collective="p2p")
-    assert layer._peer_buffers(small, torch.device("cpu")) is held  # what fits keeps the same buffers
+    assert layer.peers.buffers(small, cpu, f32, f32) is held  # what fits keeps the same buffers

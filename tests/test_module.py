@@ -214,3 +214,68 @@ def test_attend_materializes_a_block_of_query_rows_at_a_time(monkeypatch):
     s = s.masked_fill(torch.arange(60)[None, :] > 20 + torch.arange(40)[:, None], float("-inf"))
     want = torch.softmax(s, -1) @ v[:, :1, :60]
     assert (whole[:, :1] - want).abs().max().item() < 1e-5
+
+
+class _Model(torch.nn.Module):
+    """A block a model would hold: a Linear before the layer, a residual after it."""
+
+    def __init__(self, **kw):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(32, 32)
+        self.attn = _layer(32, 4, **kw)
+
+    def forward(self, x):
+        return x + self.attn(self.lin(x))
+
+
+def test_the_traced_graph_has_no_break():
+    """torch._dynamo.explain of a model holding the layer (CPU, reference backend): one graph, no
+    break, in inference and in training (it broke 4 and 6 times: the timing sections' context
+    variable, among others)."""
+    import torch._dynamo as dynamo
+    model = _Model(causal=True, rope_theta=1e4)
+    x = torch.randn(2, 9, 32)
+    with torch.no_grad():
+        inference = dynamo.explain(model)(x)
+    dynamo.reset()
+    training = dynamo.explain(model)(x.clone().requires_grad_())
+    dynamo.reset()
+    for e in (inference, training):
+        assert (e.graph_count, e.graph_break_count) == (1, 0), [str(b.reason)[:200] for b in e.break_reasons]
+
+
+def test_torch_compile_matches_eager_on_cpu():
+    """torch.compile of the model: inductor's inference (no_grad) and aot_eager's training step
+    (the forward and backward graphs autograd traces) give eager's output and gradients."""
+    import torch._dynamo as dynamo
+    model = _Model(causal=True)
+    x = torch.randn(2, 9, 32)
+    with torch.no_grad():
+        want = model(x)
+        got = torch.compile(model)(x)
+    assert (got - want).abs().max().item() < 1e-5
+    dynamo.reset()
+    model(x).square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    torch.compile(model, backend="aot_eager")(x).square().sum().backward()
+    dynamo.reset()
+    for n, p in model.named_parameters():
+        assert (p.grad - grads[n]).abs().max().item() < 1e-5 * max(1.0, grads[n].abs().max().item()), n
+
+
+def test_the_cuda_backends_are_custom_ops_with_fake_shapes():
+    """tpattn::attention and tpattn::attention_backward give their outputs' shapes and dtypes
+    without running a kernel (what torch.compile and torch.export trace with), GQA included."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import tpattn.attention.custom_ops  # noqa: F401 (registers the ops)
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 10, 64, dtype=torch.float16)
+        k = torch.empty(2, 2, 10, 64, dtype=torch.float16)
+        for backend, saved in (("fused", (2, 8, 10)), ("triton", (2, 8, 10)), ("naive", (0,)), ("tiled", (0,))):
+            o, s = torch.ops.tpattn.attention(q, k, k, True, backend, False)
+            assert o.shape == q.shape and o.dtype == q.dtype and tuple(s.shape) == saved and s.dtype == torch.float32
+            dq, dk, dv = torch.ops.tpattn.attention_backward(q, k, k, o, s, o, True, backend, False)
+            assert dq.shape == q.shape and dk.shape == dv.shape == k.shape

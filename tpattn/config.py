@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .commplan import OUTPUT_COLLECTIVES, make_plan  # noqa: F401 (OUTPUT_COLLECTIVES re-exported)
-from .errors import ConfigError, cupy_available, cupy_missing_message  # noqa: F401 (re-exported)
+from .errors import ConfigError, FlagError, cupy_available, cupy_missing_message  # noqa: F401 (re-exported)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 REDUCE_DTYPES = ("fp32", "model")
@@ -82,14 +82,14 @@ def resolve(cfg: Config) -> Config:
     from .attention import backend_names
 
     if cfg.device not in DEVICES:
-        raise ConfigError(f"unknown --device {cfg.device!r}; choose one of {', '.join(DEVICES)}")
+        raise FlagError(f"unknown --device {cfg.device!r}; choose one of {', '.join(DEVICES)}")
     if cfg.kernel is not None and cfg.kernel not in backend_names():
-        raise ConfigError(f"unknown --kernel {cfg.kernel!r}; choose one of {', '.join(backend_names())}")
+        raise FlagError(f"unknown --kernel {cfg.kernel!r}; choose one of {', '.join(backend_names())}")
     if cfg.dtype not in DTYPES:
-        raise ConfigError(f"unknown --dtype {cfg.dtype!r}; choose one of {', '.join(DTYPES)}")
+        raise FlagError(f"unknown --dtype {cfg.dtype!r}; choose one of {', '.join(DTYPES)}")
     has_gpu = torch.cuda.is_available()
     if cfg.device == "cuda" and not has_gpu:
-        raise ConfigError("--device cuda but no CUDA GPU is visible to torch "
+        raise FlagError("--device cuda but no CUDA GPU is visible to torch "
                           f"(torch {torch.__version__}); use --device cpu or auto")
     if cfg.device == "auto":
         if cfg.kernel in (None, "naive"):
@@ -99,7 +99,7 @@ def resolve(cfg: Config) -> Config:
             elif cfg.kernel == "naive" and has_gpu:
                 cfg.device = "cuda"  # validate() names the missing CuPy
             elif cfg.kernel == "naive":
-                raise ConfigError("--kernel naive needs a CUDA GPU and none is visible to torch; "
+                raise FlagError("--kernel naive needs a CUDA GPU and none is visible to torch; "
                                   "use --kernel reference (runs on CPU)")
             else:
                 cfg.device = "cpu"
@@ -136,29 +136,29 @@ def validate(cfg: Config, world: int = 1, local_world: int = 1, gpus_on_node: in
                                ("--batch", cfg.batch, 1), ("--iters", cfg.iters, 1),
                                ("--warmup", cfg.warmup, 0)):
         if value < least:
-            raise ConfigError(f"{name} must be at least {least} (got {value})")
+            raise FlagError(f"{name} must be at least {least} (got {value})")
     if cfg.timeout <= 0:
-        raise ConfigError(f"--timeout must be positive seconds (got {cfg.timeout})")
+        raise FlagError(f"--timeout must be positive seconds (got {cfg.timeout})")
     if cfg.reduce_dtype not in REDUCE_DTYPES:
-        raise ConfigError(f"unknown --reduce-dtype {cfg.reduce_dtype!r}; choose fp32 or model")
+        raise FlagError(f"unknown --reduce-dtype {cfg.reduce_dtype!r}; choose fp32 or model")
     check_parallel_style(cfg, world)
     if cfg.dist_backend not in ("nccl", "gloo"):
-        raise ConfigError(f"unknown --dist-backend {cfg.dist_backend!r}; choose one of {', '.join(DIST_BACKENDS)}")
+        raise FlagError(f"unknown --dist-backend {cfg.dist_backend!r}; choose one of {', '.join(DIST_BACKENDS)}")
     backend = get_backend(cfg.kernel)
     if not 1 <= cfg.head_dim <= backend.max_head_dim:
-        raise ConfigError(f"--head-dim must be between 1 and {backend.max_head_dim} for --kernel {cfg.kernel} "
+        raise FlagError(f"--head-dim must be between 1 and {backend.max_head_dim} for --kernel {cfg.kernel} "
                           f"(got {cfg.head_dim})")
     backend.check_supported(cfg)  # dtype, device, CuPy
     kv_heads = cfg.heads if cfg.kv_heads is None else cfg.kv_heads
     err = check_kv_heads(cfg.heads, kv_heads, world, cfg.uneven_heads)  # query and K/V heads over the ranks
     if err:
-        raise ConfigError(err)
+        raise FlagError(err)
     if cfg.dist_backend == "nccl":
         if cfg.device != "cuda":
-            raise ConfigError("--dist-backend nccl needs --device cuda; use --dist-backend gloo on CPU")
+            raise FlagError("--dist-backend nccl needs --device cuda; use --dist-backend gloo on CPU")
         n = torch.cuda.device_count() if gpus_on_node is None else gpus_on_node
         if world > 1 and local_world > n:
-            raise ConfigError(f"{local_world} ranks on this node but {n} GPU(s): NCCL needs one GPU per rank; "
+            raise FlagError(f"{local_world} ranks on this node but {n} GPU(s): NCCL needs one GPU per rank; "
                               f"launch at most {n} ranks per node, or use --dist-backend gloo to share GPUs")
     if check_json and cfg.json:
         check_writable(cfg.json, "--json")
@@ -175,41 +175,41 @@ def check_parallel_style(cfg: Config, world: int) -> None:
               output_collective=cfg.output_collective, overlap=cfg.overlap)
     if cfg.output_collective == "p2p" and world > 1:
         if cfg.device != "cuda" or cfg.dist_backend != "nccl":
-            raise ConfigError("--output-collective p2p needs one GPU per rank (--device cuda, --dist-backend nccl: "
+            raise FlagError("--output-collective p2p needs one GPU per rank (--device cuda, --dist-backend nccl: "
                               "it maps the other GPUs' memory); use auto, allreduce or split here")
     if cfg.output_collective == "oneshot" and world > 1 and cfg.device != "cuda":
-        raise ConfigError("--output-collective oneshot needs --device cuda (every rank maps the others' GPU memory); "
+        raise FlagError("--output-collective oneshot needs --device cuda (every rank maps the others' GPU memory); "
                           "use auto, allreduce or split here")
     if cfg.decode < 0:
-        raise ConfigError(f"--decode must be at least 1 step (got {cfg.decode}); 0 turns it off")
+        raise FlagError(f"--decode must be at least 1 step (got {cfg.decode}); 0 turns it off")
     if cfg.decode:
         other = next((flag for flag, on in (("--sequence-parallel", cfg.sequence_parallel),
                                            ("--backward", cfg.backward), ("--load", cfg.load)) if on), None)
         if other:
-            raise ConfigError(f"--decode with {other}: the decode path is head-parallel, inference and "
+            raise FlagError(f"--decode with {other}: the decode path is head-parallel, inference and "
                               f"generated inputs for now; drop one of them")
         if not cfg.causal:
-            raise ConfigError("--decode decodes causally: add --causal")
+            raise FlagError("--decode decodes causally: add --causal")
         if cfg.cuda_graph and (cfg.dtype == "fp32" or cfg.head_dim not in (64, 128)):
-            raise ConfigError(f"--decode with --cuda-graph needs the decode kernel (--dtype fp16 or bf16, --head-dim 64 "
+            raise FlagError(f"--decode with --cuda-graph needs the decode kernel (--dtype fp16 or bf16, --head-dim 64 "
                               f"or 128; got {cfg.dtype}, {cfg.head_dim}); drop --cuda-graph")
     if cfg.backward:
         if cfg.cuda_graph:
-            raise ConfigError("--backward with --cuda-graph: the training step is not captured in a graph yet; "
+            raise FlagError("--backward with --cuda-graph: the training step is not captured in a graph yet; "
                               "drop one of them")
     if cfg.cuda_graph:
         if cfg.device != "cuda":
-            raise ConfigError("--cuda-graph needs --device cuda; drop it on CPU")
+            raise FlagError("--cuda-graph needs --device cuda; drop it on CPU")
         if world > 1 and cfg.dist_backend != "nccl":
-            raise ConfigError("--cuda-graph needs --dist-backend nccl (gloo collectives cannot be captured); "
+            raise FlagError("--cuda-graph needs --dist-backend nccl (gloo collectives cannot be captured); "
                               "drop --cuda-graph or use one GPU per rank with nccl")
 
 
 def check_writable(path: str, flag: str) -> None:
     parent = os.path.dirname(os.path.abspath(path)) or "."
     if os.path.isdir(path):
-        raise ConfigError(f"{flag} {path} is a directory; give a file path")
+        raise FlagError(f"{flag} {path} is a directory; give a file path")
     if not os.path.isdir(parent):
-        raise ConfigError(f"{flag} {path}: directory {parent} does not exist; create it or choose another path")
+        raise FlagError(f"{flag} {path}: directory {parent} does not exist; create it or choose another path")
     if not os.access(parent, os.W_OK):
-        raise ConfigError(f"{flag} {path}: directory {parent} is not writable; choose another path")
+        raise FlagError(f"{flag} {path}: directory {parent} is not writable; choose another path")

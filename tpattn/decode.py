@@ -270,8 +270,8 @@ def forward_cached(layer, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """x [B, T, D] on every rank: QKV of its T rows, rotary positions from the cache's length, K and
     V appended, attention of the T queries over the whole cache (causal), the output projection and
     the plan's collective of B x T x D values. A prefill over rows already in the cache runs the
-    fused kernel with the causal diagonal shifted by their number where it can (prefix_attention),
-    else attend's blocks of query rows: never T x L scores at once."""
+    fused kernel with the causal diagonal shifted by their number where it can
+    (fused_prefix_buffers), else attend's blocks of query rows: never T x L scores at once."""
     from .outputsum import OutputSum
     from .timing import section
     if layer.sequence_parallel and layer.world > 1:
@@ -293,7 +293,7 @@ def forward_cached(layer, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
         with section("cache_append"):  # rotary positions, q out, k and v in: one kernel on a GPU
             q = append_row(qkv.view(B, h + 2 * g, d), cache, h, layer.rope_interleaved)
         with section("attention"):  # the split-K decode kernel on a GPU; else attend's math
-            o = decode_attention(q, cache.k, cache.v, L0 + 1, pos=cache.pos, tickets=cache.tickets)
+            o = decode_attention(q, cache.k, cache.v, L0 + 1, pos=cache.pos, tickets=cache.tickets).permute(0, 2, 1, 3)
     else:
         q, k, v = (t.permute(0, 2, 1, 3) for t in qkv.view(B, T, h + 2 * g, d).split([h, g, g], dim=2))
         q, k = layer._rope(q, k, L0, cache)
@@ -301,39 +301,44 @@ def forward_cached(layer, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
             cache.k[:, :, L0:L0 + T] = k
             cache.v[:, :, L0:L0 + T] = v
         if L0 == 0:  # a prefill into an empty cache: the backend's causal attention over its rows
-            o = torch.empty(B, T, h, d, dtype=layer.dtype, device=x.device).permute(0, 2, 1, 3)
-            layer._attention(*((t if layer.backend.strided else t.contiguous()) for t in (q, k, v)), o)
+            o = torch.empty(B, T, h, d, dtype=layer.dtype, device=x.device)
+            layer._attention(*((t if layer.backend.strided else t.contiguous()) for t in (q, k, v)),
+                             o.permute(0, 2, 1, 3))
+        elif layer.backend.name == "fused" and fused_prefix_fits(q):  # over the rows already in the cache
+            with section("attention"):
+                qv, ov, o, r0 = fused_prefix_buffers(q, L0, layer.backend.row_chunks)
+                del qkv, q, k, v  # K and V are in the cache, q in qv: the projection's rows can go
+                layer.backend.forward(qv, cache.k[:, :, :L0 + T], cache.v[:, :, :L0 + T], True, out=ov,
+                                      rows=(r0, L0 + T))
         else:
             with section("attention"):
-                o = prefix_attention(layer.backend, q, cache.k, cache.v, L0)
+                o = attend(q, cache.k[:, :, :L0 + T], cache.v[:, :, :L0 + T], L0).permute(0, 2, 1, 3)
     cache.pos.add_(T)
     cache.length = L0 + T
     total = OutputSum(layer, plan, x.device)
-    total.add_rows(0, T, o.permute(0, 2, 1, 3).reshape(B * T, h * d))
+    total.add_rows(0, T, o.reshape(B * T, h * d))  # o [B, T, h, d]: the output GEMM's rows
     return total.result()
 
 
-def prefix_attention(backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, L0: int) -> torch.Tensor:
-    """The T query rows q [B, h, T, d] at positions L0..L0+T-1 over the cache's first L0 + T positions
-    (k, v [B, g, max_len, d]), causal. The fused kernel where it takes them: it computes query rows
-    [r0, N) of a sequence of N = L0 + T keys (r0 = L0 rounded down to its row tile), reading q and
-    writing o through a view of N rows whose first r0 rows no head owns (each head's block holds only
-    its own L0 - r0 + T rows, after a pad of r0 rows that the view starts in and the kernel never
-    reads): memory O(T x d), no scores. Else attend(), a block of query rows at a time."""
+def fused_prefix_buffers(q: torch.Tensor, L0: int, align: int):
+    """For the fused kernel's prefill over the L0 rows already in a cache: it computes query rows
+    [r0, N) of a sequence of N = L0 + T keys (r0: L0 rounded down to its row tile, `align`), causal
+    by position, reading q and writing o through views of N rows [B, h, N, d] in which each batch
+    row holds only its own rows [r0, N), laid out [rows, h, d], after a pad of r0 rows that the
+    views start in and the kernel never touches (rows below r0 are no batch row's). Memory O(T h d),
+    no scores. Returns (q's view with q copied into rows [L0, N), o's view, the rows [L0, N) of o as
+    [B, T, h, d], r0)."""
     B, h, T, d = q.shape
     N = L0 + T
-    if backend.name == "fused" and fused_prefix_fits(q):
-        a = backend.row_chunks
-        r0 = L0 // a * a
-        rows = N - r0  # each head's block: rows [r0, N) of the sequence
-        buf = torch.zeros(r0 * d + B * h * rows * d, dtype=q.dtype, device=q.device)
-        out = torch.empty_like(buf)
-        strides = (h * rows * d, rows * d, d, 1)
-        qv, ov = (t.as_strided((B, h, N, d), strides) for t in (buf, out))
-        qv[:, :, L0:].copy_(q)
-        backend.forward(qv, k[:, :, :N], v[:, :, :N], True, out=ov, rows=(r0, N))
-        return ov[:, :, L0:]
-    return attend(q, k[:, :, :N], v[:, :, :N], L0)
+    r0 = L0 // align * align
+    rows = N - r0
+    strides = (rows * h * d, d, h * d, 1)  # (batch, head, row, column): rows [r0, N) of batch b at b*rows*h*d
+    pad = r0 * h * d
+    qbuf = torch.zeros(pad + B * rows * h * d, dtype=q.dtype, device=q.device)  # rows [r0, L0) zero
+    obuf = torch.empty_like(qbuf)
+    qv, ov = (t.as_strided((B, h, N, d), strides) for t in (qbuf, obuf))
+    qv[:, :, L0:].copy_(q)
+    return qv, ov, obuf.as_strided((B, T, h, d), (rows * h * d, h * d, d, 1), L0 * h * d), r0
 
 
 def fused_prefix_fits(q: torch.Tensor) -> bool:

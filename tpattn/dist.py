@@ -101,7 +101,7 @@ def _c_exit(code: int) -> None:
     try:
         import ctypes
         libc_exit = ctypes.CDLL(None).exit  # the process's own C library (glibc, musl, macOS)
-    except (ImportError, OSError, AttributeError):
+    except (ImportError, OSError, AttributeError, TypeError):  # TypeError: Windows has no CDLL(None)
         return
     libc_exit.argtypes, libc_exit.restype = [ctypes.c_int], None
     libc_exit(code)  # releases the GIL: a thread finishing a release in Python still can

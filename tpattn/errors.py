@@ -20,8 +20,18 @@ class ConfigError(ValueError):
         self.cli_message = message
 
 
+class FlagError(ConfigError):
+    """A bad input of the CLI's own (its config, --load, a kernel's check of the config): said in its
+    flags only, str() too."""
+
+    def __init__(self, message: str):
+        ValueError.__init__(self, message)
+        self.cli_message = message
+
+
 # The one table of names: each CLI flag (with its value, when it has one) as the Python API says it.
 _SPELLINGS = (
+    (r"the (\d+) rows of --seq-len", r"the \1 rows of x (x.shape[1])"),
     (r"--kernel (\w+)", r"backend='\1'"), (r"--kernel\b", "backend"),
     (r"--overlap (\d+)", r"overlap=\1"), (r"--overlap\b", "overlap"),
     (r"--output-collective (\w+)", r"output_collective='\1'"), (r"--output-collective\b", "output_collective"),

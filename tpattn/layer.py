@@ -33,31 +33,25 @@ built: assigning a setting raises, replace(**changes) builds another layer with 
 
 from __future__ import annotations
 
-import copy
-
 import torch
-import torch.distributed as dist
 
 from . import convert, decode, faults
 from .attention import Backend, get_backend, head_chunks
 from .comm import Comm, copy_to_ranks, sum_of_copies
-from .commplan import CommPlan, check_style, make_plan, oneshot_candidate
+from .commplan import CommPlan, check_style
 from .errors import ConfigError, spell
+from .module import STYLE, WORLD, LayerModule, resolve_group  # noqa: F401 (STYLE, re-exported)
 from .ops import mm
 from .outputsum import head_parallel_out, sequence_parallel_out, sequence_parallel_qkv
 from .peer import PeerLinks
+from .planning import LayerPlan
 from .sharding import Shard
 from .timing import section
 
-WORLD = "world"  # group=WORLD: the default process group if one is initialized, else none
 REDUCE_DTYPES = ("fp32", "model")
-# what replace() may change: the rest (heads, K/V heads, the shard) is the weights' layout
-STYLE = ("backend", "causal", "reduce_dtype", "head_chunk", "sequence_parallel", "overlap", "output_collective",
-         "rope_theta", "rope_interleaved")
-FIXED = frozenset(STYLE + ("heads", "head_dim", "shard", "group", "comm", "peers"))
 
 
-class TensorParallelAttention(torch.nn.Module):
+class TensorParallelAttention(LayerPlan, LayerModule):
     """Multi-head attention whose heads are split over the ranks of `group`.
 
     Parameters (this rank's slices, "x @ W" layout): wqkv [D, (h + 2g)*d], the Q, K and V columns of
@@ -136,26 +130,6 @@ class TensorParallelAttention(torch.nn.Module):
         self._plans: dict[tuple, CommPlan] = {}
         self._built = True
 
-    def __setattr__(self, name, value):
-        if name in FIXED and self.__dict__.get("_built"):
-            hint = f"layer.replace({name}=...) returns one with the same weights" if name in STYLE else \
-                "build it from the weights again (full_weights(), from_full())"
-            raise AttributeError(f"layer.{name} is fixed when the layer is built (its plans, buffers and caches "
-                                 f"depend on it); build a new layer: {hint}")
-        super().__setattr__(name, value)
-
-    def replace(self, **changes) -> "TensorParallelAttention":
-        """A new layer with this one's weights (copies, on this rank) and these settings changed
-        (any of STYLE); the same group and shard."""
-        bad = sorted(set(changes) - set(STYLE))
-        if bad:
-            raise ValueError(f"replace() changes the settings {', '.join(STYLE)}; not {', '.join(bad)} (the "
-                             "shard is the weights' layout: build from full_weights() instead)")
-        kw = {n: getattr(self, n) for n in STYLE} | changes
-        w = {n: (None if t is None else t.detach().clone()) for n, t in convert.local_slices(self).items()}
-        return type(self)(**w, heads=self.heads, head_dim=self.head_dim, group=self.group, kv_heads=self.kv_heads,
-                          uneven_heads=self.uneven_heads, **kw)
-
     # ---- the shard: what this rank holds ---------------------------------------------------------
 
     rank = property(lambda self: self.shard.rank)
@@ -173,137 +147,6 @@ class TensorParallelAttention(torch.nn.Module):
     wq = property(lambda self: convert.local_slices(self)["wq"])
     wk = property(lambda self: convert.local_slices(self)["wk"])
     wv = property(lambda self: convert.local_slices(self)["wv"])
-
-    def get_extra_state(self) -> dict:
-        s = self.shard
-        return {"rank": s.rank, "world": s.world, "heads": s.heads, "kv_heads": s.kv_heads, "uneven": s.uneven,
-                "head_dim": self.head_dim}
-
-    def set_extra_state(self, state: dict) -> None:
-        """Refuses another shard's checkpoint. The uneven flag alone is not the shard: a checkpoint of
-        the same heads on the same rank loads whatever flag built it."""
-        mine = self.get_extra_state()
-        try:
-            same = Shard.of(state["heads"], state["kv_heads"], state["world"], state["rank"], state["uneven"])
-            ok = state["head_dim"] == self.head_dim and (same.rank, same.world, same.head_range,
-                                                         same.kv_head_range) == \
-                (self.rank, self.world, self.head_range, self.shard.kv_head_range)
-        except (KeyError, TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise ValueError(f"this checkpoint holds {_describe(state)} but this layer is {_describe(mine)}: load "
-                             "each rank's own checkpoint into a layer built with the same world size and heads")
-
-    # ---- construction from full weights, and back (tpattn/convert.py) ----------------------------
-
-    from_full = classmethod(convert.from_full)
-    from_linears = classmethod(convert.from_linears)
-    from_multihead_attention = classmethod(convert.from_multihead_attention)
-    from_hf_llama = classmethod(convert.from_hf_llama)
-
-    def full_weights(self) -> dict[str, torch.Tensor | None]:
-        """The whole weights in from_full()'s layout (wq, wk, wv, wo, bq, bk, bv, bo; None for a bias
-        the layer has not), gathered on every rank (a collective: call it on every rank):
-        from_full(**layer.full_weights(), heads=...) rebuilds the layer, on any world size."""
-        return convert.assemble(self, "data")
-
-    def full_grads(self) -> dict[str, torch.Tensor | None]:
-        """The whole gradients in from_full()'s layout, fp32 (fp64 for an fp64 layer), assembled on
-        every rank (a collective). K/V heads held by several ranks carry the sum of their copies'."""
-        return convert.assemble(self, "grad")
-
-    # ---- modules' life: copies and pickles -------------------------------------------------------
-
-    def __deepcopy__(self, memo):
-        """A copy on the same process group (its own peer buffers, made when it first needs them)."""
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        for keep in (self.group, self.backend):
-            if keep is not None:
-                memo[id(keep)] = keep
-        memo[id(self.comm)] = Comm(self.group, self.rank, self.world)
-        memo[id(self.peers)] = PeerLinks(memo[id(self.comm)], self.output_collective)
-        for k, v in self.__dict__.items():
-            object.__setattr__(new, k, copy.deepcopy(v, memo))
-        return new
-
-    def __getstate__(self):
-        """Pickled without the process group (nor the peer buffers, the backend's kernels or the
-        plans): unpickling binds to the group of the process that loads it (__setstate__)."""
-        state = {k: v for k, v in self.__dict__.items() if k not in ("group", "comm", "peers", "_plans", "backend")}
-        state["backend"] = self.backend.name
-        return state
-
-    def __setstate__(self, state):
-        shard = state["shard"]
-        group, rank, world = resolve_group(WORLD)
-        if (rank, world) != (shard.rank, shard.world):
-            raise ValueError(f"this layer was pickled as rank {shard.rank} of {shard.world} but this process is rank "
-                             f"{rank} of {world}; save and load each rank's state_dict() instead")
-        state = dict(state, group=group, backend=get_backend(state["backend"]), _plans={})
-        state["comm"] = Comm(group, rank, world)
-        state["peers"] = PeerLinks(state["comm"], state["output_collective"])
-        self.__dict__.update(state)
-
-    # ---- the plan: what a call communicates, decided before it does -------------------------
-
-    def plan(self, batch: int, seq_len: int, decode: bool = False) -> CommPlan:
-        """The communication plan for a call of `batch` x `seq_len` rows (seq_len: the whole sequence,
-        also in sequence parallel; decode: rows appended to a KV cache, head-parallel and in one
-        chunk). The same on every rank and for inference and training alike: it depends on the shape,
-        the settings (fixed) and what the ranks agreed about mapping each other's memory
-        (PeerLinks.ask, before the first call that could use it). Raises ConfigError for a shape it
-        cannot run."""
-        peers = self.peers.agreed(self.part_dtype, self.dtype)
-        key = (batch, seq_len, self.dtype, decode, peers)
-        p = self._plans.get(key)
-        if p is None:
-            p = make_plan(batch, seq_len, self.model_dim, self.world, peers=peers, **self._plan_kw(decode))
-            self._plans[key] = p
-        return p
-
-    def _plan_kw(self, decode: bool) -> dict:
-        return dict(elem=self.dtype.itemsize, part_elem=self.part_dtype.itemsize,
-                    output_collective=self.output_collective, sequence_parallel=self.sequence_parallel and not decode,
-                    overlap=1 if decode else self.overlap)
-
-    def _ask_peers(self, batch: int, seq_len: int, device: torch.device, decode: bool) -> None:
-        kw = self._plan_kw(decode)
-        del kw["elem"]
-        self.peers.ask(oneshot_candidate(batch, seq_len, self.model_dim, self.world, **kw), device,
-                       self.part_dtype, self.dtype)
-
-    def partial_nbytes(self, batch: int, seq_len: int) -> int:
-        """Bytes of the partial output that the all-reduce (or reduce-scatter) sums: [B, N, D]."""
-        return self.plan(batch, seq_len).partial_bytes
-
-    def collective_nbytes(self, batch: int, seq_len: int) -> dict[str, int]:
-        """Bytes of each collective one call runs (the whole tensor, nccl-tests' "size"); one rank:
-        the all-reduce a wider world would run (the report shows its bytes, with no bandwidth)."""
-        p = self.plan(batch, seq_len)
-        return p.nbytes if p.collective != "none" else {"allreduce": p.partial_bytes}
-
-    def train_nbytes(self, batch: int, seq_len: int) -> dict[str, int]:
-        """Bytes of each collective a training step runs (forward and backward; the whole tensor):
-        the forward's (the plan's), the duals in the backward (dX; sequence parallel: dy gathered,
-        dX scattered) and, where several ranks hold a K/V head, the all-reduce of its copies'
-        gradients (sum_of_copies: one for the K/V weight columns, one for their biases)."""
-        p = self.plan(batch, seq_len)
-        if p.collective == "none":
-            return {}
-        dx = p.batch * p.seq_len * p.model_dim * self.dtype.itemsize  # dX, in the input's dtype
-        out = dict(p.nbytes)
-        if p.collective == "sequence":
-            out |= {"bwd_allgather": p.x_bytes, "bwd_reducescatter": dx}
-        else:
-            out["bwd_allreduce"] = dx
-        if self.world > self.kv_heads:
-            acc = torch.promote_types(self.dtype, torch.float32).itemsize
-            kv = 2 * self.local_kv_heads * self.head_dim
-            out["bwd_copies"] = self.kv_heads * self.model_dim * kv * acc
-            if self.bqkv is not None or "bk" in self.biases or "bv" in self.biases:
-                out["bwd_copies_bias"] = self.kv_heads * kv * acc
-        return out
 
     def shard_sequence(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's block of N/W rows of a full [B, N, D] tensor (sequence parallel's input).
@@ -387,7 +230,8 @@ class TensorParallelAttention(torch.nn.Module):
         o_rows = torch.empty(B, N, h, d, dtype=self.dtype, device=x.device)   # the output GEMM's rows
         o = o_rows.permute(0, 2, 1, 3)                                      # seen as [B, h, N, d]
         align = self.backend.row_chunks
-        by_rows = len(plan.chunks) > 1 and align is not None and all(r0 % align == 0 for r0, _ in plan.chunks)
+        by_rows = len(plan.chunks) > 1 and align is not None and all(r0 % align == 0 for r0, _ in plan.chunks) \
+            and not torch.compiler.is_compiling()
         if not by_rows:
             self._attention(q, k, v, o)
         return head_parallel_out(self, plan, o_rows.view(B, N, h * d),
@@ -454,7 +298,9 @@ class TensorParallelAttention(torch.nn.Module):
         backend that needs contiguous memory writes a contiguous copy that is then relaid into it."""
         kw = {} if rows is None else {"rows": rows}
         for qs, ks, vs, os_ in self._head_chunks(q, k, v, o):
-            if self.backend.strided:
+            if torch.compiler.is_compiling() and self.backend.name != "reference":  # one op in the traced graph
+                os_.copy_(self.backend.attention(qs, ks, vs, self.causal))
+            elif self.backend.strided:
                 self.backend.forward(qs, ks, vs, self.causal, out=os_, **kw)
             else:
                 os_.copy_(self.backend.forward(qs.contiguous(), ks.contiguous(), vs.contiguous(), self.causal, **kw))
@@ -499,21 +345,3 @@ class TensorParallelAttention(torch.nn.Module):
         that replays it on the same input buffer (copy new inputs into x in place). With a cache: one
         decode step per replay (tpattn.decode.graphed has the details)."""
         return decode.graphed(self, x, cache)
-
-
-def _describe(state: dict) -> str:
-    return (f"rank {state.get('rank')} of {state.get('world')} ({state.get('heads')} heads, "
-            f"{state.get('kv_heads')} K/V heads, head dim {state.get('head_dim')}, uneven {state.get('uneven')})")
-
-
-def resolve_group(group):
-    """(group, rank, world): WORLD means the default group if torch.distributed is initialized."""
-    if group == WORLD:
-        group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-    if group is None:
-        return None, 0, 1
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError("this process is not a member of the group the layer was given; build the layer on "
-                         "the ranks of that group only (or pass group=None for one process)")
-    return group, rank, dist.get_world_size(group)

@@ -87,7 +87,10 @@ def recording(timer: "Timer | None"):
 
 
 def section(name: str):
-    """The current timer's section(name), or nothing when no timer is recording."""
+    """The current timer's section(name), or nothing when no timer is recording (nor inside a graph
+    that torch.compile traces: its passes are not the eager ones)."""
+    if torch.compiler.is_compiling():
+        return nullcontext()
     timer = _current.get() or _shared[0]
     return nullcontext() if timer is None else timer.section(name)
 

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .errors import ConfigError
+from .errors import FlagError
 from .sharding import head_columns
 
 
@@ -65,10 +65,10 @@ def load_inputs(path: str, heads: int, head_dim: int, batch: int, seq_len: int, 
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same one-line answer
-        raise ConfigError(f"--load {path}: cannot read it ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); "
+        raise FlagError(f"--load {path}: cannot read it ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); "
                           "give a file written by torch.save({'wq': ..., ...})") from None
     if not isinstance(obj, dict):
-        raise ConfigError(f"--load {path}: expected a dict of tensors, found {type(obj).__name__}")
+        raise FlagError(f"--load {path}: expected a dict of tensors, found {type(obj).__name__}")
     D = heads * head_dim
     G = heads if kv_heads is None else kv_heads
     kv = G * head_dim
@@ -76,7 +76,7 @@ def load_inputs(path: str, heads: int, head_dim: int, batch: int, seq_len: int, 
               "bo": (D,), "x": (batch, seq_len, D)}
     missing = [k for k in ("wq", "wk", "wv", "wo") if k not in obj]
     if missing:
-        raise ConfigError(f"--load {path}: missing {', '.join(missing)}; it needs wq, wk, wv, wo "
+        raise FlagError(f"--load {path}: missing {', '.join(missing)}; it needs wq, wk, wv, wo "
                           "(optional bq, bk, bv, bo, x)")
     out = {}
     for k in LOAD_KEYS:
@@ -86,15 +86,15 @@ def load_inputs(path: str, heads: int, head_dim: int, batch: int, seq_len: int, 
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != shapes[k]:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             kvh = f" --kv-heads {G}" if G != heads else ""
-            raise ConfigError(f"--load {path}: {k} has shape {got}, expected {shapes[k]} for --heads {heads}{kvh} "
+            raise FlagError(f"--load {path}: {k} has shape {got}, expected {shapes[k]} for --heads {heads}{kvh} "
                               f"--head-dim {head_dim} --batch {batch} --seq-len {seq_len}")
         bad = (~torch.isfinite(t.float())).sum().item()
         if bad:
-            raise ConfigError(f"--load {path}: {k} has {bad} NaN/Inf value(s); fix the input before running")
+            raise FlagError(f"--load {path}: {k} has {bad} NaN/Inf value(s); fix the input before running")
         cast = t.to(dtype)
         bad = (~torch.isfinite(cast)).sum().item()
         if bad:
-            raise ConfigError(f"--load {path}: {k} has {bad} value(s) beyond the range of {dtype}; "
+            raise FlagError(f"--load {path}: {k} has {bad} value(s) beyond the range of {dtype}; "
                               "scale them or use --dtype fp32 or bf16")
         out[k] = cast
     return out

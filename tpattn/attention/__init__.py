@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import importlib
 
-from ..errors import ConfigError, cupy_available, cupy_missing_message
+import torch
+
+from ..errors import ConfigError, FlagError, cupy_available, cupy_missing_message
 from .autograd import _Attention
 
 _BACKENDS = {
@@ -32,13 +34,14 @@ class Backend:
     row_chunks = None           # a backend that computes a chunk of query rows (forward(rows=(r0, r1)))
                                 # sets the multiple r0 must be; the layer then overlaps per chunk
     strided = False             # True: q, k, v and out= may be strided [B, h, N, d] views (rows contiguous)
+    saves_lse = False           # forward_for_backward's `saved` is the rows' logsumexp, fp32 [B, h, N]
 
     def check_supported(self, cfg) -> None:
         if cfg.device not in self.devices:
             hint = "use --kernel reference on CPU" if cfg.device == "cpu" else "choose another --kernel"
-            raise ConfigError(f"--kernel {self.name} does not run on {cfg.device}; {hint}")
+            raise FlagError(f"--kernel {self.name} does not run on {cfg.device}; {hint}")
         if cfg.dtype not in self.dtypes:
-            raise ConfigError(f"--kernel {self.name} does not support --dtype {cfg.dtype}; "
+            raise FlagError(f"--kernel {self.name} does not support --dtype {cfg.dtype}; "
                               f"use one of {', '.join(self.dtypes)}")
 
     def forward(self, q, k, v, causal: bool):
@@ -47,7 +50,11 @@ class Backend:
     # ---- the backward (tpattn/attention/autograd.py has the math and the interface) ----
 
     def attention(self, q, k, v, causal: bool, deterministic: bool = False):
-        """o, differentiable: its backward is this backend's backward()."""
+        """o, differentiable: its backward is this backend's backward(). Inside a graph that
+        torch.compile or torch.export traces: the same through the custom op tpattn::attention."""
+        if torch.compiler.is_compiling():
+            from .custom_ops import attention
+            return attention(q, k, v, causal, self.name, deterministic)
         return _Attention.apply(q, k, v, self, causal, deterministic)
 
     def forward_for_backward(self, q, k, v, causal: bool):
@@ -74,9 +81,9 @@ class CudaBackend(Backend):
         super().check_supported(cfg)
         err = self.head_dim_error(cfg.head_dim)
         if err:
-            raise ConfigError(err)
+            raise FlagError(err)
         if not cupy_available():
-            raise ConfigError(cupy_missing_message(self.name))
+            raise FlagError(cupy_missing_message(self.name))
 
     def kernel_suffix(self, q) -> str:
         """Check q is a CUDA tensor of a supported dtype and head dim; the kernels' name suffix."""

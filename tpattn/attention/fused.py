@@ -156,6 +156,7 @@ class FusedBackend(CudaBackend):
     dtypes = ("fp16", "bf16")
     materializes_scores = False  # S and P live in registers only
     row_chunks = 128             # forward(rows=(r0, r1)) computes only those query rows: r0 a multiple of this
+    saves_lse = True             # forward_for_backward saves the logsumexp
     strided = True               # q, k and v (k and v sharing strides) and o may be strided views:
                                  # batch, head and row strides, rows contiguous
 

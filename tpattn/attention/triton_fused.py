@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, FlagError
 from ..timing import section
 from . import Backend, kv_group
 
@@ -126,6 +126,7 @@ class TritonBackend(Backend):
     dtypes = ("fp16", "bf16")
     devices = ("cuda",)
     materializes_scores = False  # S and P live in registers only
+    saves_lse = True             # forward_for_backward saves the logsumexp
     strided = True               # q, k, v, o (and the backward's do) may be strided [B, h, N, d] views, rows
                                  # contiguous: their strides go to the kernels
 
@@ -133,12 +134,12 @@ class TritonBackend(Backend):
         if not (interpreting() and cfg.device == "cpu"):  # the interpreter runs on CPU tensors
             super().check_supported(cfg)
         elif cfg.dtype not in self.dtypes:
-            raise ConfigError(f"--kernel {self.name} does not support --dtype {cfg.dtype}; "
+            raise FlagError(f"--kernel {self.name} does not support --dtype {cfg.dtype}; "
                               f"use one of {', '.join(self.dtypes)}")
         if cfg.head_dim not in HEAD_DIMS:
-            raise ConfigError(unsupported_head_dim(cfg.head_dim))
+            raise FlagError(unsupported_head_dim(cfg.head_dim))
         if not triton_available():
-            raise ConfigError(triton_missing_message())
+            raise FlagError(triton_missing_message())
 
     def _check(self, *ts) -> int:
         """Check the tensors (one dtype and device, CUDA unless interpreting, fp16/bf16, head dim 64
