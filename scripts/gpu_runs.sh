@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU, in one go, for a borrowed GPU machine:
+# Every GPU run of the project, step by step (one GPU; the 2-GPU steps need two on one node):
 #   tests   pytest -m gpu (naive, tiled and fused kernels; the CLI over NCCL and gloo)
 #   bench   scripts/bench_kernels.py, non-causal and causal (every rung beside torch and SDPA;
 #           the portable mma.sync fused2 and, on compute capability 9.0, tiled[mma] beside the
@@ -51,7 +51,7 @@
 #           the first call (compile + autotune) with an empty Triton cache
 #   gputests  the whole pytest -m gpu
 # Logs and JSON go to $OUT (default results/); COMMIT=<hash> records the commit where the copy's .git differs.
-# Usage: bash scripts/gpu_session.sh [STEP]... (default all)
+# Usage: bash scripts/gpu_runs.sh [STEP]... (default all)
 set -u -o pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"

@@ -30,7 +30,7 @@ model stays fp32. fp16 adds a dynamic loss scale (all ranks agree on skipping a 
 overflowed).
 
 Writes PREFIX.json (--out, rank 0): per-step loss and accuracy, config, world size, versions, date,
-git commit, timings. --plot PNG draws the curve. --compare A.json B.json ... (no training) prints the
+git commit, timings. --plot PNG draws the curve (matplotlib: pip install -e '.[plot]'). --compare A.json B.json ... (no training) prints the
 step-by-step difference of runs' loss curves (e.g. world sizes 1, 2, 3 of one seed) and exits 1
 when the max abs difference exceeds --tol.
 
@@ -69,6 +69,16 @@ class Parser(argparse.ArgumentParser):
         raise Refusal(f"{message} (see --help)")
 
 
+def need_matplotlib() -> None:
+    """--plot draws with matplotlib (the plot extra): without it, one line and exit 2 before any work,
+    instead of a traceback after it (scripts/scaling.py names the extra the same way)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        why = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise Refusal(f"--plot needs matplotlib ({why}): pip install -e '.[plot]', or leave out --plot") from None
+
+
 def parse_args(argv=None):
     p = Parser(description=__doc__.split("\n\n")[0] + " See docs/training.md.",
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -103,12 +113,15 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=120, help="seconds for the rendezvous and each collective")
     p.add_argument("--log-every", type=int, default=10, help="print the loss every N steps (rank 0)")
     p.add_argument("--out", metavar="PREFIX", help="write PREFIX.json (rank 0)")
-    p.add_argument("--plot", metavar="PNG", help="draw the loss curve(s) (with --compare: all runs together)")
+    p.add_argument("--plot", metavar="PNG", help="draw the loss curve(s) (with --compare: all runs together); "
+                   "needs matplotlib, the plot extra: pip install -e '.[plot]'")
     p.add_argument("--compare", nargs="+", metavar="JSON",
                    help="no training: compare the loss curves of these runs step by step")
     p.add_argument("--tol", type=float, default=DEFAULT_TOL,
                    help="--compare: largest allowed abs difference of the losses at any step")
     args = p.parse_args(argv)
+    if args.plot:
+        need_matplotlib()
     if args.compare is not None:
         if len(args.compare) < 2:
             p.error("--compare needs at least two JSON files")

@@ -102,11 +102,13 @@ def test_baseline_check_allows_an_epsilon_per_element_and_nothing_more():
     assert not compare(y, ref, 1e-2, ulp_of=torch.float16)["pass"]
 
 
-@pytest.mark.parametrize("kw,says", [({"overlap": 2}, "p2p sums all rows in one pass and does not overlap"),
-                                     ({"sequence_parallel": True}, "p2p is for the head-parallel style")])
+@pytest.mark.parametrize("kw,says", [
+    ({"overlap": 2}, "output_collective='p2p' sums all rows in one pass and does not overlap"),
+    ({"sequence_parallel": True}, "output_collective='p2p' is for the head-parallel style")])
 def test_peer_output_collective_refuses_what_it_cannot_do(kw, says):
     """output_collective='p2p' through the API: overlap and sequence parallelism refused at
-    construction, with the CLI's own line (the CLI refuses the same before any rank starts)."""
+    construction, with the CLI's rule in the API's names (the CLI refuses the same before any rank
+    starts, in its flags)."""
     w = head_weights(range(2), 2, 8, seed=1, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match=says):
         TensorParallelAttention(**w, heads=2, head_dim=8, group=None, output_collective="p2p", **kw)

@@ -49,6 +49,22 @@ class CollectiveError(RuntimeError):
     pass
 
 
+WORLD = "world"  # group=WORLD: the default process group if one is initialized, else none
+
+
+def resolve_group(group):
+    """(group, rank, world): WORLD means the default group if torch.distributed is initialized."""
+    if group == WORLD:
+        group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    if group is None:
+        return None, 0, 1
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of the group the layer was given; build the layer on "
+                         "the ranks of that group only (or pass group=None for one process)")
+    return group, rank, dist.get_world_size(group)
+
+
 # ---- the collectives, as pairs -------------------------------------------------------------------
 
 class Comm:

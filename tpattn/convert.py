@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .comm import resolve_group
 from .sharding import Shard
 from .weights import slice_heads
 
@@ -18,7 +19,6 @@ def from_full(cls, wq, wk, wv, wo, bq=None, bk=None, bv=None, bo=None, *, heads:
     for G K/V heads (G = H unless grouped-query), wo: [H*d, D]). Keyword arguments go to the
     constructor (uneven_heads=True: a world size that does not divide the heads). A bias given as
     None is not a parameter of the layer (nothing trains it)."""
-    from .module import resolve_group
     _, rank, world = resolve_group(group)
     head_dim = wq.shape[1] // heads
     if wq.shape[1] != heads * head_dim or wk.shape != wv.shape or wk.shape[1] % head_dim or not wk.shape[1]:

@@ -39,7 +39,7 @@ from . import convert, decode, faults
 from .attention import Backend, get_backend, head_chunks
 from .comm import Comm, copy_to_ranks, sum_of_copies
 from .commplan import CommPlan, check_style
-from .errors import ConfigError, spell
+from .errors import ConfigError
 from .module import STYLE, WORLD, LayerModule, resolve_group  # noqa: F401 (STYLE, re-exported)
 from .ops import mm
 from .outputsum import head_parallel_out, sequence_parallel_out, sequence_parallel_qkv
@@ -84,10 +84,7 @@ class TensorParallelAttention(LayerPlan, LayerModule):
                  uneven_heads: bool = False, rope_theta: float | None = None, rope_interleaved: bool = False):
         super().__init__()
         self.group, rank, world = resolve_group(group)
-        try:
-            self.shard = Shard.of(heads, heads if kv_heads is None else kv_heads, world, rank, uneven_heads)
-        except ValueError as exc:
-            raise ValueError(spell(str(exc))) from None
+        self.shard = Shard.of(heads, heads if kv_heads is None else kv_heads, world, rank, uneven_heads)
         self.heads, self.head_dim = heads, head_dim
         given = {n: t for n, t in dict(wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=bo).items()
                  if t is not None}

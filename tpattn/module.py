@@ -12,11 +12,10 @@ import torch.distributed as dist
 
 from . import convert
 from .attention import get_backend
-from .comm import Comm
+from .comm import WORLD, Comm, resolve_group  # noqa: F401 (WORLD, re-exported)
 from .peer import PeerLinks
 from .sharding import Shard
 
-WORLD = "world"  # group=WORLD: the default process group if one is initialized, else none
 # what replace() may change: the rest (heads, K/V heads, the shard) is the weights' layout
 STYLE = ("backend", "causal", "reduce_dtype", "head_chunk", "sequence_parallel", "overlap", "output_collective",
          "rope_theta", "rope_interleaved")
@@ -121,16 +120,3 @@ class LayerModule(torch.nn.Module):
 def _describe(state: dict) -> str:
     return (f"rank {state.get('rank')} of {state.get('world')} ({state.get('heads')} heads, "
             f"{state.get('kv_heads')} K/V heads, head dim {state.get('head_dim')}, uneven {state.get('uneven')})")
-
-
-def resolve_group(group):
-    """(group, rank, world): WORLD means the default group if torch.distributed is initialized."""
-    if group == WORLD:
-        group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-    if group is None:
-        return None, 0, 1
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError("this process is not a member of the group the layer was given; build the layer on "
-                         "the ranks of that group only (or pass group=None for one process)")
-    return group, rank, dist.get_world_size(group)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import spell
+
 
 def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
@@ -175,10 +177,11 @@ class Shard:
 
     @classmethod
     def of(cls, heads: int, kv_heads: int, world: int, rank: int, uneven: bool = False) -> "Shard":
-        """Raises ValueError (one line that names the fix) when the heads cannot be laid out."""
+        """Raises ValueError (one line that names the fix, in the Python API's names: the layer's
+        constructor asks) when the heads cannot be laid out."""
         err = check_kv_heads(heads, kv_heads, world, uneven)
         if err:
-            raise ValueError(err)
+            raise ValueError(spell(err))
         return cls(rank, world, heads, kv_heads, uneven, head_range(heads, world, rank, uneven, kv_heads),
                    kv_head_range(heads, kv_heads, world, rank, uneven))
 

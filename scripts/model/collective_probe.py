@@ -18,7 +18,7 @@ every rank:
   * "bare, idle": the same after a synchronize, a 0.3 s pause of the host (the GPU idle) and a barrier;
   * "bare, after GEMMs": the same right behind --burn-ms of fp16 GEMMs (8192^3, the GPU at full power).
 Per iteration the last rank to arrive (the minimum over ranks: the transfer), then p10/median/p90
-over the iterations, microseconds. Run nvidia-smi beside it to see the clocks (gpu_session.sh model).
+over the iterations, microseconds. Run nvidia-smi beside it to see the clocks (gpu_runs.sh model).
 
 --clocks: the layer timed again by tpattn.model.measure.time_layer with its reduce-scatter bracketed by two
 spin kernels of a fixed number of SM cycles (torch.cuda._sleep), each between CUDA events: cycles

@@ -53,8 +53,9 @@ class Backend:
         """o, differentiable: its backward is this backend's backward(). Inside a graph that
         torch.compile or torch.export traces: the same through the custom op tpattn::attention."""
         if torch.compiler.is_compiling():
-            from .custom_ops import attention
-            return attention(q, k, v, causal, self.name, deterministic)
+            from . import custom_ops
+            custom_ops.BACKENDS.setdefault(self.name, self)
+            return custom_ops.attention(q, k, v, causal, self.name, deterministic)
         return _Attention.apply(q, k, v, self, causal, deterministic)
 
     def forward_for_backward(self, q, k, v, causal: bool):
