@@ -5,7 +5,8 @@ place of `[mpi]`), and the README's launch lines in that venv on the CPU:
 README says) and `mpiexec -n 4 python -m tpattn` under MPICH's wheel. Also in those venvs: MPICH's
 variables give rank, size and local rank; mpi4py with no MPI library to load, and a launcher of one
 MPI with the other's library, each give one line on every rank and exit 2; MPI4PY_LIBMPI makes the
-Open MPI venv use MPICH's library (a cluster's MPI, in the README).
+Open MPI venv use MPICH's library (a cluster's MPI, in the README); under MPICH a rank that ends
+(tpattn.dist.exit_now) while another still runs leaves it running: every rank finalizes PMI.
 
 Each venv costs about a minute of pip (pip's cache is reused); the whole file takes a few minutes.
 Select it with `-m fresh`, leave it out with `-m "not fresh"`.
@@ -157,6 +158,35 @@ def test_mpich_variables_give_rank_size_and_local_rank(mpich_clone):
     assert r.returncode == 0, r.stdout + r.stderr
     procs = sorted(m.split() for m in re.findall(r"PROC ([^;\n]*);", r.stdout))  # lines may interleave
     assert procs == [["mpi", str(i), "3", str(i), "3", str(i), "3"] for i in range(3)], r.stdout
+
+
+EXIT_PROBE = """\
+import sys, time
+from tpattn.dist import discover, exit_now
+from mpi4py import MPI
+p = discover()
+MPI.Finalize()  # together: MPICH's MPI_Finalize waits for every rank; exit_now then skips it
+if p.rank == 1:
+    time.sleep(1)  # still running when rank 0 has ended
+    sys.stdout.write("rank 1 lived on;\\n")
+exit_now(0)
+"""
+
+
+def test_a_rank_ending_by_exit_now_leaves_the_others_running(mpich_clone):
+    """MPICH's MPI_Finalize keeps the PMI connection to hydra and closes it in an atexit()
+    handler; a rank that ended by os._exit() after MPI_Finalize skipped it, and hydra, seeing the
+    connection close without PMI's finalize, sent SIGKILL to every rank still running (the
+    README's `mpiexec -n 4` line printed RESULT: PASS, then "BAD TERMINATION ... EXIT CODE: 9",
+    when a rank was still on its way out; usually the others had already gone). Here rank 1 is
+    still running for a second after rank 0's exit_now: it must finish (before the fix hydra
+    killed it in every run, the exit status 0 all the same), and in hydra's -verbose log every
+    rank sends PMI's finalize (none did before the fix)."""
+    r = in_venv(mpich_clone, ["mpiexec", "-n", "2", "python", "-c", EXIT_PROBE], timeout=120)
+    assert r.returncode == 0 and "rank 1 lived on;" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    r = in_venv(mpich_clone, ["mpiexec", "-verbose", "-n", "2", "python", "-c", EXIT_PROBE], timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert len(re.findall(r"^\s*cmd=finalize$", r.stdout, re.M)) == 2, r.stdout[-3000:]
 
 
 def assert_one_line_per_rank(r, ranks: int, needle: str) -> list[str]:

@@ -100,11 +100,13 @@ def _c_exit(code: int) -> None:
     there is no C exit() to call (then the caller's os._exit ends the process)."""
     try:
         import ctypes
-        libc_exit = ctypes.CDLL(None).exit  # the process's own C library (glibc, musl, macOS)
+        libc_exit = ctypes.PyDLL(None).exit  # the process's own C library; PyDLL: called holding the GIL
     except (ImportError, OSError, AttributeError, TypeError):  # TypeError: Windows has no CDLL(None)
         return
     libc_exit.argtypes, libc_exit.restype = [ctypes.c_int], None
-    libc_exit(code)  # releases the GIL: a thread finishing a release in Python still can
+    libc_exit(code)  # holding the GIL (PyDLL): a C++ destructor at exit that calls into Python has it
+    # (through ctypes.CDLL, which releases it, torch's thread-local destructors aborted the process:
+    # "PyThreadState_Get: the function must be called with the GIL held", scripts/peer_tp.py every run)
 
 
 def _process_alive(pid: int) -> bool:
