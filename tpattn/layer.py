@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from . import convert, decode, faults
-from .attention import Backend, get_backend, head_chunks
+from .attention import Backend, custom_ops, get_backend, head_chunks
 from .comm import Comm, copy_to_ranks, sum_of_copies
 from .commplan import CommPlan, check_style
 from .errors import ConfigError
@@ -109,6 +109,7 @@ class TensorParallelAttention(LayerPlan, LayerModule):
             raise ValueError(f"rope_theta={rope_theta} with head_dim={head_dim}: rotary positions need a positive "
                              "theta and an even head dim")
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        custom_ops.BACKENDS.setdefault(self.backend.name, self.backend)  # a backend given as an instance
         self.causal, self.reduce_dtype = causal, reduce_dtype
         self.head_chunk = head_chunk or self.local_heads
         self.sequence_parallel, self.overlap, self.output_collective = sequence_parallel, overlap, output_collective

@@ -14,6 +14,7 @@ import importlib
 import torch
 
 from ..errors import ConfigError, FlagError, cupy_available, cupy_missing_message
+from . import custom_ops
 from .autograd import _Attention
 
 _BACKENDS = {
@@ -52,9 +53,7 @@ class Backend:
     def attention(self, q, k, v, causal: bool, deterministic: bool = False):
         """o, differentiable: its backward is this backend's backward(). Inside a graph that
         torch.compile or torch.export traces: the same through the custom op tpattn::attention."""
-        if torch.compiler.is_compiling():
-            from . import custom_ops
-            custom_ops.BACKENDS.setdefault(self.name, self)
+        if torch.compiler.is_compiling():  # (get_backend put this backend in the ops' table, outside the trace)
             return custom_ops.attention(q, k, v, causal, self.name, deterministic)
         return _Attention.apply(q, k, v, self, causal, deterministic)
 
@@ -136,6 +135,7 @@ def get_backend(name: str) -> Backend:
     if name not in _instances:
         mod, cls = _BACKENDS[name].split(":")
         _instances[name] = getattr(importlib.import_module(mod), cls)()
+        custom_ops.BACKENDS[name] = _instances[name]  # the custom ops find the backend by its name
     return _instances[name]
 
 
