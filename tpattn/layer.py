@@ -40,7 +40,7 @@ from .attention import Backend, custom_ops, get_backend, head_chunks
 from .comm import Comm, copy_to_ranks, sum_of_copies
 from .commplan import CommPlan, check_style
 from .errors import ConfigError
-from .module import STYLE, WORLD, LayerModule, resolve_group  # noqa: F401 (STYLE, re-exported)
+from .module import WORLD, LayerModule, resolve_group
 from .ops import mm
 from .outputsum import head_parallel_out, sequence_parallel_out, sequence_parallel_qkv
 from .peer import PeerLinks

@@ -1,11 +1,10 @@
-"""The layer's two local building blocks outside attention: a GEMM with one rounding and the bias
-pass. Shared by the layer and the cost model's calibration (which times them bare)."""
+"""The layer's local building blocks outside attention: a GEMM with one rounding, the bias pass and
+a bias's gradient. Shared by the layer, its autograd pairs (tpattn/comm.py, tpattn/outputsum.py) and
+the cost model's calibration (which times them bare)."""
 
 from __future__ import annotations
 
 import torch
-
-from .timing import section
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
@@ -43,34 +42,6 @@ def add_bias(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -
     return torch.add(part, bias if widens or bias.dtype == part.dtype else bias.to(part.dtype), out=out)
 
 
-class _Linear(torch.autograd.Function):
-    """y = a @ w (+ bias) rounded once to out_dtype (mm), differentiable: da = dy wᵀ and dw = aᵀ dy
-    in the inputs' dtypes (tensor cores on a GPU, fp32 accumulation), db = the column sums of dy."""
-
-    @staticmethod
-    def forward(ctx, a, w, bias, out_dtype, name):
-        ctx.save_for_backward(a, w)
-        ctx.bias_dtype, ctx.name = (None if bias is None else bias.dtype), name
-        with section(name):
-            return mm(a, w, out_dtype, bias)
-
-    @staticmethod
-    def backward(ctx, g):
-        a, w = ctx.saved_tensors
-        gm = g.to(w.dtype)
-        with section("bwd_" + ctx.name):
-            da = mm(gm, w.t(), a.dtype) if ctx.needs_input_grad[0] else None
-            dw = mm(a.t(), gm, w.dtype) if ctx.needs_input_grad[1] else None
-            db = bias_grad(g, ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
-        return da, dw, db, None, None
-
-
 def bias_grad(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The bias's gradient: dy summed over the rows, in fp32 (fp64 for fp64), in the bias's dtype."""
     return g.to(torch.promote_types(g.dtype, torch.float32)).sum(0).to(dtype)
-
-
-def linear(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-           name: str = "linear") -> torch.Tensor:
-    """mm(a, w, out_dtype, bias) under autograd, timed as `name` (its backward as bwd_`name`)."""
-    return _Linear.apply(a, w, bias, out_dtype, name)
