@@ -44,31 +44,116 @@
 
 #define HB_LOG2E 1.4426950408889634f
 
-// ------------------------------------------------------------------------------------ dK, dV
+// ------------------------------------------------------------------------------------ dQ by adds
+// The five-product kernel's dQ: each step's dS K (64 query rows x D) added to an fp32 sum dQa that
+// hbwd_pre zeroed. Warpgroup w computes, from dS^T in shared memory (A, MN-major) and the K tile (B,
+// MN-major): at D = 128 columns 64w..64w+63 over all 128 keys; at D = 64 all columns over its own 64
+// keys (two partial sums of the same 64 x 64, both added to it). dQa is laid out as the accumulators
+// are held, so that a warpgroup's 64 x 64 leaves in one bulk reduce-add (cp.reduce.async.bulk .add.f32,
+// 16 KiB) from a staging buffer its threads fill with conflict-free 16-byte stores:
+//   dQa[bh][query tile of 64][D / 64 column panels][g 8][thread 128][4]   (fp32)
+// holds, for thread t = 32 warp + lane and accumulator i = 4 g + e (the m64n64 layout), row
+// 16 warp + lane / 4 + 8 (e >> 1) and column 64 panel + 8 g + 2 (lane % 4) + (e & 1) of the tile; the
+// host turns it into dQ by a permuted copy (fused.py's _dq_from_sum). Two staging buffers a
+// warpgroup, alternating by step, so a step never waits for the previous step's add.
+#define HB_STAGE (64 * 64 * 4)  // bytes of one warpgroup's staging buffer
+#define HB_SS_T(N, T, OPS, DA, DB, SC) "{\n.reg .pred p;\nsetp.ne.b32 p, " SC ", 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." T "." T " {" OPS "}, " DA ", " DB ", p, 1, 1, 1, 1;\n}\n"
+
+// acc (64 x 64) = A B with A and B both MN-major in shared memory (transposed reads)
+template <bool BF16>
+__device__ __forceinline__ void hb_mma_tt_n64(float (&d)[32], tc_u64 da, tc_u64 db, int scale_d) {
+    if (BF16)
+        asm volatile(HB_SS_T(64, "bf16", HW_OPS32, "%32", "%33", "%34") : HW_F32(d) : "l"(da), "l"(db), "r"(scale_d));
+    else
+        asm volatile(HB_SS_T(64, "f16", HW_OPS32, "%32", "%33", "%34") : HW_F32(d) : "l"(da), "l"(db), "r"(scale_d));
+}
+
 template <int D, bool BF16>
+__device__ __forceinline__ void hb_dq_product(float (&dq)[32], tc_u32 sDS, tc_u32 sK, int wg) {
+    constexpr int KS = D == 128 ? 8 : 4;       // k16 steps of keys
+    const tc_u32 k0 = D == 128 ? 0 : wg * 64;  // the first key row of the sum
+    const tc_u32 col = D == 128 ? wg * 128 * 128 : 0;  // the column panel of K (128 rows x 128 bytes)
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+        const tc_u32 row = (k0 + kk * 16) * 128;
+        hb_mma_tt_n64<BF16>(dq, hw_desc(sDS + row, 128 * 128, 1024), hw_desc(sK + col + row, 128 * 128, 1024), kk > 0);
+    }
+}
+
+// the warpgroup's dq into its staging buffer st, then (its first thread) the bulk reduce-add into
+// the 64 x 64 of dQa at dst
+__device__ __forceinline__ void hb_dq_add(float *__restrict__ dst, tc_u32 st, const float (&dq)[32], int wg, int tid) {
+    const int t = tid & 127;
+#pragma unroll
+    for (int g = 0; g < 8; ++g)
+        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(st + (g * 512 + t * 4) * 4), "f"(dq[4 * g]),
+                     "f"(dq[4 * g + 1]), "f"(dq[4 * g + 2]), "f"(dq[4 * g + 3]) : "memory");
+    hw_fence_proxy();
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // this warpgroup's stores are all in
+    if (t == 0) {
+        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                     ::"l"(dst), "r"(st), "n"(HB_STAGE) : "memory");
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+    }
+}
+
+// Dl = rowsum(dO o O) of every row (fp32, a warp a row), and the zeros of dQa (n4 16-byte chunks):
+// the five-product backward's first pass
+template <int D, bool BF16>
+__device__ __forceinline__ void hb_pre(const tc_u16 *__restrict__ O, const tc_u16 *__restrict__ dO,
+                                       float *__restrict__ Dl, float4 *__restrict__ dQa, long long rows, long long n4) {
+    constexpr int E = D / 32;  // elements a lane: 4 or 2
+    const int lane = threadIdx.x & 31;
+    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+    for (long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
+        const tc_u32 *o = (const tc_u32 *)(O + r * D + lane * E), *g = (const tc_u32 *)(dO + r * D + lane * E);
+        float acc = 0.0f;
+#pragma unroll
+        for (int w = 0; w < E / 2; ++w) {
+            float o0, o1, g0, g1;
+            tc_unpack<BF16>(o[w], o0, o1);
+            tc_unpack<BF16>(g[w], g0, g1);
+            acc = fmaf(o0, g0, fmaf(o1, g1, acc));
+        }
+        acc = tc_warp_sum(acc);
+        if (lane == 0) Dl[r] = acc;
+    }
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += warps * 32)
+        dQa[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+}
+
+// ------------------------------------------------------------------------------------ dK, dV
+// DQ (the five-product kernel): dQ += dS K of the step's 64 query rows too, added to the fp32 dQa
+template <int D, bool BF16, bool DQ>
 __device__ __forceinline__ void hb_kv(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
                                       const tc_u16 *__restrict__ V, const tc_u16 *__restrict__ dO,
                                       const float *__restrict__ L, const float *__restrict__ Dl,
-                                      tc_u16 *__restrict__ dK, tc_u16 *__restrict__ dV, int BG, int G, int group,
-                                      int N, float scale, int causal) {
+                                      tc_u16 *__restrict__ dK, tc_u16 *__restrict__ dV, float *__restrict__ dQa,
+                                      int BG, int G, int group, int N, float scale, int causal) {
     constexpr int BC = 128, BM = 64, NT = 256;
     constexpr tc_u32 KB = BC * D * 2, MB = BM * D * 2;  // bytes of a K (or V) tile, of a Q (or dO) tile
-    // shared: K, V (this block's keys), two buffers of (Q, dO), then L and Dl of each buffer
+    // shared: K, V (this block's keys), two buffers of (Q, dO), then L and Dl of each buffer; with DQ
+    // then dS^T (128 keys x 64 queries, the tile layout) and dQ's staging: [step parity][warpgroup]
     const tc_u32 sK = hw_smem_base(), sV = sK + KB, sB = sV + KB;  // buffer b: Q at sB + 2 b MB, dO + MB
     float *sLD = (float *)(hw_smem + (sB + 4 * MB - tc_saddr(hw_smem)));  // [buffer][L 64, Dl 64]
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int rl = wg * 64 + warp * 16 + (lane >> 2);  // this thread's keys in the block: rl and rl + 8
+    const tc_u32 sDS = sB + 4 * MB + 1024, sST = sDS + BC * BM * 2 + wg * HB_STAGE;
     const float scale_log2 = scale * HB_LOG2E;
     const int k0 = blockIdx.x * BC, kr = k0 + rl;
     const int n_qt = (N + BM - 1) / BM, qt_first = causal ? k0 / BM : 0, per = n_qt - qt_first;
     const int steps = group * per;  // (query head of the group, query tile) pairs
     for (int bg = blockIdx.y; bg < BG; bg += gridDim.y) {
         const long long kv_off = (long long)bg * N * D, bh0 = (long long)bg * group;  // bg = b G + g
-        // step t: query head bh0 + t / per, query tile qt_first + t % per, into buffer t & 1
+        // step t: query head bh0 + t / per, query tile qt_first + (t + rot) % per, into buffer t & 1. DQ:
+        // the key blocks of a head start at tiles spread over its query tiles (rot), so that they do not
+        // all add to the same dQ tile at once
+        const int rot = DQ ? (int)(((long long)blockIdx.x * per) / gridDim.x) : 0;
         auto issue = [&](int t) {
             const int buf = t & 1;
             const long long bh = bh0 + t / per;
-            const int q0 = (qt_first + t % per) * BM;
+            const int q0 = (qt_first + (t + rot) % per) * BM;
             hw_load_tile<D, BM, NT>(sB + buf * 2 * MB, Q + bh * N * D, q0, N, tid);
             hw_load_tile<D, BM, NT>(sB + buf * 2 * MB + MB, dO + bh * N * D, q0, N, tid);
             if (tid < 2 * BM) {
@@ -91,7 +176,7 @@ __device__ __forceinline__ void hb_kv(const tc_u16 *__restrict__ Q, const tc_u16
 #pragma unroll
         for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.0f;
         for (int t = 0; t < steps; ++t) {
-            const int buf = t & 1, q0 = (qt_first + t % per) * BM;
+            const int buf = t & 1, q0 = (qt_first + (t + rot) % per) * BM;
             tc_cp_wait<0>();  // this step's tiles (and K, V) have landed ...
             hw_fence_proxy();
             __syncthreads();  // ... for every thread; both warpgroups are done with the other buffer
@@ -122,6 +207,17 @@ __device__ __forceinline__ void hb_kv(const tc_u16 *__restrict__ Q, const tc_u16
             tc_u32 pa[4][4], da[4][4];
             hw_pack_p<BF16>(pa, st);
             hw_pack_p<BF16>(da, dpt);
+            if constexpr (DQ) {
+                // dS^T into shared memory (rows: keys), the A operand of dQ = dS K read MN-major
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        hw_st_shared(sDS + hw_swz<128>(rl + 8 * (e & 1), 2 * kk + (e >> 1)) + (lane & 3) * 4, da[kk][e]);
+                hw_fence_proxy();
+                // this step's staging buffer: the adds that read it two steps ago are done reading
+                if ((tid & 127) == 0) asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
+            }
             hw_keep(dv);
             hw_keep(dk);
             hw_keep(pa);
@@ -130,11 +226,28 @@ __device__ __forceinline__ void hb_kv(const tc_u16 *__restrict__ Q, const tc_u16
             hw_ab<D, 4, BM, BF16>(dv, pa, sdo);  // dV += P^T dO
             hw_ab<D, 4, BM, BF16>(dk, da, sq);   // dK += dS^T Q
             hw_wg_commit();
-            hw_wg_wait<0>();
-            hw_keep(dv);
-            hw_keep(dk);
-            hw_keep(pa);
-            hw_keep(da);
+            if constexpr (DQ) {
+                float dq[32];  // this warpgroup's 64 x 64 of the step's dQ (see hb_dq_product)
+                __syncthreads();  // dS^T of both warpgroups is in (the products above run meanwhile)
+                hw_keep(dq);
+                hw_wg_fence();
+                hb_dq_product<D, BF16>(dq, sDS, sK, wg);
+                hw_wg_commit();
+                hw_wg_wait<0>();
+                hw_keep(dq);
+                hw_keep(dv);
+                hw_keep(dk);
+                hw_keep(pa);
+                hw_keep(da);
+                const long long tile = ((bh0 + t / per) * n_qt + q0 / BM) * (D / 64) + (D == 128 ? wg : 0);
+                hb_dq_add(dQa + tile * 4096, sST + (t & 1) * 2 * HB_STAGE, dq, wg, tid);
+            } else {
+                hw_wg_wait<0>();
+                hw_keep(dv);
+                hw_keep(dk);
+                hw_keep(pa);
+                hw_keep(da);
+            }
         }
         tc_cp_wait<0>();
         // dK and dV of this block's keys (rows < N), rounded once, staged through the Q/dO buffers
@@ -142,6 +255,8 @@ __device__ __forceinline__ void hb_kv(const tc_u16 *__restrict__ Q, const tc_u16
         __syncthreads();
         hw_store_tile<D, BF16>(dV + kv_off, D, k0, N, 0, D, sB, dv, 1.0f, 1.0f, rl, tid);
     }
+    if constexpr (DQ)
+        if ((tid & 127) == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
 // ------------------------------------------------------------------------------------ dQ
@@ -295,7 +410,19 @@ __device__ __forceinline__ void hb_dq(const tc_u16 *__restrict__ Q, const tc_u16
         const tc_u16 *__restrict__ dO, const float *__restrict__ L, const float *__restrict__ Dl,     \
         tc_u16 *__restrict__ dK, tc_u16 *__restrict__ dV, int BG, int G, int group, int N, float scale, \
         int causal) {                                                                                  \
-        hb_kv<D, BF16>(Q, K, V, dO, L, Dl, dK, dV, BG, G, group, N, scale, causal);                    \
+        hb_kv<D, BF16, false>(Q, K, V, dO, L, Dl, dK, dV, nullptr, BG, G, group, N, scale, causal);    \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256, 1) hbwd5_kv_##SUF##_d##D(                       \
+        const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,     \
+        const tc_u16 *__restrict__ dO, const float *__restrict__ L, const float *__restrict__ Dl,     \
+        tc_u16 *__restrict__ dK, tc_u16 *__restrict__ dV, float *__restrict__ dQa, int BG, int G,     \
+        int group, int N, float scale, int causal) {                                                   \
+        hb_kv<D, BF16, true>(Q, K, V, dO, L, Dl, dK, dV, dQa, BG, G, group, N, scale, causal);         \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) hbwd_pre_##SUF##_d##D(                          \
+        const tc_u16 *__restrict__ O, const tc_u16 *__restrict__ dO, float *__restrict__ Dl,          \
+        float4 *__restrict__ dQa, long long rows, long long n4) {                                      \
+        hb_pre<D, BF16>(O, dO, Dl, dQa, rows, n4);                                                     \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256, 1) hbwd_dq_##SUF##_d##D(                        \
         const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,     \

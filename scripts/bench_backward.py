@@ -66,7 +66,7 @@ from tpattn.errors import ConfigError  # noqa: E402
 from tpattn.report import versions  # noqa: E402
 from tpattn.timing import section  # noqa: E402
 
-RUNGS = ("naive", "tiled", "fused", "fused_mma", "triton", "reference")
+RUNGS = ("naive", "tiled", "fused", "fused_det", "fused_mma", "triton", "reference")
 RUNG_ENV = {"fused_mma": {"TPATTN_FUSED_BWD": "mma"}}  # environment a rung runs under (forward and backward)
 FIRST_CALL = ("triton",)  # rungs whose first call compiles and autotunes: timed apart
 MATERIALIZED = ("naive", "tiled", "reference")  # write N x N scores and their gradients
@@ -204,8 +204,9 @@ def run(args) -> dict:
                 flops = 4 * b * h * n * n * d / (2 if causal else 1)
                 kernels = {}
                 for rung in RUNGS:
-                    kernels[rung] = lambda rung=rung.split("_")[0]: attention(q, k, v, causal, backend=rung,
-                                                                              deterministic=args.deterministic)
+                    det = args.deterministic or rung == "fused_det"
+                    kernels[rung] = lambda rung=rung.split("_")[0], det=det: attention(q, k, v, causal, backend=rung,
+                                                                                       deterministic=det)
                 for name, backend in sdpa.items():
                     kernels[name] = lambda backend=backend: sdpa_forward(backend, q, k, v, causal, args.sdpa_gqa)
                 shape_rows = []

@@ -15,16 +15,20 @@ from tpattn.attention import attention, get_backend
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True, params=["wgmma", "mma"])
+@pytest.fixture(autouse=True, params=["wgmma", "wgmma-deterministic", "mma"])
 def bwd_kernels(request, monkeypatch):
-    """Every test runs with each backward kernel set this GPU has (wgmma on compute capability 9.0)."""
-    if request.param == "wgmma" and torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
+    """Every test runs with each backward kernel set this GPU has: on compute capability 9.0 the
+    five-product wgmma kernel (dQ by bulk adds: the default), the seven-product ones
+    (deterministic=True), and everywhere the mma.sync ones. Returns whether `check` asks for
+    deterministic gradients."""
+    kernels = request.param.split("-")[0]
+    if kernels == "wgmma" and torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma backward needs compute capability 9.0")
-    monkeypatch.setenv("TPATTN_FUSED_BWD", request.param)
-    return request.param
+    monkeypatch.setenv("TPATTN_FUSED_BWD", kernels)
+    return request.param.endswith("deterministic")
 
 
-def check(b, h, g, n, d, causal, dtype=torch.float16, deterministic=False):
+def check(b, h, g, n, d, causal, deterministic, dtype=torch.float16):
     q, k, v, do = inputs(b, h, g, n, d, dtype)
     check_output_and_grads(q, k, v, do, causal, grads(q, k, v, do, causal, "fused", deterministic=deterministic))
 
@@ -32,20 +36,32 @@ def check(b, h, g, n, d, causal, dtype=torch.float16, deterministic=False):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n", [1, 17, 127, 128, 129, 1000])
-def test_fused_backward_shapes(n, causal, d):
-    check(2, 4, 4, n, d, causal)
+def test_fused_backward_shapes(n, causal, d, bwd_kernels):
+    check(2, 4, 4, n, d, causal, bwd_kernels)
 
 
 @pytest.mark.parametrize("h,g", [(8, 8), (8, 2), (8, 1)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_fused_backward_gqa(h, g, causal):
-    check(1, h, g, 300, 128, causal)
+def test_fused_backward_gqa(h, g, causal, bwd_kernels):
+    check(1, h, g, 300, 128, causal, bwd_kernels)
+    check(2, h, g, 200, 64, causal, bwd_kernels, torch.bfloat16)
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_fused_backward_bf16_and_deterministic(d):
-    check(2, 4, 2, 257, d, True, torch.bfloat16)
-    check(2, 4, 2, 257, d, False, torch.float16, deterministic=True)
+def test_fused_backward_bf16(d, bwd_kernels):
+    check(2, 4, 2, 257, d, True, bwd_kernels, torch.bfloat16)
+    check(2, 4, 2, 257, d, False, bwd_kernels, torch.bfloat16)
+
+
+def test_a_zero_do_gives_exactly_zero_gradients(bwd_kernels):
+    """A batch entry whose dO is zero gets gradients that are exactly zero and finite: nothing of the
+    other entry's dQ adds (or dK, dV sums) leaks into it."""
+    q, k, v, do = inputs(2, 4, 2, 129, 128, torch.float16)
+    do[1] = 0
+    _, dq, dk, dv = grads(q, k, v, do, True, "fused", deterministic=bwd_kernels)
+    for t in (dq, dk, dv):
+        assert torch.isfinite(t).all()
+        assert t[1].abs().max().item() == 0.0
 
 
 def test_deterministic_gives_the_same_bits():

@@ -265,6 +265,20 @@ class FusedBackend(CudaBackend):
         kv_args = (ptr(q), ptr(k), ptr(v), ptr(do), ptr(lse), ptr(dl), ptr(dk), ptr(dv), np.int32(b * g), np.int32(g),
                    np.int32(group), np.int32(n), scale, np.int32(causal))
         tail = (np.int32(b * h), np.int32(h), np.int32(group), np.int32(n), scale, np.int32(causal))
+        if bwd_kernels(_device_info(dev)[1]) == "wgmma" and not deterministic:
+            # five products: hbwd_pre writes Dl and zeros the fp32 dQ sum, hbwd5_kv adds each block's
+            # dS K into it (bulk reduce-adds, in whatever order the blocks run) beside dK and dV
+            rows = b * h * n
+            dqa = torch.empty(b * h * _cdiv(n, 64) * 64 * d, dtype=torch.float32, device=dev)
+            with section("bwd_pre"):
+                launch(HOPPER_BWD_SOURCE, f"hbwd_pre_{suf}_d{d}", dev, (min(_cdiv(rows, 8), GRID_X_MAX), 1, 1),
+                       (256, 1, 1), (ptr(o), ptr(do), ptr(dl), ptr(dqa), np.int64(rows), np.int64(dqa.numel() // 4)))
+            with section("bwd_kv"):
+                launch(HOPPER_BWD_SOURCE, f"hbwd5_kv_{suf}_d{d}", dev, (_cdiv(n, 128), min(b * g, GRID_YZ_MAX), 1),
+                       (256, 1, 1), (*kv_args[:8], ptr(dqa), *kv_args[8:]), shared_mem=bwd5_shared_mem(d))
+            with section("bwd_dq"):
+                dq_from_sum(dq, dqa)
+            return dq, dk, dv
         if bwd_kernels(_device_info(dev)[1]) == "wgmma":
             # hbwd_dq also writes Dl (of its own rows, from O and dO), which hbwd_kv, launched after it, reads
             with section("bwd_dq"):
@@ -287,6 +301,26 @@ class FusedBackend(CudaBackend):
             launch(BWD_SOURCE, f"fbwd_dq_{suf}_d{d}", dev, (_cdiv(n, 64), min(b * h, GRID_YZ_MAX), 1), (128, 1, 1),
                    (ptr(q), ptr(k), ptr(v), ptr(do), ptr(lse), ptr(dl), ptr(dq), *tail), shared_mem=6 * 64 * d * 2)
         return dq, dk, dv
+
+
+def bwd5_shared_mem(d: int) -> int:
+    """Dynamic shared memory of hbwd5_kv: K and V (128 keys), two buffers of Q and dO (64 rows), L and Dl,
+    the 1024-byte alignment, dS^T (128 x 64) and dQ's fp32 staging (64 x 64 a warpgroup, two buffers)."""
+    return (2 * 128 + 4 * 64) * d * 2 + 1024 + 1024 + 128 * 64 * 2 + 2 * 2 * 64 * 64 * 4
+
+
+def dq_from_sum(dq: torch.Tensor, dqa: torch.Tensor) -> None:
+    """dQ [B, H, N, d] from hbwd5_kv's fp32 sum, laid out as its accumulators are held
+    (kernels/fused_hopper_backward.cu): [bh][query tile][panel][g][warp][lane / 4][lane % 4][e >> 1][e & 1]
+    holds row 16 warp + 8 (e >> 1) + lane / 4 and column 64 panel + 8 g + 2 (lane % 4) + (e & 1) of the
+    tile. One permuted copy (rounding to dq's dtype) when N is a multiple of 64, else two."""
+    b, h, n, d = dq.shape
+    qt = _cdiv(n, 64)
+    out = dq if n % 64 == 0 else torch.empty(b, h, qt * 64, d, dtype=dq.dtype, device=dq.device)
+    out.view(b * h, qt, 4, 2, 8, d // 64, 8, 4, 2).permute(0, 1, 5, 6, 2, 4, 7, 3, 8).copy_(
+        dqa.view(b * h, qt, d // 64, 8, 4, 8, 4, 2, 2))
+    if out is not dq:
+        dq.copy_(out[:, :, :n])
 
 
 def bwd_kernels(cc: tuple[int, int]) -> str:
