@@ -49,14 +49,14 @@
 // hbwd_pre zeroed. Warpgroup w computes, from dS^T in shared memory (A, MN-major) and the K tile (B,
 // MN-major): at D = 128 columns 64w..64w+63 over all 128 keys; at D = 64 all columns over its own 64
 // keys (two partial sums of the same 64 x 64, both added to it). dQa is laid out as the accumulators
-// are held, so that a warpgroup's 64 x 64 leaves in one bulk reduce-add (cp.reduce.async.bulk .add.f32,
-// 16 KiB) from a staging buffer its threads fill with conflict-free 16-byte stores:
+// are held, so that each thread adds its 32 in eight 16-byte reductions (red.global.add.v4.f32) and a
+// warp's reductions cover 512 contiguous bytes:
 //   dQa[bh][query tile of 64][D / 64 column panels][g 8][thread 128][4]   (fp32)
 // holds, for thread t = 32 warp + lane and accumulator i = 4 g + e (the m64n64 layout), row
-// 16 warp + lane / 4 + 8 (e >> 1) and column 64 panel + 8 g + 2 (lane % 4) + (e & 1) of the tile; the
-// host turns it into dQ by a permuted copy (fused.py's _dq_from_sum). Two staging buffers a
-// warpgroup, alternating by step, so a step never waits for the previous step's add.
-#define HB_STAGE (64 * 64 * 4)  // bytes of one warpgroup's staging buffer
+// 16 warp + lane / 4 + 8 (e >> 1) and column 64 panel + 8 g + 2 (lane % 4) + (e & 1) of the tile;
+// hbwd_dq_out turns it into dQ. (A bulk reduce-add of each warpgroup's 64 x 64 from shared memory,
+// as FlashAttention-3 does, measured 1.87 ms against 1.68 for these reductions at B=1 H=32 N=4096
+// d=128 on the H200: the staging stores and the waits for the bulk copy's reads cost more.)
 #define HB_SS_T(N, T, OPS, DA, DB, SC) "{\n.reg .pred p;\nsetp.ne.b32 p, " SC ", 0;\n" \
     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." T "." T " {" OPS "}, " DA ", " DB ", p, 1, 1, 1, 1;\n}\n"
 
@@ -81,21 +81,14 @@ __device__ __forceinline__ void hb_dq_product(float (&dq)[32], tc_u32 sDS, tc_u3
     }
 }
 
-// the warpgroup's dq into its staging buffer st, then (its first thread) the bulk reduce-add into
-// the 64 x 64 of dQa at dst
-__device__ __forceinline__ void hb_dq_add(float *__restrict__ dst, tc_u32 st, const float (&dq)[32], int wg, int tid) {
-    const int t = tid & 127;
+// the warpgroup's dq added to the 64 x 64 of dQa at dst: eight 16-byte reductions a thread
+// (red.global.add.v4.f32), a warp's covering 512 contiguous bytes
+__device__ __forceinline__ void hb_dq_add(float *__restrict__ dst, const float (&dq)[32], int tid) {
+    float *p = dst + (tid & 127) * 4;
 #pragma unroll
     for (int g = 0; g < 8; ++g)
-        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(st + (g * 512 + t * 4) * 4), "f"(dq[4 * g]),
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p + g * 512), "f"(dq[4 * g]),
                      "f"(dq[4 * g + 1]), "f"(dq[4 * g + 2]), "f"(dq[4 * g + 3]) : "memory");
-    hw_fence_proxy();
-    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // this warpgroup's stores are all in
-    if (t == 0) {
-        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-                     ::"l"(dst), "r"(st), "n"(HB_STAGE) : "memory");
-        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-    }
 }
 
 // Dl = rowsum(dO o O) of every row (fp32, a warp a row), and the zeros of dQa (n4 16-byte chunks):
@@ -123,6 +116,45 @@ __device__ __forceinline__ void hb_pre(const tc_u16 *__restrict__ O, const tc_u1
         dQa[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
 
+// dQ from dQa: a block per 64 x 64 tile (a query tile's column panel) gathers it into shared memory
+// in row order, then writes rows < N in 16-byte stores, rounded to the storage type
+template <int D, bool BF16>
+__device__ __forceinline__ void hb_dq_out(const float4 *__restrict__ dQa, tc_u16 *__restrict__ dQ, int N,
+                                          long long tiles) {
+    __shared__ float tile[64][68];  // rows 68 floats apart: 16-byte aligned, few bank conflicts
+    constexpr int P = D / 64;
+    const int n_qt = (N + 63) / 64, tid = threadIdx.x;
+    for (long long x = blockIdx.x; x < tiles; x += gridDim.x) {
+        const long long bh = x / ((long long)n_qt * P);
+        const int qt = (int)(x / P % n_qt), panel = (int)(x % P);
+        __syncthreads();  // the previous tile is written out
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int f = tid + 256 * k, t = f & 127, g = f >> 7, lane = t & 31;
+            const int r = (t >> 5) * 16 + (lane >> 2), c = g * 8 + (lane & 3) * 2;
+            const float4 v = dQa[x * 1024 + f];
+            tile[r][c] = v.x;
+            tile[r][c + 1] = v.y;
+            tile[r + 8][c] = v.z;
+            tile[r + 8][c + 1] = v.w;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const int ch = tid + 256 * k, r = ch >> 3, c = (ch & 7) * 8, row = qt * 64 + r;
+            if (row < N) {
+                const float *src = &tile[r][c];
+                tc_u4 w;
+                w.x = tc_pack<BF16>(src[0], src[1]);
+                w.y = tc_pack<BF16>(src[2], src[3]);
+                w.z = tc_pack<BF16>(src[4], src[5]);
+                w.w = tc_pack<BF16>(src[6], src[7]);
+                *(tc_u4 *)(dQ + (bh * N + row) * D + panel * 64 + c) = w;
+            }
+        }
+    }
+}
+
 // ------------------------------------------------------------------------------------ dK, dV
 // DQ (the five-product kernel): dQ += dS K of the step's 64 query rows too, added to the fp32 dQa
 template <int D, bool BF16, bool DQ>
@@ -134,12 +166,12 @@ __device__ __forceinline__ void hb_kv(const tc_u16 *__restrict__ Q, const tc_u16
     constexpr int BC = 128, BM = 64, NT = 256;
     constexpr tc_u32 KB = BC * D * 2, MB = BM * D * 2;  // bytes of a K (or V) tile, of a Q (or dO) tile
     // shared: K, V (this block's keys), two buffers of (Q, dO), then L and Dl of each buffer; with DQ
-    // then dS^T (128 keys x 64 queries, the tile layout) and dQ's staging: [step parity][warpgroup]
+    // then dS^T (128 keys x 64 queries, the tile layout)
     const tc_u32 sK = hw_smem_base(), sV = sK + KB, sB = sV + KB;  // buffer b: Q at sB + 2 b MB, dO + MB
     float *sLD = (float *)(hw_smem + (sB + 4 * MB - tc_saddr(hw_smem)));  // [buffer][L 64, Dl 64]
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int rl = wg * 64 + warp * 16 + (lane >> 2);  // this thread's keys in the block: rl and rl + 8
-    const tc_u32 sDS = sB + 4 * MB + 1024, sST = sDS + BC * BM * 2 + wg * HB_STAGE;
+    const tc_u32 sDS = sB + 4 * MB + 1024;
     const float scale_log2 = scale * HB_LOG2E;
     const int k0 = blockIdx.x * BC, kr = k0 + rl;
     const int n_qt = (N + BM - 1) / BM, qt_first = causal ? k0 / BM : 0, per = n_qt - qt_first;
@@ -215,8 +247,6 @@ __device__ __forceinline__ void hb_kv(const tc_u16 *__restrict__ Q, const tc_u16
                     for (int e = 0; e < 4; ++e)
                         hw_st_shared(sDS + hw_swz<128>(rl + 8 * (e & 1), 2 * kk + (e >> 1)) + (lane & 3) * 4, da[kk][e]);
                 hw_fence_proxy();
-                // this step's staging buffer: the adds that read it two steps ago are done reading
-                if ((tid & 127) == 0) asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
             }
             hw_keep(dv);
             hw_keep(dk);
@@ -240,7 +270,7 @@ __device__ __forceinline__ void hb_kv(const tc_u16 *__restrict__ Q, const tc_u16
                 hw_keep(pa);
                 hw_keep(da);
                 const long long tile = ((bh0 + t / per) * n_qt + q0 / BM) * (D / 64) + (D == 128 ? wg : 0);
-                hb_dq_add(dQa + tile * 4096, sST + (t & 1) * 2 * HB_STAGE, dq, wg, tid);
+                hb_dq_add(dQa + tile * 4096, dq, tid);
             } else {
                 hw_wg_wait<0>();
                 hw_keep(dv);
@@ -255,8 +285,6 @@ __device__ __forceinline__ void hb_kv(const tc_u16 *__restrict__ Q, const tc_u16
         __syncthreads();
         hw_store_tile<D, BF16>(dV + kv_off, D, k0, N, 0, D, sB, dv, 1.0f, 1.0f, rl, tid);
     }
-    if constexpr (DQ)
-        if ((tid & 127) == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
 // ------------------------------------------------------------------------------------ dQ
@@ -423,6 +451,10 @@ __device__ __forceinline__ void hb_dq(const tc_u16 *__restrict__ Q, const tc_u16
         const tc_u16 *__restrict__ O, const tc_u16 *__restrict__ dO, float *__restrict__ Dl,          \
         float4 *__restrict__ dQa, long long rows, long long n4) {                                      \
         hb_pre<D, BF16>(O, dO, Dl, dQa, rows, n4);                                                     \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) hbwd_dq_out_##SUF##_d##D(                       \
+        const float4 *__restrict__ dQa, tc_u16 *__restrict__ dQ, int N, long long tiles) {            \
+        hb_dq_out<D, BF16>(dQa, dQ, N, tiles);                                                         \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256, 1) hbwd_dq_##SUF##_d##D(                        \
         const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,     \

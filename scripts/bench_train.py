@@ -6,11 +6,14 @@ input and upstream gradient.
 
 Per layer: fwd+bwd ms (CUDA events around y = layer(x); y.backward(dy), gradients set to None
 outside the timed interval; median over --iters after --warmup), and the forward alone under
-torch.no_grad() (the inference path). Writes PREFIX.json and PREFIX.md (--out, default
+torch.no_grad() (the inference path). --rounds R measures every layer R times, the layers taking
+turns (so that a clock drop under the power cap lands on each), and reports the median of the
+rounds; `/ cuDNN` is a row's step over the plain cuDNN layer's. tpattn's layer runs twice: its
+default backward and deterministic=True. Writes PREFIX.json and PREFIX.md (--out, default
 benchmarks/train_h200): GPU, versions, command, date (UTC), commit.
 
-    PYTHONPATH=. python scripts/bench_train.py [--seq-len 4096] [--heads 32] [--head-dim 128]
-        [--kernel fused] [--causal] [--commit SHA] [--out PREFIX]
+    PYTHONPATH=. python scripts/bench_train.py [--seq-len 4096] [--heads 32] [--kv-heads G] [--head-dim 128]
+        [--batch B] [--dtype fp16|bf16] [--kernel fused] [--causal] [--rounds 3] [--commit SHA] [--out PREFIX]
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from tpattn.weights import head_weights, layer_input  # noqa: E402
 
 
 class Plain(torch.nn.Module):
-    """QKV Linear, SDPA, output Linear: the layer as PyTorch users write it."""
+    """QKV Linear, SDPA, output Linear: the layer as PyTorch users write it (GQA: SDPA's enable_gqa)."""
 
     def __init__(self, w: dict, heads: int, causal: bool, sdpa):
         super().__init__()
@@ -43,14 +46,16 @@ class Plain(torch.nn.Module):
         self.bqkv = torch.nn.Parameter(torch.cat([w["bq"], w["bk"], w["bv"]]).detach().clone())
         self.wo = torch.nn.Parameter(w["wo"].detach().clone())
         self.bo = torch.nn.Parameter(w["bo"].detach().clone())
+        self.g = w["wk"].shape[1] * heads // w["wq"].shape[1]
 
     def forward(self, x):
         B, N, D = x.shape
-        q, k, v = (torch.addmm(self.bqkv, x.view(B * N, D), self.qkv).view(B, N, 3, self.h, D // self.h)
-                   .permute(2, 0, 3, 1, 4))
+        d = D // self.h
+        qkv = torch.addmm(self.bqkv, x.view(B * N, D), self.qkv).view(B, N, self.h + 2 * self.g, d).transpose(1, 2)
+        q, k, v = qkv.split([self.h, self.g, self.g], dim=1)
         from torch.nn.attention import sdpa_kernel
         with sdpa_kernel([self.sdpa]):
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=self.g != self.h)
         return torch.addmm(self.bo, o.transpose(1, 2).reshape(B * N, D), self.wo).view(B, N, D)
 
 
@@ -73,12 +78,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=None, help="K/V heads G (default: the heads)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     p.add_argument("--kernel", default="fused")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3, help="turns each layer takes, alternating (default 3)")
     p.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse here)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "train_h200"))
     a = p.parse_args()
@@ -86,39 +94,57 @@ def main() -> int:
         print("bench_train.py needs a CUDA GPU (none is visible to torch); run it on a GPU machine", file=sys.stderr)
         return 2
     from torch.nn.attention import SDPBackend
-    dev, dt = torch.device("cuda"), torch.float16
+    dev, dt = torch.device("cuda"), {"fp16": torch.float16, "bf16": torch.bfloat16}[a.dtype]
     B, N, H, d = a.batch, a.seq_len, a.heads, a.head_dim
+    G = a.kv_heads or H
     D = H * d
-    w = head_weights(range(H), H, d, 0, dt, dev)
+    w = head_weights(range(H), H, d, 0, dt, dev, kv_heads=range(G))
     x = layer_input(B, N, D, 0, dt, dev)
     dy = layer_input(B, N, D, 1, dt, dev)
     xg = x.clone().requires_grad_(True)
-    layers = {f"tpattn {a.kernel}": TensorParallelAttention(**w, heads=H, head_dim=d, backend=a.kernel,
-                                                            causal=a.causal, group=None)}
+    layers = {}
+    for det in (False, True):
+        layers[f"tpattn {a.kernel}" + (" deterministic" if det else "")] = TensorParallelAttention(
+            **w, heads=H, kv_heads=G, head_dim=d, backend=a.kernel, causal=a.causal, group=None, deterministic=det)
     for name, be in (("plain flash", SDPBackend.FLASH_ATTENTION), ("plain cuDNN", SDPBackend.CUDNN_ATTENTION)):
         layers[name] = Plain(w, H, a.causal, be)
+    times = {name: {"train": [], "fwd": []} for name in layers}
+    skipped = {}
+    for _ in range(a.rounds):
+        for name, layer in layers.items():
+            if name in skipped:
+                continue
+            params = [xg, *layer.parameters()]
+            try:
+                times[name]["train"].append(median_ms(lambda: layer(xg).backward(dy), a.warmup, a.iters, params))
+                with torch.no_grad():
+                    times[name]["fwd"].append(median_ms(lambda: layer(x), a.warmup, a.iters, []))
+            except RuntimeError as exc:
+                skipped[name] = str(exc).splitlines()[0][:160]
+    base = statistics.median(times["plain cuDNN"]["train"]) if "plain cuDNN" not in skipped else None
     rows = []
-    for name, layer in layers.items():
-        params = [xg, *layer.parameters()]
-        try:
-            train = median_ms(lambda: layer(xg).backward(dy), a.warmup, a.iters, params)
-            with torch.no_grad():
-                fwd = median_ms(lambda: layer(x), a.warmup, a.iters, [])
-        except RuntimeError as exc:
-            rows.append({"layer": name, "skipped": str(exc).splitlines()[0][:160]})
+    for name in layers:
+        if name in skipped:
+            rows.append({"layer": name, "skipped": skipped[name]})
             continue
-        rows.append({"layer": name, "fwd_ms": round(fwd, 4), "fwd_bwd_ms": round(train, 4)})
-        print(f"{name:<16} forward {fwd:8.3f} ms   forward + backward {train:8.3f} ms", flush=True)
+        train, fwd = statistics.median(times[name]["train"]), statistics.median(times[name]["fwd"])
+        rows.append({"layer": name, "fwd_ms": round(fwd, 4), "fwd_bwd_ms": round(train, 4),
+                     "rounds_ms": [round(t, 4) for t in times[name]["train"]],
+                     "x_cudnn": round(train / base, 3) if base else None})
+        print(f"{name:<26} forward {fwd:8.3f} ms   forward + backward {train:8.3f} ms"
+              f"{f'   / cuDNN {train / base:.3f}' if base else ''}", flush=True)
     commit = a.commit or (subprocess_out(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]) or "unknown")
     res = {"gpu": torch.cuda.get_device_name(), "versions": versions(), "command": shlex.join(["python", *sys.argv]),
            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit,
-           "shape": {"B": B, "N": N, "H": H, "d": d, "dtype": "fp16", "causal": a.causal}, "rows": rows}
+           "shape": {"B": B, "N": N, "H": H, "G": G, "d": d, "dtype": a.dtype, "causal": a.causal}, "rows": rows}
     Path(a.out + ".json").write_text(json.dumps(res, indent=2))
     md = [f"# Training step on one GPU: tpattn beside the plain PyTorch layer", "",
           f"{res['date']}, {res['gpu']}, commit {commit}; torch {res['versions'].get('torch')}. Command: `{res['command']}`.",
-          f"B={B} N={N} H={H} d={d} fp16{' causal' if a.causal else ''}; median of {a.iters} after {a.warmup} warm-up.", "",
-          "| layer | forward ms (no_grad) | forward + backward ms |", "|---|---|---|"]
-    md += [f"| {r['layer']} | {r.get('fwd_ms', '-')} | {r.get('fwd_bwd_ms', r.get('skipped', '-'))} |" for r in rows]
+          f"B={B} N={N} H={H} G={G} d={d} {a.dtype}{' causal' if a.causal else ''}; per round the median of {a.iters} "
+          f"after {a.warmup} warm-up, the median of {a.rounds} rounds (layers alternating).", "",
+          "| layer | forward ms (no_grad) | forward + backward ms | / cuDNN | rounds ms |", "|---|---|---|---|---|"]
+    md += [f"| {r['layer']} | {r.get('fwd_ms', '-')} | {r.get('fwd_bwd_ms', r.get('skipped', '-'))} | "
+           f"{r.get('x_cudnn') or '-'} | {', '.join(map(str, r.get('rounds_ms', [])))} |" for r in rows]
     Path(a.out + ".md").write_text("\n".join(md) + "\n")
     return 0
 

@@ -98,3 +98,25 @@ def test_backward_memory_is_linear_in_n():
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     assert extra < 4 * q.numel() * 4, extra  # dq fp32 + dq, dk, dv + L, Dl: a few times the inputs
+
+
+@pytest.mark.parametrize("n,d,dtype", [(64, 128, torch.float16), (100, 64, torch.bfloat16), (1, 128, torch.bfloat16)])
+def test_the_dq_sum_leaves_in_row_order(n, d, dtype, bwd_kernels):
+    """hbwd_dq_out (the five-product backward's last pass) turns the fp32 sum, laid out as the kernel's
+    accumulators are held, into dQ exactly as fused.dq_from_sum (the layout's description, checked on
+    the CPU in tests/test_dq_layout.py) does."""
+    if bwd_kernels or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the five-product kernels run on compute capability 9.0 without deterministic=True")
+    import numpy as np
+    from tpattn.attention import fused
+    from tpattn.cuda import launch, ptr
+    b, h = 2, 3
+    tiles = b * h * -(-n // 64) * (d // 64)
+    dqa = torch.randn(tiles * 4096, device="cuda")
+    got = torch.full((b, h, n, d), float("nan"), device="cuda", dtype=dtype)
+    suf = "bf16" if dtype == torch.bfloat16 else "f16"
+    launch(fused.HOPPER_BWD_SOURCE, f"hbwd_dq_out_{suf}_d{d}", got.device, (tiles, 1, 1), (256, 1, 1),
+           (ptr(dqa), ptr(got), np.int32(n), np.int64(tiles)))
+    want = torch.empty_like(got)
+    fused.dq_from_sum(want, dqa)
+    assert torch.equal(got, want)

@@ -281,3 +281,21 @@ def test_the_cuda_backends_are_custom_ops_with_fake_shapes():
             assert o.shape == q.shape and o.dtype == q.dtype and tuple(s.shape) == saved and s.dtype == torch.float32
             dq, dk, dv = torch.ops.tpattn.attention_backward(q, k, k, o, s, o, True, backend, False)
             assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
+
+
+@pytest.mark.parametrize("det", [False, True])
+def test_deterministic_reaches_the_backends_backward(det, monkeypatch):
+    """deterministic is a setting fixed at construction (replace() changes it) and every differentiable
+    attention call of the layer passes it to the backend."""
+    layer = _layer(deterministic=det)
+    seen = []
+    real = type(layer.backend).attention
+    monkeypatch.setattr(type(layer.backend), "attention",
+                        lambda self, q, k, v, causal, deterministic=False: seen.append(deterministic) or
+                        real(self, q, k, v, causal, deterministic))
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    layer(x).sum().backward()
+    assert seen and all(s is det for s in seen)
+    with pytest.raises(AttributeError, match="fixed when the layer is built"):
+        layer.deterministic = not det
+    assert layer.replace(deterministic=not det).deterministic is (not det)

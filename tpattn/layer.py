@@ -69,7 +69,9 @@ class TensorParallelAttention(LayerPlan, LayerModule):
     for small sums) or "auto" (tpattn.commplan.make_plan holds the rule: plan()). kv_heads: G K/V
     heads (grouped-query). uneven_heads: the world size need not divide the heads. rope_theta:
     rotary positions (rope_interleaved: Meta's pair layout). head_chunk: query heads per attention
-    call (memory of the materializing backends).
+    call (memory of the materializing backends). deterministic: the attention backward gives the same
+    bits every run (the fused backend's seven-product kernels instead of its faster five-product one,
+    whose dQ sums arrive in any order; docs/backward.md).
 
     Training: under autograd (grad enabled, and x or a parameter requiring it) the same forward is
     differentiable: y.backward(dy) fills x.grad (head-parallel: the whole dX on every rank; sequence
@@ -81,7 +83,8 @@ class TensorParallelAttention(LayerPlan, LayerModule):
                  backend: str | Backend = "reference", causal: bool = False, group=WORLD,
                  reduce_dtype: str = "fp32", head_chunk: int | None = None, sequence_parallel: bool = False,
                  overlap: int = 1, output_collective: str = "auto", kv_heads: int | None = None,
-                 uneven_heads: bool = False, rope_theta: float | None = None, rope_interleaved: bool = False):
+                 uneven_heads: bool = False, rope_theta: float | None = None, rope_interleaved: bool = False,
+                 deterministic: bool = False):
         super().__init__()
         self.group, rank, world = resolve_group(group)
         self.shard = Shard.of(heads, heads if kv_heads is None else kv_heads, world, rank, uneven_heads)
@@ -113,7 +116,7 @@ class TensorParallelAttention(LayerPlan, LayerModule):
         self.causal, self.reduce_dtype = causal, reduce_dtype
         self.head_chunk = head_chunk or self.local_heads
         self.sequence_parallel, self.overlap, self.output_collective = sequence_parallel, overlap, output_collective
-        self.rope_theta, self.rope_interleaved = rope_theta, rope_interleaved
+        self.rope_theta, self.rope_interleaved, self.deterministic = rope_theta, rope_interleaved, bool(deterministic)
         # Q, K and V columns packed once, so the projection is one GEMM (bias fused into it). Copies:
         # training this layer never writes into the caller's tensors.
         param = (lambda t: None if t is None else torch.nn.Parameter(t.detach().clone()))  # noqa: E731
@@ -297,7 +300,7 @@ class TensorParallelAttention(LayerPlan, LayerModule):
         kw = {} if rows is None else {"rows": rows}
         for qs, ks, vs, os_ in self._head_chunks(q, k, v, o):
             if torch.compiler.is_compiling() and self.backend.name != "reference":  # one op in the traced graph
-                os_.copy_(self.backend.attention(qs, ks, vs, self.causal))
+                os_.copy_(self.backend.attention(qs, ks, vs, self.causal, self.deterministic))
             elif self.backend.strided:
                 self.backend.forward(qs, ks, vs, self.causal, out=os_, **kw)
             else:
@@ -306,7 +309,8 @@ class TensorParallelAttention(LayerPlan, LayerModule):
     def _attention_grad(self, q, k, v) -> torch.Tensor:
         """o [B, h, N, d] = attention(q, k, v), differentiable (the backend's backward), a head_chunk
         at a time as _attention."""
-        parts = [self.backend.attention(qs, ks, vs, self.causal) for qs, ks, vs, _ in self._head_chunks(q, k, v)]
+        parts = [self.backend.attention(qs, ks, vs, self.causal, self.deterministic)
+                 for qs, ks, vs, _ in self._head_chunks(q, k, v)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def _head_chunks(self, q, k, v, o=None):

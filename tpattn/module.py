@@ -18,7 +18,7 @@ from .sharding import Shard
 
 # what replace() may change: the rest (heads, K/V heads, the shard) is the weights' layout
 STYLE = ("backend", "causal", "reduce_dtype", "head_chunk", "sequence_parallel", "overlap", "output_collective",
-         "rope_theta", "rope_interleaved")
+         "rope_theta", "rope_interleaved", "deterministic")
 FIXED = frozenset(STYLE + ("heads", "head_dim", "shard", "group", "comm", "peers"))
 
 

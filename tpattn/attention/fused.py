@@ -277,7 +277,9 @@ class FusedBackend(CudaBackend):
                 launch(HOPPER_BWD_SOURCE, f"hbwd5_kv_{suf}_d{d}", dev, (_cdiv(n, 128), min(b * g, GRID_YZ_MAX), 1),
                        (256, 1, 1), (*kv_args[:8], ptr(dqa), *kv_args[8:]), shared_mem=bwd5_shared_mem(d))
             with section("bwd_dq"):
-                dq_from_sum(dq, dqa)
+                tiles = b * h * _cdiv(n, 64) * (d // 64)
+                launch(HOPPER_BWD_SOURCE, f"hbwd_dq_out_{suf}_d{d}", dev, (min(tiles, GRID_X_MAX), 1, 1), (256, 1, 1),
+                       (ptr(dqa), ptr(dq), np.int32(n), np.int64(tiles)))
             return dq, dk, dv
         if bwd_kernels(_device_info(dev)[1]) == "wgmma":
             # hbwd_dq also writes Dl (of its own rows, from O and dO), which hbwd_kv, launched after it, reads
@@ -305,8 +307,8 @@ class FusedBackend(CudaBackend):
 
 def bwd5_shared_mem(d: int) -> int:
     """Dynamic shared memory of hbwd5_kv: K and V (128 keys), two buffers of Q and dO (64 rows), L and Dl,
-    the 1024-byte alignment, dS^T (128 x 64) and dQ's fp32 staging (64 x 64 a warpgroup, two buffers)."""
-    return (2 * 128 + 4 * 64) * d * 2 + 1024 + 1024 + 128 * 64 * 2 + 2 * 2 * 64 * 64 * 4
+    the 1024-byte alignment and dS^T (128 x 64)."""
+    return (2 * 128 + 4 * 64) * d * 2 + 1024 + 1024 + 128 * 64 * 2
 
 
 def dq_from_sum(dq: torch.Tensor, dqa: torch.Tensor) -> None:
