@@ -50,6 +50,17 @@ def test_backward_refuses_what_it_cannot_do(extra, says):
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+def test_deterministic_is_a_backward_flag(tmp_path):
+    r = tpattn([*SMALL, "--deterministic"])
+    assert r.returncode == 2 and "--deterministic changes the backward only: add --backward" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    out = tmp_path / "r.json"
+    r = tpattn([*SMALL, "--backward", "--deterministic", "--json", str(out)])
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["verdict"] == "PASS" and rep["config"]["deterministic"]
+
+
 @pytest.mark.mpi
 def test_a_rank_that_hangs_before_a_backward_collective_ends_the_job():
     """Rank 1 stalls before the backward's all-reduce of dX: rank 0 waits in it until --timeout, says

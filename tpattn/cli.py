@@ -120,7 +120,10 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--backward", action="store_true", help="time and check a training step instead of the "
                    "forward alone: forward and backward per pass (the attention backward, the dX collective, the "
                    "weight-gradient GEMMs); checks x.grad and the full gradients against the single-process layer "
-                   "and float64, as the forward check does (not with --cuda-graph or --output-collective p2p or oneshot)")
+                   "and float64, as the forward check does (not with --cuda-graph)")
+    m.add_argument("--deterministic", action="store_true", help="with --backward: an attention backward that gives "
+                   "the same bits every run (the fused kernel's seven-product pair instead of its faster five-product "
+                   "kernel, whose dQ adds arrive in any order)")
     m.add_argument("--decode", type=int, default=0, metavar="T", help="decode instead: a prompt of --seq-len rows "
                    "through a KV cache of each rank's K/V heads, then T steps of one row each (causal); per-step "
                    "latency and tokens/s; every decoded row checked against the full forward and float64 "
@@ -141,7 +144,8 @@ def parse(argv: list[str]) -> Config:
                   check=a.check, json=a.json, dist_backend=a.dist_backend, reduce_dtype=a.reduce_dtype,
                   sequence_parallel=a.sequence_parallel, overlap=a.overlap,
                   output_collective=a.output_collective, cuda_graph=a.cuda_graph,
-                  timeout=a.timeout, profile=a.profile, load=a.load, backward=a.backward, decode=a.decode)
+                  timeout=a.timeout, profile=a.profile, load=a.load, backward=a.backward, decode=a.decode,
+                  deterministic=a.deterministic)
 
 
 def _say(proc, msg: str, stream=sys.stderr) -> None:
@@ -254,7 +258,7 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
                                     backend=cfg.kernel, causal=cfg.causal, group=WORLD if proc.distributed else None,
                                     reduce_dtype=cfg.reduce_dtype, sequence_parallel=cfg.sequence_parallel,
                                     overlap=cfg.overlap, output_collective=cfg.output_collective,
-                                    uneven_heads=cfg.uneven_heads)
+                                    uneven_heads=cfg.uneven_heads, deterministic=cfg.deterministic)
     infos[proc.rank]["heads"] = f"{heads.start}-{heads.stop - 1}"
     infos[proc.rank]["kv_heads"] = f"{kv_heads.start}-{kv_heads.stop - 1}"
     if cfg.decode:

@@ -50,6 +50,7 @@ class Config:
     output_collective: str = "auto"    # head-parallel: all-reduce, or reduce-scatter + all-gather ("split")
     cuda_graph: bool = False           # capture the whole layer in a CUDA graph and replay it
     backward: bool = False             # time and check a training step (forward + backward) instead
+    deterministic: bool = False        # with backward: the attention backward gives the same bits every run
     decode: int = 0                    # T > 0: a prompt of seq_len rows through a KV cache, then T decode steps
     timeout: float = 300.0
     profile: str | None = None
@@ -193,6 +194,8 @@ def check_parallel_style(cfg: Config, world: int) -> None:
         if cfg.cuda_graph and (cfg.dtype == "fp32" or cfg.head_dim not in (64, 128)):
             raise FlagError(f"--decode with --cuda-graph needs the decode kernel (--dtype fp16 or bf16, --head-dim 64 "
                               f"or 128; got {cfg.dtype}, {cfg.head_dim}); drop --cuda-graph")
+    if cfg.deterministic and not cfg.backward:
+        raise FlagError("--deterministic changes the backward only: add --backward (or drop --deterministic)")
     if cfg.backward:
         if cfg.cuda_graph:
             raise FlagError("--backward with --cuda-graph: the training step is not captured in a graph yet; "
