@@ -1,9 +1,13 @@
 // fused_hopper_backward.cu -- the fused backward of attention on Hopper's wgmma (compute capability
-// 9.0, compiled as sm_90a). The algorithm is fused_attention_backward.cu's (FlashAttention-2's, with
-// dQ in a kernel of its own instead of atomics, so every sum runs in a fixed order and the result is
-// the same bits every run); the products move from mma.sync to the asynchronous warpgroup
-// instructions, whose operands come straight from shared memory in the layout the forward's wgmma
-// kernels use (hopper_common.cuh).
+// 9.0, compiled as sm_90a), in two forms:
+//   five products (the default): hbwd_pre (Dl, and the fp32 dQ sum zeroed), hbwd5_kv (per step S^T,
+//     dP^T, dV, dK and dQ += dS K, the last added to the sum: see "dQ by adds"), hbwd_dq_out (the sum
+//     to dQ). The adds arrive in any order, so dQ's last bits may differ from run to run.
+//   seven products (deterministic=True): fused_attention_backward.cu's algorithm (FlashAttention-2's,
+//     with dQ in a kernel of its own instead of atomics, so every sum runs in a fixed order and the
+//     result is the same bits every run), below.
+// The products run on the asynchronous warpgroup instructions, whose operands come straight from
+// shared memory in the layout the forward's wgmma kernels use (hopper_common.cuh).
 //
 // The math (S = Q K^T / sqrt(d), P = softmax(S) = exp(S - L) with the forward's logsumexp L, O = P V):
 //   dV = P^T dO    dP = dO V^T    Dl = rowsum(dO o O)    dS = P o (dP - Dl)
@@ -37,8 +41,8 @@
 // group = H / G query heads each); L and Dl fp32 [B, H, N]. 16-bit storage (fp16 or bf16), fp32
 // accumulation, D = 64 or 128. Offsets that scale with B * H * N are 64-bit; grid y walks batch x
 // heads with a stride beyond 65535. Block 256 threads, one block an SM (registers); dynamic shared
-// memory: hbwd_kv 2 * 128 * D * 2 + 4 * 64 * D * 2 + 1024 + 1024 bytes, hbwd_dq 2 * 128 * D * 2 +
-// 6 * 64 * D * 2 + 1024 (the 1024 aligns the swizzle atoms).
+// memory: hbwd_kv 2 * 128 * D * 2 + 4 * 64 * D * 2 + 1024 + 1024 bytes (hbwd5_kv: + 128 * 64 * 2 for
+// dS^T), hbwd_dq 2 * 128 * D * 2 + 6 * 64 * D * 2 + 1024 (the 1024 aligns the swizzle atoms).
 
 #include "hopper_common.cuh"
 

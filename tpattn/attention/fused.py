@@ -241,12 +241,13 @@ class FusedBackend(CudaBackend):
         return self.forward(q, k, v, causal, lse=lse), lse
 
     def backward(self, q, k, v, o, lse, do, causal: bool, deterministic: bool = False):
-        """(dq, dk, dv): Dl = rowsum(dO o O); one block per key tile of a K/V head recomputes P from L
-        and accumulates dK and dV (summed over the query heads of its group) in registers, and one
-        block per query tile dQ. On compute capability 9.0 the wgmma kernels
-        (kernels/fused_hopper_backward.cu: 128 keys / 128 query rows a block; the dQ kernel, first,
-        also computes Dl: two launches), elsewhere the mma.sync ones (64 and 64, after a Dl kernel);
-        see bwd_kernels. No atomics: deterministic always (the option is accepted for the interface)."""
+        """(dq, dk, dv). On compute capability 9.0 (kernels/fused_hopper_backward.cu, wgmma) by default
+        five products: hbwd_pre (Dl = rowsum(dO o O), the fp32 dQ sum zeroed), hbwd5_kv (a block per 128
+        keys of a K/V head: dK and dV in registers, summed over the query heads of its group, and each
+        step's dS K added to the dQ sum, in whatever order the blocks run), hbwd_dq_out (the sum to dQ).
+        deterministic=True, and elsewhere: seven products, no atomics, the same bits every run: one
+        block per key tile for dK and dV, one per query tile for dQ (the wgmma hbwd_dq, which also writes
+        Dl, then hbwd_kv; or mma.sync's fbwd_dot, fbwd_kv, fbwd_dq); see bwd_kernels."""
         b, h, n, d = q.shape
         suf = self.kernel_suffix(q)
         group = kv_group(q, k, v)
