@@ -49,6 +49,10 @@
 #   triton  the Triton rung: pytest -m gpu tests/test_gpu_triton.py, then bench_kernels (forward) and
 #           bench_backward beside the CUDA fused kernel and SDPA at N = 4096 and 16384, causal and not;
 #           the first call (compile + autotune) with an empty Triton cache
+#   backward5  the five-product backward: its GPU tests (the backward, training and compile files),
+#           compute-sanitizer memcheck and racecheck over scripts/sanitize_backward.py, bench_backward on
+#           the shapes (five products, deterministic=True's seven, SDPA flash and cuDNN) and
+#           bench_train's training step beside the plain layer on the same shapes
 #   gputests  the whole pytest -m gpu
 # Logs and JSON go to $OUT (default results/); COMMIT=<hash> records the commit where the copy's .git differs.
 # Usage: bash scripts/gpu_runs.sh [STEP]... (default all)
@@ -389,6 +393,30 @@ if want triton; then
   done
   python3 scripts/bench_backward.py --seq-lens 4096 16384 --both-causal --kernels fused triton sdpa_flash sdpa_cudnn \
     --commit "${COMMIT:-unknown}" --out "$OUT/triton_bwd" 2>&1 | tail -14 || status=1
+fi
+if want backward5; then
+  note "the five-product backward: GPU tests"
+  for f in test_gpu_backward_fused test_gpu_backward_props test_gpu_compile test_gpu_train test_gpu_backward_naive; do
+    python3 -m pytest -m gpu -q -p no:warnings --tb=short tests/$f.py 2>&1 | tee "$OUT/pytest_$f.log" | tail -3 || status=1
+  done
+  san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  for tool in memcheck racecheck; do
+    timeout 300 "$san" --tool $tool --error-exitcode 9 python3 scripts/sanitize_backward.py > "$OUT/sanitizer_bwd_$tool.log" 2>&1
+    echo "$tool exit $?"; tail -1 "$OUT/sanitizer_bwd_$tool.log"
+  done
+  c=${COMMIT:-unknown}
+  K="fused fused_det sdpa_flash sdpa_cudnn"
+  note "bench_backward and bench_train"
+  for args in "--seq-lens 4096 --both-causal" "--batch 2 --kv-heads 8 --seq-lens 8192 --dtype bf16 --causal --sdpa-gqa native" \
+              "--seq-lens 16384 --causal" "--batch 8 --heads 16 --head-dim 64 --seq-lens 1024 --dtype bf16 --causal"; do
+    tag=$(echo "$args" | tr -d ' -' | cut -c1-40)
+    python3 scripts/bench_backward.py $args --kernels $K --commit "$c" --out "$OUT/backward5_$tag" 2>&1 | grep "^  " || status=1
+  done
+  for args in "" "--causal" "--batch 2 --kv-heads 8 --dtype bf16 --causal" \
+              "--batch 8 --seq-len 1024 --heads 16 --head-dim 64 --dtype bf16 --causal"; do
+    tag=$(echo "x$args" | tr -d ' -' | cut -c1-40)
+    python3 scripts/bench_train.py $args --commit "$c" --out "$OUT/train5_$tag" 2>&1 | tail -4 || status=1
+  done
 fi
 if want gputests; then
   note "pytest -m gpu (all)"
