@@ -268,7 +268,8 @@ class FusedBackend(CudaBackend):
         tail = (np.int32(b * h), np.int32(h), np.int32(group), np.int32(n), scale, np.int32(causal))
         if bwd_kernels(_device_info(dev)[1]) == "wgmma" and not deterministic:
             # five products: hbwd_pre writes Dl and zeros the fp32 dQ sum, hbwd5_kv adds each block's
-            # dS K into it (bulk reduce-adds, in whatever order the blocks run) beside dK and dV
+            # dS K into it (red.global.add, in whatever order the blocks run) beside dK and dV; hbwd_dq_out
+            # turns the sum (laid out as the accumulators are held) into dq
             rows = b * h * n
             dqa = torch.empty(b * h * _cdiv(n, 64) * 64 * d, dtype=torch.float32, device=dev)
             with section("bwd_pre"):
