@@ -133,3 +133,19 @@ def chunked_grads(q, k, v, do, causal: bool = False, rows: int = 1024):
         del s, y, dp, ds
     low = tuple(x.to(dt)[None, None] for x in (dq_t, dk_t, dv_t))
     return tuple(x[None, None] for x in (dq_e, dk_e, dv_e)), low
+
+
+def dq_from_sum(dq: torch.Tensor, dqa: torch.Tensor) -> None:
+    """The layout of hbwd5_kv's fp32 dQ sum, written as the copy that undoes it (the oracle of
+    hbwd_dq_out's GPU test; tests/test_dq_layout.py checks it against the kernel's thread map): dQ
+    [B, H, N, d] from the sum, laid out as its accumulators are held
+    (kernels/fused_hopper_backward.cu): [bh][query tile][panel][g][warp][lane / 4][lane % 4][e >> 1][e & 1]
+    holds row 16 warp + 8 (e >> 1) + lane / 4 and column 64 panel + 8 g + 2 (lane % 4) + (e & 1) of the
+    tile. One permuted copy (rounding to dq's dtype) when N is a multiple of 64, else two."""
+    b, h, n, d = dq.shape
+    qt = -(-n // 64)
+    out = dq if n % 64 == 0 else torch.empty(b, h, qt * 64, d, dtype=dq.dtype, device=dq.device)
+    out.view(b * h, qt, 4, 2, 8, d // 64, 8, 4, 2).permute(0, 1, 5, 6, 2, 4, 7, 3, 8).copy_(
+        dqa.view(b * h, qt, d // 64, 8, 4, 8, 4, 2, 2))
+    if out is not dq:
+        dq.copy_(out[:, :, :n])

@@ -1,11 +1,12 @@
 """The five-product backward's dQ sum (kernels/fused_hopper_backward.cu) is laid out as the wgmma
-accumulators are held; fused.dq_from_sum turns it into dQ. Checked here on the CPU against the kernel's
-own description of where accumulator i of thread t lands, element by element."""
+accumulators are held; backward_check.dq_from_sum describes the layout (as the copy that undoes it).
+Checked here on the CPU against the kernel's own description of where accumulator i of thread t lands,
+element by element."""
 
 import pytest
 import torch
 
-from tpattn.attention.fused import dq_from_sum
+from backward_check import dq_from_sum
 
 
 def kernel_layout(b, h, n, d):

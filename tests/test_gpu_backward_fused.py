@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backward_check import check_output_and_grads, grads, inputs
+from backward_check import check_output_and_grads, dq_from_sum, grads, inputs
 from tpattn.attention import attention, get_backend
 
 pytestmark = pytest.mark.gpu
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(autouse=True, params=["wgmma", "wgmma-deterministic", "mma"])
 def bwd_kernels(request, monkeypatch):
     """Every test runs with each backward kernel set this GPU has: on compute capability 9.0 the
-    five-product wgmma kernel (dQ by bulk adds: the default), the seven-product ones
+    five-product wgmma kernel (dQ by fp32 adds: the default), the seven-product ones
     (deterministic=True), and everywhere the mma.sync ones. Returns whether `check` asks for
     deterministic gradients."""
     kernels = request.param.split("-")[0]
@@ -103,8 +103,8 @@ def test_backward_memory_is_linear_in_n():
 @pytest.mark.parametrize("n,d,dtype", [(64, 128, torch.float16), (100, 64, torch.bfloat16), (1, 128, torch.bfloat16)])
 def test_the_dq_sum_leaves_in_row_order(n, d, dtype, bwd_kernels):
     """hbwd_dq_out (the five-product backward's last pass) turns the fp32 sum, laid out as the kernel's
-    accumulators are held, into dQ exactly as fused.dq_from_sum (the layout's description, checked on
-    the CPU in tests/test_dq_layout.py) does."""
+    accumulators are held, into dQ exactly as backward_check.dq_from_sum (the layout's description,
+    checked on the CPU in tests/test_dq_layout.py) does."""
     if bwd_kernels or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the five-product kernels run on compute capability 9.0 without deterministic=True")
     import numpy as np
@@ -118,5 +118,5 @@ def test_the_dq_sum_leaves_in_row_order(n, d, dtype, bwd_kernels):
     launch(fused.HOPPER_BWD_SOURCE, f"hbwd_dq_out_{suf}_d{d}", got.device, (tiles, 1, 1), (256, 1, 1),
            (ptr(dqa), ptr(got), np.int32(n), np.int64(tiles)))
     want = torch.empty_like(got)
-    fused.dq_from_sum(want, dqa)
+    dq_from_sum(want, dqa)
     assert torch.equal(got, want)

@@ -313,20 +313,6 @@ def bwd5_shared_mem(d: int) -> int:
     return (2 * 128 + 4 * 64) * d * 2 + 1024 + 1024 + 128 * 64 * 2
 
 
-def dq_from_sum(dq: torch.Tensor, dqa: torch.Tensor) -> None:
-    """dQ [B, H, N, d] from hbwd5_kv's fp32 sum, laid out as its accumulators are held
-    (kernels/fused_hopper_backward.cu): [bh][query tile][panel][g][warp][lane / 4][lane % 4][e >> 1][e & 1]
-    holds row 16 warp + 8 (e >> 1) + lane / 4 and column 64 panel + 8 g + 2 (lane % 4) + (e & 1) of the
-    tile. One permuted copy (rounding to dq's dtype) when N is a multiple of 64, else two."""
-    b, h, n, d = dq.shape
-    qt = _cdiv(n, 64)
-    out = dq if n % 64 == 0 else torch.empty(b, h, qt * 64, d, dtype=dq.dtype, device=dq.device)
-    out.view(b * h, qt, 4, 2, 8, d // 64, 8, 4, 2).permute(0, 1, 5, 6, 2, 4, 7, 3, 8).copy_(
-        dqa.view(b * h, qt, d // 64, 8, 4, 8, 4, 2, 2))
-    if out is not dq:
-        dq.copy_(out[:, :, :n])
-
-
 def bwd_kernels(cc: tuple[int, int]) -> str:
     """Which fused backward runs on a GPU of compute capability cc: "wgmma" on 9.0
     (kernels/fused_hopper_backward.cu), "mma" (kernels/fused_attention_backward.cu, mma.sync) elsewhere.
