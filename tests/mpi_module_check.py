@@ -10,6 +10,9 @@ several ranks. Prints 'MODULE PASS rank R' and exits 0, or prints what failed an
 - A collective's local error is said to be local, on every rank.
 - train_nbytes names exactly the collectives a training step runs (GQA copies and sequence parallel
   under-counted).
+- (4 ranks) K/V heads held by 2 ranks each: their gradients are summed over those 2 ranks, one
+  slot (the world's groups), or over a layer group that is not the world as G slots; the bytes are
+  what train_nbytes counts and the gradients the single-process ones.
 - deepcopy and torch.save/load under a process group; full_weights() rebuilds the layer in one process.
 """
 
@@ -121,6 +124,42 @@ for kw in ({}, {"sequence_parallel": True}, {"kv_heads": 1}, {"kv_heads": 2, "ov
                                                                                               "allgather") else 1)
                                                    for k in counted if k in seen):
         bad.append(f"{kw}: a step ran {seen}, train_nbytes counts {sorted(counted)}")
+
+# ---- the K/V copies' gradient sum: over the ranks holding the head (their own group), one slot ----
+def gqa(g, **kw):
+    w = dict(full, wk=full["wk"][:, :g * d], wv=full["wv"][:, :g * d], bk=full["bk"][:g * d], bv=full["bv"][:g * d])
+    return w, TensorParallelAttention.from_full(**w, heads=H, **kw)
+
+
+if W == 4:
+    import torch.distributed as dist
+    w2, single = gqa(2, group=None)
+    xs = x.clone().requires_grad_()
+    single(xs).backward(dy)
+    for name, group in (("world", "world"), ("a group of the same ranks", dist.new_group(list(range(W))))):
+        _, layer = gqa(2, group=group)  # each K/V head on 2 ranks
+        sizes = []
+        run = layer.comm._run
+
+        def recorded(label, op, overlap, *tensors, over=None, _run=run):
+            if label.startswith("bwd_copies"):
+                sizes.append((label, tensors[0].numel() * tensors[0].element_size(),
+                              over[1] if over is not None else layer.world))
+            return _run(label, op, overlap, *tensors, over=over)
+        layer.comm._run = recorded
+        xl = x.clone().requires_grad_()
+        layer(xl).backward(dy)
+        counted = layer.train_nbytes(2, 8)
+        ranks = 2 if group == "world" else W  # the world has the copies' groups; another group: G slots over it
+        if sorted(sizes) != sorted((k, counted[k], ranks) for k in ("bwd_copies", "bwd_copies_bias")) \
+                or layer.copies_world() != ranks:
+            bad.append(f"copies on {name}: ran {sizes}, train_nbytes {counted}, copies_world {layer.copies_world()}")
+        got = layer.full_grads()
+        for k, v in single.full_grads().items():
+            if v is not None and not torch.allclose(got[k], v, atol=1e-5):
+                bad.append(f"copies on {name}: the gradient of {k} differs by {(got[k] - v).abs().max():.2e}")
+        if not torch.allclose(xl.grad, xs.grad, atol=1e-5):
+            bad.append(f"copies on {name}: x.grad differs")
 
 # ---- deepcopy, pickling, full_weights under a process group --------------------------------------
 layer = build(causal=True)

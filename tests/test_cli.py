@@ -190,6 +190,16 @@ def test_report_last_rank_is_call_by_call():
     assert old["reducescatter"]["last_rank_from"] == "rank medians"
 
 
+def test_report_copies_bandwidth_counts_their_own_ranks():
+    """The K/V copies' all-reduce runs among the ranks that hold one K/V head (W/G of them): its bus
+    bandwidth uses that many ranks, not the world's."""
+    from tpattn import report
+    stats = {"bwd_copies": {"median": 1.0, "min": 1.0, "max": 1.0}}
+    got = report.collective_stats(stats, {"bwd_copies": 1 << 20}, 8, {"bwd_copies": "fp32"}, None,
+                                  {"bwd_copies": 2})["bwd_copies"]
+    assert got["ranks"] == 2 and got["busbw_GBps"] == pytest.approx((1 << 20) / 1e-3 / 1e9 * 2 * 1 / 2)
+
+
 def test_versions_carry_no_nul_byte(monkeypatch):
     """Open MPI's library version string holds a NUL byte; the versions every report and benchmark
     file records must not (it made the .md files "binary" to grep and the JSON carry \\u0000)."""

@@ -18,6 +18,7 @@ linear map: a sum over ranks transposes to a copy to every rank, a gather to a s
     all_gather       sequence blocks -> whole   scatter_backward: reduce_scatter of dX
     reduce_scatter   partials -> own block      gather_backward: all_gather of dy
     (copies)         K/V heads on several ranks sum_of_copies: all_reduce of their gradients
+                                                (over the ranks holding the head: copy_groups)
 
 Each op owns its stream handling (a side stream with overlap, `record_stream` of what it reads
 there), the collective watch (tpattn/watch.py), fault injection (tpattn/faults.py) and its timing
@@ -73,10 +74,13 @@ class Comm:
     overlap > 1 on a GPU runs them on a side stream that first waits for the work queued so far;
     the compute stream reads a result only after wait(event) or join()."""
 
-    def __init__(self, group, rank: int, world: int):
+    def __init__(self, group, rank: int, world: int, copies: int = 1):
+        """copies: how many ranks (consecutive) hold each K/V head (GQA with W > G), whose gradient
+        sum sum_of_copies runs over those ranks only where they have a group (copy_groups)."""
         self.group, self.rank, self.world = group, rank, world
         self.nccl = group is not None and dist.get_backend(group) == "nccl"
         self._side = None
+        self.copies = copy_groups(group, rank, world, copies)  # (group, size) of this rank's copies, or None
 
     # -- pair: copy to ranks (forward: the identity, every rank holds x) / sum from ranks --
 
@@ -149,9 +153,15 @@ class Comm:
             return False
         return self._run(name, op, overlap, *tensors)
 
-    def _run(self, name: str, op, overlap: int, *tensors):
-        """op(*tensors, group=...) after the work queued so far; the end event on a side stream, else None."""
-        if self.group is None or self.world == 1:
+    def sum_copies(self, t: torch.Tensor, label: str) -> None:
+        """all_reduce(SUM) of t, in place, over the ranks that hold this rank's K/V head (self.copies)."""
+        self._run(label, _all_reduce, 1, t, over=self.copies)
+
+    def _run(self, name: str, op, overlap: int, *tensors, over: tuple | None = None):
+        """op(*tensors, group=...) after the work queued so far; the end event on a side stream, else
+        None. over: (group, size) of a subgroup to run it on instead of the layer's group."""
+        group, world = over if over is not None else (self.group, self.world)
+        if group is None or world == 1:
             if op is _all_gather or op is _reduce_scatter:
                 tensors[0].copy_(tensors[1].view(tensors[0].shape))
             elif op is not _all_reduce:
@@ -165,10 +175,10 @@ class Comm:
                     if isinstance(t, torch.Tensor):
                         t.record_stream(stream)
         with (torch.cuda.stream(stream) if stream is not None else nullcontext()), section(name), \
-                watch.collective(name, self.world, self.nccl or name == "oneshot"):  # a kernel: watched on the GPU
+                watch.collective(name, world, self.nccl or name == "oneshot"):  # a kernel: watched on the GPU
             try:
                 with torch.no_grad():  # the pairs' Functions carry the gradients; the op itself is not differentiable
-                    op(*tensors, group=self.group)
+                    op(*tensors, group=group)
             except dist.DistError as exc:  # the backend's: a peer that died, hangs or never came
                 raise CollectiveError(watch.explain(name, self.world, first_line(exc))) from None
             except RuntimeError as exc:  # raised on this rank before or without a peer: say so, not "a rank died"
@@ -265,8 +275,10 @@ class _GatherSequence(torch.autograd.Function):
 class _SumOfCopies(torch.autograd.Function):
     """Forward: this rank's slice t of a tensor that several ranks hold as copies (K/V heads with
     more ranks than K/V heads), as it is. Backward: the sum of every copy's gradient, on each
-    copy's rank: each rank places its gradient at its slot (`slot` of `slots`) of a zero buffer,
-    one all_reduce(SUM), and each takes its slot back."""
+    copy's rank, in fp32: one all_reduce(SUM) over the ranks holding the same K/V head (their own
+    group, comm.copies). Where the layer's group has no such subgroups (copy_groups), each rank
+    places its gradient at its slot (`slot` of `slots`) of a zero buffer, one all_reduce(SUM) over
+    the whole group, and each takes its slot back: slots times the bytes."""
 
     @staticmethod
     def forward(ctx, t, comm, slot: int, slots: int, label: str):
@@ -276,7 +288,13 @@ class _SumOfCopies(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         comm = ctx.comm
-        buf = torch.zeros((ctx.slots, *g.shape), dtype=torch.promote_types(g.dtype, torch.float32), device=g.device)
+        acc = torch.promote_types(g.dtype, torch.float32)
+        if comm.copies is not None:
+            buf = g.to(acc, copy=True).contiguous()
+            if not backward_fault(comm):
+                comm.sum_copies(buf, ctx.label)
+            return buf.to(g.dtype), None, None, None, None
+        buf = torch.zeros((ctx.slots, *g.shape), dtype=acc, device=g.device)
         buf[ctx.slot] = g
         if not backward_fault(comm):
             comm._run(ctx.label, _all_reduce, 1, buf)
@@ -294,6 +312,40 @@ def gather_sequence(x: torch.Tensor, comm: Comm) -> torch.Tensor:
 
 def sum_of_copies(t: torch.Tensor, comm: Comm, slot: int, slots: int, label: str = "bwd_copies") -> torch.Tensor:
     return _SumOfCopies.apply(t, comm, slot, slots, label)
+
+
+# ---- the K/V copies' groups ----------------------------------------------------------------------
+# One process group per K/V head held by several ranks, made once per set of ranks and shared by
+# every layer over them. new_group is a collective of the whole world (and, with NCCL bound to a
+# device, a split of the default communicator), so the groups are made only when the layer's group
+# is the world, which every rank builds; for a layer on a smaller group every rank of the world
+# would have to take part although only the group's ranks build the layer (that hung), so there
+# sum_of_copies all-reduces its slotted buffer over the layer's group. The choice depends only on
+# the group and the shard, the same on every rank of the layer.
+_COPY_GROUPS: dict = {}
+
+
+def copy_groups(group, rank: int, world: int, copies: int):
+    """(group, size) of the `copies` consecutive ranks that hold this rank's K/V head, or None (no
+    copies, one process, or a layer group that is not the world)."""
+    if group is None or copies < 2 or world % copies:
+        return None
+    if copies == world:  # one K/V head on every rank: the layer's group is the copies' group
+        return group, world
+    if group is not dist.group.WORLD:
+        return None
+    key = (id(group), world, copies)
+    made = _COPY_GROUPS.get(key)
+    if made is not None:
+        try:
+            dist.get_process_group_ranks(made[rank // copies])
+        except (ValueError, RuntimeError, KeyError):  # destroyed with an earlier default group
+            made = None
+    if made is None:  # every rank makes every block's group, in the same order (NON_GROUP_MEMBER for others)
+        backend = dist.get_backend(group)
+        made = [dist.new_group(list(range(b, b + copies)), backend=backend) for b in range(0, world, copies)]
+        _COPY_GROUPS[key] = made
+    return made[rank // copies], copies
 
 
 def _all_reduce(t: torch.Tensor, group=None):

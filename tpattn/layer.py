@@ -126,7 +126,7 @@ class TensorParallelAttention(LayerPlan, LayerModule):
         self.biases = torch.nn.ParameterDict({n: param(b) for n, b in (("bq", bq), ("bk", bk), ("bv", bv))
                                               if b is not None and not all(present)})
         self.wo, self.bo = param(wo), param(bo)
-        self.comm = Comm(self.group, rank, world)
+        self.comm = Comm(self.group, rank, world, self.kv_copies)
         self.peers = PeerLinks(self.comm, output_collective)
         self._plans: dict[tuple, CommPlan] = {}
         self._built = True
@@ -141,6 +141,7 @@ class TensorParallelAttention(LayerPlan, LayerModule):
     local_heads = property(lambda self: len(self.shard.head_range))       # differs between ranks when uneven
     local_kv_heads = property(lambda self: len(self.shard.kv_head_range))
     local_group = property(lambda self: self.local_heads // self.local_kv_heads)  # query heads per K/V head
+    kv_copies = property(lambda self: max(1, self.world // self.kv_heads))  # ranks holding each K/V head
     model_dim = property(lambda self: self.wqkv.shape[0])
     dtype = property(lambda self: self.wqkv.dtype)  # follows .to() / .half()
     part_dtype = property(lambda self: torch.promote_types(self.dtype, torch.float32) if self.reduce_dtype == "fp32"

@@ -93,7 +93,7 @@ class LayerModule(torch.nn.Module):
         for keep in (self.group, self.backend):
             if keep is not None:
                 memo[id(keep)] = keep
-        memo[id(self.comm)] = Comm(self.group, self.rank, self.world)
+        memo[id(self.comm)] = Comm(self.group, self.rank, self.world, self.kv_copies)
         memo[id(self.peers)] = PeerLinks(memo[id(self.comm)], self.output_collective)
         for k, v in self.__dict__.items():
             object.__setattr__(new, k, copy.deepcopy(v, memo))
@@ -113,7 +113,7 @@ class LayerModule(torch.nn.Module):
             raise ValueError(f"this layer was pickled as rank {shard.rank} of {shard.world} but this process is rank "
                              f"{rank} of {world}; save and load each rank's state_dict() instead")
         state = dict(state, group=group, backend=get_backend(state["backend"]), _plans={})
-        state["comm"] = Comm(group, rank, world)
+        state["comm"] = Comm(group, rank, world, max(1, world // shard.kv_heads))
         state["peers"] = PeerLinks(state["comm"], state["output_collective"])
         self.__dict__.update(state)
 

@@ -49,11 +49,17 @@ class LayerPlan:
         p = self.plan(batch, seq_len)
         return p.nbytes if p.collective != "none" else {"allreduce": p.partial_bytes}
 
+    def copies_world(self) -> int:
+        """How many ranks the K/V copies' gradient sum runs over: the ranks holding one K/V head
+        where they have their own group (tpattn.comm.copy_groups), else the layer's whole group."""
+        return self.comm.copies[1] if self.comm.copies is not None else self.world
+
     def train_nbytes(self, batch: int, seq_len: int) -> dict[str, int]:
         """Bytes of each collective a training step runs (forward and backward; the whole tensor):
         the forward's (the plan's), the duals in the backward (dX; sequence parallel: dy gathered,
         dX scattered) and, where several ranks hold a K/V head, the all-reduce of its copies'
-        gradients (sum_of_copies: one for the K/V weight columns, one for their biases)."""
+        gradients (sum_of_copies: one for the K/V weight columns, one for their biases; over the
+        copies_world() ranks that hold the head)."""
         p = self.plan(batch, seq_len)
         if p.collective == "none":
             return {}
@@ -63,11 +69,12 @@ class LayerPlan:
             out |= {"bwd_allgather": p.x_bytes, "bwd_reducescatter": dx}
         else:
             out["bwd_allreduce"] = dx
-        if self.world > self.kv_heads:
+        if self.world > self.kv_heads:  # over the head's copies' own group (one slot), else G slots over all
             acc = torch.promote_types(self.dtype, torch.float32).itemsize
             kv = 2 * self.local_kv_heads * self.head_dim
-            out["bwd_copies"] = self.kv_heads * self.model_dim * kv * acc
+            slots = 1 if self.comm.copies is not None else self.kv_heads
+            out["bwd_copies"] = slots * self.model_dim * kv * acc
             if self.bqkv is not None or "bk" in self.biases or "bv" in self.biases:
-                out["bwd_copies_bias"] = self.kv_heads * kv * acc
+                out["bwd_copies_bias"] = slots * kv * acc
         return out
 

@@ -64,12 +64,15 @@ def last_rank_ms(per_rank: list[list[float]]) -> float:
     return statistics.median(min(call) for call in zip(*per_rank))
 
 
-def collective_stats(stats: dict, nbytes: dict, world: int, dtype: dict, samples: dict | None = None) -> dict:
+def collective_stats(stats: dict, nbytes: dict, world: int, dtype: dict, samples: dict | None = None,
+                     worlds: dict | None = None) -> dict:
     """Per collective: bytes, the median over ranks and the last-arriving rank's time (last_rank_ms
     from every rank's per-call samples, {name: [per rank [ms per call]]}; without them the smallest
-    of the ranks' medians), and bandwidths."""
+    of the ranks' medians), and bandwidths (over `world` ranks, or worlds[name] for a collective of
+    a subgroup: the K/V copies')."""
     out = {}
     for name, n in nbytes.items():
+        ranks = (worlds or {}).get(name, world)
         s = stats.get(name, {})
         per_rank = (samples or {}).get(name)
         med = s.get("median", 0.0)
@@ -77,9 +80,9 @@ def collective_stats(stats: dict, nbytes: dict, world: int, dtype: dict, samples
         last = last_rank_ms(per_rank) if by_call else s.get("min", 0.0)
         kind = name.removeprefix("bwd_")  # a backward collective: the forward's kind (the copies': all-reduces)
         kind = "allreduce" if kind.startswith("copies") else kind
-        algbw, busbw = bus_bandwidth(n, med, world, kind)
-        _, busbw_last = bus_bandwidth(n, last, world, kind)
-        out[name] = {"bytes": n, "dtype": dtype[name], "median_ms": med, "last_rank_ms": last,
+        algbw, busbw = bus_bandwidth(n, med, ranks, kind)
+        _, busbw_last = bus_bandwidth(n, last, ranks, kind)
+        out[name] = {"bytes": n, "dtype": dtype[name], "ranks": ranks, "median_ms": med, "last_rank_ms": last,
                      "last_rank_from": "calls" if by_call else "rank medians",
                      "algbw_GBps": algbw, "busbw_GBps": busbw, "busbw_last_rank_GBps": busbw_last}
     return out
@@ -156,11 +159,12 @@ def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, c
               "bwd_allreduce": model, "bwd_allgather": model, "bwd_reducescatter": model,  # dX, dy, dX
               "bwd_copies": "fp32", "bwd_copies_bias": "fp32"}  # the K/V copies' gradients, summed in fp32
     samples = {k: [r.get("collective_samples", {}).get(k, []) for r in rank_reports] for k in collective_bytes}
-    colls = collective_stats(stats, collective_bytes, world, dtypes, samples) if proc.distributed else {}
+    G = cfg.kv_heads or cfg.heads
+    copies = {k: world // G for k in ("bwd_copies", "bwd_copies_bias")} if kv_replicated(cfg.heads, G, world) else {}
+    colls = collective_stats(stats, collective_bytes, world, dtypes, samples, copies) if proc.distributed else {}
     heads = [heads_per_rank(cfg, world, r) for r in range(world)]  # rank 0 holds the most
     h = heads[0]
     g = kv_heads_per_rank(cfg, world)
-    G = cfg.kv_heads or cfg.heads
     kv_layout = "one per query head" if G == cfg.heads else ("replicated" if kv_replicated(cfg.heads, G, world)
                                                              else "split")
     sp = scores_bytes(cfg, world)
@@ -269,7 +273,8 @@ def text(rep: dict) -> str:
         for name, a in rep.get("collectives", {}).items():
             if not a["median_ms"]:  # a CUDA graph: no per-pass times
                 continue
-            lines.append(f"{COLLECTIVES[name]}: {_mib(a['bytes'])} of {a['dtype']}, {a['median_ms']:.3f} ms median over "
+            among = f" among {a['ranks']} ranks" if a.get("ranks", rep["world"]["size"]) != rep["world"]["size"] else ""
+            lines.append(f"{COLLECTIVES[name]}{among}: {_mib(a['bytes'])} of {a['dtype']}, {a['median_ms']:.3f} ms median over "
                          f"ranks (busbw {a['busbw_GBps']:.1f} GB/s); {a['last_rank_ms']:.3f} ms on the last rank to "
                          f"arrive{', call by call' if a.get('last_rank_from') == 'calls' else ''} (busbw "
                          f"{a['busbw_last_rank_GBps']:.1f} GB/s), the others also wait for it")
