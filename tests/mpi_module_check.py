@@ -14,6 +14,8 @@ several ranks. Prints 'MODULE PASS rank R' and exits 0, or prints what failed an
   slot (the world's groups), or over a layer group that is not the world as G slots; the bytes are
   what train_nbytes counts and the gradients the single-process ones.
 - deepcopy and torch.save/load under a process group; full_weights() rebuilds the layer in one process.
+- torch.compile of a model holding the layer (head- and sequence-parallel): one graph, no break (the
+  collectives trace as torch's functional collectives), eager's output and gradients.
 """
 
 import copy
@@ -160,6 +162,43 @@ if W == 4:
                 bad.append(f"copies on {name}: the gradient of {k} differs by {(got[k] - v).abs().max():.2e}")
         if not torch.allclose(xl.grad, xs.grad, atol=1e-5):
             bad.append(f"copies on {name}: x.grad differs")
+
+# ---- torch.compile over several ranks: the collectives trace as functional collectives -----------
+import torch._dynamo as dynamo  # noqa: E402
+
+
+class Block(torch.nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.lin = torch.nn.Linear(E, E)
+        self.attn = build(causal=True, **kw)
+
+    def forward(self, t):
+        return t + self.attn(self.lin(t))
+
+
+torch.manual_seed(1)
+for kw, xin in (({}, x), ({"sequence_parallel": True}, mine)):
+    model = Block(**kw)
+    with torch.no_grad():
+        found = dynamo.explain(model)(xin)
+    dynamo.reset()
+    found_train = dynamo.explain(model)(xin.clone().requires_grad_())
+    dynamo.reset()
+    for what, e in (("inference", found), ("training", found_train)):
+        if (e.graph_count, e.graph_break_count) != (1, 0):
+            bad.append(f"compile {kw} {what}: {e.graph_count} graphs, breaks {[str(b.reason)[:120] for b in e.break_reasons]}")
+    with torch.no_grad():
+        if not torch.allclose(torch.compile(model)(xin), model(xin), atol=1e-5):
+            bad.append(f"compile {kw}: the compiled output differs from eager")
+    dynamo.reset()
+    model(xin).square().sum().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    torch.compile(model, backend="aot_eager")(xin).square().sum().backward()
+    dynamo.reset()
+    if any(not torch.allclose(p.grad, want[n], atol=1e-5) for n, p in model.named_parameters()):
+        bad.append(f"compile {kw}: the compiled training step's gradients differ from eager")
 
 # ---- deepcopy, pickling, full_weights under a process group --------------------------------------
 layer = build(causal=True)

@@ -283,6 +283,59 @@ def test_the_cuda_backends_are_custom_ops_with_fake_shapes():
             assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
 
 
+def test_the_decode_kernels_are_custom_ops_with_fake_shapes():
+    """tpattn::decode_append, tpattn::decode_attention and tpattn::prefix_attention give their
+    outputs' shapes without running a kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tpattn.attention import get_backend
+    get_backend("fused")
+    with FakeTensorMode():
+        cache_k = torch.empty(2, 2, 64, 32, dtype=torch.float16)
+        pos = torch.zeros(1, dtype=torch.int64)
+        q = torch.ops.tpattn.decode_append(torch.empty(2, 8 + 4, 32, dtype=torch.float16), cache_k, cache_k.clone(),
+                                           pos, None, None, 8, False)
+        assert q.shape == (2, 8, 1, 32) and q.dtype == torch.float16
+        o = torch.ops.tpattn.decode_attention(q, cache_k, cache_k, pos, torch.zeros(4, dtype=torch.int32))
+        assert o.shape == q.shape
+        o = torch.ops.tpattn.prefix_attention(torch.empty(2, 8, 5, 32, dtype=torch.float16), cache_k[:, :, :25],
+                                              cache_k[:, :, :25], 20, "fused")
+        assert o.shape == (2, 5, 8, 32)
+
+
+def test_compiled_decode_matches_eager_on_cpu():
+    """torch.compile of a model that decodes through the layer (CPU: attend's torch math, rotary
+    positions): a prefill, a prefill over the rows in the cache and twelve steps match eager, with
+    no graph break and a handful of graphs, not one per step (the length becomes dynamic)."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+    layer = _layer(64, 4, causal=True, rope_theta=1e4)
+
+    class Decoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = layer
+
+        def forward(self, x, cache):
+            return self.attn(x, cache=cache)
+    model = Decoder()
+    x = torch.randn(2, 30, 64)
+    with torch.no_grad():
+        e = dynamo.explain(model)(x[:, :1], layer.new_cache(2, 40))
+        dynamo.reset()
+        assert e.graph_break_count == 0, [str(b.reason)[:200] for b in e.break_reasons]
+        eager, comp = layer.new_cache(2, 40), layer.new_cache(2, 40)
+        compiled = torch.compile(model)
+        counters.clear()
+        pairs = [(model(x[:, :8], eager), compiled(x[:, :8], comp)), (model(x[:, 8:18], eager), compiled(x[:, 8:18], comp))]
+        pairs += [(model(x[:, t:t + 1], eager), compiled(x[:, t:t + 1], comp)) for t in range(18, 30)]
+        graphs = counters["stats"]["unique_graphs"]
+        dynamo.reset()
+    assert max((a - b).abs().max().item() for a, b in pairs) < 1e-5
+    assert comp.length == eager.length == 30 and torch.allclose(comp.k, eager.k, atol=1e-6)
+    assert graphs <= 5, graphs
+
+
 @pytest.mark.parametrize("det", [False, True])
 def test_deterministic_reaches_the_backends_backward(det, monkeypatch):
     """deterministic is a setting fixed at construction (replace() changes it) and every differentiable

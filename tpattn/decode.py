@@ -186,6 +186,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
     B, h, T, d = q.shape
     if T != 1 or not decode_kernel_fits(q) or not (k.is_contiguous() and v.is_contiguous()):
         return attend(q, k[:, :, :length], v[:, :, :length], length - T)
+    if torch.compiler.is_compiling() and pos is not None and tickets is not None:  # one op in a traced graph
+        from .attention import custom_ops
+        return custom_ops.decode_attention_op(q, k, v, pos, tickets)
     import numpy as np
 
     from .cuda import GRID_YZ_MAX, launch, ptr
@@ -227,17 +230,29 @@ def append_row(qkv: torch.Tensor, cache: KVCache, heads: int, interleaved: bool)
         cache.k.index_copy_(2, cache.pos, k)
         cache.v.index_copy_(2, cache.pos, v)
         return q
+    if torch.compiler.is_compiling():  # one op in a traced graph (tpattn::decode_append), not a CuPy launch
+        from .attention import custom_ops
+        return custom_ops.decode_append_op(qkv, cache.k, cache.v, cache.pos, cache.cos, cache.sin, heads, interleaved)
+    return append_kernel(qkv, cache.k, cache.v, cache.pos, cache.cos, cache.sin, heads, interleaved)
+
+
+def append_kernel(qkv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, cos, sin, heads: int,
+                  interleaved: bool) -> torch.Tensor:
+    """append_row's kernel (dec_append) on a cache's tensors: k, v [B, g, max_len, d] written at
+    row pos[0], rotary tables cos, sin (or None); returns q [B, heads, 1, d]."""
     import numpy as np
 
     from .cuda import launch, ptr
+    B, rows, d = qkv.shape
+    g = (rows - heads) // 2
     q = torch.empty(B, heads, 1, d, dtype=qkv.dtype, device=qkv.device)
     suf = "f16" if qkv.dtype == torch.float16 else "bf16"
-    rope = cache.cos is not None
+    rope = cos is not None
     n = B * rows * d // 2
     launch(DEC_SOURCE, f"dec_append_{suf}", qkv.device, (min(-(-n // 256), 65535), 1, 1), (256, 1, 1),
-           (ptr(qkv), ptr(q), ptr(cache.k), ptr(cache.v), ptr(cache.cos) if rope else np.uint64(0),
-            ptr(cache.sin) if rope else np.uint64(0), ptr(cache.pos), np.int32(B), np.int32(heads), np.int32(g),
-            np.int32(d), np.int32(cache.max_len), np.int32(1 if interleaved else 0)))
+           (ptr(qkv), ptr(q), ptr(k), ptr(v), ptr(cos) if rope else np.uint64(0),
+            ptr(sin) if rope else np.uint64(0), ptr(pos), np.int32(B), np.int32(heads), np.int32(g),
+            np.int32(d), np.int32(k.shape[2]), np.int32(1 if interleaved else 0)))
     return q
 
 
@@ -306,10 +321,15 @@ def forward_cached(layer, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
                              o.permute(0, 2, 1, 3))
         elif layer.backend.name == "fused" and fused_prefix_fits(q):  # over the rows already in the cache
             with section("attention"):
-                qv, ov, o, r0 = fused_prefix_buffers(q, L0, layer.backend.row_chunks)
-                del qkv, q, k, v  # K and V are in the cache, q in qv: the projection's rows can go
-                layer.backend.forward(qv, cache.k[:, :, :L0 + T], cache.v[:, :, :L0 + T], True, out=ov,
-                                      rows=(r0, L0 + T))
+                if torch.compiler.is_compiling():  # one op in a traced graph (tpattn::prefix_attention)
+                    from .attention import custom_ops
+                    o = custom_ops.prefix_attention_op(q, cache.k[:, :, :L0 + T], cache.v[:, :, :L0 + T], L0,
+                                                       layer.backend.name)
+                else:
+                    qv, ov, o, r0 = fused_prefix_buffers(q, L0, layer.backend.row_chunks)
+                    del qkv, q, k, v  # K and V are in the cache, q in qv: the projection's rows can go
+                    layer.backend.forward(qv, cache.k[:, :, :L0 + T], cache.v[:, :, :L0 + T], True, out=ov,
+                                          rows=(r0, L0 + T))
         else:
             with section("attention"):
                 o = attend(q, cache.k[:, :, :L0 + T], cache.v[:, :, :L0 + T], L0).permute(0, 2, 1, 3)
@@ -318,6 +338,16 @@ def forward_cached(layer, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
     total = OutputSum(layer, plan, x.device)
     total.add_rows(0, T, o.reshape(B * T, h * d))  # o [B, T, h, d]: the output GEMM's rows
     return total.result()
+
+
+def prefix_attention(backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, L0: int) -> torch.Tensor:
+    """o [B, T, h, d] of the T queries q [B, h, T, d] at positions L0.. over keys k, v [B, g, L0 + T, d]
+    (a cache's first L0 + T rows), causal: the fused kernel's rows [r0, L0 + T) through
+    fused_prefix_buffers, no scores in memory (tpattn::prefix_attention; forward_cached does the
+    same eagerly, dropping the projection's rows before the kernel runs)."""
+    qv, ov, o, r0 = fused_prefix_buffers(q, L0, backend.row_chunks)
+    backend.forward(qv, k, v, True, out=ov, rows=(r0, L0 + q.shape[2]))
+    return o
 
 
 def fused_prefix_buffers(q: torch.Tensor, L0: int, align: int):

@@ -51,8 +51,11 @@ def spell(message: str) -> str:
     return message
 
 
+_CUPY = importlib.util.find_spec("cupy") is not None  # looked up once: a traced graph (torch.compile) reads a flag
+
+
 def cupy_available() -> bool:
-    return importlib.util.find_spec("cupy") is not None
+    return _CUPY
 
 
 def cupy_missing_message(kernel: str = "naive") -> str:

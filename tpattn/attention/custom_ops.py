@@ -1,13 +1,25 @@
-"""The CUDA attention backends (naive, tiled, fused, triton) as torch custom ops, for a graph that
-torch.compile or torch.export traces: tpattn::attention (o and what the backward needs, the
-fused kernels' logsumexp) and tpattn::attention_backward (dq, dk, dv), with fake implementations
-that give the outputs' shapes without a GPU and the autograd formula that joins them. The traced
-graph holds one op per attention call instead of breaking at each CuPy launch. Eager calls do not
-go through them (Backend.attention and the layer check torch.compiler.is_compiling()): the
-dispatcher's cost per call stays out of the eager layer and its CUDA graphs. The reference backend
-is torch ops, which the compiler traces as they are."""
+"""The CUDA kernels as torch custom ops, for a graph that torch.compile or torch.export traces:
+
+    tpattn::attention            a backend's forward (naive, tiled, fused, triton): o and what the
+                                 backward needs (the fused kernels' logsumexp), differentiable
+    tpattn::attention_backward   its backward: dq, dk, dv
+    tpattn::decode_append        a decode step's rows: q out, K and V written into the cache at its
+                                 device position, rotary positions applied (mutates the cache)
+    tpattn::decode_attention     a decode step's split-K attention over the cache (its counters
+                                 are left zero: declared mutated)
+    tpattn::prefix_attention     a prefill over rows already in the cache (the fused kernel with
+                                 the causal diagonal shifted)
+
+Each has a fake implementation that gives the outputs' shapes without a GPU; the attention op has
+the autograd formula that joins it to its backward. The traced graph holds one op per call instead
+of breaking at each CuPy launch. Eager calls do not go through them (the callers check
+torch.compiler.is_compiling()): the dispatcher's cost per call stays out of the eager layer and its
+CUDA graphs. The reference backend and the CPU paths are torch ops, which the compiler traces as
+they are."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -69,3 +81,46 @@ attention_op.register_autograd(_backward, setup_context=_setup)
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, backend: str, deterministic: bool = False) -> Tensor:
     """o = attention(q, k, v) through tpattn::attention (differentiable)."""
     return attention_op(q, k, v, causal, backend, deterministic)[0]
+
+
+# ---- decoding (tpattn/decode.py's kernels) ---------------------------------------------------------
+
+@torch.library.custom_op("tpattn::decode_append", mutates_args=("k", "v"))
+def decode_append_op(qkv: Tensor, k: Tensor, v: Tensor, pos: Tensor, cos: Optional[Tensor], sin: Optional[Tensor],
+                     heads: int, interleaved: bool) -> Tensor:
+    """q [B, heads, 1, d] of a step's rows qkv [B, heads + 2g, d]; k and v of the rows written into
+    the cache k, v [B, g, max_len, d] at row pos[0] (rotated by cos, sin when given)."""
+    from .. import decode
+    return decode.append_kernel(qkv, k, v, pos, cos, sin, heads, interleaved)
+
+
+@decode_append_op.register_fake
+def _decode_append_fake(qkv, k, v, pos, cos, sin, heads, interleaved):
+    return qkv.new_empty(qkv.shape[0], heads, 1, qkv.shape[2])
+
+
+@torch.library.custom_op("tpattn::decode_attention", mutates_args=("tickets",))
+def decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, tickets: Tensor) -> Tensor:
+    """o [B, h, 1, d]: the query row q [B, h, 1, d] at position pos[0] over the cache's first
+    pos[0] + 1 rows of k, v [B, g, max_len, d]."""
+    from .. import decode
+    return decode.decode_attention(q, k, v, k.shape[2], pos=pos, tickets=tickets)
+
+
+@decode_attention_op.register_fake
+def _decode_attention_fake(q, k, v, pos, tickets):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("tpattn::prefix_attention", mutates_args=())
+def prefix_attention_op(q: Tensor, k: Tensor, v: Tensor, start: int, backend: str) -> Tensor:
+    """o [B, T, h, d] of the T queries q [B, h, T, d] at positions start.. over k, v [B, g, start + T, d]
+    (causal)."""
+    from .. import decode
+    return decode.prefix_attention(_backend(backend), q, k, v, start).contiguous()
+
+
+@prefix_attention_op.register_fake
+def _prefix_attention_fake(q, k, v, start, backend):
+    b, h, t, d = q.shape
+    return q.new_empty(b, t, h, d)
