@@ -8,7 +8,8 @@ The kernel against torch bit for bit (every dtype pair, rows whose width divides
 and without b_o, many calls in a row on the same buffers); the layer with output_collective="auto"
 choosing it for a decode step's partials and NCCL's/gloo's collectives for large ones, its prefill +
 decode against the single-process layer, every rank's output the same bits; a graphed decode step
-against the eager steps bit for bit; a rank that cannot map the others' buffers: auto falls back on
+against the eager steps bit for bit; a compiled decode step (the output GEMM and the kernel as one
+op, tpattn::peer_sum) without a graph break, against the eager steps; a rank that cannot map the others' buffers: auto falls back on
 every rank, "oneshot" raises the same line on every rank. Prints 'ONESHOT PASS rank R' and exits 0,
 or the failures and exit 1. Mode late prints 'ONESHOT STOPPED rank R after S s' on the waiting ranks
 (a rank stuck for 30 s prints where and exits 1)."""
@@ -118,6 +119,39 @@ with torch.no_grad():
         got.append(step().clone())
 if not torch.equal(torch.cat(got, 1), y):
     bad.append("the graphed steps differ from the eager ones")
+
+# ---- torch.compile: the output GEMM and the one-shot kernel as one op (tpattn::peer_sum) ----------
+import torch._dynamo as dynamo  # noqa: E402
+
+
+class Decoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = layer
+
+    def forward(self, t, c):
+        return self.attn(t, cache=c)
+
+
+with torch.no_grad():
+    model = Decoder()
+    e_cache = layer.new_cache(B, N + T)
+    layer(x[:, :N], cache=e_cache)
+    found = dynamo.explain(model)(x[:, N:N + 1], e_cache)
+    dynamo.reset()
+    e_cache.reset()
+    c_cache = layer.new_cache(B, N + T)
+    layer(x[:, :N], cache=e_cache)
+    layer(x[:, :N], cache=c_cache)
+    compiled = torch.compile(model)
+    want = torch.cat([layer(x[:, t:t + 1], cache=e_cache) for t in range(N, N + T)], 1)
+    got = torch.cat([compiled(x[:, t:t + 1], c_cache) for t in range(N, N + T)], 1)
+    dynamo.reset()
+if found.graph_break_count:
+    bad.append(f"a compiled one-shot decode step breaks its graph: {[str(b.reason)[:120] for b in found.break_reasons]}")
+if (got.float() - want.float()).abs().max().item() > 1e-2:
+    bad.append(f"the compiled one-shot steps differ from eager by {(got.float() - want.float()).abs().max().item():.3g}")
+same_on_every_rank("the compiled one-shot steps", got)
 
 # ---- a rank that cannot map the others: auto falls back, "oneshot" refuses, on every rank --------
 real_open = peer.OneShotBuffers.open

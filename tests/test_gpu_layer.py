@@ -134,8 +134,9 @@ def test_oneshot_allreduce_over_gloo(world):
     """The one-shot peer all-reduce (tests/mpi_oneshot_check.py): ranks sharing this GPU, or one
     GPU each where there are enough. The kernel bit for bit against torch (every dtype pair, widths
     that divide by 4 and not, b_o or not, many calls on the same buffers), auto's choice by size, the
-    decode against the single-process layer, the same bits on every rank, a graphed decode step,
-    and a rank that cannot map the others (auto falls back, "oneshot" refuses on every rank)."""
+    decode against the single-process layer, the same bits on every rank, a graphed decode step, a
+    compiled one (tpattn::peer_sum, no graph break), and a rank that cannot map the others (auto
+    falls back, "oneshot" refuses on every rank)."""
     r = run(mpirun_cmd(world) + [sys.executable, "tests/mpi_oneshot_check.py"], timeout=600)
     assert r.returncode == 0 and r.stdout.count("ONESHOT PASS") == world, r.stdout + r.stderr
 

@@ -110,6 +110,14 @@ class Comm:
         """The peer kernel: reduce-scatter and all-gather in one pass over NVLink (tpattn/peer.py)."""
         return self._output("peer", lambda o, b, group: peer.reduce_gather(o, b), 1, out, bias)
 
+    def peer_sum_traced(self, peer, how: str, o_rows: torch.Tensor, wo: torch.Tensor, out: torch.Tensor, bias):
+        """The two above inside a graph that torch.compile traces: the output GEMM into the peer
+        buffer and the peer kernel (how: "p2p" or "oneshot") as the one op tpattn::peer_sum, so the
+        mapped memory, which the graph does not see, is written and read inside it."""
+        from .attention import custom_ops
+        return self._output(how, lambda o, w, y, b, group: custom_ops.peer_sum_op(o, w, y, b, peer.key, how), 1,
+                            o_rows, wo, out, bias)
+
     # -- pair: all-gather (sequence parallel's input) / reduce-scatter (its output) --
 
     def all_gather(self, whole: torch.Tensor, block: torch.Tensor, overlap: int = 1):

@@ -41,11 +41,14 @@ class OutputSum:
             if not dst.is_contiguous():
                 dst.copy_(out.view(dst.shape))
             return
+        how = self.plan.collective
+        if self.peer is not None and how in ("p2p", "oneshot") and torch.compiler.is_compiling():
+            comm.peer_sum_traced(self.peer, how, o_rows, L.wo, self.y.view(rows, D), L.bo)  # GEMM + kernel: one op
+            return
         part = self.peer.partial(rows, D) if self.peer else torch.empty(rows, D, dtype=L.part_dtype,
                                                                          device=self.device)
         with section("out_proj"):
             mm(o_rows, L.wo, L.part_dtype, out=part)
-        how = self.plan.collective
         if how == "p2p":  # reduce-scatter + all-gather in one kernel over NVLink, + b_o inside
             comm.peer_reduce_gather(self.peer, self.y.view(rows, D), L.bo)
         elif how == "oneshot":  # every rank reads every rank's partial, + b_o inside: one kernel

@@ -24,6 +24,7 @@ import ctypes
 import numpy as np
 import torch
 
+from .attention.custom_ops import register_peer
 from .commplan import ONESHOT_MAX_BYTES
 from .cuda import launch
 
@@ -65,6 +66,7 @@ class PeerBuffers:
         import torch.distributed._symmetric_memory as symm_mem
         self.capacity, self.part_dtype, self.out_dtype = capacity, part_dtype, out_dtype
         self.rank, self.world, self.device = rank, world, device
+        self.key = register_peer(self)  # how a traced graph's tpattn::peer_sum finds these buffers
         self.part = symm_mem.empty(capacity, dtype=part_dtype, device=device)
         self.inbox = symm_mem.empty(capacity, dtype=out_dtype, device=device)
         self._handles = [symm_mem.rendezvous(t, group_name) for t in (self.part, self.inbox)]
@@ -170,6 +172,7 @@ class OneShotBuffers:
         import socket
         self.capacity, self.part_dtype, self.out_dtype = capacity, part_dtype, out_dtype
         self.rank, self.world, self.device = rank, world, device
+        self.key = register_peer(self)  # how a traced graph's tpattn::peer_sum finds these buffers
         self._opened: list[int] = []
         self.table = None
         why = oneshot_unavailable(device, world, part_dtype, out_dtype)

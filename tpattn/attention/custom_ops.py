@@ -9,6 +9,9 @@
                                  are left zero: declared mutated)
     tpattn::prefix_attention     a prefill over rows already in the cache (the fused kernel with
                                  the causal diagonal shifted)
+    tpattn::peer_sum             the output GEMM into a peer buffer and the peer kernel that sums
+                                 the ranks' partials (p2p or oneshot, tpattn/peer.py): the mapped
+                                 memory is written and read inside the op only (writes out)
 
 Each has a fake implementation that gives the outputs' shapes without a GPU; the attention op has
 the autograd formula that joins it to its backward. The traced graph holds one op per call instead
@@ -19,6 +22,7 @@ they are."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -124,3 +128,34 @@ def prefix_attention_op(q: Tensor, k: Tensor, v: Tensor, start: int, backend: st
 def _prefix_attention_fake(q, k, v, start, backend):
     b, h, t, d = q.shape
     return q.new_empty(b, t, h, d)
+
+
+# ---- the peer output sums (tpattn/peer.py's buffers, by the key they were registered under) --------
+
+PEERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> PeerBuffers / OneShotBuffers
+
+
+def register_peer(buffers) -> int:
+    """A key for a peer buffers object, by which the traced op finds it (the graph holds the key)."""
+    key = len(_keys) + 1
+    _keys.append(key)
+    PEERS[key] = buffers
+    return key
+
+
+@torch.library.custom_op("tpattn::peer_sum", mutates_args=("out",))
+def peer_sum_op(o_rows: Tensor, wo: Tensor, out: Tensor, bias: Optional[Tensor], key: int, kind: str) -> None:
+    """out [rows, D] = the sum over ranks of o_rows @ wo (each rank's partial, written into its
+    mapped buffer here) + bias, by the peer kernel of `kind` ("p2p": reduce-gather, "oneshot")."""
+    from ..ops import mm
+    buf = PEERS[key]
+    mm(o_rows, wo, buf.part_dtype, out=buf.partial(out.shape[0], out.shape[1]))
+    (buf.reduce_gather if kind == "p2p" else buf.all_reduce)(out, bias)
+
+
+@peer_sum_op.register_fake
+def _peer_sum_fake(o_rows, wo, out, bias, key, kind):
+    return None
+
+
+_keys: list = []
