@@ -284,8 +284,8 @@ def test_the_cuda_backends_are_custom_ops_with_fake_shapes():
 
 
 def test_the_decode_kernels_are_custom_ops_with_fake_shapes():
-    """tpattn::decode_append, tpattn::decode_attention and tpattn::prefix_attention give their
-    outputs' shapes without running a kernel."""
+    """tpattn::decode_append, tpattn::decode_attention, tpattn::prefix_attention and tpattn::peer_sum
+    give their outputs' shapes without running a kernel."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from tpattn.attention import get_backend
@@ -301,6 +301,9 @@ def test_the_decode_kernels_are_custom_ops_with_fake_shapes():
         o = torch.ops.tpattn.prefix_attention(torch.empty(2, 8, 5, 32, dtype=torch.float16), cache_k[:, :, :25],
                                               cache_k[:, :, :25], 20, "fused")
         assert o.shape == (2, 5, 8, 32)
+        out = torch.empty(6, 64, dtype=torch.float16)  # tpattn::peer_sum writes out and returns nothing
+        assert torch.ops.tpattn.peer_sum(torch.empty(6, 32, dtype=torch.float16), torch.empty(32, 64, dtype=torch.float16),
+                                         out, None, 1, "oneshot") is None
 
 
 def test_compiled_decode_matches_eager_on_cpu():

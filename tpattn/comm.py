@@ -188,10 +188,10 @@ class Comm:
                 with torch.no_grad():  # the pairs' Functions carry the gradients; the op itself is not differentiable
                     op(*tensors, group=group)
             except dist.DistError as exc:  # the backend's: a peer that died, hangs or never came
-                raise CollectiveError(watch.explain(name, self.world, first_line(exc))) from None
+                raise CollectiveError(watch.explain(name, world, first_line(exc))) from None
             except RuntimeError as exc:  # raised on this rank before or without a peer: say so, not "a rank died"
                 if _from_peer(exc):
-                    raise CollectiveError(watch.explain(name, self.world, first_line(exc))) from None
+                    raise CollectiveError(watch.explain(name, world, first_line(exc))) from None
                 raise CollectiveError(f"{COLLECTIVE_NAME.get(name, name)} on rank {self.rank} failed on this rank "
                                       f"(no other rank caused it): {first_line(exc)}") from None
         return stream.record_event() if stream is not None else None

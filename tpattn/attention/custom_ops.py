@@ -22,6 +22,7 @@ they are."""
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Optional
 
@@ -133,12 +134,13 @@ def _prefix_attention_fake(q, k, v, start, backend):
 # ---- the peer output sums (tpattn/peer.py's buffers, by the key they were registered under) --------
 
 PEERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> PeerBuffers / OneShotBuffers
+_keys = itertools.count(1)
 
 
 def register_peer(buffers) -> int:
-    """A key for a peer buffers object, by which the traced op finds it (the graph holds the key)."""
-    key = len(_keys) + 1
-    _keys.append(key)
+    """A key for a peer buffers object, by which the traced op finds it (the graph holds the key;
+    keys are never reused)."""
+    key = next(_keys)
     PEERS[key] = buffers
     return key
 
@@ -157,5 +159,3 @@ def peer_sum_op(o_rows: Tensor, wo: Tensor, out: Tensor, bias: Optional[Tensor],
 def _peer_sum_fake(o_rows, wo, out, bias, key, kind):
     return None
 
-
-_keys: list = []
