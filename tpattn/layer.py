@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from . import convert, decode, faults
+from . import convert, decode, faults, paged
 from .attention import Backend, custom_ops, get_backend, head_chunks
 from .comm import Comm, copy_to_ranks, sum_of_copies
 from .commplan import CommPlan, check_style
@@ -167,10 +167,11 @@ class TensorParallelAttention(LayerPlan, LayerModule):
 
     # ---- forward -----------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, cache: decode.KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: decode.KVCache | paged.PagedView | None = None) -> torch.Tensor:
         """y = attention(x) over the ranks, differentiable under autograd. With a cache (new_cache):
         x's rows are appended to it and attend causally over everything in it (a prefill, or a
-        decode step of one row; inference only: tpattn/decode.py). Time its passes with
+        decode step of one row; inference only: tpattn/decode.py). With a paged cache's step view
+        (tpattn.paged.PagedKV): packed rows of sequences of their own lengths. Time its passes with
         `with tpattn.timing.recording(timer):`."""
         self._check_input(x)
         faults.maybe_fail(self.rank, "forward")
@@ -180,6 +181,8 @@ class TensorParallelAttention(LayerPlan, LayerModule):
                 raise ConfigError("a KV cache call records no gradients: run it under torch.no_grad() (or "
                                   "torch.inference_mode()), or call the layer without cache= to train")
             with torch.no_grad():
+                if isinstance(cache, paged.PagedView):  # a step of a paged cache (tpattn/paged.py)
+                    return paged.forward_paged(self, x, cache)
                 return decode.forward_cached(self, x, cache)
         seq = self.sequence_parallel and self.world > 1  # with one rank both styles are the same
         B, n, _ = x.shape

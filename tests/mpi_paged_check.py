@@ -1,0 +1,56 @@
+"""Run under mpirun -n 2 or 4 by tests/test_paged.py (CPU, gloo): serving through the paged KV
+cache over several ranks. Prints 'PAGED PASS rank R' and exits 0, or what failed and exits 1.
+
+- A transformers Llama model (random weights, float64) with its attention split over the ranks
+  (tpattn.hf.parallelize): greedy tokens for prompts of different lengths and budgets, at most 2
+  live at once, identical to the unmodified model's, with K/V heads split (G = 4) and held as
+  copies (G = 1).
+- A paged step whose row counts differ between ranks is refused with the same line on every rank,
+  before any rank attends (no rank waits in a collective).
+"""
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import tpattn.hf as hf
+from tpattn.dist import exit_now, init_distributed
+from tpattn.errors import ConfigError
+from tpattn.paged import PagedKV
+
+proc = init_distributed(backend="gloo", timeout=60)
+W, R = proc.world, proc.rank
+bad = []
+prompts = [[3, 5, 7, 11, 2, 9], [4, 4], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [8], [50, 60, 70]]
+budget = [9, 4, 6, 12, 5]
+
+for G in (4, 1):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=G, max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
+                      pad_token_id=None)
+    model = LlamaForCausalLM(cfg).double().eval()
+    want = [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):].tolist()
+            for p, n in zip(prompts, budget)]
+    tp = hf.parallelize(model)
+    got = tp.generate(prompts, budget, max_batch=2, page_size=4)
+    if got != want:
+        bad.append(f"G={G}: tokens {got} differ from the unmodified model's {want}")
+    if tp.attention[0].local_heads != 4 // W:
+        bad.append(f"G={G}: rank {R} holds {tp.attention[0].local_heads} query heads")
+
+# ---- a step that differs between ranks: one line on every rank, nobody waits ----------------------
+pool = PagedKV(list(tp.attention), pages=8, page_size=4, max_seqs=2)
+a = pool.add()
+try:
+    pool.step([a], [2 + (R == W - 1)])
+    said = "no error"
+except ConfigError as exc:
+    said = str(exc)
+if "the ranks' paged-cache calls differ" not in said or "every rank must add, step and remove" not in said:
+    bad.append(f"a step that differs between ranks: {said}")
+
+for b in bad:
+    print(f"rank {R}: FAIL {b}", flush=True)
+if not bad:
+    print(f"PAGED PASS rank {R}", flush=True)
+exit_now(1 if bad else 0)

@@ -1,0 +1,139 @@
+"""The paged KV cache (tpattn/paged.py) and the Llama model served through it (tpattn/hf.py), on
+CPU: ragged prefill and decode steps against the whole forward of each sequence (float64), pages
+freed and reused, the one-line refusals, and greedy tokens identical to the unmodified transformers
+model's, with sequences joining and leaving between steps. The multi-rank half is
+tests/mpi_paged_check.py."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, mpirun_cmd, run
+from tpattn.errors import ConfigError
+from tpattn.layer import TensorParallelAttention
+from tpattn.paged import PagedKV
+
+
+def _layer(kv_heads=4, rope=True, dtype=torch.float64):
+    torch.manual_seed(0)
+    E, H, d = 32, 4, 8
+    w = {n: torch.randn(E, c * d, dtype=dtype) / E ** 0.5 for n, c in (("wq", H), ("wk", kv_heads), ("wv", kv_heads))}
+    return TensorParallelAttention.from_full(**w, wo=torch.randn(H * d, E, dtype=dtype) / E ** 0.5,
+                                             bo=torch.randn(E, dtype=dtype), heads=H, kv_heads=kv_heads, causal=True,
+                                             group=None, rope_theta=1e4 if rope else None)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("kv_heads,rope", [(4, True), (2, False), (1, True)])
+def test_ragged_prefill_and_steps_match_each_sequences_whole_forward(page_size, kv_heads, rope):
+    layer = _layer(kv_heads, rope)
+    lens, steps = [7, 3, 18], 6
+    xs = [torch.randn(1, n + steps, 32, dtype=torch.float64) for n in lens]
+    pool = PagedKV(layer, pages=64, page_size=page_size, max_seqs=4)
+    ids = [pool.add() for _ in lens]
+    with torch.no_grad():
+        with pool.step(ids, lens) as step:
+            y = layer(torch.cat([x[:, :n] for x, n in zip(xs, lens)], 1), cache=step.view())
+        outs = [[y[:, step.cu[i]:step.cu[i + 1]]] for i in range(3)]
+        for t in range(steps):
+            with pool.step(ids, [1, 1, 1]) as step:
+                y = layer(torch.cat([x[:, n + t:n + t + 1] for x, n in zip(xs, lens)], 0), cache=step.view())
+            for i in range(3):
+                outs[i].append(y[i:i + 1])
+        for i, x in enumerate(xs):
+            assert (torch.cat(outs[i], 1) - layer(x)).abs().max().item() < 1e-12, i
+    assert [pool.length(s) for s in ids] == [n + steps for n in lens]
+    assert pool.free_page_count() == 64 - sum(-(-(n + steps) // page_size) for n in lens)
+
+
+def test_pages_of_a_removed_sequence_are_reused_and_others_are_untouched():
+    layer = _layer()
+    pool = PagedKV(layer, pages=6, page_size=4, max_seqs=2)
+    a, b = pool.add(), pool.add()
+    x = torch.randn(1, 20, 32, dtype=torch.float64)
+    with torch.no_grad():
+        with pool.step([a, b], [12, 8]) as step:  # 3 + 2 pages
+            layer(torch.cat([x[:, :12], x[:, :8]], 1), cache=step.view())
+        assert pool.free_page_count() == 1
+        pool.remove(a)
+        assert pool.free_page_count() == 4 and pool.live == [b]
+        c = pool.add()
+        with pool.step([c, b], [10, 1]) as step:  # c takes a's pages; b goes on from its own
+            y = layer(torch.cat([x[:, 5:15], x[:, 8:9]], 1), cache=step.view())
+        assert (y[:, :10] - layer(x[:, 5:15])).abs().max().item() < 1e-12
+        assert (y[:, 10:] - layer(x[:, :9])[:, 8:]).abs().max().item() < 1e-12
+
+
+def test_refusals_name_the_fix():
+    layer = _layer()
+    pool = PagedKV(layer, pages=3, page_size=4, max_seqs=2)
+    a = pool.add()
+    with pytest.raises(ConfigError, match=r"no sequence 7 in this pool \(live: \[0\]\); add it with pool.add\(\)"):
+        pool.step([7], [1])
+    with pytest.raises(ConfigError, match=r"the pool has 3 free pages of 4 tokens and this step needs 4 more; .*"
+                                          r"PagedKV\(\.\.\., pages=4 or more\)"):
+        pool.step([a], [13])
+    pool.add()
+    with pytest.raises(ConfigError, match="at most max_seqs=2 sequences, all in use"):
+        pool.add()
+    x = torch.randn(1, 3, 32, dtype=torch.float64)
+    with torch.no_grad():
+        with pool.step([a], [3]) as step:
+            with pytest.raises(ConfigError, match=r"x must be \[1, 3, 32\] \(packed\)"):
+                layer(x[:, :2], cache=step.view())
+            with pytest.raises(ConfigError, match="a step of this pool is still open"):
+                pool.step([a], [1])
+            layer(x, cache=step.view())
+        with pytest.raises(ConfigError, match="this step has ended"):
+            layer(x, cache=step.view())
+    assert pool.length(a) == 3
+    with pytest.raises(ConfigError, match="a KV cache call records no gradients"):
+        with pool.step([a], [1]) as step:
+            layer(x[:, :1].clone().requires_grad_(), cache=step.view())
+    assert pool.length(a) == 3  # the step that failed appended nothing
+    other = _layer()
+    with torch.no_grad(), pool.step([a], [1]) as step:
+        with pytest.raises(ConfigError, match="this view is of the pool's layer 0, not this layer"):
+            other(x[:, :1], cache=step.view())
+
+
+def _llama(layers=2, heads=4, kv_heads=2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    return LlamaForCausalLM(cfg).double().eval()
+
+
+PROMPTS = [[3, 5, 7, 11, 2, 9], [4, 4], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [8], [50, 60, 70]]
+BUDGET = [9, 4, 6, 12, 5]
+
+
+def test_llama_generate_gives_the_unmodified_models_tokens():
+    """Five prompts of 1-11 tokens with budgets of 4-12 tokens, at most 2 live at once: sequences
+    join as others leave (continuous batching); every token is the unmodified model's greedy one."""
+    import tpattn.hf as hf
+    model = _llama()
+    want = [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):].tolist()
+            for p, n in zip(PROMPTS, BUDGET)]
+    tp = hf.parallelize(model, group=None)
+    assert tp.generate(PROMPTS, BUDGET, max_batch=2, page_size=4) == want
+    assert tp.generate(PROMPTS, BUDGET, max_batch=8) == want
+    with pytest.raises(ConfigError, match="parallelize takes a transformers LlamaForCausalLM"):
+        hf.parallelize(torch.nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match=r"prompt 0 \(6 tokens\) and 9 new tokens need more than the pool's 2 pages of 4; pass a larger pages="):
+        tp.generate(PROMPTS, BUDGET, pages=2, page_size=4)
+
+
+@pytest.mark.mpi
+def test_paged_serving_on_two_and_four_ranks():
+    """tests/mpi_paged_check.py on 2 and 4 ranks: the tokens of the unmodified model, and calls
+    that differ between ranks refused in one line on every rank."""
+    for n in (2, 4):
+        r = run(mpirun_cmd(n) + [sys.executable, str(ROOT / "tests" / "mpi_paged_check.py")], timeout=240)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert r.stdout.count("PAGED PASS") == n, r.stdout + r.stderr

@@ -1,0 +1,99 @@
+"""A transformers Llama model with tensor-parallel attention, serving a batch of prompts.
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig(...)).eval()
+    tp = tpattn.hf.parallelize(model)            # every LlamaAttention -> TensorParallelAttention
+    tokens = tp.generate([[1, 5, 9], [1, 7]], max_new_tokens=16)   # greedy, each prompt its own length
+
+Every rank holds the whole model (embeddings, norms, MLPs, the head: replicated) except the
+attention, whose heads (and K/V heads) are split over the ranks of `group` as the layer splits
+them. generate() serves the prompts by continuous batching over one paged KV cache
+(tpattn.paged.PagedKV) shared by the model's layers: at most max_batch sequences are live; a
+prompt joins as soon as a slot is free (its prefill packed with the other newcomers'), every live
+sequence takes one decode step together, and a sequence that reaches its token budget or the end
+token leaves, its pages going back to the pool. The same calls happen on every rank (the prompts
+must be the same everywhere), so the block tables agree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import ConfigError
+from .layer import TensorParallelAttention
+from .module import WORLD
+from .paged import PAGE_SIZE, PagedKV
+
+
+def parallelize(model, group=WORLD, backend: str = "reference", **kw) -> "ParallelLlama":
+    """A ParallelLlama over `model` (a transformers LlamaForCausalLM): its attention layers as
+    tensor-parallel layers on `group` (from_hf_llama: this rank's heads), the rest used as it is.
+    Keyword arguments go to the layers' constructor (e.g. uneven_heads=True)."""
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
+        raise ConfigError(f"parallelize takes a transformers LlamaForCausalLM (got {type(model).__name__})")
+    attn = [TensorParallelAttention.from_hf_llama(layer.self_attn, group=group, backend=backend, **kw)
+            for layer in inner.layers]
+    return ParallelLlama(model, attn)
+
+
+class ParallelLlama(torch.nn.Module):
+    """A Llama model whose attention layers are tensor-parallel; generate() serves prompts."""
+
+    def __init__(self, model, attention: list):
+        super().__init__()
+        self.model, self.attention = model, torch.nn.ModuleList(attention)
+
+    def _hidden(self, ids: torch.Tensor, step) -> torch.Tensor:
+        """The last hidden states [1, R, D] of the packed rows `ids` [R] of a paged step."""
+        m = self.model.model
+        h = m.embed_tokens(ids)[None]
+        for i, (block, attn) in enumerate(zip(m.layers, self.attention)):
+            h = h + attn(block.input_layernorm(h), cache=step.view(i))
+            h = h + block.mlp(block.post_attention_layernorm(h))
+        return m.norm(h)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens, max_batch: int = 8, pages: int | None = None,
+                 page_size: int = PAGE_SIZE, eos_token_id: int | None = -1) -> list[list[int]]:
+        """Greedy tokens after each prompt (up to max_new_tokens, one number or one per prompt,
+        ending early at the end token: eos_token_id, by default the model's), in the prompts' order.
+        pages: the pool's size (by default enough for max_batch of the longest sequences)."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ConfigError("generate needs at least one prompt, each of at least one token")
+        budget = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
+        if len(budget) != len(prompts) or min(budget) < 1 or max_batch < 1:
+            raise ConfigError(f"generate needs max_new_tokens >= 1 (one number, or one per prompt) and max_batch >= 1 "
+                              f"(got {max_new_tokens}, {max_batch})")
+        eos = getattr(self.model.generation_config, "eos_token_id", None) if eos_token_id == -1 else eos_token_id
+        ends = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+        longest = max(len(p) + n for p, n in zip(prompts, budget))
+        if pages is None:
+            pages = min(len(prompts), max_batch) * -(-longest // page_size)
+        pool = PagedKV(list(self.attention), pages=pages, page_size=page_size, max_seqs=max_batch)
+        device = self.attention[0].wqkv.device
+        waiting = list(range(len(prompts)))
+        out: list[list[int]] = [[] for _ in prompts]
+        live: dict[int, int] = {}  # sequence id -> prompt index
+        while waiting or live:
+            new = []
+            while waiting and len(live) + len(new) < max_batch:  # newcomers: prefill packed together
+                i = waiting.pop(0)
+                if len(prompts[i]) + budget[i] > pages * page_size:
+                    raise ConfigError(f"prompt {i} ({len(prompts[i])} tokens) and {budget[i]} new tokens need more "
+                                      f"than the pool's {pages} pages of {page_size}; pass a larger pages=")
+                new.append((pool.add(), i))
+            ids = list(live) + [s for s, _ in new]
+            live.update(new)
+            rows = [1] * (len(ids) - len(new)) + [len(prompts[i]) for _, i in new]
+            toks = [out[live[s]][-1] for s in ids[:len(ids) - len(new)]] + [t for _, i in new for t in prompts[i]]
+            with pool.step(ids, rows) as step:
+                h = self._hidden(torch.tensor(toks, dtype=torch.long, device=device), step)
+            last = torch.tensor(step.cu[1:], device=device) - 1  # each sequence's last row
+            nxt = self.model.lm_head(h[0, last]).argmax(-1).tolist()
+            for s, t in zip(ids, nxt):
+                out[live[s]].append(t)
+                if len(out[live[s]]) >= budget[live[s]] or t in ends:
+                    del live[s]
+                    pool.remove(s)
+        return out
