@@ -19,6 +19,9 @@ linear map: a sum over ranks transposes to a copy to every rank, a gather to a s
     reduce_scatter   partials -> own block      gather_backward: all_gather of dy
     (copies)         K/V heads on several ranks sum_of_copies: all_reduce of their gradients
                                                 (over the ranks holding the head: copy_groups)
+    ring_attention   K/V blocks passed to the   the ring again: K/V blocks passed on, dK and dV
+                     next rank C - 1 times      travelling with their block, one more hop home
+                     (context parallelism)      (and the replicated weights' gradients summed)
 
 Each op owns its stream handling (a side stream with overlap, `record_stream` of what it reads
 there), the collective watch (tpattn/watch.py), fault injection (tpattn/faults.py) and its timing
@@ -143,6 +146,29 @@ class Comm:
         if backward_fault(self):
             return False
         return self._run("bwd_allgather", _all_gather, 1, whole, block)
+
+    # -- the ring (context parallelism): blocks to the next rank, from the previous one --
+
+    def ring_pass(self, sends, recvs, label: str = "ring"):
+        """Post the sends of `sends` to the next rank of the ring and the receives into `recvs`
+        from the previous one (batch_isend_irecv: all in flight at once, each tensor its own tag);
+        returns wait(), which blocks until they are done. Compute queued between the two overlaps
+        the transfer."""
+        nxt = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
+        prv = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
+        ops = [dist.P2POp(dist.isend, t, nxt, self.group, tag) for tag, t in enumerate(sends)]
+        ops += [dist.P2POp(dist.irecv, t, prv, self.group, tag) for tag, t in enumerate(recvs)]
+        with section(label), torch.no_grad():
+            works = dist.batch_isend_irecv(ops)
+
+        def wait() -> None:
+            with section(label), watch.collective(label, self.world, self.nccl):
+                try:
+                    for w in works:
+                        w.wait()
+                except (dist.DistError, RuntimeError) as exc:
+                    raise CollectiveError(watch.explain(label, self.world, first_line(exc))) from None
+        return wait
 
     # -- objects on the host (set-up, not the data path) --
 
@@ -307,6 +333,110 @@ class _SumOfCopies(torch.autograd.Function):
         if not backward_fault(comm):
             comm._run(ctx.label, _all_reduce, 1, buf)
         return buf[ctx.slot].to(g.dtype), None, None, None, None
+
+
+class _RingAttention(torch.autograd.Function):
+    """Context parallelism's attention (tpattn/attention/ring.py has the math and the layout).
+    Forward: this rank's query rows attend to its own K/V block, then to each other rank's as the
+    blocks travel around the ring (C - 1 passes to the next rank, each posted before the block in
+    hand is computed); the partial outputs merged with their logsumexp in fp32. Backward (its
+    dual): the blocks travel again; each rank adds its query rows' share of dK and dV to the block
+    in hand, and the sums travel with their block, one more pass bringing each block's home; dQ
+    stays."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, comm, seq_len: int, causal: bool):
+        from .attention.ring import block_forward, context_rows, merge, sees_any
+        C, c = comm.world, comm.rank
+        B, h, n, d = q.shape
+        acc = torch.promote_types(q.dtype, torch.float32)
+        pos_q = context_rows(seq_len, C, c).to(q.device)
+        o = torch.zeros(B, h, n, d, dtype=acc, device=q.device)
+        lse = torch.full((B, h, n), float("-inf"), dtype=acc, device=q.device)
+        cur = (k.contiguous(), v.contiguous())
+        for s in range(C):
+            wait = None
+            if s < C - 1:
+                nxt = (torch.empty_like(cur[0]), torch.empty_like(cur[1]))
+                wait = comm.ring_pass(cur, nxt, "ring")
+            pos_k = context_rows(seq_len, C, (c - s) % C).to(q.device)
+            if sees_any(pos_q, pos_k, causal):
+                with section("attention"):
+                    merge(o, lse, *block_forward(q, cur[0], cur[1], pos_q, pos_k, causal))
+            if wait is not None:
+                wait()
+                cur = nxt
+        out = o.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.comm, ctx.seq_len, ctx.causal = comm, seq_len, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        from .attention.ring import block_backward, context_rows, sees_any
+        q, k, v, o, lse = ctx.saved_tensors
+        comm, seq_len, causal = ctx.comm, ctx.seq_len, ctx.causal
+        C, c = comm.world, comm.rank
+        acc = lse.dtype
+        pos_q = context_rows(seq_len, C, c).to(q.device)
+        delta = (do.to(acc) * o.to(acc)).sum(-1)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kv = (k.contiguous(), v.contiguous())
+        grads = (torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
+        for s in range(C):
+            wait = None
+            if s < C - 1:  # the next block's K and V travel while this one's share is computed
+                nxt = (torch.empty_like(kv[0]), torch.empty_like(kv[1]))
+                wait = comm.ring_pass(kv, nxt, "bwd_ring")
+            pos_k = context_rows(seq_len, C, (c - s) % C).to(q.device)
+            if sees_any(pos_q, pos_k, causal):
+                with section("attention_bwd"):
+                    dq_b, dk_b, dv_b = block_backward(q, kv[0], kv[1], do, lse, delta, pos_q, pos_k, causal)
+                    dq += dq_b
+                    grads[0].add_(dk_b)
+                    grads[1].add_(dv_b)
+            onward = (torch.empty_like(grads[0]), torch.empty_like(grads[1]))
+            comm.ring_pass(grads, onward, "bwd_ring_grads")()  # the sums go with their block (the last pass: home)
+            grads = onward
+            if wait is not None:
+                wait()
+                kv = nxt
+        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, seq_len: int,
+                   causal: bool) -> torch.Tensor:
+    """o [B, h, n, d] of this rank's rows (tpattn.attention.ring.context_rows) over the whole
+    sequence of seq_len rows held by the ring's ranks, differentiable (its backward is the ring
+    again)."""
+    return _RingAttention.apply(q, k, v, comm, seq_len, causal)
+
+
+class _GatherContext(torch.autograd.Function):
+    """Forward: every ring rank's rows [B, n, D] (context_rows) -> the whole sequence [B, C n, D] in
+    order, the same on every rank. Backward: this rank's rows of dy (what follows runs alike on
+    every rank)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        from .attention.ring import context_rows
+        B, n, D = x.shape
+        C = comm.world
+        whole = torch.empty(C * B, n, D, dtype=x.dtype, device=x.device)
+        comm.all_gather(whole, x.contiguous())
+        order = torch.cat([context_rows(C * n, C, r) for r in range(C)]).to(x.device)
+        out = torch.empty(B, C * n, D, dtype=x.dtype, device=x.device)
+        out[:, order] = whole.view(C, B, n, D).transpose(0, 1).reshape(B, C * n, D)
+        ctx.comm, ctx.rows = comm, context_rows(C * n, C, comm.rank).to(x.device)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy[:, ctx.rows], None
+
+
+def gather_context(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    return _GatherContext.apply(x, comm)
 
 
 def copy_to_ranks(x2d: torch.Tensor, w: torch.Tensor, b, comm: Comm, overlap: bool = False) -> torch.Tensor:

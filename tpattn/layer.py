@@ -37,10 +37,10 @@ import torch
 
 from . import convert, decode, faults, paged
 from .attention import Backend, custom_ops, get_backend, head_chunks
-from .comm import Comm, copy_to_ranks, sum_of_copies
+from .comm import copy_to_ranks, sum_of_copies
 from .commplan import CommPlan, check_style
 from .errors import ConfigError
-from .module import WORLD, LayerModule, resolve_group
+from .module import WORLD, LayerModule, check_context, make_comms, resolve_group
 from .ops import mm
 from .outputsum import head_parallel_out, sequence_parallel_out, sequence_parallel_qkv
 from .peer import PeerLinks
@@ -84,9 +84,12 @@ class TensorParallelAttention(LayerPlan, LayerModule):
                  reduce_dtype: str = "fp32", head_chunk: int | None = None, sequence_parallel: bool = False,
                  overlap: int = 1, output_collective: str = "auto", kv_heads: int | None = None,
                  uneven_heads: bool = False, rope_theta: float | None = None, rope_interleaved: bool = False,
-                 deterministic: bool = False):
+                 deterministic: bool = False, context_parallel: int = 1):
         super().__init__()
         self.group, rank, world = resolve_group(group)
+        self.context_parallel = check_context(context_parallel, world, sequence_parallel)
+        if self.context_parallel > 1:  # the ring holds the sequence; every rank holds every head
+            rank, world = 0, 1
         self.shard = Shard.of(heads, heads if kv_heads is None else kv_heads, world, rank, uneven_heads)
         self.heads, self.head_dim = heads, head_dim
         given = {n: t for n, t in dict(wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=bo).items()
@@ -126,7 +129,7 @@ class TensorParallelAttention(LayerPlan, LayerModule):
         self.biases = torch.nn.ParameterDict({n: param(b) for n, b in (("bq", bq), ("bk", bk), ("bv", bv))
                                               if b is not None and not all(present)})
         self.wo, self.bo = param(wo), param(bo)
-        self.comm = Comm(self.group, rank, world, self.kv_copies)
+        self.comm, self.ring = make_comms(self.group, self.shard, self.context_parallel)
         self.peers = PeerLinks(self.comm, output_collective)
         self._plans: dict[tuple, CommPlan] = {}
         self._built = True
@@ -177,6 +180,10 @@ class TensorParallelAttention(LayerPlan, LayerModule):
         faults.maybe_fail(self.rank, "forward")
         grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
         if cache is not None:
+            if self.ring is not None:
+                raise ConfigError("a KV cache decodes head-parallel; context parallelism is for training and prefill: "
+                                  "decode with a head-parallel layer built from this one's weights "
+                                  "(TensorParallelAttention.from_full(**layer.full_weights(), heads=..., causal=True))")
             if grad:
                 raise ConfigError("a KV cache call records no gradients: run it under torch.no_grad() (or "
                                   "torch.inference_mode()), or call the layer without cache= to train")
@@ -184,6 +191,8 @@ class TensorParallelAttention(LayerPlan, LayerModule):
                 if isinstance(cache, paged.PagedView):  # a step of a paged cache (tpattn/paged.py)
                     return paged.forward_paged(self, x, cache)
                 return decode.forward_cached(self, x, cache)
+        if self.ring is not None:
+            return self._forward_context(x, grad)
         seq = self.sequence_parallel and self.world > 1  # with one rank both styles are the same
         B, n, _ = x.shape
         N = n * self.world if seq else n
@@ -262,6 +271,51 @@ class TensorParallelAttention(LayerPlan, LayerModule):
             o_rows = torch.empty(B, W, K, m, h * d, dtype=self.dtype, device=x.device)
             self._attention(q, k, v, o_rows.view(B, W * n, h, d).permute(0, 2, 1, 3))
         return sequence_parallel_out(self, plan, o_rows)
+
+    def _forward_context(self, x: torch.Tensor, grad: bool) -> torch.Tensor:
+        """Context-parallel (the ring): x [B, n, D] is this rank's rows of the sequence (context_rows:
+        two chunks, n = N / C) -> QKV of its rows, every head -> ring attention over the whole
+        sequence (tpattn/comm.py's ring pair) -> the output projection of its rows -> y [B, n, D].
+        Every rank holds every weight; under autograd their gradients are summed over the ring."""
+        from .attention.ring import context_rows
+        from .comm import ring_attention
+        B, n, D = x.shape
+        C, h, d = self.context_parallel, self.local_heads, self.head_dim
+        if n % 2:
+            raise ConfigError(f"context_parallel={C} holds two chunks of the sequence on each rank: x must have an "
+                              f"even number of rows (got {n}); pad the sequence to a multiple of 2 x {C} rows")
+        w, b, wo, bo = self.wqkv, self._qkv_bias(), self.wo, self.bo
+        if grad:  # replicated over the ring: each rank's gradient is its rows' share, summed in the backward
+            w, wo = (sum_of_copies(t, self.ring, 0, 1, "bwd_ring_weights") for t in (w, wo))
+            b, bo = (None if t is None else sum_of_copies(t, self.ring, 0, 1, "bwd_ring_weights") for t in (b, bo))
+        with section("qkv_proj"):
+            qkv = (torch.nn.functional.linear(x.reshape(B * n, D), w.t(), b) if grad
+                   else mm(x.reshape(B * n, D), w, self.dtype, b))
+            q, k, v = self._split_heads(qkv.view(B, n, -1, d))
+            if self.rope_theta is not None:
+                pos = context_rows(C * n, C, self.ring.rank).to(x.device)
+                cos, sin = decode.rope_tables(pos, d, self.rope_theta, torch.promote_types(self.dtype, torch.float32))
+                q, k = (decode.apply_rope(t, cos, sin, self.rope_interleaved) for t in (q, k))
+        o = ring_attention(q, k, v, self.ring, C * n, self.causal).permute(0, 2, 1, 3).reshape(B * n, h * d)
+        with section("out_proj"):
+            y = torch.nn.functional.linear(o, wo.t(), bo) if grad else mm(o, wo, self.dtype, bo)
+        return y.view(B, n, D)
+
+    def shard_context(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full [B, N, D] tensor under context parallelism (two chunks of
+        N / (2C) rows: tpattn.attention.ring.context_rows); N must divide by 2C."""
+        from .attention.ring import context_rows
+        C = self.context_parallel
+        if t.shape[1] % (2 * C):
+            raise ConfigError(f"context_parallel={C} splits the sequence into 2 x {C} chunks: N={t.shape[1]} must divide "
+                              f"by {2 * C}; pad it to {-(-t.shape[1] // (2 * C)) * 2 * C} rows")
+        return t[:, context_rows(t.shape[1], C, self.ring.rank).to(t.device)].contiguous()
+
+    def gather_context(self, y: torch.Tensor) -> torch.Tensor:
+        """The whole [B, N, D] from every ring rank's rows (a collective), differentiable (its
+        backward hands each rank its rows' gradient)."""
+        from .comm import gather_context
+        return gather_context(y, self.ring)
 
     # ---- the local pieces, shared by both styles -----------------------------------------------
 

@@ -13,13 +13,37 @@ import torch.distributed as dist
 from . import convert
 from .attention import get_backend
 from .comm import WORLD, Comm, resolve_group  # noqa: F401 (WORLD, re-exported)
+from .errors import ConfigError
 from .peer import PeerLinks
 from .sharding import Shard
 
 # what replace() may change: the rest (heads, K/V heads, the shard) is the weights' layout
 STYLE = ("backend", "causal", "reduce_dtype", "head_chunk", "sequence_parallel", "overlap", "output_collective",
-         "rope_theta", "rope_interleaved", "deterministic")
-FIXED = frozenset(STYLE + ("heads", "head_dim", "shard", "group", "comm", "peers"))
+         "rope_theta", "rope_interleaved", "deterministic", "context_parallel")
+FIXED = frozenset(STYLE + ("heads", "head_dim", "shard", "group", "comm", "peers", "ring"))
+
+
+def check_context(context_parallel: int, world: int, sequence_parallel: bool) -> int:
+    """context_parallel (C ranks in the ring), or one line naming the fix."""
+    C = int(context_parallel)
+    if C < 1:
+        raise ConfigError(f"context_parallel must be at least 1 (got {context_parallel}); 1 turns it off")
+    if C > 1 and C != world:
+        raise ConfigError(f"context_parallel={C} needs a group of {C} ranks (the ring; heads split over more ranks "
+                          f"beside it are not built yet), and this group has {world}; pass context_parallel={world} "
+                          f"or a group of {C} ranks")
+    if C > 1 and sequence_parallel:
+        raise ConfigError("context_parallel and sequence_parallel both split the sequence: choose one")
+    return C
+
+
+def make_comms(group, shard, context_parallel: int):
+    """(comm, ring): the head-parallel collectives' Comm over the shard's ranks, and the ring's
+    (context parallelism: over the whole group, the heads then on one rank) or None."""
+    if context_parallel > 1:
+        _, rank, world = resolve_group(group)
+        return Comm(None, 0, 1), Comm(group, rank, world)
+    return Comm(group, shard.rank, shard.world, max(1, shard.world // shard.kv_heads)), None
 
 
 class LayerModule(torch.nn.Module):
@@ -93,8 +117,11 @@ class LayerModule(torch.nn.Module):
         for keep in (self.group, self.backend):
             if keep is not None:
                 memo[id(keep)] = keep
-        memo[id(self.comm)] = Comm(self.group, self.rank, self.world, self.kv_copies)
-        memo[id(self.peers)] = PeerLinks(memo[id(self.comm)], self.output_collective)
+        comm, ring = make_comms(self.group, self.shard, self.context_parallel)
+        memo[id(self.comm)] = comm
+        if self.ring is not None:
+            memo[id(self.ring)] = ring
+        memo[id(self.peers)] = PeerLinks(comm, self.output_collective)
         for k, v in self.__dict__.items():
             object.__setattr__(new, k, copy.deepcopy(v, memo))
         return new
@@ -102,18 +129,19 @@ class LayerModule(torch.nn.Module):
     def __getstate__(self):
         """Pickled without the process group (nor the peer buffers, the backend's kernels or the
         plans): unpickling binds to the group of the process that loads it (__setstate__)."""
-        state = {k: v for k, v in self.__dict__.items() if k not in ("group", "comm", "peers", "_plans", "backend")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("group", "comm", "ring", "peers", "_plans", "backend")}
         state["backend"] = self.backend.name
         return state
 
     def __setstate__(self, state):
         shard = state["shard"]
         group, rank, world = resolve_group(WORLD)
-        if (rank, world) != (shard.rank, shard.world):
+        C = state.get("context_parallel", 1)
+        if (rank, world) != ((shard.rank, shard.world) if C == 1 else (rank, C)):
             raise ValueError(f"this layer was pickled as rank {shard.rank} of {shard.world} but this process is rank "
                              f"{rank} of {world}; save and load each rank's state_dict() instead")
         state = dict(state, group=group, backend=get_backend(state["backend"]), _plans={})
-        state["comm"] = Comm(group, rank, world, max(1, world // shard.kv_heads))
+        state["comm"], state["ring"] = make_comms(group, shard, C)
         state["peers"] = PeerLinks(state["comm"], state["output_collective"])
         self.__dict__.update(state)
 
