@@ -1,6 +1,7 @@
 """Run under mpirun -n 2, 3 or 4 by tests/test_ring.py (CPU, gloo): context parallelism, the ring
-(TensorParallelAttention(..., context_parallel=C), tpattn/comm.py's ring pair) against the
-single-process layer in float64: the output of this rank's rows, x's gradient and every weight's
+(TensorParallelAttention(..., context_parallel=C), tpattn/comm.py's ring pair), over all ranks and,
+at 4 ranks, as rings of 2 beside heads split over 2 ranks, against the single-process layer in
+float64: the output of this rank's rows, x's gradient and every weight's
 (summed over the ring), causal and not, multi-head and grouped-query, with and without rotary
 positions; gather_context; a cache refused. Prints 'RING PASS rank R' and exits 0, or what failed."""
 
@@ -14,9 +15,12 @@ proc = init_distributed(backend="gloo", timeout=60)
 C, R = proc.world, proc.rank
 bad = []
 E, H, d, B = 32, 4, 8, 2
-N = 4 * C  # two chunks of 2 rows per rank
+N = 4 * C  # two chunks of 2 rows per rank (at C = 4; twice that at context_parallel=2)
 
-for G, causal, rope in ((4, True, None), (4, False, 1e4), (2, True, 1e4), (1, True, None)):
+cases = [(C, G, causal, rope) for G, causal, rope in ((4, True, None), (4, False, 1e4), (2, True, 1e4), (1, True, None))]
+if C == 4:  # heads over 2 ranks beside rings of 2: W = 2 x 2
+    cases += [(2, G, causal, rope) for G, causal, rope in ((4, True, 1e4), (2, False, None), (1, True, 1e4))]
+for cp, G, causal, rope in cases:
     torch.manual_seed(0)
     full = {"wq": torch.randn(E, H * d), "wk": torch.randn(E, G * d), "wv": torch.randn(E, G * d),
             "wo": torch.randn(H * d, E), "bq": torch.randn(H * d), "bk": torch.randn(G * d), "bv": torch.randn(G * d),
@@ -29,19 +33,21 @@ for G, causal, rope in ((4, True, None), (4, False, 1e4), (2, True, 1e4), (1, Tr
     xs = x.clone().requires_grad_()
     ys = single(xs)
     (ys * dy).sum().backward()
-    ring = TensorParallelAttention.from_full(**full, context_parallel=C, **kw)
+    ring = TensorParallelAttention.from_full(**full, context_parallel=cp, **kw)
     xr = ring.shard_context(x).requires_grad_()
     yr = ring(xr)
     (yr * ring.shard_context(dy)).sum().backward()
-    what = f"G={G} causal={causal} rope={rope}"
+    what = f"C={cp} G={G} causal={causal} rope={rope}"
     if not torch.allclose(yr, ring.shard_context(ys.detach()), atol=1e-10):
         bad.append(f"{what}: y differs by {(yr - ring.shard_context(ys.detach())).abs().max():.2e}")
     if not torch.allclose(xr.grad, ring.shard_context(xs.grad), atol=1e-10):
         bad.append(f"{what}: x.grad differs by {(xr.grad - ring.shard_context(xs.grad)).abs().max():.2e}")
-    for name, p in ring.named_parameters():
-        want = dict(single.named_parameters())[name].grad
-        if not torch.allclose(p.grad, want, atol=1e-9):
-            bad.append(f"{what}: the gradient of {name} differs by {(p.grad - want).abs().max():.2e}")
+    got, want = ring.full_grads(), single.full_grads()
+    for name, g in want.items():
+        if g is not None and not torch.allclose(got[name], g, atol=1e-9):
+            bad.append(f"{what}: the gradient of {name} differs by {(got[name] - g).abs().max():.2e}")
+    if ring.local_heads != H * cp // C:
+        bad.append(f"{what}: rank {R} holds {ring.local_heads} heads")
     with torch.no_grad():
         if not torch.allclose(ring.gather_context(ring(ring.shard_context(x))), ys.detach(), atol=1e-10):
             bad.append(f"{what}: gather_context of the rows is not the single-process y")

@@ -486,6 +486,37 @@ def copy_groups(group, rank: int, world: int, copies: int):
     return made[rank // copies], copies
 
 
+def context_groups(group, C: int):
+    """(heads, ring) process groups of context parallelism over `group` of W ranks: rank r is rank
+    r % C of ring r // C (C consecutive ranks) and rank r // C of the heads' group r % C (every C-th
+    rank); None for a group of one. With rings and heads both wider than one rank the groups are
+    new_group's, made only for a layer on the world (see copy_groups), by every rank, once."""
+    group, rank, world = resolve_group(group)
+    T = world // C
+    if T == 1:
+        return None, group
+    if C == 1:
+        return group, None
+    if group is not dist.group.WORLD:
+        from .errors import ConfigError
+        raise ConfigError(f"context_parallel={C} beside heads split over {T} ranks needs the layer on the world's "
+                          "process group (its rings and head groups are made over the world); build it with "
+                          f"group=WORLD, or on a group of {C} ranks for the ring alone")
+    key = (id(group), world, C, "context")
+    made = _COPY_GROUPS.get(key)
+    if made is not None:
+        try:
+            dist.get_process_group_ranks(made[0][rank // C])
+        except (ValueError, RuntimeError, KeyError):
+            made = None
+    if made is None:
+        backend = dist.get_backend(group)
+        rings = [dist.new_group(list(range(t * C, (t + 1) * C)), backend=backend) for t in range(T)]
+        heads = [dist.new_group(list(range(c, world, C)), backend=backend) for c in range(C)]
+        made = _COPY_GROUPS[key] = (rings, heads)
+    return made[1][rank % C], made[0][rank // C]
+
+
 def _all_reduce(t: torch.Tensor, group=None):
     return dist.all_reduce(t, group=group)
 

@@ -20,8 +20,8 @@ def from_full(cls, wq, wk, wv, wo, bq=None, bk=None, bv=None, bo=None, *, heads:
     constructor (uneven_heads=True: a world size that does not divide the heads). A bias given as
     None is not a parameter of the layer (nothing trains it)."""
     _, rank, world = resolve_group(group)
-    if kw.get("context_parallel", 1) > 1:  # the ring splits the sequence: every rank holds every head
-        rank, world = 0, 1
+    C = kw.get("context_parallel", 1)  # rank r: heads as rank r // C of W / C, rows of ring rank r % C
+    rank, world = rank // C, max(1, world // C)
     head_dim = wq.shape[1] // heads
     if wq.shape[1] != heads * head_dim or wk.shape != wv.shape or wk.shape[1] % head_dim or not wk.shape[1]:
         raise ValueError(f"wq {tuple(wq.shape)}, wk {tuple(wk.shape)}, wv {tuple(wv.shape)}: wq needs {heads} "

@@ -88,8 +88,7 @@ class TensorParallelAttention(LayerPlan, LayerModule):
         super().__init__()
         self.group, rank, world = resolve_group(group)
         self.context_parallel = check_context(context_parallel, world, sequence_parallel)
-        if self.context_parallel > 1:  # the ring holds the sequence; every rank holds every head
-            rank, world = 0, 1
+        rank, world = rank // self.context_parallel, world // self.context_parallel  # the heads' ranks
         self.shard = Shard.of(heads, heads if kv_heads is None else kv_heads, world, rank, uneven_heads)
         self.heads, self.head_dim = heads, head_dim
         given = {n: t for n, t in dict(wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=bo).items()
@@ -274,9 +273,10 @@ class TensorParallelAttention(LayerPlan, LayerModule):
 
     def _forward_context(self, x: torch.Tensor, grad: bool) -> torch.Tensor:
         """Context-parallel (the ring): x [B, n, D] is this rank's rows of the sequence (context_rows:
-        two chunks, n = N / C) -> QKV of its rows, every head -> ring attention over the whole
-        sequence (tpattn/comm.py's ring pair) -> the output projection of its rows -> y [B, n, D].
-        Every rank holds every weight; under autograd their gradients are summed over the ring."""
+        two chunks, n = N / C), the same on the ranks that split the heads beside the ring -> QKV of
+        its rows and heads -> ring attention over the whole sequence (tpattn/comm.py's ring pair) ->
+        the output projection of its rows, summed over the heads' ranks -> y [B, n, D]. The ranks of
+        a ring hold the same weights; under autograd their gradients are summed over the ring."""
         from .attention.ring import context_rows
         from .comm import ring_attention
         B, n, D = x.shape
@@ -284,22 +284,23 @@ class TensorParallelAttention(LayerPlan, LayerModule):
         if n % 2:
             raise ConfigError(f"context_parallel={C} holds two chunks of the sequence on each rank: x must have an "
                               f"even number of rows (got {n}); pad the sequence to a multiple of 2 x {C} rows")
-        w, b, wo, bo = self.wqkv, self._qkv_bias(), self.wo, self.bo
+        w, b = self._qkv_weights() if grad else (self.wqkv, self._qkv_bias())
+        wo, bo = self.wo, self.bo
         if grad:  # replicated over the ring: each rank's gradient is its rows' share, summed in the backward
             w, wo = (sum_of_copies(t, self.ring, 0, 1, "bwd_ring_weights") for t in (w, wo))
             b, bo = (None if t is None else sum_of_copies(t, self.ring, 0, 1, "bwd_ring_weights") for t in (b, bo))
+            qkv = copy_to_ranks(x.reshape(B * n, D), w, b, self.comm)  # heads beside the ring: dX summed over them
+        else:
+            with section("qkv_proj"):
+                qkv = mm(x.reshape(B * n, D), w, self.dtype, b)
         with section("qkv_proj"):
-            qkv = (torch.nn.functional.linear(x.reshape(B * n, D), w.t(), b) if grad
-                   else mm(x.reshape(B * n, D), w, self.dtype, b))
             q, k, v = self._split_heads(qkv.view(B, n, -1, d))
             if self.rope_theta is not None:
                 pos = context_rows(C * n, C, self.ring.rank).to(x.device)
                 cos, sin = decode.rope_tables(pos, d, self.rope_theta, torch.promote_types(self.dtype, torch.float32))
                 q, k = (decode.apply_rope(t, cos, sin, self.rope_interleaved) for t in (q, k))
-        o = ring_attention(q, k, v, self.ring, C * n, self.causal).permute(0, 2, 1, 3).reshape(B * n, h * d)
-        with section("out_proj"):
-            y = torch.nn.functional.linear(o, wo.t(), bo) if grad else mm(o, wo, self.dtype, bo)
-        return y.view(B, n, D)
+        o = ring_attention(q, k, v, self.ring, C * n, self.causal).permute(0, 2, 1, 3).reshape(B, n, h * d)
+        return head_parallel_out(self, self.plan(B, n), o, wo=wo, bo=bo)  # summed over the heads' ranks
 
     def shard_context(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full [B, N, D] tensor under context parallelism (two chunks of

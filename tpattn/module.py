@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from . import convert
 from .attention import get_backend
-from .comm import WORLD, Comm, resolve_group  # noqa: F401 (WORLD, re-exported)
+from .comm import WORLD, Comm, context_groups, resolve_group  # noqa: F401 (WORLD, re-exported)
 from .errors import ConfigError
 from .peer import PeerLinks
 from .sharding import Shard
@@ -28,22 +28,25 @@ def check_context(context_parallel: int, world: int, sequence_parallel: bool) ->
     C = int(context_parallel)
     if C < 1:
         raise ConfigError(f"context_parallel must be at least 1 (got {context_parallel}); 1 turns it off")
-    if C > 1 and C != world:
-        raise ConfigError(f"context_parallel={C} needs a group of {C} ranks (the ring; heads split over more ranks "
-                          f"beside it are not built yet), and this group has {world}; pass context_parallel={world} "
-                          f"or a group of {C} ranks")
+    if world % C:
+        ok = ", ".join(str(c) for c in range(1, world + 1) if world % c == 0)
+        raise ConfigError(f"context_parallel={C} does not divide the group's {world} ranks (rings of C ranks, the heads "
+                          f"split over the W/C rings); use context_parallel in {{{ok}}}")
     if C > 1 and sequence_parallel:
         raise ConfigError("context_parallel and sequence_parallel both split the sequence: choose one")
     return C
 
 
 def make_comms(group, shard, context_parallel: int):
-    """(comm, ring): the head-parallel collectives' Comm over the shard's ranks, and the ring's
-    (context parallelism: over the whole group, the heads then on one rank) or None."""
-    if context_parallel > 1:
-        _, rank, world = resolve_group(group)
-        return Comm(None, 0, 1), Comm(group, rank, world)
-    return Comm(group, shard.rank, shard.world, max(1, shard.world // shard.kv_heads)), None
+    """(comm, ring): the head-parallel collectives' Comm over the shard's ranks, and with context
+    parallelism the ring's (tpattn.comm.context_groups: rank r is ring rank r % C and heads rank
+    r // C), else None."""
+    copies = max(1, shard.world // shard.kv_heads)
+    if context_parallel == 1:
+        return Comm(group, shard.rank, shard.world, copies), None
+    heads, ring = context_groups(group, context_parallel)
+    _, rank, _ = resolve_group(group)
+    return Comm(heads, shard.rank, shard.world, copies), Comm(ring, rank % context_parallel, context_parallel)
 
 
 class LayerModule(torch.nn.Module):
@@ -137,7 +140,7 @@ class LayerModule(torch.nn.Module):
         shard = state["shard"]
         group, rank, world = resolve_group(WORLD)
         C = state.get("context_parallel", 1)
-        if (rank, world) != ((shard.rank, shard.world) if C == 1 else (rank, C)):
+        if (rank // C, world // C) != (shard.rank, shard.world) or world % C:
             raise ValueError(f"this layer was pickled as rank {shard.rank} of {shard.world} but this process is rank "
                              f"{rank} of {world}; save and load each rank's state_dict() instead")
         state = dict(state, group=group, backend=get_backend(state["backend"]), _plans={})

@@ -86,13 +86,15 @@ class OutputSum:
 
 # ---- the three meeting points as functions of the forward, and their duals ----------------------
 
-def head_parallel_out(layer, plan: CommPlan, o_rows: torch.Tensor, before=None) -> torch.Tensor:
+def head_parallel_out(layer, plan: CommPlan, o_rows: torch.Tensor, before=None, wo=None, bo=None) -> torch.Tensor:
     """y [B, N, D] = sum over ranks of o_rows [B, N, h*d] @ W_o (+ b_o), chunk by chunk of the plan
     (before(r0, r1): what must run before chunk [r0, r1)'s projection: its attention, when the
-    backend computes row chunks). Differentiable under autograd: the sum's dual is the identity."""
-    if torch.is_grad_enabled() and (o_rows.requires_grad or layer.wo.requires_grad or
-                                    (layer.bo is not None and layer.bo.requires_grad)):
-        return _HeadParallelOut.apply(o_rows, layer.wo, layer.bo, layer, plan)
+    backend computes row chunks). Differentiable under autograd: the sum's dual is the identity.
+    wo, bo: what W_o's and b_o's gradients flow into (the layer's own by default; context
+    parallelism's sum over the ring of them: the same values)."""
+    wo, bo = layer.wo if wo is None else wo, layer.bo if bo is None else bo
+    if torch.is_grad_enabled() and (o_rows.requires_grad or wo.requires_grad or (bo is not None and bo.requires_grad)):
+        return _HeadParallelOut.apply(o_rows, wo, bo, layer, plan)
     return _sum_rows(layer, plan, o_rows, before)
 
 
