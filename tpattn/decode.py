@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .attention import custom_ops
 from .errors import ConfigError, cupy_available
 
 DEC_SOURCE = "decode_attention.cu"
@@ -187,7 +188,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
     if T != 1 or not decode_kernel_fits(q) or not (k.is_contiguous() and v.is_contiguous()):
         return attend(q, k[:, :, :length], v[:, :, :length], length - T)
     if torch.compiler.is_compiling() and pos is not None and tickets is not None:  # one op in a traced graph
-        from .attention import custom_ops
         return custom_ops.decode_attention_op(q, k, v, pos, tickets)
     import numpy as np
 
@@ -231,7 +231,6 @@ def append_row(qkv: torch.Tensor, cache: KVCache, heads: int, interleaved: bool)
         cache.v.index_copy_(2, cache.pos, v)
         return q
     if torch.compiler.is_compiling():  # one op in a traced graph (tpattn::decode_append), not a CuPy launch
-        from .attention import custom_ops
         return custom_ops.decode_append_op(qkv, cache.k, cache.v, cache.pos, cache.cos, cache.sin, heads, interleaved)
     return append_kernel(qkv, cache.k, cache.v, cache.pos, cache.cos, cache.sin, heads, interleaved)
 
@@ -322,7 +321,6 @@ def forward_cached(layer, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
         elif layer.backend.name == "fused" and fused_prefix_fits(q):  # over the rows already in the cache
             with section("attention"):
                 if torch.compiler.is_compiling():  # one op in a traced graph (tpattn::prefix_attention)
-                    from .attention import custom_ops
                     o = custom_ops.prefix_attention_op(q, cache.k[:, :, :L0 + T], cache.v[:, :, :L0 + T], L0,
                                                        layer.backend.name)
                 else:
@@ -433,3 +431,7 @@ def graphed(layer, x: torch.Tensor, cache: KVCache | None = None):
         return y
     replay.graph = graph
     return replay
+
+
+custom_ops.IMPLS.update(decode_append=append_kernel, decode_attention=decode_attention,
+                        prefix_attention=prefix_attention)  # what the traced graph's ops launch

@@ -24,9 +24,10 @@ import ctypes
 import numpy as np
 import torch
 
-from .attention.custom_ops import register_peer
+from .attention.custom_ops import IMPLS, register_peer
 from .commplan import ONESHOT_MAX_BYTES
 from .cuda import launch
+from .ops import mm
 
 SOURCE = "peer_reduce.cu"
 THREADS = 512
@@ -379,3 +380,12 @@ class PeerLinks:
         with watch.collective("peersetup", comm.world, False):  # collective: blocks until every rank came
             self.p2p = PeerBuffers(need, part_dtype, dtype, device, comm.group.group_name, comm.rank, comm.world)
         return self.p2p
+
+
+def _peer_sum(buf, o_rows: torch.Tensor, wo: torch.Tensor, out: torch.Tensor, bias, kind: str) -> None:
+    """tpattn::peer_sum's body: the output GEMM into this rank's mapped partial, then the kernel."""
+    mm(o_rows, wo, buf.part_dtype, out=buf.partial(out.shape[0], out.shape[1]))
+    (buf.reduce_gather if kind == "p2p" else buf.all_reduce)(out, bias)
+
+
+IMPLS["peer_sum"] = _peer_sum

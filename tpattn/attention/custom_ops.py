@@ -32,6 +32,9 @@ from torch import Tensor
 
 # the backends by name, as Backend.attention hands them over (this module imports nothing of tpattn)
 BACKENDS: dict = {}
+# the kernels' launchers by op name, put here by the modules that own them (tpattn/decode.py,
+# tpattn/peer.py) when they are imported
+IMPLS: dict = {}
 
 
 def _backend(name: str):
@@ -95,8 +98,7 @@ def decode_append_op(qkv: Tensor, k: Tensor, v: Tensor, pos: Tensor, cos: Option
                      heads: int, interleaved: bool) -> Tensor:
     """q [B, heads, 1, d] of a step's rows qkv [B, heads + 2g, d]; k and v of the rows written into
     the cache k, v [B, g, max_len, d] at row pos[0] (rotated by cos, sin when given)."""
-    from .. import decode
-    return decode.append_kernel(qkv, k, v, pos, cos, sin, heads, interleaved)
+    return IMPLS["decode_append"](qkv, k, v, pos, cos, sin, heads, interleaved)
 
 
 @decode_append_op.register_fake
@@ -108,8 +110,7 @@ def _decode_append_fake(qkv, k, v, pos, cos, sin, heads, interleaved):
 def decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, tickets: Tensor) -> Tensor:
     """o [B, h, 1, d]: the query row q [B, h, 1, d] at position pos[0] over the cache's first
     pos[0] + 1 rows of k, v [B, g, max_len, d]."""
-    from .. import decode
-    return decode.decode_attention(q, k, v, k.shape[2], pos=pos, tickets=tickets)
+    return IMPLS["decode_attention"](q, k, v, k.shape[2], pos=pos, tickets=tickets)
 
 
 @decode_attention_op.register_fake
@@ -121,8 +122,7 @@ def _decode_attention_fake(q, k, v, pos, tickets):
 def prefix_attention_op(q: Tensor, k: Tensor, v: Tensor, start: int, backend: str) -> Tensor:
     """o [B, T, h, d] of the T queries q [B, h, T, d] at positions start.. over k, v [B, g, start + T, d]
     (causal)."""
-    from .. import decode
-    return decode.prefix_attention(_backend(backend), q, k, v, start).contiguous()
+    return IMPLS["prefix_attention"](_backend(backend), q, k, v, start).contiguous()
 
 
 @prefix_attention_op.register_fake
@@ -149,10 +149,7 @@ def register_peer(buffers) -> int:
 def peer_sum_op(o_rows: Tensor, wo: Tensor, out: Tensor, bias: Optional[Tensor], key: int, kind: str) -> None:
     """out [rows, D] = the sum over ranks of o_rows @ wo (each rank's partial, written into its
     mapped buffer here) + bias, by the peer kernel of `kind` ("p2p": reduce-gather, "oneshot")."""
-    from ..ops import mm
-    buf = PEERS[key]
-    mm(o_rows, wo, buf.part_dtype, out=buf.partial(out.shape[0], out.shape[1]))
-    (buf.reduce_gather if kind == "p2p" else buf.all_reduce)(out, bias)
+    IMPLS["peer_sum"](PEERS[key], o_rows, wo, out, bias, kind)
 
 
 @peer_sum_op.register_fake
