@@ -8,12 +8,15 @@ Per layer: fwd+bwd ms (CUDA events around y = layer(x); y.backward(dy), gradient
 outside the timed interval; median over --iters after --warmup), and the forward alone under
 torch.no_grad() (the inference path). --rounds R measures every layer R times, the layers taking
 turns (so that a clock drop under the power cap lands on each), and reports the median of the
-rounds; `/ cuDNN` is a row's step over the plain cuDNN layer's. tpattn's layer runs twice: its
-default backward and deterministic=True. Writes PREFIX.json and PREFIX.md (--out, default
+rounds; `/ cuDNN` is a row's step over the plain cuDNN layer's; host ms, the time the call takes to
+return (its launches queued). tpattn's layer runs with its default backward, with deterministic=True,
+and with every CuPy launch packing its arguments again (the host path before launches kept their
+packing); with --graph (default) each default layer's step also runs captured in one CUDA graph
+(tpattn's through `layer.graphed(x, dy=dy)`). Writes PREFIX.json and PREFIX.md (--out, default
 benchmarks/train_h200): GPU, versions, command, date (UTC), commit.
 
     PYTHONPATH=. python scripts/bench_train.py [--seq-len 4096] [--heads 32] [--kv-heads G] [--head-dim 128]
-        [--batch B] [--dtype fp16|bf16] [--kernel fused] [--causal] [--rounds 3] [--commit SHA] [--out PREFIX]
+        [--batch B] [--dtype fp16|bf16] [--kernel fused] [--causal] [--rounds 3] [--no-graph] [--commit SHA] [--out PREFIX]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import json
 import shlex
 import statistics
 import sys
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -31,6 +35,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from tpattn import cuda  # noqa: E402
+from tpattn.graphs import step_graph  # noqa: E402
 from tpattn.layer import TensorParallelAttention  # noqa: E402
 from tpattn.report import versions  # noqa: E402
 from tpattn.weights import head_weights, layer_input  # noqa: E402
@@ -59,19 +65,24 @@ class Plain(torch.nn.Module):
         return torch.addmm(self.bo, o.transpose(1, 2).reshape(B * N, D), self.wo).view(B, N, D)
 
 
-def median_ms(fn, warmup: int, iters: int, params) -> float:
-    ts = []
+def median_ms(fn, warmup: int, iters: int, params) -> tuple[float, float]:
+    """(GPU ms, host ms): the medians of the CUDA-event interval around fn() and of the host's time
+    to return from fn() (everything queued, nothing waited for)."""
+    ts, hs = [], []
     for i in range(warmup + iters):
         for p in params:
             p.grad = None
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
+        t0 = time.perf_counter()
         fn()
+        host = (time.perf_counter() - t0) * 1e3
         b.record()
         b.synchronize()
         if i >= warmup:
             ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+            hs.append(host)
+    return statistics.median(ts), statistics.median(hs)
 
 
 def main() -> int:
@@ -87,6 +98,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3, help="turns each layer takes, alternating (default 3)")
+    p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time each layer's step captured in one CUDA graph (default on)")
     p.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse here)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "train_h200"))
     a = p.parse_args()
@@ -108,31 +121,55 @@ def main() -> int:
             **w, heads=H, kv_heads=G, head_dim=d, backend=a.kernel, causal=a.causal, group=None, deterministic=det)
     for name, be in (("plain flash", SDPBackend.FLASH_ATTENTION), ("plain cuDNN", SDPBackend.CUDNN_ATTENTION)):
         layers[name] = Plain(w, H, a.causal, be)
-    times = {name: {"train": [], "fwd": []} for name in layers}
-    skipped = {}
+    # name -> (training step, inference forward or None, the module); what runs inside, per row
+    runs = {name: ((lambda m=m: m(xg).backward(dy)), (lambda m=m: m(x)), m) for name, m in layers.items()}
+    tp = layers[f"tpattn {a.kernel}"]
+
+    def cupy_packing():  # the same step, each CuPy launch packing its arguments again (the old host path)
+        cuda.CACHE_LAUNCHES = False
+        try:
+            tp(xg).backward(dy)
+        finally:
+            cuda.CACHE_LAUNCHES = True
+    runs[f"tpattn {a.kernel}, CuPy packing"] = (cupy_packing, None, tp)
+    if a.graph:  # the whole step in one CUDA graph, each layer its own copy (the graph keeps its tensors)
+        for name, m in list(layers.items()):
+            if "deterministic" in name:
+                continue
+            g = m.replace() if hasattr(m, "replace") else Plain(w, H, a.causal, m.sdpa)
+            try:
+                runs[f"{name} graphed"] = (step_graph(g, xg, dy), None, g)
+            except RuntimeError as exc:
+                runs[f"{name} graphed"] = (None, str(exc).splitlines()[0][:160], g)
+    times = {name: {"train": [], "host": [], "fwd": []} for name in runs}
+    skipped = {name: r[1] for name, r in runs.items() if r[0] is None}
     for _ in range(a.rounds):
-        for name, layer in layers.items():
+        for name, (train, fwd, m) in runs.items():
             if name in skipped:
                 continue
-            params = [xg, *layer.parameters()]
+            params = [xg, *m.parameters()]
             try:
-                times[name]["train"].append(median_ms(lambda: layer(xg).backward(dy), a.warmup, a.iters, params))
-                with torch.no_grad():
-                    times[name]["fwd"].append(median_ms(lambda: layer(x), a.warmup, a.iters, []))
+                ms, host = median_ms(train, a.warmup, a.iters, params)
+                times[name]["train"].append(ms)
+                times[name]["host"].append(host)
+                if fwd is not None:
+                    with torch.no_grad():
+                        times[name]["fwd"].append(median_ms(fwd, a.warmup, a.iters, [])[0])
             except RuntimeError as exc:
                 skipped[name] = str(exc).splitlines()[0][:160]
     base = statistics.median(times["plain cuDNN"]["train"]) if "plain cuDNN" not in skipped else None
     rows = []
-    for name in layers:
+    for name in runs:
         if name in skipped:
             rows.append({"layer": name, "skipped": skipped[name]})
             continue
-        train, fwd = statistics.median(times[name]["train"]), statistics.median(times[name]["fwd"])
-        rows.append({"layer": name, "fwd_ms": round(fwd, 4), "fwd_bwd_ms": round(train, 4),
-                     "rounds_ms": [round(t, 4) for t in times[name]["train"]],
+        train, host = statistics.median(times[name]["train"]), statistics.median(times[name]["host"])
+        fwd = statistics.median(times[name]["fwd"]) if times[name]["fwd"] else None
+        rows.append({"layer": name, "fwd_ms": round(fwd, 4) if fwd else None, "fwd_bwd_ms": round(train, 4),
+                     "host_ms": round(host, 4), "rounds_ms": [round(t, 4) for t in times[name]["train"]],
                      "x_cudnn": round(train / base, 3) if base else None})
-        print(f"{name:<26} forward {fwd:8.3f} ms   forward + backward {train:8.3f} ms"
-              f"{f'   / cuDNN {train / base:.3f}' if base else ''}", flush=True)
+        print(f"{name:<36} forward {f'{fwd:8.3f}' if fwd else '       -'} ms   forward + backward {train:8.3f} ms"
+              f"   host {host:7.3f} ms{f'   / cuDNN {train / base:.3f}' if base else ''}", flush=True)
     commit = a.commit or (subprocess_out(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]) or "unknown")
     res = {"gpu": torch.cuda.get_device_name(), "versions": versions(), "command": shlex.join(["python", *sys.argv]),
            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit,
@@ -142,9 +179,14 @@ def main() -> int:
           f"{res['date']}, {res['gpu']}, commit {commit}; torch {res['versions'].get('torch')}. Command: `{res['command']}`.",
           f"B={B} N={N} H={H} G={G} d={d} {a.dtype}{' causal' if a.causal else ''}; per round the median of {a.iters} "
           f"after {a.warmup} warm-up, the median of {a.rounds} rounds (layers alternating).", "",
-          "| layer | forward ms (no_grad) | forward + backward ms | / cuDNN | rounds ms |", "|---|---|---|---|---|"]
-    md += [f"| {r['layer']} | {r.get('fwd_ms', '-')} | {r.get('fwd_bwd_ms', r.get('skipped', '-'))} | "
-           f"{r.get('x_cudnn') or '-'} | {', '.join(map(str, r.get('rounds_ms', [])))} |" for r in rows]
+          "Host ms: the time until the step's call returns (its launches queued); \"graphed\": the step in one CUDA "
+          "graph (tpattn: `layer.graphed(x, dy=dy)`); \"CuPy packing\": every kernel launch packing its arguments "
+          "again (`TPATTN_LAUNCH_CACHE=0`).", "",
+          "| layer | forward ms (no_grad) | forward + backward ms | host ms | / cuDNN | rounds ms |",
+          "|---|---|---|---|---|---|"]
+    md += [f"| {r['layer']} | {r.get('fwd_ms') or '-'} | {r.get('fwd_bwd_ms', r.get('skipped', '-'))} | "
+           f"{r.get('host_ms', '-')} | {r.get('x_cudnn') or '-'} | {', '.join(map(str, r.get('rounds_ms', [])))} |"
+           for r in rows]
     Path(a.out + ".md").write_text("\n".join(md) + "\n")
     return 0
 

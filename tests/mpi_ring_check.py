@@ -3,7 +3,10 @@
 at 4 ranks, as rings of 2 beside heads split over 2 ranks, against the single-process layer in
 float64: the output of this rank's rows, x's gradient and every weight's
 (summed over the ring), causal and not, multi-head and grouped-query, with and without rotary
-positions; gather_context; a cache refused. Prints 'RING PASS rank R' and exits 0, or what failed."""
+positions; gather_context; a cache refused. Prints 'RING PASS rank R' and exits 0, or what failed.
+Argument: the device (default cpu; cuda: the ranks share GPU 0 over gloo, tests/test_gpu_ring.py)."""
+
+import sys
 
 import torch
 
@@ -14,6 +17,7 @@ from tpattn.layer import TensorParallelAttention
 proc = init_distributed(backend="gloo", timeout=60)
 C, R = proc.world, proc.rank
 bad = []
+dev = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cpu")
 E, H, d, B = 32, 4, 8, 2
 N = 4 * C  # two chunks of 2 rows per rank (at C = 4; twice that at context_parallel=2)
 
@@ -25,9 +29,9 @@ for cp, G, causal, rope in cases:
     full = {"wq": torch.randn(E, H * d), "wk": torch.randn(E, G * d), "wv": torch.randn(E, G * d),
             "wo": torch.randn(H * d, E), "bq": torch.randn(H * d), "bk": torch.randn(G * d), "bv": torch.randn(G * d),
             "bo": torch.randn(E)}
-    full = {k: (v / 4).double() for k, v in full.items()}
-    x = torch.randn(B, N, E, dtype=torch.float64)
-    dy = torch.randn(B, N, E, dtype=torch.float64)
+    full = {k: (v / 4).double().to(dev) for k, v in full.items()}
+    x = torch.randn(B, N, E, dtype=torch.float64).to(dev)
+    dy = torch.randn(B, N, E, dtype=torch.float64).to(dev)
     kw = dict(heads=H, kv_heads=G, causal=causal, rope_theta=rope)
     single = TensorParallelAttention.from_full(**full, group=None, **kw)
     xs = x.clone().requires_grad_()
@@ -64,5 +68,5 @@ if "a KV cache decodes head-parallel" not in said:
 for b in bad:
     print(f"rank {R}: FAIL {b}", flush=True)
 if not bad:
-    print(f"RING PASS rank {R}", flush=True)
+    print(f"RING PASS rank {R} ({dev.type})", flush=True)
 exit_now(1 if bad else 0)

@@ -223,3 +223,27 @@ def test_peer_buffers_under_a_captured_graph_never_move():
         layer.peers.buffers(plan, cpu, f32, f32)
     small = make_plan(1, 32, 16, 2, elem=4, part_elem=4, output_collective="p2p")
     assert layer.peers.buffers(small, cpu, f32, f32) is held  # what fits keeps the same buffers
+
+
+def test_graphed_training_step_refuses_in_one_line(monkeypatch):
+    """layer.graphed(x, dy=dy) captures CUDA work: on CPU one line saying so; dy unlike y, a cache with
+    dy, or nothing to train are refused before anything is captured."""
+    from tpattn.weights import head_weights
+    w = head_weights(range(2), 2, 8, 0, torch.float32, torch.device("cpu"))
+    layer = TensorParallelAttention(**w, heads=2, head_dim=8, group=None)
+    x = torch.randn(1, 4, 16)
+    with pytest.raises(ConfigError, match=r"^graphed\(\) captures CUDA work, and x is on cpu; call the layer eagerly"):
+        layer.graphed(x, dy=torch.randn(1, 4, 16))
+    with pytest.raises(ConfigError, match=r"^graphed\(\) captures CUDA work"):
+        layer.graphed(x)
+    with pytest.raises(ValueError, match=r"a decode step has no backward; pass a cache or dy, not both"):
+        layer.graphed(x[:, :1], layer.new_cache(1, 8), dy=torch.randn(1, 1, 16))
+    from tpattn import graphs
+    meta = torch.empty(1, 4, 16, device="meta")
+    monkeypatch.setattr(graphs, "refusal", lambda layer, x: None)  # past the device check, to the argument checks
+    with pytest.raises(ValueError, match=r"dy must be like y, which is like x \(\(1, 4, 16\)"):
+        graphs.graphed_train(layer, meta, torch.empty(1, 4, 8, device="meta"))
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"neither x nor any parameter of the layer requires a gradient"):
+        graphs.graphed_train(layer, meta, meta)

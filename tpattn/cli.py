@@ -108,7 +108,8 @@ def parser() -> argparse.ArgumentParser:
                    "collectives on a side CUDA stream (sequence parallel: the all-gather with the QKV "
                    "projection too); 1 = off (default; it lost on the H200s, see README)")
     d.add_argument("--cuda-graph", action="store_true", help="capture the whole layer (kernels, GEMMs, "
-                   "collectives) in one CUDA graph and time its replays: no host launch cost, total time only")
+                   "collectives) in one CUDA graph and time its replays: no host launch cost, total time only (with "
+                   "--backward: the whole training step, forward and backward, in one graph)")
     d.add_argument("--timeout", type=float, default=300.0, metavar="S", help="seconds to wait for the "
                    "rendezvous and for any collective before the job fails (default 300)")
     m = p.add_argument_group("measure and report")
@@ -120,7 +121,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--backward", action="store_true", help="time and check a training step instead of the "
                    "forward alone: forward and backward per pass (the attention backward, the dX collective, the "
                    "weight-gradient GEMMs); checks x.grad and the full gradients against the single-process layer "
-                   "and float64, as the forward check does (not with --cuda-graph)")
+                   "and float64, as the forward check does (with --cuda-graph: forward and backward in one graph)")
     m.add_argument("--deterministic", action="store_true", help="with --backward: an attention backward that gives "
                    "the same bits every run (the fused kernel's seven-product pair instead of its faster five-product "
                    "kernel, whose dQ adds arrive in any order)")
@@ -267,7 +268,7 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
     timer = Timer(device)
     if cfg.backward:  # a training step: forward and backward, dy the same for any world size
         dy = layer_input(cfg.batch, cfg.seq_len, cfg.model_dim, cfg.seed + 1, cfg.torch_dtype, device)
-        step = _TrainStep(layer, x_in, layer.shard_sequence(dy) if cfg.sequence_parallel else dy)
+        step = _TrainStep(layer, x_in, layer.shard_sequence(dy) if cfg.sequence_parallel else dy, cfg.cuda_graph)
     for _ in range(cfg.warmup):
         step() if cfg.backward else layer(x_in)
     call = step if cfg.backward else layer.graphed(x_in) if cfg.cuda_graph else (lambda: layer(x_in))
@@ -415,12 +416,21 @@ def _checks(cfg: Config, proc, layer, w, x, y, device, loaded) -> dict:
 
 class _TrainStep:
     """One training step of the layer: a fresh leaf input, the forward under autograd, the
-    backward with dy; the parameters' gradients set to None first (each step's own)."""
+    backward with dy; the parameters' gradients set to None first (each step's own). graphed: the
+    step captured in one CUDA graph on its first call (layer.graphed(x, dy=dy)), replayed after."""
 
-    def __init__(self, layer, x, dy):
+    def __init__(self, layer, x, dy, graphed: bool = False):
         self.layer, self.x, self.dy, self.x_grad = layer, x, dy, None
+        self.replay = None
+        if graphed:  # captured here, before the warm-up and the timed calls
+            self.leaf = x.detach().requires_grad_(True)
+            self.replay = layer.graphed(self.leaf, dy=dy)
 
     def __call__(self):
+        if self.replay is not None:
+            y = self.replay()
+            self.x_grad = self.leaf.grad
+            return y
         for p in self.layer.parameters():
             p.grad = None
         x = self.x.detach().requires_grad_(True)

@@ -196,10 +196,6 @@ def check_parallel_style(cfg: Config, world: int) -> None:
                               f"or 128; got {cfg.dtype}, {cfg.head_dim}); drop --cuda-graph")
     if cfg.deterministic and not cfg.backward:
         raise FlagError("--deterministic changes the backward only: add --backward (or drop --deterministic)")
-    if cfg.backward:
-        if cfg.cuda_graph:
-            raise FlagError("--backward with --cuda-graph: the training step is not captured in a graph yet; "
-                              "drop one of them")
     if cfg.cuda_graph:
         if cfg.device != "cuda":
             raise FlagError("--cuda-graph needs --device cuda; drop it on CPU")

@@ -376,61 +376,32 @@ def fused_prefix_fits(q: torch.Tensor) -> bool:
         and cupy_available()
 
 
-def graphed(layer, x: torch.Tensor, cache: KVCache | None = None):
-    """Capture layer(x) (kernels, GEMMs and the collective) in one CUDA graph; returns a function that
-    replays it on the same input buffer and returns the same output tensor. Copy new inputs into `x`
-    in place before calling it. Each replay is one entry in the collective watch (tpattn/watch.py): a
-    rank that stalls during a replay ends the job after --timeout like a stalled eager collective.
-    With output_collective="p2p" or "oneshot" the peer buffers are fixed from here on: a later call
-    that needs larger ones is refused. With a cache: one decode step, x [B, 1, D]; each replay appends
-    x's row at the cache's length (read on the device) and returns that step's output, until the
-    cache is full (then the cache's one-line refusal). The cache is left as it was (capture runs no
-    step). Captured under torch.no_grad(): a graph records no gradients."""
-    from . import watch
-    if cache is not None:
-        if x.dim() != 3 or x.shape[1] != 1:
-            raise ValueError(f"graphed(x, cache) captures a decode step: x must be [B, 1, D] (got {tuple(x.shape)})")
-        why = graph_refusal(x.device, layer.dtype, layer.head_dim)
-        if why:
-            raise ConfigError(why)
-        check_cache(layer, cache, x.shape[0], 1)
-        length = cache.length
-    call = (lambda: layer(x, cache=cache)) if cache is not None else (lambda: layer(x))
-    current = torch.cuda.current_stream()
-    side = torch.cuda.Stream(device=x.device)
-    side.wait_stream(current)
+def graphed(layer, x: torch.Tensor, cache: KVCache):
+    """One decode step in a CUDA graph (tpattn/graphs.py has the capture): x [B, 1, D]; each replay
+    appends x's row at the cache's length (read on the device) and returns that step's output, until
+    the cache is full (then the cache's one-line refusal). The cache is left as it was (capture runs
+    no step). Copy each step's row into x in place before the replay."""
+    from .graphs import capture, refusal, replayer
+    if x.dim() != 3 or x.shape[1] != 1:
+        raise ValueError(f"graphed(x, cache) captures a decode step: x must be [B, 1, D] (got {tuple(x.shape)})")
+    why = graph_refusal(x.device, layer.dtype, layer.head_dim) or refusal(layer, x)
+    if why:
+        raise ConfigError(why)
+    check_cache(layer, cache, x.shape[0], 1)
+    length = cache.length
+
+    def rewind():  # the warm-up steps wrote past the cache's length only, the capture none: forget them
+        cache.length = length
+        cache.pos.fill_(length)
     try:
-        with torch.no_grad():
-            with torch.cuda.stream(side):
-                for _ in range(2 if cache is None else min(2, cache.max_len - length)):
-                    call()  # compile and load every kernel, create NCCL's communicator
-            current.wait_stream(side)
-            torch.cuda.synchronize()
-            if cache is not None:  # the warm-up steps wrote past the cache's length only: forget them
-                cache.length = length
-                cache.pos.fill_(length)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: the collective watchdog's thread polls CUDA events of earlier collectives; in
-            # the default (global) mode such a query from any thread during the capture invalidates it
-            # (seen once over NCCL: "operation failed due to a previous error during capture")
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                y = call()
+        graph, y = capture(lambda: layer(x, cache=cache), x, min(2, cache.max_len - length), before_capture=rewind)
     finally:
-        if cache is not None:  # as it was: the capture ran the host side once, no kernel
-            cache.length = length
-            cache.pos.fill_(length)
+        rewind()
     layer.peers.pin()
 
-    def replay() -> torch.Tensor:
-        if cache is not None:
-            check_cache(layer, cache, x.shape[0], 1)
-        with watch.collective("graph", layer.world, True):  # a no-op unless the watch runs (the CLI's)
-            graph.replay()
-        if cache is not None:
-            cache.length += 1
-        return y
-    replay.graph = graph
-    return replay
+    def advance():
+        cache.length += 1
+    return replayer(layer.world, graph, y, before=lambda: check_cache(layer, cache, x.shape[0], 1), after=advance)
 
 
 custom_ops.IMPLS.update(decode_append=append_kernel, decode_attention=decode_attention,

@@ -401,8 +401,14 @@ class TensorParallelAttention(LayerPlan, LayerModule):
         K/V heads, [B, g, max_len, d] each, on the layer's device and dtype."""
         return decode.new_cache(self, batch, max_len)
 
-    def graphed(self, x: torch.Tensor, cache: decode.KVCache | None = None):
+    def graphed(self, x: torch.Tensor, cache: decode.KVCache | None = None, dy: torch.Tensor | None = None):
         """Capture forward(x) (kernels, GEMMs and the collective) in one CUDA graph; returns a function
         that replays it on the same input buffer (copy new inputs into x in place). With a cache: one
-        decode step per replay (tpattn.decode.graphed has the details)."""
-        return decode.graphed(self, x, cache)
+        decode step per replay (tpattn.decode.graphed). With dy: a whole training step, forward and
+        backward, each replay filling the gradients (tpattn.graphs.graphed_train)."""
+        from . import graphs
+        if cache is not None and dy is not None:
+            raise ValueError("graphed(x, cache, dy): a decode step has no backward; pass a cache or dy, not both")
+        if cache is not None:
+            return decode.graphed(self, x, cache)
+        return graphs.graphed_train(self, x, dy) if dy is not None else graphs.graphed_forward(self, x)
