@@ -9,10 +9,9 @@ outside the timed interval; median over --iters after --warmup), and the forward
 torch.no_grad() (the inference path). --rounds R measures every layer R times, the layers taking
 turns (so that a clock drop under the power cap lands on each), and reports the median of the
 rounds; `/ cuDNN` is a row's step over the plain cuDNN layer's; host ms, the time the call takes to
-return (its launches queued). tpattn's layer runs with its default backward, with deterministic=True,
-and with every CuPy launch packing its arguments again (the host path before launches kept their
-packing); with --graph (default) each default layer's step also runs captured in one CUDA graph
-(tpattn's through `layer.graphed(x, dy=dy)`). Writes PREFIX.json and PREFIX.md (--out, default
+return (its launches queued). tpattn's layer runs with its default backward and with deterministic=True;
+with --graph (default) each default layer's step also runs captured in one CUDA graph (tpattn's
+through `layer.graphed(x, dy=dy)`). Writes PREFIX.json and PREFIX.md (--out, default
 benchmarks/train_h200): GPU, versions, command, date (UTC), commit.
 
     PYTHONPATH=. python scripts/bench_train.py [--seq-len 4096] [--heads 32] [--kv-heads G] [--head-dim 128]
@@ -35,7 +34,6 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tpattn import cuda  # noqa: E402
 from tpattn.graphs import step_graph  # noqa: E402
 from tpattn.layer import TensorParallelAttention  # noqa: E402
 from tpattn.report import versions  # noqa: E402
@@ -125,13 +123,6 @@ def main() -> int:
     runs = {name: ((lambda m=m: m(xg).backward(dy)), (lambda m=m: m(x)), m) for name, m in layers.items()}
     tp = layers[f"tpattn {a.kernel}"]
 
-    def cupy_packing():  # the same step, each CuPy launch packing its arguments again (the old host path)
-        cuda.CACHE_LAUNCHES = False
-        try:
-            tp(xg).backward(dy)
-        finally:
-            cuda.CACHE_LAUNCHES = True
-    runs[f"tpattn {a.kernel}, CuPy packing"] = (cupy_packing, None, tp)
     if a.graph:  # the whole step in one CUDA graph, each layer its own copy (the graph keeps its tensors)
         for name, m in list(layers.items()):
             if "deterministic" in name:
@@ -180,8 +171,7 @@ def main() -> int:
           f"B={B} N={N} H={H} G={G} d={d} {a.dtype}{' causal' if a.causal else ''}; per round the median of {a.iters} "
           f"after {a.warmup} warm-up, the median of {a.rounds} rounds (layers alternating).", "",
           "Host ms: the time until the step's call returns (its launches queued); \"graphed\": the step in one CUDA "
-          "graph (tpattn: `layer.graphed(x, dy=dy)`); \"CuPy packing\": every kernel launch packing its arguments "
-          "again (`TPATTN_LAUNCH_CACHE=0`).", "",
+          "graph (tpattn: `layer.graphed(x, dy=dy)`).", "",
           "| layer | forward ms (no_grad) | forward + backward ms | host ms | / cuDNN | rounds ms |",
           "|---|---|---|---|---|---|"]
     md += [f"| {r['layer']} | {r.get('fwd_ms') or '-'} | {r.get('fwd_bwd_ms', r.get('skipped', '-'))} | "

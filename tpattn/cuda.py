@@ -235,27 +235,9 @@ def _check_grid(grid) -> None:
 def launch(filename: str, name: str, device: torch.device, grid, block, args, shared_mem: int = 0) -> None:
     """Launch kernel `name` of kernels/`filename` on torch's current stream of `device`, with
     `shared_mem` bytes of dynamic shared memory (above 48 KiB the function's limit is raised once).
-    args: numpy scalars (pointers as uint64); a kernel taking tensor maps goes through Prepared.
-    A launch whose arguments were all seen before (the same tensors, as a training loop's caching
-    allocator hands back) reuses their packing: a dict lookup and the driver call."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if not CACHE_LAUNCHES:
-        return _launch_cupy(filename, name, idx, grid, block, args, shared_mem)
-    key = (filename, name, idx, tuple(grid), tuple(block), shared_mem, *((type(a), a.item()) for a in args))
-    prep = _launches.get(key)
-    if prep is None and all(type(a) in _CTYPE for a in args):
-        if len(_launches) >= 512:
-            _launches.clear()
-        prep = _launches[key] = Prepared(filename, name, device, grid, block, args, shared_mem)
-    if prep is not None:
-        prep()
-        return
-    _launch_cupy(filename, name, idx, grid, block, args, shared_mem)
-
-
-def _launch_cupy(filename: str, name: str, idx: int, grid, block, args, shared_mem: int) -> None:
-    """The launch through CuPy's argument packing (what launch() did before it kept packings)."""
+    args: numpy scalars (pointers as uint64); a kernel taking tensor maps goes through Prepared."""
     cupy = _cupy()
+    idx = device.index if device.index is not None else torch.cuda.current_device()
     fn = get_function(filename, name, idx)
     if shared_mem > 48 * 1024:
         _allow_shared_mem(cupy, fn, (idx, filename, name), shared_mem)
@@ -268,10 +250,6 @@ def _launch_cupy(filename: str, name: str, idx: int, grid, block, args, shared_m
             ext.synchronize()
 
 
-# TPATTN_LAUNCH_CACHE=0: every launch packs its arguments again through CuPy (the A/B of
-# scripts/bench_train.py --host)
-CACHE_LAUNCHES = os.environ.get("TPATTN_LAUNCH_CACHE", "1") != "0"
-_launches: dict[tuple, Prepared] = {}  # launch(): packed launches by kernel, shape and argument values
 _smem_limits: dict[tuple[int, str, str], int] = {}
 
 
