@@ -56,6 +56,38 @@ for cp, G, causal, rope in cases:
         if not torch.allclose(ring.gather_context(ring(ring.shard_context(x))), ys.detach(), atol=1e-10):
             bad.append(f"{what}: gather_context of the rows is not the single-process y")
 
+
+def rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().pow(2).mean().sqrt()).item()
+
+
+if dev.type == "cuda":  # the pieces through the fused kernels (fp16, bf16), against float64
+    E2, H2, d2 = 256, 4, 64
+    N2 = 2 * C * 96  # chunks of 96 rows: partial tiles
+    for dt, G, causal in ((torch.float16, 4, True), (torch.bfloat16, 2, True), (torch.float16, 1, False)):
+        torch.manual_seed(1)
+        w2 = {"wq": torch.randn(E2, H2 * d2), "wk": torch.randn(E2, G * d2), "wv": torch.randn(E2, G * d2),
+              "wo": torch.randn(H2 * d2, E2)}
+        w2 = {k_: (t / E2 ** 0.5).to(dev).to(dt) for k_, t in w2.items()}
+        x2, dy2 = torch.randn(2, N2, E2, device=dev).to(dt), torch.randn(2, N2, E2, device=dev).to(dt)
+        kw = dict(heads=H2, kv_heads=G, causal=causal)
+        ref = TensorParallelAttention.from_full(**{k_: t.double() for k_, t in w2.items()}, group=None, **kw)
+        xs2 = x2.double().requires_grad_()
+        ref(xs2).backward(dy2.double())
+        fr = TensorParallelAttention.from_full(**w2, backend="fused", context_parallel=C, **kw)
+        xr2 = fr.shard_context(x2).requires_grad_()
+        yr2 = fr(xr2)
+        yr2.backward(fr.shard_context(dy2))
+        with torch.no_grad():
+            ys2 = ref(x2.double())
+        got, want = fr.full_grads(), ref.full_grads()
+        what = f"fused {dt} C={C} G={G} causal={causal}"
+        tol = 2e-2 if dt == torch.float16 else 6e-2
+        for name, a, b in [("y", yr2, fr.shard_context(ys2)), ("x.grad", xr2.grad, fr.shard_context(xs2.grad)),
+                           *((f"d{k_}", got[k_], want[k_]) for k_ in ("wq", "wk", "wv", "wo"))]:
+            if not rel(a, b) < tol:
+                bad.append(f"{what}: {name} off by {rel(a, b):.3g} x rms (tol {tol})")
+
 try:
     with torch.no_grad():
         ring(ring.shard_context(x), cache=object())

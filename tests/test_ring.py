@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import ROOT, mpirun_cmd, run
-from tpattn.attention.ring import block_forward, context_rows, merge
+from tpattn.attention.ring import context_rows, merge, piece_backward, piece_forward, pieces
 from tpattn.errors import ConfigError
 from tpattn.layer import TensorParallelAttention
 
@@ -24,24 +24,100 @@ def test_the_zigzag_layout_gives_every_rank_an_early_and_a_late_chunk():
     assert len(set(work)) == 1
 
 
+@pytest.mark.parametrize("C", [1, 2, 3, 4])
 @pytest.mark.parametrize("causal", [True, False])
-def test_blocks_merged_by_logsumexp_are_the_whole_attention(causal):
+def test_the_pieces_are_exactly_what_each_query_row_sees(C, causal):
+    """Over every pair of ring ranks, the pieces cover each (query, key) pair a query sees once, and
+    no other (causal: key position <= query position)."""
+    N = 4 * C
+    n = N // C
+    for c in range(C):
+        pq = context_rows(N, C, c)
+        seen = torch.zeros(n, N, dtype=torch.int64)
+        for j in range(C):
+            pk = context_rows(N, C, j)
+            for q0, q1, k0, k1, diag in pieces(c, j, n, causal):
+                block = torch.ones(q1 - q0, k1 - k0, dtype=torch.int64)
+                if diag:
+                    assert q1 - q0 == k1 - k0
+                    block = block.tril()
+                seen[q0:q1, pk[k0:k1]] += block
+        want = (torch.arange(N)[None, :] <= pq[:, None]) if causal else torch.ones(n, N, dtype=torch.bool)
+        assert torch.equal(seen, want.long())
+
+
+class EqualLengths:
+    """A backend as the fused kernels are to the ring: it saves the logsumexp and takes only as many
+    query rows as keys (asserted), with torch math inside."""
+    saves_lse = True
+
+    def forward_for_backward(self, q, k, v, causal):
+        assert q.shape[2] == k.shape[2] and q.shape[1] % k.shape[1] == 0
+        return piece_forward(None, q, k, v, causal)
+
+    def backward(self, q, k, v, o, lse, do, causal, deterministic=False):
+        assert q.shape[2] == k.shape[2] and lse.is_contiguous()
+        return piece_backward(None, q, k, v, o, lse, do, causal)
+
+
+def _ring_in_one_process(q, k, v, do, C, causal, backend=None):
+    """Every rank's rows of the ring's forward and backward, computed in one process from the pieces
+    (tpattn/comm.py's loop without the passes): (o, dq, dk, dv) in sequence order."""
+    B, h, N, d = q.shape
+    n = N // C
+    rows = [context_rows(N, C, r) for r in range(C)]
+    outs = []
+    for c in range(C):
+        o = torch.zeros(B, h, n, d, dtype=q.dtype)
+        lse = torch.full((B, h, n), float("-inf"), dtype=q.dtype)
+        for j in range(C):
+            for q0, q1, k0, k1, diag in pieces(c, j, n, causal):
+                kj, vj = k[:, :, rows[j][k0:k1]], v[:, :, rows[j][k0:k1]]
+                merge(o[:, :, q0:q1], lse[:, :, q0:q1], *piece_forward(backend, q[:, :, rows[c][q0:q1]], kj, vj, diag))
+        outs.append((o, lse))
+    o_all = torch.zeros_like(q)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for c in range(C):
+        o, lse = outs[c]
+        o_all[:, :, rows[c]] = o
+        for j in range(C):
+            for q0, q1, k0, k1, diag in pieces(c, j, n, causal):
+                r, kr = rows[c][q0:q1], rows[j][k0:k1]
+                a, b_, c_ = piece_backward(backend, q[:, :, r], k[:, :, kr], v[:, :, kr], o[:, :, q0:q1],
+                                           lse[:, :, q0:q1], do[:, :, r], diag)
+                dq[:, :, r] += a
+                dk[:, :, kr] += b_
+                dv[:, :, kr] += c_
+    return o_all, dq, dk, dv
+
+
+@pytest.mark.parametrize("backend", [None, EqualLengths()], ids=["torch", "kernel-like"])
+@pytest.mark.parametrize("C", [2, 3])
+@pytest.mark.parametrize("causal", [True, False])
+def test_pieces_merged_by_logsumexp_are_the_whole_attention_and_its_gradients(C, causal, backend):
     torch.manual_seed(0)
-    q = torch.randn(2, 4, 6, 8, dtype=torch.float64)
-    k, v = torch.randn(2, 2, 12, 8, dtype=torch.float64), torch.randn(2, 2, 12, 8, dtype=torch.float64)
-    pos_q, pos_k = torch.tensor([0, 1, 2, 9, 10, 11]), torch.arange(12)
-    o, lse = block_forward(q, k, v, pos_q, pos_k, causal)
-    part, plse = block_forward(q, k[:, :, :5], v[:, :, :5], pos_q, pos_k[:5], causal)
-    o2, lse2 = block_forward(q, k[:, :, 5:], v[:, :, 5:], pos_q, pos_k[5:], causal)  # rows 0-2 see none of it
+    B, h, g, N, d = 2, 4, 2, 12 * C, 8
+    q = torch.randn(B, h, N, d, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(B, g, N, d, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    do = torch.randn(B, h, N, d, dtype=torch.float64)
+    o, dq, dk, dv = _ring_in_one_process(q.detach(), k.detach(), v.detach(), do, C, causal, backend)
+    s = q @ k.repeat_interleave(h // g, 1).transpose(-1, -2) / d ** 0.5
     if causal:
-        assert torch.isinf(lse2[..., :3]).all()
-    merge(part, plse, o2, lse2)
-    assert torch.allclose(part, o, atol=1e-12) and torch.allclose(plse, lse, atol=1e-12)
-    kk = k.repeat_interleave(2, 1)
-    s = q @ kk.transpose(-1, -2) / 8 ** 0.5
-    if causal:
-        s = s.masked_fill(pos_k[None, :] > pos_q[:, None], float("-inf"))
-    assert torch.allclose(o, torch.softmax(s, -1) @ v.repeat_interleave(2, 1), atol=1e-12)
+        s = s.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.softmax(s, -1) @ v.repeat_interleave(h // g, 1)
+    want.backward(do)
+    assert torch.allclose(o, want.detach(), atol=1e-12)
+    for got, ref in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
+        assert torch.allclose(got, ref, atol=1e-11)
+
+
+def test_a_piece_of_more_query_rows_than_keys_is_seen_as_more_heads():
+    """The kernels take equal lengths: 2m query rows against m keys run as 2h heads of m rows, each
+    head's rows still reading its K/V head."""
+    from tpattn.attention.ring import _by_rows
+    q = torch.arange(2 * 3 * 8 * 4.0).view(2, 3, 8, 4)
+    t = _by_rows(q, 4)
+    assert t.shape == (2, 6, 4, 4) and torch.equal(t[:, 1], q[:, 0, 4:]) and torch.equal(t[:, 2], q[:, 1, :4])
 
 
 def test_context_parallel_refusals():

@@ -345,12 +345,11 @@ class _RingAttention(torch.autograd.Function):
     stays."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm, seq_len: int, causal: bool):
-        from .attention.ring import block_forward, context_rows, merge, sees_any
+    def forward(ctx, q, k, v, comm, causal: bool, backend, deterministic: bool):
+        from .attention.ring import merge, piece_forward, pieces
         C, c = comm.world, comm.rank
         B, h, n, d = q.shape
         acc = torch.promote_types(q.dtype, torch.float32)
-        pos_q = context_rows(seq_len, C, c).to(q.device)
         o = torch.zeros(B, h, n, d, dtype=acc, device=q.device)
         lse = torch.full((B, h, n), float("-inf"), dtype=acc, device=q.device)
         cur = (k.contiguous(), v.contiguous())
@@ -359,27 +358,29 @@ class _RingAttention(torch.autograd.Function):
             if s < C - 1:
                 nxt = (torch.empty_like(cur[0]), torch.empty_like(cur[1]))
                 wait = comm.ring_pass(cur, nxt, "ring")
-            pos_k = context_rows(seq_len, C, (c - s) % C).to(q.device)
-            if sees_any(pos_q, pos_k, causal):
-                with section("attention"):
-                    merge(o, lse, *block_forward(q, cur[0], cur[1], pos_q, pos_k, causal))
+            with section("attention"):
+                for q0, q1, k0, k1, diag in pieces(c, (c - s) % C, n, causal):
+                    merge(o[:, :, q0:q1], lse[:, :, q0:q1],
+                          *piece_forward(backend, q[:, :, q0:q1], cur[0][:, :, k0:k1], cur[1][:, :, k0:k1], diag))
             if wait is not None:
                 wait()
                 cur = nxt
         out = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.seq_len, ctx.causal = comm, seq_len, causal
+        ctx.comm, ctx.causal, ctx.backend, ctx.deterministic = comm, causal, backend, deterministic
         return out
 
     @staticmethod
     def backward(ctx, do):
-        from .attention.ring import block_backward, context_rows, sees_any
+        from .attention.ring import piece_backward, pieces
         q, k, v, o, lse = ctx.saved_tensors
-        comm, seq_len, causal = ctx.comm, ctx.seq_len, ctx.causal
+        comm, causal, backend = ctx.comm, ctx.causal, ctx.backend
         C, c = comm.world, comm.rank
+        n = q.shape[2]
         acc = lse.dtype
-        pos_q = context_rows(seq_len, C, c).to(q.device)
-        delta = (do.to(acc) * o.to(acc)).sum(-1)
+        if backend is not None:
+            lse = lse.float()
+        do = do.contiguous()
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = (k.contiguous(), v.contiguous())
         grads = (torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
@@ -388,28 +389,31 @@ class _RingAttention(torch.autograd.Function):
             if s < C - 1:  # the next block's K and V travel while this one's share is computed
                 nxt = (torch.empty_like(kv[0]), torch.empty_like(kv[1]))
                 wait = comm.ring_pass(kv, nxt, "bwd_ring")
-            pos_k = context_rows(seq_len, C, (c - s) % C).to(q.device)
-            if sees_any(pos_q, pos_k, causal):
-                with section("attention_bwd"):
-                    dq_b, dk_b, dv_b = block_backward(q, kv[0], kv[1], do, lse, delta, pos_q, pos_k, causal)
-                    dq += dq_b
-                    grads[0].add_(dk_b)
-                    grads[1].add_(dv_b)
+            with section("attention_bwd"):
+                for q0, q1, k0, k1, diag in pieces(c, (c - s) % C, n, causal):
+                    dq_b, dk_b, dv_b = piece_backward(backend, q[:, :, q0:q1], kv[0][:, :, k0:k1], kv[1][:, :, k0:k1],
+                                                      o[:, :, q0:q1], lse[:, :, q0:q1], do[:, :, q0:q1], diag,
+                                                      ctx.deterministic)
+                    dq[:, :, q0:q1] += dq_b
+                    grads[0][:, :, k0:k1] += dk_b
+                    grads[1][:, :, k0:k1] += dv_b
             onward = (torch.empty_like(grads[0]), torch.empty_like(grads[1]))
             comm.ring_pass(grads, onward, "bwd_ring_grads")()  # the sums go with their block (the last pass: home)
             grads = onward
             if wait is not None:
                 wait()
                 kv = nxt
-        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, seq_len: int,
-                   causal: bool) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, causal: bool,
+                   backend=None, deterministic: bool = False) -> torch.Tensor:
     """o [B, h, n, d] of this rank's rows (tpattn.attention.ring.context_rows) over the whole
-    sequence of seq_len rows held by the ring's ranks, differentiable (its backward is the ring
-    again)."""
-    return _RingAttention.apply(q, k, v, comm, seq_len, causal)
+    sequence held by the ring's ranks, differentiable (its backward is the ring again). backend:
+    a local attention backend whose forward saves the logsumexp (fused, triton) runs each piece
+    through its kernels; any other (or None) leaves the pieces to torch math."""
+    return _RingAttention.apply(q, k, v, comm, causal, backend if getattr(backend, "saves_lse", False) else None,
+                                deterministic)
 
 
 class _GatherContext(torch.autograd.Function):

@@ -299,7 +299,8 @@ class TensorParallelAttention(LayerPlan, LayerModule):
                 pos = context_rows(C * n, C, self.ring.rank).to(x.device)
                 cos, sin = decode.rope_tables(pos, d, self.rope_theta, torch.promote_types(self.dtype, torch.float32))
                 q, k = (decode.apply_rope(t, cos, sin, self.rope_interleaved) for t in (q, k))
-        o = ring_attention(q, k, v, self.ring, C * n, self.causal).permute(0, 2, 1, 3).reshape(B, n, h * d)
+        o = ring_attention(q, k, v, self.ring, self.causal, self.backend, self.deterministic)
+        o = o.permute(0, 2, 1, 3).reshape(B, n, h * d)
         return head_parallel_out(self, self.plan(B, n), o, wo=wo, bo=bo)  # summed over the heads' ranks
 
     def shard_context(self, t: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""The math of ring attention (context parallelism, tpattn/comm.py's ring pair runs it): the
-attention of this rank's query rows against one block of K/V rows at given positions, as a partial
-output and its rows' logsumexp; their merge; and the block's backward given the rows' global
-logsumexp. torch math in fp32 (fp64 for fp64), any device; grouped-query heads read in place.
+"""The math of ring attention (context parallelism, tpattn/comm.py's ring pair runs it): which
+rows of this rank's queries attend to which rows of a block of K/V (pieces); a piece's partial
+output and its rows' logsumexp; their merge; and a piece's backward given the rows' global
+logsumexp. Through the backend's kernels where its forward saves the logsumexp (fused, triton:
+nothing N x N in memory), else torch math in fp32 (fp64 for fp64); grouped-query heads read in place.
 
 The layout (zigzag, as ring-flash-attention and Megatron's context parallelism lay it out): the
 sequence of N rows in 2C chunks of m = N / (2C); rank c of the ring holds chunks c and 2C - 1 - c,
@@ -23,54 +24,86 @@ def context_rows(seq_len: int, ranks: int, rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(a, a + m), torch.arange(b, b + m)])
 
 
-def _scores(q, k, pos_q, pos_k, causal: bool, acc):
-    """S [B, g, h/g, n, nk] (scaled) of q [B, h, n, d] against k [B, g, nk, d], masked where a key
-    is after its query (causal)."""
+def pieces(c: int, j: int, n: int, causal: bool) -> list[tuple[int, int, int, int, bool]]:
+    """What rank c's n rows (two chunks of m = n / 2) attend to in ring rank j's block of n rows, as
+    pieces (q0, q1, k0, k1, diagonal): its query rows [q0, q1) against the block's rows [k0, k1),
+    all of them, or (diagonal) causally, key i of the piece seen by its query rows from i on. With
+    the zigzag layout a causal ring has three kinds of block: its own (one diagonal piece: local
+    order is position order), an earlier rank's (every row sees that block's first chunk) and a
+    later rank's (only the second chunk's rows see it, all of it)."""
+    m = n // 2
+    if not causal:
+        return [(0, n, 0, n, False)]
+    if j == c:
+        return [(0, n, 0, n, True)]
+    if j < c:
+        return [(0, n, 0, m, False)]
+    return [(m, n, 0, m, False), (m, n, m, n, False)]
+
+
+def _scores(q, k, diagonal: bool, acc):
+    """S [B, g, h/g, n, nk] (scaled) of q [B, h, n, d] against k [B, g, nk, d]; diagonal (n = nk):
+    key i masked for the rows before i."""
     B, h, n, d = q.shape
     g = k.shape[1]
     s = torch.matmul(q.to(acc).view(B, g, h // g, n, d), k.to(acc).unsqueeze(2).transpose(-1, -2)) / math.sqrt(d)
-    if causal:
-        s = s.masked_fill(pos_k[None, :] > pos_q[:, None], float("-inf"))
+    if diagonal:
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     return s
 
 
-def sees_any(pos_q, pos_k, causal: bool) -> bool:
-    """Whether any query row sees any key of the block (else the block adds nothing)."""
-    return not causal or bool(pos_k.min() <= pos_q.max())
+def _by_rows(t: torch.Tensor, nk: int) -> torch.Tensor:
+    """[B, h, r nk, ...] seen as [B, r h, nk, ...] (each query head's rows as r heads of nk rows: a
+    piece of more query rows than keys, as the kernels' equal lengths take it; the heads of a K/V
+    group stay together, so query head i still reads K/V head i // group)."""
+    B, h, n = t.shape[:3]
+    return t.reshape(B, h * (n // nk), nk, *t.shape[3:])
 
 
-def block_forward(q, k, v, pos_q, pos_k, causal: bool):
-    """(o, lse): the block's attention of q [B, h, n, d] over k, v [B, g, nk, d], fp32 [B, h, n, d]
-    and its rows' logsumexp [B, h, n] (-inf for a row that sees no key of the block)."""
-    B, h, n, d = q.shape
-    acc = torch.promote_types(q.dtype, torch.float32)
-    s = _scores(q, k, pos_q, pos_k, causal, acc)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1).masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0))
-    o = torch.matmul(p, v.to(acc).unsqueeze(2))
-    return o.reshape(B, h, n, d), lse.reshape(B, h, n)
+def piece_forward(backend, q, k, v, diagonal: bool):
+    """(o, lse) of one piece: q [B, h, nq, d] over k, v [B, g, nk, d] (nq = nk, or a multiple of it
+    when not diagonal). backend: one whose forward saves the rows' logsumexp (the fused kernels), o
+    in q's dtype; None: torch math in fp32 (fp64 for fp64)."""
+    B, h, nq, d = q.shape
+    nk = k.shape[2]
+    if backend is None:
+        acc = torch.promote_types(q.dtype, torch.float32)
+        s = _scores(q, k, diagonal, acc)
+        lse = torch.logsumexp(s, dim=-1)
+        o = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.to(acc).unsqueeze(2))
+        return o.reshape(B, h, nq, d), lse.reshape(B, h, nq)
+    o, lse = backend.forward_for_backward(_by_rows(q, nk), k, v, diagonal)
+    return o.view(B, h, nq, d), lse.view(B, h, nq)
 
 
 def merge(o, lse, o_b, lse_b):
-    """The partial output of two disjoint sets of keys, from each one's (o, lse), in place in o, lse."""
+    """The partial output of two disjoint sets of keys, from each one's (o, lse), in place in o, lse
+    (o and lse accumulate in fp32; o_b may be rounded to the inputs' dtype)."""
     new = torch.logaddexp(lse, lse_b)
     safe = new.masked_fill(torch.isinf(new), 0.0)
-    o.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(o_b * torch.exp(lse_b - safe).unsqueeze(-1))
+    o.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(o_b.to(o.dtype) * torch.exp(lse_b - safe).unsqueeze(-1))
     lse.copy_(new)
 
 
-def block_backward(q, k, v, do, lse, delta, pos_q, pos_k, causal: bool):
-    """(dq, dk, dv) of the block's share, fp32: P recomputed from the rows' global logsumexp lse
-    [B, h, n], delta = rowsum(dO o) [B, h, n]; dk, dv summed over each K/V head's query heads."""
-    B, h, n, d = q.shape
+def piece_backward(backend, q, k, v, o, lse, do, diagonal: bool, deterministic: bool = False):
+    """(dq, dk, dv) of one piece's share, P recomputed from the rows' global logsumexp lse [B, h, nq]
+    and D = rowsum(dO o) of the rows' whole output o; dk, dv summed over each K/V head's query
+    heads. backend as piece_forward's (its backward, in q's dtype), None: torch math, fp32."""
+    B, h, nq, d = q.shape
+    nk = k.shape[2]
+    if backend is not None:
+        dq, dk, dv = backend.backward(_by_rows(q, nk), k, v, _by_rows(o, nk), _by_rows(lse, nk).contiguous(),
+                                      _by_rows(do, nk), diagonal, deterministic)
+        return dq.view(B, h, nq, d), dk, dv
     g = k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
-    s = _scores(q, k, pos_q, pos_k, causal, acc)
-    p = torch.exp(s - lse.view(B, g, h // g, n, 1))
-    dof = do.to(acc).view(B, g, h // g, n, d)
+    delta = (do.to(acc) * o.to(acc)).sum(-1)
+    s = _scores(q, k, diagonal, acc)
+    p = torch.exp(s - lse.to(acc).view(B, g, h // g, nq, 1))
+    dof = do.to(acc).view(B, g, h // g, nq, d)
     dv = torch.matmul(p.transpose(-1, -2), dof).sum(2)
     dp = torch.matmul(dof, v.to(acc).unsqueeze(2).transpose(-1, -2))
-    ds = p * (dp - delta.view(B, g, h // g, n, 1)) / math.sqrt(d)
-    dq = torch.matmul(ds, k.to(acc).unsqueeze(2)).reshape(B, h, n, d)
-    dk = torch.matmul(ds.transpose(-1, -2), q.to(acc).view(B, g, h // g, n, d)).sum(2)
+    ds = p * (dp - delta.view(B, g, h // g, nq, 1)) / math.sqrt(d)
+    dq = torch.matmul(ds, k.to(acc).unsqueeze(2)).reshape(B, h, nq, d)
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(acc).view(B, g, h // g, nq, d)).sum(2)
     return dq, dk, dv
