@@ -80,13 +80,20 @@ if dev.type == "cuda":  # the pieces through the fused kernels (fp16, bf16), aga
         yr2.backward(fr.shard_context(dy2))
         with torch.no_grad():
             ys2 = ref(x2.double())
-        got, want = fr.full_grads(), ref.full_grads()
+        # the same layer in one process, in the same dtype: its own error against float64 is the yardstick
+        sp = TensorParallelAttention.from_full(**w2, backend="fused", group=None, **kw)
+        xsp = x2.clone().requires_grad_()
+        ysp = sp(xsp)
+        ysp.backward(dy2)
+        got, want, own = fr.full_grads(), ref.full_grads(), sp.full_grads()
         what = f"fused {dt} C={C} G={G} causal={causal}"
-        tol = 2e-2 if dt == torch.float16 else 6e-2
-        for name, a, b in [("y", yr2, fr.shard_context(ys2)), ("x.grad", xr2.grad, fr.shard_context(xs2.grad)),
-                           *((f"d{k_}", got[k_], want[k_]) for k_ in ("wq", "wk", "wv", "wo"))]:
-            if not rel(a, b) < tol:
-                bad.append(f"{what}: {name} off by {rel(a, b):.3g} x rms (tol {tol})")
+        for name, a, b, c_ in [("y", yr2, ys2, ysp), ("x.grad", xr2.grad, xs2.grad, xsp.grad),
+                               *((f"d{k_}", got[k_], want[k_], own[k_]) for k_ in ("wq", "wk", "wv", "wo"))]:
+            if name in ("y", "x.grad"):  # this rank's rows
+                b, c_ = fr.shard_context(b), fr.shard_context(c_)
+            tol = 2 * rel(c_, b) + 2e-3  # FlashAttention's rule: twice the single process's error, plus rounding
+            if not rel(a, b) <= tol:
+                bad.append(f"{what}: {name} off by {rel(a, b):.3g} x rms (the single process {rel(c_, b):.3g})")
 
 try:
     with torch.no_grad():

@@ -153,12 +153,18 @@ class Comm:
         """Post the sends of `sends` to the next rank of the ring and the receives into `recvs`
         from the previous one (batch_isend_irecv: all in flight at once, each tensor its own tag);
         returns wait(), which blocks until they are done. Compute queued between the two overlaps
-        the transfer."""
+        the transfer. gloo (ranks sharing a GPU, or CPU) sends and receives host memory: CUDA
+        tensors go through host copies."""
         nxt = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
         prv = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
-        ops = [dist.P2POp(dist.isend, t, nxt, self.group, tag) for tag, t in enumerate(sends)]
-        ops += [dist.P2POp(dist.irecv, t, prv, self.group, tag) for tag, t in enumerate(recvs)]
+        staged = not self.nccl and any(t.is_cuda for t in (*sends, *recvs))
         with section(label), torch.no_grad():
+            out, back = sends, recvs
+            if staged:
+                out = [t.cpu() for t in sends]
+                back = [torch.empty(t.shape, dtype=t.dtype) for t in recvs]
+            ops = [dist.P2POp(dist.isend, t, nxt, self.group, tag) for tag, t in enumerate(out)]
+            ops += [dist.P2POp(dist.irecv, t, prv, self.group, tag) for tag, t in enumerate(back)]
             works = dist.batch_isend_irecv(ops)
 
         def wait() -> None:
@@ -168,6 +174,9 @@ class Comm:
                         w.wait()
                 except (dist.DistError, RuntimeError) as exc:
                     raise CollectiveError(watch.explain(label, self.world, first_line(exc))) from None
+                if staged:
+                    for t, host in zip(recvs, back):
+                        t.copy_(host)
         return wait
 
     # -- objects on the host (set-up, not the data path) --
