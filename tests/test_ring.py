@@ -139,3 +139,47 @@ def test_ring_against_the_single_process_layer_on_two_three_and_four_ranks():
         r = run(mpirun_cmd(n) + [sys.executable, str(ROOT / "tests" / "mpi_ring_check.py")], timeout=240)
         assert r.returncode == 0, r.stdout + r.stderr
         assert r.stdout.count("RING PASS") == n, r.stdout + r.stderr
+
+
+CLI = ["--seq-len", "96", "--heads", "4", "--head-dim", "16", "--iters", "2", "--warmup", "1"]
+
+
+@pytest.mark.parametrize("ranks,extra,says", [
+    (3, ["--context-parallel", "2"], "--context-parallel 2 does not divide the world size 3 (rings of 2 ranks, the "
+                                     "heads split over world / 2); use --context-parallel in {1, 3}"),
+    (2, ["--context-parallel", "2", "--seq-len", "90"], "--seq-len must divide by 2 x 2 = 4 (got 90); use 88 or 92"),
+    (2, ["--context-parallel", "2", "--sequence-parallel"], "--context-parallel with --sequence-parallel: both split"),
+    (2, ["--context-parallel", "2", "--decode", "2", "--causal"], "--context-parallel with --decode: decoding is not a "
+                                                                  "ring workload"),
+    (2, ["--context-parallel", "2", "--overlap", "2"], "--context-parallel with --overlap"),
+    (1, ["--context-parallel", "0"], "--context-parallel must be at least 1 (got 0)"),
+])
+def test_cli_context_parallel_refusals_are_one_line_on_every_rank(ranks, extra, says):
+    from conftest import rank_lines, tpattn
+    r = tpattn([*CLI, *extra], ranks=ranks if ranks > 1 else None, timeout=120)
+    assert r.returncode == 2 and says in r.stderr, r.stderr
+    lines = rank_lines(r.stderr) if ranks > 1 else r.stderr.strip().splitlines()
+    assert len(lines) == ranks and all(says in line for line in lines), r.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks,C", [(2, 2), (4, 2)])
+def test_cli_context_parallel_training_step_passes_and_reports_the_ring(ranks, C, tmp_path):
+    """python -m tpattn --context-parallel C --backward: x.grad and the weights' gradients against the
+    single-process layer and float64; the report's style, the ring's passes and their bytes (what one
+    rank sends in a call), and K/V per rank at N / C."""
+    import json
+    from conftest import tpattn
+    out = tmp_path / "r.json"
+    r = tpattn([*CLI, "--context-parallel", str(C), "--causal", "--backward", "--kv-heads", "2", "--json", str(out)],
+               ranks=ranks, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["verdict"] == "PASS" and rep["checks"]["grads_vs_float64"]["pass"]
+    assert rep["config"]["style"].startswith(f"context-parallel (rings of {C} ranks, heads over {ranks // C})")
+    colls = rep["collectives"]
+    n, g, d = 96 // C, 2 // (ranks // C), 16
+    assert colls["ring"]["bytes"] == (C - 1) * 2 * n * g * d * 2 and colls["ring"]["ranks"] == C
+    assert colls["bwd_ring_grads"]["bytes"] == C * 2 * n * g * d * 4
+    assert rep["memory"]["K_V_bytes_per_rank"] == 2 * g * n * d * 2
+    assert rep["passes"]["ring"]["median"] > 0 and rep["passes"]["attention"]["median"] > 0

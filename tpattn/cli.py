@@ -19,7 +19,7 @@ from .attention import backend_names
 from .check import TOL_BASELINE, TOL_FLOAT64, compare, grads_float64, layer_float64, sample_rows
 from .config import DEVICES, DIST_BACKENDS, DTYPES, OUTPUT_COLLECTIVES, REDUCE_DTYPES, Config, ConfigError, resolve, validate
 from .layer import WORLD, TensorParallelAttention
-from .memory import preflight
+from .memory import heads_world, preflight
 from .report import COLLECTIVES, build, text
 from .sharding import head_range, heads_by_rank, kv_head_range
 from .timing import Timer, recording, summarize
@@ -103,6 +103,13 @@ def parser() -> argparse.ArgumentParser:
                    "output sharded along the sequence ([B, N/W, D] per rank); an all-gather before the QKV "
                    "projection and a reduce-scatter after the output projection replace the all-reduce "
                    "(needs --seq-len divisible by the world size)")
+    d.add_argument("--context-parallel", type=int, default=1, metavar="C", help="third parallel style, ring "
+                   "attention: the sequence over rings of C ranks (each rank an early and a late chunk of N/(2C) "
+                   "rows, so causal work is even), its K/V blocks passed peer to peer around the ring while it "
+                   "attends to the block in hand, the partial outputs merged by their logsumexp; the heads split "
+                   "over the W/C rings (rank r: ring rank r %% C, heads rank r // C). C divides the world size, 2C "
+                   "divides --seq-len; for sequences whose K/V no rank holds whole; not with --decode, "
+                   "--sequence-parallel, --cuda-graph or --overlap (default 1: off)")
     d.add_argument("--overlap", type=int, default=1, metavar="K", help="pipeline the output projection "
                    "(with --kernel fused the attention too) and the collective over K row chunks, the "
                    "collectives on a side CUDA stream (sequence parallel: the all-gather with the QKV "
@@ -143,7 +150,7 @@ def parse(argv: list[str]) -> Config:
                   dtype=a.dtype,
                   kernel=a.kernel, causal=a.causal, device=a.device, warmup=a.warmup, iters=a.iters, seed=a.seed,
                   check=a.check, json=a.json, dist_backend=a.dist_backend, reduce_dtype=a.reduce_dtype,
-                  sequence_parallel=a.sequence_parallel, overlap=a.overlap,
+                  sequence_parallel=a.sequence_parallel, context_parallel=a.context_parallel, overlap=a.overlap,
                   output_collective=a.output_collective, cuda_graph=a.cuda_graph,
                   timeout=a.timeout, profile=a.profile, load=a.load, backward=a.backward, decode=a.decode,
                   deterministic=a.deterministic)
@@ -248,8 +255,10 @@ def _weights(cfg: Config, heads: range, kv_heads: range, device, loaded: dict | 
 
 
 def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
-    heads = head_range(cfg.heads, proc.world, proc.rank, cfg.uneven_heads, cfg.kv_heads)
-    kv_heads = kv_head_range(cfg.heads, cfg.kv_heads, proc.world, proc.rank, cfg.uneven_heads)
+    C = cfg.context_parallel
+    T, hr = heads_world(cfg, proc.world, proc.rank)  # the heads' ranks (with --context-parallel: W / C of them)
+    heads = head_range(cfg.heads, T, hr, cfg.uneven_heads, cfg.kv_heads)
+    kv_heads = kv_head_range(cfg.heads, cfg.kv_heads, T, hr, cfg.uneven_heads)
     w = _weights(cfg, heads, kv_heads, device, loaded)
     if loaded is not None and "x" in loaded:
         x = loaded["x"].to(device)
@@ -259,16 +268,20 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
                                     backend=cfg.kernel, causal=cfg.causal, group=WORLD if proc.distributed else None,
                                     reduce_dtype=cfg.reduce_dtype, sequence_parallel=cfg.sequence_parallel,
                                     overlap=cfg.overlap, output_collective=cfg.output_collective,
-                                    uneven_heads=cfg.uneven_heads, deterministic=cfg.deterministic)
+                                    uneven_heads=cfg.uneven_heads, deterministic=cfg.deterministic,
+                                    context_parallel=C)
     infos[proc.rank]["heads"] = f"{heads.start}-{heads.stop - 1}"
     infos[proc.rank]["kv_heads"] = f"{kv_heads.start}-{kv_heads.stop - 1}"
     if cfg.decode:
         return _run_decode(cfg, proc, device, infos, argv, layer, w, loaded)
-    x_in = layer.shard_sequence(x) if cfg.sequence_parallel else x  # sequence parallel: N/W rows each
+    # sequence parallel: N/W rows each; context parallel: this rank's two chunks of N/(2C) rows
+    shard = layer.shard_sequence if cfg.sequence_parallel else layer.shard_context if C > 1 else (lambda t: t)
+    gather = layer.gather_sequence if cfg.sequence_parallel else layer.gather_context if C > 1 else (lambda t: t)
+    x_in = shard(x)
     timer = Timer(device)
     if cfg.backward:  # a training step: forward and backward, dy the same for any world size
         dy = layer_input(cfg.batch, cfg.seq_len, cfg.model_dim, cfg.seed + 1, cfg.torch_dtype, device)
-        step = _TrainStep(layer, x_in, layer.shard_sequence(dy) if cfg.sequence_parallel else dy, cfg.cuda_graph)
+        step = _TrainStep(layer, x_in, shard(dy), cfg.cuda_graph)
     for _ in range(cfg.warmup):
         step() if cfg.backward else layer(x_in)
     call = step if cfg.backward else layer.graphed(x_in) if cfg.cuda_graph else (lambda: layer(x_in))
@@ -290,10 +303,8 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
             samples.setdefault(name, []).append(ms)
     grads = None
     if cfg.backward:  # every rank joins these collectives: the whole dX and the whole gradients
-        grads = {"x": layer.gather_sequence(step.x_grad) if cfg.sequence_parallel else step.x_grad,
-                 **layer.full_grads()}
-    if cfg.sequence_parallel:
-        y = layer.gather_sequence(y)  # the whole output, for the checks (every rank joins)
+        grads = {"x": gather(step.x_grad), **layer.full_grads()}
+    y = gather(y)  # the whole output, for the checks (sequence or context parallel: every rank joins)
     if cfg.profile:
         _profile(cfg, proc, layer, x_in)
 
@@ -401,8 +412,8 @@ def _checks(cfg: Config, proc, layer, w, x, y, device, loaded) -> dict:
         full = _weights(cfg, range(cfg.heads), range(cfg.kv_heads), device, loaded)
         base = TensorParallelAttention(**full, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                                        backend=cfg.kernel, causal=cfg.causal, group=None, reduce_dtype=cfg.reduce_dtype,
-                                       head_chunk=max(heads_by_rank(cfg.heads, proc.world, cfg.uneven_heads,
-                                                                    cfg.kv_heads)))  # the largest rank's
+                                       head_chunk=max(heads_by_rank(cfg.heads, heads_world(cfg, proc.world)[0],
+                                                                    cfg.uneven_heads, cfg.kv_heads)))  # the largest rank's
         y_base = base(x)
         checks["vs_single_process"] = {**compare(y, y_base.double(), TOL_BASELINE[cfg.dtype], ulp_of=cfg.torch_dtype),
                                        "what": f"all {cfg.seq_len} rows, world {proc.world} vs 1"}

@@ -29,7 +29,12 @@ COLLECTIVES = {"allreduce": "all-reduce", "allgather": "all-gather", "reducescat
                "bwd_allreduce": "all-reduce (backward: dX)",
                "bwd_copies": "all-reduce (backward: K/V copies' weights)",
                "bwd_copies_bias": "all-reduce (backward: K/V copies' biases)", "bwd_allgather": "all-gather (backward: dy)",
-               "bwd_reducescatter": "reduce-scatter (backward: dX)"}
+               "bwd_reducescatter": "reduce-scatter (backward: dX)",
+               # context parallelism: what each rank sends to the next one of its ring (peer to peer)
+               "ring": "ring pass (K/V blocks)", "bwd_ring": "ring pass (backward: K/V blocks)",
+               "bwd_ring_grads": "ring pass (backward: dK, dV home)",
+               "bwd_ring_weights": "all-reduce over the ring (backward: replicated weights)"}
+RING_PASSES = ("ring", "bwd_ring", "bwd_ring_grads")  # bytes: what one rank sends in one call, all its passes
 
 
 # ---- the plan ------------------------------------------------------------------------------------

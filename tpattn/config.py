@@ -46,6 +46,7 @@ class Config:
     dist_backend: str = "auto"
     reduce_dtype: str = "fp32"
     sequence_parallel: bool = False    # x and y sharded along the sequence: all-gather + reduce-scatter
+    context_parallel: int = 1          # C > 1: the sequence over rings of C ranks (ring attention), heads over W/C
     overlap: int = 1                   # row chunks that pipeline the output projection and the collective
     output_collective: str = "auto"    # head-parallel: all-reduce, or reduce-scatter + all-gather ("split")
     cuda_graph: bool = False           # capture the whole layer in a CUDA graph and replay it
@@ -151,7 +152,8 @@ def validate(cfg: Config, world: int = 1, local_world: int = 1, gpus_on_node: in
                           f"(got {cfg.head_dim})")
     backend.check_supported(cfg)  # dtype, device, CuPy
     kv_heads = cfg.heads if cfg.kv_heads is None else cfg.kv_heads
-    err = check_kv_heads(cfg.heads, kv_heads, world, cfg.uneven_heads)  # query and K/V heads over the ranks
+    # query and K/V heads over the ranks (with --context-parallel C: over the W/C ranks of a heads' group)
+    err = check_kv_heads(cfg.heads, kv_heads, world // cfg.context_parallel, cfg.uneven_heads)
     if err:
         raise FlagError(err)
     if cfg.dist_backend == "nccl":
@@ -171,7 +173,8 @@ def check_parallel_style(cfg: Config, world: int) -> None:
     """--sequence-parallel, --overlap, --output-collective and --cuda-graph: what each needs of the
     shape and device. The shape's rules are the communication plan's own (tpattn.commplan), the
     same that the layer applies through the API."""
-    make_plan(cfg.batch, cfg.seq_len, cfg.model_dim, world, elem=cfg.elem_size,
+    C = check_context_flag(cfg, world)
+    make_plan(cfg.batch, cfg.seq_len // C, cfg.model_dim, world // C, elem=cfg.elem_size,
               part_elem=4 if cfg.reduce_dtype == "fp32" else cfg.elem_size, sequence_parallel=cfg.sequence_parallel,
               output_collective=cfg.output_collective, overlap=cfg.overlap)
     if cfg.output_collective == "p2p" and world > 1:
@@ -202,6 +205,36 @@ def check_parallel_style(cfg: Config, world: int) -> None:
         if world > 1 and cfg.dist_backend != "nccl":
             raise FlagError("--cuda-graph needs --dist-backend nccl (gloo collectives cannot be captured); "
                               "drop --cuda-graph or use one GPU per rank with nccl")
+
+
+def check_context_flag(cfg: Config, world: int) -> int:
+    """--context-parallel C: what it needs of the world, the shape and the other flags; returns C."""
+    C = cfg.context_parallel
+    if C < 1:
+        raise FlagError(f"--context-parallel must be at least 1 (got {C}); 1 turns it off")
+    if C == 1:
+        return 1
+    if world % C:
+        ok = ", ".join(str(c) for c in range(1, world + 1) if world % c == 0)
+        raise FlagError(f"--context-parallel {C} does not divide the world size {world} (rings of {C} ranks, the "
+                        f"heads split over world / {C}); use --context-parallel in {{{ok}}}")
+    for flag, on, why in (
+            ("--sequence-parallel", cfg.sequence_parallel, "both split the sequence: choose one"),
+            ("--decode", cfg.decode, "decoding is not a ring workload (one new row a step, the cache read where it "
+                                     "is): a KV cache decodes head-parallel; drop --context-parallel"),
+            ("--cuda-graph", cfg.cuda_graph, "the ring's passes are not captured in a graph; drop one of them"),
+            ("--overlap", cfg.overlap > 1, "the ring overlaps its own passes with the blocks' attention; drop --overlap"),
+            ("--output-collective " + cfg.output_collective, cfg.output_collective in ("p2p", "oneshot"),
+             "the heads' partial outputs are summed by NCCL or gloo; use --output-collective auto, allreduce or "
+             "split")):
+        if on:
+            raise FlagError(f"--context-parallel with {flag}: {why}")
+    if cfg.seq_len % (2 * C):
+        lo = cfg.seq_len // (2 * C) * 2 * C
+        raise FlagError(f"--context-parallel {C} gives each rank two chunks of the sequence (an early and a late "
+                        f"one): --seq-len must divide by 2 x {C} = {2 * C} (got {cfg.seq_len}); use "
+                        + (f"{lo} or " if lo else "") + f"{lo + 2 * C}")
+    return C
 
 
 def check_writable(path: str, flag: str) -> None:

@@ -87,7 +87,7 @@ class TensorParallelAttention(LayerPlan, LayerModule):
                  deterministic: bool = False, context_parallel: int = 1):
         super().__init__()
         self.group, rank, world = resolve_group(group)
-        self.context_parallel = check_context(context_parallel, world, sequence_parallel)
+        self.context_parallel = check_context(context_parallel, world, sequence_parallel, output_collective)
         rank, world = rank // self.context_parallel, world // self.context_parallel  # the heads' ranks
         self.shard = Shard.of(heads, heads if kv_heads is None else kv_heads, world, rank, uneven_heads)
         self.heads, self.head_dim = heads, head_dim

@@ -14,21 +14,30 @@ from .sharding import head_range, kv_head_range
 HEADROOM = 0.92  # leave room for the CUDA context, cuBLAS workspaces and fragmentation
 
 
+def heads_world(cfg: Config, world: int, rank: int = 0) -> tuple[int, int]:
+    """(ranks the heads split over, this rank's place among them): the world, or with
+    --context-parallel C its W / C heads' ranks (rank r is heads rank r // C)."""
+    C = getattr(cfg, "context_parallel", 1)
+    return world // C, rank // C
+
+
 def heads_per_rank(cfg: Config, world: int, rank: int = 0) -> int:
     """Query heads rank `rank` owns: H/W, or with --uneven-heads its block's (rank 0: the most)."""
-    return len(head_range(cfg.heads, world, rank, cfg.uneven_heads, cfg.kv_heads or cfg.heads))
+    return len(head_range(cfg.heads, *heads_world(cfg, world, rank), cfg.uneven_heads, cfg.kv_heads or cfg.heads))
 
 
 def kv_heads_per_rank(cfg: Config, world: int, rank: int = 0) -> int:
     """K/V heads one rank holds: G/W when the world size divides G (with --uneven-heads its block of
     ceil or floor of G/W), else (replicated) one."""
     G = cfg.kv_heads or cfg.heads
-    return len(kv_head_range(cfg.heads, G, world, rank, cfg.uneven_heads))
+    return len(kv_head_range(cfg.heads, G, *heads_world(cfg, world, rank), cfg.uneven_heads))
 
 
 def kv_bytes(cfg: Config, world: int, rank: int = 0) -> int:
-    """Bytes of one rank's K and V activations, [B, g, N, d] each."""
-    return 2 * cfg.batch * kv_heads_per_rank(cfg, world, rank) * cfg.seq_len * cfg.head_dim * cfg.elem_size
+    """Bytes of one rank's K and V activations, [B, g, N, d] each (with --context-parallel C its
+    N / C rows)."""
+    rows = cfg.seq_len // getattr(cfg, "context_parallel", 1)
+    return 2 * cfg.batch * kv_heads_per_rank(cfg, world, rank) * rows * cfg.head_dim * cfg.elem_size
 
 
 def coefficients(cfg: Config, world: int, rank: int) -> tuple[float, float, float]:
@@ -44,6 +53,11 @@ def coefficients(cfg: Config, world: int, rank: int) -> tuple[float, float, floa
     # x, y, the QKV GEMM's output and its q/k/v copies ((h + 2g) d each), o, partials
     b = B * (D * el * 2 + (3 * h + 4 * g) * d * el + D * red * 2)
     c = 2 * D * (h + g) * d * el                               # W_q, W_o (h heads), W_k, W_v (g heads), in el
+    C = getattr(cfg, "context_parallel", 1)
+    if C > 1:  # N / C rows each; the ring's two K/V blocks in flight and the fp32 output it merges into
+        acc = max(4, el)
+        a = 0 if not a else 3 * B * h * acc / C ** 2           # a piece's fp32 S, P (torch math), n x n
+        b = (b + B * (2 * 2 * g * d * el + h * d * acc)) / C
     if cfg.check and rank == 0:
         # the single-process baseline (all heads, same chunk), and the float64 reference: x, k and v
         # (G heads; repeated to H heads when G < H), q, S and P of the sampled rows
@@ -56,7 +70,11 @@ def coefficients(cfg: Config, world: int, rank: int) -> tuple[float, float, floa
 def scores_bytes(cfg: Config, world: int, rank: int = 0) -> int:
     """Bytes of S (and as many of P) on one rank; 0 for a kernel that keeps them on chip."""
     from .attention import get_backend
-    if not get_backend(cfg.kernel).materializes_scores:
+    backend = get_backend(cfg.kernel)
+    C = getattr(cfg, "context_parallel", 1)
+    if C > 1:  # the ring: the backend's kernels where they save the logsumexp, else torch math per piece in fp32
+        return 0 if backend.saves_lse else cfg.batch * heads_per_rank(cfg, world, rank) * (cfg.seq_len // C) ** 2 * 4
+    if not backend.materializes_scores:
         return 0
     return cfg.batch * heads_per_rank(cfg, world, rank) * cfg.seq_len ** 2 * cfg.elem_size
 

@@ -23,7 +23,7 @@ STYLE = ("backend", "causal", "reduce_dtype", "head_chunk", "sequence_parallel",
 FIXED = frozenset(STYLE + ("heads", "head_dim", "shard", "group", "comm", "peers", "ring"))
 
 
-def check_context(context_parallel: int, world: int, sequence_parallel: bool) -> int:
+def check_context(context_parallel: int, world: int, sequence_parallel: bool, output_collective: str = "auto") -> int:
     """context_parallel (C ranks in the ring), or one line naming the fix."""
     C = int(context_parallel)
     if C < 1:
@@ -34,6 +34,9 @@ def check_context(context_parallel: int, world: int, sequence_parallel: bool) ->
                           f"split over the W/C rings); use context_parallel in {{{ok}}}")
     if C > 1 and sequence_parallel:
         raise ConfigError("context_parallel and sequence_parallel both split the sequence: choose one")
+    if C > 1 and output_collective in ("p2p", "oneshot"):
+        raise ConfigError(f"context_parallel sums the heads' partial outputs with NCCL or gloo collectives, not "
+                          f"output_collective={output_collective!r}; use 'auto', 'allreduce' or 'split'")
     return C
 
 

@@ -46,8 +46,32 @@ class LayerPlan:
     def collective_nbytes(self, batch: int, seq_len: int) -> dict[str, int]:
         """Bytes of each collective one call runs (the whole tensor, nccl-tests' "size"); one rank:
         the all-reduce a wider world would run (the report shows its bytes, with no bandwidth)."""
+        if self.ring is not None:
+            return self.ring_nbytes(batch, seq_len, train=False)
         p = self.plan(batch, seq_len)
         return p.nbytes if p.collective != "none" else {"allreduce": p.partial_bytes}
+
+    def ring_nbytes(self, batch: int, seq_len: int, train: bool) -> dict[str, int]:
+        """Context parallelism's bytes for a call over the whole sequence of seq_len rows: the heads'
+        sum of this rank's seq_len / C rows (over the W / C ranks of its heads' group, as
+        head-parallel), and the ring's passes: what one rank sends to the next in one call, all its
+        passes together (forward: C - 1 passes of its K/V block; backward: C - 1 again, and C passes
+        of the dK, dV sums in fp32), and the all-reduce over the ring of the replicated weights'
+        gradients."""
+        C, n = self.context_parallel, seq_len // self.context_parallel
+        el, acc = self.dtype.itemsize, torch.promote_types(self.dtype, torch.float32).itemsize
+        block = 2 * batch * self.local_kv_heads * n * self.head_dim  # K and V of this rank's rows
+        p = self.plan(batch, n)
+        out = dict(p.nbytes) if p.collective != "none" else {}
+        out["ring"] = (C - 1) * block * el
+        if train:
+            out.update(bwd_ring=(C - 1) * block * el, bwd_ring_grads=C * block * acc)
+            if p.collective != "none":
+                out["bwd_allreduce"] = batch * n * self.model_dim * el
+            hd, kv = self.local_heads * self.head_dim, self.local_kv_heads * self.head_dim
+            biases = sum(t.numel() for t in self.parameters()) - self.wqkv.numel() - self.wo.numel()
+            out["bwd_ring_weights"] = (self.model_dim * (hd + 2 * kv) + hd * self.model_dim + biases) * acc
+        return out
 
     def copies_world(self) -> int:
         """How many ranks the K/V copies' gradient sum runs over: the ranks holding one K/V head
@@ -60,6 +84,8 @@ class LayerPlan:
         dX scattered) and, where several ranks hold a K/V head, the all-reduce of its copies'
         gradients (sum_of_copies: one for the K/V weight columns, one for their biases; over the
         copies_world() ranks that hold the head)."""
+        if self.ring is not None:
+            return self.ring_nbytes(batch, seq_len, train=True)
         p = self.plan(batch, seq_len)
         if p.collective == "none":
             return {}

@@ -54,6 +54,8 @@ def bus_bandwidth(nbytes: int, ms: float, world: int, kind: str = "allreduce") -
     if ms <= 0 or world < 2:
         return 0.0, 0.0
     algbw = nbytes / (ms * 1e-3) / 1e9
+    if kind.startswith("ring") and not kind.startswith("ring_weights"):  # peer to peer: what one rank sends
+        return algbw, algbw
     return algbw, algbw * (2 if kind in ("allreduce", "oneshot") else 1) * (world - 1) / world
 
 
@@ -79,7 +81,7 @@ def collective_stats(stats: dict, nbytes: dict, world: int, dtype: dict, samples
         by_call = bool(per_rank) and all(per_rank) and len({len(r) for r in per_rank}) == 1
         last = last_rank_ms(per_rank) if by_call else s.get("min", 0.0)
         kind = name.removeprefix("bwd_")  # a backward collective: the forward's kind (the copies': all-reduces)
-        kind = "allreduce" if kind.startswith("copies") else kind
+        kind = "allreduce" if kind.startswith(("copies", "ring_weights")) else kind
         algbw, busbw = bus_bandwidth(n, med, ranks, kind)
         _, busbw_last = bus_bandwidth(n, last, ranks, kind)
         out[name] = {"bytes": n, "dtype": dtype[name], "ranks": ranks, "median_ms": med, "last_rank_ms": last,
@@ -161,6 +163,10 @@ def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, c
     samples = {k: [r.get("collective_samples", {}).get(k, []) for r in rank_reports] for k in collective_bytes}
     G = cfg.kv_heads or cfg.heads
     copies = {k: world // G for k in ("bwd_copies", "bwd_copies_bias")} if kv_replicated(cfg.heads, G, world) else {}
+    C = getattr(cfg, "context_parallel", 1)
+    if C > 1:  # the ring's among its C ranks, the heads' sums among the W / C ranks of a heads' group
+        copies = {k: C if k.startswith(("ring", "bwd_ring")) else world // C for k in collective_bytes}
+        dtypes |= {"ring": model, "bwd_ring": model, "bwd_ring_grads": "fp32", "bwd_ring_weights": "fp32"}
     colls = collective_stats(stats, collective_bytes, world, dtypes, samples, copies) if proc.distributed else {}
     heads = [heads_per_rank(cfg, world, r) for r in range(world)]  # rank 0 holds the most
     h = heads[0]
@@ -171,7 +177,8 @@ def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, c
     kvb = kv_bytes(cfg, world)
     sp_all = sum(scores_bytes(cfg, world, r) for r in range(world))
     kvb_all = sum(kv_bytes(cfg, world, r) for r in range(world))
-    style = "sequence-parallel" if cfg.sequence_parallel else "head-parallel"
+    style = "sequence-parallel" if cfg.sequence_parallel else \
+        f"context-parallel (rings of {C} ranks, heads over {world // C})" if C > 1 else "head-parallel"
     if world > 1:  # the collectives one call runs, in order
         style += " (" + " + ".join(COLLECTIVES[k] for k in collective_bytes) + ")"
     return {
