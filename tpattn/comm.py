@@ -163,8 +163,10 @@ class Comm:
             if staged:
                 out = [t.cpu() for t in sends]
                 back = [torch.empty(t.shape, dtype=t.dtype) for t in recvs]
-            ops = [dist.P2POp(dist.isend, t, nxt, self.group, tag) for tag, t in enumerate(out)]
-            ops += [dist.P2POp(dist.irecv, t, prv, self.group, tag) for tag, t in enumerate(back)]
+            # tags by label: the backward has a block's K/V and the previous block's sums in flight at once
+            base = RING_TAGS.get(label, 0)
+            ops = [dist.P2POp(dist.isend, t, nxt, self.group, base + i) for i, t in enumerate(out)]
+            ops += [dist.P2POp(dist.irecv, t, prv, self.group, base + i) for i, t in enumerate(back)]
             works = dist.batch_isend_irecv(ops)
 
         def wait() -> None:
@@ -344,6 +346,9 @@ class _SumOfCopies(torch.autograd.Function):
         return buf[ctx.slot].to(g.dtype), None, None, None, None
 
 
+RING_TAGS = {"ring": 0, "bwd_ring": 0, "bwd_ring_grads": 8}  # ring_pass's first tag per label
+
+
 class _RingAttention(torch.autograd.Function):
     """Context parallelism's attention (tpattn/attention/ring.py has the math and the layout).
     Forward: this rank's query rows attend to its own K/V block, then to each other rank's as the
@@ -392,26 +397,32 @@ class _RingAttention(torch.autograd.Function):
         do = do.contiguous()
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = (k.contiguous(), v.contiguous())
-        grads = (torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
+        pending = None  # the block's dK, dV sums on their way from the previous rank: (wait, where they land)
         for s in range(C):
             wait = None
             if s < C - 1:  # the next block's K and V travel while this one's share is computed
                 nxt = (torch.empty_like(kv[0]), torch.empty_like(kv[1]))
                 wait = comm.ring_pass(kv, nxt, "bwd_ring")
+            mine = (torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
             with section("attention_bwd"):
                 for q0, q1, k0, k1, diag in pieces(c, (c - s) % C, n, causal):
                     dq_b, dk_b, dv_b = piece_backward(backend, q[:, :, q0:q1], kv[0][:, :, k0:k1], kv[1][:, :, k0:k1],
                                                       o[:, :, q0:q1], lse[:, :, q0:q1], do[:, :, q0:q1], diag,
                                                       ctx.deterministic)
                     dq[:, :, q0:q1] += dq_b
-                    grads[0][:, :, k0:k1] += dk_b
-                    grads[1][:, :, k0:k1] += dv_b
-            onward = (torch.empty_like(grads[0]), torch.empty_like(grads[1]))
-            comm.ring_pass(grads, onward, "bwd_ring_grads")()  # the sums go with their block (the last pass: home)
-            grads = onward
+                    mine[0][:, :, k0:k1] += dk_b
+                    mine[1][:, :, k0:k1] += dv_b
+            if pending is not None:  # the earlier ranks' sums for this block, which travelled during the compute
+                pending[0]()
+                mine[0].add_(pending[1][0])
+                mine[1].add_(pending[1][1])
+            onward = (torch.empty_like(mine[0]), torch.empty_like(mine[1]))
+            pending = (comm.ring_pass(mine, onward, "bwd_ring_grads"), onward)  # the sums go on with their block
             if wait is not None:
                 wait()
                 kv = nxt
+        pending[0]()  # the last pass brings each block's sums home
+        grads = pending[1]
         return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None
 
 
