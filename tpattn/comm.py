@@ -392,8 +392,6 @@ class _RingAttention(torch.autograd.Function):
         C, c = comm.world, comm.rank
         n = q.shape[2]
         acc = lse.dtype
-        if backend is not None:
-            lse = lse.float()
         do = do.contiguous()
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = (k.contiguous(), v.contiguous())

@@ -17,7 +17,7 @@ HEADROOM = 0.92  # leave room for the CUDA context, cuBLAS workspaces and fragme
 def heads_world(cfg: Config, world: int, rank: int = 0) -> tuple[int, int]:
     """(ranks the heads split over, this rank's place among them): the world, or with
     --context-parallel C its W / C heads' ranks (rank r is heads rank r // C)."""
-    C = getattr(cfg, "context_parallel", 1)
+    C = cfg.context_parallel
     return world // C, rank // C
 
 
@@ -36,7 +36,7 @@ def kv_heads_per_rank(cfg: Config, world: int, rank: int = 0) -> int:
 def kv_bytes(cfg: Config, world: int, rank: int = 0) -> int:
     """Bytes of one rank's K and V activations, [B, g, N, d] each (with --context-parallel C its
     N / C rows)."""
-    rows = cfg.seq_len // getattr(cfg, "context_parallel", 1)
+    rows = cfg.seq_len // cfg.context_parallel
     return 2 * cfg.batch * kv_heads_per_rank(cfg, world, rank) * rows * cfg.head_dim * cfg.elem_size
 
 
@@ -53,7 +53,7 @@ def coefficients(cfg: Config, world: int, rank: int) -> tuple[float, float, floa
     # x, y, the QKV GEMM's output and its q/k/v copies ((h + 2g) d each), o, partials
     b = B * (D * el * 2 + (3 * h + 4 * g) * d * el + D * red * 2)
     c = 2 * D * (h + g) * d * el                               # W_q, W_o (h heads), W_k, W_v (g heads), in el
-    C = getattr(cfg, "context_parallel", 1)
+    C = cfg.context_parallel
     if C > 1:  # N / C rows each; the ring's two K/V blocks in flight and the fp32 output it merges into
         acc = max(4, el)
         a = 0 if not a else 3 * B * h * acc / C ** 2           # a piece's fp32 S, P (torch math), n x n
@@ -71,7 +71,7 @@ def scores_bytes(cfg: Config, world: int, rank: int = 0) -> int:
     """Bytes of S (and as many of P) on one rank; 0 for a kernel that keeps them on chip."""
     from .attention import get_backend
     backend = get_backend(cfg.kernel)
-    C = getattr(cfg, "context_parallel", 1)
+    C = cfg.context_parallel
     if C > 1:  # the ring: the backend's kernels where they save the logsumexp, else torch math per piece in fp32
         return 0 if backend.saves_lse else cfg.batch * heads_per_rank(cfg, world, rank) * (cfg.seq_len // C) ** 2 * 4
     if not backend.materializes_scores:

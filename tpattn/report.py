@@ -54,7 +54,7 @@ def bus_bandwidth(nbytes: int, ms: float, world: int, kind: str = "allreduce") -
     if ms <= 0 or world < 2:
         return 0.0, 0.0
     algbw = nbytes / (ms * 1e-3) / 1e9
-    if kind.startswith("ring") and not kind.startswith("ring_weights"):  # peer to peer: what one rank sends
+    if kind.startswith("ring"):  # peer to peer: what one rank sends (the ring's weight sums come here as all-reduces)
         return algbw, algbw
     return algbw, algbw * (2 if kind in ("allreduce", "oneshot") else 1) * (world - 1) / world
 
@@ -163,7 +163,7 @@ def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, c
     samples = {k: [r.get("collective_samples", {}).get(k, []) for r in rank_reports] for k in collective_bytes}
     G = cfg.kv_heads or cfg.heads
     copies = {k: world // G for k in ("bwd_copies", "bwd_copies_bias")} if kv_replicated(cfg.heads, G, world) else {}
-    C = getattr(cfg, "context_parallel", 1)
+    C = cfg.context_parallel
     if C > 1:  # the ring's among its C ranks, the heads' sums among the W / C ranks of a heads' group
         copies = {k: C if k.startswith(("ring", "bwd_ring")) else world // C for k in collective_bytes}
         dtypes |= {"ring": model, "bwd_ring": model, "bwd_ring_grads": "fp32", "bwd_ring_weights": "fp32"}
