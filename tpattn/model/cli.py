@@ -27,13 +27,14 @@ from .steps import COLLECTIVE_NAMES, COMPUTE_ORDER, ELEM, KERNELS, Shape, _layou
 
 # the shape and style options, taken from python -m tpattn's own parser (same names, choices, help)
 SHAPE_OPTIONS = ("seq_len", "heads", "head_dim", "kv_heads", "batch", "causal", "dtype", "kernel", "reduce_dtype",
-                 "sequence_parallel", "output_collective", "overlap", "cuda_graph", "uneven_heads")
+                 "sequence_parallel", "output_collective", "overlap", "cuda_graph", "uneven_heads", "context_parallel")
 EPILOG = """\
 machine files: a path, or a shipped name: {names}
   (tpattn/model/machines/*.json; fields in docs/plan.md). --calibrate writes one for the machine it runs on.
 examples:
   python -m tpattn.plan --machine h200 --world-sizes 1 2 4 8
   python -m tpattn.plan --machine h100_cluster --nodes 1 2 4 --seq-len 32768 --kernel fused
+  python -m tpattn.plan --kernel fused --causal --context-parallel 8 --world-sizes 8 16 --crossover
   mpirun -n 2 python -m tpattn.plan --calibrate --out node.json
 exit status: 0, 2 bad input (one line that names the fix), 1 a calibration that failed.
 """
@@ -70,6 +71,8 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write the prediction as JSON to PATH "
                    "(no PATH: print JSON instead of the table)")
     o.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    o.add_argument("--crossover", action="store_true", help="with --context-parallel C: the ring against head "
+                   "parallelism alone at each world size, N from 1024 to 2M, and from which N the ring is faster")
     o.add_argument("--plot", metavar="FILE", help="plot predicted speedup against ideal and the time per pass "
                    "(PNG; needs matplotlib)")
     c = p.add_argument_group("calibration (on a GPU machine)")
@@ -136,6 +139,8 @@ def _shape_options(group) -> None:
         "cuda_graph": (("--cuda-graph",), dict(action="store_true", help="no host time (a CUDA graph)")),
         "uneven_heads": (("--uneven-heads",), dict(action="store_true", help="world sizes that do not divide the "
                                                    "heads: ceil/floor(H/W) per rank, rank 0's predicted")),
+        "context_parallel": (("--context-parallel",), dict(type=int, default=1, metavar="C",
+                                                           help="ring attention over rings of C ranks (default 1)")),
     }
     for dest, (flags, kw) in own.items():
         if dest not in taken:
@@ -153,7 +158,15 @@ def shape_from(a) -> Shape:
               head_dim=pick(a.head_dim, "head_dim"), batch=a.batch, dtype=a.dtype, kernel=kernel,
               causal=a.causal, reduce_dtype=a.reduce_dtype, sequence_parallel=a.sequence_parallel,
               overlap=a.overlap, cuda_graph=a.cuda_graph, output_collective=getattr(a, "output_collective", "auto"),
-              kv_heads=getattr(a, "kv_heads", None), uneven_heads=bool(getattr(a, "uneven_heads", False)))
+              kv_heads=getattr(a, "kv_heads", None), uneven_heads=bool(getattr(a, "uneven_heads", False)),
+              context_parallel=getattr(a, "context_parallel", 1))
+    if s.context_parallel < 1:
+        raise PlanError(f"--context-parallel must be at least 1 (got {s.context_parallel}); 1 turns it off")
+    if s.context_parallel > 1 and kernel != "fused":
+        raise PlanError(f"--context-parallel: the cost model prices the ring's pieces as the fused kernel; add --kernel "
+                        f"fused (with --kernel {kernel} the ring runs them as torch math)")
+    if getattr(a, "crossover", False) and s.context_parallel == 1:
+        raise PlanError("--crossover compares the ring with head parallelism alone: add --context-parallel C (C > 1)")
     for flag, v in (("--seq-len", s.seq_len), ("--heads", s.heads), ("--head-dim", s.head_dim),
                     ("--batch", s.batch), ("--overlap", s.overlap)):
         if v < 1:
@@ -179,8 +192,9 @@ def world_sizes(a, shape: Shape, g: int) -> list[int]:
         if any(w < 1 for w in a.world_sizes):
             raise PlanError(f"--world-sizes must be at least 1 (got {min(a.world_sizes)})")
         return list(a.world_sizes)
-    if shape.uneven_heads:  # any W the layout takes (W <= H; with K/V groups, W <= G or an even layout)
-        return [w for w in (1, 2, 4, 8) if _layout_error(shape, w) is None]
+    if shape.uneven_heads or shape.context_parallel > 1:  # any W the layout takes (W <= H; with K/V groups, W <= G
+        sizes = (1, 2, 4, 8, 16) if shape.context_parallel > 1 else (1, 2, 4, 8)  # or an even layout; C divides W)
+        return [w for w in sizes if _layout_error(shape, w) is None]
     return [w for w in (1, 2, 4, 8) if shape.heads % w == 0]
 
 
@@ -193,19 +207,22 @@ def _gib(n: float) -> str:
     return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
 
-COLL_LABEL = {"allreduce": "all-reduce", "allgather": "all-gather", "reducescatter": "reduce-scatter"}
+COLL_LABEL = {"ring": "ring (exposed)", "allreduce": "all-reduce", "allgather": "all-gather",
+              "reducescatter": "reduce-scatter"}
 
 
 def columns(rows: list[dict]) -> tuple[list[str], list[str]]:
     ok = [r for r in rows if "error" not in r]
     comp = [p for p in COMPUTE_ORDER if any(p in r["passes"] for r in ok)]
-    coll = [c for c in COLLECTIVE_NAMES if any(c in r["collectives"] for r in ok)]
+    coll = [c for c in ("ring", *COLLECTIVE_NAMES) if any(c in r["collectives"] for r in ok)]
     coll.sort(key=lambda c: min((list(r["collectives"]).index(c) for r in ok if c in r["collectives"]), default=9))
     return comp, coll
 
 
 def header(m: Machine, shape: Shape, g: int) -> list[str]:
-    style = "sequence-parallel" if shape.sequence_parallel else "head-parallel"
+    C = shape.context_parallel
+    style = ("sequence-parallel" if shape.sequence_parallel else
+             f"context-parallel (rings of {C} ranks, heads over W / {C})" if C > 1 else "head-parallel")
     kv = f" G={shape.kv}" if shape.kv != shape.heads else ""
     lines = [f"tpattn plan: kernel {shape.kernel}, B={shape.batch} N={shape.seq_len} H={shape.heads}{kv} "
              f"d={shape.head_dim} D={shape.model_dim} {shape.dtype}{' causal' if shape.causal else ''}, {style}, "
@@ -265,12 +282,18 @@ def table(m: Machine, shape: Shape, rows: list[dict], g: int, markdown: bool = F
             out.append(f"W={r['world']}: uneven heads: {describe_blocks(by)}; heads max/mean {r['imbalance']:.3f} (the useful share "
                        f"of the compute {100 / r['imbalance']:.1f} %); predicted: rank 0's")
         for c, info in r["collectives"].items():
+            if c == "ring":
+                out.append(f"W={r['world']}: ring: {info['algorithm']}: {_gib(info['pass_bytes'])} a pass, "
+                           f"{info['transfer_ms'] * 1e3:.0f} us of transfers, {info['ms'] * 1e3:.0f} us of it exposed "
+                           f"(a pass outlasting its step's compute; {info['bound']}-bound)")
+                continue
             woke = (f", of which {info['wake_us']:.0f} us the NVLink link's wake-up after {info['idle_before_ms']:.0f} ms "
                     f"of compute (the ranks arriving together; none when one arrives {2 * info['wake_us']:.0f} us or more "
                     "before the last)" if info.get("wake_us") else "")
             out.append(f"W={r['world']}: {COLL_LABEL[c]} of {_gib(info['bytes'])}: {info['algorithm']}, "
                        f"{info['ms'] * 1e3:.0f} us ({info['bound']}-bound){woke}")
-    out.append("other = the bias + cast of the partials, the o relayout (naive, tiled) and the per-call overhead; "
+    out.append("other = the bias + cast of the partials, the o relayout (naive, tiled; the ring's fp32 output) and the "
+               "per-call overhead; "
                "end to end = max(GPU, host) + stall; (host): the Python call takes longer than the GPU work; memory/rank "
                "by tpattn.memory (the CLI's pre-flight, without --check's baseline)")
     return "\n".join(out)
@@ -352,6 +375,8 @@ def run_plan(a, argv: list[str]) -> int:
         raise PlanError(f"--gpus-per-node {g}: machine {m.name} has {m.gpus_per_node} GPU(s) per node; use 1 to "
                         f"{m.gpus_per_node}")
     worlds = world_sizes(a, shape, g)
+    if a.crossover:
+        return run_crossover(a, argv, m, shape, worlds, g)
     rows = cm.plan(m, shape, worlds, g)
     if a.plot:
         plot(a.plot, m, shape, rows)
@@ -362,6 +387,81 @@ def run_plan(a, argv: list[str]) -> int:
         if a.json:
             _write(a.json, json.dumps(doc, indent=1), "--json")
         print(table(m, shape, rows, g, a.markdown))
+    return 0
+
+
+def crossover_table(m: Machine, shape: Shape, results: list[dict], g: int, markdown: bool = False) -> str:
+    """Head parallelism alone against the ring at each world size, over N: the two calls' predicted
+    ms, their ratio, and from which N the ring is faster (the cost model's answer)."""
+    out = header(m, shape, g)
+    C = shape.context_parallel
+    for res in results:
+        W = res["world"]
+        out.append("")
+        out.append(f"W={W}: head parallelism alone (heads over {W}) against the ring (rings of {C}, heads over {W // C}); "
+                   "predicted ms per call on one rank")
+        heads = ["N", "heads ms", "ring ms", "ring exposed ms", "heads / ring"]
+        body = []
+        for row in res["rows"]:
+            hm = row["heads_ms"]
+            mark = lambda fits: "" if fits else " (does not fit)"  # noqa: E731
+            body.append([str(row["seq_len"]), "-" if hm is None else f"{hm:.3f}{mark(row['heads_fits'])}",
+                         f"{row['ring_ms']:.3f}{mark(row['ring_fits'])}", f"{row['ring_exposed_ms']:.3f}",
+                         "-" if hm is None else f"{hm / row['ring_ms']:.2f}"])
+        if markdown:
+            out += ["", "| " + " | ".join(heads) + " |", "|" + "|".join("---:" for _ in heads) + "|"]
+            out += ["| " + " | ".join(c) + " |" for c in body]
+            out.append("")
+        else:
+            widths = [max(len(h), *(len(c[i]) for c in body)) for i, h in enumerate(heads)]
+            out.append("  " + "  ".join(h.rjust(w) for h, w in zip(heads, widths)))
+            out += ["  " + "  ".join(x.rjust(w) for x, w in zip(c, widths)) for c in body]
+        big = res["largest_n"]
+        if res["heads_error"]:
+            out.append(f"W={W}: head parallelism alone cannot run: {res['heads_error']}; the ring can (largest N per "
+                       f"rank's memory {big['ring']})")
+            continue
+        verdict = _ranges(res["rows"])
+        out.append(f"W={W}: {verdict}; largest N in one GPU's memory: head parallelism {big['heads']}, the ring "
+                   f"{big['ring']} ({big['ring'] / max(big['heads'], 1):.1f}x)")
+    return "\n".join(out)
+
+
+def _ranges(rows: list[dict]) -> str:
+    """Where the ring is faster and where slower, as runs of N: "the ring is faster at N = 1024-4096,
+    slower at N = 8192-2097152"."""
+    runs: list[list] = []
+    for row in rows:
+        faster = row["ring_ms"] < row["heads_ms"]
+        if runs and runs[-1][0] == faster:
+            runs[-1][2] = row["seq_len"]
+        else:
+            runs.append([faster, row["seq_len"], row["seq_len"]])
+    parts = [f"{'faster' if f else 'slower'} at N = {a}" + (f"-{b}" if b != a else "") for f, a, b in runs]
+    return "the ring is " + ", ".join(parts)
+
+
+def run_crossover(a, argv: list[str], m: Machine, shape: Shape, worlds: list[int], g: int) -> int:
+    results = []
+    for w in worlds:
+        if w == 1:
+            continue
+        err = _layout_error(shape, w)
+        if err:
+            raise PlanError(f"W={w}: {err}")
+        try:
+            results.append(cm.crossover(m, shape, w, g))
+        except ModelError as exc:
+            raise PlanError(f"W={w}: {exc}") from None
+    if not results:
+        raise PlanError("--crossover needs a world size above 1 that --context-parallel divides (--world-sizes)")
+    doc = {**as_json(m, shape, [], g, argv), "crossover": results}
+    if a.json == "-":
+        print(json.dumps(doc, indent=1))
+        return 0
+    if a.json:
+        _write(a.json, json.dumps(doc, indent=1), "--json")
+    print(crossover_table(m, shape, results, g, a.markdown))
     return 0
 
 

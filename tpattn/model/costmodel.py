@@ -73,15 +73,35 @@ def efficiency(m: Machine, step: Step, roof_ms: float) -> float:
     interpolated in log(roofline time). Piecewise linear, clamped at the ends of the calibrated
     range. Causal points where the machine has them, else the non-causal ones."""
     key = step.key
-    curve = (m.curves.get(key + ":causal") if step.causal else None) or m.curves.get(key)
+    full = m.curves.get(key)
+    curve = (m.curves.get(key + ":causal") if step.causal else None) or full
     if not curve:
         raise ModelError(f"machine {m.name} has no calibration for the pass {key}; run python -m tpattn.plan "
                          "--calibrate on that machine, or use a machine file that has it")
     if isinstance(curve, dict):
         x = math.log(max(step.n, 1))
-        along = sorted((math.log(hb), _interp(pts, x)) for hb, pts in curve.items())
+        along = sorted((math.log(hb), _causal_past(pts, x, full, hb) if curve is not full else _interp(pts, x))
+                       for hb, pts in curve.items())
         return _interp(along, math.log(max(step.bh, 1)))
     return _interp(curve, math.log(max(roof_ms, 1e-12)))
+
+
+def _at(curve: dict, hb: float, x: float) -> float:
+    """A (batch x heads, log N) curve's efficiency at hb and x."""
+    return _interp(sorted((math.log(h), _interp(pts, x)) for h, pts in curve.items()), math.log(max(hb, 1)))
+
+
+def _causal_past(pts: list[tuple[float, float]], x: float, full, hb: float) -> float:
+    """A causal attention pass's efficiency at log N = x along one batch x heads: the calibrated
+    points, and past the longest one (N_c) the extra time of the diagonal band measured there
+    (per unit of roofline: 1/eff_causal - 1/eff_full at N_c) shrinking as N_c / N, as the band's
+    tiles do among all of them; so a long causal pass tends to the full one's efficiency instead
+    of keeping the short one's."""
+    last_x, last_e = max(pts)
+    if x <= last_x or not isinstance(full, dict):
+        return _interp(pts, x)
+    extra = max(0.0, 1.0 / last_e - 1.0 / _at(full, hb, last_x))
+    return 1.0 / (1.0 / _at(full, hb, x) + extra * math.exp(last_x - x))
 
 
 def step_ms(m: Machine, step: Step) -> dict:
@@ -192,6 +212,45 @@ def collective_ms(m: Machine, kind: str, nbytes: int, world: int, gpus_per_node:
             "idle_before_ms": idle_before_ms, "bound": bound}
 
 
+def ring_pass_ms(m: Machine, nbytes: int, ring: int, gpus_per_node: int | None = None) -> dict:
+    """One pass of the ring (--context-parallel): every rank sends nbytes to the next and receives
+    as many from the previous, all at once: one step of NCCL's ring all-gather, base + alpha +
+    bytes / bus bandwidth, over NVLink when the ring's C consecutive ranks are on one node, else at
+    the network's (the slowest hop sets the pace)."""
+    g = gpus_per_node or m.gpus_per_node
+    kind = "nvlink" if ring <= g else "network"
+    link = m.link(kind)
+    if link is None:
+        raise ModelError(f"machine {m.name} has no {kind} numbers (\"links.{kind}\"): the ring of {ring} ranks "
+                         f"runs over it; calibrate it or use a machine file that has them")
+    bw, alpha, base = _link_params(link, "allgather")
+    us = base + alpha + nbytes / (bw * 1e3)
+    return {"ms": us / 1e3, "link": "NVLink" if kind == "nvlink" else "network",
+            "bound": "latency" if base + alpha > nbytes / (bw * 1e3) else kind}
+
+
+def ring_ms(m: Machine, shape: Shape, world: int, gpus_per_node: int | None = None) -> dict:
+    """The ring's transfers at world size W: each pass posted before the compute of the block in
+    hand and waited after it, so what it adds to the call is max(0, transfer - that step's compute)
+    per step ("ms", the exposed time); "transfer_ms" the passes' whole time."""
+    from .steps import ring_plan
+    exposed = transfer = 0.0
+    steps = ring_plan(shape, world)
+    one = None
+    for st in steps:
+        if not st["send_bytes"]:
+            continue
+        one = ring_pass_ms(m, st["send_bytes"], shape.context_parallel, gpus_per_node)
+        comp = sum(step_ms(m, s)["ms"] for s in st["compute"])
+        transfer += one["ms"]
+        exposed += max(0.0, one["ms"] - comp)
+    C = shape.context_parallel
+    return {"ms": exposed, "transfer_ms": transfer, "bytes": sum(s["send_bytes"] for s in steps),
+            "pass_bytes": steps[0]["send_bytes"], "passes": C - 1, "bound": one["bound"] if one else "-",
+            "algorithm": f"{C - 1} pass(es) of K/V to the next rank of a ring of {C} ({one['link'] if one else '-'}), "
+                         f"each under a ring step's compute"}
+
+
 def fit_alpha_beta(points: list[tuple[int, float]], kind: str, world: int, step_us: float) -> dict:
     """{base_us, busbw_GBps} of  t = base + steps*alpha + share*bytes/busbw  from measured
     (bytes, ms) points at one world size, alpha (step_us) given: least squares on the relative
@@ -249,7 +308,8 @@ def _config(shape: Shape):
     kw = dict(seq_len=shape.seq_len, heads=shape.heads, head_dim=shape.head_dim, batch=shape.batch,
               dtype=shape.dtype, kernel=shape.kernel, causal=shape.causal, device="cuda", check=False,
               reduce_dtype=shape.reduce_dtype, sequence_parallel=shape.sequence_parallel, overlap=shape.overlap,
-              output_collective=shape.output_collective, kv_heads=shape.kv, uneven_heads=shape.uneven_heads)
+              output_collective=shape.output_collective, kv_heads=shape.kv, uneven_heads=shape.uneven_heads,
+              context_parallel=shape.context_parallel)
     return Config(**{k: v for k, v in kw.items() if k in names})
 
 
@@ -292,8 +352,12 @@ def predict(m: Machine, shape: Shape, world: int, gpus_per_node: int | None = No
     # since the previous call's last collective (the all-gather of x, in sequence parallel, comes right
     # after the previous call's reduce-scatter); "other" (the bias pass after it, overheads) left out
     after = output_collective(colls)
-    coll = {k: collective_ms(m, k, n, world, g, in_layer=True, idle_before_ms=compute if k == after else 0.0)
+    C = shape.context_parallel
+    t, g_heads = world // C, max(1, g // C)  # a heads' group: every C-th rank, g / C of them on a node
+    coll = {k: collective_ms(m, k, n, t, g_heads, in_layer=True, idle_before_ms=compute if k == after else 0.0)
             for k, n in colls.items()}
+    if C > 1:
+        coll = {"ring": ring_ms(m, shape, world, g), **coll}
     comm = sum(c["ms"] for c in coll.values())
     gpu = compute + comm + other
     host, host_src = (0.0, "none (a CUDA graph)") if shape.cuda_graph else m.host_ms(shape.kernel, world, len(coll))
@@ -320,10 +384,11 @@ def predict(m: Machine, shape: Shape, world: int, gpus_per_node: int | None = No
 
 def plan(m: Machine, shape: Shape, worlds: list[int], gpus_per_node: int | None = None) -> list[dict]:
     """predict() for each world size; a size the model cannot predict gets {"world", "error"}.
-    Speedup and efficiency against the 1-rank prediction (made even when 1 is not asked for)."""
+    Speedup and efficiency against the 1-rank prediction (made even when 1 is not asked for; with
+    --context-parallel, the 1-rank layer's)."""
     rows = []
     try:
-        base = predict(m, shape, 1, gpus_per_node)["end_to_end_ms"]
+        base = predict(m, dataclasses.replace(shape, context_parallel=1), 1, gpus_per_node)["end_to_end_ms"]
     except ModelError:
         base = None
     for w in worlds:
@@ -338,3 +403,40 @@ def plan(m: Machine, shape: Shape, worlds: list[int], gpus_per_node: int | None 
             r["efficiency"] = r["speedup"] / w
         rows.append(r)
     return rows
+
+
+CROSSOVER_LENGTHS = tuple(2 ** k for k in range(10, 22))  # N from 1024 to 2M
+
+
+def crossover(m: Machine, shape: Shape, world: int, gpus_per_node: int | None = None,
+              lengths: tuple[int, ...] = CROSSOVER_LENGTHS) -> dict:
+    """The ring (shape's --context-parallel C) against head parallelism alone (C = 1) at world size
+    W, over sequence lengths: {"rows": [{"seq_len", "heads_ms", "ring_ms", "heads_fits", "ring_fits"}],
+    "from_n": the shortest N from which the ring's call is faster at every longer N of the grid (None:
+    nowhere), "heads_error": why head parallelism alone cannot run W ranks (then the ring is the only
+    way), "largest_n": each style's longest sequence in one GPU's memory}."""
+    heads_shape = dataclasses.replace(shape, context_parallel=1)
+    rows, heads_error = [], None
+    for n in lengths:
+        if n % (2 * shape.context_parallel):
+            continue
+        ring = predict(m, dataclasses.replace(shape, seq_len=n), world, gpus_per_node)
+        row = {"seq_len": n, "ring_ms": ring["end_to_end_ms"], "ring_fits": ring["fits"],
+               "ring_exposed_ms": ring["collectives"]["ring"]["ms"] if "ring" in ring["collectives"] else 0.0}
+        try:
+            head = predict(m, dataclasses.replace(heads_shape, seq_len=n), world, gpus_per_node)
+            row.update(heads_ms=head["end_to_end_ms"], heads_fits=head["fits"])
+        except ModelError as exc:
+            heads_error = str(exc)
+            row.update(heads_ms=None, heads_fits=False)
+        rows.append(row)
+    from_n = None
+    for row in reversed(rows):
+        if row["heads_ms"] is not None and row["ring_ms"] >= row["heads_ms"]:
+            break
+        from_n = row["seq_len"]
+    largest = {"ring": predict(m, shape, world, gpus_per_node)["largest_seq_len"]}
+    if heads_error is None:
+        largest["heads"] = predict(m, heads_shape, world, gpus_per_node)["largest_seq_len"]
+    return {"world": world, "context_parallel": shape.context_parallel, "rows": rows, "from_n": from_n,
+            "heads_error": heads_error, "largest_n": largest}

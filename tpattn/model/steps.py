@@ -38,6 +38,7 @@ class Shape:
     output_collective: str = "auto"
     kv_heads: int | None = None       # GQA: K/V heads (None: as many as query heads)
     uneven_heads: bool = False        # --uneven-heads: W need not divide H (nor G): ceil/floor blocks per rank
+    context_parallel: int = 1         # --context-parallel C: rings of C ranks over the sequence, heads over W / C
 
     @property
     def model_dim(self) -> int:
@@ -47,22 +48,27 @@ class Shape:
     def kv(self) -> int:
         return self.kv_heads or self.heads
 
+    def heads_world(self, world: int) -> int:
+        """The ranks the heads split over: W, or with --context-parallel C the W / C of a heads' group."""
+        return world // self.context_parallel
+
     def heads_by_rank(self, world: int) -> list[int]:
-        """Query heads each rank owns (tpattn.sharding's layout): H/W each, or with --uneven-heads
-        ceil/floor blocks, rank 0 first with the most."""
+        """Query heads each rank of a heads' group owns (tpattn.sharding's layout): H/W each, or with
+        --uneven-heads ceil/floor blocks, rank 0 first with the most."""
         from .. import sharding
-        return [len(sharding.head_range(self.heads, world, r, self.uneven_heads, self.kv)) for r in range(world)]
+        t = self.heads_world(world)
+        return [len(sharding.head_range(self.heads, t, r, self.uneven_heads, self.kv)) for r in range(t)]
 
     def heads_per_rank(self, world: int) -> int:
         """Query heads of rank 0, which holds the most: the rank the collective waits for."""
         from .. import sharding
-        return len(sharding.head_range(self.heads, world, 0, self.uneven_heads, self.kv))
+        return len(sharding.head_range(self.heads, self.heads_world(world), 0, self.uneven_heads, self.kv))
 
     def kv_per_rank(self, world: int) -> int:
         """K/V heads rank 0 holds: G/W of them (with --uneven-heads ceil(G/W)), or (more ranks than
         K/V heads) a copy of one."""
         from .. import sharding
-        return len(sharding.kv_head_range(self.heads, self.kv, world, 0, self.uneven_heads))
+        return len(sharding.kv_head_range(self.heads, self.kv, self.heads_world(world), 0, self.uneven_heads))
 
     @property
     def elem(self) -> int:
@@ -158,10 +164,11 @@ def layer_collectives(shape: Shape, world: int) -> dict[str, int]:
     kernels), raises ModelError with one line."""
     from ..commplan import make_plan
     from ..errors import ConfigError
+    world, rows = shape.heads_world(world), shape.seq_len // shape.context_parallel  # a heads' group's ranks, rows
     if world == 1:
         return {}
     try:
-        plan = make_plan(shape.batch, shape.seq_len, shape.model_dim, world, elem=shape.elem,
+        plan = make_plan(shape.batch, rows, shape.model_dim, world, elem=shape.elem,
                          part_elem=shape.part_elem(world), sequence_parallel=shape.sequence_parallel,
                          output_collective=shape.output_collective, overlap=shape.overlap)
     except ConfigError as exc:
@@ -180,6 +187,18 @@ def layer_collectives(shape: Shape, world: int) -> dict[str, int]:
 def _layout_error(shape: Shape, world: int) -> str | None:
     """Why H query heads (and G K/V heads) cannot be laid out over `world` ranks, or None."""
     from .. import sharding
+    C = shape.context_parallel
+    if C > 1:
+        if world % C:
+            return f"--context-parallel {C} does not divide {world} ranks (rings of C ranks, the heads over W / C)"
+        if shape.seq_len % (2 * C):
+            return f"--context-parallel {C} splits the sequence into 2 x {C} chunks: --seq-len {shape.seq_len} must divide by {2 * C}"
+        if shape.sequence_parallel:
+            return "--context-parallel and --sequence-parallel both split the sequence: choose one"
+        if shape.kernel != "fused":
+            return (f"the ring's pieces run torch math with --kernel {shape.kernel} (no logsumexp from its kernels); the cost "
+                    "model prices the ring with --kernel fused")
+    world = shape.heads_world(world)
     if shape.kv != shape.heads:
         return sharding.check_kv_heads(shape.heads, shape.kv, world, shape.uneven_heads)
     return sharding.check_divisible(shape.heads, world, shape.uneven_heads)
@@ -196,19 +215,57 @@ def layer_steps(shape: Shape, world: int) -> tuple[list[Step], dict[str, int]]:
     h, g = shape.heads_per_rank(world), shape.kv_per_rank(world)
     e = shape.elem
     colls = layer_collectives(shape, world)
-    rows = B * N                                       # both styles: every rank projects all N rows
+    C = shape.context_parallel
+    n = N // C                                         # head- and sequence-parallel: every rank projects all N rows
+    rows = B * n
     steps = [gemm_step("qkv_proj", "qkv_proj", rows, D, (h + 2 * g) * d, dt, dt)]
     if not STRIDED.get(shape.kernel, False):
         steps.append(copy_step("qkv_proj", "relayout", 2 * (h + 2 * g) * B * N * d * e,
                                "q, k, v copied out of the QKV GEMM's rows"))
-    steps += attention_steps(shape.kernel, B, h, N, d, dt, shape.causal, g)
+    if C > 1:
+        steps.append(copy_step("qkv_proj", "relayout", 2 * 2 * g * rows * d * e, "k, v made contiguous (the ring's blocks)"))
+        steps += [s for step in ring_plan(shape, world) for s in step["compute"]]
+        steps.append(copy_step("other", "relayout", rows * h * d * (4 + e + 2 * e),
+                               "the fp32 output cast, o copied into the output GEMM's rows"))
+    else:
+        steps += attention_steps(shape.kernel, B, h, N, d, dt, shape.causal, g)
     if not STRIDED.get(shape.kernel, False):
         steps.append(copy_step("other", "relayout", 2 * B * h * N * d * e, "o copied into the output GEMM's rows"))
-    pe = shape.part_elem(world)
-    out = {2: "fp16" if dt != "bf16" else "bf16", 4: "fp32"}[pe] if world > 1 else dt
+    t = shape.heads_world(world)
+    pe = shape.part_elem(t)
+    out = {2: "fp16" if dt != "bf16" else "bf16", 4: "fp32"}[pe] if t > 1 else dt
     steps.append(gemm_step("out_proj", "out_proj", rows, h * d, D, dt, out))
-    if world > 1:  # + b_o and the cast to the model dtype: on every row, or on this rank's 1/W after a reduce-scatter
-        mine = rows if "allreduce" in colls else rows // world
+    if t > 1:  # + b_o and the cast to the model dtype: on every row, or on this rank's 1/W after a reduce-scatter
+        mine = rows if "allreduce" in colls else rows // t
         steps.append(copy_step("other", "epilogue", mine * D * (pe + e),
                                f"+ b_o and the cast of {mine} rows of partials"))
     return steps, colls
+
+
+MERGE_PASSES = 7.5  # fp32 passes over a piece's output in tpattn.attention.ring.merge (its elementwise kernels)
+
+
+def ring_plan(shape: Shape, world: int) -> list[dict]:
+    """The ring's C steps on one rank (--context-parallel C; rank 0 of its ring: the zigzag layout
+    gives every rank the same work): {"compute": the step's fused pieces and their merges into the
+    fp32 output, "send_bytes": the K/V block posted to the next rank before that compute (0 on the
+    last step)}. A piece of nq query rows against nk keys runs as the fused kernel over nq / nk
+    times the heads of nk rows (tpattn.attention.ring._by_rows); GQA: only this rank's K/V heads
+    travel."""
+    from ..attention.ring import pieces
+    B, d, dt, C = shape.batch, shape.head_dim, shape.dtype, shape.context_parallel
+    h, g = shape.heads_per_rank(world), shape.kv_per_rank(world)
+    n = shape.seq_len // C
+    block = 2 * B * g * n * d * shape.elem
+    out = []
+    for s in range(C):
+        compute = []
+        for q0, q1, k0, k1, diag in pieces(0, (0 - s) % C, n, shape.causal):
+            nq, nk = q1 - q0, k1 - k0
+            for st in attention_steps("fused", B, h * (nq // nk), nk, d, dt, diag, g):
+                st.what = f"ring step {s}: {nq} query rows x {nk} keys" + (" (diagonal)" if diag else "")
+                compute.append(st)
+            compute.append(copy_step("fused", "epilogue", MERGE_PASSES * 4 * B * h * nq * d,
+                                     f"ring step {s}: merge {nq} rows into the fp32 output by their logsumexp"))
+        out.append({"compute": compute, "send_bytes": block if s < C - 1 else 0})
+    return out
