@@ -221,7 +221,10 @@ def _main(argv: list[str], proc) -> int:
         device = tpdist.pick_device(proc, cfg.device)
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            preflight(cfg, proc.world, proc.rank, free)
+            sharing = tpdist.ranks_on_device(proc)
+            if sharing > 1:  # ranks sharing one GPU (gloo): each holds to its share, as a GPU of its own would
+                torch.cuda.set_per_process_memory_fraction(1.0 / sharing, device)
+            preflight(cfg, proc.world, proc.rank, free // sharing, sharing)
     except ConfigError as exc:
         local_error = exc.cli_message
     timeout = cfg.timeout if cfg is not None and local_error is None else 300.0
@@ -278,6 +281,8 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
     shard = layer.shard_sequence if cfg.sequence_parallel else layer.shard_context if C > 1 else (lambda t: t)
     gather = layer.gather_sequence if cfg.sequence_parallel else layer.gather_context if C > 1 else (lambda t: t)
     x_in = shard(x)
+    if not cfg.check and x_in is not x:
+        x = None  # the whole input only for the checks: a rank holds its rows
     timer = Timer(device)
     if cfg.backward:  # a training step: forward and backward, dy the same for any world size
         dy = layer_input(cfg.batch, cfg.seq_len, cfg.model_dim, cfg.seed + 1, cfg.torch_dtype, device)
@@ -302,9 +307,11 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
         for name, ms in timer.collect().items():
             samples.setdefault(name, []).append(ms)
     grads = None
-    if cfg.backward:  # every rank joins these collectives: the whole dX and the whole gradients
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None  # before any check's tensors
+    if cfg.check and cfg.backward:  # every rank joins these collectives: the whole dX and the whole gradients
         grads = {"x": gather(step.x_grad), **layer.full_grads()}
-    y = gather(y)  # the whole output, for the checks (sequence or context parallel: every rank joins)
+    if cfg.check:
+        y = gather(y)  # the whole output, for the checks (sequence or context parallel: every rank joins)
     if cfg.profile:
         _profile(cfg, proc, layer, x_in)
 
@@ -314,6 +321,7 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
             out.update(_grad_checks(cfg, proc, w, x, dy, grads, device, loaded))
         return out
     nbytes = layer.train_nbytes if cfg.backward else layer.collective_nbytes
+    infos[proc.rank]["peak_bytes"] = peak
     return _finish(cfg, proc, device, infos, argv, samples, checks, nbytes(cfg.batch, cfg.seq_len))
 
 

@@ -243,6 +243,13 @@ def pick_device(proc: Proc, device: str) -> torch.device:
     return torch.device("cuda", idx)
 
 
+def ranks_on_device(proc: Proc) -> int:
+    """How many ranks of this node share this rank's GPU (pick_device's round-robin): 1 with a GPU per
+    rank, more when the local ranks outnumber the GPUs (gloo)."""
+    count = max(torch.cuda.device_count(), 1)
+    return len(range(proc.local_rank % count, max(proc.local_world, 1), count))
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))

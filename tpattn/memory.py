@@ -95,12 +95,20 @@ def largest_n(cfg: Config, world: int, rank: int, free: int) -> int:
     return int((-b + math.sqrt(b * b + 4 * a * budget)) / (2 * a))
 
 
-def preflight(cfg: Config, world: int, rank: int, free: int) -> None:
+def preflight(cfg: Config, world: int, rank: int, free: int, sharing: int = 1) -> None:
+    """Refuse, in one line, a run whose estimate does not fit `free` bytes (with `sharing` ranks on
+    one GPU, this rank's share of its free memory)."""
     need = estimate(cfg, world, rank)
     if need > free * HEADROOM:
         fit = largest_n(cfg, world, rank, free)
         sp_bytes = 2 * scores_bytes(cfg, world, rank)
         sp = f"(S and P alone {sp_bytes / 2**30:.1f} GiB) " if sp_bytes else ""
+        share = f" (its share of a GPU that {sharing} ranks share)" if sharing > 1 else ""
+        more = ""
+        if cfg.context_parallel == 1 and world > 1 and cfg.kernel in ("fused", "triton") and not cfg.decode:
+            more = " (or --context-parallel, which divides the sequence)"
+        elif heads_per_rank(cfg, world, rank) > 1:
+            more = " (or use more ranks)"
         raise ConfigError(f"--seq-len {cfg.seq_len} needs about {need / 2**30:.1f} GiB on rank {rank} {sp}"
-                          f"but {free / 2**30:.1f} GiB is free; the largest --seq-len that fits is about {fit}"
-                          + (" (or use more ranks)" if heads_per_rank(cfg, world, rank) > 1 else ""))
+                          f"but {free / 2**30:.1f} GiB is free{share}; the largest --seq-len that fits is about {fit}"
+                          + more)

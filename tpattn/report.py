@@ -11,7 +11,7 @@ import torch
 
 from .commplan import COLLECTIVES
 from .errors import __version__
-from .memory import heads_per_rank, kv_bytes, kv_heads_per_rank, scores_bytes
+from .memory import estimate, heads_per_rank, kv_bytes, kv_heads_per_rank, scores_bytes
 from .sharding import describe_blocks, kv_replicated
 
 COMPUTE = ("qkv_proj", "qk", "softmax", "pv", "fused", "out_proj")  # fused: --kernel fused's one pass
@@ -196,7 +196,10 @@ def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, c
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},  # rank 0's NCCL settings
         # per rank: rank 0's (with --uneven-heads the largest); totals: the sum over ranks
         "memory": {"S_bytes_per_rank": sp, "P_bytes_per_rank": sp, "S_P_bytes_total": 2 * sp_all,
-                   "K_V_bytes_per_rank": kvb, "K_V_bytes_total": kvb_all},
+                   "K_V_bytes_per_rank": kvb, "K_V_bytes_total": kvb_all,
+                   # the pre-flight's estimate (rank 0's) and what each rank's allocator held at most (before the checks)
+                   "estimate_bytes_per_rank": estimate(cfg, world, 0),
+                   "peak_bytes_by_rank": [r["info"].get("peak_bytes") for r in rank_reports]},
         "iterations": {"warmup": cfg.warmup, "timed": cfg.iters},
         "passes": stats,
         "rank0_passes": rank_reports[0]["passes"],
@@ -210,6 +213,10 @@ def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, c
         "balance": balance(rank_reports, heads) if proc.distributed else None,
         "checks": checks,
     }
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 def _heads(span: str) -> str:
@@ -266,6 +273,10 @@ def text(rep: dict) -> str:
     if "K_V_bytes_per_rank" in m:
         lines.append(f"K and V: {_mib(m['K_V_bytes_per_rank'])} {where} ({c['kv_heads_per_rank']} K/V head(s)), "
                      f"{_mib(m['K_V_bytes_total'])} in all ranks")
+    peaks = [p for p in m.get("peak_bytes_by_rank") or [] if p is not None]
+    if peaks:
+        lines.append(f"device memory: peak allocated {_gib(max(peaks))} (the most of any rank, before the checks); "
+                     f"pre-flight estimate {_gib(m['estimate_bytes_per_rank'])} on rank 0")
     if w["size"] == 1:
         lines.append(f"per pass, ms over {rep['iterations']['timed']} iterations ({rep['iterations']['warmup']} warm-up):")
         lines.append(f"  {'pass':<10}{'median':>10}{'min':>10}{'max':>10}")

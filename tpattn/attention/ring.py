@@ -81,7 +81,8 @@ def merge(o, lse, o_b, lse_b):
     (o and lse accumulate in fp32; o_b may be rounded to the inputs' dtype)."""
     new = torch.logaddexp(lse, lse_b)
     safe = new.masked_fill(torch.isinf(new), 0.0)
-    o.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(o_b.to(o.dtype) * torch.exp(lse_b - safe).unsqueeze(-1))
+    # in place, o_b read as it is (no fp32 copy of it): two passes over o
+    o.mul_(torch.exp(lse - safe).unsqueeze(-1)).addcmul_(o_b, torch.exp(lse_b - safe).unsqueeze(-1))
     lse.copy_(new)
 
 

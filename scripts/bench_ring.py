@@ -1,0 +1,150 @@
+"""The ring's compute per rank against 1/C of the whole attention, on one GPU, no communication.
+
+    python scripts/bench_ring.py [--seq-len 16384] [--heads 32] [--head-dim 128] [--contexts 2 4 8] [--causal]
+
+For each ring size C and each rank c of it: rank c's query rows (the zigzag layout,
+tpattn.attention.ring.context_rows) against every block of K/V in the order the ring brings them,
+each step's pieces through the fused kernel and merged into the fp32 output, exactly as the
+context-parallel layer computes (tpattn/comm.py's _RingAttention), and the backward's pieces; the
+whole attention over all N rows through the same kernels (forward_for_backward and backward). The
+ring keeps its promise when every rank's compute is within 1.1x of the whole's / C. CUDA events,
+the median of --rounds rounds, the contenders alternating in each round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from tpattn.attention import get_backend  # noqa: E402
+from tpattn.attention.ring import context_rows, merge, piece_backward, piece_forward, pieces  # noqa: E402
+
+
+def rank_forward(backend, q, k, v, C, c, causal):
+    """Rank c's ring forward: (o fp32, lse), the blocks taken in the ring's order."""
+    rows = [context_rows(q.shape[2], C, j).to(q.device) for j in range(C)]
+    qc = q[:, :, rows[c]]
+    n = qc.shape[2]
+    o = torch.zeros(qc.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(qc.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    blocks = [(k[:, :, rows[j]].contiguous(), v[:, :, rows[j]].contiguous()) for j in range(C)]
+    qc = qc.contiguous()
+
+    def run():
+        o.zero_()
+        lse.fill_(float("-inf"))
+        for s in range(C):
+            j = (c - s) % C
+            kb, vb = blocks[j]
+            for q0, q1, k0, k1, diag in pieces(c, j, n, causal):
+                merge(o[:, :, q0:q1], lse[:, :, q0:q1],
+                      *piece_forward(backend, qc[:, :, q0:q1], kb[:, :, k0:k1], vb[:, :, k0:k1], diag))
+        return o.to(q.dtype)
+    return run, (qc, blocks, o, lse)
+
+
+def rank_backward(backend, C, c, causal, state, do):
+    qc, blocks, o, lse = state
+    n = qc.shape[2]
+    out = o.to(qc.dtype)
+    dq = torch.zeros(qc.shape, dtype=torch.float32, device=qc.device)
+
+    def run():
+        dq.zero_()
+        for s in range(C):
+            j = (c - s) % C
+            kb, vb = blocks[j]
+            dk = torch.zeros(kb.shape, dtype=torch.float32, device=kb.device)
+            dv = torch.zeros(vb.shape, dtype=torch.float32, device=vb.device)
+            for q0, q1, k0, k1, diag in pieces(c, j, n, causal):
+                a, b, e = piece_backward(backend, qc[:, :, q0:q1], kb[:, :, k0:k1], vb[:, :, k0:k1], out[:, :, q0:q1],
+                                         lse[:, :, q0:q1], do[:, :, q0:q1], diag)
+                dq[:, :, q0:q1] += a
+                dk[:, :, k0:k1] += b
+                dv[:, :, k0:k1] += e
+    return run
+
+
+def timed(fn, reps: int = 3) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python scripts/bench_ring.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq-len", type=int, default=16384)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
+    p.add_argument("--contexts", type=int, nargs="+", default=[2, 4, 8], metavar="C")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--json", metavar="PATH")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_ring: error: needs a CUDA GPU (the fused kernels); run it on a GPU machine", file=sys.stderr)
+        return 2
+    bad = [C for C in a.contexts if C < 2 or a.seq_len % (2 * C)]
+    if bad:
+        print(f"bench_ring: error: --contexts {bad[0]}: each C must be at least 2 and 2C must divide --seq-len "
+              f"{a.seq_len}", file=sys.stderr)
+        return 2
+    dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[a.dtype]
+    backend = get_backend("fused")
+    B, H, G, N, d = a.batch, a.heads, a.kv_heads or a.heads, a.seq_len, a.head_dim
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, H, N, d, device="cuda", dtype=dt, generator=gen)
+    k, v = (torch.randn(B, G, N, d, device="cuda", dtype=dt, generator=gen) for _ in range(2))
+    do = torch.randn(B, H, N, d, device="cuda", dtype=dt, generator=gen)
+    o, lse = backend.forward_for_backward(q, k, v, a.causal)
+    whole_f = lambda: backend.forward_for_backward(q, k, v, a.causal)  # noqa: E731
+    whole_b = lambda: backend.backward(q, k, v, o, lse, do, a.causal)  # noqa: E731
+    contenders = {"whole forward": whole_f, "whole backward": whole_b}
+    for C in a.contexts:
+        for c in range(C):
+            fwd, state = rank_forward(backend, q, k, v, C, c, a.causal)
+            fwd()
+            rows = context_rows(N, C, c).to(q.device)
+            contenders[f"C={C} rank {c} forward"] = fwd
+            contenders[f"C={C} rank {c} backward"] = rank_backward(backend, C, c, a.causal, state,
+                                                                   do[:, :, rows].contiguous())
+    times: dict[str, list[float]] = {k: [] for k in contenders}
+    for _ in range(a.rounds):
+        for name, fn in contenders.items():
+            times[name].append(timed(fn))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"{torch.cuda.get_device_name()}: B={B} H={H} G={G} N={N} d={d} {a.dtype}{' causal' if a.causal else ''}; "
+          f"ms, median of {a.rounds} rounds")
+    print(f"whole attention: forward {med['whole forward']:.3f}, backward {med['whole backward']:.3f}")
+    rows_out = []
+    for C in a.contexts:
+        for way in ("forward", "backward"):
+            share = med[f"whole {way}"] / C
+            per = [med[f"C={C} rank {c} {way}"] for c in range(C)]
+            worst = max(per) / share
+            rows_out.append({"C": C, "pass": way, "whole_over_C_ms": share, "rank_ms": per, "worst_ratio": worst})
+            print(f"C={C} {way:<8}: whole/C {share:.3f}; ranks {' '.join(f'{t:.3f}' for t in per)}; slowest / "
+                  f"(whole/C) = {worst:.3f} {'(within 1.1x)' if worst <= 1.1 else '(ABOVE 1.1x)'}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"argv": sys.argv, "gpu": torch.cuda.get_device_name(), "median_ms": med,
+                                            "rows": rows_out}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""scripts/ring_trace.py on CPU: the profile of a context-parallel call under mpirun shows every
+K/V pass posted before its step's compute; a trace where one is not fails with exit 1; a trace of
+a call without a ring is refused with exit 2."""
+
+import json
+import sys
+
+from conftest import ROOT, mpirun_cmd, run
+
+SCRIPT = str(ROOT / "scripts" / "ring_trace.py")
+
+
+def test_profile_of_a_ring_call_shows_each_pass_posted_first(tmp_path):
+    trace = tmp_path / "ring.json"
+    r = run(mpirun_cmd(3) + [sys.executable, "-m", "tpattn", "--context-parallel", "3", "--causal", "--seq-len", "192",
+                             "--heads", "2", "--head-dim", "16", "--iters", "1", "--warmup", "0", "--no-check",
+                             "--profile", str(trace)], timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = run([sys.executable, SCRIPT, str(trace), f"{trace}.rank1", f"{trace}.rank2"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("3 ring steps") == 3
+    assert out.stdout.count("(ok)") == 3 * 2 and out.stdout.count("no pass (the last block)") == 3
+    assert out.stdout.rstrip().endswith("every pass posted before its step's compute")
+
+
+def _event(name, ts, dur, cat="user_annotation"):
+    return {"name": name, "ts": ts, "dur": dur, "cat": cat, "ph": "X"}
+
+
+def test_a_pass_posted_after_the_compute_started_fails(tmp_path):
+    # the GPU ran the step's compute (from ts 5) before the host finished posting its pass (ts 8)
+    events = [_event("ring", 0, 8), _event("attention", 3, 10), _event("ring", 14, 2), _event("attention", 17, 5),
+              _event("attention", 5, 9, "gpu_user_annotation"), _event("attention", 18, 4, "gpu_user_annotation")]
+    path = tmp_path / "late.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    out = run([sys.executable, SCRIPT, str(path)])
+    assert out.returncode == 1 and "AFTER: not overlapped" in out.stdout, out.stdout + out.stderr
+    assert "on the GPU" in out.stdout
+
+
+def test_a_trace_without_a_ring_is_refused(tmp_path):
+    path = tmp_path / "heads.json"
+    path.write_text(json.dumps({"traceEvents": [_event("qkv_proj", 0, 3), _event("attention", 3, 10)]}))
+    out = run([sys.executable, SCRIPT, str(path)])
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--context-parallel C" in out.stderr, out.stderr
