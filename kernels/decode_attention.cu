@@ -113,12 +113,32 @@ __device__ __noinline__ void dec_combine(const float *__restrict__ Op, const flo
     }
 }
 
-template <int D, int GQ, bool BF16>
+// Where key `key` of K/V head g of sequence b starts: contiguous, [B, G, LMAX, D]; paged (PAGED),
+// the pool [pages, G, page, D] through sequence b's row of the block table [B, tstride] (int32 page
+// ids), the key's page table[b][key / page] at offset key % page.
+template <int D, bool PAGED>
+__device__ __forceinline__ long long dec_at(int b, int g, int G, int key, long long kv, const int *__restrict__ table,
+                                            int tstride, int page) {
+    if (!PAGED) return kv + (long long)key * D;
+    const int blk = key / page;
+    const long long pg = __ldg(table + (long long)b * tstride + blk);
+    return ((pg * G + g) * page + (key - blk * page)) * (long long)D;
+}
+
+// The cache length of sequence b: Ladd + *Lpos (one length for the batch), or (PAGED) lens[b].
+template <bool PAGED>
+__device__ __forceinline__ int dec_len(int b, int Ladd, const long long *__restrict__ Lpos, const int *__restrict__ lens) {
+    if (PAGED) return __ldg(lens + b);
+    return Ladd + (Lpos != nullptr ? (int)*Lpos : 0);
+}
+
+template <int D, int GQ, bool BF16, bool PAGED>
 __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
                                           const tc_u16 *__restrict__ V, float *__restrict__ Op,
                                           float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets,
                                           int BG, int G, int group, int Ladd, const long long *__restrict__ Lpos,
-                                          int LMAX, int S, float scale_log2) {
+                                          int LMAX, int S, float scale_log2, const int *__restrict__ table,
+                                          const int *__restrict__ lens, int tstride, int page) {
     constexpr int LANES = D / 8;                  // lanes per key (8 elements each)
     constexpr int NGRP = DEC_THREADS / LANES;     // key groups per block
     constexpr int U = DEC_UNROLL;                 // keys per group in flight (their loads issued first)
@@ -126,11 +146,12 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const tc
     __shared__ float so[NGRP][GQ][D];
     __shared__ int last;
     const int tid = threadIdx.x, grp = tid / LANES, lane = tid % LANES;
-    const int L = Ladd + (Lpos != nullptr ? (int)*Lpos : 0);
-    const int chunk = (L + S - 1) / S;
-    const int s = blockIdx.x, k0 = s * chunk, k1 = min(L, k0 + chunk);
+    const int s = blockIdx.x;
     for (int bg = blockIdx.y; bg < BG; bg += gridDim.y) {
         const int b = bg / G, g = bg - b * G;
+        const int L = dec_len<PAGED>(b, Ladd, Lpos, lens);
+        const int chunk = (L + S - 1) / S;
+        const int k0 = min(L, s * chunk), k1 = min(L, k0 + chunk);
         const long long kv = (long long)bg * LMAX * D;
         const long long bh0 = ((long long)b * G + g) * group;  // the group's first query head
         for (int h0 = 0; h0 < group; h0 += GQ) {  // GQ heads of the group at a time
@@ -152,8 +173,9 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const tc
                 for (int u = 0; u < U; ++u) {
                     const int key = base + u * NGRP + grp;
                     if (key < k1) {
-                        dec_load8<BF16>(K + kv + (long long)key * D + lane * 8, kx[u]);
-                        dec_load8<BF16>(V + kv + (long long)key * D + lane * 8, vx[u]);
+                        const long long at = dec_at<D, PAGED>(b, g, G, key, kv, table, tstride, page);
+                        dec_load8<BF16>(K + at + lane * 8, kx[u]);
+                        dec_load8<BF16>(V + at + lane * 8, vx[u]);
                     } else {
 #pragma unroll
                         for (int e = 0; e < 8; ++e) kx[u][e] = vx[u][e] = 0.0f;
@@ -250,21 +272,24 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const tc
 // so that output column n of n-tile u is column n D/8 + u of O. 16-byte loads throughout.
 // PIPE (the _p kernels): the next tile's K and V loads are issued before the current tile is
 // computed (64 more registers a thread: 3 blocks an SM instead of 4 at d = 128).
-template <int D, bool M16, bool PIPE, bool BF16>
+template <int D, bool M16, bool PIPE, bool BF16, bool PAGED>
 __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
                                         const tc_u16 *__restrict__ V, float *__restrict__ Op,
                                         float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets,
                                         int BG, int G, int group, int Ladd, const long long *__restrict__ Lpos,
-                                        int LMAX, int S, float scale_log2) {
+                                        int LMAX, int S, float scale_log2, const int *__restrict__ table,
+                                        const int *__restrict__ lens, int tstride, int page) {
     constexpr int E = D / 4, KS = D / 16, NT = D / 8, ROWS = M16 ? 16 : 8, W = DEC_THREADS / 32;
     __shared__ float sm[W][ROWS], sl[W][ROWS];
     __shared__ float so[W][ROWS][D];
     __shared__ int last;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, c = lane & 3;
-    const int L = Ladd + (Lpos != nullptr ? (int)*Lpos : 0);
-    const int chunk = ((L + S - 1) / S + 16 * W - 1) / (16 * W) * (16 * W);  // whole 16-key tiles per warp
-    const int s = blockIdx.x, k0 = min(L, s * chunk), k1 = min(L, k0 + chunk);
+    const int s = blockIdx.x;
     for (int bg = blockIdx.y; bg < BG; bg += gridDim.y) {
+        const int b = bg / G, g = bg - b * G;
+        const int L = dec_len<PAGED>(b, Ladd, Lpos, lens);
+        const int chunk = ((L + S - 1) / S + 16 * W - 1) / (16 * W) * (16 * W);  // whole 16-key tiles per warp
+        const int k0 = min(L, s * chunk), k1 = min(L, k0 + chunk);
         const long long kv = (long long)bg * LMAX * D;
         const long long bh0 = (long long)bg * group;  // the group's first query head
         for (int h0 = 0; h0 < group; h0 += ROWS) {
@@ -357,16 +382,18 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const tc_u
 #pragma unroll
                 for (int t = 0; t < 2; ++t) {
                     const int key = t0 + 8 * t + r;
+const long long at = key < k1 ? dec_at<D, PAGED>(b, g, G, key, kv, table, tstride, page) : 0;
 #pragma unroll
                     for (int i = 0; i < E / 8; ++i)
-                        kr[t][i] = key < k1 ? ((const tc_u4 *)(K + kv + (long long)key * D + c * E))[i] : tc_u4{0u, 0u, 0u, 0u};
+                        kr[t][i] = key < k1 ? ((const tc_u4 *)(K + at + c * E))[i] : tc_u4{0u, 0u, 0u, 0u};
                 }
 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
                     const int key = t0 + (k >> 1) * 8 + 2 * c + (k & 1);
+const long long at = key < k1 ? dec_at<D, PAGED>(b, g, G, key, kv, table, tstride, page) : 0;
 #pragma unroll
                     for (int i = 0; i < NT / 8; ++i)
-                        vr[k][i] = key < k1 ? ((const tc_u4 *)(V + kv + (long long)key * D + r * NT))[i] : tc_u4{0u, 0u, 0u, 0u};
+                        vr[k][i] = key < k1 ? ((const tc_u4 *)(V + at + r * NT))[i] : tc_u4{0u, 0u, 0u, 0u};
                 }
             };
             tc_u4 kr[2][E / 8], vr[4][NT / 8];
@@ -477,26 +504,33 @@ __device__ __forceinline__ void dec_append(const tc_u16 *__restrict__ QKV, tc_u1
     }
 }
 
-#define DEC_SPLIT(SUF, BF16, D, GQ)                                                                     \
-    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_split_##SUF##_d##D##_g##GQ(          \
+// The contiguous kernels (K, V [B, G, LMAX, D], one length for the batch) and the paged ones (_pg:
+// K, V the pool [pages, G, page, D], a block table [B, tstride] and a length per sequence, lens [B]);
+// the arguments the other layout does not use are passed as 0.
+#define DEC_SPLIT(SUF, BF16, D, GQ, PAGED, PG)                                                          \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_split_##SUF##_d##D##_g##GQ##PG(      \
         const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,      \
         float *__restrict__ Op, float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets, \
         int BG, int G, int group, int Ladd, const long long *__restrict__ Lpos, int LMAX, int S,        \
-        float scale_log2) {                                                                             \
-        dec_split<D, GQ, BF16>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, Lpos, LMAX, S, scale_log2); \
+        float scale_log2, const int *__restrict__ table, const int *__restrict__ lens, int tstride, int page) { \
+        dec_split<D, GQ, BF16, PAGED>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, Lpos, LMAX, S, scale_log2, \
+                                      table, lens, tstride, page);                                      \
     }
-#define DEC_MMA(SUF, BF16, D, M16, ROWS, PIPE, P)                                                       \
-    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r##ROWS##P(         \
+#define DEC_MMA(SUF, BF16, D, M16, ROWS, PIPE, P, PAGED, PG)                                            \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r##ROWS##P##PG(     \
         const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,      \
         float *__restrict__ Op, float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets, \
         int BG, int G, int group, int Ladd, const long long *__restrict__ Lpos, int LMAX, int S,        \
-        float scale_log2) {                                                                             \
-        dec_mma<D, M16, PIPE, BF16>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, Lpos, LMAX, S, scale_log2); \
+        float scale_log2, const int *__restrict__ table, const int *__restrict__ lens, int tstride, int page) { \
+        dec_mma<D, M16, PIPE, BF16, PAGED>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, Lpos, LMAX, S, \
+                                           scale_log2, table, lens, tstride, page);                     \
     }
-#define DEC_DEFINE(SUF, BF16, D)                                                                        \
-    DEC_SPLIT(SUF, BF16, D, 1) DEC_SPLIT(SUF, BF16, D, 2) DEC_SPLIT(SUF, BF16, D, 4) DEC_SPLIT(SUF, BF16, D, 8) \
-    DEC_MMA(SUF, BF16, D, false, 8, false, ) DEC_MMA(SUF, BF16, D, true, 16, false, )                     \
-    DEC_MMA(SUF, BF16, D, false, 8, true, _p) DEC_MMA(SUF, BF16, D, true, 16, true, _p)
+#define DEC_LAYOUT(SUF, BF16, D, PAGED, PG)                                                             \
+    DEC_SPLIT(SUF, BF16, D, 1, PAGED, PG) DEC_SPLIT(SUF, BF16, D, 2, PAGED, PG)                         \
+    DEC_SPLIT(SUF, BF16, D, 4, PAGED, PG) DEC_SPLIT(SUF, BF16, D, 8, PAGED, PG)                         \
+    DEC_MMA(SUF, BF16, D, false, 8, false, , PAGED, PG) DEC_MMA(SUF, BF16, D, true, 16, false, , PAGED, PG) \
+    DEC_MMA(SUF, BF16, D, false, 8, true, _p, PAGED, PG) DEC_MMA(SUF, BF16, D, true, 16, true, _p, PAGED, PG)
+#define DEC_DEFINE(SUF, BF16, D) DEC_LAYOUT(SUF, BF16, D, false, ) DEC_LAYOUT(SUF, BF16, D, true, _pg)
 DEC_DEFINE(f16, false, 64)
 DEC_DEFINE(bf16, true, 64)
 DEC_DEFINE(f16, false, 128)

@@ -296,3 +296,33 @@ def test_fused_refuses_mixed_dtypes_and_skips_empty_calls(launches, monkeypatch)
         fused.FusedBackend().forward(q, k.bfloat16(), v.bfloat16(), False)
     empty = torch.zeros(0, 2, 256, 64, dtype=torch.float16)
     assert fused.FusedBackend().forward(empty, empty, empty, False).shape == empty.shape and not launches
+
+
+@pytest.mark.parametrize("h,g", [(8, 8), (8, 2)])
+def test_decode_launches_contiguous_and_paged(monkeypatch, h, g):
+    """The split decode kernels, one length for the batch and paged (the _pg kernels: the block
+    table, its row stride, the lengths and the page size after the contiguous ones' arguments)."""
+    from tpattn import cuda as tcuda
+    from tpattn import decode
+    calls = []
+    monkeypatch.setattr(tcuda, "launch", lambda source, name, device, grid, block, args, shared_mem=0:
+                        calls.append((source, name, grid, block, args)))
+    monkeypatch.setattr(decode, "decode_kernel_fits", lambda q: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"multi_processor_count": 132}))
+    B, d, L = 3, 128, 300
+    q = torch.randn(B, h, 1, d).half()
+    k, v = (torch.randn(B, g, 512, d).half() for _ in range(2))
+    tickets = torch.zeros(B * g, dtype=torch.int32)
+    decode.decode_attention(q, k, v, L, tickets=tickets)
+    pool_k, pool_v = (torch.randn(40, g, 16, d).half() for _ in range(2))
+    table = torch.arange(B * 12, dtype=torch.int32).view(B, 12)
+    lens = torch.tensor([5, 190, 17], dtype=torch.int32)
+    decode.paged_decode_attention(q[:, :, 0], pool_k, pool_v, table, lens, 12 * 16, tickets=tickets)
+    assert [c[1].endswith("_pg") for c in calls] == [False, True]
+    for c in calls:
+        check_launch(*c)
+    contiguous, paged = calls[0][4], calls[1][4]
+    assert contiguous[10] == L and contiguous[12] == 512 and contiguous[-2:] == (0, 0)  # length, LMAX; no pages
+    assert paged[-4] == table.data_ptr() and paged[-3] == lens.data_ptr()
+    assert (paged[-2], paged[-1]) == (12, 16)                # the table's row stride, tokens per page
+    assert (paged[7], paged[8], paged[9]) == (B * g, g, h // g)  # (b, g) pairs, K/V heads, group

@@ -193,16 +193,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
 
     from .cuda import GRID_YZ_MAX, launch, ptr
     g, lmax = k.shape[1], k.shape[2]
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    mma = SPLIT_KERNEL == "mma" or (SPLIT_KERNEL == "auto" and h > g)
-    suf = "f16" if q.dtype == torch.float16 else "bf16"
-    S = decode_splits(B * g, lmax if pos is not None else length, sms, 2 if mma else 4)
-    if mma:  # tensor cores: the group's heads as the rows of an m16 tile, 8 or 16 at a time; with 3
-        # or more chunks, the next tile's loads in flight while one is computed (_p: faster there,
-        # slower at large batch, where fewer blocks fit: measured)
-        name = f"dec_mma_{suf}_d{d}_r{16 if h // g > 8 else 8}{'_p' if S >= 3 else ''}"
-    else:  # CUDA cores: 1, 2, 4 or 8 query heads at a time
-        name = f"dec_split_{suf}_d{d}_g{next(n for n in (1, 2, 4, 8) if n >= min(h // g, 8))}"
+    name, S = _split_kernel(q, B, h, g, d, lmax if pos is not None else length)
     q = q.contiguous()
     op = torch.empty(B, h, S, d, dtype=torch.float32, device=q.device)
     lp = torch.empty(B, h, S, dtype=torch.float32, device=q.device)
@@ -211,7 +202,50 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
            (ptr(q), ptr(k), ptr(v), ptr(op), ptr(lp), ptr(o), ptr(tickets if tickets is not None else ticket_counters(q.device, B * g)), np.int32(B * g),
             np.int32(g), np.int32(h // g), np.int32(1 if pos is not None else length),
             np.uint64(0) if pos is None else ptr(pos), np.int32(lmax), np.int32(S),
-            np.float32(math.log2(math.e) / math.sqrt(d))))
+            np.float32(math.log2(math.e) / math.sqrt(d)), np.uint64(0), np.uint64(0), np.int32(0), np.int32(0)))
+    return o
+
+
+def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int, paged: bool = False) -> tuple[str, int]:
+    """(kernel name, chunks S) of kernels/decode_attention.cu for B sequences of h query heads over g
+    K/V heads, the cache split by `length` (the longest it can be)."""
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    mma = SPLIT_KERNEL == "mma" or (SPLIT_KERNEL == "auto" and h > g)
+    suf = "f16" if q.dtype == torch.float16 else "bf16"
+    S = decode_splits(B * g, length, sms, 2 if mma else 4)
+    pg = "_pg" if paged else ""
+    if mma:  # tensor cores: the group's heads as the rows of an m16 tile, 8 or 16 at a time; with 3
+        # or more chunks, the next tile's loads in flight while one is computed (_p: faster there,
+        # slower at large batch, where fewer blocks fit: measured)
+        return f"dec_mma_{suf}_d{d}_r{16 if h // g > 8 else 8}{'_p' if S >= 3 else ''}{pg}", S
+    # CUDA cores: 1, 2, 4 or 8 query heads at a time
+    return f"dec_split_{suf}_d{d}_g{next(n for n in (1, 2, 4, 8) if n >= min(h // g, 8))}{pg}", S
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                           lens: torch.Tensor, longest: int, tickets: torch.Tensor | None = None) -> torch.Tensor:
+    """One query row per sequence, q [B, h, d] (sequence b's row at position lens[b] - 1), over the
+    first lens[b] positions of its K/V in the pool k_pool, v_pool [pages, g, page, d] (contiguous),
+    read through its row of the block table, table [B, max_pages] (int32 page ids, in order): the
+    split kernel's paged layout (kernels/decode_attention.cu, _pg), on the GPU. lens: int32 [B] on the
+    device (a sequence of length 0 gives a zero row); longest: the most any lens[b] can be, which
+    sets the split (under a CUDA graph: the table's capacity, so that one graph serves every step)."""
+    import numpy as np
+
+    from .cuda import GRID_YZ_MAX, launch, ptr
+    B, h, d = q.shape
+    g, page = k_pool.shape[1], k_pool.shape[2]
+    name, S = _split_kernel(q, B, h, g, d, max(1, longest), paged=True)
+    q = q.contiguous()
+    op = torch.empty(B, h, S, d, dtype=torch.float32, device=q.device)
+    lp = torch.empty(B, h, S, dtype=torch.float32, device=q.device)
+    o = torch.empty_like(q)
+    launch(DEC_SOURCE, name, q.device, (S, min(B * g, GRID_YZ_MAX), 1), (128, 1, 1),
+           (ptr(q), ptr(k_pool), ptr(v_pool), ptr(op), ptr(lp), ptr(o),
+            ptr(tickets if tickets is not None else ticket_counters(q.device, B * g)), np.int32(B * g), np.int32(g),
+            np.int32(h // g), np.int32(0), np.uint64(0), np.int32(0), np.int32(S),
+            np.float32(math.log2(math.e) / math.sqrt(d)), ptr(table), ptr(lens), np.int32(table.shape[1]),
+            np.int32(page)))
     return o
 
 

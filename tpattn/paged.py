@@ -18,9 +18,10 @@ communication is the layer's usual output sum of its rows.
 
 Rows of a step are packed as FlashAttention's varlen API packs them: sequence i's T_i new rows at
 [cu_i, cu_i + T_i), its positions L_i .. L_i + T_i - 1 (L_i: its length before the step), each
-row attending causally to its own sequence's positions only. Attention here is torch math
-(decode.attend per sequence over the K/V gathered through the block table): CPU, and GPU without
-a paged kernel.
+row attending causally to its own sequence's positions only. A decode step (one row per sequence)
+on a GPU runs the split decode kernel's paged layout (kernels/decode_attention.cu, _pg: every
+sequence at once, its own length, K/V read in place through the block table); a prefill, and any
+step on CPU, runs torch math (decode.attend per sequence over the K/V gathered through the table).
 """
 
 from __future__ import annotations
@@ -181,6 +182,19 @@ class PagedStep:
     def total_rows(self) -> int:
         return self.cu[-1]
 
+    def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(block table int32 [n, most pages], lengths int32 [n] after the step, the longest) of the
+        step's n sequences, on the pool's device: what the paged decode kernel reads. Made once."""
+        if getattr(self, "_tables", None) is None:
+            P = self.pool.page_size
+            lens = [L0 + r for L0, r in zip(self.starts, self.rows)]
+            most = max(-(-n // P) for n in lens)
+            rows = [self.pool.tables[s][:-(-n // P)] for s, n in zip(self.slots, lens)]
+            table = torch.tensor([r + [0] * (most - len(r)) for r in rows], dtype=torch.int32)
+            self._tables = (table.to(self.pool.device), torch.tensor(lens, dtype=torch.int32).to(self.pool.device),
+                            max(lens))
+        return self._tables
+
     def view(self, index: int = 0) -> PagedView:
         """Layer `index`'s view (the pool's layers[index])."""
         if not 0 <= index < len(self.pool.layers):
@@ -201,7 +215,7 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
     QKV of the R rows, rotary positions from each row's position, K and V written into the pool's
     pages, each sequence's rows attending causally over its own positions, the output projection
     and the plan's collective of R x D values. Returns y of x's shape."""
-    from .decode import apply_rope, attend, rope_tables
+    from .decode import apply_rope, attend, decode_kernel_fits, paged_decode_attention, rope_tables
     from .ops import mm
     from .outputsum import OutputSum
     from .timing import section
@@ -235,8 +249,15 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
     with section("cache_append"):  # row r's K and V at (its page, its offset) of every K/V head
         kp[step.page_index, :, step.page_offset] = k
         vp[step.page_index, :, step.page_offset] = v
-    o = torch.empty(R, h, d, dtype=layer.dtype, device=x.device)
     P = pool.page_size
+    if max(step.rows) == 1 and decode_kernel_fits(q):  # a decode step: the paged split kernel, every sequence at once
+        table, lens, longest = step.decode_tables()
+        with section("attention"):
+            o = paged_decode_attention(q, kp, vp, table, lens, longest)
+        total = OutputSum(layer, plan, x.device)
+        total.add_rows(0, R, o.view(R, h * d))
+        return total.result().view(B, N, D)
+    o = torch.empty(R, h, d, dtype=layer.dtype, device=x.device)
     with section("attention"):
         for i, (s, T, L0) in enumerate(zip(step.slots, step.rows, step.starts)):
             n = L0 + T

@@ -1,0 +1,113 @@
+"""The decode attention kernel on a paged cache against the contiguous cache, and against the GPU's
+copy rate.
+
+    python scripts/bench_paged.py [--pages 16 64 256] [--rounds 5] [--json PATH]
+
+For each shape (B sequences, G K/V heads, H = 32 query heads, d = 128, fp16): the split kernel
+over a contiguous cache of length L (kernels/decode_attention.cu), the paged kernel (_pg) over
+the same lengths in pages of P tokens handed out in a shuffled order, and the paged kernel over
+ragged lengths of the same mean L spread x4 (0.4 L to 1.6 L). GB/s: the K and V bytes a step reads
+over its time; copy rate: a device-to-device copy of 1 GiB (bytes read + written over its time).
+CUDA events over 50 back-to-back launches, the median of --rounds rounds, contenders alternating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from tpattn.decode import decode_attention, paged_decode_attention  # noqa: E402
+
+SHAPES = [(1, 8, 32768), (16, 8, 4096), (64, 8, 4096), (1, 32, 4096), (16, 32, 4096)]
+
+
+def timed(fn, reps=50) -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps * 1e3  # us
+
+
+def copy_rate() -> float:
+    x = torch.empty(1 << 29, dtype=torch.float16, device="cuda")
+    y = torch.empty_like(x)
+    us = min(timed(lambda: y.copy_(x), 20) for _ in range(3))
+    return 2 * x.numel() * 2 / (us * 1e-6) / 1e9
+
+
+def paged(lens, g, d, page, gen):
+    pages = [-(-n // page) for n in lens]
+    total = sum(pages)
+    pk, pv = (torch.randn(total, g, page, d, device="cuda", generator=gen).half() for _ in range(2))
+    order = torch.randperm(total, device="cuda", generator=gen).to(torch.int32)
+    table = torch.zeros(len(lens), max(pages), dtype=torch.int32, device="cuda")
+    at = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = order[at:at + n]
+        at += n
+    return pk, pv, table, torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python scripts/bench_paged.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--pages", type=int, nargs="+", default=[16, 64, 256], metavar="P")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--json", metavar="PATH")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_paged: error: needs a CUDA GPU; run it on a GPU machine", file=sys.stderr)
+        return 2
+    H, d = a.heads, a.head_dim
+    rate = copy_rate()
+    print(f"{torch.cuda.get_device_name()}: H={H} d={d} fp16; copy rate {rate:.0f} GB/s; us per step (median of "
+          f"{a.rounds} rounds), GB/s of K and V read, % of the copy rate")
+    rows = []
+    for B, G, L in SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(B + G + L)
+        q = torch.randn(B, H, 1, d, device="cuda", generator=gen).half()
+        k, v = (torch.randn(B, G, L, d, device="cuda", generator=gen).half() for _ in range(2))
+        ragged = torch.linspace(0.4 * L, 1.6 * L, B).round().int().tolist() if B > 1 else [L]
+        cont = {"contiguous": (lambda: decode_attention(q, k, v, L), B * L)}
+        for P in a.pages:
+            pk, pv, table, lens = paged([L] * B, G, d, P, gen)
+            cont[f"paged {P}"] = ((lambda pk=pk, pv=pv, t=table, n=lens: paged_decode_attention(q[:, :, 0], pk, pv, t, n, L)),
+                                  B * L)
+            if B > 1:
+                rk, rv, rt, rn = paged(ragged, G, d, P, gen)
+                cont[f"paged {P} ragged"] = ((lambda pk=rk, pv=rv, t=rt, n=rn: paged_decode_attention(q[:, :, 0], pk, pv, t, n,
+                                                                                               max(ragged))), sum(ragged))
+        times = {k: [] for k in cont}
+        for _ in range(a.rounds):
+            for name, (fn, _) in cont.items():
+                times[name].append(timed(fn))
+        base = statistics.median(times["contiguous"])
+        print(f"B={B} G={G} L={L}" + (f" (ragged: {min(ragged)}-{max(ragged)}, mean {sum(ragged) / B:.0f})" if B > 1 else ""))
+        for name, (fn, tokens) in cont.items():
+            us = statistics.median(times[name])
+            gbs = 2 * tokens * G * d * 2 / (us * 1e-6) / 1e9
+            row = {"B": B, "G": G, "L": L, "layout": name, "us": us, "GBps": gbs, "of_copy": gbs / rate,
+                   "vs_contiguous_per_token": (us / tokens) / (base / (B * L))}
+            rows.append(row)
+            print(f"  {name:<18} {us:8.1f} us  {gbs:6.0f} GB/s  {100 * gbs / rate:5.1f} %  per token x"
+                  f"{row['vs_contiguous_per_token']:.3f} of contiguous")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "copy_GBps": rate, "rows": rows,
+                                            "argv": sys.argv}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""The paged decode kernel (kernels/decode_attention.cu, _pg) on the GPU: ragged lengths read
+through a shuffled block table against float64 per sequence, both splits, pages of 1 to 64 tokens,
+GQA; the paged cache's decode steps through the kernel against the same steps in torch math; a
+zero-length row is zero; and graph replays with new lengths and tables on the device."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tpattn.decode import paged_decode_attention
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(params=["mma", "cores"])
+def split_kernel(request, monkeypatch):
+    import tpattn.decode as dec
+    monkeypatch.setattr(dec, "SPLIT_KERNEL", request.param)
+    return request.param
+
+
+def paged_inputs(lens, h, g, d, page, dtype, seed=0, spare=3):
+    """q [B, h, d], a pool with its pages handed out in a shuffled order, the block table, lens."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    pages = [-(-n // page) for n in lens]
+    total = sum(pages) + spare
+    pool_k, pool_v = (torch.randn(total, g, page, d, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    order = torch.randperm(total, device="cuda", generator=gen).tolist()
+    most = max(max(pages), 1)
+    table = torch.zeros(len(lens), most + 2, dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = torch.tensor(order[at:at + n], dtype=torch.int32)
+        at += n
+    q = torch.randn(len(lens), h, d, device="cuda", generator=gen).to(dtype)
+    return q, pool_k, pool_v, table.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+
+def float64_rows(q, pool_k, pool_v, table, lens):
+    out = []
+    g = pool_k.shape[1]
+    for b, n in enumerate(lens.tolist()):
+        if n == 0:
+            out.append(torch.zeros(q.shape[1], q.shape[2], dtype=torch.float64, device=q.device))
+            continue
+        pg = table[b, :-(-n // pool_k.shape[2])].long()
+        k, v = (t[pg].transpose(0, 1).reshape(g, -1, q.shape[2])[:, :n].double() for t in (pool_k, pool_v))
+        r = q.shape[1] // g
+        k, v = k.repeat_interleave(r, 0), v.repeat_interleave(r, 0)
+        p = torch.softmax(q[b].double().unsqueeze(1) @ k.transpose(-1, -2) / math.sqrt(q.shape[2]), -1)
+        out.append((p @ v)[:, 0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("h,g", [(32, 32), (32, 8), (16, 1)])
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_paged_kernel_against_float64(h, g, d, dtype, page, split_kernel):
+    lens = [1, 17, page, 1000, 4097, 64 * 3 + 1]
+    q, pk, pv, table, L = paged_inputs(lens, h, g, d, page, dtype, seed=page + h + d)
+    got = paged_decode_attention(q, pk, pv, table, L, max(lens))
+    want = float64_rows(q, pk, pv, table, L)
+    err = (got.double() - want).abs().max().item()
+    tol = (4e-3 if dtype == torch.float16 else 3e-2) * max(1.0, want.abs().max().item())
+    assert torch.isfinite(got).all() and err <= tol, (err, tol)
+
+
+def test_zero_length_rows_are_zero_and_the_split_follows_longest(split_kernel):
+    q, pk, pv, table, L = paged_inputs([0, 300, 0, 5], 8, 2, 128, 16, torch.float16)
+    got = paged_decode_attention(q, pk, pv, table, L, 16 * table.shape[1])  # split for the table's capacity
+    assert (got[0] == 0).all() and (got[2] == 0).all()
+    want = float64_rows(q, pk, pv, table, L)
+    assert (got.double() - want).abs().max().item() <= 4e-3
+
+
+def test_graph_replays_with_new_lengths_and_tables():
+    """One CUDA graph of a paged step serves steps whose lengths and block tables change on the device."""
+    lens = [40, 900, 7]
+    q, pk, pv, table, L = paged_inputs(lens, 32, 8, 128, 16, torch.float16, spare=80)
+    cap = 16 * table.shape[1]
+    paged_decode_attention(q, pk, pv, table, L, cap)  # compile, warm
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_decode_attention(q, pk, pv, table, L, cap)
+    for new in ([41, 901, 8], [200, 3, 33]):
+        L.copy_(torch.tensor(new, dtype=torch.int32))
+        table.copy_(torch.roll(table, 1, dims=1))  # other pages (every page id is within the pool)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = float64_rows(q, pk, pv, table, L)
+        assert (out.double() - want).abs().max().item() <= 4e-3, new
+
+
+@pytest.mark.parametrize("g", [8, 2])
+def test_paged_cache_decode_steps_through_the_kernel_match_torch_math(g, monkeypatch):
+    """PagedKV on the GPU: prompts of different lengths, then decode steps with sequences joining and
+    leaving; the decode steps through the paged kernel against the same steps in torch math."""
+    import tpattn.paged as paged
+    from tpattn import TensorParallelAttention
+    from tpattn.decode import decode_kernel_fits
+    torch.manual_seed(0)
+    H, d = 8, 128
+    D = H * d
+    w = {k: (torch.randn(*s) * 0.02).half().cuda() for k, s in
+         (("wq", (D, D)), ("wk", (D, g * d)), ("wv", (D, g * d)), ("wo", (D, D)))}
+    layer = TensorParallelAttention(**w, heads=H, kv_heads=g, head_dim=d, causal=True, backend="fused",
+                                    rope_theta=10000.0)
+    outs = {}
+    for kernel in (True, False):
+        import tpattn.decode as dec
+        monkeypatch.setattr(dec, "decode_kernel_fits", decode_kernel_fits if kernel else (lambda q: False))
+        pool = paged.PagedKV(layer, pages=256, page_size=16, max_seqs=8)
+        gen = torch.Generator().manual_seed(1)
+        ids = [pool.add() for _ in range(3)]
+        got = []
+        for sid, n in zip(ids, (37, 5, 130)):
+            with pool.step([sid], [n]) as st:
+                layer(torch.randn(1, n, D, generator=gen).half().cuda(), cache=st.view(0))
+        for t in range(6):
+            if t == 2:
+                pool.remove(ids.pop(1))
+            if t == 3:
+                sid = pool.add()
+                with pool.step([sid], [20]) as st:
+                    layer(torch.randn(1, 20, D, generator=gen).half().cuda(), cache=st.view(0))
+                ids.append(sid)
+            with pool.step(ids, [1] * len(ids)) as st:
+                got.append(layer(torch.randn(len(ids), 1, D, generator=gen).half().cuda(), cache=st.view(0)))
+        outs[kernel] = got
+    for a, b in zip(outs[True], outs[False]):
+        assert (a.float() - b.float()).abs().max().item() <= 2e-3
