@@ -23,7 +23,9 @@ def test_ring_on_the_gpu_matches_the_single_process_layer(n):
 
 
 def _tpattn(n, *args, timeout=600):
-    return run(mpirun_cmd(n) + [sys.executable, "-m", "tpattn", *args], timeout=timeout, CUDA_VISIBLE_DEVICES="0")
+    """python -m tpattn under mpirun, the n ranks sharing GPU 0 over gloo."""
+    return run(mpirun_cmd(n) + [sys.executable, "-m", "tpattn", "--dist-backend", "gloo", *args], timeout=timeout,
+               CUDA_VISIBLE_DEVICES="0")
 
 
 def test_cli_ring_training_step_on_the_gpu_passes():
@@ -63,3 +65,35 @@ def test_ranks_sharing_the_gpu_are_refused_past_their_share():
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if "needs about" in ln]
     assert len(lines) == 2 and all("its share of a GPU that 2 ranks share" in ln and "--context-parallel" in ln
                                    for ln in lines), r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+def test_merge_kernel_is_the_torch_merge(dtype, d):
+    """kernels/ring_merge.cu against the elementwise torch merge, on row slices of a larger output,
+    rows with no keys yet (-inf) on either side included."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from tpattn.attention import ring
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    B, H, n, q0, q1 = 2, 3, 300, 40, 290
+    o = torch.randn(B, H, n, d, device="cuda", generator=gen)
+    lse = torch.randn(B, H, n, device="cuda", generator=gen) * 3
+    lse[:, :, 50:60] = float("-inf")
+    o[:, :, 50:60] = 0.0
+    o_b = torch.randn(B, H, q1 - q0, d, device="cuda", generator=gen).to(dtype)
+    lse_b = torch.randn(B, H, q1 - q0, device="cuda", generator=gen) * 3
+    lse_b[:, :, 5:12] = float("-inf")  # rows 45-51: none on the piece's side; 50, 51: none on either
+    o_b[:, :, 5:12] = 0
+    ref_o, ref_l = o.clone(), lse.clone()
+    torch_o, torch_l = ref_o[:, :, q0:q1], ref_l[:, :, q0:q1]
+    assert ring._merge_kernel_takes(o[:, :, q0:q1], lse[:, :, q0:q1], o_b, lse_b)
+    ring.merge(o[:, :, q0:q1], lse[:, :, q0:q1], o_b, lse_b)
+    monkey = ring._merge_kernel_takes
+    try:
+        ring._merge_kernel_takes = lambda *a: False
+        ring.merge(torch_o, torch_l, o_b, lse_b)
+    finally:
+        ring._merge_kernel_takes = monkey
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_l))
+    assert torch.allclose(o, ref_o, atol=1e-5, rtol=1e-5) and torch.allclose(lse, ref_l, atol=1e-5, rtol=1e-5)

@@ -76,9 +76,35 @@ def piece_forward(backend, q, k, v, diagonal: bool):
     return o.view(B, h, nq, d), lse.view(B, h, nq)
 
 
+MERGE_SOURCE = "ring_merge.cu"
+
+
+def _merge_kernel_takes(o, lse, o_b, lse_b) -> bool:
+    """Whether kernels/ring_merge.cu merges these: on a GPU, o and lse fp32 row slices (rows
+    contiguous), o_b fp16 or bf16 and lse_b fp32 contiguous, head dim 64 or 128."""
+    return (o.is_cuda and o.dtype == torch.float32 and lse.dtype == torch.float32 and lse_b.dtype == torch.float32
+            and o_b.dtype in (torch.float16, torch.bfloat16) and o.shape[-1] in (64, 128)
+            and o.stride(-1) == 1 and o.stride(-2) == o.shape[-1] and lse.stride(-1) == 1
+            and o_b.is_contiguous() and lse_b.is_contiguous() and o_b.shape == o.shape)
+
+
 def merge(o, lse, o_b, lse_b):
     """The partial output of two disjoint sets of keys, from each one's (o, lse), in place in o, lse
-    (o and lse accumulate in fp32; o_b may be rounded to the inputs' dtype)."""
+    (o and lse accumulate in fp32; o_b may be rounded to the inputs' dtype). On a GPU with the fused
+    kernels' output, one pass of kernels/ring_merge.cu; else torch's elementwise ops."""
+    if _merge_kernel_takes(o, lse, o_b, lse_b):
+        import numpy as np
+
+        from ..cuda import launch, ptr
+        B, H, n, d = o.shape
+        rows = B * H * n
+        per_block = 8 * (32 // (d // 4))  # 8 warps, a row per d / 4 lanes
+        blocks = max(1, min(-(-rows // per_block), 65535))
+        launch(MERGE_SOURCE, f"ring_merge_{'f16' if o_b.dtype == torch.float16 else 'bf16'}_d{d}", o.device,
+               (blocks, 1, 1), (256, 1, 1),
+               (ptr(o), ptr(lse), ptr(o_b), ptr(lse_b), np.int64(rows), np.int32(H), np.int32(n),
+                np.int64(o.stride(0)), np.int64(o.stride(1)), np.int64(lse.stride(0)), np.int64(lse.stride(1))))
+        return
     new = torch.logaddexp(lse, lse_b)
     safe = new.masked_fill(torch.isinf(new), 0.0)
     # in place, o_b read as it is (no fp32 copy of it): two passes over o
