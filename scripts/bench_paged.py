@@ -59,6 +59,59 @@ def paged(lens, g, d, page, gen):
     return pk, pv, table, torch.tensor(lens, dtype=torch.int32, device="cuda")
 
 
+LAYER_SHAPES = [(1, 8, 32768), (16, 8, 4096), (64, 8, 4096)]
+
+
+def layer_steps(H: int, d: int, rounds: int, steps: int = 40) -> list[dict]:
+    """The layer's whole decode step (QKV GEMM, rotary positions, the cache write, attention, the
+    output GEMM), CUDA-graphed, on the contiguous cache (layer.graphed(x_row, cache)) and on the
+    paged cache (tpattn.paged.DecodeGraphs), uniform and ragged lengths: wall-clock us per step over
+    `steps` steps (host work of each step included: the pool's bookkeeping, the tables' copies)."""
+    import time
+
+    from tpattn import TensorParallelAttention
+    from tpattn.paged import DecodeGraphs, PagedKV
+    out = []
+    for B, G, L in LAYER_SHAPES:
+        D = H * d
+        gen = torch.Generator(device="cuda").manual_seed(B)
+        w = {k: (torch.randn(*s, device="cuda", generator=gen) * 0.02).half() for k, s in
+             (("wq", (D, D)), ("wk", (D, G * d)), ("wv", (D, G * d)), ("wo", (D, D)))}
+        layer = TensorParallelAttention(**w, heads=H, kv_heads=G, head_dim=d, causal=True, backend="fused",
+                                        rope_theta=10000.0)
+        x = torch.randn(B, 1, D, device="cuda", generator=gen).half()
+        cache = layer.new_cache(B, L + (rounds + 1) * steps + 8)
+        cache.length = L
+        cache.pos.fill_(L)
+        contiguous = layer.graphed(x, cache)
+        runs = {"contiguous": contiguous}
+        ragged = torch.linspace(0.4 * L, 1.6 * L, B).round().int().tolist() if B > 1 else [L]
+        for name, lens in (("paged", [L] * B), ("paged ragged", ragged)):
+            if name == "paged ragged" and B == 1:
+                continue
+            pool = PagedKV(layer, pages=sum(-(-(n + (rounds + 1) * steps + 8) // 16) for n in lens) + 8, page_size=16,
+                           max_seqs=B)
+            ids = [pool.add() for _ in lens]
+            with pool.step(ids, lens):  # the prompts' pages taken (their K/V left zero: the bytes read are the same)
+                pass
+            graphs = DecodeGraphs(pool, lambda xs, st: layer(xs, cache=st.view(0)), x,
+                                  max_len=max(lens) + (rounds + 1) * steps + 8, buckets=(B,))
+            runs[name] = (lambda g=graphs, ids=ids: g.step(ids, x))
+        times = {k: [] for k in runs}
+        for _ in range(rounds + 1):
+            for name, fn in runs.items():
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    fn()
+                torch.cuda.synchronize()
+                times[name].append((time.perf_counter() - t0) / steps * 1e6)
+        for name, ts in times.items():
+            us = statistics.median(ts[1:])  # the first round warms up (captures)
+            out.append({"B": B, "G": G, "L": L, "step": name, "us": us})
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python scripts/bench_paged.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--pages", type=int, nargs="+", default=[16, 64, 256], metavar="P")
@@ -66,6 +119,8 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--layer", action="store_true", help="also the layer's whole graphed decode step, contiguous "
+                   "against paged (uniform and ragged lengths)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_paged: error: needs a CUDA GPU; run it on a GPU machine", file=sys.stderr)
@@ -103,9 +158,19 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"  {name:<18} {us:8.1f} us  {gbs:6.0f} GB/s  {100 * gbs / rate:5.1f} %  per token x"
                   f"{row['vs_contiguous_per_token']:.3f} of contiguous")
+    steps = []
+    if a.layer:
+        steps = layer_steps(H, d, a.rounds)
+        print("the layer's decode step, CUDA-graphed, wall-clock us per step (median of rounds; host work included):")
+        for shape in LAYER_SHAPES:
+            mine = [r for r in steps if (r["B"], r["G"], r["L"]) == shape]
+            base = next(r["us"] for r in mine if r["step"] == "contiguous")
+            print(f"  B={shape[0]} G={shape[1]} L={shape[2]}: " + ", ".join(
+                f"{r['step']} {r['us']:.1f}" + ("" if r["step"] == "contiguous" else f" (x{r['us'] / base:.3f})")
+                for r in mine))
     if a.json:
         Path(a.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "copy_GBps": rate, "rows": rows,
-                                            "argv": sys.argv}, indent=1))
+                                            "layer_steps": steps, "argv": sys.argv}, indent=1))
     return 0
 
 

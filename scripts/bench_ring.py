@@ -8,7 +8,9 @@ each step's pieces through the fused kernel and merged into the fp32 output, exa
 context-parallel layer computes (tpattn/comm.py's _RingAttention), and the backward's pieces; the
 whole attention over all N rows through the same kernels (forward_for_backward and backward). The
 ring keeps its promise when every rank's compute is within 1.1x of the whole's / C. CUDA events,
-the median of --rounds rounds, the contenders alternating in each round.
+the median of --rounds rounds, the contenders alternating in each round; each contender's
+launches captured in a CUDA graph and replayed (the GPU's compute, without the host's gaps
+between launches; --eager times the launches as made).
 """
 
 from __future__ import annotations
@@ -83,6 +85,21 @@ def timed(fn, reps: int = 3) -> float:
     return start.elapsed_time(end) / reps
 
 
+def graphed(fn):
+    """fn captured in a CUDA graph (after a warm-up on a side stream): its replay, the GPU's time
+    without the host's launches in between."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python scripts/bench_ring.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--seq-len", type=int, default=16384)
@@ -94,6 +111,8 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=[2, 4, 8], metavar="C")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--eager", action="store_true", help="time the launches as they are made (host gaps included) "
+                   "instead of CUDA graphs' replays (the GPU's compute alone, the default)")
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -123,13 +142,15 @@ def main(argv=None) -> int:
             contenders[f"C={C} rank {c} forward"] = fwd
             contenders[f"C={C} rank {c} backward"] = rank_backward(backend, C, c, a.causal, state,
                                                                    do[:, :, rows].contiguous())
+    if not a.eager:
+        contenders = {k: graphed(fn) for k, fn in contenders.items()}
     times: dict[str, list[float]] = {k: [] for k in contenders}
     for _ in range(a.rounds):
         for name, fn in contenders.items():
             times[name].append(timed(fn))
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"{torch.cuda.get_device_name()}: B={B} H={H} G={G} N={N} d={d} {a.dtype}{' causal' if a.causal else ''}; "
-          f"ms, median of {a.rounds} rounds")
+          f"ms, median of {a.rounds} rounds, {'eager' if a.eager else 'CUDA graph replays'}")
     print(f"whole attention: forward {med['whole forward']:.3f}, backward {med['whole backward']:.3f}")
     rows_out = []
     for C in a.contexts:
@@ -141,7 +162,8 @@ def main(argv=None) -> int:
             print(f"C={C} {way:<8}: whole/C {share:.3f}; ranks {' '.join(f'{t:.3f}' for t in per)}; slowest / "
                   f"(whole/C) = {worst:.3f} {'(within 1.1x)' if worst <= 1.1 else '(ABOVE 1.1x)'}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"argv": sys.argv, "gpu": torch.cuda.get_device_name(), "median_ms": med,
+        Path(a.json).write_text(json.dumps({"argv": sys.argv, "gpu": torch.cuda.get_device_name(), "eager": a.eager,
+                                            "median_ms": med,
                                             "rows": rows_out}, indent=1))
     return 0
 

@@ -137,3 +137,68 @@ def test_paged_serving_on_two_and_four_ranks():
         r = run(mpirun_cmd(n) + [sys.executable, str(ROOT / "tests" / "mpi_paged_check.py")], timeout=240)
         assert r.returncode == 0, r.stdout + r.stderr
         assert r.stdout.count("PAGED PASS") == n, r.stdout + r.stderr
+
+
+def test_decode_graphs_buckets_pad_and_follow_the_live_set():
+    """DecodeGraphs' fixed-tensor steps (run eagerly here: capture=False; tests/test_gpu_paged.py
+    replays them as CUDA graphs): the live sequences padded to their bucket, padding rows reading
+    nothing and writing only the scratch page, a sequence leaving and one joining between steps;
+    every row against each sequence's whole forward."""
+    from tpattn.paged import DecodeGraphs
+    layer = _layer(2, True)
+    lens, T = [5, 9, 3], 7
+    xs = [torch.randn(1, n + T, 32, dtype=torch.float64) for n in lens + [4]]
+    pool = PagedKV(layer, pages=40, page_size=4, max_seqs=4)
+    seqs = {pool.add(): i for i in range(3)}
+    graphs = DecodeGraphs(pool, lambda x, st: layer(x, cache=st.view(0)), torch.zeros(4, 1, 32, dtype=torch.float64),
+                          max_len=32, buckets=(2, 4), capture=False)
+    outs = {i: [] for i in range(4)}
+    with torch.no_grad():
+        with pool.step(list(seqs), lens) as step:
+            y = layer(torch.cat([xs[i][:, :lens[i]] for i in seqs.values()], 1), cache=step.view())
+        for j, i in enumerate(seqs.values()):
+            outs[i].append(y[:, step.cu[j]:step.cu[j + 1]])
+        done = {i: lens[i] for i in range(3)}
+        for t in range(T):
+            if t == 2:  # the second sequence leaves: 2 live, bucket 2
+                sid = next(s for s, i in seqs.items() if i == 1)
+                pool.remove(sid)
+                del seqs[sid]
+            if t == 4:  # a fourth joins with its prompt: 3 live, bucket 4 again
+                sid = pool.add()
+                seqs[sid] = 3
+                with pool.step([sid], [4]) as step:
+                    outs[3].append(layer(xs[3][:, :4], cache=step.view()))
+                done[3] = 4
+            ids = list(seqs)
+            rows = torch.cat([xs[seqs[s]][:, done[seqs[s]]:done[seqs[s]] + 1] for s in ids], 0)
+            y = graphs.step(ids, rows)
+            assert y.shape == (len(ids), 1, 32)
+            for s, row in zip(ids, y):
+                outs[seqs[s]].append(row[None])
+                done[seqs[s]] += 1
+        for i in (0, 2, 3):
+            n = done[i]
+            assert (torch.cat(outs[i], 1) - layer(xs[i][:, :n])).abs().max().item() < 1e-12, i
+        assert [b for b in graphs._made] == [4, 2]
+        assert (pool.k[0][:pool.pages].abs().sum() > 0) and pool.scratch_page == 40
+
+
+def test_decode_graphs_refusals():
+    from tpattn.paged import DecodeGraphs
+    layer = _layer()
+    pool = PagedKV(layer, pages=8, page_size=4, max_seqs=2)
+    x = torch.zeros(2, 1, 32, dtype=torch.float64)
+    with pytest.raises(ConfigError, match="the pool must be on a GPU"):
+        DecodeGraphs(pool, lambda x, st: x, x, max_len=8)
+    with pytest.raises(ConfigError, match="buckets must be 1..max_seqs=2"):
+        DecodeGraphs(pool, lambda x, st: x, x, max_len=8, buckets=(1, 4), capture=False)
+    g = DecodeGraphs(pool, lambda x, st: layer(x, cache=st.view(0)), x, max_len=8, buckets=(1,), capture=False)
+    a, b = pool.add(), pool.add()
+    with pytest.raises(ConfigError, match="the largest bucket is 1"):
+        g.step([a, b], x)
+    with torch.no_grad():
+        with pool.step([a], [8]) as st:
+            layer(torch.zeros(1, 8, 32, dtype=torch.float64), cache=st.view())
+    with pytest.raises(ConfigError, match="past max_len=8"):
+        g.step([a], x[:1])

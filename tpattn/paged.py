@@ -26,6 +26,7 @@ step on CPU, runs torch math (decode.attend per sequence over the K/V gathered t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -53,8 +54,11 @@ class PagedKV:
                                   f"(layer {i} differs from layer 0); make one pool per kind of layer")
         self.layers, self.pages, self.page_size, self.max_seqs = layers, pages, page_size, max_seqs
         g, d, dev, dt = first.local_kv_heads, first.head_dim, first.wqkv.device, first.dtype
-        self.k = [torch.zeros(pages, g, page_size, d, dtype=dt, device=dev) for _ in layers]
-        self.v = [torch.zeros(pages, g, page_size, d, dtype=dt, device=dev) for _ in layers]
+        # one page more than asked for: page `pages`, never handed out, where a graphed step's padding
+        # rows write their K and V (DecodeGraphs)
+        self.k = [torch.zeros(pages + 1, g, page_size, d, dtype=dt, device=dev) for _ in layers]
+        self.v = [torch.zeros(pages + 1, g, page_size, d, dtype=dt, device=dev) for _ in layers]
+        self.scratch_page = pages
         self.device = dev
         self.free_pages = list(range(pages - 1, -1, -1))  # a stack: the lowest page is taken first
         self.slots: dict[int, int] = {}        # sequence id -> slot
@@ -250,10 +254,13 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
         kp[step.page_index, :, step.page_offset] = k
         vp[step.page_index, :, step.page_offset] = v
     P = pool.page_size
-    if max(step.rows) == 1 and decode_kernel_fits(q):  # a decode step: the paged split kernel, every sequence at once
+    if max(step.rows) == 1:  # a decode step: every sequence at once through its block table and length
         table, lens, longest = step.decode_tables()
         with section("attention"):
-            o = paged_decode_attention(q, kp, vp, table, lens, longest)
+            if decode_kernel_fits(q):  # the paged split kernel
+                o = paged_decode_attention(q, kp, vp, table, lens, longest)
+            else:
+                o = paged_decode_torch(q, kp, vp, table, lens)
         total = OutputSum(layer, plan, x.device)
         total.add_rows(0, R, o.view(R, h * d))
         return total.result().view(B, N, D)
@@ -270,3 +277,142 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
     total = OutputSum(layer, plan, x.device)
     total.add_rows(0, R, o.view(R, h * d))
     return total.result().view(B, N, D)
+
+
+def paged_decode_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                       lens: torch.Tensor) -> torch.Tensor:
+    """What the paged decode kernel computes, in torch math (fp32, fp64 for fp64): q [n, h, d] (row
+    b at position lens[b] - 1) over the first lens[b] positions read through table [n, pages]; a
+    row of length 0 is zero. Reads only what the tables say, as the kernel does."""
+    n, h, d = q.shape
+    g, P = k_pool.shape[1], k_pool.shape[2]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    idx = table.long()
+    k = k_pool[idx].permute(0, 2, 1, 3, 4).reshape(n, g, -1, d).to(acc)  # [n, g, pages * P, d]
+    v = v_pool[idx].permute(0, 2, 1, 3, 4).reshape(n, g, -1, d).to(acc)
+    qf = q.to(acc).view(n, g, h // g, d)
+    s = torch.einsum("bgrd,bgkd->bgrk", qf, k) / math.sqrt(d)
+    valid = torch.arange(k.shape[2], device=q.device)[None, :] < lens.long()[:, None]  # [n, keys]
+    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row of no keys: zeros, not NaN
+    return torch.einsum("bgrk,bgkd->bgrd", p, v).reshape(n, h, d).to(q.dtype)
+
+
+# ---- decode steps under CUDA graphs, one per batch-size bucket ------------------------------------
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class _StaticStep:
+    """A decode step of up to `bucket` sequences whose every tensor is fixed (a graph reads it): the
+    rows' positions and where their K and V go, the block table and the lengths. Padding rows (past
+    the live sequences) have length 0 (their attention is zero) and write into the scratch page."""
+
+    def __init__(self, pool: PagedKV, bucket: int, max_pages: int):
+        dev = pool.device
+        self.pool, self.bucket = pool, bucket
+        self.rows, self.cu = [1] * bucket, list(range(bucket + 1))
+        self.positions = torch.zeros(bucket, dtype=torch.int64, device=dev)
+        self.page_index = torch.full((bucket,), pool.scratch_page, dtype=torch.int64, device=dev)
+        self.page_offset = torch.zeros(bucket, dtype=torch.int64, device=dev)
+        self.table = torch.zeros(bucket, max_pages, dtype=torch.int32, device=dev)
+        self.lens = torch.zeros(bucket, dtype=torch.int32, device=dev)
+        self.longest = max_pages * pool.page_size
+
+    @property
+    def total_rows(self) -> int:
+        return self.bucket
+
+    def decode_tables(self):
+        return self.table, self.lens, self.longest
+
+    def view(self, index: int = 0) -> PagedView:
+        return PagedView(self, index)
+
+    def fill(self, step: "PagedStep") -> None:
+        """This step's rows into the fixed tensors (one host-to-device copy each), the rest padding."""
+        P, B = self.pool.page_size, self.bucket
+        pos = torch.zeros(B, dtype=torch.int64)
+        pidx = torch.full((B,), self.pool.scratch_page, dtype=torch.int64)
+        poff = torch.zeros(B, dtype=torch.int64)
+        table = torch.zeros(B, self.table.shape[1], dtype=torch.int32)
+        lens = torch.zeros(B, dtype=torch.int32)
+        for i, (s, L0) in enumerate(zip(step.slots, step.starts)):
+            pages = self.pool.tables[s][:L0 // P + 1]
+            pos[i], pidx[i], poff[i], lens[i] = L0, pages[-1], L0 % P, L0 + 1
+            table[i, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        for dst, src in ((self.positions, pos), (self.page_index, pidx), (self.page_offset, poff), (self.table, table),
+                         (self.lens, lens)):
+            dst.copy_(src)
+
+
+class DecodeGraphs:
+    """Decode steps of every live sequence at once, each under a CUDA graph of the smallest bucket
+    of sequences that holds them (captured on first use, then replayed): a change of the live set
+    replays another bucket's graph instead of capturing again. fn(x, view) is the step (for example
+    the model's layers), x the fixed input [bucket, ...] (x_like's trailing shape and dtype) and
+    view what the layers take as cache=; it returns a tensor whose first dimension is the bucket's.
+    max_len: the longest any sequence may grow (sets the block tables' width, and the kernel's
+    split). capture=False runs the same fixed-tensor steps eagerly (CPU; a check of the graphs)."""
+
+    def __init__(self, pool: PagedKV, fn, x_like: torch.Tensor, max_len: int, buckets=BUCKETS,
+                 capture: bool = True):
+        if capture and pool.device.type != "cuda":
+            raise ConfigError("DecodeGraphs(capture=True) captures CUDA graphs: the pool must be on a GPU (or pass "
+                              "capture=False to run the same steps eagerly)")
+        buckets = sorted(set(int(b) for b in buckets))
+        if not buckets or buckets[0] < 1 or buckets[-1] > pool.max_seqs:
+            raise ConfigError(f"DecodeGraphs buckets must be 1..max_seqs={pool.max_seqs} sequences (got {buckets})")
+        if capture:
+            from .graphs import refusal
+            for layer in pool.layers:
+                why = refusal(layer, x_like.to(pool.device))
+                if why:
+                    raise ConfigError(why)
+        self.pool, self.fn, self.buckets, self.capture = pool, fn, buckets, capture
+        self.max_pages = -(-int(max_len) // pool.page_size)
+        self.x_like = x_like
+        self._made: dict[int, tuple] = {}  # bucket -> (static step, x, out, graph or None)
+
+    def bucket_for(self, n: int) -> int:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise ConfigError(f"{n} live sequences: the largest bucket is {self.buckets[-1]}; pass larger buckets= "
+                          f"(at most max_seqs={self.pool.max_seqs})")
+
+    def step(self, seq_ids, x: torch.Tensor) -> torch.Tensor:
+        """One decode step of seq_ids (x: one row each, [n, ...]); returns fn's output for them [n, ...]
+        (a copy). The pool's calls are the usual ones (its pages taken, the ranks' agreement), the
+        step's rows copied into the bucket's fixed tensors, then the bucket's graph replayed."""
+        n = len(seq_ids)
+        b = self.bucket_for(n)
+        longest = max(self.pool.length(s) for s in seq_ids) + 1
+        if longest > self.max_pages * self.pool.page_size:
+            raise ConfigError(f"a sequence would reach {longest} positions, past max_len="
+                              f"{self.max_pages * self.pool.page_size} of these graphs; make DecodeGraphs with a "
+                              "larger max_len")
+        with self.pool.step(seq_ids, [1] * n) as step:
+            made = self._made.get(b)
+            if made is None:
+                xs = torch.zeros((b, *self.x_like.shape[1:]), dtype=self.x_like.dtype, device=self.pool.device)
+                made = self._made[b] = {"step": _StaticStep(self.pool, b, self.max_pages), "x": xs, "run": None}
+            st, xs = made["step"], made["x"]
+            st.fill(step)
+            xs[:n].copy_(x)
+            xs[n:].zero_()
+            self.pool._open = st  # what the layers check their view against
+            try:
+                if not self.capture:
+                    out = self.fn(xs, st)
+                else:
+                    if made["run"] is None:  # warm-up (the step itself, on a side stream), then the capture
+                        from .graphs import capture, replayer
+                        graph, res = capture(lambda: self.fn(xs, st), xs, warmups=1)
+                        for layer in self.pool.layers:  # peer buffers a captured peer sum reads stay put
+                            layer.peers.pin()
+                        made["run"] = replayer(self.pool.layers[0].world, graph, res)
+                    out = made["run"]()
+            finally:
+                self.pool._open = step
+            return out[:n].clone()
