@@ -42,7 +42,12 @@ def main() -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where the model runs (cuda: ranks share this node's GPUs, one each where there are enough)")
     ap.add_argument("--check", action="store_true", help="compare with the unmodified model's greedy tokens")
+    ap.add_argument("--graphs", action="store_true", help="decode steps under CUDA graphs, one per batch-size bucket "
+                    "(--device cuda; the first steps of each bucket capture it)")
     args = ap.parse_args()
+    if args.graphs and args.device != "cuda":
+        print("serve_llama.py: --graphs captures CUDA graphs: add --device cuda", file=sys.stderr)
+        return 2
     if args.hidden % args.heads or args.heads % args.kv_heads or args.prompt_lens[0] < 1 \
             or args.prompt_lens[0] > args.prompt_lens[1]:
         print("serve_llama.py: --hidden must divide by --heads, --heads by --kv-heads, and 1 <= MIN <= MAX in "
@@ -69,13 +74,14 @@ def main() -> int:
     prompts = [torch.randint(0, args.vocab, (n,)).tolist() for n in lens]
     tp = hf.parallelize(model)
     t0 = time.perf_counter()
-    tokens = tp.generate(prompts, args.new_tokens, max_batch=args.max_batch, page_size=args.page_size)
+    tokens = tp.generate(prompts, args.new_tokens, max_batch=args.max_batch, page_size=args.page_size,
+                         graphs=args.graphs)
     dt = time.perf_counter() - t0
     n = sum(len(t) for t in tokens)
     if proc.rank == 0:
         print(f"{args.prompts} prompts of {min(lens)}-{max(lens)} tokens, {n} tokens generated in {dt:.2f} s: "
               f"{n / dt:.1f} tokens/s ({proc.world} rank(s), at most {args.max_batch} sequences live, pages of "
-              f"{args.page_size})", flush=True)
+              f"{args.page_size}{'; decode steps CUDA-graphed' if args.graphs else ''})", flush=True)
     ok = True
     if args.check:
         with torch.no_grad():

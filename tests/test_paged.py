@@ -202,3 +202,24 @@ def test_decode_graphs_refusals():
             layer(torch.zeros(1, 8, 32, dtype=torch.float64), cache=st.view())
     with pytest.raises(ConfigError, match="past max_len=8"):
         g.step([a], x[:1])
+
+
+def test_llama_generate_with_decode_graphs_gives_the_same_tokens(monkeypatch):
+    """generate(graphs=True): prefills in steps of their own, decode steps through DecodeGraphs'
+    fixed tensors (run eagerly on CPU; captured on a GPU): the unmodified model's tokens; on CPU
+    the capture itself is refused in one line."""
+    import tpattn.hf as hf
+    import tpattn.paged as paged
+    model = _llama()
+    want = [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):].tolist()
+            for p, n in zip(PROMPTS, BUDGET)]
+    tp = hf.parallelize(model, group=None)
+    with pytest.raises(ConfigError, match="the pool must be on a GPU"):
+        tp.generate(PROMPTS, BUDGET, max_batch=2, graphs=True)
+
+    class Eager(paged.DecodeGraphs):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **{**kw, "capture": False})
+    monkeypatch.setattr(paged, "DecodeGraphs", Eager)
+    assert tp.generate(PROMPTS, BUDGET, max_batch=2, page_size=4, graphs=True) == want
+    assert tp.generate(PROMPTS, BUDGET, max_batch=3, graphs=True) == want

@@ -55,10 +55,12 @@ class ParallelLlama(torch.nn.Module):
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens, max_batch: int = 8, pages: int | None = None,
-                 page_size: int = PAGE_SIZE, eos_token_id: int | None = -1) -> list[list[int]]:
+                 page_size: int = PAGE_SIZE, eos_token_id: int | None = -1, graphs: bool = False) -> list[list[int]]:
         """Greedy tokens after each prompt (up to max_new_tokens, one number or one per prompt,
         ending early at the end token: eos_token_id, by default the model's), in the prompts' order.
-        pages: the pool's size (by default enough for max_batch of the longest sequences)."""
+        pages: the pool's size (by default enough for max_batch of the longest sequences).
+        graphs: newcomers' prefills in steps of their own, and every decode step of the live
+        sequences under a CUDA graph of its batch-size bucket (tpattn.paged.DecodeGraphs; on a GPU)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ConfigError("generate needs at least one prompt, each of at least one token")
         budget = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
@@ -72,6 +74,8 @@ class ParallelLlama(torch.nn.Module):
             pages = min(len(prompts), max_batch) * -(-longest // page_size)
         pool = PagedKV(list(self.attention), pages=pages, page_size=page_size, max_seqs=max_batch)
         device = self.attention[0].wqkv.device
+        if graphs:
+            return self._generate_graphed(pool, prompts, budget, ends, longest, max_batch, device)
         waiting = list(range(len(prompts)))
         out: list[list[int]] = [[] for _ in prompts]
         live: dict[int, int] = {}  # sequence id -> prompt index
@@ -96,4 +100,46 @@ class ParallelLlama(torch.nn.Module):
                 if len(out[live[s]]) >= budget[live[s]] or t in ends:
                     del live[s]
                     pool.remove(s)
+        return out
+
+    def _generate_graphed(self, pool, prompts, budget, ends, longest, max_batch, device, capture=True):
+        """generate(graphs=True): the same continuous batching, prefills apart, decode steps replayed."""
+        from .paged import BUCKETS, DecodeGraphs
+
+        def decode(tokens, st):  # the model's step: next token of each row
+            return self.model.lm_head(self._hidden(tokens, st)[0]).argmax(-1)
+        buckets = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
+        steps = DecodeGraphs(pool, decode, torch.zeros(max_batch, dtype=torch.long, device=device), max_len=longest,
+                             buckets=buckets, capture=capture)
+        waiting = list(range(len(prompts)))
+        out: list[list[int]] = [[] for _ in prompts]
+        live: dict[int, int] = {}
+
+        def took(s: int, t: int) -> None:
+            out[live[s]].append(t)
+            if len(out[live[s]]) >= budget[live[s]] or t in ends:
+                del live[s]
+                pool.remove(s)
+        while waiting or live:
+            new = []
+            while waiting and len(live) + len(new) < max_batch:
+                i = waiting.pop(0)
+                if len(prompts[i]) + budget[i] > pool.pages * pool.page_size:
+                    raise ConfigError(f"prompt {i} ({len(prompts[i])} tokens) and {budget[i]} new tokens need more "
+                                      f"than the pool's {pool.pages} pages of {pool.page_size}; pass a larger pages=")
+                new.append((pool.add(), i))
+            if new:  # the newcomers' prefills, packed together
+                ids = [s for s, _ in new]
+                live.update(new)
+                with pool.step(ids, [len(prompts[i]) for _, i in new]) as step:
+                    h = self._hidden(torch.tensor([t for _, i in new for t in prompts[i]], dtype=torch.long,
+                                                  device=device), step)
+                last = torch.tensor(step.cu[1:], device=device) - 1
+                for s, t in zip(ids, self.model.lm_head(h[0, last]).argmax(-1).tolist()):
+                    took(s, t)
+                continue
+            ids = list(live)
+            nxt = steps.step(ids, torch.tensor([out[live[s]][-1] for s in ids], dtype=torch.long, device=device))
+            for s, t in zip(ids, nxt.tolist()):
+                took(s, t)
         return out
