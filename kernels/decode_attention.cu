@@ -120,7 +120,8 @@ template <int D, bool PAGED>
 __device__ __forceinline__ long long dec_at(int b, int g, int G, int key, long long kv, const int *__restrict__ table,
                                             int tstride, int page) {
     if (!PAGED) return kv + (long long)key * D;
-    const int blk = key / page;
+    // pages of a power of two tokens (every size PagedKV is measured at): a shift, not a division
+    const int blk = (page & (page - 1)) == 0 ? key >> (__ffs(page) - 1) : key / page;
     const long long pg = __ldg(table + (long long)b * tstride + blk);
     return ((pg * G + g) * page + (key - blk * page)) * (long long)D;
 }

@@ -97,6 +97,7 @@ def test_graph_replays_with_new_lengths_and_tables():
 
 
 @pytest.mark.parametrize("g", [8, 2])
+@torch.no_grad()
 def test_paged_cache_decode_steps_through_the_kernel_match_torch_math(g, monkeypatch):
     """PagedKV on the GPU: prompts of different lengths, then decode steps with sequences joining and
     leaving; the decode steps through the paged kernel against the same steps in torch math."""
@@ -136,6 +137,7 @@ def test_paged_cache_decode_steps_through_the_kernel_match_torch_math(g, monkeyp
         assert (a.float() - b.float()).abs().max().item() <= 2e-3
 
 
+@torch.no_grad()
 def test_decode_graphs_replay_the_eager_steps():
     """DecodeGraphs on the GPU: the captured buckets' replays give the same rows as the same fixed-
     tensor steps run eagerly, through a live set that shrinks and grows (buckets 4 and 2)."""

@@ -64,6 +64,7 @@ class PagedKV:
         self.slots: dict[int, int] = {}        # sequence id -> slot
         self.free_slots = list(range(max_seqs - 1, -1, -1))
         self.tables: list[list[int]] = [[] for _ in range(max_seqs)]  # slot -> its pages, in order
+        self.generation = [0] * max_seqs       # slot -> how many sequences it has held (device mirrors' check)
         self.lengths = [0] * max_seqs          # slot -> positions filled
         self._next_id = 0
         self._open = None                      # the step in progress, if any
@@ -86,6 +87,7 @@ class PagedKV:
         slot = self._slot(sid)
         self.free_pages.extend(reversed(self.tables[slot]))
         self.tables[slot], self.lengths[slot] = [], 0
+        self.generation[slot] += 1
         del self.slots[sid]
         self.free_slots.append(slot)
 
@@ -170,17 +172,34 @@ class PagedStep:
         self.cu = [0]
         for r in rows:
             self.cu.append(self.cu[-1] + r)
-        P = pool.page_size
-        pos, page, off = [], [], []
-        for s, r, L0 in zip(slots, rows, starts):
-            for p in range(L0, L0 + r):
-                pos.append(p)
-                page.append(pool.tables[s][p // P])
-                off.append(p % P)
-        dev = pool.device
-        self.positions = torch.tensor(pos, dtype=torch.int64, device=dev)
-        self.page_index = torch.tensor(page, dtype=torch.int64, device=dev)
-        self.page_offset = torch.tensor(off, dtype=torch.int64, device=dev)
+        self._rows_on_device = None
+
+    def _rows(self):
+        """(positions, pages, offsets) of the packed rows on the pool's device: made on first use
+        (an eager step's layers use them; a graphed step has its own, made on the device)."""
+        if self._rows_on_device is None:
+            P = self.pool.page_size
+            pos, page, off = [], [], []
+            for s, r, L0 in zip(self.slots, self.rows, self.starts):
+                for p in range(L0, L0 + r):
+                    pos.append(p)
+                    page.append(self.pool.tables[s][p // P])
+                    off.append(p % P)
+            dev = self.pool.device
+            self._rows_on_device = tuple(torch.tensor(t, dtype=torch.int64, device=dev) for t in (pos, page, off))
+        return self._rows_on_device
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._rows()[0]
+
+    @property
+    def page_index(self) -> torch.Tensor:
+        return self._rows()[1]
+
+    @property
+    def page_offset(self) -> torch.Tensor:
+        return self._rows()[2]
 
     @property
     def total_rows(self) -> int:
@@ -304,20 +323,24 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class _StaticStep:
-    """A decode step of up to `bucket` sequences whose every tensor is fixed (a graph reads it): the
-    rows' positions and where their K and V go, the block table and the lengths. Padding rows (past
-    the live sequences) have length 0 (their attention is zero) and write into the scratch page."""
+    """A decode step of up to `bucket` sequences whose every tensor is fixed (a graph reads it).
+    Filled per step from two small inputs, the rows' slots and their lengths before the step (one
+    host-to-device copy), and the pool's block tables as the device holds them (DecodeGraphs'
+    mirror): prepare() makes, on the device, each row's position, where its K and V go, its block
+    table row and its length after the step. Padding rows (past the live sequences) take the mirror's
+    extra slot: length 0 (their attention is zero), K and V written into the scratch page."""
 
-    def __init__(self, pool: PagedKV, bucket: int, max_pages: int):
+    def __init__(self, pool: PagedKV, bucket: int, table: torch.Tensor):
         dev = pool.device
-        self.pool, self.bucket = pool, bucket
+        self.pool, self.bucket, self.dev_table = pool, bucket, table
         self.rows, self.cu = [1] * bucket, list(range(bucket + 1))
+        self.inputs = torch.zeros(2, bucket, dtype=torch.int64, device=dev)  # slots, lengths before the step
         self.positions = torch.zeros(bucket, dtype=torch.int64, device=dev)
-        self.page_index = torch.full((bucket,), pool.scratch_page, dtype=torch.int64, device=dev)
+        self.page_index = torch.zeros(bucket, dtype=torch.int64, device=dev)
         self.page_offset = torch.zeros(bucket, dtype=torch.int64, device=dev)
-        self.table = torch.zeros(bucket, max_pages, dtype=torch.int32, device=dev)
+        self.table = torch.zeros(bucket, table.shape[1], dtype=torch.int32, device=dev)
         self.lens = torch.zeros(bucket, dtype=torch.int32, device=dev)
-        self.longest = max_pages * pool.page_size
+        self.longest = table.shape[1] * pool.page_size
 
     @property
     def total_rows(self) -> int:
@@ -330,20 +353,22 @@ class _StaticStep:
         return PagedView(self, index)
 
     def fill(self, step: "PagedStep") -> None:
-        """This step's rows into the fixed tensors (one host-to-device copy each), the rest padding."""
-        P, B = self.pool.page_size, self.bucket
-        pos = torch.zeros(B, dtype=torch.int64)
-        pidx = torch.full((B,), self.pool.scratch_page, dtype=torch.int64)
-        poff = torch.zeros(B, dtype=torch.int64)
-        table = torch.zeros(B, self.table.shape[1], dtype=torch.int32)
-        lens = torch.zeros(B, dtype=torch.int32)
-        for i, (s, L0) in enumerate(zip(step.slots, step.starts)):
-            pages = self.pool.tables[s][:L0 // P + 1]
-            pos[i], pidx[i], poff[i], lens[i] = L0, pages[-1], L0 % P, L0 + 1
-            table[i, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        for dst, src in ((self.positions, pos), (self.page_index, pidx), (self.page_offset, poff), (self.table, table),
-                         (self.lens, lens)):
-            dst.copy_(src)
+        """The step's slots and lengths into the fixed inputs (padding: the extra slot, length 0)."""
+        pad = [self.pool.max_seqs] * (self.bucket - len(step.slots))
+        # a new (pageable) host tensor each step: the copy has taken it once copy_ returns, so the
+        # next step cannot overwrite what an earlier copy has yet to read
+        self.inputs.copy_(torch.tensor([step.slots + pad, step.starts + [0] * len(pad)], dtype=torch.int64),
+                          non_blocking=True)
+
+    def prepare(self) -> None:
+        """On the device (inside the graph): positions, K/V destinations, table rows, lengths."""
+        P = self.pool.page_size
+        slots, pos = self.inputs[0], self.inputs[1]
+        self.positions.copy_(pos)
+        self.page_index.copy_(self.dev_table[slots, torch.div(pos, P, rounding_mode="floor")].long())
+        self.page_offset.copy_(torch.remainder(pos, P))
+        self.table.copy_(self.dev_table.index_select(0, slots))
+        self.lens.copy_(((pos + 1) * (slots < self.pool.max_seqs)).to(torch.int32))
 
 
 class DecodeGraphs:
@@ -372,7 +397,25 @@ class DecodeGraphs:
         self.pool, self.fn, self.buckets, self.capture = pool, fn, buckets, capture
         self.max_pages = -(-int(max_len) // pool.page_size)
         self.x_like = x_like
-        self._made: dict[int, tuple] = {}  # bucket -> (static step, x, out, graph or None)
+        self._made: dict[int, dict] = {}  # bucket -> its fixed step, input and replay
+        # the block tables on the device: a row per slot, and one more (padding rows) of scratch pages
+        self.table = torch.full((pool.max_seqs + 1, self.max_pages), pool.scratch_page, dtype=torch.int32,
+                                device=pool.device)
+        self._mirrored = [(0, 0)] * pool.max_seqs  # slot -> (generation, pages already on the device)
+
+    def _sync_tables(self, slots) -> None:
+        """The pages taken since the last step (and a reused slot's) onto the device: one copy."""
+        updates = []
+        for s in slots:
+            gen, have = self._mirrored[s]
+            if gen != self.pool.generation[s]:
+                gen, have = self.pool.generation[s], 0
+            pages = self.pool.tables[s]
+            updates += [(s, j, pages[j]) for j in range(have, len(pages))]
+            self._mirrored[s] = (gen, len(pages))
+        if updates:
+            u = torch.tensor(updates, dtype=torch.int64).to(self.pool.device, non_blocking=True)
+            self.table[u[:, 0], u[:, 1]] = u[:, 2].to(torch.int32)
 
     def bucket_for(self, n: int) -> int:
         for b in self.buckets:
@@ -393,22 +436,27 @@ class DecodeGraphs:
                               f"{self.max_pages * self.pool.page_size} of these graphs; make DecodeGraphs with a "
                               "larger max_len")
         with self.pool.step(seq_ids, [1] * n) as step:
+            self._sync_tables(step.slots)
             made = self._made.get(b)
             if made is None:
                 xs = torch.zeros((b, *self.x_like.shape[1:]), dtype=self.x_like.dtype, device=self.pool.device)
-                made = self._made[b] = {"step": _StaticStep(self.pool, b, self.max_pages), "x": xs, "run": None}
+                made = self._made[b] = {"step": _StaticStep(self.pool, b, self.table), "x": xs, "run": None}
             st, xs = made["step"], made["x"]
             st.fill(step)
             xs[:n].copy_(x)
             xs[n:].zero_()
+
+            def body():
+                st.prepare()
+                return self.fn(xs, st)
             self.pool._open = st  # what the layers check their view against
             try:
                 if not self.capture:
-                    out = self.fn(xs, st)
+                    out = body()
                 else:
                     if made["run"] is None:  # warm-up (the step itself, on a side stream), then the capture
                         from .graphs import capture, replayer
-                        graph, res = capture(lambda: self.fn(xs, st), xs, warmups=1)
+                        graph, res = capture(body, xs, warmups=1)
                         for layer in self.pool.layers:  # peer buffers a captured peer sum reads stay put
                             layer.peers.pin()
                         made["run"] = replayer(self.pool.layers[0].world, graph, res)
