@@ -6,11 +6,12 @@ waited for it.
     python scripts/ring_trace.py ring.json ring.json.rank1
 
 The layer names its passes in the trace (record_function): "ring" around each pass's posting
-(batch_isend_irecv) and around its wait, "attention" around a step's pieces and merges. On a GPU the
-step's compute starts where its "attention" range starts on the GPU's timeline (the profiler's
-gpu_user_annotation), else (CPU) where it starts on the host. A pass counts as posted before its
-compute when the posting range ended before that start. Exit status 1 when a pass was not, 2 for a
-trace that is not one of a context-parallel call.
+(batch_isend_irecv) and around its wait, "attention" around a step's pieces and merges. A pass
+counts as posted before its compute when the posting range ended on the host before the step's
+"attention" range began there, i.e. before any of the step's kernels was launched, so the transfer
+is in flight under them; on a GPU the line also gives when the step's compute began on the GPU's
+timeline (the profiler's gpu_user_annotation). Exit status 1 when a pass was not posted first, 2
+for a trace that is not one of a context-parallel call.
 """
 
 from __future__ import annotations
@@ -36,9 +37,8 @@ def steps(events: list[dict]) -> list[dict]:
                 post = e
             continue
         i = len(out)
-        start = gpu[i]["ts"] if i < len(gpu) else e["ts"]
-        out.append({"post_end": None if post is None else post["ts"] + post.get("dur", 0.0), "start": start,
-                    "on": "GPU" if i < len(gpu) else "host", "wait_us": None})
+        out.append({"post_end": None if post is None else post["ts"] + post.get("dur", 0.0), "start": e["ts"],
+                    "gpu_start": gpu[i]["ts"] if i < len(gpu) else None, "wait_us": None})
         post = None
     return out
 
@@ -62,9 +62,11 @@ def check(path: str) -> tuple[list[str], bool]:
             continue
         lead = st["start"] - st["post_end"]
         ok &= lead >= 0
+        gpu = "" if st["gpu_start"] is None else \
+            f"; the compute started on the GPU {st['gpu_start'] - st['post_end']:.0f} us after the posting"
         wait = "" if st["wait_us"] is None else f"; then waited {st['wait_us']:.0f} us for it on the host"
-        lines.append(f"  step {s}: pass posted {lead:.0f} us before the compute started on the {st['on']} "
-                     f"({'ok' if lead >= 0 else 'AFTER: not overlapped'}){wait}")
+        lines.append(f"  step {s}: pass posted {lead:.0f} us before the step's compute was launched "
+                     f"({'ok' if lead >= 0 else 'AFTER: not overlapped'}){gpu}{wait}")
     return lines, ok
 
 

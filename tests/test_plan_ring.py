@@ -142,3 +142,12 @@ def test_plan_cli_ring_refusals(toy, capsys, argv, says):
     assert cli.main(["--machine", str(toy), *argv]) == 2, argv
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err, (argv, err)
+
+
+def test_crossover_skips_world_sizes_the_machine_cannot_hold():
+    """A one-node machine file: the default world sizes past its GPUs are said, one line each, and
+    the rest predicted."""
+    out = plan_cli(["--machine", "h200x2", "--kernel", "fused", "--causal", "--context-parallel", "2", "--crossover"])
+    assert out.returncode == 0, out.stderr
+    assert any(ln.startswith("W=2: the ring is ") for ln in out.stdout.splitlines())
+    assert any(ln.startswith("W=4: not predicted: machine h200x2 is 1 node") for ln in out.stdout.splitlines())

@@ -104,11 +104,13 @@ def preflight(cfg: Config, world: int, rank: int, free: int, sharing: int = 1) -
         sp_bytes = 2 * scores_bytes(cfg, world, rank)
         sp = f"(S and P alone {sp_bytes / 2**30:.1f} GiB) " if sp_bytes else ""
         share = f" (its share of a GPU that {sharing} ranks share)" if sharing > 1 else ""
-        more = ""
-        if cfg.context_parallel == 1 and world > 1 and cfg.kernel in ("fused", "triton") and not cfg.decode:
-            more = " (or --context-parallel, which divides the sequence)"
-        elif heads_per_rank(cfg, world, rank) > 1:
-            more = " (or use more ranks)"
+        hints = []
+        if heads_per_rank(cfg, world, rank) > 1:
+            hints.append("use more ranks")
+        if (cfg.context_parallel == 1 and world > 1 and cfg.kernel in ("fused", "triton") and not cfg.decode
+                and not cfg.sequence_parallel):
+            hints.append("--context-parallel, which divides the sequence")
+        more = f" (or {', or '.join(hints)})" if hints else ""
         raise ConfigError(f"--seq-len {cfg.seq_len} needs about {need / 2**30:.1f} GiB on rank {rank} {sp}"
                           f"but {free / 2**30:.1f} GiB is free{share}; the largest --seq-len that fits is about {fit}"
                           + more)

@@ -334,6 +334,7 @@ class _StaticStep:
         dev = pool.device
         self.pool, self.bucket, self.dev_table = pool, bucket, table
         self.rows, self.cu = [1] * bucket, list(range(bucket + 1))
+        self.seq_ids = [f"row {i} of the bucket" for i in range(bucket)]  # (what a refusal names)
         self.inputs = torch.zeros(2, bucket, dtype=torch.int64, device=dev)  # slots, lengths before the step
         self.positions = torch.zeros(bucket, dtype=torch.int64, device=dev)
         self.page_index = torch.zeros(bucket, dtype=torch.int64, device=dev)

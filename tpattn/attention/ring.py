@@ -81,8 +81,10 @@ MERGE_SOURCE = "ring_merge.cu"
 
 def _merge_kernel_takes(o, lse, o_b, lse_b) -> bool:
     """Whether kernels/ring_merge.cu merges these: on a GPU, o and lse fp32 row slices (rows
-    contiguous), o_b fp16 or bf16 and lse_b fp32 contiguous, head dim 64 or 128."""
-    return (o.is_cuda and o.dtype == torch.float32 and lse.dtype == torch.float32 and lse_b.dtype == torch.float32
+    contiguous), o_b fp16 or bf16 and lse_b fp32 contiguous, head dim 64 or 128; CuPy to launch it
+    (the Triton backend's pieces may come without it)."""
+    from ..errors import cupy_available
+    return (o.is_cuda and cupy_available() and o.dtype == torch.float32 and lse.dtype == torch.float32 and lse_b.dtype == torch.float32
             and o_b.dtype in (torch.float16, torch.bfloat16) and o.shape[-1] in (64, 128)
             and o.stride(-1) == 1 and o.stride(-2) == o.shape[-1] and lse.stride(-1) == 1
             and o_b.is_contiguous() and lse_b.is_contiguous() and o_b.shape == o.shape)

@@ -442,26 +442,27 @@ def _ranges(rows: list[dict]) -> str:
 
 
 def run_crossover(a, argv: list[str], m: Machine, shape: Shape, worlds: list[int], g: int) -> int:
-    results = []
+    results, skipped = [], []
     for w in worlds:
         if w == 1:
             continue
-        err = _layout_error(shape, w)
-        if err:
-            raise PlanError(f"W={w}: {err}")
         try:
+            err = _layout_error(shape, w)
+            if err:
+                raise ModelError(err)
             results.append(cm.crossover(m, shape, w, g))
-        except ModelError as exc:
-            raise PlanError(f"W={w}: {exc}") from None
+        except ModelError as exc:  # this world size only (the machine's nodes, the layout): said, and the rest run
+            skipped.append(f"W={w}: not predicted: {exc}")
     if not results:
-        raise PlanError("--crossover needs a world size above 1 that --context-parallel divides (--world-sizes)")
-    doc = {**as_json(m, shape, [], g, argv), "crossover": results}
+        raise PlanError("--crossover: no world size could be predicted" + (f" ({skipped[0]})" if skipped else
+                        "; it needs one above 1 that --context-parallel divides (--world-sizes)"))
+    doc = {**as_json(m, shape, [], g, argv), "crossover": results, "not_predicted": skipped}
     if a.json == "-":
         print(json.dumps(doc, indent=1))
         return 0
     if a.json:
         _write(a.json, json.dumps(doc, indent=1), "--json")
-    print(crossover_table(m, shape, results, g, a.markdown))
+    print("\n".join([crossover_table(m, shape, results, g, a.markdown), *skipped]))
     return 0
 
 

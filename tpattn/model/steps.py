@@ -242,7 +242,7 @@ def layer_steps(shape: Shape, world: int) -> tuple[list[Step], dict[str, int]]:
     return steps, colls
 
 
-MERGE_PASSES = 4.5  # fp32 passes over a piece's output in tpattn.attention.ring.merge: o read and written twice, o_b read
+MERGE_PASSES = 2.5  # fp32 passes over a piece's output in kernels/ring_merge.cu: o read and written, o_b (16-bit) read
 
 
 def ring_plan(shape: Shape, world: int) -> list[dict]:
