@@ -80,13 +80,7 @@ class ParallelLlama(torch.nn.Module):
         out: list[list[int]] = [[] for _ in prompts]
         live: dict[int, int] = {}  # sequence id -> prompt index
         while waiting or live:
-            new = []
-            while waiting and len(live) + len(new) < max_batch:  # newcomers: prefill packed together
-                i = waiting.pop(0)
-                if len(prompts[i]) + budget[i] > pages * page_size:
-                    raise ConfigError(f"prompt {i} ({len(prompts[i])} tokens) and {budget[i]} new tokens need more "
-                                      f"than the pool's {pages} pages of {page_size}; pass a larger pages=")
-                new.append((pool.add(), i))
+            new = _admit(pool, waiting, len(live), max_batch, prompts, budget)  # newcomers: prefill packed together
             ids = list(live) + [s for s, _ in new]
             live.update(new)
             rows = [1] * (len(ids) - len(new)) + [len(prompts[i]) for _, i in new]
@@ -102,7 +96,7 @@ class ParallelLlama(torch.nn.Module):
                     pool.remove(s)
         return out
 
-    def _generate_graphed(self, pool, prompts, budget, ends, longest, max_batch, device, capture=True):
+    def _generate_graphed(self, pool, prompts, budget, ends, longest, max_batch, device):
         """generate(graphs=True): the same continuous batching, prefills apart, decode steps replayed."""
         from .paged import BUCKETS, DecodeGraphs
 
@@ -110,7 +104,7 @@ class ParallelLlama(torch.nn.Module):
             return self.model.lm_head(self._hidden(tokens, st)[0]).argmax(-1)
         buckets = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
         steps = DecodeGraphs(pool, decode, torch.zeros(max_batch, dtype=torch.long, device=device), max_len=longest,
-                             buckets=buckets, capture=capture)
+                             buckets=buckets)
         waiting = list(range(len(prompts)))
         out: list[list[int]] = [[] for _ in prompts]
         live: dict[int, int] = {}
@@ -121,13 +115,7 @@ class ParallelLlama(torch.nn.Module):
                 del live[s]
                 pool.remove(s)
         while waiting or live:
-            new = []
-            while waiting and len(live) + len(new) < max_batch:
-                i = waiting.pop(0)
-                if len(prompts[i]) + budget[i] > pool.pages * pool.page_size:
-                    raise ConfigError(f"prompt {i} ({len(prompts[i])} tokens) and {budget[i]} new tokens need more "
-                                      f"than the pool's {pool.pages} pages of {pool.page_size}; pass a larger pages=")
-                new.append((pool.add(), i))
+            new = _admit(pool, waiting, len(live), max_batch, prompts, budget)
             if new:  # the newcomers' prefills, packed together
                 ids = [s for s, _ in new]
                 live.update(new)
@@ -143,3 +131,16 @@ class ParallelLlama(torch.nn.Module):
             for s, t in zip(ids, nxt.tolist()):
                 took(s, t)
         return out
+
+
+def _admit(pool, waiting: list[int], live: int, max_batch: int, prompts, budget) -> list[tuple[int, int]]:
+    """(sequence id, prompt index) of the waiting prompts that join now, while fewer than max_batch
+    are live; a prompt the pool could never hold is refused in one line."""
+    new = []
+    while waiting and live + len(new) < max_batch:
+        i = waiting.pop(0)
+        if len(prompts[i]) + budget[i] > pool.pages * pool.page_size:
+            raise ConfigError(f"prompt {i} ({len(prompts[i])} tokens) and {budget[i]} new tokens need more "
+                              f"than the pool's {pool.pages} pages of {pool.page_size}; pass a larger pages=")
+        new.append((pool.add(), i))
+    return new

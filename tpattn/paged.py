@@ -173,6 +173,7 @@ class PagedStep:
         for r in rows:
             self.cu.append(self.cu[-1] + r)
         self._rows_on_device = None
+        self._tables = None
 
     def _rows(self):
         """(positions, pages, offsets) of the packed rows on the pool's device: made on first use
@@ -208,7 +209,7 @@ class PagedStep:
     def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(block table int32 [n, most pages], lengths int32 [n] after the step, the longest) of the
         step's n sequences, on the pool's device: what the paged decode kernel reads. Made once."""
-        if getattr(self, "_tables", None) is None:
+        if self._tables is None:
             P = self.pool.page_size
             lens = [L0 + r for L0, r in zip(self.starts, self.rows)]
             most = max(-(-n // P) for n in lens)
