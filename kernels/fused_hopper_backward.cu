@@ -41,8 +41,8 @@
 // group = H / G query heads each); L and Dl fp32 [B, H, N]. 16-bit storage (fp16 or bf16), fp32
 // accumulation, D = 64 or 128. Offsets that scale with B * H * N are 64-bit; grid y walks batch x
 // heads with a stride beyond 65535. Block 256 threads, one block an SM (registers); dynamic shared
-// memory: hbwd_kv 2 * 128 * D * 2 + 4 * 64 * D * 2 + 1024 + 1024 bytes (hbwd5_kv: + 128 * 64 * 2 for
-// dS^T), hbwd_dq 2 * 128 * D * 2 + 6 * 64 * D * 2 + 1024 (the 1024 aligns the swizzle atoms).
+// memory: hbwd_kv 2 * 128 * D * 2 + 4 * 64 * D * 2 + 1024 + 1024 bytes (hbwd5_kv: + 2 * 128 * 64 * 2
+// for two dS^T buffers), hbwd_dq 2 * 128 * D * 2 + 6 * 64 * D * 2 + 1024 (the 1024 aligns the swizzle atoms).
 
 #include "hopper_common.cuh"
 
@@ -51,16 +51,18 @@
 // ------------------------------------------------------------------------------------ dQ by adds
 // The five-product kernel's dQ: each step's dS K (64 query rows x D) added to an fp32 sum dQa that
 // hbwd_pre zeroed. Warpgroup w computes, from dS^T in shared memory (A, MN-major) and the K tile (B,
-// MN-major): at D = 128 columns 64w..64w+63 over all 128 keys; at D = 64 all columns over its own 64
-// keys (two partial sums of the same 64 x 64, both added to it). dQa is laid out as the accumulators
-// are held, so that each thread adds its 32 in eight 16-byte reductions (red.global.add.v4.f32) and a
-// warp's reductions cover 512 contiguous bytes:
+// MN-major): at D = 128 columns 64w..64w+63 over all 128 keys (at D = 64, below, a column half). dQa
+// is laid out as the accumulators are held, so that each thread adds its 32 in eight 16-byte
+// reductions (red.global.add.v4.f32) and a warp's reductions cover 512 contiguous bytes:
 //   dQa[bh][query tile of 64][D / 64 column panels][g 8][thread 128][4]   (fp32)
 // holds, for thread t = 32 warp + lane and accumulator i = 4 g + e (the m64n64 layout), row
 // 16 warp + lane / 4 + 8 (e >> 1) and column 64 panel + 8 g + 2 (lane % 4) + (e & 1) of the tile;
-// hbwd_dq_out turns it into dQ. (A bulk reduce-add of each warpgroup's 64 x 64 from shared memory,
-// as FlashAttention-3 does, measured 1.87 ms against 1.68 for these reductions at B=1 H=32 N=4096
-// d=128 on the H200: the staging stores and the waits for the bulk copy's reads cost more.)
+// hbwd_dq_out turns it into dQ. At D = 64 each warpgroup takes a column half over all 128 keys instead
+// (m64n32, 16 accumulators, groups 4 w + g of the layout), so each element is added once a step. The
+// adds of a step run behind the next step's S^T and dP^T (hb_kv's rotated loop), not in its path.
+// (A bulk reduce-add of each warpgroup's 64 x 64 from shared memory, as FlashAttention-3 does, measured 1.87 ms against 1.68 for these reductions at B=1 H=32 N=4096
+// d=128 on the H200, before the adds moved behind the next step: the staging stores and the waits for
+// the bulk copy's reads cost more.)
 #define HB_SS_T(N, T, OPS, DA, DB, SC) "{\n.reg .pred p;\nsetp.ne.b32 p, " SC ", 0;\n" \
     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." T "." T " {" OPS "}, " DA ", " DB ", p, 1, 1, 1, 1;\n}\n"
 
@@ -73,16 +75,75 @@ __device__ __forceinline__ void hb_mma_tt_n64(float (&d)[32], tc_u64 da, tc_u64 
         asm volatile(HB_SS_T(64, "f16", HW_OPS32, "%32", "%33", "%34") : HW_F32(d) : "l"(da), "l"(db), "r"(scale_d));
 }
 
+// the same with the accumulators written, not read (scale-d 0): the first k-step of a product, so that the
+// registers are dead until it
+#define HB_SS_T0(N, T, OPS, DA, DB) "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." T "." T " {" OPS "}, " DA ", " DB ", 0, 1, 1, 1, 1;\n"
+#define HW_F8W(d, o) "=f"(d[o]), "=f"(d[o + 1]), "=f"(d[o + 2]), "=f"(d[o + 3]), "=f"(d[o + 4]), "=f"(d[o + 5]), \
+                     "=f"(d[o + 6]), "=f"(d[o + 7])
+template <bool BF16>
+__device__ __forceinline__ void hb_mma_tt_n64_first(float (&d)[32], tc_u64 da, tc_u64 db) {
+    if (BF16)
+        asm volatile(HB_SS_T0(64, "bf16", HW_OPS32, "%32", "%33")
+                     : HW_F8W(d, 0), HW_F8W(d, 8), HW_F8W(d, 16), HW_F8W(d, 24) : "l"(da), "l"(db));
+    else
+        asm volatile(HB_SS_T0(64, "f16", HW_OPS32, "%32", "%33")
+                     : HW_F8W(d, 0), HW_F8W(d, 8), HW_F8W(d, 16), HW_F8W(d, 24) : "l"(da), "l"(db));
+}
+
 template <int D, bool BF16>
 __device__ __forceinline__ void hb_dq_product(float (&dq)[32], tc_u32 sDS, tc_u32 sK, int wg) {
-    constexpr int KS = D == 128 ? 8 : 4;       // k16 steps of keys
-    const tc_u32 k0 = D == 128 ? 0 : wg * 64;  // the first key row of the sum
-    const tc_u32 col = D == 128 ? wg * 128 * 128 : 0;  // the column panel of K (128 rows x 128 bytes)
+    static_assert(D == 128, "D = 64 takes the column-half product below");
+    const tc_u32 col = wg * 128 * 128;  // the column panel of K (128 rows x 128 bytes)
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk) {
-        const tc_u32 row = (k0 + kk * 16) * 128;
-        hb_mma_tt_n64<BF16>(dq, hw_desc(sDS + row, 128 * 128, 1024), hw_desc(sK + col + row, 128 * 128, 1024), kk > 0);
+    for (int kk = 0; kk < 8; ++kk) {  // k16 steps of keys
+        const tc_u32 row = kk * 16 * 128;
+        const tc_u64 da = hw_desc(sDS + row, 128 * 128, 1024), db = hw_desc(sK + col + row, 128 * 128, 1024);
+        if (kk == 0)
+            hb_mma_tt_n64_first<BF16>(dq, da, db);
+        else
+            hb_mma_tt_n64<BF16>(dq, da, db, 1);
     }
+}
+
+// D = 64 (HALF in hb_kv): warpgroup w computes columns 32w..32w+31 of the step's dQ over
+// all 128 keys (m64n32), so that each element is added once a step, not once per warpgroup
+#define HW_OPS16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+template <bool BF16>
+__device__ __forceinline__ void hb_mma_tt_n32(float (&d)[16], tc_u64 da, tc_u64 db, int first) {
+    if (first) {
+        if (BF16)
+            asm volatile(HB_SS_T0(32, "bf16", HW_OPS16, "%16", "%17") : HW_F8W(d, 0), HW_F8W(d, 8) : "l"(da), "l"(db));
+        else
+            asm volatile(HB_SS_T0(32, "f16", HW_OPS16, "%16", "%17") : HW_F8W(d, 0), HW_F8W(d, 8) : "l"(da), "l"(db));
+    } else {
+        if (BF16)
+            asm volatile(HB_SS_T(32, "bf16", HW_OPS16, "%16", "%17", "%18") : HW_F8(d, 0), HW_F8(d, 8)
+                         : "l"(da), "l"(db), "r"(1));
+        else
+            asm volatile(HB_SS_T(32, "f16", HW_OPS16, "%16", "%17", "%18") : HW_F8(d, 0), HW_F8(d, 8)
+                         : "l"(da), "l"(db), "r"(1));
+    }
+}
+
+template <int D, bool BF16>
+__device__ __forceinline__ void hb_dq_product(float (&dq)[16], tc_u32 sDS, tc_u32 sK, int wg) {
+    static_assert(D == 64, "the split dQ product is D = 64's");
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+        const tc_u32 row = kk * 16 * 128;
+        hb_mma_tt_n32<BF16>(dq, hw_desc(sDS + row, 128 * 128, 1024), hw_desc(sK + wg * 64 + row, 128 * 128, 1024),
+                            kk == 0);
+    }
+}
+
+// its 64 x 32 added to columns 32 wg.. of the 64 x 64 at dst: the accumulator groups g = 0..3 of an
+// m64n32 are groups 4 wg + g of the m64n64 layout
+__device__ __forceinline__ void hb_dq_add(float *__restrict__ dst, const float (&dq)[16], int tid) {
+    float *p = dst + (tid >> 7) * 4 * 512 + (tid & 127) * 4;
+#pragma unroll
+    for (int g = 0; g < 4; ++g)
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p + g * 512), "f"(dq[4 * g]),
+                     "f"(dq[4 * g + 1]), "f"(dq[4 * g + 2]), "f"(dq[4 * g + 3]) : "memory");
 }
 
 // the warpgroup's dq added to the 64 x 64 of dQa at dst: eight 16-byte reductions a thread
@@ -175,7 +236,12 @@ __device__ __forceinline__ void hb_kv(const tc_u16 *__restrict__ Q, const tc_u16
     float *sLD = (float *)(hw_smem + (sB + 4 * MB - tc_saddr(hw_smem)));  // [buffer][L 64, Dl 64]
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int rl = wg * 64 + warp * 16 + (lane >> 2);  // this thread's keys in the block: rl and rl + 8
-    const tc_u32 sDS = sB + 4 * MB + 1024;
+    // The five-product kernel's choices, measured on the H200 (docs/backward.md): DEFER, the dQ product
+    // waited for and added behind the next step's S^T and dP^T; SPLIT (D = 128), P^T computed while dP^T
+    // is still in the tensor cores (at D = 64 it measured no better); HALF (D = 64), each warpgroup a
+    // column half of dQ over all 128 keys, so that each element is added once a step, not twice
+    constexpr bool SPLIT = DQ && D == 128, DEFER = DQ, HALF = DQ && D == 64;
+    const tc_u32 sDS0 = sB + 4 * MB + 1024;
     const float scale_log2 = scale * HB_LOG2E;
     const int k0 = blockIdx.x * BC, kr = k0 + rl;
     const int n_qt = (N + BM - 1) / BM, qt_first = causal ? k0 / BM : 0, per = n_qt - qt_first;
@@ -209,78 +275,139 @@ __device__ __forceinline__ void hb_kv(const tc_u16 *__restrict__ Q, const tc_u16
         tc_cp_commit();
         issue(0);  // steps >= 1: k0 < N, so the first query tile that reaches it exists
         float dk[D / 2], dv[D / 2];
+        float dq[HALF ? 16 : 32];  // the dQ product of the step back() issued, added in the next front()
+        float *dq_dst = nullptr;
 #pragma unroll
         for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.0f;
-        for (int t = 0; t < steps; ++t) {
-            const int buf = t & 1, q0 = (qt_first + (t + rot) % per) * BM;
-            tc_cp_wait<0>();  // this step's tiles (and K, V) have landed ...
-            hw_fence_proxy();
-            __syncthreads();  // ... for every thread; both warpgroups are done with the other buffer
-            if (t + 1 < steps) issue(t + 1);
-            const tc_u32 sq = sB + buf * 2 * MB, sdo = sq + MB;
-            const float *cL = sLD + buf * 2 * BM, *cD = cL + BM;
-            float st[32], dpt[32];  // S^T and dP^T: this warpgroup's 64 keys x the step's 64 queries
-            hw_keep(st);
-            hw_keep(dpt);
-            hw_wg_fence();
-            hw_abt<D, BC, BM, BF16>(st, sK + wg * 64 * 128, sq);
-            hw_abt<D, BC, BM, BF16>(dpt, sV + wg * 64 * 128, sdo);
-            hw_wg_commit();
-            hw_wg_wait<0>();
-            hw_keep(st);
-            hw_keep(dpt);
-            const bool edge = k0 + BC > N || (causal && q0 < k0 + BC);
+        tc_u32 pa[4][4], da[4][4];  // the step's P^T and dS^T, rounded: A operands of dV and dK's products
+        // The loop is rotated: iteration it finishes step it - 1 (back: dV += P^T dO, dK += dS^T Q and, DQ,
+        // dQ += dS K) and begins step it (front: its tiles in, S^T and dP^T, P^T and dS^T into pa and da).
+        // Without DEFER, back waits for all three products and adds dQ; DEFER: it waits for dV and dK's
+        // only (the Q, dO buffer is then free), and front waits for dQ's behind the issue of S^T and dP^T
+        // and adds it to dQa while they run. Either way each product is issued and waited for in one
+        // iteration.
+        for (int it = 0; it <= steps; ++it) {
+            if (it > 0) {
+                const int t = it - 1, buf = t & 1, q0 = (qt_first + (t + rot) % per) * BM;
+                const tc_u32 sq = sB + buf * 2 * MB, sdo = sq + MB;
+                // DEFER: two dS^T buffers (the other warpgroup's previous dQ product may still read the other one)
+                const tc_u32 sDS = DEFER ? sDS0 + (t & 1) * 128 * 64 * 2 : sDS0;
+                if constexpr (DQ) {
+                    // dS^T into shared memory (rows: keys), the A operand of dQ = dS K read MN-major
 #pragma unroll
-            for (int j = 0; j < 8; ++j)
+                    for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int qc = j * 8 + (lane & 3) * 2 + (e & 1), key = kr + (e >> 1) * 8;
-                    float p = tc_exp2(fmaf(st[4 * j + e], scale_log2, -cL[qc]));
-                    if (edge && (key >= N || (causal && q0 + qc < key))) p = 0.0f;
-                    st[4 * j + e] = p;
-                    dpt[4 * j + e] = p * (dpt[4 * j + e] - cD[qc]) * scale;
+                        for (int e = 0; e < 4; ++e)
+                            hw_st_shared(sDS + hw_swz<128>(rl + 8 * (e & 1), 2 * kk + (e >> 1)) + (lane & 3) * 4, da[kk][e]);
+                    hw_fence_proxy();
                 }
-            tc_u32 pa[4][4], da[4][4];
-            hw_pack_p<BF16>(pa, st);
-            hw_pack_p<BF16>(da, dpt);
-            if constexpr (DQ) {
-                // dS^T into shared memory (rows: keys), the A operand of dQ = dS K read MN-major
-#pragma unroll
-                for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        hw_st_shared(sDS + hw_swz<128>(rl + 8 * (e & 1), 2 * kk + (e >> 1)) + (lane & 3) * 4, da[kk][e]);
-                hw_fence_proxy();
-            }
-            hw_keep(dv);
-            hw_keep(dk);
-            hw_keep(pa);
-            hw_keep(da);
-            hw_wg_fence();
-            hw_ab<D, 4, BM, BF16>(dv, pa, sdo);  // dV += P^T dO
-            hw_ab<D, 4, BM, BF16>(dk, da, sq);   // dK += dS^T Q
-            hw_wg_commit();
-            if constexpr (DQ) {
-                float dq[32];  // this warpgroup's 64 x 64 of the step's dQ (see hb_dq_product)
-                __syncthreads();  // dS^T of both warpgroups is in (the products above run meanwhile)
-                hw_keep(dq);
+                hw_keep(dv);
+                hw_keep(dk);
+                hw_keep(pa);
+                hw_keep(da);
                 hw_wg_fence();
-                hb_dq_product<D, BF16>(dq, sDS, sK, wg);
+                hw_ab<D, 4, BM, BF16>(dv, pa, sdo);  // dV += P^T dO
+                hw_ab<D, 4, BM, BF16>(dk, da, sq);   // dK += dS^T Q
                 hw_wg_commit();
+                if constexpr (DQ) {
+                    // dq: this warpgroup's 64 x 64 of the step's dQ (see hb_dq_product)
+                    __syncthreads();  // dS^T of both warpgroups is in (the products above run meanwhile)
+                    hw_wg_fence();
+                    hb_dq_product<D, BF16>(dq, sDS, sK, wg);
+                    hw_wg_commit();
+                    const long long tile = ((bh0 + t / per) * n_qt + q0 / BM) * (D / 64) + (D == 128 ? wg : 0);
+                    dq_dst = dQa + tile * 4096;
+                    if constexpr (DEFER) {
+                        hw_wg_wait<1>();
+                        hw_keep(dv);
+                        hw_keep(dk);
+                        hw_keep(pa);
+                        hw_keep(da);
+                    } else {
+                        hw_wg_wait<0>();
+                        hw_keep(dq);
+                        hw_keep(dv);
+                        hw_keep(dk);
+                        hw_keep(pa);
+                        hw_keep(da);
+                        hb_dq_add(dq_dst, dq, tid);
+                    }
+                } else {
+                    hw_wg_wait<0>();
+                    hw_keep(dv);
+                    hw_keep(dk);
+                    hw_keep(pa);
+                    hw_keep(da);
+                }
+            }
+            if (it < steps) {
+                const int t = it, buf = t & 1, q0 = (qt_first + (t + rot) % per) * BM;
+                tc_cp_wait<0>();  // this step's tiles (and K, V) have landed ...
+                hw_fence_proxy();
+                __syncthreads();  // ... for every thread; both warpgroups are done with the other buffer
+                if (t + 1 < steps) issue(t + 1);
+                const tc_u32 sq = sB + buf * 2 * MB, sdo = sq + MB;
+                const float *cL = sLD + buf * 2 * BM, *cD = cL + BM;
+                float st[32], dpt[32];  // S^T and dP^T: this warpgroup's 64 keys x the step's 64 queries
+                hw_keep(st);
+                hw_keep(dpt);
+                hw_wg_fence();
+                hw_abt<D, BC, BM, BF16>(st, sK + wg * 64 * 128, sq);
+                if constexpr (SPLIT) hw_wg_commit();
+                hw_abt<D, BC, BM, BF16>(dpt, sV + wg * 64 * 128, sdo);
+                hw_wg_commit();
+                if constexpr (DEFER) {
+                    // the previous step's dQ product, its adds beside S^T and dP^T (at t = 0 nothing
+                    // older than those two is pending: the wait passes)
+                    hw_wg_wait<SPLIT ? 2 : 1>();
+                    if (t > 0) {
+                        hw_keep(dq);
+                        hb_dq_add(dq_dst, dq, tid);
+                    }
+                }
+                const bool edge = k0 + BC > N || (causal && q0 < k0 + BC);
+                if constexpr (SPLIT) {  // P^T while dP^T is still in the tensor cores
+                    hw_wg_wait<1>();
+                    hw_keep(st);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int qc = j * 8 + (lane & 3) * 2 + (e & 1), key = kr + (e >> 1) * 8;
+                            float p = tc_exp2(fmaf(st[4 * j + e], scale_log2, -cL[qc]));
+                            if (edge && (key >= N || (causal && q0 + qc < key))) p = 0.0f;
+                            st[4 * j + e] = p;
+                        }
+                    hw_wg_wait<0>();
+                    hw_keep(dpt);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int qc = j * 8 + (lane & 3) * 2 + (e & 1);
+                            dpt[4 * j + e] = st[4 * j + e] * (dpt[4 * j + e] - cD[qc]) * scale;
+                        }
+                } else {
+                    hw_wg_wait<0>();
+                    hw_keep(st);
+                    hw_keep(dpt);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int qc = j * 8 + (lane & 3) * 2 + (e & 1), key = kr + (e >> 1) * 8;
+                            float p = tc_exp2(fmaf(st[4 * j + e], scale_log2, -cL[qc]));
+                            if (edge && (key >= N || (causal && q0 + qc < key))) p = 0.0f;
+                            st[4 * j + e] = p;
+                            dpt[4 * j + e] = p * (dpt[4 * j + e] - cD[qc]) * scale;
+                        }
+                }
+                hw_pack_p<BF16>(pa, st);
+                hw_pack_p<BF16>(da, dpt);
+            } else if constexpr (DEFER) {  // the last step's dQ product
                 hw_wg_wait<0>();
                 hw_keep(dq);
-                hw_keep(dv);
-                hw_keep(dk);
-                hw_keep(pa);
-                hw_keep(da);
-                const long long tile = ((bh0 + t / per) * n_qt + q0 / BM) * (D / 64) + (D == 128 ? wg : 0);
-                hb_dq_add(dQa + tile * 4096, dq, tid);
-            } else {
-                hw_wg_wait<0>();
-                hw_keep(dv);
-                hw_keep(dk);
-                hw_keep(pa);
-                hw_keep(da);
+                hb_dq_add(dq_dst, dq, tid);
             }
         }
         tc_cp_wait<0>();

@@ -309,8 +309,8 @@ class FusedBackend(CudaBackend):
 
 def bwd5_shared_mem(d: int) -> int:
     """Dynamic shared memory of hbwd5_kv: K and V (128 keys), two buffers of Q and dO (64 rows), L and Dl,
-    the 1024-byte alignment and dS^T (128 x 64)."""
-    return (2 * 128 + 4 * 64) * d * 2 + 1024 + 1024 + 128 * 64 * 2
+    the 1024-byte alignment and two buffers of dS^T (128 x 64)."""
+    return (2 * 128 + 4 * 64) * d * 2 + 1024 + 1024 + 2 * 128 * 64 * 2
 
 
 def bwd_kernels(cc: tuple[int, int]) -> str:
