@@ -71,6 +71,8 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write the prediction as JSON to PATH "
                    "(no PATH: print JSON instead of the table)")
     o.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    o.add_argument("--backward", action="store_true", help="a training step (the call and its backward, --kernel "
+                   "fused): GPU time per pass, forward and backward (what a CUDA-graphed step takes)")
     o.add_argument("--crossover", action="store_true", help="with --context-parallel C: the ring against head "
                    "parallelism alone at each world size, N from 1024 to 2M, and from which N the ring is faster")
     o.add_argument("--plot", metavar="FILE", help="plot predicted speedup against ideal and the time per pass "
@@ -165,6 +167,8 @@ def shape_from(a) -> Shape:
     if s.context_parallel > 1 and kernel != "fused":
         raise PlanError(f"--context-parallel: the cost model prices the ring's pieces as the fused kernel; add --kernel "
                         f"fused (with --kernel {kernel} the ring runs them as torch math)")
+    if getattr(a, "backward", False) and kernel != "fused":
+        raise PlanError(f"--backward: the cost model prices the backward of --kernel fused only; add --kernel fused")
     if getattr(a, "crossover", False) and s.context_parallel == 1:
         raise PlanError("--crossover compares the ring with head parallelism alone: add --context-parallel C (C > 1)")
     for flag, v in (("--seq-len", s.seq_len), ("--heads", s.heads), ("--head-dim", s.head_dim),
@@ -377,6 +381,8 @@ def run_plan(a, argv: list[str]) -> int:
     worlds = world_sizes(a, shape, g)
     if a.crossover:
         return run_crossover(a, argv, m, shape, worlds, g)
+    if a.backward:
+        return run_backward(a, argv, m, shape, worlds, g)
     rows = cm.plan(m, shape, worlds, g)
     if a.plot:
         plot(a.plot, m, shape, rows)
@@ -439,6 +445,46 @@ def _ranges(rows: list[dict]) -> str:
             runs.append([faster, row["seq_len"], row["seq_len"]])
     parts = [f"{'faster' if f else 'slower'} at N = {a}" + (f"-{b}" if b != a else "") for f, a, b in runs]
     return "the ring is " + ", ".join(parts)
+
+
+def backward_table(m: Machine, shape: Shape, results: list[dict], g: int, markdown: bool = False) -> str:
+    """The training step per world size: predicted GPU ms of the forward, each backward pass, the
+    backward's all-reduce of dX, and the whole step."""
+    out = header(m, shape, g)
+    names = list(dict.fromkeys(k for r in results for k in (*r["backward_passes"], *r["backward_collectives"])))
+    heads = ["W", "forward", *names, "backward", "step (GPU)"]
+    body = [[str(r["world"]), f"{r['forward_ms']:.3f}",
+             *(f"{({**r['backward_passes'], **r['backward_collectives']}).get(n, 0.0):.3f}" for n in names),
+             f"{r['backward_ms']:.3f}", f"{r['gpu_ms']:.3f}"] for r in results]
+    out.append("")
+    out.append("a training step, predicted GPU ms on one rank (a CUDA-graphed step; the host is not modeled)")
+    if markdown:
+        out += ["", "| " + " | ".join(heads) + " |", "|" + "|".join("---:" for _ in heads) + "|"]
+        out += ["| " + " | ".join(c) + " |" for c in body]
+    else:
+        widths = [max(len(h), *(len(c[i]) for c in body)) for i, h in enumerate(heads)]
+        out.append("  " + "  ".join(h.rjust(w) for h, w in zip(heads, widths)))
+        out += ["  " + "  ".join(x.rjust(w) for x, w in zip(c, widths)) for c in body]
+    return "\n".join(out)
+
+
+def run_backward(a, argv: list[str], m: Machine, shape: Shape, worlds: list[int], g: int) -> int:
+    results, skipped = [], []
+    for w in worlds:
+        try:
+            results.append(cm.predict_training(m, shape, w, g))
+        except ModelError as exc:
+            skipped.append(f"W={w}: not predicted: {exc}")
+    if not results:
+        raise PlanError("--backward: no world size could be predicted" + (f" ({skipped[0]})" if skipped else ""))
+    doc = {**as_json(m, shape, [], g, argv), "training": results, "not_predicted": skipped}
+    if a.json == "-":
+        print(json.dumps(doc, indent=1))
+        return 0
+    if a.json:
+        _write(a.json, json.dumps(doc, indent=1), "--json")
+    print("\n".join([backward_table(m, shape, results, g, a.markdown), *skipped]))
+    return 0
 
 
 def run_crossover(a, argv: list[str], m: Machine, shape: Shape, worlds: list[int], g: int) -> int:

@@ -47,7 +47,7 @@ import statistics
 
 from .errors import ModelError
 from .machine import Machine, roofline_ms
-from .steps import COLLECTIVE_NAMES, Shape, Step, layer_steps
+from .steps import COLLECTIVE_NAMES, Shape, Step, backward_steps, layer_steps
 
 
 def _interp(pts: list[tuple[float, float]], x: float) -> float:
@@ -380,6 +380,28 @@ def predict(m: Machine, shape: Shape, world: int, gpus_per_node: int | None = No
         "host_bound": host > gpu, "dominant": dominant, "steps": detail,
         "memory_bytes": mem, "fits": fits, "largest_seq_len": fit_n,
     }
+
+
+def predict_training(m: Machine, shape: Shape, world: int, gpus_per_node: int | None = None) -> dict:
+    """A training step (the call and its backward) at world size W, GPU time per pass: the forward's
+    prediction, the backward's passes (backward_steps) and its collective, the all-reduce of dX
+    (with nothing on the link before it: the forward's sum ran a whole attention backward earlier).
+    The host is not a model number here (the backward's was not calibrated): "gpu_ms" is what a
+    CUDA-graphed step takes, and an eager step is no faster than it."""
+    fwd = predict(m, dataclasses.replace(shape, cuda_graph=True), world, gpus_per_node)
+    steps, colls = backward_steps(shape, world)
+    detail = [step_ms(m, s) for s in steps]
+    passes: dict[str, float] = {}
+    for s in detail:
+        passes[s["pass"]] = passes.get(s["pass"], 0.0) + s["ms"]
+    g = gpus_per_node or m.gpus_per_node
+    t = shape.heads_world(world)
+    coll = {f"bwd_{k}": collective_ms(m, k, n, t, g, in_layer=True) for k, n in colls.items()}
+    bwd = sum(passes.values()) + sum(c["ms"] for c in coll.values())
+    return {"world": world, "forward_ms": fwd["gpu_ms"], "forward_passes": fwd["passes"],
+            "forward_collectives": {k: c["ms"] for k, c in fwd["collectives"].items()},
+            "backward_passes": passes, "backward_collectives": {k: c["ms"] for k, c in coll.items()},
+            "backward_ms": bwd, "gpu_ms": fwd["gpu_ms"] + bwd, "steps": detail}
 
 
 def plan(m: Machine, shape: Shape, worlds: list[int], gpus_per_node: int | None = None) -> list[dict]:

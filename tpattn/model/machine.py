@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import MachineError
-from .steps import COLLECTIVE_NAMES, ELEM, Step, attention_steps, copy_step, gemm_step
+from .steps import COLLECTIVE_NAMES, ELEM, Step, attention_backward_step, attention_steps, copy_step, gemm_step
 
 MACHINE_DIR = Path(__file__).resolve().parent / "machines"
 
@@ -24,7 +24,7 @@ PEAKS = ("tensor_tflops", "fp32_tflops", "mem_GBps")
 LINK_FIELDS = ("busbw_GBps", "step_us", "base_us")
 WAKE_FIELDS = ("wake_us", "idle_ms")   # optional, both or neither: the link's wake-up after an idle time
 PASS_KEYS = ("qkv_proj", "out_proj", "relayout", "epilogue", "naive.qk", "naive.softmax", "naive.pv",
-             "tiled.qk", "tiled.softmax", "tiled.pv", "fused.fused")
+             "tiled.qk", "tiled.softmax", "tiled.pv", "fused.fused", "fused.bwd")
 
 
 @dataclass
@@ -315,6 +315,9 @@ def _point_step(key: str, pt: dict) -> Step:
             raise ValueError(f"{f} must be at least 1")
     if key.endswith(":causal") != bool(pt["causal"]):
         raise ValueError("causal must be true exactly in the :causal passes")
+    if k == "fused.bwd":
+        return attention_backward_step(kernel, int(pt["B"]), int(pt["h"]), int(pt["N"]), int(pt["d"]), pt["dtype"],
+                                       bool(pt["causal"]))
     steps = attention_steps(kernel, int(pt["B"]), int(pt["h"]), int(pt["N"]), int(pt["d"]), pt["dtype"],
                             bool(pt["causal"]))
     return next(s for s in steps if s.key == k)

@@ -156,6 +156,47 @@ def _attention_steps(kernel, bh, n, d, e, causal, flops_mm, tri, tri_t, qkv_io, 
     raise ModelError(f"no cost model for --kernel {kernel}; the model covers {', '.join(KERNELS)}")
 
 
+def attention_backward_step(kernel: str, b: int, h: int, n: int, d: int, dtype: str, causal: bool,
+                            kv_h: int | None = None) -> Step:
+    """The fused attention backward of h query heads (the five-product kernels: hbwd_pre, hbwd5_kv,
+    hbwd_dq_out) as one pass: five N x N products (S, dP, dV, dK, dQ), 2.5x the forward's FLOPs;
+    reads Q, K, V, O, dO, writes dQ, dK, dV, and the fp32 dQ sum zeroed, then read back."""
+    if kernel != "fused":
+        raise ModelError(f"the cost model prices the backward of --kernel fused only (not {kernel})")
+    e = ELEM[dtype]
+    bh = b * h
+    tiles = -(-n // TILE)
+    tri_t = (tiles + 1) / (2 * tiles) if causal else 1.0
+    q_io, kv_io = bh * n * d * e, b * (kv_h or h) * n * d * e
+    return Step("attn_bwd", "fused.bwd", flops=5 * 2.0 * bh * n * n * d * tri_t,
+                bytes=5 * q_io + 4 * kv_io + 2 * bh * n * d * 4, unit="tensor", causal=causal, bh=bh, n=n,
+                what="five products a key block (S, dP, dV, dK, dQ += dS K into an fp32 sum)")
+
+
+def backward_steps(shape: Shape, world: int) -> tuple[list[Step], dict[str, int]]:
+    """(compute steps, {collective: bytes}) of the backward of one call on one rank: the output
+    GEMM's two (dA = dY W_o^T, dW_o = A^T dY), the attention backward, dq, dk and dv written into the
+    QKV gradient's rows, the QKV GEMM's two (dX = dQKV W^T, dW = X^T dQKV) and copy_to_ranks's dual,
+    the all-reduce of dX (tpattn/comm.py). Head parallelism only, --kernel fused."""
+    err = _layout_error(shape, world)
+    if err:
+        raise ModelError(err)
+    if shape.sequence_parallel or shape.context_parallel > 1:
+        raise ModelError("the cost model prices the backward of head parallelism only (no --sequence-parallel, "
+                         "--context-parallel)")
+    B, N, D, d, dt = shape.batch, shape.seq_len, shape.model_dim, shape.head_dim, shape.dtype
+    h, g = shape.heads_per_rank(world), shape.kv_per_rank(world)
+    rows, cols, e = B * N, (h + 2 * g) * d, shape.elem
+    steps = [gemm_step("bwd_out_proj", "out_proj", rows, D, h * d, dt, dt, "dA = dY W_o^T"),
+             gemm_step("bwd_out_proj", "out_proj", h * d, rows, D, dt, dt, "dW_o = A^T dY"),
+             attention_backward_step(shape.kernel, B, h, N, d, dt, shape.causal, g),
+             copy_step("bwd_qkv_grad", "relayout", 2 * rows * cols * e, "dq, dk, dv into the QKV gradient's rows"),
+             gemm_step("bwd_qkv_proj", "qkv_proj", rows, cols, D, dt, dt, "dX = dQKV W^T"),
+             gemm_step("bwd_qkv_proj", "qkv_proj", D, rows, cols, dt, dt, "dW = X^T dQKV")]
+    colls = {"allreduce": rows * D * e} if shape.heads_world(world) > 1 else {}
+    return steps, colls
+
+
 def layer_collectives(shape: Shape, world: int) -> dict[str, int]:
     """{name: bytes} of the collectives one call runs, in order: the layer's own communication plan
     (tpattn.commplan.make_plan, the rule the layer runs by, for ranks that do not map each other's
