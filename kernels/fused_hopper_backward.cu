@@ -366,42 +366,26 @@ __device__ __forceinline__ void hb_kv(const tc_u16 *__restrict__ Q, const tc_u16
                     }
                 }
                 const bool edge = k0 + BC > N || (causal && q0 < k0 + BC);
-                if constexpr (SPLIT) {  // P^T while dP^T is still in the tensor cores
-                    hw_wg_wait<1>();
-                    hw_keep(st);
+                hw_wg_wait<SPLIT ? 1 : 0>();  // SPLIT: P^T while dP^T is still in the tensor cores
+                hw_keep(st);
 #pragma unroll
-                    for (int j = 0; j < 8; ++j)
+                for (int j = 0; j < 8; ++j)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int qc = j * 8 + (lane & 3) * 2 + (e & 1), key = kr + (e >> 1) * 8;
-                            float p = tc_exp2(fmaf(st[4 * j + e], scale_log2, -cL[qc]));
-                            if (edge && (key >= N || (causal && q0 + qc < key))) p = 0.0f;
-                            st[4 * j + e] = p;
-                        }
-                    hw_wg_wait<0>();
-                    hw_keep(dpt);
+                    for (int e = 0; e < 4; ++e) {
+                        const int qc = j * 8 + (lane & 3) * 2 + (e & 1), key = kr + (e >> 1) * 8;
+                        float p = tc_exp2(fmaf(st[4 * j + e], scale_log2, -cL[qc]));
+                        if (edge && (key >= N || (causal && q0 + qc < key))) p = 0.0f;
+                        st[4 * j + e] = p;
+                    }
+                hw_wg_wait<0>();
+                hw_keep(dpt);
 #pragma unroll
-                    for (int j = 0; j < 8; ++j)
+                for (int j = 0; j < 8; ++j)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int qc = j * 8 + (lane & 3) * 2 + (e & 1);
-                            dpt[4 * j + e] = st[4 * j + e] * (dpt[4 * j + e] - cD[qc]) * scale;
-                        }
-                } else {
-                    hw_wg_wait<0>();
-                    hw_keep(st);
-                    hw_keep(dpt);
-#pragma unroll
-                    for (int j = 0; j < 8; ++j)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int qc = j * 8 + (lane & 3) * 2 + (e & 1), key = kr + (e >> 1) * 8;
-                            float p = tc_exp2(fmaf(st[4 * j + e], scale_log2, -cL[qc]));
-                            if (edge && (key >= N || (causal && q0 + qc < key))) p = 0.0f;
-                            st[4 * j + e] = p;
-                            dpt[4 * j + e] = p * (dpt[4 * j + e] - cD[qc]) * scale;
-                        }
-                }
+                    for (int e = 0; e < 4; ++e) {
+                        const int qc = j * 8 + (lane & 3) * 2 + (e & 1);
+                        dpt[4 * j + e] = st[4 * j + e] * (dpt[4 * j + e] - cD[qc]) * scale;
+                    }
                 hw_pack_p<BF16>(pa, st);
                 hw_pack_p<BF16>(da, dpt);
             } else if constexpr (DEFER) {  // the last step's dQ product
