@@ -44,7 +44,7 @@
 // memory: hbwd_kv 2 * 128 * D * 2 + 4 * 64 * D * 2 + 1024 + 1024 bytes (hbwd5_kv: + 2 * 128 * 64 * 2
 // for two dS^T buffers), hbwd_dq 2 * 128 * D * 2 + 6 * 64 * D * 2 + 1024 (the 1024 aligns the swizzle atoms).
 
-#include "hopper_common.cuh"
+#include "hopper_async.cuh"
 
 #define HB_LOG2E 1.4426950408889634f
 
@@ -402,6 +402,243 @@ __device__ __forceinline__ void hb_kv(const tc_u16 *__restrict__ Q, const tc_u16
     }
 }
 
+// ------------------------------------------------------------------------------------ five products, warp-specialized
+// hbwd5_kv: the five-product kernel with its work split by role (FlashAttention-3's arrangement). A block
+// is three warpgroups and owns BC = 128 keys of one K/V head, walking BM = 64 query rows a step over every
+// query head of the group, as hb_kv:
+//   * warpgroup 0 (40 registers): its warp 0 loads, its warp 1 adds dQ. The loader's lane 0 brings K and
+//     V in by TMA once per K/V head, and each step's Q and dO tiles into one of two stages (TMA, 64 x 64
+//     boxes, zeros past N); its 32 lanes write the step's L (times log2 e; +inf past N) and Dl (0 past N)
+//     beside them. Each stage has a "full" mbarrier (32 lane arrives, lane 0's with the TMA bytes) and an
+//     "empty" one (every consumer warp, once its products have read the stage). The adder waits for a
+//     step's dQ tile staged in shared memory (fp32, the dQa layout, so one contiguous run of D / 64 x
+//     16 KiB) and adds it to dQa with one bulk reduce-add (cp.reduce.async.bulk .add.f32), then frees
+//     the staging buffer once the copy has read it: the adds leave the consumers' path whole;
+//   * warpgroups 1 and 2 (232 registers), 64 keys each: per step S^T = K Q^T and dP^T = V dO^T, P^T and
+//     dS^T in registers (hb_sdp), dS^T to shared memory (two buffers), a named barrier (both halves of
+//     dS^T are in), then dV += P^T dO, dK += dS^T Q and dQ = dS K issued together and waited for; the
+//     stage is freed and dQ staged (two buffers, named barriers with the adder).
+// dK and dV leave at the end of each K/V head through the K and V tiles' shared memory.
+// Shared memory: K, V 2 x 128 D x 2; Q, dO 2 stages x 2 x 64 D x 2; dS^T 2 x 128 x 64 x 2; dQ staging
+// 2 x 64 D x 4; L and Dl 1024; mbarriers 64; + 1024 for the alignment (bwd5_shared_mem in fused.py).
+#define HB_DS_BAR 1   // named barriers: dS^T in (the consumers, 256 threads)
+#define HB_DQF_BAR 2  // staging buffer s holds a dQ tile (2 + s; consumers and adder, 288)
+#define HB_DQE_BAR 4  // staging buffer s is free (4 + s; 288)
+#define HB_ST_BAR 6   // the consumers' dK, dV staging (256)
+
+__device__ __forceinline__ void hb_st_shared4(tc_u32 addr, float a, float b, float c, float d) {
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+
+// S^T and dP^T of a warpgroup's 64 keys (K, V rows at sk, sv) x a step's 64 queries (Q, dO tiles at sq,
+// sdo; L log2 e and Dl at cL, cD), then P^T and dS^T rounded into pa and da (A operands of dV and dK);
+// kr: this thread's first key, q0: the step's first query row. SPLIT: P^T while dP^T is still in the
+// tensor cores. Returns with no product in flight.
+template <int D, bool BF16, bool SPLIT>
+__device__ __forceinline__ void hb_sdp(tc_u32 (&pa)[4][4], tc_u32 (&da)[4][4], tc_u32 sk, tc_u32 sv, tc_u32 sq,
+                                       tc_u32 sdo, const float *cL, const float *cD, int kr, int q0, bool edge,
+                                       int N, int causal, float scale_log2, float scale, int lane) {
+    float st[32], dpt[32];
+    hw_keep(st);
+    hw_keep(dpt);
+    hw_wg_fence();
+    hw_abt<D, 128, 64, BF16>(st, sk, sq);
+    if constexpr (SPLIT) hw_wg_commit();
+    hw_abt<D, 128, 64, BF16>(dpt, sv, sdo);
+    hw_wg_commit();
+    hw_wg_wait<SPLIT ? 1 : 0>();
+    hw_keep(st);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int qc = j * 8 + (lane & 3) * 2 + (e & 1), key = kr + (e >> 1) * 8;
+            float p = tc_exp2(fmaf(st[4 * j + e], scale_log2, -cL[qc]));
+            if (edge && (key >= N || (causal && q0 + qc < key))) p = 0.0f;
+            st[4 * j + e] = p;
+        }
+    hw_wg_wait<0>();
+    hw_keep(dpt);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int qc = j * 8 + (lane & 3) * 2 + (e & 1);
+            dpt[4 * j + e] = st[4 * j + e] * (dpt[4 * j + e] - cD[qc]) * scale;
+        }
+    hw_pack_p<BF16>(pa, st);
+    hw_pack_p<BF16>(da, dpt);
+}
+
+template <int D, bool BF16>
+__device__ __forceinline__ void hb_kv5(const tw_tmap *qm, const tw_tmap *km, const tw_tmap *vm, const tw_tmap *dom,
+                                       const float *__restrict__ L, const float *__restrict__ Dl,
+                                       tc_u16 *__restrict__ dK, tc_u16 *__restrict__ dV, float *__restrict__ dQa,
+                                       int BG, int G, int group, int N, float scale, int causal) {
+    constexpr int BC = 128, BM = 64, P = D / 64, NQ = 288;  // NQ: the dQ barriers' threads
+    constexpr tc_u32 KB = BC * D * 2, MB = BM * D * 2, SB = BC * BM * 2, QB = BM * D * 4;
+    const tc_u32 sK = hw_smem_base(), sV = sK + KB, sQ0 = sV + KB, sDS0 = sQ0 + 4 * MB, sDQ0 = sDS0 + 2 * SB,
+                 sLD = sDQ0 + 2 * QB, bars = sLD + 1024;
+    auto q_full = [&](int s) { return bars + 8 * s; };
+    auto q_empty = [&](int s) { return bars + 16 + 8 * s; };
+    const tc_u32 kv_full = bars + 32, kv_empty = bars + 40;
+    const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
+    const int k0 = blockIdx.x * BC;
+    const int n_qt = (N + BM - 1) / BM, qt_first = causal ? k0 / BM : 0, per = n_qt - qt_first;
+    const int steps = group * per;  // (query head of the group, query tile) pairs, >= 1 (k0 < N)
+    // the key blocks of a head start at query tiles spread over its tiles, so that they do not all add to
+    // the same dQ tile at once
+    const int rot = (int)(((long long)blockIdx.x * per) / gridDim.x);
+    const int total = (blockIdx.y < BG ? ((BG - 1 - (int)blockIdx.y) / (int)gridDim.y + 1) : 0) * steps;
+    auto q0_of = [&](int t) { return (qt_first + (t + rot) % per) * BM; };
+    if (tid == 0) {
+        for (int s = 0; s < 2; ++s) {
+            tw_bar_init(q_full(s), 32);
+            tw_bar_init(q_empty(s), 8);
+        }
+        tw_bar_init(kv_full, 1);
+        tw_bar_init(kv_empty, 8);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        hw_fence_proxy();
+    }
+    __syncthreads();
+
+    if (wg == 0) {  // ------------------------------------------------------------ loader and adder
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        const int warp = tid >> 5;
+        int n = 0;  // steps so far, over the block's K/V heads
+        if (warp == 0) {
+            for (int i = 0, bg = blockIdx.y; bg < BG; ++i, bg += gridDim.y) {
+                const int b = bg / G, hk = bg - b * G;
+                if (lane == 0) {
+                    tw_bar_wait(kv_empty, (i & 1) ^ 1);
+                    tw_bar_expect(kv_full, 2 * KB);
+#pragma unroll
+                    for (int p = 0; p < P; ++p) {
+                        tw_tma(sK + p * BC * 128, km, 64 * p, k0, hk, b, kv_full);
+                        tw_tma(sV + p * BC * 128, vm, 64 * p, k0, hk, b, kv_full);
+                    }
+                }
+                for (int t = 0; t < steps; ++t, ++n) {
+                    const int s = n & 1, j = t / per, q0 = q0_of(t), h = hk * group + j;
+                    const long long row0 = ((long long)bg * group + j) * N;
+                    tw_bar_wait(q_empty(s), ((n >> 1) & 1) ^ 1);
+                    float *ld = (float *)(hw_smem + (sLD + s * 512 - tc_saddr(hw_smem)));
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int r = q0 + lane + 32 * e;
+                        ld[lane + 32 * e] = r < N ? L[row0 + r] * HB_LOG2E : TC_POS_INF;
+                        ld[64 + lane + 32 * e] = r < N ? Dl[row0 + r] : 0.0f;
+                    }
+                    if (lane == 0) {
+                        tw_bar_expect(q_full(s), 2 * MB);
+#pragma unroll
+                        for (int p = 0; p < P; ++p) {
+                            tw_tma(sQ0 + s * 2 * MB + p * BM * 128, qm, 64 * p, q0, h, b, q_full(s));
+                            tw_tma(sQ0 + s * 2 * MB + MB + p * BM * 128, dom, 64 * p, q0, h, b, q_full(s));
+                        }
+                    } else {
+                        tw_bar_arrive(q_full(s));
+                    }
+                }
+            }
+        } else if (warp == 1) {
+            // both staging buffers start free; each is freed again only for a step that will use it
+            if (total > 0) tw_arrive(HB_DQE_BAR, NQ);
+            if (total > 1) tw_arrive(HB_DQE_BAR + 1, NQ);
+            for (int bg = blockIdx.y; bg < BG; bg += gridDim.y)
+                for (int t = 0; t < steps; ++t, ++n) {
+                    const int s = n & 1;
+                    const long long tile = (((long long)bg * group + t / per) * n_qt + q0_of(t) / BM) * P;
+                    tw_sync(HB_DQF_BAR + s, NQ);
+                    if (lane == 0) {
+                        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                                     ::"l"(dQa + tile * 4096), "r"(sDQ0 + s * QB), "r"(QB) : "memory");
+                        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+                        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+                    }
+                    __syncwarp();
+                    if (n + 2 < total) tw_arrive(HB_DQE_BAR + s, NQ);
+                }
+            if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+        }
+        return;
+    }
+
+    // ------------------------------------------------------------------------------ consumers
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    const int c = __shfl_sync(0xffffffffu, wg - 1, 0), ctid = tid - 128, warp = (ctid >> 5) & 3;
+    const int rl = c * 64 + warp * 16 + (lane >> 2), kr = k0 + rl;  // this thread's keys: rl and rl + 8
+    const float scale_log2 = scale * HB_LOG2E;
+    auto release = [&](tc_u32 bar) {
+        __syncwarp();
+        if (lane == 0) tw_bar_arrive(bar);
+    };
+    int n = 0;
+    for (int i = 0, bg = blockIdx.y; bg < BG; ++i, bg += gridDim.y) {
+        tw_bar_wait(kv_full, i & 1);
+        float dk[D / 2], dv[D / 2];
+#pragma unroll
+        for (int x = 0; x < D / 2; ++x) dk[x] = dv[x] = 0.0f;
+        for (int t = 0; t < steps; ++t, ++n) {
+            const int s = n & 1, q0 = q0_of(t);
+            const tc_u32 sq = sQ0 + s * 2 * MB, sdo = sq + MB, sDS = sDS0 + s * SB, sDQ = sDQ0 + s * QB;
+            const float *cL = (const float *)(hw_smem + (sLD + s * 512 - tc_saddr(hw_smem))), *cD = cL + 64;
+            const bool edge = k0 + BC > N || (causal && q0 < k0 + BC);
+            tw_bar_wait(q_full(s), (n >> 1) & 1);
+            tc_u32 pa[4][4], da[4][4];
+            hb_sdp<D, BF16, D == 128>(pa, da, sK + c * 64 * 128, sV + c * 64 * 128, sq, sdo, cL, cD, kr, q0, edge, N,
+                                      causal, scale_log2, scale, lane);
+            // dS^T into shared memory (rows: keys), the A operand of dQ = dS K read MN-major
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    hw_st_shared(sDS + hw_swz<128>(rl + 8 * (e & 1), 2 * kk + (e >> 1)) + (lane & 3) * 4, da[kk][e]);
+            hw_fence_proxy();
+            tw_sync(HB_DS_BAR, 256);  // both warpgroups' dS^T is in
+            float dq[D == 128 ? 32 : 16];
+            hw_keep(dv);
+            hw_keep(dk);
+            hw_keep(pa);
+            hw_keep(da);
+            hw_wg_fence();
+            hw_ab<D, 4, BM, BF16>(dv, pa, sdo);  // dV += P^T dO
+            hw_ab<D, 4, BM, BF16>(dk, da, sq);   // dK += dS^T Q
+            hb_dq_product<D, BF16>(dq, sDS, sK, c);
+            hw_wg_commit();
+            hw_wg_wait<0>();
+            hw_keep(dq);
+            hw_keep(dv);
+            hw_keep(dk);
+            hw_keep(pa);
+            hw_keep(da);
+            release(q_empty(s));
+            // dq into staging buffer s in dQa's layout: group g of this warpgroup's accumulators is group
+            // gg of the step's D / 64 panels (D = 128: panel c; D = 64: groups 4 c .. 4 c + 3 of the one panel)
+            tw_sync(HB_DQE_BAR + s, NQ);
+#pragma unroll
+            for (int g = 0; g < (D == 128 ? 8 : 4); ++g) {
+                const int gg = D == 128 ? 8 * c + g : 4 * c + g;
+                hb_st_shared4(sDQ + (gg * 128 + (ctid & 127)) * 16, dq[4 * g], dq[4 * g + 1], dq[4 * g + 2],
+                              dq[4 * g + 3]);
+            }
+            hw_fence_proxy();
+            tw_arrive(HB_DQF_BAR + s, NQ);
+        }
+        // dK and dV of this block's keys (rows < N), rounded once, staged in the K and V tiles
+        tw_sync(HB_ST_BAR, 256);  // both warpgroups' products are done with K and V
+        hw_stage_tile<D, BF16>(sK, dk, 1.0f, 1.0f, rl, lane);
+        hw_stage_tile<D, BF16>(sV, dv, 1.0f, 1.0f, rl, lane);
+        tw_sync(HB_ST_BAR, 256);
+        const long long kv_off = (long long)bg * N * D;
+        hw_copy_tile<D>(dK + kv_off, D, k0, N, 0, D, sK, ctid);
+        hw_copy_tile<D>(dV + kv_off, D, k0, N, 0, D, sV, ctid);
+        hw_fence_proxy();  // these generic reads before the next K/V head's TMA writes
+        release(kv_empty);
+    }
+}
+
 // ------------------------------------------------------------------------------------ dQ
 // Dl of this thread's rows r and r + 8 (rowsum(dO o O), the quad of threads that shares the rows
 // splitting D in 16-byte chunks), written to Dl[base + row] for rows < N by the quad's first thread
@@ -561,6 +798,14 @@ __device__ __forceinline__ void hb_dq(const tc_u16 *__restrict__ Q, const tc_u16
         tc_u16 *__restrict__ dK, tc_u16 *__restrict__ dV, float *__restrict__ dQa, int BG, int G,     \
         int group, int N, float scale, int causal) {                                                   \
         hb_kv<D, BF16, true>(Q, K, V, dO, L, Dl, dK, dV, dQa, BG, G, group, N, scale, causal);         \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(384, 1) hbwd5w_kv_##SUF##_d##D(                      \
+        const __grid_constant__ tw_tmap qm, const __grid_constant__ tw_tmap km,                       \
+        const __grid_constant__ tw_tmap vm, const __grid_constant__ tw_tmap dom,                      \
+        const float *__restrict__ L, const float *__restrict__ Dl, tc_u16 *__restrict__ dK,           \
+        tc_u16 *__restrict__ dV, float *__restrict__ dQa, int BG, int G, int group, int N, float scale, \
+        int causal) {                                                                                  \
+        hb_kv5<D, BF16>(&qm, &km, &vm, &dom, L, Dl, dK, dV, dQa, BG, G, group, N, scale, causal);      \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) hbwd_pre_##SUF##_d##D(                          \
         const tc_u16 *__restrict__ O, const tc_u16 *__restrict__ dO, float *__restrict__ Dl,          \

@@ -70,7 +70,7 @@
 // memory that this kernel alone uses (and leaves at zero), 8 bytes of padding, then 32 bytes a block
 // for the tile numbers (two 16-byte slots). Needs compute capability 9.0 (sm_90a).
 
-#include "hopper_common.cuh"
+#include "hopper_async.cuh"
 
 // TW_TRACE (scripts/trace_fused.py defines it; the kernels tpattn launches are built without it): the
 // producer thread and thread 0 of each consumer warpgroup of blocks 0 .. TW_TRACE_BLOCKS - 1 write
@@ -97,36 +97,6 @@ __device__ unsigned long long tw_trace[TW_TRACE_BLOCKS * 4 * TW_TRACE_LEN];
 #define TW_CMARK(code)
 #endif
 
-struct __align__(64) tw_tmap {  // a CUtensorMap: 128 bytes the driver encodes, opaque here
-    tc_u64 v[16];
-};
-
-__device__ __forceinline__ void tw_bar_init(tc_u32 bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-// arrive and add `bytes` to the transaction count the phase waits for (the TMA completes them)
-__device__ __forceinline__ void tw_bar_expect(tc_u32 bar, tc_u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void tw_bar_arrive(tc_u32 bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// wait until the phase of parity `parity` has completed (a fresh barrier: parity 1 passes at once)
-__device__ __forceinline__ void tw_bar_wait(tc_u32 bar, int parity) {
-    tc_u32 done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
-
-// box (64 columns x 128 rows) at column c, row r of head h, batch b -> shared dst; bytes on bar
-__device__ __forceinline__ void tw_tma(tc_u32 dst, const tw_tmap *map, int c, int r, int h, int b, tc_u32 bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
-        ::"r"(dst), "l"((tc_u64)map), "r"(c), "r"(r), "r"(h), "r"(b), "r"(bar) : "memory");
-}
-
 // the tile numbers a producer hands its consumers, in global memory: written before the producer's
 // arrive on the Q stage's full barrier (a release), read after the consumers' wait on it (an acquire)
 __device__ __forceinline__ void tw_st_global(long long *p, long long v) {
@@ -143,14 +113,6 @@ __device__ __forceinline__ long long tw_ld_global(const long long *p) {
 __device__ __forceinline__ void tw_stmatrix4(tc_u32 addr, tc_u32 a, tc_u32 b, tc_u32 c, tc_u32 d) {
     asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c),
                  "r"(d) : "memory");
-}
-
-// named barriers: `count` threads take part; arrive does not wait
-__device__ __forceinline__ void tw_sync(int id, int count) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void tw_arrive(int id, int count) {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
 // the key tiles of rows that end before row `end`: with causal up to that row's, else all of them

@@ -173,19 +173,13 @@ __device__ __forceinline__ void hw_mma_ss_w(float (&d)[64], tc_u64 da, tc_u64 db
     }
 }
 
-// Rows [q0, q0 + 128) x columns [c0, c0 + W) of a matrix with row stride ld, from the W / 2 fp32
-// accumulators a thread holds in the wgmma m64nW layout of a two-warpgroup block (rows rl and
-// rl + 8 of the tile, rl = 64 * warpgroup + 16 * warp + lane / 4), row by row scaled by sc0 and sc1 and rounded
-// to the storage type. The tile is staged at shared address stage (128 x W) and leaves in 16-byte
-// stores for rows < nrows and columns < ncols. Starts with __syncthreads (so the staging area may
-// still hold operands until then); the caller syncs before reusing the area.
+// The W / 2 fp32 accumulators a thread holds in the wgmma m64nW layout of a two-warpgroup block (rows
+// rl and rl + 8 of a 128-row tile, rl = 64 * warpgroup + 16 * warp + lane / 4), row by row scaled by sc0
+// and sc1 and rounded to the storage type, into a 128 x W tile at shared address stage
 template <int W, bool BF16>
-__device__ __forceinline__ void hw_store_tile(tc_u16 *g, long long ld, int q0, int nrows, int c0, int ncols,
-                                              tc_u32 stage, const float (&acc)[W / 2], float sc0, float sc1,
-                                              int rl, int tid) {
-    constexpr int CH = W / 8, NT = 256;
-    const int lane = tid & 31;
-    __syncthreads();
+__device__ __forceinline__ void hw_stage_tile(tc_u32 stage, const float (&acc)[W / 2], float sc0, float sc1, int rl,
+                                              int lane) {
+    constexpr int CH = W / 8;
     const float sc[2] = {sc0, sc1};
 #pragma unroll
     for (int j = 0; j < CH; ++j)
@@ -193,7 +187,14 @@ __device__ __forceinline__ void hw_store_tile(tc_u16 *g, long long ld, int q0, i
         for (int i = 0; i < 2; ++i)
             hw_st_shared(stage + hw_swz<128>(rl + 8 * i, j) + (lane & 3) * 4,
                          tc_pack<BF16>(acc[4 * j + 2 * i] * sc[i], acc[4 * j + 2 * i + 1] * sc[i]));
-    __syncthreads();
+}
+
+// the staged 128 x W tile to rows [q0, q0 + 128) x columns [c0, c0 + W) of a matrix with row stride ld,
+// in 16-byte stores for rows < nrows and columns < ncols, by the block's 256 threads (tid 0 .. 255)
+template <int W>
+__device__ __forceinline__ void hw_copy_tile(tc_u16 *g, long long ld, int q0, int nrows, int c0, int ncols,
+                                             tc_u32 stage, int tid) {
+    constexpr int CH = W / 8, NT = 256;
 #pragma unroll
     for (int i = 0; i < 128 * CH / NT; ++i) {
         const int c = tid + i * NT;
@@ -201,6 +202,20 @@ __device__ __forceinline__ void hw_store_tile(tc_u16 *g, long long ld, int q0, i
         if (q0 + r < nrows && c0 + ch * 8 < ncols)
             *(tc_u4 *)(g + (q0 + r) * ld + c0 + ch * 8) = hw_ld_shared4(stage + hw_swz<128>(r, ch));
     }
+}
+
+// Rows [q0, q0 + 128) x columns [c0, c0 + W) of a matrix with row stride ld, from the accumulators of a
+// two-warpgroup block (hw_stage_tile), staged at shared address stage (128 x W) and leaving in 16-byte
+// stores for rows < nrows and columns < ncols. Starts with __syncthreads (so the staging area may
+// still hold operands until then); the caller syncs before reusing the area.
+template <int W, bool BF16>
+__device__ __forceinline__ void hw_store_tile(tc_u16 *g, long long ld, int q0, int nrows, int c0, int ncols,
+                                              tc_u32 stage, const float (&acc)[W / 2], float sc0, float sc1,
+                                              int rl, int tid) {
+    __syncthreads();
+    hw_stage_tile<W, BF16>(stage, acc, sc0, sc1, rl, tid & 31);
+    __syncthreads();
+    hw_copy_tile<W>(g, ld, q0, nrows, c0, ncols, stage, tid);
 }
 
 // acc (64 x NB, this warpgroup's rows) = A B^T, the product over D with both operands K-major in

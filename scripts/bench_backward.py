@@ -25,8 +25,10 @@ Per shape and kernel (all times in milliseconds, median over --iters after --war
                 above (compile, or load from Triton's disk cache ~/.triton/cache, and autotune of
                 its three kernels; later calls in the process reuse both)
 
-fused is the backward this GPU runs by default (wgmma on compute capability 9.0); fused_mma the same
-calls with TPATTN_FUSED_BWD=mma (the portable mma.sync backward, kernels/fused_attention_backward.cu).
+fused is the backward this GPU runs by default (wgmma on compute capability 9.0); fused_red the same
+calls with TPATTN_FUSED_BWD5=red (the five-product kernel whose threads add dQ with red.global.add, not
+the warp-specialized one); fused_det with deterministic=True (seven products); fused_mma with
+TPATTN_FUSED_BWD=mma (the portable mma.sync backward, kernels/fused_attention_backward.cu).
 A kernel without a backward is a "no backward" row; an SDPA backend that refuses the shape is a
 skipped row with torch's reason; triton is a skipped row where the triton package is missing.
 naive, tiled and reference write N x N scores (S, P, dP, dS: tens of GB at N = 16384, H = 32), so
@@ -66,8 +68,8 @@ from tpattn.errors import ConfigError  # noqa: E402
 from tpattn.report import versions  # noqa: E402
 from tpattn.timing import section  # noqa: E402
 
-RUNGS = ("naive", "tiled", "fused", "fused_det", "fused_mma", "triton", "reference")
-RUNG_ENV = {"fused_mma": {"TPATTN_FUSED_BWD": "mma"}}  # environment a rung runs under (forward and backward)
+RUNGS = ("naive", "tiled", "fused", "fused_red", "fused_det", "fused_mma", "triton", "reference")
+RUNG_ENV = {"fused_mma": {"TPATTN_FUSED_BWD": "mma"}, "fused_red": {"TPATTN_FUSED_BWD5": "red"}}  # environment a rung runs under (forward and backward)
 FIRST_CALL = ("triton",)  # rungs whose first call compiles and autotunes: timed apart
 MATERIALIZED = ("naive", "tiled", "reference")  # write N x N scores and their gradients
 SDPA = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")  # the names bench_kernels.sdpa_backends() gives

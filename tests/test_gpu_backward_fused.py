@@ -15,16 +15,18 @@ from tpattn.attention import attention, get_backend
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True, params=["wgmma", "wgmma-deterministic", "mma"])
+@pytest.fixture(autouse=True, params=["wgmma", "wgmma-red", "wgmma-deterministic", "mma"],
+                ids=["bulk", "red", "seven", "mma"])
 def bwd_kernels(request, monkeypatch):
     """Every test runs with each backward kernel set this GPU has: on compute capability 9.0 the
-    five-product wgmma kernel (dQ by fp32 adds: the default), the seven-product ones
-    (deterministic=True), and everywhere the mma.sync ones. Returns whether `check` asks for
-    deterministic gradients."""
+    five-product wgmma kernels (dQ by fp32 adds: the warp-specialized one by bulk reduce-adds, the
+    default, and "red", every thread's red.global.add), the seven-product ones (deterministic=True),
+    and everywhere the mma.sync ones. Returns whether `check` asks for deterministic gradients."""
     kernels = request.param.split("-")[0]
     if kernels == "wgmma" and torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma backward needs compute capability 9.0")
     monkeypatch.setenv("TPATTN_FUSED_BWD", kernels)
+    monkeypatch.setenv("TPATTN_FUSED_BWD5", "red" if request.param.endswith("red") else "ws")
     return request.param.endswith("deterministic")
 
 

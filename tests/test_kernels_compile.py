@@ -58,6 +58,26 @@ def test_the_backward_runs_on_wgmma_on_hopper_only(monkeypatch):
         bwd_kernels((9, 0))
 
 
+def test_the_five_product_kernel_is_chosen_by_head_dim_and_fits(monkeypatch):
+    """The warp-specialized five-product kernel at d = 128, the red.global.add one at d = 64 (measured),
+    TPATTN_FUSED_BWD5 overriding either, anything else refused in one line; hbwd5w_kv's shared memory
+    (its layout in fused_hopper_backward.cu) within the 227 KB a block may have on 9.0, and its symbols
+    in the source for both dtypes and head dims."""
+    from tpattn.attention.fused import HOPPER_BWD_SOURCE, bwd5_kernel, bwd5w_shared_mem
+    monkeypatch.delenv("TPATTN_FUSED_BWD5", raising=False)
+    assert bwd5_kernel(128) == "ws" and bwd5_kernel(64) == "red"
+    monkeypatch.setenv("TPATTN_FUSED_BWD5", "red")
+    assert bwd5_kernel(128) == "red"
+    monkeypatch.setenv("TPATTN_FUSED_BWD5", "ws")
+    assert bwd5_kernel(64) == "ws"
+    monkeypatch.setenv("TPATTN_FUSED_BWD5", "bulk")
+    with pytest.raises(ConfigError, match="use ws or red"):
+        bwd5_kernel(128)
+    assert bwd5w_shared_mem(64) < bwd5w_shared_mem(128) <= 227 * 1024
+    src = (kernel_dir() / HOPPER_BWD_SOURCE).read_text()
+    assert "hbwd5w_kv_##SUF##_d##D" in src and "setmaxnreg" in src
+
+
 def test_hopper_kernels_exist_and_are_refused_elsewhere(monkeypatch):
     from tpattn.attention.fused import HOPPER_SOURCE, WS_SOURCE, kernel_for
     for src in (HOPPER_SOURCE, WS_SOURCE):

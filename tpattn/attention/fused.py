@@ -276,8 +276,11 @@ class FusedBackend(CudaBackend):
                 launch(HOPPER_BWD_SOURCE, f"hbwd_pre_{suf}_d{d}", dev, (min(_cdiv(rows, 8), GRID_X_MAX), 1, 1),
                        (256, 1, 1), (ptr(o), ptr(do), ptr(dl), ptr(dqa), np.int64(rows), np.int64(dqa.numel() // 4)))
             with section("bwd_kv"):
-                launch(HOPPER_BWD_SOURCE, f"hbwd5_kv_{suf}_d{d}", dev, (_cdiv(n, 128), min(b * g, GRID_YZ_MAX), 1),
-                       (256, 1, 1), (*kv_args[:8], ptr(dqa), *kv_args[8:]), shared_mem=bwd5_shared_mem(d))
+                if bwd5_kernel(d) == "ws":
+                    _bwd5_ws(q, k, v, do, lse, dl, dk, dv, dqa, kv_args[8:], suf)
+                else:
+                    launch(HOPPER_BWD_SOURCE, f"hbwd5_kv_{suf}_d{d}", dev, (_cdiv(n, 128), min(b * g, GRID_YZ_MAX), 1),
+                           (256, 1, 1), (*kv_args[:8], ptr(dqa), *kv_args[8:]), shared_mem=bwd5_shared_mem(d))
             with section("bwd_dq"):
                 tiles = b * h * _cdiv(n, 64) * (d // 64)
                 launch(HOPPER_BWD_SOURCE, f"hbwd_dq_out_{suf}_d{d}", dev, (min(tiles, GRID_X_MAX), 1, 1), (256, 1, 1),
@@ -305,6 +308,46 @@ class FusedBackend(CudaBackend):
             launch(BWD_SOURCE, f"fbwd_dq_{suf}_d{d}", dev, (_cdiv(n, 64), min(b * h, GRID_YZ_MAX), 1), (128, 1, 1),
                    (ptr(q), ptr(k), ptr(v), ptr(do), ptr(lse), ptr(dl), ptr(dq), *tail), shared_mem=6 * 64 * d * 2)
         return dq, dk, dv
+
+
+_prepared_bwd: dict[tuple, Prepared] = {}  # hbwd5w launches, packed once per (tensors, shape)
+
+
+def _bwd5_ws(q, k, v, do, lse, dl, dk, dv, dqa, tail, suf: str) -> None:
+    """hbwd5w_kv: the five-product kernel split by role (a loader warp bringing K, V, Q and dO in by TMA,
+    an adder warp sending each step's dQ tile to the fp32 sum in one bulk reduce-add, two consumer
+    warpgroups computing), a block per 128 keys of a K/V head; launched through tensor maps."""
+    b, g, n, d = k.shape
+    key = (suf, d, q.device.index, tuple(q.shape), tuple(k.shape),
+           *(t.data_ptr() for t in (q, k, v, do, lse, dl, dk, dv, dqa)), *(float(x) for x in tail))
+    prep = _prepared_bwd.get(key)
+    if prep is None:
+        grid = (_cdiv(n, 128), min(b * g, GRID_YZ_MAX), 1)
+        prep = Prepared(HOPPER_BWD_SOURCE, f"hbwd5w_kv_{suf}_d{d}", q.device, grid, (384, 1, 1),
+                        (TensorMap(q, box=(64, 64)), TensorMap(k), TensorMap(v), TensorMap(do, box=(64, 64)),
+                         ptr(lse), ptr(dl), ptr(dk), ptr(dv), ptr(dqa), *tail), shared_mem=bwd5w_shared_mem(d))
+        if len(_prepared_bwd) >= 64:
+            _prepared_bwd.clear()
+        _prepared_bwd[key] = prep
+    prep()
+
+
+def bwd5w_shared_mem(d: int) -> int:
+    """Dynamic shared memory of hbwd5w_kv: K and V (128 keys), two stages of Q and dO (64 rows), two
+    dS^T buffers (128 x 64), two fp32 dQ staging buffers (64 x d), L and Dl, the mbarriers and the
+    1024-byte alignment."""
+    return (2 * 128 + 4 * 64) * d * 2 + 2 * 128 * 64 * 2 + 2 * 64 * d * 4 + 1024 + 64 + 1024
+
+
+def bwd5_kernel(d: int) -> str:
+    """Which five-product kernel runs on compute capability 9.0: "ws" (hbwd5w_kv, warp-specialized, dQ by
+    bulk reduce-adds from shared memory) or "red" (hbwd5_kv, every thread adding its dQ accumulators with
+    red.global.add). By measurement on the H200 (docs/backward.md): ws at d = 128 (3-5 % faster), red at
+    d = 64 (ws 11 % slower). TPATTN_FUSED_BWD5 picks one (the benchmark's comparison)."""
+    env = os.environ.get("TPATTN_FUSED_BWD5") or ""
+    if env not in ("", "ws", "red"):
+        raise ConfigError(f"TPATTN_FUSED_BWD5={env!r}: use ws or red (or leave it unset)")
+    return env or ("ws" if d == 128 else "red")
 
 
 def bwd5_shared_mem(d: int) -> int:
