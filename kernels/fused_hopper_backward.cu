@@ -415,9 +415,9 @@ __device__ __forceinline__ void hb_kv(const tc_u16 *__restrict__ Q, const tc_u16
 //     16 KiB) and adds it to dQa with one bulk reduce-add (cp.reduce.async.bulk .add.f32), then frees
 //     the staging buffer once the copy has read it: the adds leave the consumers' path whole;
 //   * warpgroups 1 and 2 (232 registers), 64 keys each: per step S^T = K Q^T and dP^T = V dO^T, P^T and
-//     dS^T in registers (hb_sdp), dS^T to shared memory (two buffers), a named barrier (both halves of
-//     dS^T are in), then dV += P^T dO, dK += dS^T Q and dQ = dS K issued together and waited for; the
-//     stage is freed and dQ staged (two buffers, named barriers with the adder).
+//     dS^T in registers (hb_sdp), dS^T to shared memory (two buffers), dV += P^T dO and dK += dS^T Q
+//     issued, a named barrier (both halves of dS^T are in), dQ = dS K issued; the stage is freed once
+//     dV and dK are done, and dQ staged once it is (two buffers, named barriers with the adder).
 // dK and dV leave at the end of each K/V head through the K and V tiles' shared memory.
 // Shared memory: K, V 2 x 128 D x 2; Q, dO 2 stages x 2 x 64 D x 2; dS^T 2 x 128 x 64 x 2; dQ staging
 // 2 x 64 D x 4; L and Dl 1024; mbarriers 64; + 1024 for the alignment (bwd5_shared_mem in fused.py).
@@ -596,7 +596,8 @@ __device__ __forceinline__ void hb_kv5(const tw_tmap *qm, const tw_tmap *km, con
                 for (int e = 0; e < 4; ++e)
                     hw_st_shared(sDS + hw_swz<128>(rl + 8 * (e & 1), 2 * kk + (e >> 1)) + (lane & 3) * 4, da[kk][e]);
             hw_fence_proxy();
-            tw_sync(HB_DS_BAR, 256);  // both warpgroups' dS^T is in
+            // dV and dK need only this warpgroup's P^T and dS^T: issued before the wait for the other
+            // warpgroup's dS^T, so that the tensor cores run them while it finishes its softmax
             float dq[D == 128 ? 32 : 16];
             hw_keep(dv);
             hw_keep(dk);
@@ -605,15 +606,18 @@ __device__ __forceinline__ void hb_kv5(const tw_tmap *qm, const tw_tmap *km, con
             hw_wg_fence();
             hw_ab<D, 4, BM, BF16>(dv, pa, sdo);  // dV += P^T dO
             hw_ab<D, 4, BM, BF16>(dk, da, sq);   // dK += dS^T Q
+            hw_wg_commit();
+            tw_sync(HB_DS_BAR, 256);  // both warpgroups' dS^T is in
             hb_dq_product<D, BF16>(dq, sDS, sK, c);
             hw_wg_commit();
-            hw_wg_wait<0>();
-            hw_keep(dq);
+            hw_wg_wait<1>();  // dV and dK: the stage's Q and dO are read
             hw_keep(dv);
             hw_keep(dk);
             hw_keep(pa);
             hw_keep(da);
             release(q_empty(s));
+            hw_wg_wait<0>();
+            hw_keep(dq);
             // dq into staging buffer s in dQa's layout: group g of this warpgroup's accumulators is group
             // gg of the step's D / 64 panels (D = 128: panel c; D = 64: groups 4 c .. 4 c + 3 of the one panel)
             tw_sync(HB_DQE_BAR + s, NQ);
