@@ -405,7 +405,7 @@ if want backward5; then
     echo "$tool exit $?"; tail -1 "$OUT/sanitizer_bwd_$tool.log"
   done
   c=${COMMIT:-unknown}
-  K="fused fused_det sdpa_flash sdpa_cudnn"
+  K="fused fused_red fused_det sdpa_flash sdpa_cudnn"
   note "bench_backward and bench_train"
   for args in "--seq-lens 4096 --both-causal" "--batch 2 --kv-heads 8 --seq-lens 8192 --dtype bf16 --causal --sdpa-gqa native" \
               "--seq-lens 16384 --causal" "--batch 8 --heads 16 --head-dim 64 --seq-lens 1024 --dtype bf16 --causal"; do

@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """The fused backward's kernels on small shapes, for compute-sanitizer (memcheck, racecheck):
 fp16 and bf16, d = 64 and 128, causal and not, N not a multiple of the tiles, GQA, the default
-five-product kernels and deterministic=True's seven-product ones. Exits non-zero if a gradient is
-not finite.
+five-product kernels (both: the warp-specialized hbwd5w_kv and hbwd5_kv, TPATTN_FUSED_BWD5=ws and red)
+and deterministic=True's seven-product ones. Exits non-zero if a gradient is not finite.
 
     compute-sanitizer --tool racecheck --error-exitcode 9 python scripts/sanitize_backward.py
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -21,7 +22,8 @@ def main() -> int:
     for dtype in (torch.float16, torch.bfloat16):
         for d in (64, 128):
             for causal in (False, True):
-                for det in (False, True):
+                for det, five in ((False, "ws"), (False, "red"), (True, "")):
+                    os.environ["TPATTN_FUSED_BWD5"] = five
                     g = torch.Generator(device="cuda").manual_seed(0)
                     q = torch.randn(1, 4, 200, d, device="cuda", dtype=dtype, generator=g).requires_grad_(True)
                     k, v = (torch.randn(1, 2, 200, d, device="cuda", dtype=dtype, generator=g).requires_grad_(True)
@@ -30,7 +32,7 @@ def main() -> int:
                     o.backward(torch.randn_like(o))
                     ok = all(torch.isfinite(t.grad).all().item() for t in (q, k, v))
                     bad += not ok
-                    print(f"{dtype} d={d} causal={causal} deterministic={det}: {'ok' if ok else 'NOT FINITE'}")
+                    print(f"{dtype} d={d} causal={causal} deterministic={det} {five}: {'ok' if ok else 'NOT FINITE'}")
     torch.cuda.synchronize()
     return 1 if bad else 0
 
