@@ -408,9 +408,10 @@ __device__ __forceinline__ void hb_kv(const tc_u16 *__restrict__ Q, const tc_u16
 // query head of the group, as hb_kv:
 //   * warpgroup 0 (40 registers): its warp 0 loads, its warp 1 adds dQ. The loader's lane 0 brings K and
 //     V in by TMA once per K/V head, and each step's Q and dO tiles into one of two stages (TMA, 64 x 64
-//     boxes, zeros past N); its 32 lanes write the step's L (times log2 e; +inf past N) and Dl (0 past N)
-//     beside them. Each stage has a "full" mbarrier (32 lane arrives, lane 0's with the TMA bytes) and an
-//     "empty" one (every consumer warp, once its products have read the stage). The adder waits for a
+//     boxes, zeros past N). Each stage has a "full" mbarrier (lane 0's arrive with the TMA bytes) and an
+//     "empty" one (every consumer warp, once its products have read the stage). The step's L (times
+//     log2 e; +inf past N) and Dl (0 past N) are the consumers' to bring (see ld_of): so that every
+//     generic write to shared memory is ordered by a named barrier, not an mbarrier. The adder waits for a
 //     step's dQ tile staged in shared memory (fp32, the dQa layout, so one contiguous run of D / 64 x
 //     16 KiB) and adds it to dQa with one bulk reduce-add (cp.reduce.async.bulk .add.f32), then frees
 //     the staging buffer once the copy has read it: the adds leave the consumers' path whole;
@@ -493,7 +494,7 @@ __device__ __forceinline__ void hb_kv5(const tw_tmap *qm, const tw_tmap *km, con
     auto q0_of = [&](int t) { return (qt_first + (t + rot) % per) * BM; };
     if (tid == 0) {
         for (int s = 0; s < 2; ++s) {
-            tw_bar_init(q_full(s), 32);
+            tw_bar_init(q_full(s), 1);
             tw_bar_init(q_empty(s), 8);
         }
         tw_bar_init(kv_full, 1);
@@ -520,25 +521,15 @@ __device__ __forceinline__ void hb_kv5(const tw_tmap *qm, const tw_tmap *km, con
                     }
                 }
                 for (int t = 0; t < steps; ++t, ++n) {
-                    const int s = n & 1, j = t / per, q0 = q0_of(t), h = hk * group + j;
-                    const long long row0 = ((long long)bg * group + j) * N;
-                    tw_bar_wait(q_empty(s), ((n >> 1) & 1) ^ 1);
-                    float *ld = (float *)(hw_smem + (sLD + s * 512 - tc_saddr(hw_smem)));
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int r = q0 + lane + 32 * e;
-                        ld[lane + 32 * e] = r < N ? L[row0 + r] * HB_LOG2E : TC_POS_INF;
-                        ld[64 + lane + 32 * e] = r < N ? Dl[row0 + r] : 0.0f;
-                    }
+                    const int s = n & 1, q0 = q0_of(t), h = hk * group + t / per;
                     if (lane == 0) {
+                        tw_bar_wait(q_empty(s), ((n >> 1) & 1) ^ 1);
                         tw_bar_expect(q_full(s), 2 * MB);
 #pragma unroll
                         for (int p = 0; p < P; ++p) {
                             tw_tma(sQ0 + s * 2 * MB + p * BM * 128, qm, 64 * p, q0, h, b, q_full(s));
                             tw_tma(sQ0 + s * 2 * MB + MB + p * BM * 128, dom, 64 * p, q0, h, b, q_full(s));
                         }
-                    } else {
-                        tw_bar_arrive(q_full(s));
                     }
                 }
             }
@@ -580,11 +571,25 @@ __device__ __forceinline__ void hb_kv5(const tw_tmap *qm, const tw_tmap *km, con
         float dk[D / 2], dv[D / 2];
 #pragma unroll
         for (int x = 0; x < D / 2; ++x) dk[x] = dv[x] = 0.0f;
+        // L log2 e and Dl of step t's rows into slot n & 1 of sLD by consumer threads 0..127 (a value
+        // each: L for 0..63, Dl for 64..127; +inf and 0 past N): step 0's before the loop, step t + 1's
+        // during step t, loaded at its start and stored before the barrier on dS^T (after which every
+        // consumer reads it, and by which every consumer has read the slot's step t - 1)
+        auto ld_of = [&](int t) {
+            const int r = q0_of(t) + (ctid & 63);
+            const long long row = ((long long)bg * group + t / per) * N + r;
+            return r >= N ? (ctid < 64 ? TC_POS_INF : 0.0f) : ctid < 64 ? L[row] * HB_LOG2E : Dl[row];
+        };
+        float *sld = (float *)(hw_smem + (sLD - tc_saddr(hw_smem)));
+        if (ctid < 128) sld[(n & 1) * 128 + ctid] = ld_of(0);
+        tw_sync(HB_ST_BAR, 256);
         for (int t = 0; t < steps; ++t, ++n) {
             const int s = n & 1, q0 = q0_of(t);
             const tc_u32 sq = sQ0 + s * 2 * MB, sdo = sq + MB, sDS = sDS0 + s * SB, sDQ = sDQ0 + s * QB;
-            const float *cL = (const float *)(hw_smem + (sLD + s * 512 - tc_saddr(hw_smem))), *cD = cL + 64;
+            const float *cL = sld + s * 128, *cD = cL + 64;
             const bool edge = k0 + BC > N || (causal && q0 < k0 + BC);
+            const bool next = ctid < 128 && t + 1 < steps;
+            const float ld_next = next ? ld_of(t + 1) : 0.0f;
             tw_bar_wait(q_full(s), (n >> 1) & 1);
             tc_u32 pa[4][4], da[4][4];
             hb_sdp<D, BF16, D == 128>(pa, da, sK + c * 64 * 128, sV + c * 64 * 128, sq, sdo, cL, cD, kr, q0, edge, N,
@@ -607,7 +612,8 @@ __device__ __forceinline__ void hb_kv5(const tw_tmap *qm, const tw_tmap *km, con
             hw_ab<D, 4, BM, BF16>(dv, pa, sdo);  // dV += P^T dO
             hw_ab<D, 4, BM, BF16>(dk, da, sq);   // dK += dS^T Q
             hw_wg_commit();
-            tw_sync(HB_DS_BAR, 256);  // both warpgroups' dS^T is in
+            if (next) sld[(s ^ 1) * 128 + ctid] = ld_next;
+            tw_sync(HB_DS_BAR, 256);  // both warpgroups' dS^T is in (and the next step's L and Dl)
             hb_dq_product<D, BF16>(dq, sDS, sK, c);
             hw_wg_commit();
             hw_wg_wait<1>();  // dV and dK: the stage's Q and dO are read
