@@ -12,10 +12,12 @@ rounds; `/ cuDNN` is a row's step over the plain cuDNN layer's; host ms, the tim
 return (its launches queued). tpattn's layer runs with its default backward and with deterministic=True;
 with --graph (default) each default layer's step also runs captured in one CUDA graph (tpattn's
 through `layer.graphed(x, dy=dy)`). Writes PREFIX.json and PREFIX.md (--out, default
-benchmarks/train_h200): GPU, versions, command, date (UTC), commit.
+benchmarks/train_h200): GPU, versions, command, date (UTC), commit. --profile K also lists, for tpattn's
+default layer and the plain cuDNN layer, the GPU kernels of one eager step (torch.profiler, the mean of
+five steps): the K longest by GPU time, with their launches per step, and the whole step's kernel time.
 
     PYTHONPATH=. python scripts/bench_train.py [--seq-len 4096] [--heads 32] [--kv-heads G] [--head-dim 128]
-        [--batch B] [--dtype fp16|bf16] [--kernel fused] [--causal] [--rounds 3] [--no-graph] [--commit SHA] [--out PREFIX]
+        [--batch B] [--dtype fp16|bf16] [--kernel fused] [--causal] [--rounds 3] [--no-graph] [--profile K] [--commit SHA] [--out PREFIX]
 """
 
 from __future__ import annotations
@@ -83,6 +85,31 @@ def median_ms(fn, warmup: int, iters: int, params) -> tuple[float, float]:
     return statistics.median(ts), statistics.median(hs)
 
 
+def kernel_table(step, params, steps: int = 5) -> list[tuple[str, float, float]]:
+    """(kernel, launches per step, GPU us per step) of every GPU activity of step(), longest first: the
+    mean over `steps` eager steps under torch.profiler (CUDA activity only), after three unprofiled."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        for q in params:
+            q.grad = None
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            for q in params:
+                q.grad = None
+            step()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = e.self_cuda_time_total
+        if us > 0:
+            rows.append((e.key, e.count / steps, us / steps))
+    return sorted(rows, key=lambda r: -r[2])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-len", type=int, default=4096)
@@ -98,6 +125,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="turns each layer takes, alternating (default 3)")
     p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
                    help="also time each layer's step captured in one CUDA graph (default on)")
+    p.add_argument("--profile", type=int, default=0, metavar="K",
+                   help="list the K longest GPU kernels of one eager step of tpattn's layer and the plain cuDNN layer")
     p.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse here)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "train_h200"))
     a = p.parse_args()
@@ -161,10 +190,23 @@ def main() -> int:
                      "x_cudnn": round(train / base, 3) if base else None})
         print(f"{name:<36} forward {f'{fwd:8.3f}' if fwd else '       -'} ms   forward + backward {train:8.3f} ms"
               f"   host {host:7.3f} ms{f'   / cuDNN {train / base:.3f}' if base else ''}", flush=True)
+    profiles = {}
+    for name in (f"tpattn {a.kernel}", "plain cuDNN") if a.profile else ():
+        if name in skipped:
+            continue
+        table = kernel_table(runs[name][0], [xg, *layers[name].parameters()])
+        profiles[name] = {"total_us": round(sum(r[2] for r in table), 1),
+                          "kernels": [{"kernel": k[:120], "per_step": round(c, 2), "us": round(us, 1)}
+                                      for k, c, us in table[:a.profile]]}
+        print(f"{name}: GPU kernels of one eager step, {profiles[name]['total_us']:.1f} us in all", flush=True)
+        for r in profiles[name]["kernels"]:
+            print(f"  {r['us']:9.1f} us  x{r['per_step']:<5g} {r['kernel'][:100]}", flush=True)
     commit = a.commit or (subprocess_out(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]) or "unknown")
     res = {"gpu": torch.cuda.get_device_name(), "versions": versions(), "command": shlex.join(["python", *sys.argv]),
            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit,
            "shape": {"B": B, "N": N, "H": H, "G": G, "d": d, "dtype": a.dtype, "causal": a.causal}, "rows": rows}
+    if profiles:
+        res["profiles"] = profiles
     Path(a.out + ".json").write_text(json.dumps(res, indent=2))
     md = [f"# Training step on one GPU: tpattn beside the plain PyTorch layer", "",
           f"{res['date']}, {res['gpu']}, commit {commit}; torch {res['versions'].get('torch')}. Command: `{res['command']}`.",
@@ -177,6 +219,10 @@ def main() -> int:
     md += [f"| {r['layer']} | {r.get('fwd_ms') or '-'} | {r.get('fwd_bwd_ms', r.get('skipped', '-'))} | "
            f"{r.get('host_ms', '-')} | {r.get('x_cudnn') or '-'} | {', '.join(map(str, r.get('rounds_ms', [])))} |"
            for r in rows]
+    for name, prof in profiles.items():
+        md += ["", f"{name}: the GPU kernels of one eager step (torch.profiler, mean of 5 steps), "
+                   f"{prof['total_us']} us in all", "", "| kernel | launches per step | us per step |", "|---|---|---|"]
+        md += [f"| `{r['kernel']}` | {r['per_step']} | {r['us']} |" for r in prof["kernels"]]
     Path(a.out + ".md").write_text("\n".join(md) + "\n")
     return 0
 
