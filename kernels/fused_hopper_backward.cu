@@ -156,16 +156,26 @@ __device__ __forceinline__ void hb_dq_add(float *__restrict__ dst, const float (
                      "f"(dq[4 * g + 1]), "f"(dq[4 * g + 2]), "f"(dq[4 * g + 3]) : "memory");
 }
 
+// element strides of a [B, H, N, D] tensor whose rows are contiguous (a view of a packed [B, N, H', D] one,
+// or contiguous): batch, head and row; rows and their starts 16-byte aligned
+struct hb_strides {
+    long long b, h, n;
+    __device__ __forceinline__ long long at(int bi, int hi, int ni) const { return bi * b + hi * h + ni * n; }
+};
+
 // Dl = rowsum(dO o O) of every row (fp32, a warp a row), and the zeros of dQa (n4 16-byte chunks):
 // the five-product backward's first pass
 template <int D, bool BF16>
 __device__ __forceinline__ void hb_pre(const tc_u16 *__restrict__ O, const tc_u16 *__restrict__ dO,
-                                       float *__restrict__ Dl, float4 *__restrict__ dQa, long long rows, long long n4) {
+                                       float *__restrict__ Dl, float4 *__restrict__ dQa, long long rows, long long n4,
+                                       int H, int N, hb_strides so, hb_strides sd) {
     constexpr int E = D / 32;  // elements a lane: 4 or 2
     const int lane = threadIdx.x & 31;
     const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
     for (long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
-        const tc_u32 *o = (const tc_u32 *)(O + r * D + lane * E), *g = (const tc_u32 *)(dO + r * D + lane * E);
+        const long long bh = r / N;
+        const int n = (int)(r - bh * N), b = (int)(bh / H), h = (int)(bh - (long long)b * H);
+        const tc_u32 *o = (const tc_u32 *)(O + so.at(b, h, n) + lane * E), *g = (const tc_u32 *)(dO + sd.at(b, h, n) + lane * E);
         float acc = 0.0f;
 #pragma unroll
         for (int w = 0; w < E / 2; ++w) {
@@ -185,7 +195,7 @@ __device__ __forceinline__ void hb_pre(const tc_u16 *__restrict__ O, const tc_u1
 // in row order, then writes rows < N in 16-byte stores, rounded to the storage type
 template <int D, bool BF16>
 __device__ __forceinline__ void hb_dq_out(const float4 *__restrict__ dQa, tc_u16 *__restrict__ dQ, int N,
-                                          long long tiles) {
+                                          long long tiles, int H, hb_strides sq) {
     __shared__ float tile[64][68];  // rows 68 floats apart: 16-byte aligned, few bank conflicts
     constexpr int P = D / 64;
     const int n_qt = (N + 63) / 64, tid = threadIdx.x;
@@ -214,7 +224,7 @@ __device__ __forceinline__ void hb_dq_out(const float4 *__restrict__ dQa, tc_u16
                 w.y = tc_pack<BF16>(src[2], src[3]);
                 w.z = tc_pack<BF16>(src[4], src[5]);
                 w.w = tc_pack<BF16>(src[6], src[7]);
-                *(tc_u4 *)(dQ + (bh * N + row) * D + panel * 64 + c) = w;
+                *(tc_u4 *)(dQ + sq.at((int)(bh / H), (int)(bh % H), row) + panel * 64 + c) = w;
             }
         }
     }
@@ -475,7 +485,7 @@ template <int D, bool BF16>
 __device__ __forceinline__ void hb_kv5(const tw_tmap *qm, const tw_tmap *km, const tw_tmap *vm, const tw_tmap *dom,
                                        const float *__restrict__ L, const float *__restrict__ Dl,
                                        tc_u16 *__restrict__ dK, tc_u16 *__restrict__ dV, float *__restrict__ dQa,
-                                       int BG, int G, int group, int N, float scale, int causal) {
+                                       int BG, int G, int group, int N, float scale, int causal, hb_strides skv) {
     constexpr int BC = 128, BM = 64, P = D / 64, NQ = 288;  // NQ: the dQ barriers' threads
     constexpr tc_u32 KB = BC * D * 2, MB = BM * D * 2, SB = BC * BM * 2, QB = BM * D * 4;
     const tc_u32 sK = hw_smem_base(), sV = sK + KB, sQ0 = sV + KB, sDS0 = sQ0 + 4 * MB, sDQ0 = sDS0 + 2 * SB,
@@ -641,9 +651,9 @@ __device__ __forceinline__ void hb_kv5(const tw_tmap *qm, const tw_tmap *km, con
         hw_stage_tile<D, BF16>(sK, dk, 1.0f, 1.0f, rl, lane);
         hw_stage_tile<D, BF16>(sV, dv, 1.0f, 1.0f, rl, lane);
         tw_sync(HB_ST_BAR, 256);
-        const long long kv_off = (long long)bg * N * D;
-        hw_copy_tile<D>(dK + kv_off, D, k0, N, 0, D, sK, ctid);
-        hw_copy_tile<D>(dV + kv_off, D, k0, N, 0, D, sV, ctid);
+        const long long kv_off = skv.at(bg / G, bg % G, 0);
+        hw_copy_tile<D>(dK + kv_off, skv.n, k0, N, 0, D, sK, ctid);
+        hw_copy_tile<D>(dV + kv_off, skv.n, k0, N, 0, D, sV, ctid);
         hw_fence_proxy();  // these generic reads before the next K/V head's TMA writes
         release(kv_empty);
     }
@@ -814,17 +824,20 @@ __device__ __forceinline__ void hb_dq(const tc_u16 *__restrict__ Q, const tc_u16
         const __grid_constant__ tw_tmap vm, const __grid_constant__ tw_tmap dom,                      \
         const float *__restrict__ L, const float *__restrict__ Dl, tc_u16 *__restrict__ dK,           \
         tc_u16 *__restrict__ dV, float *__restrict__ dQa, int BG, int G, int group, int N, float scale, \
-        int causal) {                                                                                  \
-        hb_kv5<D, BF16>(&qm, &km, &vm, &dom, L, Dl, dK, dV, dQa, BG, G, group, N, scale, causal);      \
+        int causal, long long sk0, long long sk1, long long sk2) {                                     \
+        hb_kv5<D, BF16>(&qm, &km, &vm, &dom, L, Dl, dK, dV, dQa, BG, G, group, N, scale, causal,       \
+                        hb_strides{sk0, sk1, sk2});                                                    \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) hbwd_pre_##SUF##_d##D(                          \
         const tc_u16 *__restrict__ O, const tc_u16 *__restrict__ dO, float *__restrict__ Dl,          \
-        float4 *__restrict__ dQa, long long rows, long long n4) {                                      \
-        hb_pre<D, BF16>(O, dO, Dl, dQa, rows, n4);                                                     \
+        float4 *__restrict__ dQa, long long rows, long long n4, int H, int N, long long so0,           \
+        long long so1, long long so2, long long sd0, long long sd1, long long sd2) {                   \
+        hb_pre<D, BF16>(O, dO, Dl, dQa, rows, n4, H, N, hb_strides{so0, so1, so2}, hb_strides{sd0, sd1, sd2}); \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) hbwd_dq_out_##SUF##_d##D(                       \
-        const float4 *__restrict__ dQa, tc_u16 *__restrict__ dQ, int N, long long tiles) {            \
-        hb_dq_out<D, BF16>(dQa, dQ, N, tiles);                                                         \
+        const float4 *__restrict__ dQa, tc_u16 *__restrict__ dQ, int N, long long tiles, int H,       \
+        long long sq0, long long sq1, long long sq2) {                                                 \
+        hb_dq_out<D, BF16>(dQa, dQ, N, tiles, H, hb_strides{sq0, sq1, sq2});                           \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256, 1) hbwd_dq_##SUF##_d##D(                        \
         const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,     \

@@ -118,7 +118,38 @@ def test_the_dq_sum_leaves_in_row_order(n, d, dtype, bwd_kernels):
     got = torch.full((b, h, n, d), float("nan"), device="cuda", dtype=dtype)
     suf = "bf16" if dtype == torch.bfloat16 else "f16"
     launch(fused.HOPPER_BWD_SOURCE, f"hbwd_dq_out_{suf}_d{d}", got.device, (tiles, 1, 1), (256, 1, 1),
-           (ptr(dqa), ptr(got), np.int32(n), np.int64(tiles)))
+           (ptr(dqa), ptr(got), np.int32(n), np.int64(tiles), np.int32(h), *(np.int64(s) for s in got.stride()[:3])))
     want = torch.empty_like(got)
     dq_from_sum(want, dqa)
     assert torch.equal(got, want)
+
+
+def packed_inputs(b, h, g, n, d, dtype):
+    """qkv [b, n, h + 2g, d] (what the layer's QKV GEMM writes, seen per head) and do [b, h, n, d] laid
+    out as the layer's output GEMM hands it back (rows of every head: [b, n, h, d] seen per head)."""
+    q, k, v, do = inputs(b, h, g, n, d, dtype)
+    qkv = torch.cat([t.transpose(1, 2) for t in (q, k, v)], dim=2).contiguous()
+    return qkv, do.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("n,d,h,g,causal,dtype", [(1000, 128, 8, 2, True, torch.float16),
+                                                  (257, 64, 4, 4, False, torch.bfloat16),
+                                                  (129, 128, 4, 1, False, torch.bfloat16)])
+def test_packed_attention_matches_float64_and_writes_one_gradient(n, d, h, g, causal, dtype, bwd_kernels):
+    """attention_packed (the layer's training path: q, k, v read in place from the QKV GEMM's output,
+    o written in the rows the output GEMM reads, dq, dk and dv written into one gradient of qkv's
+    layout) holds FlashAttention's rule against float64, and its gradient is qkv's own layout;
+    deterministic=True gives the bits of the unpacked call."""
+    from tpattn.attention.autograd import split_packed
+    qkv, do = packed_inputs(2, h, g, n, d, dtype)
+    fused = get_backend("fused")
+    leaf = qkv.clone().requires_grad_(True)
+    o = fused.attention_packed(leaf, h, g, causal, deterministic=bwd_kernels)
+    assert o.shape == (2, h, n, d) and o.permute(0, 2, 1, 3).is_contiguous(), "o in the output GEMM's rows"
+    o.backward(do)
+    assert leaf.grad.shape == qkv.shape and leaf.grad.is_contiguous()
+    q, k, v = (t.contiguous() for t in split_packed(qkv, h, g))
+    check_output_and_grads(q, k, v, do.contiguous(), causal, (o.detach(), *split_packed(leaf.grad, h, g)))
+    if bwd_kernels:  # deterministic: the same bits as the split call on contiguous copies
+        _, *want = grads(q, k, v, do.contiguous(), causal, "fused", deterministic=True)
+        assert all(torch.equal(a, b) for a, b in zip(split_packed(leaf.grad, h, g), want))

@@ -59,13 +59,15 @@ def test_the_backward_runs_on_wgmma_on_hopper_only(monkeypatch):
 
 
 def test_the_five_product_kernel_is_chosen_by_head_dim_and_fits(monkeypatch):
-    """The warp-specialized five-product kernel at d = 128, the red.global.add one at d = 64 (measured),
+    """The warp-specialized five-product kernel at d = 128 and for strided operands, the red.global.add one
+    at d = 64 on contiguous ones (measured),
     TPATTN_FUSED_BWD5 overriding either, anything else refused in one line; hbwd5w_kv's shared memory
     (its layout in fused_hopper_backward.cu) within the 227 KB a block may have on 9.0, and its symbols
     in the source for both dtypes and head dims."""
     from tpattn.attention.fused import HOPPER_BWD_SOURCE, bwd5_kernel, bwd5w_shared_mem
     monkeypatch.delenv("TPATTN_FUSED_BWD5", raising=False)
     assert bwd5_kernel(128) == "ws" and bwd5_kernel(64) == "red"
+    assert bwd5_kernel(64, strided=True) == bwd5_kernel(128, strided=True) == "ws"
     monkeypatch.setenv("TPATTN_FUSED_BWD5", "red")
     assert bwd5_kernel(128) == "red"
     monkeypatch.setenv("TPATTN_FUSED_BWD5", "ws")

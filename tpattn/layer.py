@@ -234,6 +234,14 @@ class TensorParallelAttention(LayerPlan, LayerModule):
         else:
             with section("qkv_proj"):
                 qkv = mm(x2d, self.wqkv, self.dtype, self._qkv_bias())
+        # training without rotary positions, all heads at once: attention of the QKV GEMM's output as it
+        # is, its gradient written whole in the same layout (attention_packed: no concatenation of dq,
+        # dk and dv), o in the rows the output GEMM reads (no copy either way)
+        packed = grad and self.rope_theta is None and len(head_chunks(h, self.local_group, self.head_chunk)) == 1
+        if packed:
+            o = self.backend.attention_packed(qkv.view(B, N, -1, d), h, self.local_kv_heads, self.causal,
+                                              self.deterministic)
+            return head_parallel_out(self, plan, o.permute(0, 2, 1, 3).reshape(B, N, h * d))
         with section("qkv_proj"):
             q, k, v = self._split_heads(qkv.view(B, N, -1, d))           # [B, h|g|g, N, d]
             q, k = self._rope(q, k, 0)

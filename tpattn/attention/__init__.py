@@ -15,7 +15,7 @@ import torch
 
 from ..errors import ConfigError, FlagError, cupy_available, cupy_missing_message
 from . import custom_ops
-from .autograd import _Attention
+from .autograd import _Attention, _AttentionPacked, split_packed
 
 _BACKENDS = {
     "reference": "tpattn.attention.reference:ReferenceBackend",
@@ -35,6 +35,8 @@ class Backend:
     row_chunks = None           # a backend that computes a chunk of query rows (forward(rows=(r0, r1)))
                                 # sets the multiple r0 must be; the layer then overlaps per chunk
     strided = False             # True: q, k, v and out= may be strided [B, h, N, d] views (rows contiguous)
+    packed_grads = False        # True: forward_for_backward takes out= (o's memory), backward takes any do
+                                # with contiguous rows and out= (dq, dk, dv to write, strided views)
     saves_lse = False           # forward_for_backward's `saved` is the rows' logsumexp, fp32 [B, h, N]
 
     def check_supported(self, cfg) -> None:
@@ -56,6 +58,18 @@ class Backend:
         if torch.compiler.is_compiling():  # (get_backend put this backend in the ops' table, outside the trace)
             return custom_ops.attention(q, k, v, causal, self.name, deterministic)
         return _Attention.apply(q, k, v, self, causal, deterministic)
+
+    def attention_packed(self, qkv, h: int, g: int, causal: bool, deterministic: bool = False):
+        """attention(q, k, v) of the heads of qkv [B, N, h + 2g, d] (q the first h, k the next g, v the
+        last g), differentiable: a packed_grads backend writes qkv's gradient whole (no concatenation
+        of dq, dk and dv); any other, and inside a traced graph, through attention() of the heads
+        (contiguous copies for a backend that is not strided)."""
+        if self.packed_grads and not torch.compiler.is_compiling():
+            return _AttentionPacked.apply(qkv, h, g, self, causal, deterministic)
+        q, k, v = split_packed(qkv, h, g)
+        if not self.strided:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        return self.attention(q, k, v, causal, deterministic)
 
     def forward_for_backward(self, q, k, v, causal: bool):
         """(o, saved): the forward, and what backward() needs beyond q, k, v and o (or None)."""

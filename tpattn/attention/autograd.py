@@ -19,12 +19,27 @@ from __future__ import annotations
 import torch
 
 
+def _rows_major_out(q: torch.Tensor, backend):
+    """o's memory for a backend that writes o where it is told (packed_grads): [B, N, h, d] seen as
+    [B, h, N, d] when q is itself a view of rows that hold every head (the QKV GEMM's output), so that
+    the output GEMM reads o without a copy and o's gradient arrives in o's own layout; else None."""
+    if not getattr(backend, "packed_grads", False) or q.stride(1) >= q.stride(2):
+        return None
+    b, h, n, d = q.shape
+    return torch.empty(b, n, h, d, dtype=q.dtype, device=q.device).permute(0, 2, 1, 3)
+
+
+def _forward(backend, q, k, v, causal: bool):
+    out = _rows_major_out(q, backend)
+    return backend.forward_for_backward(q, k, v, causal, **({} if out is None else {"out": out}))
+
+
 class _Attention(torch.autograd.Function):
     """o = backend's attention(q, k, v); saves q, k, v, o and the backend's `saved` (never N x N)."""
 
     @staticmethod
     def forward(ctx, q, k, v, backend, causal: bool, deterministic: bool):
-        o, saved = backend.forward_for_backward(q, k, v, causal)
+        o, saved = _forward(backend, q, k, v, causal)
         ctx.backend, ctx.causal, ctx.deterministic = backend, causal, deterministic
         ctx.has_saved = saved is not None
         ctx.save_for_backward(q, k, v, o, *((saved,) if saved is not None else ()))
@@ -33,7 +48,39 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, *rest = ctx.saved_tensors
-        # (its passes time on the recording timer through tpattn.timing's fallback for autograd's threads)
-        dq, dk, dv = ctx.backend.backward(q, k, v, o, rest[0] if ctx.has_saved else None, do.contiguous(),
-                                          ctx.causal, ctx.deterministic)
+        # a packed_grads backend takes do in whatever layout it comes (rows contiguous or not: it copies
+        # what its kernels cannot read in place); (its passes time on the recording timer through
+        # tpattn.timing's fallback for autograd's threads)
+        do = do if getattr(ctx.backend, "packed_grads", False) else do.contiguous()
+        dq, dk, dv = ctx.backend.backward(q, k, v, o, rest[0] if ctx.has_saved else None, do, ctx.causal,
+                                          ctx.deterministic)
         return dq, dk, dv, None, None, None
+
+
+def split_packed(qkv: torch.Tensor, h: int, g: int):
+    """q [B, h, N, d], k and v [B, g, N, d]: views of the heads of qkv [B, N, h + 2g, d]."""
+    return tuple(t.permute(0, 2, 1, 3) for t in qkv.split([h, g, g], dim=2))
+
+
+class _AttentionPacked(torch.autograd.Function):
+    """o = attention of q, k and v held as the heads of one tensor qkv [B, N, h + 2g, d] (the QKV
+    GEMM's output seen per head), for a packed_grads backend: its backward writes dq, dk and dv into
+    one gradient of qkv's layout, where autograd's split would concatenate three (a pass over all
+    of them)."""
+
+    @staticmethod
+    def forward(ctx, qkv, h: int, g: int, backend, causal: bool, deterministic: bool):
+        q, k, v = split_packed(qkv, h, g)
+        o, saved = _forward(backend, q, k, v, causal)
+        ctx.backend, ctx.causal, ctx.deterministic, ctx.heads = backend, causal, deterministic, (h, g)
+        ctx.save_for_backward(qkv, o, saved)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        qkv, o, saved = ctx.saved_tensors
+        h, g = ctx.heads
+        dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+        ctx.backend.backward(*split_packed(qkv, h, g), o, saved, do, ctx.causal, ctx.deterministic,
+                             out=split_packed(dqkv, h, g))
+        return dqkv, None, None, None, None, None

@@ -159,6 +159,7 @@ class FusedBackend(CudaBackend):
     saves_lse = True             # forward_for_backward saves the logsumexp
     strided = True               # q, k and v (k and v sharing strides) and o may be strided views:
                                  # batch, head and row strides, rows contiguous
+    packed_grads = True          # forward_for_backward(out=), backward(do of any layout, out=)
 
     def head_dim_error(self, d: int) -> str | None:
         return None if d in HEAD_DIMS else unsupported_head_dim(d)
@@ -233,50 +234,68 @@ class FusedBackend(CudaBackend):
 
     # ---- the backward (kernels/fused_attention_backward.cu; the math: tpattn/attention/autograd.py) ----
 
-    def forward_for_backward(self, q, k, v, causal: bool):
+    def forward_for_backward(self, q, k, v, causal: bool, out=None):
         """(o, L): the forward, also writing each row's logsumexp L (fp32 [B, h, N]), all the
-        backward needs beyond q, k, v and o (no N x N tensor)."""
+        backward needs beyond q, k, v and o (no N x N tensor). out: o's memory (a strided view, as
+        forward's out=)."""
         b, h, n, _ = q.shape
         lse = torch.empty(b, h, n, dtype=torch.float32, device=q.device)
-        return self.forward(q, k, v, causal, lse=lse), lse
+        return self.forward(q, k, v, causal, out=out, lse=lse), lse
 
-    def backward(self, q, k, v, o, lse, do, causal: bool, deterministic: bool = False):
+    def backward(self, q, k, v, o, lse, do, causal: bool, deterministic: bool = False, out=None):
         """(dq, dk, dv). On compute capability 9.0 (kernels/fused_hopper_backward.cu, wgmma) by default
-        five products: hbwd_pre (Dl = rowsum(dO o O), the fp32 dQ sum zeroed), hbwd5_kv (a block per 128
-        keys of a K/V head: dK and dV in registers, summed over the query heads of its group, and each
-        step's dS K added to the dQ sum, in whatever order the blocks run), hbwd_dq_out (the sum to dQ).
-        deterministic=True, and elsewhere: seven products, no atomics, the same bits every run: one
-        block per key tile for dK and dV, one per query tile for dQ (the wgmma hbwd_dq, which also writes
-        Dl, then hbwd_kv; or mma.sync's fbwd_dot, fbwd_kv, fbwd_dq); see bwd_kernels."""
+        five products: hbwd_pre (Dl = rowsum(dO o O), the fp32 dQ sum zeroed), hbwd5w_kv or hbwd5_kv (a
+        block per 128 keys of a K/V head: dK and dV in registers, summed over the query heads of its
+        group, and each step's dS K added to the dQ sum, in whatever order the blocks run; bwd5_kernel),
+        hbwd_dq_out (the sum to dQ). deterministic=True, and elsewhere: seven products, no atomics, the
+        same bits every run: one block per key tile for dK and dV, one per query tile for dQ (the wgmma
+        hbwd_dq, which also writes Dl, then hbwd_kv; or mma.sync's fbwd_dot, fbwd_kv, fbwd_dq); see
+        bwd_kernels. q, k, v, o and do may be strided views with contiguous rows: hbwd5w_kv reads them
+        in place (TMA), the other kernels from contiguous copies. out: (dq, dk, dv) to write, strided
+        views alike (hbwd5w_kv's path writes them in place; the others copy into them)."""
         b, h, n, d = q.shape
         suf = self.kernel_suffix(q)
         group = kv_group(q, k, v)
         if not (q.dtype == k.dtype == v.dtype == o.dtype == do.dtype):
             raise ValueError(f"q, k, v, o and do must share a dtype (got {q.dtype}, {k.dtype}, {v.dtype}, {o.dtype}, "
                              f"{do.dtype})")
-        # contiguous, and starting on 16 bytes (the kernels' cp.async and 16-byte loads): a contiguous view
-        # that starts elsewhere is copied
-        q, k, v, o, do = (t if _rows_aligned(t) else t.clone() for t in (t.contiguous() for t in (q, k, v, o, do)))
         g = k.shape[1]
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dev = q.device
+        kernels = bwd_kernels(_device_info(dev)[1]) if b * h * n else "mma"
+        five = kernels == "wgmma" and not deterministic
+        ws = five and bwd5_kernel(d, not _rows_aligned(q, k, v, o, do) or not all(
+            t.is_contiguous() for t in (q, k, v, o, do)) or out is not None) == "ws"
+        # the kernels' operands: rows contiguous and starting on 16 bytes, and (except for hbwd5w_kv's
+        # tensor maps and hbwd_pre's strides) contiguous; anything else is copied
+        if ws:
+            q, k, v, o, do = (t if _rows_aligned(t) else t.clone(memory_format=torch.contiguous_format)
+                              for t in (q, k, v, o, do))
+        else:
+            q, k, v, o, do = (t if _rows_aligned(t) else t.clone() for t in (t.contiguous() for t in (q, k, v, o, do)))
+        if out is not None and ws and _rows_aligned(*out) and out[1].stride() == out[2].stride():
+            dq, dk, dv = out
+        else:
+            dq, dk, dv = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
+                k, memory_format=torch.contiguous_format), torch.empty_like(v, memory_format=torch.contiguous_format)
         if b * h * n == 0:
-            return dq, dk, dv
-        dl = torch.empty(b, h, n, dtype=torch.float32, device=q.device)
-        dev, scale = q.device, np.float32(1.0 / math.sqrt(d))
+            return _into(out, (dq, dk, dv))
+        dl = torch.empty(b, h, n, dtype=torch.float32, device=dev)
+        scale = np.float32(1.0 / math.sqrt(d))
         kv_args = (ptr(q), ptr(k), ptr(v), ptr(do), ptr(lse), ptr(dl), ptr(dk), ptr(dv), np.int32(b * g), np.int32(g),
                    np.int32(group), np.int32(n), scale, np.int32(causal))
         tail = (np.int32(b * h), np.int32(h), np.int32(group), np.int32(n), scale, np.int32(causal))
-        if bwd_kernels(_device_info(dev)[1]) == "wgmma" and not deterministic:
-            # five products: hbwd_pre writes Dl and zeros the fp32 dQ sum, hbwd5_kv adds each block's
-            # dS K into it (red.global.add, in whatever order the blocks run) beside dK and dV; hbwd_dq_out
-            # turns the sum (laid out as the accumulators are held) into dq
+        if five:
+            # five products: hbwd_pre writes Dl and zeros the fp32 dQ sum, hbwd5w_kv / hbwd5_kv add each
+            # block's dS K into it (in whatever order the blocks run) beside dK and dV; hbwd_dq_out turns
+            # the sum (laid out as the accumulators are held) into dq
             rows = b * h * n
             dqa = torch.empty(b * h * _cdiv(n, 64) * 64 * d, dtype=torch.float32, device=dev)
             with section("bwd_pre"):
                 launch(HOPPER_BWD_SOURCE, f"hbwd_pre_{suf}_d{d}", dev, (min(_cdiv(rows, 8), GRID_X_MAX), 1, 1),
-                       (256, 1, 1), (ptr(o), ptr(do), ptr(dl), ptr(dqa), np.int64(rows), np.int64(dqa.numel() // 4)))
+                       (256, 1, 1), (ptr(o), ptr(do), ptr(dl), ptr(dqa), np.int64(rows), np.int64(dqa.numel() // 4),
+                                     np.int32(h), np.int32(n), *_strides3(o), *_strides3(do)))
             with section("bwd_kv"):
-                if bwd5_kernel(d) == "ws":
+                if ws:
                     _bwd5_ws(q, k, v, do, lse, dl, dk, dv, dqa, kv_args[8:], suf)
                 else:
                     launch(HOPPER_BWD_SOURCE, f"hbwd5_kv_{suf}_d{d}", dev, (_cdiv(n, 128), min(b * g, GRID_YZ_MAX), 1),
@@ -284,8 +303,8 @@ class FusedBackend(CudaBackend):
             with section("bwd_dq"):
                 tiles = b * h * _cdiv(n, 64) * (d // 64)
                 launch(HOPPER_BWD_SOURCE, f"hbwd_dq_out_{suf}_d{d}", dev, (min(tiles, GRID_X_MAX), 1, 1), (256, 1, 1),
-                       (ptr(dqa), ptr(dq), np.int32(n), np.int64(tiles)))
-            return dq, dk, dv
+                       (ptr(dqa), ptr(dq), np.int32(n), np.int64(tiles), np.int32(h), *_strides3(dq)))
+            return _into(out, (dq, dk, dv))
         if bwd_kernels(_device_info(dev)[1]) == "wgmma":
             # hbwd_dq also writes Dl (of its own rows, from O and dO), which hbwd_kv, launched after it, reads
             with section("bwd_dq"):
@@ -295,7 +314,7 @@ class FusedBackend(CudaBackend):
             with section("bwd_kv"):
                 launch(HOPPER_BWD_SOURCE, f"hbwd_kv_{suf}_d{d}", dev, (_cdiv(n, 128), min(b * g, GRID_YZ_MAX), 1),
                        (256, 1, 1), kv_args, shared_mem=(2 * 128 + 4 * 64) * d * 2 + 1024 + 1024)
-            return dq, dk, dv
+            return _into(out, (dq, dk, dv))
         br = BWD_ROWS[d]
         with section("bwd_dot"):
             rows = b * h * n
@@ -307,7 +326,22 @@ class FusedBackend(CudaBackend):
         with section("bwd_dq"):
             launch(BWD_SOURCE, f"fbwd_dq_{suf}_d{d}", dev, (_cdiv(n, 64), min(b * h, GRID_YZ_MAX), 1), (128, 1, 1),
                    (ptr(q), ptr(k), ptr(v), ptr(do), ptr(lse), ptr(dl), ptr(dq), *tail), shared_mem=6 * 64 * d * 2)
-        return dq, dk, dv
+        return _into(out, (dq, dk, dv))
+
+
+def _strides3(t: torch.Tensor) -> tuple:
+    """The batch, head and row strides of a [B, H, N, D] tensor (elements), as the kernels' long longs."""
+    return tuple(np.int64(x) for x in t.stride()[:3])
+
+
+def _into(out, grads):
+    """grads, or, given out, grads written into out (unless they are out already)."""
+    if out is None:
+        return grads
+    for o, g in zip(out, grads):
+        if o.data_ptr() != g.data_ptr() or o.stride() != g.stride():
+            o.copy_(g)
+    return out
 
 
 _prepared_bwd: dict[tuple, Prepared] = {}  # hbwd5w launches, packed once per (tensors, shape)
@@ -318,14 +352,15 @@ def _bwd5_ws(q, k, v, do, lse, dl, dk, dv, dqa, tail, suf: str) -> None:
     an adder warp sending each step's dQ tile to the fp32 sum in one bulk reduce-add, two consumer
     warpgroups computing), a block per 128 keys of a K/V head; launched through tensor maps."""
     b, g, n, d = k.shape
-    key = (suf, d, q.device.index, tuple(q.shape), tuple(k.shape),
-           *(t.data_ptr() for t in (q, k, v, do, lse, dl, dk, dv, dqa)), *(float(x) for x in tail))
+    key = (suf, d, q.device.index, tuple(q.shape), tuple(k.shape), *((t.data_ptr(), t.stride()) for t in (q, k, v, do)),
+           *(t.data_ptr() for t in (lse, dl, dk, dv, dqa)), dk.stride(), *(float(x) for x in tail))
     prep = _prepared_bwd.get(key)
     if prep is None:
         grid = (_cdiv(n, 128), min(b * g, GRID_YZ_MAX), 1)
         prep = Prepared(HOPPER_BWD_SOURCE, f"hbwd5w_kv_{suf}_d{d}", q.device, grid, (384, 1, 1),
                         (TensorMap(q, box=(64, 64)), TensorMap(k), TensorMap(v), TensorMap(do, box=(64, 64)),
-                         ptr(lse), ptr(dl), ptr(dk), ptr(dv), ptr(dqa), *tail), shared_mem=bwd5w_shared_mem(d))
+                         ptr(lse), ptr(dl), ptr(dk), ptr(dv), ptr(dqa), *tail, *_strides3(dk)),
+                        shared_mem=bwd5w_shared_mem(d))
         if len(_prepared_bwd) >= 64:
             _prepared_bwd.clear()
         _prepared_bwd[key] = prep
@@ -339,15 +374,18 @@ def bwd5w_shared_mem(d: int) -> int:
     return (2 * 128 + 4 * 64) * d * 2 + 2 * 128 * 64 * 2 + 2 * 64 * d * 4 + 1024 + 64 + 1024
 
 
-def bwd5_kernel(d: int) -> str:
+def bwd5_kernel(d: int, strided: bool = False) -> str:
     """Which five-product kernel runs on compute capability 9.0: "ws" (hbwd5w_kv, warp-specialized, dQ by
-    bulk reduce-adds from shared memory) or "red" (hbwd5_kv, every thread adding its dQ accumulators with
-    red.global.add). By measurement on the H200 (docs/backward.md): ws at d = 128 (3-5 % faster), red at
-    d = 64 (ws 11 % slower). TPATTN_FUSED_BWD5 picks one (the benchmark's comparison)."""
+    bulk reduce-adds from shared memory; reads q, k, v, do and writes dk, dv in place, strided) or "red"
+    (hbwd5_kv, every thread adding its dQ accumulators with red.global.add; contiguous operands only).
+    By measurement on the H200 (docs/backward.md): ws at d = 128 (3-5 % faster); at d = 64 red's kernel
+    is 10 % faster, so red takes contiguous operands and ws strided ones (`strided`: what the layer's
+    training step hands over, where red would first copy q, k, v, o, do and then dq, dk, dv: more than
+    the kernels' difference). TPATTN_FUSED_BWD5 picks one (the benchmark's comparison)."""
     env = os.environ.get("TPATTN_FUSED_BWD5") or ""
     if env not in ("", "ws", "red"):
         raise ConfigError(f"TPATTN_FUSED_BWD5={env!r}: use ws or red (or leave it unset)")
-    return env or ("ws" if d == 128 else "red")
+    return env or ("ws" if d == 128 or strided else "red")
 
 
 def bwd5_shared_mem(d: int) -> int:
