@@ -39,6 +39,8 @@ def test_backward_steps_gemms_and_collective():
     gemms = [x for x in steps if x.unit == "tensor" and x.key != "fused.bwd"]
     assert sorted(x.flops for x in gemms) == sorted([2.0 * rows * D * h * d] * 2 + [2.0 * rows * (h + 2 * g) * d * D] * 2)
     assert colls == {"allreduce": rows * D * 2}  # dX summed over the ranks
+    # the attention backward writes dq, dk, dv into the QKV gradient's rows itself: no relayout pass
+    assert [x.key for x in steps if x.unit != "tensor"] == []
     assert st.backward_steps(s, 1)[1] == {}
 
 

@@ -175,9 +175,10 @@ def attention_backward_step(kernel: str, b: int, h: int, n: int, d: int, dtype: 
 
 def backward_steps(shape: Shape, world: int) -> tuple[list[Step], dict[str, int]]:
     """(compute steps, {collective: bytes}) of the backward of one call on one rank: the output
-    GEMM's two (dA = dY W_o^T, dW_o = A^T dY), the attention backward, dq, dk and dv written into the
-    QKV gradient's rows, the QKV GEMM's two (dX = dQKV W^T, dW = X^T dQKV) and copy_to_ranks's dual,
-    the all-reduce of dX (tpattn/comm.py). Head parallelism only, --kernel fused."""
+    GEMM's two (dA = dY W_o^T, dW_o = A^T dY), the attention backward (which writes dq, dk and dv
+    into the QKV gradient's rows itself: the layer's packed path, attention_packed), the QKV GEMM's
+    two (dX = dQKV W^T, dW = X^T dQKV) and copy_to_ranks's dual, the all-reduce of dX
+    (tpattn/comm.py). Head parallelism only, --kernel fused."""
     err = _layout_error(shape, world)
     if err:
         raise ModelError(err)
@@ -190,7 +191,6 @@ def backward_steps(shape: Shape, world: int) -> tuple[list[Step], dict[str, int]
     steps = [gemm_step("bwd_out_proj", "out_proj", rows, D, h * d, dt, dt, "dA = dY W_o^T"),
              gemm_step("bwd_out_proj", "out_proj", h * d, rows, D, dt, dt, "dW_o = A^T dY"),
              attention_backward_step(shape.kernel, B, h, N, d, dt, shape.causal, g),
-             copy_step("bwd_qkv_grad", "relayout", 2 * rows * cols * e, "dq, dk, dv into the QKV gradient's rows"),
              gemm_step("bwd_qkv_proj", "qkv_proj", rows, cols, D, dt, dt, "dX = dQKV W^T"),
              gemm_step("bwd_qkv_proj", "qkv_proj", D, rows, cols, dt, dt, "dW = X^T dQKV")]
     colls = {"allreduce": rows * D * e} if shape.heads_world(world) > 1 else {}
