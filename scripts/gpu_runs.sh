@@ -53,6 +53,15 @@
 #           compute-sanitizer memcheck and racecheck over scripts/sanitize_backward.py, bench_backward on
 #           the issue's shapes (five products, deterministic=True's seven, SDPA flash and cuDNN) and
 #           bench_train's training step beside the plain layer on the same shapes
+#   multigpu  everything between GPUs, one GPU a rank over NCCL, at W = 1 and 2, 4, 8 (as many as the node
+#           has; nothing with one GPU): the forward layer (the naive layer's scaling table, the fused layer with
+#           every output collective, eager beside the plain PyTorch TP layer and the DTensor one, and graphed), the
+#           training step (gradients against float64 at 2, 4, 8 GPUs; the step eager and graphed; beside the
+#           plain TP layer's step), the decode step (the one-shot sum against NCCL's, the graphed step with auto
+#           and allreduce), context parallelism (C = 2, 4, 8; T x C = 2 x 2, 2 x 4; forward and backward checked;
+#           each pass's posting from the traces), faults over NCCL at the smallest and largest W (forward,
+#           backward, a killed rank; a stalled graph replay), the cost model calibrated here and validated at
+#           every W
 #   gputests  the whole pytest -m gpu
 # Logs and JSON go to $OUT (default results/); COMMIT=<hash> records the commit where the copy's .git differs.
 # Usage: bash scripts/gpu_runs.sh [STEP]... (default all)
@@ -417,6 +426,88 @@ if want backward5; then
     tag=$(echo "x$args" | tr -d ' -' | cut -c1-40)
     python3 scripts/bench_train.py $args --profile 12 --commit "$c" --out "$OUT/train5_$tag" 2>&1 | grep -v -i warn || status=1
   done
+fi
+if want multigpu; then
+  M="$OUT/multigpu"
+  mkdir -p "$M"
+  gpus=$(nvidia-smi -L | wc -l)
+  ws=""
+  for w in 2 4 8; do [ "$w" -le "$gpus" ] && ws="$ws $w"; done
+  note "multigpu: world sizes 1$ws on $gpus GPU(s), one GPU a rank, NCCL"
+  if [ -z "$ws" ]; then
+    echo "multigpu: this node has one GPU: nothing between GPUs to run" | tee "$M/skipped.txt"
+  else
+    c=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+    # 1. the forward layer: the seed's naive table (with its speedup column), then the fused layer with every
+    #    output collective beside the plain PyTorch TP layer and the DTensor one (scaling.py's peers), and graphed
+    python3 scripts/scaling.py --world-sizes 1 $ws --kernel naive --tag multi_naive --out "$M" || status=1
+    for coll in auto allreduce split p2p oneshot; do
+      sizes="1 $ws"; case $coll in p2p|oneshot) sizes=$ws ;; esac  # peer sums: between GPUs only
+      python3 scripts/scaling.py --world-sizes $sizes --kernel fused --output-collective $coll --warmup 5 --iters 20 \
+        --tag "multi_fused_$coll" --out "$M" || status=1
+    done
+    for w in 1 $ws; do
+      for coll in auto allreduce split p2p oneshot; do
+        [ "$w" = 1 ] && { [ "$coll" = p2p ] || [ "$coll" = oneshot ]; } && continue
+        echo "$w --kernel fused --output-collective $coll --cuda-graph"
+      done
+    done | layer_runs multigpu/graph
+    # 2. the training step: x.grad and full_grads() against float64 (the NCCL rows), the step eager and graphed,
+    #    and beside the plain PyTorch TP layer's step in the same processes
+    python3 -m pytest -m gpu -q -p no:warnings --tb=short tests/test_gpu_train.py -k nccl 2>&1 \
+      | tee "$M/pytest_train_nccl.log" | tail -5 || status=1
+    for w in 1 $ws; do
+      for g in "" --cuda-graph; do
+        mpirun -n "$w" python3 -m tpattn --kernel fused --backward $g --json "$M/train_w${w}${g:+_graph}.json" \
+          </dev/null 2>&1 | grep -E "RESULT|check|error|failed" || status=1
+      done
+      mpirun -n "$w" python3 scripts/peer_tp.py --kernel fused --backward --warmup 5 --iters 20 \
+        --json "$M/train_peer_w$w.json" </dev/null 2>&1 | grep -v -i warn || status=1
+    done
+    # 3. the decode step: the one-shot peer all-reduce against NCCL's (8 KiB - 1 MiB), the graphed step with the
+    #    one-shot sum (auto) and with NCCL's (allreduce)
+    for w in $ws; do
+      mpirun -n "$w" python3 scripts/bench_allreduce.py --commit "$c" --out "$M/allreduce_w$w" </dev/null 2>&1 \
+        | tail -12 || status=1
+    done
+    for w in 1 $ws; do
+      for coll in auto allreduce; do
+        mpirun -n "$w" python3 -m tpattn --kernel fused --causal --decode 32 --cuda-graph --output-collective $coll \
+          --json "$M/decode_w${w}_$coll.json" </dev/null 2>&1 | tail -4 || status=1
+      done
+    done
+    # 4. context parallelism: C = 2, 4, 8 and T x C = 2 x 2, 2 x 4, causal N = 16384, forward and backward
+    #    checked against the single-process layer; the traces say when each K/V pass was posted
+    for wc in "2 2" "4 4" "8 8" "4 2" "8 4"; do
+      read -r w cp <<< "$wc"
+      [ "$w" -gt "$gpus" ] && continue
+      for b in "" --backward; do
+        tag="ring_w${w}_c${cp}${b:+_bwd}"
+        mpirun -n "$w" python3 -m tpattn --kernel fused --causal --seq-len 16384 --context-parallel "$cp" $b \
+          --json "$M/$tag.json" --profile "$M/$tag.trace.json" </dev/null 2>&1 | grep -E "RESULT|check|ring|error" \
+          || status=1
+        python3 scripts/ring_trace.py "$M/$tag.trace.json" "$M/$tag.trace.json".rank* > "$M/$tag.trace.txt" 2>&1 \
+          || status=1
+        tail -6 "$M/$tag.trace.txt"
+      done
+    done
+    # 5. faults over NCCL at the smallest and the largest W: a rank stalled in the forward or the backward, one
+    #    killed, one raising, one skipping its all-reduce (scripts/nccl_faults.sh), a stalled graph replay
+    for w in $(echo $ws | tr ' ' '\n' | sed -n '1p;$p' | sort -un); do
+      RANKS=$w timeout 1200 bash scripts/nccl_faults.sh 15 2>&1 | tee "$M/faults_w$w.log" || status=1
+      RANKS=$w ARGS="--kernel fused --backward" FAULTS="1:backward:hang 1:backward:kill" timeout 400 \
+        bash scripts/nccl_faults.sh 15 2>&1 | tee -a "$M/faults_w$w.log" || status=1
+    done
+    python3 -m pytest -m gpu -q -p no:warnings --tb=short tests/test_gpu_faults.py 2>&1 \
+      | tee "$M/pytest_faults.log" | tail -5 || status=1
+    # 6. the cost model: calibrated on this node's GPUs, then predicted against measured per pass at every W
+    mpirun -n "$gpus" python3 -m tpattn.plan --calibrate --name "multi_${gpus}gpu" --out "$M/model_cal.json" \
+      </dev/null 2>&1 | tee "$M/calibrate.log" || status=1
+    for w in 1 $ws; do
+      mpirun -n "$w" python3 scripts/model/validate_model.py --machine "$M/model_cal.json" h200x2 \
+        --out "$M/validate_w$w" </dev/null 2>&1 | tee "$M/validate_w$w.log" | tail -20 || status=1
+    done
+  fi
 fi
 if want gputests; then
   note "pytest -m gpu (all)"

@@ -29,6 +29,14 @@ plain_flash, plain_cudnn}, host_ms, bare_allreduce: {ours, peer: {bytes, dtype, 
 busbw_GBps}}, ours_allreduce, per_forward, rel_err, pass, checks, ...}. Exit status: 0 PASS,
 1 FAIL, 2 bad input.
 
+--backward: the training step instead of the forward, the plain peer (with each SDPA backend) beside
+tpattn in the same processes: y = layer(x); y.backward(dy), the layers taking turns. The plain peer
+trains through Megatron's pair of maps written in a few lines (the input's copy to every rank, whose
+backward all-reduces dX; the output's all-reduce, whose backward is the identity); the DTensor peer is
+left out (its forward is timed without --backward). Rank 0 checks the plain peer's x.grad against
+tpattn's and writes {train_ms: {ours, plain_default, plain_flash, plain_cudnn}, train_host_ms, checks,
+pass, ...}.
+
 Why the DTensor peer is slower on 2 GPUs than on 1 (2.63 -> 4.46 ms on H200s): not from how we
 use the API, as far as a CPU run (gloo, the same dispatch and the same collectives) shows it.
 - One collective per forward, none with one rank: RowwiseParallel's output is a Partial DTensor
@@ -197,7 +205,7 @@ class PlainTP(nn.Module):
             if q.bias is not None:
                 self.wqkv.bias.copy_(torch.cat([lin.bias[cols] for lin in (q, k, v)]))
             self.wo.weight.copy_(o.weight[:, cols])
-        self.register_buffer("bo", None if o.bias is None else o.bias.detach().clone())
+        self.bo = None if o.bias is None else nn.Parameter(o.bias.detach().clone())
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's heads, up to the output projection: the part without a collective."""
@@ -214,6 +222,43 @@ class PlainTP(nn.Module):
         if self.bo is not None:
             y += self.bo
         return y
+
+
+    def train_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """forward() under autograd: the input copied to the ranks (its backward sums dX) and the output
+        summed over them (its backward passes dy on), Megatron's f and g."""
+        y = self.partial(_CopyToRanks.apply(x) if self.world > 1 else x)
+        if self.world > 1:
+            y = _SumOverRanks.apply(y)
+        return y + self.bo if self.bo is not None else y
+
+
+class _CopyToRanks(torch.autograd.Function):
+    """Identity; its backward all-reduces the input's gradient (every rank's heads contribute to dX)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g)
+        return g
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """The all-reduce of the partial outputs; its backward is the identity (each partial's gradient is dy)."""
+
+    @staticmethod
+    def forward(ctx, y):
+        y = y.contiguous().clone()
+        dist.all_reduce(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
 
 
 SDPA_VARIANTS = {"default": None, "flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
@@ -343,6 +388,8 @@ def run(cfg, proc, device) -> int:
     dist.all_gather_object(verdicts, mine)
     unavailable = {v: next((r[v] for r in verdicts if r[v]), None) for v in SDPA_VARIANTS}
     variants = [v for v in SDPA_VARIANTS if unavailable[v] is None]
+    if cfg.backward:
+        return train(cfg, proc, device, x, ours, plain, variants, unavailable)
 
     def plain_call(v):
         def call():
@@ -392,6 +439,86 @@ def run(cfg, proc, device) -> int:
         return 0
     return report(cfg, proc, device, x, full, outs, everyone, unavailable, probe, bare, bare_spec,
                   ours.partial_nbytes(B, N), (bare_warmup, bare_iters))
+
+
+def train(cfg, proc, device, x, ours, plain, variants, unavailable) -> int:
+    """--backward: the training step (y = layer(x); y.backward(dy)) of tpattn and of the plain peer with
+    each SDPA backend that runs here, taking turns; each rank's median, then the slowest rank's. Rank 0
+    checks the plain peer's x.grad against tpattn's (the same weights, x and dy) and reports."""
+    B, N, D = x.shape
+    dy = layer_input(B, N, D, cfg.seed + 1, x.dtype, device)
+    xg = x.clone().requires_grad_(True)
+    grads = {}
+
+    def step(name, fn, params):
+        def call():
+            for t in params:
+                t.grad = None
+            fn(xg).backward(dy)
+            grads[name] = xg.grad
+        return call
+
+    calls = {f"plain_{v}": step(f"plain_{v}", (lambda t, v=v: _in(sdpa_context(v), plain.train_forward, t)),
+                                [xg, *plain.parameters()]) for v in variants}
+    calls["ours"] = step("ours", ours, [xg, *ours.parameters()])
+    timer = Timer(device)
+    samples: dict[str, list[float]] = {k: [] for k in calls}
+    host: dict[str, list[float]] = {k: [] for k in calls}
+    for i in range(cfg.warmup + cfg.iters):  # alternate, so drift in clocks or neighbours hits all alike
+        for name, call in calls.items():
+            with timer.section(name):
+                t0 = time.perf_counter()
+                call()
+                ms_host = (time.perf_counter() - t0) * 1e3
+            got = timer.collect()[name]
+            if i >= cfg.warmup:
+                samples[name].append(got)
+                host[name].append(ms_host)
+    mine = {"ms": {k: statistics.median(v) for k, v in samples.items()},
+            "host_ms": {k: statistics.median(v) for k, v in host.items()}}
+    everyone: list = [None] * proc.world
+    dist.all_gather_object(everyone, mine)
+    if proc.rank != 0:
+        return 0
+    tol = TOL_FLOAT64[cfg.dtype]
+    checks = {f"{k}_x.grad_vs_ours": {**compare(g, grads["ours"], tol), "what": "x.grad, every element"}
+              for k, g in grads.items() if k != "ours"}
+    ok = all(c["pass"] for c in checks.values())
+    worst = {k: max(r["ms"][k] for r in everyone) for k in calls}
+    worst_host = {k: max(r["host_ms"][k] for r in everyone) for k in calls}
+    train_ms = {"ours": worst["ours"], **{f"plain_{v}": worst.get(f"plain_{v}") for v in SDPA_VARIANTS}}
+    W = proc.world
+    say = (lambda s: print(s, flush=True))
+    say(f"peer_tp --backward: {W} rank(s), {cfg.dist_backend} on {device.type}, B={cfg.batch} N={cfg.seq_len} "
+        f"H={cfg.heads} d={cfg.head_dim} {cfg.dtype}; training step ms, each rank's median then the slowest rank:")
+    say(f"  tpattn ({cfg.kernel})            {worst['ours']:.3f} ms  (host {worst_host['ours']:.3f})")
+    for v in SDPA_VARIANTS:
+        k = f"plain_{v}"
+        say(f"  plain TP + SDPA {v:<8}     " + (f"{worst[k]:.3f} ms  (host {worst_host[k]:.3f})  "
+                                               f"/ tpattn {worst[k] / worst['ours']:.3f}" if k in worst
+                                               else unavailable[v]))
+    for name, c in checks.items():
+        say(f"check {name}: max err {c['max_abs_err']:.3g} = {c['rel_err']:.3g} x rms (tol {tol:g}) "
+            f"{'PASS' if c['pass'] else 'FAIL'}")
+    say(f"RESULT: {'PASS' if ok else 'FAIL'}")
+    if cfg.json:
+        res = {"train_ms": train_ms, "train_host_ms": worst_host, "peers_unavailable":
+               {f"plain_{v}": why for v, why in unavailable.items() if why}, "checks": checks, "tol": tol, "pass": ok,
+               "per_rank_ms": everyone,
+               "timing": f"y = layer(x); y.backward(dy), each rank's median over {cfg.iters} steps ({cfg.warmup} "
+                         "warm-up), then max over ranks; the layers take turns within each step",
+               "world": {"size": W, "launcher": proc.launcher, "backend": cfg.dist_backend, "device": device.type,
+                         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"},
+               "config": {**cfg.fingerprint(), "model_dim": cfg.model_dim, "heads_per_rank": cfg.heads // W},
+               "versions": versions(), "command": ["python", "scripts/peer_tp.py", *sys.argv[1:]]}
+        with open(cfg.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0 if ok else EXIT_FAIL
+
+
+def _in(ctx, fn, *args):
+    with ctx:
+        return fn(*args)
 
 
 def report(cfg, proc, device, x, full, outs, everyone, unavailable, probe, bare, bare_spec, ours_bytes,

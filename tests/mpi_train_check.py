@@ -60,7 +60,8 @@ def close(name, got, want, tol=1e-9, scale=None):
 
 
 configs = []
-for H, G in ((4, 4), (4, 2), (4, 1)) if GPU else ((8, 8), (8, 4), (8, 2), (8, 1), (12, 12), (12, 3), (6, 6)):
+M = 2 if W > 4 else 1  # GPU: 4 heads a layer, 8 past four ranks (a rank holds at least one)
+for H, G in ((4 * M, 4 * M), (4 * M, 2 * M), (4 * M, M)) if GPU else ((8, 8), (8, 4), (8, 2), (8, 1), (12, 12), (12, 3), (6, 6)):
     for causal in (False, True):
         for sp in (False, True):
             for overlap in (1, 2):

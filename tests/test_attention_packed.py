@@ -78,3 +78,15 @@ def test_a_backend_without_packed_grads_takes_the_split_path():
     leaf = qkv.detach().clone().requires_grad_(True)
     PackedTorch().attention_packed(leaf, h, g, True).sum().backward()
     torch.testing.assert_close(qkv.grad, leaf.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_a_broadcast_tensor_is_not_read_in_place():
+    """fused's kernels (and hbwd5w_kv's TMA maps, which step by 16 bytes or more) read a tensor in place
+    only with rows contiguous, 16-byte aligned and nothing broadcast; an expanded dO (stride 0, as from
+    (o * w).sum()) is copied first."""
+    from tpattn.attention.fused import _rows_aligned
+    t = torch.zeros(2, 4, 8, 64, dtype=torch.float16)
+    assert _rows_aligned(t) and _rows_aligned(t.transpose(1, 2).contiguous().transpose(1, 2))
+    assert not _rows_aligned(torch.zeros(64, dtype=torch.float16).expand(2, 4, 8, 64))
+    assert _rows_aligned(torch.zeros(1, 4, 8, 64, dtype=torch.float16).expand(1, 4, 8, 64))  # extent 1: any stride
+    assert not _rows_aligned(t[..., 1:33])  # rows that start 2 bytes in

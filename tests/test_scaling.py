@@ -169,6 +169,24 @@ def test_peers_match_ours_and_time_a_bare_allreduce(tmp_path, ranks):
 
 
 @pytest.mark.mpi
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_peer_training_step_beside_ours(tmp_path, ranks):
+    """--backward: the plain peer's training step (its dX summed over the ranks by Megatron's pair of maps)
+    beside tpattn's, timed in turns; the peer's x.grad matches tpattn's."""
+    out = tmp_path / "train.json"
+    r = peer_tp(["--device", "cpu", "--seq-len", "64", "--heads", "4", "--head-dim", "16", "--warmup", "1",
+                 "--iters", "2", "--backward", "--json", str(out)], ranks)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "RESULT: PASS" in r.stdout and "training step ms" in r.stdout
+    rep = json.loads(out.read_text())
+    assert rep["pass"] is True and rep["world"]["size"] == ranks
+    assert rep["train_ms"]["ours"] > 0 and rep["train_ms"]["plain_default"] > 0
+    assert rep["train_ms"]["plain_flash"] is None and set(rep["peers_unavailable"]) == {"plain_flash", "plain_cudnn"}
+    c = rep["checks"]["plain_default_x.grad_vs_ours"]
+    assert c["pass"] is True and c["rel_err"] <= rep["tol"]
+
+
 def test_sweep_records_failures_and_skips(tmp_path):
     """A rank that raises: FAIL in the table with the rank's own message, exit 1. A world size
     that does not divide the heads: skipped, not run."""

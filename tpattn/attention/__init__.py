@@ -157,6 +157,9 @@ def attention(q, k, v, causal: bool = False, backend: str | Backend = "reference
     """softmax(q kᵀ/√d) v for q [B, h, N, d] and k, v [B, g, N, d] (g divides h), differentiable:
     o.backward(do) fills q.grad, k.grad and v.grad through the backend's backward (the math and the
     interface: tpattn/attention/autograd.py). deterministic: bitwise-identical gradients from run
-    to run (the fused kernel then sums dQ in a fixed order instead of with atomics)."""
+    to run (the fused kernel then sums dQ in a fixed order instead of with atomics). With the fused
+    backend, a q whose rows hold every head ([B, N, h, d] seen as [B, h, N, d]) gives an o laid out
+    the same way (o.transpose(1, 2) is contiguous), as SDPA's kernels do: call .contiguous() for a
+    contiguous [B, h, N, d]."""
     b = get_backend(backend) if isinstance(backend, str) else backend
     return b.attention(q, k, v, causal, deterministic)

@@ -81,6 +81,9 @@ class _AttentionPacked(torch.autograd.Function):
         qkv, o, saved = ctx.saved_tensors
         h, g = ctx.heads
         dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
-        ctx.backend.backward(*split_packed(qkv, h, g), o, saved, do, ctx.causal, ctx.deterministic,
-                             out=split_packed(dqkv, h, g))
+        views = split_packed(dqkv, h, g)
+        got = ctx.backend.backward(*split_packed(qkv, h, g), o, saved, do, ctx.causal, ctx.deterministic, out=views)
+        for view, grad in zip(views, got):  # (a backend that returned other tensors than out's)
+            if grad.data_ptr() != view.data_ptr() or grad.stride() != view.stride():
+                view.copy_(grad)
         return dqkv, None, None, None, None, None

@@ -147,8 +147,10 @@ def _device_info(device) -> tuple[int, tuple[int, int]]:
 
 
 def _rows_aligned(*ts) -> bool:
-    """Each head's rows are contiguous and every row starts on 16 bytes (the kernels' cp.async)."""
-    return all(t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:3]) for t in ts)
+    """Each head's rows are contiguous and every row starts on 16 bytes (the kernels' cp.async), and no
+    dimension of more than one element is broadcast (a stride of 0: a TMA map steps by 16 bytes or more)."""
+    return all(t.stride(3) == 1 and t.data_ptr() % 16 == 0 and
+               all(s % 8 == 0 and (s > 0 or n == 1) for s, n in zip(t.stride()[:3], t.shape[:3])) for t in ts)
 
 
 class FusedBackend(CudaBackend):
@@ -272,6 +274,11 @@ class FusedBackend(CudaBackend):
                               for t in (q, k, v, o, do))
         else:
             q, k, v, o, do = (t if _rows_aligned(t) else t.clone() for t in (t.contiguous() for t in (q, k, v, o, do)))
+        if out is not None:
+            for name, t, like in zip(("dq", "dk", "dv"), out, (q, k, v)):
+                if t.shape != like.shape or t.dtype != like.dtype or t.device != like.device:
+                    raise ValueError(f"out's {name} must match its input ({tuple(like.shape)}, {like.dtype}, "
+                                     f"{like.device}); got {tuple(t.shape)}, {t.dtype}, {t.device}")
         if out is not None and ws and _rows_aligned(*out) and out[1].stride() == out[2].stride():
             dq, dk, dv = out
         else:
