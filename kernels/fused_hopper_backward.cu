@@ -230,6 +230,38 @@ __device__ __forceinline__ void hb_dq_out(const float4 *__restrict__ dQa, tc_u16
     }
 }
 
+// P^T = exp2(S^T scale log2 e - L log2 e) (0 where masked) and dS^T = P^T o (dP^T - Dl) scale of a
+// warpgroup's 64 keys x a step's 64 queries, from the accumulators st and dpt of the products in flight
+// (SPLIT: S^T committed apart, so P^T runs while dP^T is still in the tensor cores), rounded into pa and
+// da (A operands of dV and dK); kr: this thread's first key, q0: the step's first query row
+template <bool BF16, bool SPLIT>
+__device__ __forceinline__ void hb_p_ds(tc_u32 (&pa)[4][4], tc_u32 (&da)[4][4], float (&st)[32], float (&dpt)[32],
+                                        const float *cL, const float *cD, int kr, int q0, bool edge, int N, int causal,
+                                        float scale_log2, float scale, int lane) {
+    hw_wg_wait<SPLIT ? 1 : 0>();
+    hw_keep(st);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int qc = j * 8 + (lane & 3) * 2 + (e & 1), key = kr + (e >> 1) * 8;
+            float p = tc_exp2(fmaf(st[4 * j + e], scale_log2, -cL[qc]));
+            if (edge && (key >= N || (causal && q0 + qc < key))) p = 0.0f;
+            st[4 * j + e] = p;
+        }
+    hw_wg_wait<0>();
+    hw_keep(dpt);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int qc = j * 8 + (lane & 3) * 2 + (e & 1);
+            dpt[4 * j + e] = st[4 * j + e] * (dpt[4 * j + e] - cD[qc]) * scale;
+        }
+    hw_pack_p<BF16>(pa, st);
+    hw_pack_p<BF16>(da, dpt);
+}
+
 // ------------------------------------------------------------------------------------ dK, dV
 // DQ (the five-product kernel): dQ += dS K of the step's 64 query rows too, added to the fp32 dQa
 template <int D, bool BF16, bool DQ>
@@ -376,28 +408,7 @@ __device__ __forceinline__ void hb_kv(const tc_u16 *__restrict__ Q, const tc_u16
                     }
                 }
                 const bool edge = k0 + BC > N || (causal && q0 < k0 + BC);
-                hw_wg_wait<SPLIT ? 1 : 0>();  // SPLIT: P^T while dP^T is still in the tensor cores
-                hw_keep(st);
-#pragma unroll
-                for (int j = 0; j < 8; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int qc = j * 8 + (lane & 3) * 2 + (e & 1), key = kr + (e >> 1) * 8;
-                        float p = tc_exp2(fmaf(st[4 * j + e], scale_log2, -cL[qc]));
-                        if (edge && (key >= N || (causal && q0 + qc < key))) p = 0.0f;
-                        st[4 * j + e] = p;
-                    }
-                hw_wg_wait<0>();
-                hw_keep(dpt);
-#pragma unroll
-                for (int j = 0; j < 8; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int qc = j * 8 + (lane & 3) * 2 + (e & 1);
-                        dpt[4 * j + e] = st[4 * j + e] * (dpt[4 * j + e] - cD[qc]) * scale;
-                    }
-                hw_pack_p<BF16>(pa, st);
-                hw_pack_p<BF16>(da, dpt);
+                hb_p_ds<BF16, SPLIT>(pa, da, st, dpt, cL, cD, kr, q0, edge, N, causal, scale_log2, scale, lane);
             } else if constexpr (DEFER) {  // the last step's dQ product
                 hw_wg_wait<0>();
                 hw_keep(dq);
@@ -442,7 +453,7 @@ __device__ __forceinline__ void hb_st_shared4(tc_u32 addr, float a, float b, flo
 }
 
 // S^T and dP^T of a warpgroup's 64 keys (K, V rows at sk, sv) x a step's 64 queries (Q, dO tiles at sq,
-// sdo; L log2 e and Dl at cL, cD), then P^T and dS^T rounded into pa and da (A operands of dV and dK);
+// sdo; L log2 e and Dl at cL, cD), then P^T and dS^T rounded into pa and da (hb_p_ds);
 // kr: this thread's first key, q0: the step's first query row. SPLIT: P^T while dP^T is still in the
 // tensor cores. Returns with no product in flight.
 template <int D, bool BF16, bool SPLIT>
@@ -457,28 +468,7 @@ __device__ __forceinline__ void hb_sdp(tc_u32 (&pa)[4][4], tc_u32 (&da)[4][4], t
     if constexpr (SPLIT) hw_wg_commit();
     hw_abt<D, 128, 64, BF16>(dpt, sv, sdo);
     hw_wg_commit();
-    hw_wg_wait<SPLIT ? 1 : 0>();
-    hw_keep(st);
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int qc = j * 8 + (lane & 3) * 2 + (e & 1), key = kr + (e >> 1) * 8;
-            float p = tc_exp2(fmaf(st[4 * j + e], scale_log2, -cL[qc]));
-            if (edge && (key >= N || (causal && q0 + qc < key))) p = 0.0f;
-            st[4 * j + e] = p;
-        }
-    hw_wg_wait<0>();
-    hw_keep(dpt);
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int qc = j * 8 + (lane & 3) * 2 + (e & 1);
-            dpt[4 * j + e] = st[4 * j + e] * (dpt[4 * j + e] - cD[qc]) * scale;
-        }
-    hw_pack_p<BF16>(pa, st);
-    hw_pack_p<BF16>(da, dpt);
+    hb_p_ds<BF16, SPLIT>(pa, da, st, dpt, cL, cD, kr, q0, edge, N, causal, scale_log2, scale, lane);
 }
 
 template <int D, bool BF16>
