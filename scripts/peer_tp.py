@@ -492,11 +492,7 @@ def train(cfg, proc, device, x, ours, plain, variants, unavailable) -> int:
     say(f"peer_tp --backward: {W} rank(s), {cfg.dist_backend} on {device.type}, B={cfg.batch} N={cfg.seq_len} "
         f"H={cfg.heads} d={cfg.head_dim} {cfg.dtype}; training step ms, each rank's median then the slowest rank:")
     say(f"  tpattn ({cfg.kernel})            {worst['ours']:.3f} ms  (host {worst_host['ours']:.3f})")
-    for v in SDPA_VARIANTS:
-        k = f"plain_{v}"
-        say(f"  plain TP + SDPA {v:<8}     " + (f"{worst[k]:.3f} ms  (host {worst_host[k]:.3f})  "
-                                               f"/ tpattn {worst[k] / worst['ours']:.3f}" if k in worst
-                                               else unavailable[v]))
+    say_plain(say, worst, worst_host, unavailable, worst["ours"])
     for name, c in checks.items():
         say(f"check {name}: max err {c['max_abs_err']:.3g} = {c['rel_err']:.3g} x rms (tol {tol:g}) "
             f"{'PASS' if c['pass'] else 'FAIL'}")
@@ -514,6 +510,18 @@ def train(cfg, proc, device, x, ours, plain, variants, unavailable) -> int:
         with open(cfg.json, "w") as f:
             json.dump(res, f, indent=2)
     return 0 if ok else EXIT_FAIL
+
+
+def say_plain(say, ms: dict, host: dict, unavailable: dict, ours: float | None = None) -> None:
+    """A line per SDPA backend of the plain peer: its ms and host ms (and, given tpattn's ms, the ratio), or
+    why it did not run."""
+    for v in SDPA_VARIANTS:
+        k = f"plain_{v}"
+        if ms.get(k) is None:
+            say(f"  plain TP + SDPA {v:<8}     {unavailable[v]}")
+            continue
+        ratio = f"  / tpattn {ms[k] / ours:.3f}" if ours else ""
+        say(f"  plain TP + SDPA {v:<8}     {ms[k]:.3f} ms  (host {host[k]:.3f}){ratio}")
 
 
 def _in(ctx, fn, *args):
@@ -583,10 +591,7 @@ def report(cfg, proc, device, x, full, outs, everyone, unavailable, probe, bare,
     say(f"  tpattn ({cfg.kernel}, {cfg.reduce_dtype} all-reduce)  {ours_ms:.3f} ms  "
         f"(host {res['host_ms']['ours']:.3f})")
     say(f"  PyTorch TP (DTensor) + SDPA  {peer_ms:.3f} ms  (host {res['host_ms']['dtensor']:.3f})")
-    for v in SDPA_VARIANTS:
-        k = f"plain_{v}"
-        say(f"  plain TP + SDPA {v:<8}     " + (f"{peers[k]:.3f} ms  (host {res['host_ms'][k]:.3f})"
-                                               if peers[k] is not None else unavailable[v]))
+    say_plain(say, peers, res["host_ms"], unavailable)
     for k, b in bare.items():
         if k == "timing":
             continue

@@ -57,6 +57,16 @@ class _Attention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+def write_into(out, grads):
+    """grads, or, given out (tensors to write), out holding grads (each copied unless it is out's already)."""
+    if out is None:
+        return grads
+    for o, g in zip(out, grads):
+        if o.data_ptr() != g.data_ptr() or o.stride() != g.stride():
+            o.copy_(g)
+    return out
+
+
 def split_packed(qkv: torch.Tensor, h: int, g: int):
     """q [B, h, N, d], k and v [B, g, N, d]: views of the heads of qkv [B, N, h + 2g, d]."""
     return tuple(t.permute(0, 2, 1, 3) for t in qkv.split([h, g, g], dim=2))
@@ -82,8 +92,7 @@ class _AttentionPacked(torch.autograd.Function):
         h, g = ctx.heads
         dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
         views = split_packed(dqkv, h, g)
-        got = ctx.backend.backward(*split_packed(qkv, h, g), o, saved, do, ctx.causal, ctx.deterministic, out=views)
-        for view, grad in zip(views, got):  # (a backend that returned other tensors than out's)
-            if grad.data_ptr() != view.data_ptr() or grad.stride() != view.stride():
-                view.copy_(grad)
+        # (a backend may return other tensors than out's: they are copied in)
+        write_into(views, ctx.backend.backward(*split_packed(qkv, h, g), o, saved, do, ctx.causal, ctx.deterministic,
+                                               out=views))
         return dqkv, None, None, None, None, None

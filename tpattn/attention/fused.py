@@ -20,6 +20,7 @@ from ..errors import ConfigError
 from ..cuda import GRID_X_MAX, GRID_YZ_MAX, Prepared, TensorMap, launch, ptr
 from ..timing import section
 from . import CudaBackend, kv_group
+from .autograd import write_into
 
 SOURCE = "fused_attention.cu"
 HOPPER_SOURCE = "fused_hopper_attention.cu"  # wgmma (sm_90a): runs on compute capability 9.0 only
@@ -265,8 +266,7 @@ class FusedBackend(CudaBackend):
         dev = q.device
         kernels = bwd_kernels(_device_info(dev)[1]) if b * h * n else "mma"
         five = kernels == "wgmma" and not deterministic
-        ws = five and bwd5_kernel(d, not _rows_aligned(q, k, v, o, do) or not all(
-            t.is_contiguous() for t in (q, k, v, o, do)) or out is not None) == "ws"
+        ws = five and bwd5_kernel(d, out is not None or not all(t.is_contiguous() for t in (q, k, v, o, do))) == "ws"
         # the kernels' operands: rows contiguous and starting on 16 bytes, and (except for hbwd5w_kv's
         # tensor maps and hbwd_pre's strides) contiguous; anything else is copied
         if ws:
@@ -285,7 +285,7 @@ class FusedBackend(CudaBackend):
             dq, dk, dv = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
                 k, memory_format=torch.contiguous_format), torch.empty_like(v, memory_format=torch.contiguous_format)
         if b * h * n == 0:
-            return _into(out, (dq, dk, dv))
+            return write_into(out, (dq, dk, dv))
         dl = torch.empty(b, h, n, dtype=torch.float32, device=dev)
         scale = np.float32(1.0 / math.sqrt(d))
         kv_args = (ptr(q), ptr(k), ptr(v), ptr(do), ptr(lse), ptr(dl), ptr(dk), ptr(dv), np.int32(b * g), np.int32(g),
@@ -311,8 +311,8 @@ class FusedBackend(CudaBackend):
                 tiles = b * h * _cdiv(n, 64) * (d // 64)
                 launch(HOPPER_BWD_SOURCE, f"hbwd_dq_out_{suf}_d{d}", dev, (min(tiles, GRID_X_MAX), 1, 1), (256, 1, 1),
                        (ptr(dqa), ptr(dq), np.int32(n), np.int64(tiles), np.int32(h), *_strides3(dq)))
-            return _into(out, (dq, dk, dv))
-        if bwd_kernels(_device_info(dev)[1]) == "wgmma":
+            return write_into(out, (dq, dk, dv))
+        if kernels == "wgmma":
             # hbwd_dq also writes Dl (of its own rows, from O and dO), which hbwd_kv, launched after it, reads
             with section("bwd_dq"):
                 launch(HOPPER_BWD_SOURCE, f"hbwd_dq_{suf}_d{d}", dev, (_cdiv(n, 128), min(b * h, GRID_YZ_MAX), 1),
@@ -321,7 +321,7 @@ class FusedBackend(CudaBackend):
             with section("bwd_kv"):
                 launch(HOPPER_BWD_SOURCE, f"hbwd_kv_{suf}_d{d}", dev, (_cdiv(n, 128), min(b * g, GRID_YZ_MAX), 1),
                        (256, 1, 1), kv_args, shared_mem=(2 * 128 + 4 * 64) * d * 2 + 1024 + 1024)
-            return _into(out, (dq, dk, dv))
+            return write_into(out, (dq, dk, dv))
         br = BWD_ROWS[d]
         with section("bwd_dot"):
             rows = b * h * n
@@ -333,22 +333,12 @@ class FusedBackend(CudaBackend):
         with section("bwd_dq"):
             launch(BWD_SOURCE, f"fbwd_dq_{suf}_d{d}", dev, (_cdiv(n, 64), min(b * h, GRID_YZ_MAX), 1), (128, 1, 1),
                    (ptr(q), ptr(k), ptr(v), ptr(do), ptr(lse), ptr(dl), ptr(dq), *tail), shared_mem=6 * 64 * d * 2)
-        return _into(out, (dq, dk, dv))
+        return write_into(out, (dq, dk, dv))
 
 
 def _strides3(t: torch.Tensor) -> tuple:
     """The batch, head and row strides of a [B, H, N, D] tensor (elements), as the kernels' long longs."""
     return tuple(np.int64(x) for x in t.stride()[:3])
-
-
-def _into(out, grads):
-    """grads, or, given out, grads written into out (unless they are out already)."""
-    if out is None:
-        return grads
-    for o, g in zip(out, grads):
-        if o.data_ptr() != g.data_ptr() or o.stride() != g.stride():
-            o.copy_(g)
-    return out
 
 
 _prepared_bwd: dict[tuple, Prepared] = {}  # hbwd5w launches, packed once per (tensors, shape)
