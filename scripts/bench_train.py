@@ -14,10 +14,11 @@ with --graph (default) each default layer's step also runs captured in one CUDA 
 through `layer.graphed(x, dy=dy)`). Writes PREFIX.json and PREFIX.md (--out, default
 benchmarks/train_h200): GPU, versions, command, date (UTC), commit. --profile K also lists, for tpattn's
 default layer and the plain cuDNN layer, the GPU kernels of one eager step (torch.profiler, the mean of
-five steps): the K longest by GPU time, with their launches per step, and the whole step's kernel time.
+five steps): the K longest by GPU time, with their launches per step, and the whole step's kernel time;
+--host-profile K the K Python functions that take the host longest in an eager step (cProfile).
 
     PYTHONPATH=. python scripts/bench_train.py [--seq-len 4096] [--heads 32] [--kv-heads G] [--head-dim 128]
-        [--batch B] [--dtype fp16|bf16] [--kernel fused] [--causal] [--rounds 3] [--no-graph] [--profile K] [--commit SHA] [--out PREFIX]
+        [--batch B] [--dtype fp16|bf16] [--kernel fused] [--causal] [--rounds 3] [--no-graph] [--profile K] [--host-profile K] [--commit SHA] [--out PREFIX]
 """
 
 from __future__ import annotations
@@ -85,6 +86,32 @@ def median_ms(fn, warmup: int, iters: int, params) -> tuple[float, float]:
     return statistics.median(ts), statistics.median(hs)
 
 
+def host_table(step, params, steps: int = 20) -> list[tuple[str, int, float, float]]:
+    """(function, calls per step, own host us per step, cumulative host us per step) of the Python
+    functions step() runs, by their own time, longest first: cProfile over `steps` eager steps after
+    three unprofiled (what the host spends issuing a step, apart from waiting for the GPU)."""
+    import cProfile
+    import pstats
+    for _ in range(3):
+        for q in params:
+            q.grad = None
+        step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        for q in params:
+            q.grad = None
+        step()
+    prof.disable()
+    rows = []
+    for (file, line, fn), (_, calls, own, cum, _) in pstats.Stats(prof).stats.items():
+        where = f"{Path(file).name}:{line}({fn})" if file != "~" else fn
+        rows.append((where, round(calls / steps), own / steps * 1e6, cum / steps * 1e6))
+    return sorted(rows, key=lambda r: -r[2])
+
+
 def kernel_table(step, params, steps: int = 5) -> list[tuple[str, float, float]]:
     """(kernel, launches per step, GPU us per step) of every GPU activity of step(), longest first: the
     mean over `steps` eager steps under torch.profiler (CUDA activity only), after three unprofiled."""
@@ -127,6 +154,9 @@ def main() -> int:
                    help="also time each layer's step captured in one CUDA graph (default on)")
     p.add_argument("--profile", type=int, default=0, metavar="K",
                    help="list the K longest GPU kernels of one eager step of tpattn's layer and the plain cuDNN layer")
+    p.add_argument("--host-profile", type=int, default=0, metavar="K",
+                   help="list the K Python functions that take the host longest in an eager step of tpattn's "
+                        "layer and the plain cuDNN layer (cProfile)")
     p.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse here)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "train_h200"))
     a = p.parse_args()
@@ -201,12 +231,24 @@ def main() -> int:
         print(f"{name}: GPU kernels of one eager step, {profiles[name]['total_us']:.1f} us in all", flush=True)
         for r in profiles[name]["kernels"]:
             print(f"  {r['us']:9.1f} us  x{r['per_step']:<5g} {r['kernel'][:100]}", flush=True)
+    hosts = {}
+    for name in (f"tpattn {a.kernel}", "plain cuDNN") if a.host_profile else ():
+        if name in skipped:
+            continue
+        table = host_table(runs[name][0], [xg, *layers[name].parameters()])
+        hosts[name] = [{"function": f, "calls": c, "own_us": round(own, 1), "cum_us": round(cum, 1)}
+                       for f, c, own, cum in table[:a.host_profile]]
+        print(f"{name}: host time of one eager step by function (cProfile, own us, cumulative us, calls)", flush=True)
+        for r in hosts[name]:
+            print(f"  {r['own_us']:8.1f} {r['cum_us']:9.1f}  x{r['calls']:<4} {r['function'][:100]}", flush=True)
     commit = a.commit or (subprocess_out(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]) or "unknown")
     res = {"gpu": torch.cuda.get_device_name(), "versions": versions(), "command": shlex.join(["python", *sys.argv]),
            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit,
            "shape": {"B": B, "N": N, "H": H, "G": G, "d": d, "dtype": a.dtype, "causal": a.causal}, "rows": rows}
     if profiles:
         res["profiles"] = profiles
+    if hosts:
+        res["host_profiles"] = hosts
     Path(a.out + ".json").write_text(json.dumps(res, indent=2))
     md = [f"# Training step on one GPU: tpattn beside the plain PyTorch layer", "",
           f"{res['date']}, {res['gpu']}, commit {commit}; torch {res['versions'].get('torch')}. Command: `{res['command']}`.",
@@ -223,6 +265,10 @@ def main() -> int:
         md += ["", f"{name}: the GPU kernels of one eager step (torch.profiler, mean of 5 steps), "
                    f"{prof['total_us']} us in all", "", "| kernel | launches per step | us per step |", "|---|---|---|"]
         md += [f"| `{r['kernel']}` | {r['per_step']} | {r['us']} |" for r in prof["kernels"]]
+    for name, prof in hosts.items():
+        md += ["", f"{name}: host time of one eager step by Python function (cProfile, mean of 20 steps)", "",
+               "| function | calls per step | own us | cumulative us |", "|---|---|---|---|"]
+        md += [f"| `{r['function']}` | {r['calls']} | {r['own_us']} | {r['cum_us']} |" for r in prof]
     Path(a.out + ".md").write_text("\n".join(md) + "\n")
     return 0
 

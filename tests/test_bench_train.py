@@ -36,3 +36,22 @@ def test_without_a_gpu_it_says_so_in_one_line():
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_train.py")], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_host_table_counts_a_steps_python_functions():
+    from bench_train import host_table
+    layer = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+
+    def helper(t):
+        return t * 2
+
+    def step():
+        helper(layer(x)).sum().backward()
+
+    rows = host_table(step, list(layer.parameters()), steps=7)
+    by_name = {r[0]: r for r in rows}
+    mine = [r for name, r in by_name.items() if name.endswith("(helper)")]
+    assert len(mine) == 1 and mine[0][1] == 1, "one call of helper per step"
+    assert all(r[2] >= 0 and r[3] >= r[2] for r in rows)
+    assert [r[2] for r in rows] == sorted((r[2] for r in rows), reverse=True)
