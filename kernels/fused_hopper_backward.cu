@@ -48,29 +48,6 @@
 
 #define HB_LOG2E 1.4426950408889634f
 
-// The order in which a causal grid's blocks run. The hardware starts blocks in linear order (x
-// fastest), and a causal grid's x runs from its longest block (x = 0) to its shortest; so in the grid's
-// own order each head's longest block starts after the previous head's shortest one, and the last
-// head's longest blocks start in the last wave, where the GPU idles behind them (by up to 14 % in a
-// list-scheduling count at B=2 G=8 N=8192 and B=1 H=32 N=4096). Remapped: the grid in sections of S
-// rows of y, x-major within a section (every head's block x before any head's x + 1), so that the last
-// blocks to start are the shortest of the last section; S covers two waves of the GPU's SMs, and no
-// more, so that the heads in flight (their Q, dO and dQ in L2) stay few. A bijection of the grid.
-__device__ __forceinline__ void hb_grid_order(int causal, int &vx, int &vy) {
-    vx = blockIdx.x;
-    vy = blockIdx.y;
-    if (!causal) return;
-    unsigned nsm;
-    asm("mov.u32 %0, %%nsmid;" : "=r"(nsm));
-    const int gx = gridDim.x, gy = gridDim.y;
-    int S = (2 * (int)nsm + gx - 1) / gx;
-    S = S < 1 ? 1 : S > gy ? gy : S;
-    const long long l = (long long)blockIdx.y * gx + blockIdx.x, sec = l / ((long long)S * gx);
-    const int y0 = (int)sec * S, rows = gy - y0 < S ? gy - y0 : S, within = (int)(l - (long long)y0 * gx);
-    vx = within / rows;
-    vy = y0 + within % rows;
-}
-
 // ------------------------------------------------------------------------------------ dQ by adds
 // The five-product kernel's dQ: each step's dS K (64 query rows x D) added to an fp32 sum dQa that
 // hbwd_pre zeroed. Warpgroup w computes, from dS^T in shared memory (A, MN-major) and the K tile (B,
@@ -308,17 +285,15 @@ __device__ __forceinline__ void hb_kv(const tc_u16 *__restrict__ Q, const tc_u16
     constexpr bool SPLIT = DQ && D == 128, DEFER = DQ, HALF = DQ && D == 64;
     const tc_u32 sDS0 = sB + 4 * MB + 1024;
     const float scale_log2 = scale * HB_LOG2E;
-    int vx, vy;
-    hb_grid_order(causal, vx, vy);
-    const int k0 = vx * BC, kr = k0 + rl;
+    const int k0 = blockIdx.x * BC, kr = k0 + rl;
     const int n_qt = (N + BM - 1) / BM, qt_first = causal ? k0 / BM : 0, per = n_qt - qt_first;
     const int steps = group * per;  // (query head of the group, query tile) pairs
-    for (int bg = vy; bg < BG; bg += gridDim.y) {
+    for (int bg = blockIdx.y; bg < BG; bg += gridDim.y) {
         const long long kv_off = (long long)bg * N * D, bh0 = (long long)bg * group;  // bg = b G + g
         // step t: query head bh0 + t / per, query tile qt_first + (t + rot) % per, into buffer t & 1. DQ:
         // the key blocks of a head start at tiles spread over its query tiles (rot), so that they do not
         // all add to the same dQ tile at once
-        const int rot = DQ ? (int)(((long long)vx * per) / gridDim.x) : 0;
+        const int rot = DQ ? (int)(((long long)blockIdx.x * per) / gridDim.x) : 0;
         auto issue = [&](int t) {
             const int buf = t & 1;
             const long long bh = bh0 + t / per;
@@ -509,15 +484,13 @@ __device__ __forceinline__ void hb_kv5(const tw_tmap *qm, const tw_tmap *km, con
     auto q_empty = [&](int s) { return bars + 16 + 8 * s; };
     const tc_u32 kv_full = bars + 32, kv_empty = bars + 40;
     const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
-    int vx, vy;
-    hb_grid_order(causal, vx, vy);
-    const int k0 = vx * BC;
+    const int k0 = blockIdx.x * BC;
     const int n_qt = (N + BM - 1) / BM, qt_first = causal ? k0 / BM : 0, per = n_qt - qt_first;
     const int steps = group * per;  // (query head of the group, query tile) pairs, >= 1 (k0 < N)
     // the key blocks of a head start at query tiles spread over its tiles, so that they do not all add to
     // the same dQ tile at once
-    const int rot = (int)(((long long)vx * per) / gridDim.x);
-    const int total = (vy < BG ? ((BG - 1 - vy) / (int)gridDim.y + 1) : 0) * steps;
+    const int rot = (int)(((long long)blockIdx.x * per) / gridDim.x);
+    const int total = (blockIdx.y < BG ? ((BG - 1 - (int)blockIdx.y) / (int)gridDim.y + 1) : 0) * steps;
     auto q0_of = [&](int t) { return (qt_first + (t + rot) % per) * BM; };
     if (tid == 0) {
         for (int s = 0; s < 2; ++s) {
@@ -536,7 +509,7 @@ __device__ __forceinline__ void hb_kv5(const tw_tmap *qm, const tw_tmap *km, con
         const int warp = tid >> 5;
         int n = 0;  // steps so far, over the block's K/V heads
         if (warp == 0) {
-            for (int i = 0, bg = vy; bg < BG; ++i, bg += gridDim.y) {
+            for (int i = 0, bg = blockIdx.y; bg < BG; ++i, bg += gridDim.y) {
                 const int b = bg / G, hk = bg - b * G;
                 if (lane == 0) {
                     tw_bar_wait(kv_empty, (i & 1) ^ 1);
@@ -564,7 +537,7 @@ __device__ __forceinline__ void hb_kv5(const tw_tmap *qm, const tw_tmap *km, con
             // both staging buffers start free; each is freed again only for a step that will use it
             if (total > 0) tw_arrive(HB_DQE_BAR, NQ);
             if (total > 1) tw_arrive(HB_DQE_BAR + 1, NQ);
-            for (int bg = vy; bg < BG; bg += gridDim.y)
+            for (int bg = blockIdx.y; bg < BG; bg += gridDim.y)
                 for (int t = 0; t < steps; ++t, ++n) {
                     const int s = n & 1;
                     const long long tile = (((long long)bg * group + t / per) * n_qt + q0_of(t) / BM) * P;
@@ -593,7 +566,7 @@ __device__ __forceinline__ void hb_kv5(const tw_tmap *qm, const tw_tmap *km, con
         if (lane == 0) tw_bar_arrive(bar);
     };
     int n = 0;
-    for (int i = 0, bg = vy; bg < BG; ++i, bg += gridDim.y) {
+    for (int i = 0, bg = blockIdx.y; bg < BG; ++i, bg += gridDim.y) {
         tw_bar_wait(kv_full, i & 1);
         float dk[D / 2], dv[D / 2];
 #pragma unroll
@@ -722,16 +695,14 @@ __device__ __forceinline__ void hb_dq(const tc_u16 *__restrict__ Q, const tc_u16
     const int rl = wg * 64 + warp * 16 + (lane >> 2);  // this thread's rows in the tile: rl and rl + 8
     const float scale_log2 = scale * HB_LOG2E;
     const int n_qt = (N + BR - 1) / BR, n_kt_all = (N + BN - 1) / BN;
-    int vx, vy;
-    hb_grid_order(causal, vx, vy);
-    const int qt = causal ? n_qt - 1 - vx : vx;  // causal: the longest rows first
+    const int qt = causal ? n_qt - 1 - blockIdx.x : blockIdx.x;  // causal: the longest rows first
     const int q0 = qt * BR, r = q0 + rl, wr0 = q0 + wg * 64;
     int n_kt = n_kt_all;
     if (causal) {
         const int last = (q0 + BR - 1) / BN + 1;
         n_kt = last < n_kt ? last : n_kt;
     }
-    for (long long bh = vy; bh < BH; bh += gridDim.y) {
+    for (long long bh = blockIdx.y; bh < BH; bh += gridDim.y) {
         const long long kv_off = ((bh / H) * (H / group) + (bh % H) / group) * N * D;
         auto issue = [&](int kt) {
             const tc_u32 dst = sB + (kt % 3) * 2 * NB;

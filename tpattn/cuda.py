@@ -219,7 +219,7 @@ class Prepared:
         self.keep, self.params = pack_params(args)  # self.keep: what the parameter array points into
 
     def __call__(self) -> None:
-        stream = torch.cuda.current_stream(self.idx).cuda_stream
+        stream = _raw_stream(self.idx)
         with self.cupy.cuda.Device(self.idx):
             self.cupy.cuda.driver.launchKernel(self.fn.ptr, *self.dims, stream, ctypes.addressof(self.params), 0)
             if os.environ.get("TPATTN_SYNC_LAUNCHES"):
@@ -241,10 +241,9 @@ def launch(filename: str, name: str, device: torch.device, grid, block, args, sh
     fn = get_function(filename, name, idx)
     if shared_mem > 48 * 1024:
         _allow_shared_mem(cupy, fn, (idx, filename, name), shared_mem)
-    stream = torch.cuda.current_stream(idx)
     _check_grid(grid)
     with cupy.cuda.Device(idx):
-        ext = _external_stream(cupy, stream, idx)
+        ext = _external_stream(cupy, _raw_stream(idx), idx)
         fn(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem, stream=ext)  # raises on a failed launch
         if os.environ.get("TPATTN_SYNC_LAUNCHES"):  # debugging: surface asynchronous faults here
             ext.synchronize()
@@ -267,16 +266,35 @@ def _allow_shared_mem(cupy, fn, key, nbytes: int) -> None:
 
 
 _streams: dict[tuple[int, int], object] = {}
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def _external_stream(cupy, stream: torch.cuda.Stream, idx: int):
-    """A CuPy view of torch's stream (made once per stream)."""
-    key = (idx, stream.cuda_stream)
+def _raw_stream(idx: int) -> int:
+    """The address of torch's current stream on device idx (cudaStream_t), without building a
+    torch.cuda.Stream object: what every launch asks, tens of microseconds a training step less."""
+    if _current_raw_stream is not None:
+        return _current_raw_stream(idx)
+    return torch.cuda.current_stream(idx).cuda_stream
+
+
+def _external_stream(cupy, stream: int, idx: int):
+    """A CuPy view of torch's stream at address `stream` on device idx (made once per stream)."""
+    key = (idx, stream)
     ext = _streams.get(key)
     if ext is None:
-        if hasattr(cupy.cuda.Stream, "from_external") and hasattr(stream, "__cuda_stream__"):
-            ext = cupy.cuda.Stream.from_external(stream)
+        if hasattr(cupy.cuda.Stream, "from_external"):  # (CuPy 14: what supersedes ExternalStream)
+            ext = cupy.cuda.Stream.from_external(_StreamHandle(stream))
         else:
-            ext = cupy.cuda.ExternalStream(stream.cuda_stream, idx)
+            ext = cupy.cuda.ExternalStream(stream, idx)
         _streams[key] = ext
     return ext
+
+
+class _StreamHandle:
+    """A raw stream address behind the CUDA stream protocol (__cuda_stream__: version 0, the handle)."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)

@@ -45,4 +45,6 @@ def add_bias(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -
 def bias_grad(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The bias's gradient: dy summed over the rows, in fp32 (fp64 for fp64), in the bias's dtype. The sum
     widens as it reads (sum's dtype=): no widened copy of dy is written first."""
+    if g.dtype == dtype:  # torch's sum accumulates 16-bit values in fp32 and rounds once: one kernel
+        return g.sum(0)
     return g.sum(0, dtype=torch.promote_types(g.dtype, torch.float32)).to(dtype)
