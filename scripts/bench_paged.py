@@ -1,7 +1,7 @@
 """The decode attention kernel on a paged cache against the contiguous cache, and against the GPU's
 copy rate.
 
-    python scripts/bench_paged.py [--pages 16 64 256] [--rounds 5] [--json PATH]
+    python scripts/bench_paged.py [--pages 16 64 256] [--rounds 5] [--layer] [--prefill] [--no-kernel] [--json PATH]
 
 For each shape (B sequences, G K/V heads, H = 32 query heads, d = 128, fp16): the split kernel
 over a contiguous cache of length L (kernels/decode_attention.cu), the paged kernel (_pg) over
@@ -9,6 +9,8 @@ the same lengths in pages of P tokens handed out in a shuffled order, and the pa
 ragged lengths of the same mean L spread x4 (0.4 L to 1.6 L). GB/s: the K and V bytes a step reads
 over its time; copy rate: a device-to-device copy of 1 GiB (bytes read + written over its time).
 CUDA events over 50 back-to-back launches, the median of --rounds rounds, contenders alternating.
+--layer: the layer's whole graphed decode step, contiguous against paged; --prefill: prefills through
+the layer on the paged cache against its forward over the same rows without a cache.
 """
 
 from __future__ import annotations
@@ -112,6 +114,60 @@ def layer_steps(H: int, d: int, rounds: int, steps: int = 40) -> list[dict]:
     return out
 
 
+def prefill_runs(H: int, d: int, rounds: int, G: int = 8, mean: int = 1024, prompts: int = 8,
+                 long: int = 8192, chunk: int = 1024) -> list[dict]:
+    """Prefills through the layer on a paged cache (the fused kernel per sequence, K/V gathered
+    through the table) against the layer's own forward over the same rows without a cache (one
+    fused forward a prompt): `prompts` prompts of ragged lengths (mean `mean`, spread x4) packed in
+    one step, and one prompt of `long` rows prefilled in chunks of `chunk` rows. Wall-clock ms per
+    call, synchronized (host work included: the pool's add, step and remove), fp16, rotary positions."""
+    import time
+
+    from tpattn import TensorParallelAttention
+    from tpattn.paged import PagedKV
+    D = H * d
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    w = {k: (torch.randn(*s, device="cuda", generator=gen) * 0.02).half() for k, s in
+         (("wq", (D, D)), ("wk", (D, G * d)), ("wv", (D, G * d)), ("wo", (D, D)))}
+    layer = TensorParallelAttention(**w, heads=H, kv_heads=G, head_dim=d, causal=True, backend="fused",
+                                    rope_theta=10000.0)
+    lens = torch.linspace(0.4 * mean, 1.6 * mean, prompts).round().int().tolist()
+    xs = [torch.randn(1, n, D, device="cuda", generator=gen).half() for n in lens]
+    packed = torch.cat(xs, 1)
+    x_long = torch.randn(1, long, D, device="cuda", generator=gen).half()
+    pool = PagedKV(layer, pages=-(-max(sum(lens), long) // 16) + prompts + 8, page_size=16, max_seqs=prompts)
+
+    def ragged_paged():
+        ids = [pool.add() for _ in lens]
+        with pool.step(ids, lens) as st:
+            layer(packed, cache=st.view(0))
+        for i in ids:
+            pool.remove(i)
+
+    def chunked_paged():
+        sid = pool.add()
+        for c0 in range(0, long, chunk):
+            with pool.step([sid], [min(chunk, long - c0)]) as st:
+                layer(x_long[:, c0:c0 + chunk], cache=st.view(0))
+        pool.remove(sid)
+
+    runs = {f"{prompts} ragged prompts: a forward each": lambda: [layer(x) for x in xs],
+            f"{prompts} ragged prompts: paged, one step": ragged_paged,
+            f"{long} rows: one forward": lambda: layer(x_long),
+            f"{long} rows: paged, chunks of {chunk}": chunked_paged}
+    times = {k: [] for k in runs}
+    with torch.no_grad():
+        for _ in range(rounds + 1):
+            for name, fn in runs.items():
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    return [{"run": k, "ms": statistics.median(ts[1:]), "lens": lens if "ragged" in k else [long]}
+            for k, ts in times.items()]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python scripts/bench_paged.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--pages", type=int, nargs="+", default=[16, 64, 256], metavar="P")
@@ -121,6 +177,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--layer", action="store_true", help="also the layer's whole graphed decode step, contiguous "
                    "against paged (uniform and ragged lengths)")
+    p.add_argument("--prefill", action="store_true", help="also prefills on the paged cache (ragged prompts in one "
+                   "step, a long prompt in chunks) against the layer's forward over the same rows")
+    p.add_argument("--no-kernel", action="store_true", help="skip the decode kernel's table")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_paged: error: needs a CUDA GPU; run it on a GPU machine", file=sys.stderr)
@@ -130,7 +189,7 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}: H={H} d={d} fp16; copy rate {rate:.0f} GB/s; us per step (median of "
           f"{a.rounds} rounds), GB/s of K and V read, % of the copy rate")
     rows = []
-    for B, G, L in SHAPES:
+    for B, G, L in [] if a.no_kernel else SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(B + G + L)
         q = torch.randn(B, H, 1, d, device="cuda", generator=gen).half()
         k, v = (torch.randn(B, G, L, d, device="cuda", generator=gen).half() for _ in range(2))
@@ -168,9 +227,17 @@ def main(argv=None) -> int:
             print(f"  B={shape[0]} G={shape[1]} L={shape[2]}: " + ", ".join(
                 f"{r['step']} {r['us']:.1f}" + ("" if r["step"] == "contiguous" else f" (x{r['us'] / base:.3f})")
                 for r in mine))
+    prefills = []
+    if a.prefill:
+        prefills = prefill_runs(H, d, a.rounds)
+        print("prefills through the layer (G=8, rotary), wall-clock ms per call, synchronized (median of rounds):")
+        for i in range(0, len(prefills), 2):
+            base, paged_run = prefills[i], prefills[i + 1]
+            print(f"  {base['run']:<40} {base['ms']:8.3f} ms")
+            print(f"  {paged_run['run']:<40} {paged_run['ms']:8.3f} ms  x{paged_run['ms'] / base['ms']:.3f}")
     if a.json:
         Path(a.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "copy_GBps": rate, "rows": rows,
-                                            "layer_steps": steps, "argv": sys.argv}, indent=1))
+                                            "layer_steps": steps, "prefills": prefills, "argv": sys.argv}, indent=1))
     return 0
 
 

@@ -169,3 +169,73 @@ def test_decode_graphs_replay_the_eager_steps():
         assert sorted(graphs._made) == [2, 4]
     for a, b in zip(rows[True], rows[False]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("g", [8, 2])
+@torch.no_grad()
+def test_paged_prefill_runs_the_fused_kernel_and_matches_torch_math(g, monkeypatch):
+    """Prefills on a paged cache through the fused forward kernel (decode.prefix_attention per
+    sequence): ragged prompts packed in one step, then chunks that continue two of them (rows
+    starting past a row tile, and not at one) beside a new prompt; the same steps in torch math
+    (decode.attend) give the same rows, and the fused kernel ran once per sequence of each step."""
+    import tpattn.decode as dec
+    from tpattn import TensorParallelAttention
+    from tpattn.paged import PagedKV
+    torch.manual_seed(0)
+    H, d = 8, 128
+    D = H * d
+    w = {k: (torch.randn(*s) * 0.02).half().cuda() for k, s in
+         (("wq", (D, D)), ("wk", (D, g * d)), ("wv", (D, g * d)), ("wo", (D, D)))}
+    layer = TensorParallelAttention(**w, heads=H, kv_heads=g, head_dim=d, causal=True, backend="fused",
+                                    rope_theta=10000.0)
+    fused_calls = []
+    real = dec.prefix_attention
+    steps = [((0, 1, 2), (37, 5, 130)), ((0, 2, 3), (100, 64, 9)), ((1, 3), (300, 1))]
+    outs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(dec, "fused_prefix_fits", (lambda q: True) if fused else (lambda q: False))
+        monkeypatch.setattr(dec, "prefix_attention", lambda *a: fused_calls.append(a[-1]) or real(*a))
+        pool = PagedKV(layer, pages=128, page_size=16, max_seqs=4)
+        ids = [pool.add() for _ in range(4)]
+        gen = torch.Generator().manual_seed(1)
+        got = []
+        for which, rows in steps:
+            with pool.step([ids[i] for i in which], list(rows)) as st:
+                got.append(layer(torch.randn(1, sum(rows), D, generator=gen).half().cuda(), cache=st.view(0)))
+        outs[fused] = got
+        if fused:
+            assert fused_calls == [0, 0, 0, 37, 130, 0, 5, 9], fused_calls  # each sequence's L0, step by step
+        else:
+            assert len(fused_calls) == 8, "torch math ran no fused kernel"
+    for a, b in zip(outs[True], outs[False]):
+        assert (a.float() - b.float()).abs().max().item() <= 2e-3
+
+
+@torch.no_grad()
+def test_paged_chunked_prefill_holds_no_scores():
+    """A chunk of 2048 rows after 6144 in the cache (8 heads): its scores would be 512 MiB in fp32; the
+    fused path's peak beyond the pool, weights and input stays at what the K/V gather, q, o and the
+    projections need (rows x d each)."""
+    from tpattn import TensorParallelAttention
+    from tpattn.paged import PagedKV
+    torch.manual_seed(0)
+    H, g, d = 8, 8, 128
+    D = H * d
+    w = {k: (torch.randn(*s) * 0.02).half().cuda() for k, s in
+         (("wq", (D, D)), ("wk", (D, g * d)), ("wv", (D, g * d)), ("wo", (D, D)))}
+    layer = TensorParallelAttention(**w, heads=H, kv_heads=g, head_dim=d, causal=True, backend="fused")
+    pool = PagedKV(layer, pages=8192 // 16, page_size=16, max_seqs=1)
+    sid = pool.add()
+    for n in (6144, 2048):
+        x = torch.randn(1, n, D, device="cuda").half()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with pool.step([sid], [n]) as st:
+            layer(x, cache=st.view(0))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    # the chunk's own tensors, fp16: K and V gathered through the table (2 x 16 MiB, and one 16 MiB
+    # gather in flight), the kernel's q and o buffers over 8192 rows (2 x 16 MiB), QKV, o and y rows
+    # (20 MiB): ~100 MiB. Its fp32 scores would be 512 MiB (attend's blocks: up to 1 GiB)
+    assert peak < 160 * 2**20, peak / 2**20

@@ -20,8 +20,10 @@ Rows of a step are packed as FlashAttention's varlen API packs them: sequence i'
 [cu_i, cu_i + T_i), its positions L_i .. L_i + T_i - 1 (L_i: its length before the step), each
 row attending causally to its own sequence's positions only. A decode step (one row per sequence)
 on a GPU runs the split decode kernel's paged layout (kernels/decode_attention.cu, _pg: every
-sequence at once, its own length, K/V read in place through the block table); a prefill, and any
-step on CPU, runs torch math (decode.attend per sequence over the K/V gathered through the table).
+sequence at once, its own length, K/V read in place through the block table); a prefill (or a
+chunk of one) runs, per sequence, the fused forward kernel over its K/V gathered through the table,
+its rows causal from their positions on (decode.prefix_attention: no scores in memory) on a GPU
+with the fused backend; elsewhere torch math (decode.attend, the scores a block of rows at a time).
 """
 
 from __future__ import annotations
@@ -239,7 +241,8 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
     QKV of the R rows, rotary positions from each row's position, K and V written into the pool's
     pages, each sequence's rows attending causally over its own positions, the output projection
     and the plan's collective of R x D values. Returns y of x's shape."""
-    from .decode import apply_rope, attend, decode_kernel_fits, paged_decode_attention, rope_tables
+    from .decode import (apply_rope, attend, decode_kernel_fits, fused_prefix_fits, paged_decode_attention,
+                         prefix_attention, rope_tables)
     from .ops import mm
     from .outputsum import OutputSum
     from .timing import section
@@ -285,6 +288,7 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
         total.add_rows(0, R, o.view(R, h * d))
         return total.result().view(B, N, D)
     o = torch.empty(R, h, d, dtype=layer.dtype, device=x.device)
+    fused = layer.backend.name == "fused" and fused_prefix_fits(q)
     with section("attention"):
         for i, (s, T, L0) in enumerate(zip(step.slots, step.rows, step.starts)):
             n = L0 + T
@@ -293,7 +297,10 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
             vs = vp.index_select(0, pages).transpose(0, 1).reshape(g, -1, d)[:, :n].unsqueeze(0)
             r0 = step.cu[i]
             qs = q[r0:r0 + T].transpose(0, 1).unsqueeze(0)  # [1, h, T, d]
-            o[r0:r0 + T] = attend(qs, ks, vs, L0)[0].transpose(0, 1)
+            if fused:  # the fused kernel's rows from position L0 on, causal: no scores in memory
+                o[r0:r0 + T] = prefix_attention(layer.backend, qs, ks, vs, L0)[0]
+            else:
+                o[r0:r0 + T] = attend(qs, ks, vs, L0)[0].transpose(0, 1)
     total = OutputSum(layer, plan, x.device)
     total.add_rows(0, R, o.view(R, h * d))
     return total.result().view(B, N, D)
