@@ -180,16 +180,13 @@ class PagedStep:
     def _rows(self):
         """(positions, pages, offsets) of the packed rows on the pool's device: made on first use
         (an eager step's layers use them; a graphed step has its own, made on the device)."""
-        if self._rows_on_device is None:
+        if self._rows_on_device is None:  # (tensor ops on the host, one copy: no Python loop over rows)
             P = self.pool.page_size
-            pos, page, off = [], [], []
-            for s, r, L0 in zip(self.slots, self.rows, self.starts):
-                for p in range(L0, L0 + r):
-                    pos.append(p)
-                    page.append(self.pool.tables[s][p // P])
-                    off.append(p % P)
-            dev = self.pool.device
-            self._rows_on_device = tuple(torch.tensor(t, dtype=torch.int64, device=dev) for t in (pos, page, off))
+            pos = torch.cat([torch.arange(L0, L0 + r) for r, L0 in zip(self.rows, self.starts)])
+            page = torch.cat([torch.tensor(self.pool.tables[s][L0 // P:-(-(L0 + r) // P)], dtype=torch.int64)
+                              [torch.arange(L0, L0 + r) // P - L0 // P] for s, r, L0 in zip(self.slots, self.rows, self.starts)])
+            rows = torch.stack([pos, page, pos % P]).to(self.pool.device)
+            self._rows_on_device = (rows[0], rows[1], rows[2])
         return self._rows_on_device
 
     @property
