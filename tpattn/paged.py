@@ -158,6 +158,14 @@ class PagedKV:
                 self.lengths[s] += r
 
 
+def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A new host tensor's copy on `device`, queued without waiting: a blocking copy (torch.tensor(...,
+    device=), .to(device)) waits for the stream to drain first, so the host would stop issuing a step's
+    kernels behind every table it sends. The pageable source is staged by the time the call returns
+    (as DecodeGraphs' fill relies on), so the host tensor may go."""
+    return t.to(device, non_blocking=True)
+
+
 @dataclass
 class PagedView:
     """One layer's view of a step: what layer(x, cache=view) reads and writes."""
@@ -185,7 +193,7 @@ class PagedStep:
             pos = torch.cat([torch.arange(L0, L0 + r) for r, L0 in zip(self.rows, self.starts)])
             page = torch.cat([torch.tensor(self.pool.tables[s][L0 // P:-(-(L0 + r) // P)], dtype=torch.int64)
                               [torch.arange(L0, L0 + r) // P - L0 // P] for s, r, L0 in zip(self.slots, self.rows, self.starts)])
-            rows = torch.stack([pos, page, pos % P]).to(self.pool.device)
+            rows = _on_device(torch.stack([pos, page, pos % P]), self.pool.device)
             self._rows_on_device = (rows[0], rows[1], rows[2])
         return self._rows_on_device
 
@@ -214,7 +222,8 @@ class PagedStep:
             most = max(-(-n // P) for n in lens)
             rows = [self.pool.tables[s][:-(-n // P)] for s, n in zip(self.slots, lens)]
             table = torch.tensor([r + [0] * (most - len(r)) for r in rows], dtype=torch.int32)
-            self._tables = (table.to(self.pool.device), torch.tensor(lens, dtype=torch.int32).to(self.pool.device),
+            self._tables = (_on_device(table, self.pool.device), _on_device(torch.tensor(lens, dtype=torch.int32),
+                                                                             self.pool.device),
                             max(lens))
         return self._tables
 
@@ -289,7 +298,7 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
     with section("attention"):
         for i, (s, T, L0) in enumerate(zip(step.slots, step.rows, step.starts)):
             n = L0 + T
-            pages = torch.tensor(pool.tables[s][:-(-n // P)], dtype=torch.int64, device=x.device)
+            pages = _on_device(torch.tensor(pool.tables[s][:-(-n // P)], dtype=torch.int64), x.device)
             ks = kp.index_select(0, pages).transpose(0, 1).reshape(g, -1, d)[:, :n].unsqueeze(0)  # [1, g, n, d]
             vs = vp.index_select(0, pages).transpose(0, 1).reshape(g, -1, d)[:, :n].unsqueeze(0)
             r0 = step.cu[i]
