@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from tpattn.attention import get_backend  # noqa: E402
-from tpattn.attention.ring import context_rows, merge, piece_backward, piece_forward, pieces  # noqa: E402
+from tpattn.attention.ring import block_sums, context_rows, merge, piece_forward, pieces, step_backward  # noqa: E402
 
 
 def rank_forward(backend, q, k, v, C, c, causal):
@@ -54,23 +54,20 @@ def rank_forward(backend, q, k, v, C, c, causal):
 
 def rank_backward(backend, C, c, causal, state, do):
     qc, blocks, o, lse = state
-    n = qc.shape[2]
     out = o.to(qc.dtype)
     dq = torch.zeros(qc.shape, dtype=torch.float32, device=qc.device)
+
+    # the earlier ranks' dK, dV sums of a block, as they arrive with it from step 1 on (their values do
+    # not matter here: the step adds this rank's share into them, as the layer does)
+    arrived = tuple(torch.zeros(blocks[0][0].shape, dtype=torch.float32, device=qc.device) for _ in range(2))
 
     def run():
         dq.zero_()
         for s in range(C):
             j = (c - s) % C
             kb, vb = blocks[j]
-            dk = torch.zeros(kb.shape, dtype=torch.float32, device=kb.device)
-            dv = torch.zeros(vb.shape, dtype=torch.float32, device=vb.device)
-            for q0, q1, k0, k1, diag in pieces(c, j, n, causal):
-                a, b, e = piece_backward(backend, qc[:, :, q0:q1], kb[:, :, k0:k1], vb[:, :, k0:k1], out[:, :, q0:q1],
-                                         lse[:, :, q0:q1], do[:, :, q0:q1], diag)
-                dq[:, :, q0:q1] += a
-                dk[:, :, k0:k1] += b
-                dv[:, :, k0:k1] += e
+            parts = step_backward(backend, qc, kb, vb, out, lse, do, c, j, causal, False, dq)
+            block_sums(parts, kb, None if s == 0 else arrived)
     return run
 
 

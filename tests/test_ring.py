@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import ROOT, mpirun_cmd, run
-from tpattn.attention.ring import context_rows, merge, piece_backward, piece_forward, pieces
+from tpattn.attention.ring import block_sums, context_rows, merge, piece_backward, piece_forward, pieces, step_backward
 from tpattn.errors import ConfigError
 from tpattn.layer import TensorParallelAttention
 
@@ -77,18 +77,32 @@ def _ring_in_one_process(q, k, v, do, C, causal, backend=None):
         outs.append((o, lse))
     o_all = torch.zeros_like(q)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    sums = [None] * C  # block j's dK, dV sums as they travel: made by the first rank, added to by the rest
     for c in range(C):
         o, lse = outs[c]
         o_all[:, :, rows[c]] = o
+        dq_c = torch.zeros(B, h, n, d, dtype=q.dtype)
         for j in range(C):
-            for q0, q1, k0, k1, diag in pieces(c, j, n, causal):
-                r, kr = rows[c][q0:q1], rows[j][k0:k1]
-                a, b_, c_ = piece_backward(backend, q[:, :, r], k[:, :, kr], v[:, :, kr], o[:, :, q0:q1],
-                                           lse[:, :, q0:q1], do[:, :, r], diag)
-                dq[:, :, r] += a
-                dk[:, :, kr] += b_
-                dv[:, :, kr] += c_
+            parts = step_backward(backend, q[:, :, rows[c]], k[:, :, rows[j]], v[:, :, rows[j]], o, lse,
+                                  do[:, :, rows[c]], c, j, causal, False, dq_c)
+            sums[j] = block_sums(parts, k[:, :, rows[j]], sums[j])
+        dq[:, :, rows[c]] = dq_c
+    for j in range(C):
+        dk[:, :, rows[j]], dv[:, :, rows[j]] = sums[j]
     return o_all, dq, dk, dv
+
+
+def test_block_sums_are_new_with_zeros_past_the_parts_or_added_in_place():
+    like = torch.zeros(1, 2, 6, 3, dtype=torch.float16)
+    a, b = torch.randn(1, 2, 2, 3).half(), torch.randn(1, 2, 2, 3).half()
+    dk, dv = block_sums([(2, 4, a, b)], like)
+    assert dk.dtype == torch.float32 and dk.shape == like.shape
+    assert torch.equal(dk[:, :, 2:4], a.float()) and torch.equal(dv[:, :, 2:4], b.float())
+    assert not dk[:, :, :2].any() and not dk[:, :, 4:].any() and not dv[:, :, :2].any() and not dv[:, :, 4:].any()
+    arrived = (torch.ones(1, 2, 6, 3), torch.ones(1, 2, 6, 3))
+    got = block_sums([(0, 2, a, b), (4, 6, b, a)], like, arrived)
+    assert got[0] is arrived[0] and torch.equal(got[0][:, :, :2], 1 + a.float()) and torch.equal(got[0][:, :, 4:], 1 + b.float())
+    assert torch.equal(got[0][:, :, 2:4], torch.ones(1, 2, 2, 3))
 
 
 @pytest.mark.parametrize("backend", [None, EqualLengths()], ids=["torch", "kernel-like"])

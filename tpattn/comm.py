@@ -386,14 +386,12 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        from .attention.ring import piece_backward, pieces
+        from .attention.ring import block_sums, step_backward
         q, k, v, o, lse = ctx.saved_tensors
         comm, causal, backend = ctx.comm, ctx.causal, ctx.backend
         C, c = comm.world, comm.rank
-        n = q.shape[2]
-        acc = lse.dtype
         do = do.contiguous()
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
         kv = (k.contiguous(), v.contiguous())
         pending = None  # the block's dK, dV sums on their way from the previous rank: (wait, where they land)
         for s in range(C):
@@ -401,19 +399,12 @@ class _RingAttention(torch.autograd.Function):
             if s < C - 1:  # the next block's K and V travel while this one's share is computed
                 nxt = (torch.empty_like(kv[0]), torch.empty_like(kv[1]))
                 wait = comm.ring_pass(kv, nxt, "bwd_ring")
-            mine = (torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
             with section("attention_bwd"):
-                for q0, q1, k0, k1, diag in pieces(c, (c - s) % C, n, causal):
-                    dq_b, dk_b, dv_b = piece_backward(backend, q[:, :, q0:q1], kv[0][:, :, k0:k1], kv[1][:, :, k0:k1],
-                                                      o[:, :, q0:q1], lse[:, :, q0:q1], do[:, :, q0:q1], diag,
-                                                      ctx.deterministic)
-                    dq[:, :, q0:q1] += dq_b
-                    mine[0][:, :, k0:k1] += dk_b
-                    mine[1][:, :, k0:k1] += dv_b
+                parts = step_backward(backend, q, kv[0], kv[1], o, lse, do, c, (c - s) % C, causal, ctx.deterministic,
+                                      dq)
             if pending is not None:  # the earlier ranks' sums for this block, which travelled during the compute
                 pending[0]()
-                mine[0].add_(pending[1][0])
-                mine[1].add_(pending[1][1])
+            mine = block_sums(parts, kv[0], None if pending is None else pending[1])  # (added to the arrivals)
             onward = (torch.empty_like(mine[0]), torch.empty_like(mine[1]))
             pending = (comm.ring_pass(mine, onward, "bwd_ring_grads"), onward)  # the sums go on with their block
             if wait is not None:

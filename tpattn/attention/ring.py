@@ -136,3 +136,42 @@ def piece_backward(backend, q, k, v, o, lse, do, diagonal: bool, deterministic: 
     dq = torch.matmul(ds, k.to(acc).unsqueeze(2)).reshape(B, h, nq, d)
     dk = torch.matmul(ds.transpose(-1, -2), q.to(acc).view(B, g, h // g, nq, d)).sum(2)
     return dq, dk, dv
+
+
+def step_backward(backend, q, k, v, o, lse, do, c: int, j: int, causal: bool, deterministic: bool, dq):
+    """One step of the ring's backward on rank c with ring rank j's block k, v in hand: each piece's
+    backward (piece_backward), its dQ added into dq (fp32 [B, h, n, d], this rank's rows); returns the
+    pieces' (k0, k1, dk, dv), this rank's share of the block's gradients, for block_sums."""
+    parts = []
+    for q0, q1, k0, k1, diag in pieces(c, j, q.shape[2], causal):
+        dq_b, dk_b, dv_b = piece_backward(backend, q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], o[:, :, q0:q1],
+                                          lse[:, :, q0:q1], do[:, :, q0:q1], diag, deterministic)
+        dq[:, :, q0:q1] += dq_b
+        parts.append((k0, k1, dk_b, dv_b))
+    return parts
+
+
+def block_sums(parts, like: torch.Tensor, sums=None):
+    """A block's dK and dV sums (fp32, fp64 for fp64; like's shape) with this rank's parts added: into
+    `sums` in place (the earlier ranks' sums, arrived with the block), else new ones, zero where no
+    part reaches. One pass over each part's rows (the pieces of a step reach disjoint key rows); no
+    zeroed buffer summed into and then added to the arrivals."""
+    if sums is not None:
+        for k0, k1, dk, dv in parts:
+            sums[0][:, :, k0:k1] += dk
+            sums[1][:, :, k0:k1] += dv
+        return sums
+    acc = torch.promote_types(like.dtype, torch.float32)
+    sums = (torch.empty(like.shape, dtype=acc, device=like.device), torch.empty(like.shape, dtype=acc, device=like.device))
+    at = 0
+    for k0, k1, dk, dv in sorted(parts, key=lambda p: p[0]):
+        if k0 > at:
+            sums[0][:, :, at:k0].zero_()
+            sums[1][:, :, at:k0].zero_()
+        sums[0][:, :, k0:k1].copy_(dk)
+        sums[1][:, :, k0:k1].copy_(dv)
+        at = k1
+    if at < like.shape[2]:
+        sums[0][:, :, at:].zero_()
+        sums[1][:, :, at:].zero_()
+    return sums
