@@ -299,8 +299,9 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
         for i, (s, T, L0) in enumerate(zip(step.slots, step.rows, step.starts)):
             n = L0 + T
             pages = _on_device(torch.tensor(pool.tables[s][:-(-n // P)], dtype=torch.int64), x.device)
-            ks = kp.index_select(0, pages).transpose(0, 1).reshape(g, -1, d)[:, :n].unsqueeze(0)  # [1, g, n, d]
-            vs = vp.index_select(0, pages).transpose(0, 1).reshape(g, -1, d)[:, :n].unsqueeze(0)
+            # its pages gathered per K/V head in one pass each: [g, pages, P, d] seen as [1, g, n, d]
+            ks = kp.transpose(0, 1).index_select(1, pages).view(g, -1, d)[:, :n].unsqueeze(0)
+            vs = vp.transpose(0, 1).index_select(1, pages).view(g, -1, d)[:, :n].unsqueeze(0)
             r0 = step.cu[i]
             qs = q[r0:r0 + T].transpose(0, 1).unsqueeze(0)  # [1, h, T, d]
             if fused:  # the fused kernel's rows from position L0 on, causal: no scores in memory
