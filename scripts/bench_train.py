@@ -89,7 +89,9 @@ def median_ms(fn, warmup: int, iters: int, params) -> tuple[float, float]:
 def host_table(step, params, steps: int = 20) -> list[tuple[str, int, float, float]]:
     """(function, calls per step, own host us per step, cumulative host us per step) of the Python
     functions step() runs, by their own time, longest first: cProfile over `steps` eager steps after
-    three unprofiled (what the host spends issuing a step, apart from waiting for the GPU)."""
+    three unprofiled (what the host spends issuing a step). The steps run back to back unsynchronized,
+    as training runs them: a launch that waits for room in a full launch queue is charged to its
+    caller, and cProfile's own cost inflates every call (compare functions, not totals)."""
     import cProfile
     import pstats
     for _ in range(3):

@@ -152,8 +152,8 @@ def _rows_aligned(*ts) -> bool:
     dimension of more than one element is broadcast (a stride of 0: a TMA map steps by 16 bytes or more)."""
     for t in ts:  # (a plain loop: this runs on every call, and generators cost the host microseconds)
         (s0, s1, s2, s3), (n0, n1, n2, _) = t.stride(), t.shape
-        if s3 != 1 or t.data_ptr() % 16 or s0 % 8 or s1 % 8 or s2 % 8 or (s0 <= 0 < n0 - 1) or \
-                (s1 <= 0 < n1 - 1) or (s2 <= 0 < n2 - 1):
+        if s3 != 1 or t.data_ptr() % 16 or s0 % 8 or s1 % 8 or s2 % 8 or (s0 <= 0 and n0 != 1) or \
+                (s1 <= 0 and n1 != 1) or (s2 <= 0 and n2 != 1):
             return False
     return True
 

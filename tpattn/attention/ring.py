@@ -140,8 +140,9 @@ def piece_backward(backend, q, k, v, o, lse, do, diagonal: bool, deterministic: 
 
 def step_backward(backend, q, k, v, o, lse, do, c: int, j: int, causal: bool, deterministic: bool, dq):
     """One step of the ring's backward on rank c with ring rank j's block k, v in hand: each piece's
-    backward (piece_backward), its dQ added into dq (fp32 [B, h, n, d], this rank's rows); returns the
-    pieces' (k0, k1, dk, dv), this rank's share of the block's gradients, for block_sums."""
+    backward (piece_backward), its dQ added into dq (fp32, fp64 for fp64; [B, h, n, d], this rank's
+    rows); returns the pieces' (k0, k1, dk, dv), this rank's share of the block's gradients, for
+    block_sums."""
     parts = []
     for q0, q1, k0, k1, diag in pieces(c, j, q.shape[2], causal):
         dq_b, dk_b, dv_b = piece_backward(backend, q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], o[:, :, q0:q1],
