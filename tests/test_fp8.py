@@ -1,0 +1,149 @@
+"""The FP8 (e4m3) forward's numerics in torch (tpattn/attention/fp8.py), what an FP8 kernel is to match:
+e4m3 rounding (nearest even, saturating, subnormals), the scale groups, the Hadamard rotation, the
+forward against a scalar re-derivation of its rounding points, grouped heads, the paged cache's
+scales, and the accuracy ordering the tables rest on."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tpattn.attention import fp8
+
+
+def test_e4m3_rounds_to_nearest_even_saturates_and_keeps_subnormals():
+    x = torch.tensor([0.3, 1.7, -3.14159, 500.0, -1e6, 2.0 ** -9, 2.0 ** -10, 1.5 * 2.0 ** -9, 1.0625, 1.1875])
+    want = [0.3125, 1.75, -3.25, 448.0, -448.0, 2.0 ** -9, 0.0, 2.0 ** -8, 1.0, 1.25]
+    assert fp8.e4m3(x).tolist() == want  # 1.0625: a tie, to the even 1.0; 1.1875: a tie, to the even 1.25
+
+
+def test_every_e4m3_value_is_kept_and_others_land_within_half_a_step():
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = values[torch.isfinite(values)]
+    assert torch.equal(fp8.e4m3(values), values)
+    x = torch.linspace(-448, 448, 100001, dtype=torch.float64)
+    err = (fp8.e4m3(x).double() - x).abs()
+    normal = x.abs() >= 2.0 ** -6
+    assert (err[normal] <= x.abs()[normal] * 2.0 ** -4 + 1e-12).all()  # 3 mantissa bits: half a step
+
+
+@pytest.mark.parametrize("scaling", fp8.SCALINGS)
+def test_quantize_scales_each_group_to_the_e4m3_range(scaling):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 300, 16, dtype=torch.float64) * torch.tensor([1.0, 10.0, 0.01]).view(1, 3, 1, 1)
+    x8, s = fp8.quantize(x, scaling, block=128)
+    assert x8.abs().max() <= 448 and torch.equal(fp8.e4m3(x8), x8)
+    rel = ((x8 * s).double() - x).abs() / s.expand_as(x).double()
+    assert rel.max() <= 448 * 2.0 ** -4 * 1.0001  # within half a step of the group's largest value
+    groups = {"tensor": 1, "head": 6, "block": 6 * 3}[scaling]  # 300 rows: blocks of 128, 128, 44
+    assert torch.unique(s.expand_as(x)).numel() == groups
+    # each group's largest magnitude lands on 448
+    assert torch.isclose(x8.abs().amax(), torch.tensor(448.0))
+
+
+def test_quantize_a_group_of_zeros_gets_scale_one():
+    x8, s = fp8.quantize(torch.zeros(1, 2, 4, 8), "head")
+    assert not x8.any() and torch.equal(s, torch.ones_like(s))
+
+
+def test_hadamard_is_orthonormal_and_needs_a_power_of_two():
+    for d in (1, 2, 64, 128, 256):
+        h = fp8.hadamard(d)
+        assert torch.allclose(h @ h.T, torch.eye(d, dtype=torch.float64), atol=1e-12)
+    with pytest.raises(ValueError, match="power-of-two head dim"):
+        fp8.hadamard(96)
+
+
+def _scalar_fp8_row(q, k, v, i, causal):
+    """Row i of one head's FP8 forward, step by step in Python floats, per-head scales: the rounding
+    points the module's docstring lists, derived again without its tensor code."""
+    def q8(x):
+        return fp8.e4m3(torch.tensor(x, dtype=torch.float64)).item()
+    sq, sk, sv = (max(abs(x) for row in t for x in row) / 448 for t in (q, k, v))
+    d, n = len(q[0]), len(k)
+    keys = range(i + 1) if causal else range(n)
+    s = {j: sum(q8(q[i][c] / sq) * q8(k[j][c] / sk) for c in range(d)) * sq * sk / math.sqrt(d) for j in keys}
+    m = max(s.values())
+    p = {j: math.exp(s[j] - m) for j in keys}
+    lsum = sum(p.values())
+    return [sum(q8(p[j]) * q8(v[j][c] / sv) * sv for j in keys) / lsum for c in range(d)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_forward_follows_its_rounding_points(causal):
+    q, k, v = fp8.inputs(1, 1, 1, 5, 8, outliers=0.1, seed=3)
+    got = fp8.attention_fp8(q, k, v, causal, "head", out_dtype=torch.float32)[0, 0]
+    for i in range(5):
+        want = _scalar_fp8_row(q[0, 0].tolist(), k[0, 0].tolist(), v[0, 0].tolist(), i, causal)
+        assert torch.allclose(got[i].double(), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scaling", fp8.SCALINGS)
+def test_grouped_heads_read_their_kv_head_as_if_repeated(scaling):
+    q, k, v = fp8.inputs(2, 4, 2, 40, 16, seed=1)
+    grouped = fp8.attention_fp8(q, k, v, True, scaling, block=16, out_dtype=torch.float32)
+    # repeated K/V heads keep each K/V head's values, hence its scale groups ("tensor": one group)
+    rep = fp8.attention_fp8(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), True, scaling, block=16,
+                            out_dtype=torch.float32)
+    assert torch.equal(grouped, rep)
+
+
+def test_rotation_leaves_exact_scores_unchanged():
+    q, k, v = fp8.inputs(1, 2, 2, 16, 64, seed=2)
+    h = fp8.hadamard(64)
+    assert torch.allclose((q @ h) @ (k @ h).transpose(-1, -2), q @ k.transpose(-1, -2), atol=1e-10)
+    with pytest.raises(ValueError, match="power-of-two"):
+        fp8.attention_fp8(*fp8.inputs(1, 1, 1, 4, 24), rotate=True)
+
+
+def test_accuracy_ordering_the_tables_rest_on():
+    """N(0, 1) inputs: FP8 far from fp16 but within a few 1e-3; 0.1 % outliers of std 10: per-tensor
+    scaling worst, the Hadamard rotation of Q and K better (as FlashAttention-3 reports)."""
+    clean = fp8.inputs(1, 4, 4, 512, 128, seed=0)
+    ref = fp8.attention_float64(*clean, causal=True)
+    e16 = fp8.rmse(fp8.attention_16bit(*clean, causal=True), ref)
+    e8 = fp8.rmse(fp8.attention_fp8(*clean, causal=True, scaling="head"), ref)
+    assert e16 < 2e-4 and 20 * e16 < e8 < 2e-2
+    noisy = fp8.inputs(1, 4, 4, 512, 128, outliers=1e-3, seed=0)
+    ref = fp8.attention_float64(*noisy, causal=True)
+    tensor = fp8.rmse(fp8.attention_fp8(*noisy, causal=True, scaling="tensor"), ref)
+    rotated = fp8.rmse(fp8.attention_fp8(*noisy, causal=True, scaling="block", rotate=True), ref)
+    assert rotated < 0.9 * tensor
+
+
+def test_paged_cache_scales_per_page_and_head():
+    torch.manual_seed(0)
+    pool = torch.randn(6, 2, 16, 32, dtype=torch.float64) * torch.arange(1, 7, dtype=torch.float64).view(6, 1, 1, 1)
+    p8, s = fp8.quantize_pages(pool)
+    assert s.shape == (6, 2, 1, 1) and torch.equal(fp8.e4m3(p8), p8)
+    assert torch.allclose(s.squeeze().double(), pool.abs().amax(dim=(2, 3)) / 448)
+    assert (((p8 * s).double() - pool).abs() <= s.double() * 448 * 2.0 ** -4 * 1.0001).all()
+
+
+def test_unknown_scaling_and_uneven_groups_are_refused():
+    with pytest.raises(ValueError, match="use one of tensor, head, block"):
+        fp8.quantize(torch.ones(1, 1, 2, 2), "row")
+    q, k, v = fp8.inputs(1, 3, 2, 4, 8)
+    with pytest.raises(ValueError, match="3 query heads do not divide into 2 K/V heads"):
+        fp8.attention_fp8(q, k, v)
+
+
+def test_the_accuracy_script_writes_its_table(tmp_path):
+    import json
+    import sys
+
+    from conftest import ROOT
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from fp8_accuracy import main
+    out = tmp_path / "acc"
+    assert main(["--seq-len", "64", "--heads", "2", "--head-dim", "64", "--decode-len", "64", "--causal",
+                 "--out", str(out)]) == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    rows = res["forward"]["0.1 % outliers, std 10"]
+    assert [(r["format"], r["scaling"], r["rotate"]) for r in rows][:4] == [
+        ("fp16", "-", False), ("bf16", "-", False), ("e4m3", "tensor", False), ("e4m3", "tensor", True)]
+    assert all(0 < r["rmse"] < 0.1 for r in rows) and res["commit"] and res["date"]
+    md = out.with_suffix(".md").read_text()
+    assert md.count("| N(0, 1) |") == 2 and "per 128-row block" in md

@@ -1,0 +1,166 @@
+"""FP8 (e4m3) attention: the numerics an FP8 kernel is to follow, computed in torch, and its accuracy.
+
+No FP8 kernel exists yet; this module is what one is checked against, and what says, before it is
+written, which scaling it needs. The forward (FlashAttention-3's FP8 arrangement):
+
+    Q, K, V   each quantized to e4m3: x8 = rn_satfinite(x / s), s = amax(|x|) / 448 over the scale's
+              group: the whole tensor ("tensor"), a (batch, head) ("head"), or a block of rows of a
+              head ("block": the kernel's tiles, 128 query rows for Q, 128 keys for K and V)
+    S         Q8 K8^T accumulated in fp32, times s_q s_k / sqrt(d) (per pair of blocks)
+    P         exp(S - rowmax) in fp32; the row sum l from this fp32 P
+    P8        rn_satfinite(P) in e4m3 (P is in [0, 1]: no scale; below 2^-10 it rounds to zero)
+    O         sum over key blocks of s_v (P8 V8) accumulated in fp32, divided by l, rounded once to the
+              output dtype (fp16 or bf16)
+
+rn_satfinite: round to nearest even, saturating at +-448 (PTX cvt.rn.satfinite.e4m3x2.f32). Fully masked
+rows (causal rows past none) give zeros. rotate=True multiplies Q and K by the same orthonormal Hadamard
+matrix (H / sqrt(d), d a power of two) before quantizing: (Q H)(K H)^T = Q K^T, while an outlier in one
+column is spread over all d columns, so one large value no longer sets the scale of its whole group.
+
+The FP8 KV cache (decode): K and V pages quantized per (page, K/V head) with s = amax / 448 of that
+page's head, dequantized as they are read; the query and the softmax stay in fp32.
+
+rmse(): the root mean square error of an output against float64, what the accuracy tables report
+(scripts/fp8_accuracy.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+E4M3_MAX = 448.0
+SCALINGS = ("tensor", "head", "block")
+BLOCK_ROWS = 128  # the rows of a scale block: the FP8 kernel's query and key tiles
+
+
+def e4m3(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to the nearest e4m3 value (ties to even), saturating at +-448, returned in fp32."""
+    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+
+
+def _group_amax(x: torch.Tensor, scaling: str, block: int) -> torch.Tensor:
+    """amax(|x|) of each scale group of x [B, h, N, d], broadcastable against x."""
+    a = x.abs().float()
+    if scaling == "tensor":
+        return a.amax().reshape(1, 1, 1, 1)
+    if scaling == "head":
+        return a.amax(dim=(2, 3), keepdim=True)
+    if scaling == "block":
+        B, h, N, d = x.shape
+        nb = -(-N // block)
+        padded = torch.nn.functional.pad(a, (0, 0, 0, nb * block - N))
+        per = padded.view(B, h, nb, block, d).amax(dim=(3, 4))  # [B, h, blocks]
+        return per.repeat_interleave(block, dim=2)[:, :, :N, None]
+    raise ValueError(f"scaling {scaling!r}: use one of {', '.join(SCALINGS)}")
+
+
+def quantize(x: torch.Tensor, scaling: str = "head", block: int = BLOCK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x8, s): x [B, h, N, d] in e4m3 values (held in fp32) and the scale of each element's group
+    (broadcastable against x), x ~ x8 * s. A group of zeros gets the scale 1."""
+    s = _group_amax(x, scaling, block) / E4M3_MAX
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return e4m3(x.float() / s), s
+
+
+def hadamard(d: int, dtype=torch.float64) -> torch.Tensor:
+    """The orthonormal Hadamard matrix of order d (Sylvester's construction, divided by sqrt(d))."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two head dim (got {d})")
+    h = torch.ones(1, 1, dtype=dtype)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(d)
+
+
+def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                  scaling: str = "head", rotate: bool = False, out_dtype: torch.dtype = torch.float16,
+                  block: int = BLOCK_ROWS) -> torch.Tensor:
+    """o [B, h, N, d] of q [B, h, N, d] over k, v [B, g, N, d] (g divides h: grouped-query attention)
+    with the FP8 forward's rounding points (the module's docstring), in out_dtype."""
+    B, h, N, d = q.shape
+    g = k.shape[1]
+    if h % g:
+        raise ValueError(f"{h} query heads do not divide into {g} K/V heads")
+    if rotate:
+        rot = hadamard(d).to(torch.float32)
+        q, k = q.float() @ rot, k.float() @ rot
+    q8, sq = quantize(q, scaling, block)
+    k8, sk = quantize(k, scaling, block)
+    v8, sv = quantize(v, scaling, block)
+    r = h // g
+    # S: the e4m3 values multiplied exactly and summed in fp32 (products of two e4m3 values are exact
+    # in fp32), then the two groups' scales and 1/sqrt(d)
+    s = torch.matmul(q8.view(B, g, r, N, d), k8.unsqueeze(2).transpose(-1, -2))
+    s = s * sq.expand(B, h, N, 1).reshape(B, g, r, N, 1) * sk.expand(B, g, N, 1).transpose(-1, -2).unsqueeze(2)
+    s = s / math.sqrt(d)
+    if causal:
+        s = s.masked_fill(torch.ones(N, N, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+    p = torch.where(torch.isfinite(m), p, torch.zeros_like(p))
+    l = p.sum(-1, keepdim=True)
+    p8 = e4m3(p)
+    # O: P8 V8 with each key's V scale (its group's) folded into its values, in fp32: the kernel's
+    # per-key-block product scaled by its block's s_v, the same up to fp32 rounding
+    vs = (v8 * sv.expand(B, g, N, 1)).unsqueeze(2)
+    o = torch.matmul(p8, vs) / torch.where(l > 0, l, torch.ones_like(l))
+    return o.view(B, h, N, d).to(out_dtype)
+
+
+def attention_16bit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                    dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """The same forward with 16-bit storage, as the fused fp16/bf16 kernels round: q, k, v in dtype, S and
+    the softmax in fp32, P rounded to dtype for the PV product, O accumulated in fp32 and rounded once."""
+    B, h, N, d = q.shape
+    g = k.shape[1]
+    r = h // g
+    qf, kf, vf = (t.to(dtype).float() for t in (q, k, v))
+    s = torch.matmul(qf.view(B, g, r, N, d), kf.unsqueeze(2).transpose(-1, -2)) / math.sqrt(d)
+    if causal:
+        s = s.masked_fill(torch.ones(N, N, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - m)
+    l = p.sum(-1, keepdim=True)
+    o = torch.matmul(p.to(dtype).float(), vf.unsqueeze(2)) / l
+    return o.view(B, h, N, d).to(dtype)
+
+
+def attention_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """The exact forward in float64 (grouped K/V heads broadcast)."""
+    B, h, N, d = q.shape
+    g = k.shape[1]
+    r = h // g
+    s = torch.matmul(q.double().view(B, g, r, N, d), k.double().unsqueeze(2).transpose(-1, -2)) / math.sqrt(d)
+    if causal:
+        s = s.masked_fill(torch.ones(N, N, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return torch.matmul(torch.softmax(s, -1), v.double().unsqueeze(2)).view(B, h, N, d)
+
+
+def quantize_pages(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pool8, s) of a KV-cache pool [pages, g, page_size, d]: e4m3 values (held in fp32) and one
+    scale per (page, K/V head) [pages, g, 1, 1], pool ~ pool8 * s."""
+    s = pool.abs().float().amax(dim=(2, 3), keepdim=True) / E4M3_MAX
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return e4m3(pool.float() / s), s
+
+
+def rmse(o: torch.Tensor, ref: torch.Tensor) -> float:
+    """sqrt(mean((o - ref)^2)) in float64."""
+    return (o.double() - ref.double()).pow(2).mean().sqrt().item()
+
+
+def inputs(B: int, h: int, g: int, N: int, d: int, outliers: float = 0.0, outlier_std: float = 10.0,
+           seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [B, h, N, d], k, v [B, g, N, d] in float64: N(0, 1) entries, and a fraction `outliers` of them
+    with N(0, outlier_std^2) added (FlashAttention-3's accuracy test uses 0.1 % of entries, std 10)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for heads in (h, g, g):
+        x = torch.randn(B, heads, N, d, dtype=torch.float64, generator=gen)
+        if outliers > 0:
+            mask = torch.rand(x.shape, generator=gen) < outliers
+            x = x + mask * torch.randn(x.shape, dtype=torch.float64, generator=gen) * outlier_std
+        out.append(x)
+    return tuple(out)
