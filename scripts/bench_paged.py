@@ -61,6 +61,16 @@ def paged(lens, g, d, page, gen):
     return pk, pv, table, torch.tensor(lens, dtype=torch.int32, device="cuda")
 
 
+def rope_layer(H: int, G: int, d: int, gen: torch.Generator):
+    """The benchmarks' layer: causal, fp16, rotary positions, the fused backend, weights drawn from gen."""
+    from tpattn import TensorParallelAttention
+    D = H * d
+    w = {k: (torch.randn(*s, device="cuda", generator=gen) * 0.02).half() for k, s in
+         (("wq", (D, D)), ("wk", (D, G * d)), ("wv", (D, G * d)), ("wo", (D, D)))}
+    return TensorParallelAttention(**w, heads=H, kv_heads=G, head_dim=d, causal=True, backend="fused",
+                                   rope_theta=10000.0)
+
+
 LAYER_SHAPES = [(1, 8, 32768), (16, 8, 4096), (64, 8, 4096)]
 
 
@@ -71,16 +81,12 @@ def layer_steps(H: int, d: int, rounds: int, steps: int = 40) -> list[dict]:
     `steps` steps (host work of each step included: the pool's bookkeeping, the tables' copies)."""
     import time
 
-    from tpattn import TensorParallelAttention
     from tpattn.paged import DecodeGraphs, PagedKV
     out = []
     for B, G, L in LAYER_SHAPES:
         D = H * d
         gen = torch.Generator(device="cuda").manual_seed(B)
-        w = {k: (torch.randn(*s, device="cuda", generator=gen) * 0.02).half() for k, s in
-             (("wq", (D, D)), ("wk", (D, G * d)), ("wv", (D, G * d)), ("wo", (D, D)))}
-        layer = TensorParallelAttention(**w, heads=H, kv_heads=G, head_dim=d, causal=True, backend="fused",
-                                        rope_theta=10000.0)
+        layer = rope_layer(H, G, d, gen)
         x = torch.randn(B, 1, D, device="cuda", generator=gen).half()
         cache = layer.new_cache(B, L + (rounds + 1) * steps + 8)
         cache.length = L
@@ -123,14 +129,10 @@ def prefill_runs(H: int, d: int, rounds: int, G: int = 8, mean: int = 1024, prom
     call, synchronized (host work included: the pool's add, step and remove), fp16, rotary positions."""
     import time
 
-    from tpattn import TensorParallelAttention
     from tpattn.paged import PagedKV
     D = H * d
     gen = torch.Generator(device="cuda").manual_seed(7)
-    w = {k: (torch.randn(*s, device="cuda", generator=gen) * 0.02).half() for k, s in
-         (("wq", (D, D)), ("wk", (D, G * d)), ("wv", (D, G * d)), ("wo", (D, D)))}
-    layer = TensorParallelAttention(**w, heads=H, kv_heads=G, head_dim=d, causal=True, backend="fused",
-                                    rope_theta=10000.0)
+    layer = rope_layer(H, G, d, gen)
     lens = torch.linspace(0.4 * mean, 1.6 * mean, prompts).round().int().tolist()
     xs = [torch.randn(1, n, D, device="cuda", generator=gen).half() for n in lens]
     packed = torch.cat(xs, 1)

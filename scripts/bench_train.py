@@ -182,7 +182,6 @@ def main() -> int:
         layers[name] = Plain(w, H, a.causal, be)
     # name -> (training step, inference forward or None, the module); what runs inside, per row
     runs = {name: ((lambda m=m: m(xg).backward(dy)), (lambda m=m: m(x)), m) for name, m in layers.items()}
-    tp = layers[f"tpattn {a.kernel}"]
 
     if a.graph:  # the whole step in one CUDA graph, each layer its own copy (the graph keeps its tensors)
         for name, m in list(layers.items()):
@@ -252,7 +251,7 @@ def main() -> int:
     if hosts:
         res["host_profiles"] = hosts
     Path(a.out + ".json").write_text(json.dumps(res, indent=2))
-    md = [f"# Training step on one GPU: tpattn beside the plain PyTorch layer", "",
+    md = ["# Training step on one GPU: tpattn beside the plain PyTorch layer", "",
           f"{res['date']}, {res['gpu']}, commit {commit}; torch {res['versions'].get('torch')}. Command: `{res['command']}`.",
           f"B={B} N={N} H={H} G={G} d={d} {a.dtype}{' causal' if a.causal else ''}; per round the median of {a.iters} "
           f"after {a.warmup} warm-up, the median of {a.rounds} rounds (layers alternating).", "",

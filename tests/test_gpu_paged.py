@@ -39,6 +39,17 @@ def paged_inputs(lens, h, g, d, page, dtype, seed=0, spare=3):
     return q, pool_k, pool_v, table.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
 
 
+def fused_layer(H: int, g: int, d: int, rope_theta: float | None = 10000.0):
+    """A causal fp16 layer of H heads (g K/V heads, head dim d) on the GPU through the fused backend, its
+    weights drawn from torch's generator (seed it first)."""
+    from tpattn import TensorParallelAttention
+    D = H * d
+    w = {k: (torch.randn(*s) * 0.02).half().cuda() for k, s in
+         (("wq", (D, D)), ("wk", (D, g * d)), ("wv", (D, g * d)), ("wo", (D, D)))}
+    return TensorParallelAttention(**w, heads=H, kv_heads=g, head_dim=d, causal=True, backend="fused",
+                                   rope_theta=rope_theta)
+
+
 def float64_rows(q, pool_k, pool_v, table, lens):
     out = []
     g = pool_k.shape[1]
@@ -102,15 +113,11 @@ def test_paged_cache_decode_steps_through_the_kernel_match_torch_math(g, monkeyp
     """PagedKV on the GPU: prompts of different lengths, then decode steps with sequences joining and
     leaving; the decode steps through the paged kernel against the same steps in torch math."""
     import tpattn.paged as paged
-    from tpattn import TensorParallelAttention
     from tpattn.decode import decode_kernel_fits
     torch.manual_seed(0)
     H, d = 8, 128
     D = H * d
-    w = {k: (torch.randn(*s) * 0.02).half().cuda() for k, s in
-         (("wq", (D, D)), ("wk", (D, g * d)), ("wv", (D, g * d)), ("wo", (D, D)))}
-    layer = TensorParallelAttention(**w, heads=H, kv_heads=g, head_dim=d, causal=True, backend="fused",
-                                    rope_theta=10000.0)
+    layer = fused_layer(H, g, d)
     outs = {}
     for kernel in (True, False):
         import tpattn.decode as dec
@@ -141,15 +148,11 @@ def test_paged_cache_decode_steps_through_the_kernel_match_torch_math(g, monkeyp
 def test_decode_graphs_replay_the_eager_steps():
     """DecodeGraphs on the GPU: the captured buckets' replays give the same rows as the same fixed-
     tensor steps run eagerly, through a live set that shrinks and grows (buckets 4 and 2)."""
-    from tpattn import TensorParallelAttention
     from tpattn.paged import DecodeGraphs, PagedKV
     torch.manual_seed(0)
     H, G, d = 8, 2, 128
     D = H * d
-    w = {k: (torch.randn(*s) * 0.02).half().cuda() for k, s in
-         (("wq", (D, D)), ("wk", (D, G * d)), ("wv", (D, G * d)), ("wo", (D, D)))}
-    layer = TensorParallelAttention(**w, heads=H, kv_heads=G, head_dim=d, causal=True, backend="fused",
-                                    rope_theta=10000.0)
+    layer = fused_layer(H, G, d)
     rows = {}
     for capture in (True, False):
         gen = torch.Generator().manual_seed(3)
@@ -179,15 +182,11 @@ def test_paged_prefill_runs_the_fused_kernel_and_matches_torch_math(g, monkeypat
     starting past a row tile, and not at one) beside a new prompt; the same steps in torch math
     (decode.attend) give the same rows, and the fused kernel ran once per sequence of each step."""
     import tpattn.decode as dec
-    from tpattn import TensorParallelAttention
     from tpattn.paged import PagedKV
     torch.manual_seed(0)
     H, d = 8, 128
     D = H * d
-    w = {k: (torch.randn(*s) * 0.02).half().cuda() for k, s in
-         (("wq", (D, D)), ("wk", (D, g * d)), ("wv", (D, g * d)), ("wo", (D, D)))}
-    layer = TensorParallelAttention(**w, heads=H, kv_heads=g, head_dim=d, causal=True, backend="fused",
-                                    rope_theta=10000.0)
+    layer = fused_layer(H, g, d)
     fused_calls = []
     real = dec.prefix_attention
     steps = [((0, 1, 2), (37, 5, 130)), ((0, 2, 3), (100, 64, 9)), ((1, 3), (300, 1))]
@@ -216,14 +215,11 @@ def test_paged_chunked_prefill_holds_no_scores():
     """A chunk of 2048 rows after 6144 in the cache (8 heads): its scores would be 512 MiB in fp32; the
     fused path's peak beyond the pool, weights and input stays at what the K/V gather, q, o and the
     projections need (rows x d each)."""
-    from tpattn import TensorParallelAttention
     from tpattn.paged import PagedKV
     torch.manual_seed(0)
     H, g, d = 8, 8, 128
     D = H * d
-    w = {k: (torch.randn(*s) * 0.02).half().cuda() for k, s in
-         (("wq", (D, D)), ("wk", (D, g * d)), ("wv", (D, g * d)), ("wo", (D, D)))}
-    layer = TensorParallelAttention(**w, heads=H, kv_heads=g, head_dim=d, causal=True, backend="fused")
+    layer = fused_layer(H, g, d, rope_theta=None)
     pool = PagedKV(layer, pages=8192 // 16, page_size=16, max_seqs=1)
     sid = pool.add()
     for n in (6144, 2048):

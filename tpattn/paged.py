@@ -319,7 +319,7 @@ def paged_decode_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
     b at position lens[b] - 1) over the first lens[b] positions read through table [n, pages]; a
     row of length 0 is zero. Reads only what the tables say, as the kernel does."""
     n, h, d = q.shape
-    g, P = k_pool.shape[1], k_pool.shape[2]
+    g = k_pool.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
     idx = table.long()
     k = k_pool[idx].permute(0, 2, 1, 3, 4).reshape(n, g, -1, d).to(acc)  # [n, g, pages * P, d]

@@ -30,6 +30,9 @@ import math
 
 import torch
 
+from .reference import causal_mask
+from .ring import _scores
+
 E4M3_MAX = 448.0
 SCALINGS = ("tensor", "head", "block")
 BLOCK_ROWS = 128  # the rows of a scale block: the FP8 kernel's query and key tiles
@@ -96,7 +99,7 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     s = s * sq.expand(B, h, N, 1).reshape(B, g, r, N, 1) * sk.expand(B, g, N, 1).transpose(-1, -2).unsqueeze(2)
     s = s / math.sqrt(d)
     if causal:
-        s = s.masked_fill(torch.ones(N, N, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        s = s.masked_fill(causal_mask(N, q.device), float("-inf"))
     m = s.amax(-1, keepdim=True)
     p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
     p = torch.where(torch.isfinite(m), p, torch.zeros_like(p))
@@ -113,29 +116,17 @@ def attention_16bit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
                     dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """The same forward with 16-bit storage, as the fused fp16/bf16 kernels round: q, k, v in dtype, S and
     the softmax in fp32, P rounded to dtype for the PV product, O accumulated in fp32 and rounded once."""
-    B, h, N, d = q.shape
-    g = k.shape[1]
-    r = h // g
-    qf, kf, vf = (t.to(dtype).float() for t in (q, k, v))
-    s = torch.matmul(qf.view(B, g, r, N, d), kf.unsqueeze(2).transpose(-1, -2)) / math.sqrt(d)
-    if causal:
-        s = s.masked_fill(torch.ones(N, N, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    m = s.amax(-1, keepdim=True)
-    p = torch.exp(s - m)
-    l = p.sum(-1, keepdim=True)
-    o = torch.matmul(p.to(dtype).float(), vf.unsqueeze(2)) / l
-    return o.view(B, h, N, d).to(dtype)
+    s = _scores(q.to(dtype), k.to(dtype), causal, torch.float32)
+    p = torch.exp(s - s.amax(-1, keepdim=True))
+    o = torch.matmul(p.to(dtype).float(), v.to(dtype).float().unsqueeze(2)) / p.sum(-1, keepdim=True)
+    return o.view(q.shape).to(dtype)
 
 
 def attention_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
-    """The exact forward in float64 (grouped K/V heads broadcast)."""
-    B, h, N, d = q.shape
-    g = k.shape[1]
-    r = h // g
-    s = torch.matmul(q.double().view(B, g, r, N, d), k.double().unsqueeze(2).transpose(-1, -2)) / math.sqrt(d)
-    if causal:
-        s = s.masked_fill(torch.ones(N, N, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return torch.matmul(torch.softmax(s, -1), v.double().unsqueeze(2)).view(B, h, N, d)
+    """The exact forward in float64 (grouped K/V heads broadcast); q may have fewer rows than k when not
+    causal (a decode step's row against the whole cache)."""
+    return torch.matmul(torch.softmax(_scores(q, k, causal, torch.float64), -1), v.double().unsqueeze(2)).view(
+        *q.shape[:3], v.shape[-1])
 
 
 def quantize_pages(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
