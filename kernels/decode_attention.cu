@@ -35,6 +35,14 @@
 //               (rotary positions at *pos: the cos/sin tables [LMAX, D/2], fp32; null: none;
 //               Hugging Face halves or interleaved pairs), q written out [B, H, D], k and v into
 //               the cache at position *pos. One launch instead of the slicing, rotation and copies.
+//   dec_append_pg  the same for a paged step's R packed rows, each at its own position pos[r] (its
+//               angles there), k and v into the pool [pages, G, page, D] at page pidx[r], offset
+//               pos[r] % page.
+//   pg_prepare  a graphed paged decode step's rows from its two inputs, slots and lengths before the
+//               step ([2, n], int64, on the device): each row's position and page, its block-table
+//               row (copied from the device's mirror [slots + 1, W]) and its length after the step;
+//               then the lengths advanced by one for the next replay (rows of a live slot), so that
+//               steady decoding sends nothing from the host.
 //
 // Layout: Q [B, H, D] (one row per sequence), K, V [B, G, LMAX, D] contiguous (the cache), the first
 // L positions valid. 16-bit storage (fp16 or bf16), fp32 accumulation, D = 64 or 128. Offsets that
@@ -467,20 +475,22 @@ const long long at = key < k1 ? dec_at<D, PAGED>(b, g, G, key, kv, table, tstrid
     }
 }
 
-// the step's rows: q, k rotated at position *pos (cosT null: no rotation), q out, k and v into the cache
-template <bool BF16>
+// the step's rows: q, k rotated at their position (cosT null: no rotation), q out, k and v into the
+// cache. Contiguous (PAGED false): every row at position *pos, K, V [B, G, LMAX, D]. Paged: row b at
+// pos[b], K, V the pool [pages, G, LMAX = page, D], row b's page pidx[b], its offset pos[b] % page.
+template <bool BF16, bool PAGED>
 __device__ __forceinline__ void dec_append(const tc_u16 *__restrict__ QKV, tc_u16 *__restrict__ Qo,
                                            tc_u16 *__restrict__ K, tc_u16 *__restrict__ V,
                                            const float *__restrict__ cosT, const float *__restrict__ sinT,
-                                           const long long *__restrict__ pos, int B, int H, int G, int D, int LMAX,
-                                           int interleaved) {
+                                           const long long *__restrict__ pos, const long long *__restrict__ pidx,
+                                           int B, int H, int G, int D, int LMAX, int interleaved) {
     const int half = D / 2, rows = H + 2 * G;
     const long long n = (long long)B * rows * half;
-    const long long p0 = *pos;
     for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n; t += (long long)gridDim.x * blockDim.x) {
         const int j = (int)(t % half);
         const long long bj = t / half;
         const int r = (int)(bj % rows), b = (int)(bj / rows);
+        const long long p0 = PAGED ? pos[b] : *pos;
         const int e0 = interleaved ? 2 * j : j, e1 = interleaved ? 2 * j + 1 : j + half;
         const tc_u16 *src = QKV + bj * D;
         float x0, x1, dummy;
@@ -498,7 +508,8 @@ __device__ __forceinline__ void dec_append(const tc_u16 *__restrict__ QKV, tc_u1
             dst = Qo + ((long long)b * H + r) * D;
         } else {
             const int kvh = r < H + G ? r - H : r - H - G;
-            dst = (r < H + G ? K : V) + (((long long)b * G + kvh) * LMAX + p0) * D;
+            dst = (r < H + G ? K : V) + (PAGED ? ((pidx[b] * G + kvh) * LMAX + p0 % LMAX) * D
+                                               : (((long long)b * G + kvh) * LMAX + p0) * D);
         }
         dst[e0] = dec_round<BF16>(x0);
         dst[e1] = dec_round<BF16>(x1);
@@ -541,7 +552,39 @@ DEC_DEFINE(bf16, true, 128)
         const tc_u16 *__restrict__ QKV, tc_u16 *__restrict__ Qo, tc_u16 *__restrict__ K, tc_u16 *__restrict__ V, \
         const float *__restrict__ cosT, const float *__restrict__ sinT, const long long *__restrict__ pos, int B, \
         int H, int G, int D, int LMAX, int interleaved) {                                               \
-        dec_append<BF16>(QKV, Qo, K, V, cosT, sinT, pos, B, H, G, D, LMAX, interleaved);                 \
+        dec_append<BF16, false>(QKV, Qo, K, V, cosT, sinT, pos, nullptr, B, H, G, D, LMAX, interleaved);  \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(256) dec_append_pg_##SUF(                              \
+        const tc_u16 *__restrict__ QKV, tc_u16 *__restrict__ Qo, tc_u16 *__restrict__ K, tc_u16 *__restrict__ V, \
+        const float *__restrict__ cosT, const float *__restrict__ sinT, const long long *__restrict__ pos, \
+        const long long *__restrict__ pidx, int R, int H, int G, int D, int page, int interleaved) {     \
+        dec_append<BF16, true>(QKV, Qo, K, V, cosT, sinT, pos, pidx, R, H, G, D, page, interleaved);     \
     }
 DEC_APPEND(f16, false)
 DEC_APPEND(bf16, true)
+
+// a graphed paged decode step's rows (see the header): inputs [2, n] (slots, lengths before the step),
+// mirror [nslots + 1, W] (the last row: the padding rows' scratch pages), out: pos, pidx, poff [n]
+// (int64), table [n, W] and lens [n] (int32). Threads over n * W copy the table rows; thread b < n
+// also does row b's scalars and advances its length (the only writer of inputs[1][b]: no race, the
+// table threads read slots only).
+extern "C" __global__ void __launch_bounds__(256) pg_prepare(long long *__restrict__ inputs,
+                                                            const int *__restrict__ mirror,
+                                                            long long *__restrict__ pos, long long *__restrict__ pidx,
+                                                            long long *__restrict__ poff, int *__restrict__ table,
+                                                            int *__restrict__ lens, int n, int W, int page, int nslots) {
+    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t < (long long)n * W) {
+        const long long b = t / W, j = t % W;
+        table[t] = mirror[inputs[b] * W + j];
+    }
+    if (t < n) {
+        const long long slot = inputs[t], p = inputs[n + t];
+        const bool live = slot < nslots;
+        pos[t] = p;
+        pidx[t] = mirror[slot * W + p / page];
+        poff[t] = p % page;
+        lens[t] = live ? (int)(p + 1) : 0;
+        inputs[n + t] = live ? p + 1 : p;
+    }
+}

@@ -1,7 +1,8 @@
 """The decode attention kernel on a paged cache against the contiguous cache, and against the GPU's
 copy rate.
 
-    python scripts/bench_paged.py [--pages 16 64 256] [--rounds 5] [--layer] [--prefill] [--no-kernel] [--json PATH]
+    python scripts/bench_paged.py [--pages 16 64 256] [--rounds 5] [--layer] [--prefill] [--no-kernel]
+                                   [--profile-prefill K] [--json PATH]
 
 For each shape (B sequences, G K/V heads, H = 32 query heads, d = 128, fp16): the split kernel
 over a contiguous cache of length L (kernels/decode_attention.cu), the paged kernel (_pg) over
@@ -120,15 +121,13 @@ def layer_steps(H: int, d: int, rounds: int, steps: int = 40) -> list[dict]:
     return out
 
 
-def prefill_runs(H: int, d: int, rounds: int, G: int = 8, mean: int = 1024, prompts: int = 8,
-                 long: int = 8192, chunk: int = 1024) -> list[dict]:
+def prefill_cases(H: int, d: int, G: int = 8, mean: int = 1024, prompts: int = 8, long: int = 8192,
+                  chunk: int = 1024) -> tuple[dict, list[int]]:
     """Prefills through the layer on a paged cache (the fused kernel per sequence, K/V gathered
     through the table) against the layer's own forward over the same rows without a cache (one
     fused forward a prompt): `prompts` prompts of ragged lengths (mean `mean`, spread x4) packed in
-    one step, and one prompt of `long` rows prefilled in chunks of `chunk` rows. Wall-clock ms per
-    call, synchronized (host work included: the pool's add, step and remove), fp16, rotary positions."""
-    import time
-
+    one step, and one prompt of `long` rows prefilled in chunks of `chunk` rows, fp16, rotary
+    positions. Returns ({name: call}, the prompts' lengths)."""
     from tpattn.paged import PagedKV
     D = H * d
     gen = torch.Generator(device="cuda").manual_seed(7)
@@ -157,6 +156,14 @@ def prefill_runs(H: int, d: int, rounds: int, G: int = 8, mean: int = 1024, prom
             f"{prompts} ragged prompts: paged, one step": ragged_paged,
             f"{long} rows: one forward": lambda: layer(x_long),
             f"{long} rows: paged, chunks of {chunk}": chunked_paged}
+    return runs, lens
+
+
+def prefill_runs(H: int, d: int, rounds: int) -> list[dict]:
+    """prefill_cases' calls, wall-clock ms per call, synchronized (host work included: the pool's
+    add, step and remove), median of `rounds` rounds after one, the calls alternating."""
+    import time
+    runs, lens = prefill_cases(H, d)
     times = {k: [] for k in runs}
     with torch.no_grad():
         for _ in range(rounds + 1):
@@ -166,8 +173,30 @@ def prefill_runs(H: int, d: int, rounds: int, G: int = 8, mean: int = 1024, prom
                 fn()
                 torch.cuda.synchronize()
                 times[name].append((time.perf_counter() - t0) * 1e3)
-    return [{"run": k, "ms": statistics.median(ts[1:]), "lens": lens if "ragged" in k else [long]}
+    return [{"run": k, "ms": statistics.median(ts[1:]), "lens": lens if "ragged" in k else None}
             for k, ts in times.items()]
+
+
+def profile_prefills(H: int, d: int, top: int) -> None:
+    """One call of each prefill case (after a warm one) under torch.profiler: its wall time, the host's
+    time in torch ops and the GPU's in kernels and copies, and the `top` ops by host time."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+    runs, _ = prefill_cases(H, d)
+    with torch.no_grad():
+        for name, fn in runs.items():
+            fn()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                t0 = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                wall = (time.perf_counter() - t0) * 1e3
+            ev = prof.key_averages()
+            gpu = sum(e.self_device_time_total for e in ev) / 1e3
+            print(f"{name}: wall {wall:.3f} ms, GPU (kernels and copies) {gpu:.3f} ms")
+            print(ev.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=48))
 
 
 def main(argv=None) -> int:
@@ -182,6 +211,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefill", action="store_true", help="also prefills on the paged cache (ragged prompts in one "
                    "step, a long prompt in chunks) against the layer's forward over the same rows")
     p.add_argument("--no-kernel", action="store_true", help="skip the decode kernel's table")
+    p.add_argument("--profile-prefill", type=int, metavar="K", help="also one call of each prefill under "
+                   "torch.profiler: wall, host and GPU time, and the K ops with the most host time")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_paged: error: needs a CUDA GPU; run it on a GPU machine", file=sys.stderr)
@@ -237,6 +268,8 @@ def main(argv=None) -> int:
             base, paged_run = prefills[i], prefills[i + 1]
             print(f"  {base['run']:<40} {base['ms']:8.3f} ms")
             print(f"  {paged_run['run']:<40} {paged_run['ms']:8.3f} ms  x{paged_run['ms'] / base['ms']:.3f}")
+    if a.profile_prefill:
+        profile_prefills(H, d, a.profile_prefill)
     if a.json:
         Path(a.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "copy_GBps": rate, "rows": rows,
                                             "layer_steps": steps, "prefills": prefills, "argv": sys.argv}, indent=1))

@@ -235,3 +235,56 @@ def test_paged_chunked_prefill_holds_no_scores():
     # gather in flight), the kernel's q and o buffers over 8192 rows (2 x 16 MiB), QKV, o and y rows
     # (20 MiB): ~100 MiB. Its fp32 scores would be 512 MiB (attend's blocks: up to 1 GiB)
     assert peak < 160 * 2**20, peak / 2**20
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rope", ["none", "halves", "interleaved"])
+@pytest.mark.parametrize("d", [64, 128])
+@torch.no_grad()
+def test_paged_append_kernel_is_the_torch_rotation_and_writes(dtype, rope, d):
+    """dec_append_pg (one launch: each row rotated at its own position, its K and V written at its
+    page and offset) gives the bits of the torch path it replaces (rope_tables at the rows'
+    positions, apply_rope, indexed writes): ragged positions across pages, GQA, q out."""
+    from tpattn.decode import append_paged_kernel, apply_rope, rope_tables
+    torch.manual_seed(1)
+    R, h, g, P = 11, 8, 2, 16
+    qkv = torch.randn(R, h + 2 * g, d, device="cuda").to(dtype)
+    pos = torch.tensor([0, 1, 15, 16, 17, 300, 301, 4095, 5, 6, 7], device="cuda")
+    pages = torch.randperm(30, device="cuda")[:R]
+    pools = [torch.zeros(31, g, P, d, device="cuda", dtype=dtype) for _ in range(4)]
+    cos = sin = None
+    if rope != "none":
+        cos, sin = rope_tables(torch.arange(4096, device="cuda"), d, 10000.0)
+    q = append_paged_kernel(qkv, pools[0], pools[1], pos, pages, cos, sin, h, rope == "interleaved")
+    qt, kt, vt = qkv.split([h, g, g], dim=1)
+    if rope != "none":
+        c, s = rope_tables(pos, d, 10000.0)
+        qt = apply_rope(qt.transpose(0, 1).unsqueeze(0), c, s, rope == "interleaved")[0].transpose(0, 1)
+        kt = apply_rope(kt.transpose(0, 1).unsqueeze(0), c, s, rope == "interleaved")[0].transpose(0, 1)
+    pools[2][pages, :, pos % P] = kt
+    pools[3][pages, :, pos % P] = vt
+    assert torch.equal(q, qt)
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+
+
+@torch.no_grad()
+def test_graphed_paged_step_prepares_on_the_device_and_advances():
+    """pg_prepare: each row's position, page, offset, block-table row and length after the step from
+    (slots, lengths) and the device's table mirror; padding rows (the extra slot) at length 0 and the
+    scratch pages; the inputs' lengths of live rows one more afterwards, the padding rows' unchanged."""
+    from tpattn.paged import PagedKV, _StaticStep
+    layer = fused_layer(8, 2, 128)
+    P, S, W = 16, 3, 6
+    pool = PagedKV(layer, pages=20, page_size=P, max_seqs=S)
+    mirror = torch.randint(0, 20, (S + 1, W), dtype=torch.int32, device="cuda")
+    mirror[S] = pool.scratch_page
+    st = _StaticStep(pool, 4, mirror)
+    st.inputs.copy_(torch.tensor([[2, 0, S, S], [40, 15, 0, 0]]))
+    st.prepare()
+    torch.cuda.synchronize()
+    slots, pos = [2, 0, S, S], [40, 15, 0, 0]
+    assert st.positions.tolist() == pos and st.page_offset.tolist() == [p % P for p in pos]
+    assert st.page_index.tolist() == [mirror[s, p // P].item() for s, p in zip(slots, pos)]
+    assert torch.equal(st.table, mirror[torch.tensor(slots, device="cuda")])
+    assert st.lens.tolist() == [41, 16, 0, 0]
+    assert st.inputs.tolist() == [slots, [41, 16, 0, 0]]

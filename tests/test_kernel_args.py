@@ -326,3 +326,37 @@ def test_decode_launches_contiguous_and_paged(monkeypatch, h, g):
     assert paged[-4] == table.data_ptr() and paged[-3] == lens.data_ptr()
     assert (paged[-2], paged[-1]) == (12, 16)                # the table's row stride, tokens per page
     assert (paged[7], paged[8], paged[9]) == (B * g, g, h // g)  # (b, g) pairs, K/V heads, group
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_paged_append_and_prepare_launches(monkeypatch, rope):
+    """A paged step's rotation and K/V writes (dec_append_pg: positions and pages per row, the page
+    size) and a graphed paged step's preparation (pg_prepare) pass what their kernels take."""
+    from tpattn import cuda as tcuda
+    from tpattn import decode
+    from tpattn.paged import PagedKV, _StaticStep
+    calls = []
+    monkeypatch.setattr(tcuda, "launch", lambda source, name, device, grid, block, args, shared_mem=0:
+                        calls.append((source, name, grid, block, args)))
+    R, h, g, d, P = 5, 8, 2, 128, 16
+    qkv = torch.randn(R, h + 2 * g, d).half()
+    pool_k, pool_v = (torch.zeros(9, g, P, d).half() for _ in range(2))
+    pos, pages = torch.arange(R, dtype=torch.int64) * 7, torch.arange(R, dtype=torch.int64)
+    cos, sin = decode.rope_tables(torch.arange(64), d, 10000.0) if rope else (None, None)
+    q = decode.append_paged_kernel(qkv, pool_k, pool_v, pos, pages, cos, sin, h, False)
+    assert q.shape == (R, h, d)
+    from tpattn import TensorParallelAttention
+    D = h * d
+    layer = TensorParallelAttention(torch.zeros(D, D), torch.zeros(D, g * d), torch.zeros(D, g * d), torch.zeros(D, D),
+                                    heads=h, kv_heads=g, head_dim=d, causal=True)
+    pool = PagedKV(layer, pages=8, page_size=P, max_seqs=3)
+    st = _StaticStep(pool, 4, torch.zeros(4, 6, dtype=torch.int32))
+    st.prepare_kernel()
+    assert [c[1] for c in calls] == ["dec_append_pg_f16", "pg_prepare"]
+    for c in calls:
+        check_launch(*c)
+    app, prep = calls[0][4], calls[1][4]
+    assert app[6] == pos.data_ptr() and app[7] == pages.data_ptr() and (app[4] != 0) == rope
+    assert tuple(app[8:13]) == (R, h, g, d, P)
+    assert tuple(prep[7:]) == (4, 6, P, 3)  # bucket rows, table width, page size, slots (the padding slot's index)
+    assert calls[1][2][0] * 256 >= 4 * 6   # a thread per table entry

@@ -223,3 +223,18 @@ def test_llama_generate_with_decode_graphs_gives_the_same_tokens(monkeypatch):
     monkeypatch.setattr(paged, "DecodeGraphs", Eager)
     assert tp.generate(PROMPTS, BUDGET, max_batch=2, page_size=4, graphs=True) == want
     assert tp.generate(PROMPTS, BUDGET, max_batch=3, graphs=True) == want
+
+
+def test_pool_rotary_tables_grow_and_keep_what_a_graph_reads():
+    """PagedKV.rope: the contiguous cache's tables (rope_tables at 0, 1, ...), made once per (theta,
+    head dim), grown by doubling past the positions asked for; an outgrown table stays referenced."""
+    from tpattn.decode import rope_tables
+    layer = _layer(1, True)
+    pool = PagedKV(layer, pages=4, page_size=4, max_seqs=2)
+    cos, sin = pool.rope(layer, 10)
+    assert cos.shape[0] == 1024 and pool.rope(layer, 1024)[0] is cos
+    want = rope_tables(torch.arange(1024), layer.head_dim, layer.rope_theta, torch.float64)
+    assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])
+    bigger = pool.rope(layer, 1025)[0]
+    assert bigger.shape[0] == 2048 and torch.equal(bigger[:1024], cos)
+    assert pool._rope_kept[0][0] is cos

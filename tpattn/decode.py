@@ -289,6 +289,28 @@ def append_kernel(qkv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
     return q
 
 
+def append_paged_kernel(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pos: torch.Tensor,
+                        page_index: torch.Tensor, cos, sin, heads: int, interleaved: bool) -> torch.Tensor:
+    """A paged step's rows in one launch (dec_append_pg): qkv [R, heads + 2g, d] (contiguous), row r
+    at position pos[r] (int64, on the device), rotated by the tables cos, sin [positions, d/2] (fp32,
+    or None), its k and v written into the pools [pages, g, page, d] at page page_index[r] (int64),
+    offset pos[r] % page; returns q [R, heads, d]."""
+    import numpy as np
+
+    from .cuda import launch, ptr
+    R, rows, d = qkv.shape
+    g = (rows - heads) // 2
+    q = torch.empty(R, heads, d, dtype=qkv.dtype, device=qkv.device)
+    suf = "f16" if qkv.dtype == torch.float16 else "bf16"
+    rope = cos is not None
+    n = R * rows * d // 2
+    launch(DEC_SOURCE, f"dec_append_pg_{suf}", qkv.device, (min(-(-n // 256), 65535), 1, 1), (256, 1, 1),
+           (ptr(qkv), ptr(q), ptr(k_pool), ptr(v_pool), ptr(cos) if rope else np.uint64(0),
+            ptr(sin) if rope else np.uint64(0), ptr(pos), ptr(page_index), np.int32(R), np.int32(heads),
+            np.int32(g), np.int32(d), np.int32(k_pool.shape[2]), np.int32(1 if interleaved else 0)))
+    return q
+
+
 # ---- the layer's cached forward and its graphed decode step (tpattn/layer.py calls these) -------
 
 def new_cache(layer, batch: int, max_len: int) -> KVCache:

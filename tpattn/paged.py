@@ -70,6 +70,8 @@ class PagedKV:
         self.lengths = [0] * max_seqs          # slot -> positions filled
         self._next_id = 0
         self._open = None                      # the step in progress, if any
+        self._rope: dict = {}                  # (theta, d, dtype) -> (cos, sin): the rotary tables (rope())
+        self._rope_kept: list = []             # tables outgrown, kept: a captured graph may read them
 
     # ---- sequences ---------------------------------------------------------------------------
 
@@ -105,6 +107,22 @@ class PagedKV:
 
     def nbytes(self) -> int:
         return sum(2 * t.numel() * t.element_size() for t in self.k)
+
+    def rope(self, layer, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [>= upto, d/2] of layer's rotary angles at positions 0, 1, ... (decode.rope_tables,
+        the values a contiguous cache's tables hold), on the pool's device: made once, grown by doubling.
+        An outgrown table stays allocated, since a captured step may read it."""
+        from .decode import rope_tables
+        acc = torch.promote_types(layer.dtype, torch.float32)
+        key = (layer.rope_theta, layer.head_dim, acc)
+        have = self._rope.get(key)
+        if have is None or have[0].shape[0] < upto:
+            n = max(int(upto), 2 * have[0].shape[0] if have is not None else 1024)
+            if have is not None:
+                self._rope_kept.append(have)
+            have = self._rope[key] = rope_tables(torch.arange(n, device=self.device), layer.head_dim,
+                                                 layer.rope_theta, acc)
+        return have
 
     def _slot(self, sid: int) -> int:
         if sid not in self.slots:
@@ -158,12 +176,17 @@ class PagedKV:
                 self.lengths[s] += r
 
 
+def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t in page-locked memory when it goes to a GPU (else t): from pageable memory, even a
+    non-blocking copy may wait for the stream to drain (CUDA stages it through a pinned buffer
+    and "may synchronize with the stream"), so the host would stop issuing a step's kernels behind
+    every table it sends. torch's pinned allocator keeps the buffer until the copy has run."""
+    return t.pin_memory() if device.type == "cuda" else t
+
+
 def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A new host tensor's copy on `device`, queued without waiting: a blocking copy (torch.tensor(...,
-    device=), .to(device)) waits for the stream to drain first, so the host would stop issuing a step's
-    kernels behind every table it sends. The pageable source is staged by the time the call returns
-    (as DecodeGraphs' fill relies on), so the host tensor may go."""
-    return t.to(device, non_blocking=True)
+    """A new host tensor's copy on `device`, queued without waiting (from pinned memory, _pinned)."""
+    return _pinned(t, device).to(device, non_blocking=True)
 
 
 @dataclass
@@ -213,6 +236,11 @@ class PagedStep:
     def total_rows(self) -> int:
         return self.cu[-1]
 
+    @property
+    def upto(self) -> int:
+        """Positions the step's rows reach (their rotary tables' length)."""
+        return max(L0 + r for L0, r in zip(self.starts, self.rows))
+
     def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(block table int32 [n, most pages], lengths int32 [n] after the step, the longest) of the
         step's n sequences, on the pool's device: what the paged decode kernel reads. Made once."""
@@ -247,8 +275,8 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
     QKV of the R rows, rotary positions from each row's position, K and V written into the pool's
     pages, each sequence's rows attending causally over its own positions, the output projection
     and the plan's collective of R x D values. Returns y of x's shape."""
-    from .decode import (apply_rope, attend, decode_kernel_fits, fused_prefix_fits, paged_decode_attention,
-                         prefix_attention, rope_tables)
+    from .decode import (append_paged_kernel, apply_rope, attend, decode_kernel_fits, fused_prefix_fits,
+                         paged_decode_attention, prefix_attention, rope_tables)
     from .ops import mm
     from .outputsum import OutputSum
     from .timing import section
@@ -273,15 +301,20 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
     plan = layer.plan(1, R, decode=True)
     with section("qkv_proj"):
         qkv = mm(x.reshape(R, D), layer.wqkv, layer.dtype, layer._qkv_bias()).view(R, h + 2 * g, d)
-    q, k, v = qkv.split([h, g, g], dim=1)  # [R, heads, d]
-    if layer.rope_theta is not None:
-        cos, sin = rope_tables(step.positions, d, layer.rope_theta, torch.promote_types(layer.dtype, torch.float32))
-        q = apply_rope(q.transpose(0, 1).unsqueeze(0), cos, sin, layer.rope_interleaved)[0].transpose(0, 1)
-        k = apply_rope(k.transpose(0, 1).unsqueeze(0), cos, sin, layer.rope_interleaved)[0].transpose(0, 1)
     kp, vp = pool.k[view.index], pool.v[view.index]
-    with section("cache_append"):  # row r's K and V at (its page, its offset) of every K/V head
-        kp[step.page_index, :, step.page_offset] = k
-        vp[step.page_index, :, step.page_offset] = v
+    if decode_kernel_fits(qkv):  # rotation at each row's position and the K/V writes: one kernel
+        cos, sin = pool.rope(layer, step.upto) if layer.rope_theta is not None else (None, None)
+        with section("cache_append"):
+            q = append_paged_kernel(qkv, kp, vp, step.positions, step.page_index, cos, sin, h, layer.rope_interleaved)
+    else:
+        q, k, v = qkv.split([h, g, g], dim=1)  # [R, heads, d]
+        if layer.rope_theta is not None:
+            cos, sin = rope_tables(step.positions, d, layer.rope_theta, torch.promote_types(layer.dtype, torch.float32))
+            q = apply_rope(q.transpose(0, 1).unsqueeze(0), cos, sin, layer.rope_interleaved)[0].transpose(0, 1)
+            k = apply_rope(k.transpose(0, 1).unsqueeze(0), cos, sin, layer.rope_interleaved)[0].transpose(0, 1)
+        with section("cache_append"):  # row r's K and V at (its page, its offset) of every K/V head
+            kp[step.page_index, :, step.page_offset] = k
+            vp[step.page_index, :, step.page_offset] = v
     P = pool.page_size
     if max(step.rows) == 1:  # a decode step: every sequence at once through its block table and length
         table, lens, longest = step.decode_tables()
@@ -339,11 +372,13 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 class _StaticStep:
     """A decode step of up to `bucket` sequences whose every tensor is fixed (a graph reads it).
-    Filled per step from two small inputs, the rows' slots and their lengths before the step (one
-    host-to-device copy), and the pool's block tables as the device holds them (DecodeGraphs'
-    mirror): prepare() makes, on the device, each row's position, where its K and V go, its block
-    table row and its length after the step. Padding rows (past the live sequences) take the mirror's
-    extra slot: length 0 (their attention is zero), K and V written into the scratch page."""
+    Made per step from two small inputs on the device, the rows' slots and their lengths before the
+    step, and the pool's block tables as the device holds them (DecodeGraphs' mirror): prepare()
+    makes, on the device, each row's position, where its K and V go, its block table row and its
+    length after the step, then advances the inputs' lengths by one. So a step that continues the
+    bucket's last one (the same slots, every length one more) needs no copy from the host; fill()
+    sends the inputs when the live set changes. Padding rows (past the live sequences) take the
+    mirror's extra slot: length 0 (their attention is zero), K and V written into the scratch page."""
 
     def __init__(self, pool: PagedKV, bucket: int, table: torch.Tensor):
         dev = pool.device
@@ -356,7 +391,7 @@ class _StaticStep:
         self.page_offset = torch.zeros(bucket, dtype=torch.int64, device=dev)
         self.table = torch.zeros(bucket, table.shape[1], dtype=torch.int32, device=dev)
         self.lens = torch.zeros(bucket, dtype=torch.int32, device=dev)
-        self.longest = table.shape[1] * pool.page_size
+        self.longest = self.upto = table.shape[1] * pool.page_size
 
     @property
     def total_rows(self) -> int:
@@ -371,20 +406,37 @@ class _StaticStep:
     def fill(self, step: "PagedStep") -> None:
         """The step's slots and lengths into the fixed inputs (padding: the extra slot, length 0)."""
         pad = [self.pool.max_seqs] * (self.bucket - len(step.slots))
-        # a new (pageable) host tensor each step: the copy has taken it once copy_ returns, so the
-        # next step cannot overwrite what an earlier copy has yet to read
-        self.inputs.copy_(torch.tensor([step.slots + pad, step.starts + [0] * len(pad)], dtype=torch.int64),
-                          non_blocking=True)
+        # a new host tensor each step (pinned: torch's allocator keeps it until the copy has read it)
+        rows = torch.tensor([step.slots + pad, step.starts + [0] * len(pad)], dtype=torch.int64)
+        self.inputs.copy_(_pinned(rows, self.inputs.device), non_blocking=True)
 
     def prepare(self) -> None:
-        """On the device (inside the graph): positions, K/V destinations, table rows, lengths."""
-        P = self.pool.page_size
+        """On the device (inside the graph): positions, K/V destinations, table rows, lengths; then
+        the inputs' lengths of live rows one more (the next step's). One kernel on a GPU (pg_prepare)."""
+        P, S = self.pool.page_size, self.pool.max_seqs
+        if self.inputs.is_cuda:
+            return self.prepare_kernel()
         slots, pos = self.inputs[0], self.inputs[1]
+        live = slots < S
         self.positions.copy_(pos)
         self.page_index.copy_(self.dev_table[slots, torch.div(pos, P, rounding_mode="floor")].long())
         self.page_offset.copy_(torch.remainder(pos, P))
         self.table.copy_(self.dev_table.index_select(0, slots))
-        self.lens.copy_(((pos + 1) * (slots < self.pool.max_seqs)).to(torch.int32))
+        self.lens.copy_(((pos + 1) * live).to(torch.int32))
+        pos += live
+
+
+    def prepare_kernel(self) -> None:
+        """prepare()'s launch (kernels/decode_attention.cu, pg_prepare)."""
+        import numpy as np
+
+        from .cuda import launch, ptr
+        from .decode import DEC_SOURCE
+        b, W = self.bucket, self.table.shape[1]
+        launch(DEC_SOURCE, "pg_prepare", self.inputs.device, (-(-b * W // 256), 1, 1), (256, 1, 1),
+               (ptr(self.inputs), ptr(self.dev_table), ptr(self.positions), ptr(self.page_index),
+                ptr(self.page_offset), ptr(self.table), ptr(self.lens), np.int32(b), np.int32(W),
+                np.int32(self.pool.page_size), np.int32(self.pool.max_seqs)))
 
 
 class DecodeGraphs:
@@ -418,6 +470,9 @@ class DecodeGraphs:
         self.table = torch.full((pool.max_seqs + 1, self.max_pages), pool.scratch_page, dtype=torch.int32,
                                 device=pool.device)
         self._mirrored = [(0, 0)] * pool.max_seqs  # slot -> (generation, pages already on the device)
+        for layer in pool.layers:  # the rotary tables a captured step reads, made before any capture
+            if layer.rope_theta is not None:
+                pool.rope(layer, self.max_pages * pool.page_size)
 
     def _sync_tables(self, slots) -> None:
         """The pages taken since the last step (and a reused slot's) onto the device: one copy."""
@@ -430,7 +485,7 @@ class DecodeGraphs:
             updates += [(s, j, pages[j]) for j in range(have, len(pages))]
             self._mirrored[s] = (gen, len(pages))
         if updates:
-            u = torch.tensor(updates, dtype=torch.int64).to(self.pool.device, non_blocking=True)
+            u = _on_device(torch.tensor(updates, dtype=torch.int64), self.pool.device)
             self.table[u[:, 0], u[:, 1]] = u[:, 2].to(torch.int32)
 
     def bucket_for(self, n: int) -> int:
@@ -443,7 +498,8 @@ class DecodeGraphs:
     def step(self, seq_ids, x: torch.Tensor) -> torch.Tensor:
         """One decode step of seq_ids (x: one row each, [n, ...]); returns fn's output for them [n, ...]
         (a copy). The pool's calls are the usual ones (its pages taken, the ranks' agreement), the
-        step's rows copied into the bucket's fixed tensors, then the bucket's graph replayed."""
+        step's slots and lengths sent to the bucket's fixed inputs unless they continue its last step
+        (the graph advanced them), x copied in, then the bucket's graph replayed."""
         n = len(seq_ids)
         b = self.bucket_for(n)
         longest = max(self.pool.length(s) for s in seq_ids) + 1
@@ -456,11 +512,14 @@ class DecodeGraphs:
             made = self._made.get(b)
             if made is None:
                 xs = torch.zeros((b, *self.x_like.shape[1:]), dtype=self.x_like.dtype, device=self.pool.device)
-                made = self._made[b] = {"step": _StaticStep(self.pool, b, self.table), "x": xs, "run": None}
+                made = self._made[b] = {"step": _StaticStep(self.pool, b, self.table), "x": xs, "run": None,
+                                        "next": None}
             st, xs = made["step"], made["x"]
-            st.fill(step)
-            xs[:n].copy_(x)
-            xs[n:].zero_()
+            now = (tuple(step.slots), tuple(step.starts))
+            if made["next"] != now:  # not the continuation of this bucket's last step: send the inputs
+                st.fill(step)
+            made["next"] = None      # (unknown until this step has run)
+            xs[:n].copy_(x)          # (padding rows keep what they held: their rows are discarded)
 
             def body():
                 st.prepare()
@@ -476,7 +535,9 @@ class DecodeGraphs:
                         for layer in self.pool.layers:  # peer buffers a captured peer sum reads stay put
                             layer.peers.pin()
                         made["run"] = replayer(self.pool.layers[0].world, graph, res)
+                        st.fill(step)  # the warm-up advanced the inputs' lengths: this step's again
                     out = made["run"]()
+                made["next"] = (now[0], tuple(L + 1 for L in now[1]))
             finally:
                 self.pool._open = step
             return out[:n].clone()
