@@ -412,9 +412,11 @@ class _StaticStep:
 
     def prepare(self) -> None:
         """On the device (inside the graph): positions, K/V destinations, table rows, lengths; then
-        the inputs' lengths of live rows one more (the next step's). One kernel on a GPU (pg_prepare)."""
+        the inputs' lengths of live rows one more (the next step's). One kernel on a GPU with CuPy
+        (pg_prepare), else the same in torch ops."""
+        from .errors import cupy_available
         P, S = self.pool.page_size, self.pool.max_seqs
-        if self.inputs.is_cuda:
+        if self.inputs.is_cuda and cupy_available():
             return self.prepare_kernel()
         slots, pos = self.inputs[0], self.inputs[1]
         live = slots < S
@@ -444,8 +446,8 @@ class DecodeGraphs:
     of sequences that holds them (captured on first use, then replayed): a change of the live set
     replays another bucket's graph instead of capturing again. fn(x, view) is the step (for example
     the model's layers), x the fixed input [bucket, ...] (x_like's trailing shape and dtype) and
-    view what the layers take as cache=; it returns a tensor whose first dimension is the bucket's.
-    max_len: the longest any sequence may grow (sets the block tables' width, and the kernel's
+    view what the layers take as cache=; it returns a tensor whose first dimension is the bucket's,
+    each row a function of its own input row only (padding rows hold stale inputs). max_len: the longest any sequence may grow (sets the block tables' width, and the kernel's
     split). capture=False runs the same fixed-tensor steps eagerly (CPU; a check of the graphs)."""
 
     def __init__(self, pool: PagedKV, fn, x_like: torch.Tensor, max_len: int, buckets=BUCKETS,
@@ -476,17 +478,19 @@ class DecodeGraphs:
 
     def _sync_tables(self, slots) -> None:
         """The pages taken since the last step (and a reused slot's) onto the device: one copy."""
-        updates = []
+        updates, mirrored = [], {}
         for s in slots:
             gen, have = self._mirrored[s]
             if gen != self.pool.generation[s]:
                 gen, have = self.pool.generation[s], 0
             pages = self.pool.tables[s]
             updates += [(s, j, pages[j]) for j in range(have, len(pages))]
-            self._mirrored[s] = (gen, len(pages))
+            mirrored[s] = (gen, len(pages))
         if updates:
             u = _on_device(torch.tensor(updates, dtype=torch.int64), self.pool.device)
             self.table[u[:, 0], u[:, 1]] = u[:, 2].to(torch.int32)
+        for s, m in mirrored.items():  # recorded once the copy is queued (a failure above leaves them to resend)
+            self._mirrored[s] = m
 
     def bucket_for(self, n: int) -> int:
         for b in self.buckets:
@@ -519,7 +523,8 @@ class DecodeGraphs:
             if made["next"] != now:  # not the continuation of this bucket's last step: send the inputs
                 st.fill(step)
             made["next"] = None      # (unknown until this step has run)
-            xs[:n].copy_(x)          # (padding rows keep what they held: their rows are discarded)
+            xs[:n].copy_(x)          # (padding rows keep earlier rows: fn must treat rows independently, as
+                                     # the layers do; their outputs are discarded)
 
             def body():
                 st.prepare()
