@@ -447,8 +447,9 @@ class DecodeGraphs:
     replays another bucket's graph instead of capturing again. fn(x, view) is the step (for example
     the model's layers), x the fixed input [bucket, ...] (x_like's trailing shape and dtype) and
     view what the layers take as cache=; it returns a tensor whose first dimension is the bucket's,
-    each row a function of its own input row only (padding rows hold stale inputs). max_len: the longest any sequence may grow (sets the block tables' width, and the kernel's
-    split). capture=False runs the same fixed-tensor steps eagerly (CPU; a check of the graphs)."""
+    each row a function of its own input row only (padding rows hold stale inputs). max_len: the
+    longest any sequence may grow (sets the block tables' width, and the kernel's split).
+    capture=False runs the same fixed-tensor steps eagerly (CPU; a check of the graphs)."""
 
     def __init__(self, pool: PagedKV, fn, x_like: torch.Tensor, max_len: int, buckets=BUCKETS,
                  capture: bool = True):
