@@ -2,7 +2,7 @@
 copy rate.
 
     python scripts/bench_paged.py [--pages 16 64 256] [--rounds 5] [--layer] [--prefill] [--no-kernel]
-                                   [--profile-prefill K] [--json PATH]
+                                   [--prefill-backends fused triton] [--profile-prefill K] [--json PATH]
 
 For each shape (B sequences, G K/V heads, H = 32 query heads, d = 128, fp16): the split kernel
 over a contiguous cache of length L (kernels/decode_attention.cu), the paged kernel (_pg) over
@@ -11,7 +11,9 @@ ragged lengths of the same mean L spread x4 (0.4 L to 1.6 L). GB/s: the K and V 
 over its time; copy rate: a device-to-device copy of 1 GiB (bytes read + written over its time).
 CUDA events over 50 back-to-back launches, the median of --rounds rounds, contenders alternating.
 --layer: the layer's whole graphed decode step, contiguous against paged; --prefill: prefills through
-the layer on the paged cache against its forward over the same rows without a cache.
+the layer on the paged cache against its forward over the same rows without a cache, with each of
+--prefill-backends (fused: the fused kernel per sequence over its gathered K/V; triton: every
+sequence in one launch, K/V read through the block table).
 """
 
 from __future__ import annotations
@@ -62,13 +64,14 @@ def paged(lens, g, d, page, gen):
     return pk, pv, table, torch.tensor(lens, dtype=torch.int32, device="cuda")
 
 
-def rope_layer(H: int, G: int, d: int, gen: torch.Generator):
-    """The benchmarks' layer: causal, fp16, rotary positions, the fused backend, weights drawn from gen."""
+def rope_layer(H: int, G: int, d: int, gen: torch.Generator, backend: str = "fused"):
+    """The benchmarks' layer: causal, fp16, rotary positions, the fused backend (or `backend`), weights
+    drawn from gen."""
     from tpattn import TensorParallelAttention
     D = H * d
     w = {k: (torch.randn(*s, device="cuda", generator=gen) * 0.02).half() for k, s in
          (("wq", (D, D)), ("wk", (D, G * d)), ("wv", (D, G * d)), ("wo", (D, D)))}
-    return TensorParallelAttention(**w, heads=H, kv_heads=G, head_dim=d, causal=True, backend="fused",
+    return TensorParallelAttention(**w, heads=H, kv_heads=G, head_dim=d, causal=True, backend=backend,
                                    rope_theta=10000.0)
 
 
@@ -121,8 +124,8 @@ def layer_steps(H: int, d: int, rounds: int, steps: int = 40) -> list[dict]:
     return out
 
 
-def prefill_cases(H: int, d: int, G: int = 8, mean: int = 1024, prompts: int = 8, long: int = 8192,
-                  chunk: int = 1024) -> tuple[dict, list[int]]:
+def prefill_cases(H: int, d: int, backend: str = "fused", G: int = 8, mean: int = 1024, prompts: int = 8,
+                  long: int = 8192, chunk: int = 1024) -> tuple[dict, list[int]]:
     """Prefills through the layer on a paged cache (the fused kernel per sequence, K/V gathered
     through the table) against the layer's own forward over the same rows without a cache (one
     fused forward a prompt): `prompts` prompts of ragged lengths (mean `mean`, spread x4) packed in
@@ -131,7 +134,7 @@ def prefill_cases(H: int, d: int, G: int = 8, mean: int = 1024, prompts: int = 8
     from tpattn.paged import PagedKV
     D = H * d
     gen = torch.Generator(device="cuda").manual_seed(7)
-    layer = rope_layer(H, G, d, gen)
+    layer = rope_layer(H, G, d, gen, backend)
     lens = torch.linspace(0.4 * mean, 1.6 * mean, prompts).round().int().tolist()
     xs = [torch.randn(1, n, D, device="cuda", generator=gen).half() for n in lens]
     packed = torch.cat(xs, 1)
@@ -159,11 +162,11 @@ def prefill_cases(H: int, d: int, G: int = 8, mean: int = 1024, prompts: int = 8
     return runs, lens
 
 
-def prefill_runs(H: int, d: int, rounds: int) -> list[dict]:
+def prefill_runs(H: int, d: int, rounds: int, backend: str = "fused") -> list[dict]:
     """prefill_cases' calls, wall-clock ms per call, synchronized (host work included: the pool's
     add, step and remove), median of `rounds` rounds after one, the calls alternating."""
     import time
-    runs, lens = prefill_cases(H, d)
+    runs, lens = prefill_cases(H, d, backend)
     times = {k: [] for k in runs}
     with torch.no_grad():
         for _ in range(rounds + 1):
@@ -173,17 +176,17 @@ def prefill_runs(H: int, d: int, rounds: int) -> list[dict]:
                 fn()
                 torch.cuda.synchronize()
                 times[name].append((time.perf_counter() - t0) * 1e3)
-    return [{"run": k, "ms": statistics.median(ts[1:]), "lens": lens if "ragged" in k else None}
+    return [{"run": k, "backend": backend, "ms": statistics.median(ts[1:]), "lens": lens if "ragged" in k else None}
             for k, ts in times.items()]
 
 
-def profile_prefills(H: int, d: int, top: int) -> None:
+def profile_prefills(H: int, d: int, top: int, backend: str = "fused") -> None:
     """One call of each prefill case (after a warm one) under torch.profiler: its wall time, the host's
     time in torch ops and the GPU's in kernels and copies, and the `top` ops by host time."""
     import time
 
     from torch.profiler import ProfilerActivity, profile
-    runs, _ = prefill_cases(H, d)
+    runs, _ = prefill_cases(H, d, backend)
     with torch.no_grad():
         for name, fn in runs.items():
             fn()
@@ -195,7 +198,7 @@ def profile_prefills(H: int, d: int, top: int) -> None:
                 wall = (time.perf_counter() - t0) * 1e3
             ev = prof.key_averages()
             gpu = sum(e.self_device_time_total for e in ev) / 1e3
-            print(f"{name}: wall {wall:.3f} ms, GPU (kernels and copies) {gpu:.3f} ms")
+            print(f"{backend}, {name}: wall {wall:.3f} ms, GPU (kernels and copies) {gpu:.3f} ms")
             print(ev.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=48))
 
 
@@ -211,6 +214,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefill", action="store_true", help="also prefills on the paged cache (ragged prompts in one "
                    "step, a long prompt in chunks) against the layer's forward over the same rows")
     p.add_argument("--no-kernel", action="store_true", help="skip the decode kernel's table")
+    p.add_argument("--prefill-backends", nargs="+", choices=("fused", "triton"), default=["fused"],
+                   help="the layer's backends for --prefill (triton: the paged prefill in one launch; default fused)")
     p.add_argument("--profile-prefill", type=int, metavar="K", help="also one call of each prefill under "
                    "torch.profiler: wall, host and GPU time, and the K ops with the most host time")
     a = p.parse_args(argv)
@@ -262,14 +267,18 @@ def main(argv=None) -> int:
                 for r in mine))
     prefills = []
     if a.prefill:
-        prefills = prefill_runs(H, d, a.rounds)
-        print("prefills through the layer (G=8, rotary), wall-clock ms per call, synchronized (median of rounds):")
-        for i in range(0, len(prefills), 2):
-            base, paged_run = prefills[i], prefills[i + 1]
-            print(f"  {base['run']:<40} {base['ms']:8.3f} ms")
-            print(f"  {paged_run['run']:<40} {paged_run['ms']:8.3f} ms  x{paged_run['ms'] / base['ms']:.3f}")
+        for backend in a.prefill_backends:
+            mine = prefill_runs(H, d, a.rounds, backend)
+            prefills += mine
+            print(f"prefills through the layer ({backend} backend, G=8, rotary), wall-clock ms per call, synchronized "
+                  "(median of rounds):")
+            for i in range(0, len(mine), 2):
+                base, paged_run = mine[i], mine[i + 1]
+                print(f"  {base['run']:<40} {base['ms']:8.3f} ms")
+                print(f"  {paged_run['run']:<40} {paged_run['ms']:8.3f} ms  x{paged_run['ms'] / base['ms']:.3f}")
     if a.profile_prefill:
-        profile_prefills(H, d, a.profile_prefill)
+        for backend in a.prefill_backends:
+            profile_prefills(H, d, a.profile_prefill, backend)
     if a.json:
         Path(a.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "copy_GBps": rate, "rows": rows,
                                             "layer_steps": steps, "prefills": prefills, "argv": sys.argv}, indent=1))

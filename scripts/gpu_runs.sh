@@ -65,7 +65,8 @@
 #   paged   the paged cache: pytest -m gpu tests/test_gpu_paged.py and tests/test_gpu_decode.py (the append
 #           kernel, contiguous and paged, and the graphed step's preparation), scripts/bench_paged.py --layer
 #           --prefill (the graphed paged decode step beside the contiguous one; prefills beside the layer's
-#           forward) with one profiled call of each prefill, and the serving example's tokens per second
+#           forward, fused and triton backends) with one profiled call of each prefill, and the serving
+#           example's tokens per second
 #   gputests  the whole pytest -m gpu
 # Logs and JSON go to $OUT (default results/); COMMIT=<hash> records the commit where the copy's .git differs.
 # Usage: bash scripts/gpu_runs.sh [STEP]... (default all)
@@ -437,7 +438,8 @@ if want paged; then
     timeout 300 python3 -m pytest -m gpu -q -p no:warnings --tb=short tests/$f.py 2>&1 | tee "$OUT/pytest_$f.log" | tail -3 \
       || status=1
   done
-  timeout 300 python3 scripts/bench_paged.py --layer --prefill --no-kernel --rounds 3 --profile-prefill 20 \
+  timeout 400 python3 scripts/bench_paged.py --layer --prefill --no-kernel --rounds 3 --profile-prefill 20 \
+    --prefill-backends fused triton \
     --json "$OUT/bench_paged.json" 2>&1 | tee "$OUT/bench_paged.log" | grep -E "B=|  [0-9]|wall|copy rate" || status=1
   timeout 200 python3 scripts/serve_llama.py --device cuda --dtype fp16 --hidden 1024 --heads 8 --kv-heads 2 --layers 4 \
     --prompts 16 --new-tokens 64 --max-batch 8 --check --graphs 2>&1 | tail -4 || status=1

@@ -39,14 +39,14 @@ def paged_inputs(lens, h, g, d, page, dtype, seed=0, spare=3):
     return q, pool_k, pool_v, table.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
 
 
-def fused_layer(H: int, g: int, d: int, rope_theta: float | None = 10000.0):
-    """A causal fp16 layer of H heads (g K/V heads, head dim d) on the GPU through the fused backend, its
-    weights drawn from torch's generator (seed it first)."""
+def fused_layer(H: int, g: int, d: int, rope_theta: float | None = 10000.0, backend: str = "fused"):
+    """A causal fp16 layer of H heads (g K/V heads, head dim d) on the GPU through the fused backend (or
+    `backend`), its weights drawn from torch's generator (seed it first)."""
     from tpattn import TensorParallelAttention
     D = H * d
     w = {k: (torch.randn(*s) * 0.02).half().cuda() for k, s in
          (("wq", (D, D)), ("wk", (D, g * d)), ("wv", (D, g * d)), ("wo", (D, D)))}
-    return TensorParallelAttention(**w, heads=H, kv_heads=g, head_dim=d, causal=True, backend="fused",
+    return TensorParallelAttention(**w, heads=H, kv_heads=g, head_dim=d, causal=True, backend=backend,
                                    rope_theta=rope_theta)
 
 
@@ -210,8 +210,40 @@ def test_paged_prefill_runs_the_fused_kernel_and_matches_torch_math(g, monkeypat
         assert (a.float() - b.float()).abs().max().item() <= 2e-3
 
 
+@pytest.mark.parametrize("g", [8, 2])
 @torch.no_grad()
-def test_paged_chunked_prefill_holds_no_scores():
+def test_paged_prefill_through_triton_is_one_launch_and_matches_torch_math(g, monkeypatch):
+    """The triton backend's paged prefill (tpattn/attention/triton_paged.py): every sequence of a step in
+    one launch, K/V read through the block table; ragged prompts, then chunks continuing two of them
+    beside a new prompt, then a chunk beside a decode row; the same steps in torch math give the same rows."""
+    pytest.importorskip("triton")
+    import tpattn.paged as paged
+    from tpattn.paged import PagedKV
+    torch.manual_seed(0)
+    H, d = 8, 128
+    D = H * d
+    layer = fused_layer(H, g, d, backend="triton")
+    steps = [((0, 1, 2), (37, 5, 130)), ((0, 2, 3), (100, 64, 9)), ((1, 3), (300, 1))]
+    real, calls, outs = paged.triton_prefill_fits, [], {}
+    for on in (True, False):
+        monkeypatch.setattr(paged, "triton_prefill_fits", (lambda *a: calls.append(real(*a)) or calls[-1]) if on
+                            else (lambda *a: False))
+        pool = PagedKV(layer, pages=128, page_size=16, max_seqs=4)
+        ids = [pool.add() for _ in range(4)]
+        gen = torch.Generator().manual_seed(1)
+        got = []
+        for seqs, rows in steps:
+            with pool.step([ids[s] for s in seqs], rows) as st:
+                got.append(layer(torch.randn(1, sum(rows), D, generator=gen).half().cuda(), cache=st.view(0)))
+        outs[on] = got
+    assert calls == [True] * 3
+    for a, b in zip(outs[True], outs[False]):
+        assert (a.float() - b.float()).abs().max().item() <= 2e-3
+
+
+@pytest.mark.parametrize("backend", ["fused", "triton"])
+@torch.no_grad()
+def test_paged_chunked_prefill_holds_no_scores(backend):
     """A chunk of 2048 rows after 6144 in the cache (8 heads): its scores would be 512 MiB in fp32; the
     fused path's peak beyond the pool, weights and input stays at what the K/V gather, q, o and the
     projections need (rows x d each)."""
@@ -219,7 +251,9 @@ def test_paged_chunked_prefill_holds_no_scores():
     torch.manual_seed(0)
     H, g, d = 8, 8, 128
     D = H * d
-    layer = fused_layer(H, g, d, rope_theta=None)
+    if backend == "triton":
+        pytest.importorskip("triton")
+    layer = fused_layer(H, g, d, rope_theta=None, backend=backend)
     pool = PagedKV(layer, pages=8192 // 16, page_size=16, max_seqs=1)
     sid = pool.add()
     for n in (6144, 2048):
@@ -233,8 +267,9 @@ def test_paged_chunked_prefill_holds_no_scores():
         peak = torch.cuda.max_memory_allocated() - base
     # the chunk's own tensors, fp16: K and V gathered through the table (2 x 16 MiB, and one 16 MiB
     # gather in flight), the kernel's q and o buffers over 8192 rows (2 x 16 MiB), QKV, o and y rows
-    # (20 MiB): ~100 MiB. Its fp32 scores would be 512 MiB (attend's blocks: up to 1 GiB)
-    assert peak < 160 * 2**20, peak / 2**20
+    # (20 MiB): ~100 MiB. Its fp32 scores would be 512 MiB (attend's blocks: up to 1 GiB). Triton's
+    # paged prefill reads K/V in place: QKV, q, o and y rows only (~28 MiB)
+    assert peak < (160 if backend == "fused" else 64) * 2**20, peak / 2**20
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

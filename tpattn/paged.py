@@ -23,7 +23,9 @@ on a GPU runs the split decode kernel's paged layout (kernels/decode_attention.c
 sequence at once, its own length, K/V read in place through the block table); a prefill (or a
 chunk of one) runs, per sequence, the fused forward kernel over its K/V gathered through the table,
 its rows causal from their positions on (decode.prefix_attention: no scores in memory) on a GPU
-with the fused backend; elsewhere torch math (decode.attend, the scores a block of rows at a time).
+with the fused backend; with the triton backend, every sequence of the step in one launch that reads
+K/V in place through the block table (tpattn/attention/triton_paged.py: nothing gathered, no pad);
+elsewhere torch math (decode.attend, the scores a block of rows at a time).
 """
 
 from __future__ import annotations
@@ -207,6 +209,7 @@ class PagedStep:
             self.cu.append(self.cu[-1] + r)
         self._rows_on_device = None
         self._tables = None
+        self._prefill = None
 
     def _rows(self):
         """(positions, pages, offsets) of the packed rows on the pool's device: made on first use
@@ -254,6 +257,20 @@ class PagedStep:
                                                                              self.pool.device),
                             max(lens))
         return self._tables
+
+    def prefill_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block table int32 [n, most pages], row offsets cu int32 [n + 1], lengths before the step
+        int32 [n]) of the step's n sequences on the pool's device, in one copy: what the Triton paged
+        prefill reads. Made once."""
+        if self._prefill is None:
+            P, n = self.pool.page_size, len(self.slots)
+            pages = [self.pool.tables[s][:-(-(L0 + r) // P)] for s, L0, r in zip(self.slots, self.starts, self.rows)]
+            most = max(len(p) for p in pages)
+            flat = torch.tensor([x for p in pages for x in p + [0] * (most - len(p))] + self.cu + self.starts,
+                                dtype=torch.int32)
+            flat = _on_device(flat, self.pool.device)
+            self._prefill = (flat[:n * most].view(n, most), flat[n * most:n * most + n + 1], flat[n * most + n + 1:])
+        return self._prefill
 
     def view(self, index: int = 0) -> PagedView:
         """Layer `index`'s view (the pool's layers[index])."""
@@ -327,6 +344,14 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
         total.add_rows(0, R, o.view(R, h * d))
         return total.result().view(B, N, D)
     o = torch.empty(R, h, d, dtype=layer.dtype, device=x.device)
+    if triton_prefill_fits(layer, q, len(step.slots)):  # every sequence in one launch, K/V read through the table in place
+        from .attention.triton_paged import paged_prefill
+        table, cu, starts = step.prefill_tables()
+        with section("attention"):
+            paged_prefill(q, kp, vp, table, cu, starts, max(step.rows), out=o)
+        total = OutputSum(layer, plan, x.device)
+        total.add_rows(0, R, o.view(R, h * d))
+        return total.result().view(B, N, D)
     fused = layer.backend.name == "fused" and fused_prefix_fits(q)
     with section("attention"):
         for i, (s, T, L0) in enumerate(zip(step.slots, step.rows, step.starts)):
@@ -344,6 +369,17 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
     total = OutputSum(layer, plan, x.device)
     total.add_rows(0, R, o.view(R, h * d))
     return total.result().view(B, N, D)
+
+
+def triton_prefill_fits(layer, q: torch.Tensor, seqs: int) -> bool:
+    """Whether a prefill step runs the Triton paged prefill (tpattn/attention/triton_paged.py): the
+    layer's backend is triton, on a GPU (or Triton's interpreter), fp16/bf16, a head dim that is a
+    multiple of 8 up to 256, at most 65535 (sequence, head) pairs (the grid's y)."""
+    from .attention.triton_fused import interpreting, triton_available
+    d = q.shape[-1]
+    return (layer.backend.name == "triton" and q.dtype in (torch.float16, torch.bfloat16)
+            and (q.is_cuda or interpreting()) and d % 8 == 0 and 8 <= d <= 256
+            and seqs * q.shape[1] <= 65535 and triton_available())
 
 
 def paged_decode_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,

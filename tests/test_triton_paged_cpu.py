@@ -1,0 +1,118 @@
+"""The Triton paged prefill (tpattn/attention/triton_paged.py) in Triton's interpreter on CPU
+tensors (TRITON_INTERPRET=1 for the whole run, triton installed, numpy < 2.4, as
+tests/test_triton_cpu.py): ragged sequences of a step, rows continuing earlier positions (a chunk)
+beside new prompts, pages shuffled and partly filled, GQA, padded head dims, against float64 torch
+math over the same keys; and the layer's paged steps through it against the same steps in torch
+math. tests/test_gpu_paged.py runs the same on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_triton_cpu import _patch_interpreter_bf16_dot, interp
+
+
+def pool_of(lens, g, page, d, dtype, gen):
+    """K, V pools with each sequence's lens[i] positions in shuffled pages; (k_pool, v_pool, table)."""
+    counts = [-(-n // page) for n in lens]
+    total = sum(counts) + 2
+    kp, vp = (torch.randn(total, g, page, d, generator=gen).to(dtype) for _ in range(2))
+    order = torch.randperm(total, generator=gen)
+    table = torch.zeros(len(lens), max(counts) + 1, dtype=torch.int32)
+    at = 0
+    for i, c in enumerate(counts):
+        table[i, :c] = order[at:at + c].to(torch.int32)
+        at += c
+    return kp, vp, table
+
+
+def reference(q, kp, vp, table, rows, starts):
+    """float64 torch math: each sequence's rows over its own first start + rows positions, causal."""
+    page, g = kp.shape[2], kp.shape[1]
+    h, d = q.shape[1], q.shape[2]
+    out, r0 = [], 0
+    for i, (T, L0) in enumerate(zip(rows, starts)):
+        n = L0 + T
+        idx = table[i, :-(-n // page)].long()
+        k = kp[idx].permute(1, 0, 2, 3).reshape(g, -1, d)[:, :n].double()
+        v = vp[idx].permute(1, 0, 2, 3).reshape(g, -1, d)[:, :n].double()
+        qs = q[r0:r0 + T].transpose(0, 1).double()  # [h, T, d]
+        k, v = (t.repeat_interleave(h // g, 0) for t in (k, v))
+        s = qs @ k.transpose(1, 2) / d ** 0.5
+        mask = torch.arange(n)[None, :] > (L0 + torch.arange(T))[:, None]
+        p = torch.softmax(s.masked_fill(mask, float("-inf")), -1)
+        out.append((p @ v).transpose(0, 1))
+        r0 += T
+    return torch.cat(out)
+
+
+@interp
+@pytest.mark.parametrize("d,g", [(64, 2), (128, 4), (40, 1)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_paged_prefill_matches_float64(d, g, dtype):
+    _patch_interpreter_bf16_dot()
+    from tpattn.attention.triton_paged import paged_prefill
+    gen = torch.Generator().manual_seed(d + g)
+    h, page = 4, 16
+    rows, starts = [37, 1, 130, 5], [0, 70, 140, 0]  # a prompt, a decode row, a chunk past a row tile, a short prompt
+    kp, vp, table = pool_of([T + L0 for T, L0 in zip(rows, starts)], g, page, d, dtype, gen)
+    q = torch.randn(sum(rows), h, d, generator=gen).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.int32)
+    o = paged_prefill(q, kp, vp, table, cu, torch.tensor(starts, dtype=torch.int32), max(rows))
+    want = reference(q, kp, vp, table, rows, starts)
+    low = reference(q.double().to(dtype), kp, vp, table, rows, starts).to(dtype)  # the storage rounding alone
+    assert o.shape == q.shape and o.dtype == dtype and torch.isfinite(o).all()
+    err = (o.double() - want).abs().max().item()
+    assert err <= 3 * (low.double() - want).abs().max().item() + 2e-3, err
+
+
+@interp
+def test_paged_prefill_takes_every_tile_config_and_page_size():
+    from tpattn.attention.triton_paged import paged_prefill
+    gen = torch.Generator().manual_seed(5)
+    h, g, d = 2, 1, 64
+    rows, starts = [70, 33], [50, 0]
+    for page in (1, 4, 64):
+        kp, vp, table = pool_of([T + L0 for T, L0 in zip(rows, starts)], g, page, d, torch.float16, gen)
+        q = torch.randn(sum(rows), h, d, generator=gen).half()
+        cu = torch.tensor([0, rows[0], sum(rows)], dtype=torch.int32)
+        want = reference(q, kp, vp, table, rows, starts)
+        for config in ((128, 64, 8, 3), (64, 32, 4, 2), (16, 16, 4, 1)):
+            o = paged_prefill(q, kp, vp, table, cu, torch.tensor(starts, dtype=torch.int32), max(rows), config=config)
+            assert (o.double() - want).abs().max().item() < 4e-3, (page, config)
+
+
+@interp
+@torch.no_grad()
+def test_layer_paged_steps_through_the_triton_prefill(monkeypatch):
+    """A layer with the triton backend on a paged cache: ragged prompts in one step, chunks that
+    continue two of them beside a new prompt and a decode row, each prefill step one launch of the
+    paged prefill; the same steps with it turned off (torch math over gathered K/V) give the same rows."""
+    import tpattn.paged as paged
+    from tpattn import TensorParallelAttention
+    from tpattn.paged import PagedKV
+    H, G, d = 4, 2, 64
+    D = H * d
+    torch.manual_seed(0)
+    w = {k: (torch.randn(*s) * 0.05).half() for k, s in
+         (("wq", (D, D)), ("wk", (D, G * d)), ("wv", (D, G * d)), ("wo", (D, D)))}
+    layer = TensorParallelAttention(**w, heads=H, kv_heads=G, head_dim=d, causal=True, backend="triton",
+                                    rope_theta=10000.0, group=None)
+    steps = [((0, 1, 2), (37, 5, 20)), ((0, 2, 3), (40, 17, 9)), ((1, 3), (1, 30))]
+    calls, real = [], paged.triton_prefill_fits
+    outs = {}
+    for on in (True, False):
+        monkeypatch.setattr(paged, "triton_prefill_fits", (lambda *a: calls.append(1) or real(*a)) if on
+                            else (lambda *a: False))
+        pool = PagedKV(layer, pages=64, page_size=16, max_seqs=4)
+        ids = [pool.add() for _ in range(4)]
+        gen = torch.Generator().manual_seed(1)
+        got = []
+        for seqs, rows in steps:
+            with pool.step([ids[s] for s in seqs], rows) as st:
+                got.append(layer(torch.randn(1, sum(rows), D, generator=gen).half(), cache=st.view(0)))
+        outs[on] = got
+    assert len(calls) == len(steps) and all(real(layer, torch.zeros(1, H, d).half(), 3) for _ in (0,))
+    for a, b in zip(outs[True], outs[False]):
+        assert (a.float() - b.float()).abs().max().item() <= 2e-3

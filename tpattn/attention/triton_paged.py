@@ -1,0 +1,108 @@
+"""A paged prefill in one Triton launch: every sequence of a step, each row attending causally to
+its own sequence's positions, K and V read in place through the block table (imported only where
+it runs: it imports triton).
+
+A step's rows are packed as FlashAttention's varlen API packs them (tpattn/paged.py): sequence i's
+T_i rows at [cu_i, cu_i + T_i), at positions L_i .. L_i + T_i - 1, its K and V (the step's rows
+already written) at positions 0 .. L_i + T_i - 1 in the pool's pages [pages, g, page, d], page j of
+the sequence at table[i, j]. Program (t, i * h + head) takes rows [t * BLOCK_M, (t + 1) * BLOCK_M)
+of sequence i (none if T_i is shorter: it returns), streams the key tiles up to its last row's
+position with an online softmax in base 2, as attn_fwd (triton_kernels.py) does, each key's page
+and slot looked up in the table (a gather: the tile's keys need not share a page). So a step's
+prefill is one launch whatever its sequences, with no gathered copy of K and V and no scores in
+memory: O(rows x d) beyond the pool.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per tile width (the head dim, rounded up to a power of
+# two): the forward's first configs (triton_kernels.TUNE["fwd"]), no autotune (a prefill's shapes
+# change every step; one compile per head dim and dtype)
+CONFIG = {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
+
+
+def block_d(d: int) -> int:
+    return max(16, 1 << max(0, d - 1).bit_length())
+
+
+@triton.jit
+def paged_prefill_fwd(Q, KP, VP, O, TABLE, CU, START, qk_scale,
+                      sqr, sqh, sor, soh, skp, skh, sks, svp, svh, svs, stab, H, GROUP, PAGE,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    t = tl.program_id(0)
+    sh = tl.program_id(1)
+    s = sh // H
+    hq = (sh % H).to(tl.int64)
+    hk = hq // GROUP
+    r0 = tl.load(CU + s)
+    n_rows = tl.load(CU + s + 1) - r0
+    m0 = t * BLOCK_M
+    if m0 < n_rows:
+        L0 = tl.load(START + s)
+        rows = tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_N)
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = dims < HEAD_DIM
+        offs_m = m0 + rows
+        row_ok = offs_m < n_rows
+        io_ok = row_ok[:, None] & dim_ok[None, :]
+        grow = (r0 + offs_m).to(tl.int64)  # the rows' places in the packed step
+        q = tl.load(Q + grow[:, None] * sqr + hq * sqh + dims[None, :], mask=io_ok, other=0.0)
+        pos_m = L0 + offs_m                                   # the rows' positions
+        stop = L0 + tl.minimum(m0 + BLOCK_M, n_rows)          # keys past the tile's last row: none
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        trow = TABLE + s.to(tl.int64) * stab
+        for n0 in range(0, stop, BLOCK_N):
+            kpos = n0 + cols
+            key_ok = kpos < stop
+            page = tl.load(trow + kpos // PAGE, mask=key_ok, other=0).to(tl.int64)
+            slot = (kpos % PAGE).to(tl.int64)
+            kT = tl.load(KP + page[None, :] * skp + hk * skh + slot[None, :] * sks + dims[:, None],
+                         mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
+            v = tl.load(VP + page[:, None] * svp + hk * svh + slot[:, None] * svs + dims[None, :],
+                        mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+            qk = tl.dot(q, kT)
+            keep = key_ok[None, :] & (pos_m[:, None] >= kpos[None, :])
+            qk = tl.where(keep, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows see no key
+            p = tl.math.exp2(qk * qk_scale - m_ref[:, None])
+            alpha = tl.math.exp2(m_i - m_ref)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(O + grow[:, None] * sor + hq * soh + dims[None, :], o.to(O.dtype.element_ty), mask=io_ok)
+
+
+def paged_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                  cu: torch.Tensor, starts: torch.Tensor, most_rows: int, out: torch.Tensor | None = None,
+                  config: tuple | None = None) -> torch.Tensor:
+    """o [R, h, d] of a step's packed rows q [R, h, d] (columns contiguous), sequence i's rows
+    [cu[i], cu[i+1]) at positions starts[i].. over its first starts[i] + rows positions of K, V in
+    the pools [pages, g, page, d] (contiguous), through table [n, pages] (int32); cu [n + 1] and
+    starts [n] int32 on q's device; most_rows: the most rows any sequence has (sets the grid)."""
+    R, h, d = q.shape
+    g, page = k_pool.shape[1], k_pool.shape[2]
+    n = table.shape[0]
+    o = out if out is not None else torch.empty_like(q)
+    assert q.stride(-1) == 1 and o.stride(-1) == 1 and k_pool.is_contiguous() and v_pool.is_contiguous()
+    if R == 0:
+        return o
+    bm, bn, warps, stages = config or CONFIG[max(64, block_d(d))]
+    grid = (triton.cdiv(most_rows, bm), n * h)
+    paged_prefill_fwd[grid](q, k_pool, v_pool, o, table, cu, starts, math.log2(math.e) / math.sqrt(d),
+                            q.stride(0), q.stride(1), o.stride(0), o.stride(1), *k_pool.stride()[:3],
+                            *v_pool.stride()[:3], table.stride(0), h, h // g, page,
+                            HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+                            num_stages=stages)
+    return o
