@@ -63,11 +63,19 @@ def test_refuses_in_one_line_without_triton(fresh):
 
 
 def test_refuses_other_head_dims_in_one_line(fresh):
+    """Every multiple of 8 up to 256 passes the head-dim check (then triton's absence is what is refused);
+    others are refused in one line that names the nearest ones taken, or the kernels for d > 256."""
     mod = fresh(triton_missing=True)
-    for d in (32, 80, 96, 256):
-        with pytest.raises(ConfigError, match=rf"^--kernel triton supports head dims 64 and 128 \(got {d}\); "
-                                              r"use --kernel tiled or naive for other head dims$"):
+    for d in (8, 32, 80, 96, 160, 192, 256):
+        with pytest.raises(ConfigError, match="needs the triton package"):
             mod.TritonBackend().check_supported(_cfg(head_dim=d))
+    for d, near in ((100, "96 or 104"), (4, "8"), (12, "8 or 16"), (250, "248 or 256")):
+        with pytest.raises(ConfigError, match=rf"^--kernel triton supports head dims that are multiples of 8 up to "
+                                              rf"256 \(got {d}\); use --head-dim {near}, or --kernel tiled or naive$"):
+            mod.TritonBackend().check_supported(_cfg(head_dim=d))
+    with pytest.raises(ConfigError, match=r"^--kernel triton supports head dims up to 256 \(got 264\); use --kernel "
+                                          r"tiled or naive for larger ones$"):
+        mod.TritonBackend().check_supported(_cfg(head_dim=264))
 
 
 def test_refuses_cpu_and_fp32(fresh, monkeypatch):
@@ -87,10 +95,11 @@ def test_cli_refusals_exit_2_in_one_line():
     assert res.stderr.strip().splitlines() == ["tpattn: error: --kernel triton does not run on cpu; "
                                                "use --kernel reference on CPU"]
     # under the interpreter the device passes and the head dim is refused (before triton is looked for)
-    res = tpattn(["--kernel", "triton", "--device", "cpu", "--head-dim", "96"], TRITON_INTERPRET="1")
+    res = tpattn(["--kernel", "triton", "--device", "cpu", "--head-dim", "100"], TRITON_INTERPRET="1")
     assert res.returncode == 2, res.stderr
-    assert res.stderr.strip().splitlines() == ["tpattn: error: --kernel triton supports head dims 64 and 128 "
-                                               "(got 96); use --kernel tiled or naive for other head dims"]
+    assert res.stderr.strip().splitlines() == ["tpattn: error: --kernel triton supports head dims that are multiples "
+                                               "of 8 up to 256 (got 100); use --head-dim 96 or 104, or --kernel "
+                                               "tiled or naive"]
 
 
 # ---- the kernels in Triton's interpreter (TRITON_INTERPRET=1 and triton installed) ----
@@ -177,7 +186,7 @@ def check(tf, b, h, g, n, d, causal, dtype=torch.float16, config=None):
 
 
 @interp
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("i", range(4))
 def test_every_autotune_config(tf, i, d):
     """Each config of the autotune sets (forward, dK/dV, dQ), so that every tile size's masks are
@@ -187,6 +196,25 @@ def test_every_autotune_config(tf, i, d):
     for n in (1, 129, 300):
         for causal in (False, True):
             check(tf, 2, 4, 2, n, d, causal, config=config)
+
+
+@interp
+@pytest.mark.parametrize("d", [8, 32, 40, 80, 96, 160, 192, 256])
+def test_head_dims(tf, d):
+    """Head dims other than 64 and 128: tiles BLOCK_D wide (the next power of two), the columns past
+    d loaded as zeros and never stored (o, dq, dk, dv keep their own d columns; a stray store would
+    show in the strided view's neighbouring head), against float64; causal and not, GQA, a partial
+    last tile."""
+    K = tf.kernels()
+    assert K.block_d(d) >= max(16, d) and K.block_d(d) & (K.block_d(d) - 1) == 0
+    for causal in (False, True):
+        check(tf, 1, 4, 2, 70, d, causal)
+    # o written into a view of a wider buffer: the columns of the next head stay untouched
+    q, k, v, _ = _inputs(1, 2, 2, 33, d, torch.float16)
+    buf = torch.full((1, 33, 2, d + 8), 7.0, dtype=torch.float16)
+    out = buf[..., :d].permute(0, 2, 1, 3)
+    tf.TritonBackend().forward(q, k, v, True, out=out)
+    assert torch.equal(buf[..., d:], torch.full_like(buf[..., d:], 7.0))
 
 
 @interp
