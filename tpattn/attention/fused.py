@@ -54,7 +54,7 @@ def _cdiv(a: int, b: int) -> int:
 
 def unsupported_head_dim(d: int) -> str:
     return (f"--kernel fused supports head dims {' and '.join(map(str, HEAD_DIMS))} (got {d}); "
-            "use --kernel tiled or naive for other head dims")
+            "use --kernel triton (every multiple of 8 up to 256), tiled or naive for other head dims")
 
 
 class Choice(NamedTuple):
