@@ -48,8 +48,9 @@
 #           GPUs with auto (the one-shot sum) and allreduce (NCCL's)
 #   triton  the Triton rung: pytest -m gpu tests/test_gpu_triton.py, then bench_kernels (forward) and
 #           bench_backward beside the CUDA fused kernel and SDPA at N = 4096 and 16384, causal and not;
-#           the first call (compile + autotune) with an empty Triton cache; then the head dims the CUDA
-#           kernels do not take (32, 80, 96, 160, 192, 256) beside SDPA at N = 4096, causal and not
+#           the first call (compile + autotune) with an empty Triton cache
+#   tritondims  the Triton rung at the head dims the CUDA kernels do not take (32, 80, 96, 160, 192, 256):
+#           forward and backward beside SDPA flash and cuDNN at N = 4096, H = 4096 / d, causal and not
 #   backward5  the five-product backward: its GPU tests (the backward, training and compile files),
 #           compute-sanitizer memcheck and racecheck over scripts/sanitize_backward.py, bench_backward on
 #           the shapes (five products, deterministic=True's seven, SDPA flash and cuDNN) and
@@ -403,6 +404,8 @@ if want triton; then
   done
   python3 scripts/bench_backward.py --seq-lens 4096 16384 --both-causal --kernels fused triton sdpa_flash sdpa_cudnn \
     --commit "${COMMIT:-unknown}" --out "$OUT/triton_bwd" 2>&1 | tail -14 || status=1
+fi
+if want tritondims; then
   for d in 32 80 96 160 192 256; do
     note "triton at head dim $d (H = 4096 / d) beside SDPA"
     for c in "" "--causal"; do
