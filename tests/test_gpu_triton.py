@@ -79,6 +79,28 @@ def test_every_autotune_config(i, d):
             check(2, 4, 2, n, d, causal, config=config)
 
 
+@pytest.mark.parametrize("d", [40, 96, 136])
+def test_padded_head_dims_read_and_write_d_columns_only(d):
+    """q, k, v and dO as views of rows 8 columns wider holding NaN and inf past d (the next head of a
+    QKV GEMM output): o, the logsumexp and the gradients finite and within the float64 rule, the
+    gradients' views zero past d."""
+    b, h, g, n = 2, 4, 2, 1000
+    q, k, v, do = inputs(b, h, g, n, d, torch.float16)
+
+    def wide(t):
+        buf = torch.full((*t.shape[:-1], d + 8), float("nan"), dtype=t.dtype, device=t.device)
+        buf[..., d + 4:] = float("inf")
+        buf[..., :d] = t
+        return buf
+    bufs = [wide(t).requires_grad_(True) for t in (q, k, v)]
+    views = [t[..., :d] for t in bufs]
+    o = attention(*views, True, backend="triton")
+    o.backward(wide(do)[..., :d])
+    for t in bufs:
+        assert torch.equal(t.grad[..., d:], torch.zeros_like(t.grad[..., d:]))
+    check_output_and_grads(q, k, v, do, True, (o.detach(), *(t.grad[..., :d] for t in bufs)))
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_strided_views_read_in_place(causal):
     """q, k, v as the layer makes them (views of one [B, N, h + 2g, d] tensor) and o a strided view:

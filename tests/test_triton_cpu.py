@@ -71,10 +71,10 @@ def test_refuses_other_head_dims_in_one_line(fresh):
             mod.TritonBackend().check_supported(_cfg(head_dim=d))
     for d, near in ((100, "96 or 104"), (4, "8"), (12, "8 or 16"), (250, "248 or 256")):
         with pytest.raises(ConfigError, match=rf"^--kernel triton supports head dims that are multiples of 8 up to "
-                                              rf"256 \(got {d}\); use --head-dim {near}, or --kernel tiled or naive$"):
+                                              rf"256 \(got {d}\); use --head-dim {near}, or --kernel naive$"):
             mod.TritonBackend().check_supported(_cfg(head_dim=d))
-    with pytest.raises(ConfigError, match=r"^--kernel triton supports head dims up to 256 \(got 264\); use --kernel "
-                                          r"tiled or naive for larger ones$"):
+    with pytest.raises(ConfigError, match=r"^--kernel triton supports head dims up to 256 \(got 264\), as every "
+                                          r"kernel here does; use --head-dim 256 or less$"):
         mod.TritonBackend().check_supported(_cfg(head_dim=264))
 
 
@@ -98,8 +98,7 @@ def test_cli_refusals_exit_2_in_one_line():
     res = tpattn(["--kernel", "triton", "--device", "cpu", "--head-dim", "100"], TRITON_INTERPRET="1")
     assert res.returncode == 2, res.stderr
     assert res.stderr.strip().splitlines() == ["tpattn: error: --kernel triton supports head dims that are multiples "
-                                               "of 8 up to 256 (got 100); use --head-dim 96 or 104, or --kernel "
-                                               "tiled or naive"]
+                                               "of 8 up to 256 (got 100); use --head-dim 96 or 104, or --kernel naive"]
 
 
 # ---- the kernels in Triton's interpreter (TRITON_INTERPRET=1 and triton installed) ----
@@ -204,9 +203,8 @@ def test_every_autotune_config(tf, i, d):
 @pytest.mark.parametrize("d", [8, 32, 40, 80, 96, 160, 192, 256])
 def test_head_dims(tf, d):
     """Head dims other than 64 and 128: tiles BLOCK_D wide (the next power of two), the columns past
-    d loaded as zeros and never stored (o, dq, dk, dv keep their own d columns; a stray store would
-    show in the strided view's neighbouring head), against float64; causal and not, GQA, a partial
-    last tile."""
+    d loaded as zeros and never stored, against float64; causal and not, GQA, a partial last tile;
+    o written into a view whose neighbouring head's columns stay untouched."""
     K = tf.kernels()
     assert K.block_d(d) >= max(16, d) and K.block_d(d) & (K.block_d(d) - 1) == 0
     for causal in (False, True):
@@ -217,6 +215,40 @@ def test_head_dims(tf, d):
     out = buf[..., :d].permute(0, 2, 1, 3)
     tf.TritonBackend().forward(q, k, v, True, out=out)
     assert torch.equal(buf[..., d:], torch.full_like(buf[..., d:], 7.0))
+
+
+@interp
+@pytest.mark.parametrize("d,n", [(40, 129), (136, 129), (8, 37)])
+def test_padded_head_dims_never_read_past_d(tf, d, n):
+    """q, k, v and dO as views of wider rows whose next 8 columns hold NaN and inf (a layer's QKV
+    GEMM output, with the next head beside each): with the column masks, every tile (whole ones too)
+    reads d columns only, so o, the logsumexp and the gradients are finite and match float64; the
+    gradients' views leave those columns zero."""
+    from tpattn.attention import attention
+    b, h, g = 1, 4, 2
+    q, k, v, do = _inputs(b, h, g, n, d, torch.float16)
+
+    def wide(t):
+        buf = torch.full((*t.shape[:-1], d + 8), float("nan"), dtype=t.dtype)
+        buf[..., d + 4:] = float("inf")
+        buf[..., :d] = t
+        return buf
+    want = _grads(q.double(), k.double(), v.double(), do.double(), True, "reference")
+    low = _grads(q, k, v, do, True, "reference")
+    bufs = [wide(t).requires_grad_(True) for t in (q, k, v)]
+    views = [t[..., :d] for t in bufs]
+    assert views[0].stride(-2) == d + 8
+    o = attention(*views, True, backend=tf.TritonBackend())
+    o.backward(wide(do)[..., :d])
+    got = [o.detach()] + [t.grad[..., :d] for t in bufs]
+    for t in bufs:
+        assert torch.equal(t.grad[..., d:], torch.zeros_like(t.grad[..., d:]))
+    _, lse = tf.TritonBackend().forward_for_backward(*(t.detach() for t in views), True)
+    assert torch.isfinite(lse).all()
+    for name, w, t, x in zip(("o", "dq", "dk", "dv"), want, low, got):
+        assert torch.isfinite(x).all(), name
+        err, ref_err = (x.double() - w).abs().max().item(), (t.double() - w).abs().max().item()
+        assert err <= 3 * ref_err + 1e-3 * w.abs().max().item() + 1e-5, (name, err, ref_err)
 
 
 @interp

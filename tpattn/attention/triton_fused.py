@@ -53,15 +53,16 @@ def triton_available() -> bool:
 
 def unsupported_head_dim(d: int) -> str | None:
     """None for a head dim the kernels take (a multiple of 8, 8 to 256), else the one-line refusal,
-    naming the nearest head dims they take."""
+    naming the nearest head dims they take (no kernel here takes more than 256; only naive takes a
+    head dim that is not a multiple of 8)."""
     if d % 8 == 0 and 8 <= d <= MAX_HEAD_DIM:
         return None
     if d > MAX_HEAD_DIM:
-        return (f"--kernel triton supports head dims up to {MAX_HEAD_DIM} (got {d}); use --kernel tiled or naive "
-                "for larger ones")
+        return (f"--kernel triton supports head dims up to {MAX_HEAD_DIM} (got {d}), as every kernel here does; "
+                f"use --head-dim {MAX_HEAD_DIM} or less")
     near = sorted({max(8, d // 8 * 8), max(8, -(-d // 8) * 8)})
     return (f"--kernel triton supports head dims that are multiples of 8 up to {MAX_HEAD_DIM} (got {d}); use "
-            f"--head-dim {' or '.join(map(str, near))}, or --kernel tiled or naive")
+            f"--head-dim {' or '.join(map(str, near))}, or --kernel naive")
 
 
 _kernels = None
