@@ -45,7 +45,8 @@
 //               steady decoding sends nothing from the host.
 //
 // Layout: Q [B, H, D] (one row per sequence), K, V [B, G, LMAX, D] contiguous (the cache), the first
-// L positions valid. 16-bit storage (fp16 or bf16), fp32 accumulation, D = 64 or 128. Offsets that
+// L positions valid. 16-bit storage (fp16 or bf16), fp32 accumulation, D = 64 or 128 (and, dec_split
+// alone, 32, 80, 96, 160, 192, 256: decode_attention_dims.cu). Offsets that
 // scale with B * G * LMAX are 64-bit; grid y over B * G with a stride beyond 65535.
 
 #include "tc_common.cuh"
@@ -148,13 +149,17 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const tc
                                           int BG, int G, int group, int Ladd, const long long *__restrict__ Lpos,
                                           int LMAX, int S, float scale_log2, const int *__restrict__ table,
                                           const int *__restrict__ lens, int tstride, int page) {
-    constexpr int LANES = D / 8;                  // lanes per key (8 elements each)
+    // lanes per key, 8 elements each: D / 8 rounded up to a power of two (a head dim that is not a
+    // power of two, 96 say, leaves the lanes past D / 8 idle: they load zeros and store nothing)
+    constexpr int LANES = D / 8 <= 1 ? 1 : D / 8 <= 2 ? 2 : D / 8 <= 4 ? 4 : D / 8 <= 8 ? 8 : D / 8 <= 16 ? 16 : 32;
+    static_assert(D % 8 == 0 && D <= 256, "dec_split: a head dim that is a multiple of 8, up to 256");
     constexpr int NGRP = DEC_THREADS / LANES;     // key groups per block
     constexpr int U = DEC_UNROLL;                 // keys per group in flight (their loads issued first)
     __shared__ float sm[NGRP][GQ], sl[NGRP][GQ];
     __shared__ float so[NGRP][GQ][D];
     __shared__ int last;
     const int tid = threadIdx.x, grp = tid / LANES, lane = tid % LANES;
+    const bool cols = lane * 8 < D;  // this lane holds columns of the head (all lanes, for a power of two)
     const int s = blockIdx.x;
     for (int bg = blockIdx.y; bg < BG; bg += gridDim.y) {
         const int b = bg / G, g = bg - b * G;
@@ -172,7 +177,7 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const tc
                 l[i] = 0.0f;
 #pragma unroll
                 for (int e = 0; e < 8; ++e) o[i][e] = q[i][e] = 0.0f;
-                if (i < nh) dec_load8<BF16>(Q + (bh0 + h0 + i) * D + lane * 8, q[i]);
+                if (i < nh && cols) dec_load8<BF16>(Q + (bh0 + h0 + i) * D + lane * 8, q[i]);
             }
             // every lane runs every iteration (the shuffles need the whole warp); a key past the
             // chunk's end loads nothing and adds nothing
@@ -181,7 +186,7 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const tc
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     const int key = base + u * NGRP + grp;
-                    if (key < k1) {
+                    if (key < k1 && cols) {
                         const long long at = dec_at<D, PAGED>(b, g, G, key, kv, table, tstride, page);
                         dec_load8<BF16>(K + at + lane * 8, kx[u]);
                         dec_load8<BF16>(V + at + lane * 8, vx[u]);
@@ -230,8 +235,9 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const tc
 #pragma unroll
             for (int i = 0; i < GQ; ++i) {
                 if (lane == 0) sm[grp][i] = m[i], sl[grp][i] = l[i];
+                if (cols)
 #pragma unroll
-                for (int e = 0; e < 8; ++e) so[grp][i][lane * 8 + e] = o[i][e];
+                    for (int e = 0; e < 8; ++e) so[grp][i][lane * 8 + e] = o[i][e];
             }
             __syncthreads();
             for (int t = tid; t < nh * D; t += DEC_THREADS) {
@@ -543,10 +549,29 @@ __device__ __forceinline__ void dec_append(const tc_u16 *__restrict__ QKV, tc_u1
     DEC_MMA(SUF, BF16, D, false, 8, false, , PAGED, PG) DEC_MMA(SUF, BF16, D, true, 16, false, , PAGED, PG) \
     DEC_MMA(SUF, BF16, D, false, 8, true, _p, PAGED, PG) DEC_MMA(SUF, BF16, D, true, 16, true, _p, PAGED, PG)
 #define DEC_DEFINE(SUF, BF16, D) DEC_LAYOUT(SUF, BF16, D, false, ) DEC_LAYOUT(SUF, BF16, D, true, _pg)
+#ifndef DEC_OTHER_DIMS
 DEC_DEFINE(f16, false, 64)
 DEC_DEFINE(bf16, true, 64)
 DEC_DEFINE(f16, false, 128)
 DEC_DEFINE(bf16, true, 128)
+#else
+// the other head dims users run (small models, Phi, vision models, Gemma and long-context models):
+// the CUDA-core split only, contiguous and paged (tpattn/decode.py runs it for grouped heads too),
+// built from decode_attention_dims.cu (which defines DEC_OTHER_DIMS) so that the common head dims'
+// module compiles as fast as before
+#define DEC_SPLITS(SUF, BF16, D, PAGED, PG)                                                             \
+    DEC_SPLIT(SUF, BF16, D, 1, PAGED, PG) DEC_SPLIT(SUF, BF16, D, 2, PAGED, PG)                         \
+    DEC_SPLIT(SUF, BF16, D, 4, PAGED, PG) DEC_SPLIT(SUF, BF16, D, 8, PAGED, PG)
+#define DEC_DEFINE_SPLIT(D)                                                                             \
+    DEC_SPLITS(f16, false, D, false, ) DEC_SPLITS(f16, false, D, true, _pg)                             \
+    DEC_SPLITS(bf16, true, D, false, ) DEC_SPLITS(bf16, true, D, true, _pg)
+DEC_DEFINE_SPLIT(32)
+DEC_DEFINE_SPLIT(80)
+DEC_DEFINE_SPLIT(96)
+DEC_DEFINE_SPLIT(160)
+DEC_DEFINE_SPLIT(192)
+DEC_DEFINE_SPLIT(256)
+#endif
 #define DEC_APPEND(SUF, BF16)                                                                           \
     extern "C" __global__ void __launch_bounds__(256) dec_append_##SUF(                                 \
         const tc_u16 *__restrict__ QKV, tc_u16 *__restrict__ Qo, tc_u16 *__restrict__ K, tc_u16 *__restrict__ V, \

@@ -59,6 +59,9 @@ SHAPE_SETS = {"users": [
     shape("long causal", 1, 32, 16384, 128, causal=True),
     shape("batch short", 8, 16, 1024, 128),
     shape("batch short causal", 8, 16, 1024, 128, causal=True),
+    shape("d96 (Phi)", 1, 32, 4096, 96),
+    shape("d96 causal", 1, 32, 4096, 96, causal=True),
+    shape("d256 GQA bf16 causal (Gemma)", 1, 16, 4096, 256, kv=8, dtype="bf16", causal=True),
 ]}
 
 

@@ -49,6 +49,9 @@
 #   triton  the Triton rung: pytest -m gpu tests/test_gpu_triton.py, then bench_kernels (forward) and
 #           bench_backward beside the CUDA fused kernel and SDPA at N = 4096 and 16384, causal and not;
 #           the first call (compile + autotune) with an empty Triton cache
+#   tritondims  the Triton rung at the head dims the CUDA kernels do not take: the users' shapes (d = 96 and 256
+#           among them) beside the fused kernel and SDPA, then 32, 80, 96, 160, 192, 256 forward and backward
+#           beside SDPA flash and cuDNN at N = 4096, H = 4096 / d, causal and not
 #   backward5  the five-product backward: its GPU tests (the backward, training and compile files),
 #           compute-sanitizer memcheck and racecheck over scripts/sanitize_backward.py, bench_backward on
 #           the issue's shapes (five products, deterministic=True's seven, SDPA flash and cuDNN) and
@@ -407,6 +410,21 @@ if want triton; then
   done
   python3 scripts/bench_backward.py --seq-lens 4096 16384 --both-causal --kernels fused triton sdpa_flash sdpa_cudnn \
     --commit "${COMMIT:-unknown}" --out "$OUT/triton_bwd" 2>&1 | tail -14 || status=1
+fi
+if want tritondims; then
+  note "the users' shapes (d = 96 and 256 among them): triton beside SDPA cuDNN and flash (the fused rows skip d = 96, 256)"
+  timeout 500 python3 scripts/bench_kernels.py --shapes users --kernels triton fused sdpa_cudnn sdpa_flash --iters 30 \
+    --out "$OUT" --name triton_shapes ${COMMIT:+--commit "$COMMIT"} 2>&1 | grep -E "^  |Lowest" || status=1
+  for d in 32 80 96 160 192 256; do
+    note "triton at head dim $d (H = 4096 / d) beside SDPA"
+    for c in "" "--causal"; do
+      timeout 300 python3 scripts/bench_kernels.py --seq-lens 4096 --heads $((4096 / d)) --head-dim $d $c \
+        --kernels triton sdpa_flash sdpa_cudnn --out "$OUT/triton_d$d${c:+_causal}" 2>&1 | grep -E "^  " || status=1
+      timeout 300 python3 scripts/bench_backward.py --seq-lens 4096 --heads $((4096 / d)) --head-dim $d $c \
+        --kernels triton sdpa_flash sdpa_cudnn --commit "${COMMIT:-unknown}" --out "$OUT/triton_bwd_d$d${c:+_causal}" \
+        2>&1 | grep "^  " || status=1
+    done
+  done
 fi
 if want backward5; then
   note "the five-product backward: GPU tests"

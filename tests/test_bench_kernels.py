@@ -27,7 +27,8 @@ def test_the_users_set_holds_the_issue_rows_and_the_default_shape():
     for row in [(256, 12, 12, 197, 64, "fp16", False), (1, 64, 64, 4096, 64, "fp16", False),
                 (4, 32, 8, 2048, 128, "bf16", True), (1, 32, 32, 16384, 128, "fp16", True),
                 (8, 16, 16, 1024, 128, "fp16", False), (1, 32, 32, 4096, 128, "fp16", False),
-                (1, 32, 32, 4096, 128, "fp16", True)]:
+                (1, 32, 32, 4096, 128, "fp16", True), (1, 32, 32, 4096, 96, "fp16", False),
+                (1, 32, 32, 4096, 96, "fp16", True), (1, 16, 8, 4096, 256, "bf16", True)]:
         assert row in shapes, row
     names = [s["name"] for s in bench_kernels.SHAPE_SETS["users"]]
     assert len(names) == len(set(names))  # the ratio table is keyed by name

@@ -117,7 +117,8 @@ def test_a_cache_brings_its_own_position_and_counters_and_a_graph_needs_the_kern
         cache.reset()
         assert cache.length == 0 and int(cache.pos) == 0
         with pytest.raises(ConfigError, match=r"^a graphed decode step needs the decode kernel \(a CUDA device, fp16 "
-                                              r"or bf16, head dim 64 or 128, CuPy; here cpu, float32, head dim 8\); "
+                                              r"or bf16, head dim 32, 64, 80, 96, 128, 160, 192, 256, CuPy; here cpu, "
+                                              r"float32, head dim 8\); "
                                               r"call the layer eagerly instead$"):
             layer.graphed(torch.randn(3, 1, 32), cache)
     assert cache.length == 0 and int(cache.pos) == 0

@@ -43,6 +43,25 @@ def test_decode_kernel_against_float64(b, h, g, length, d, dtype, split_kernel):
     assert torch.isfinite(got).all() and err <= tol, (err, tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [32, 80, 96, 160, 192, 256])
+@pytest.mark.parametrize("b,h,g", [(1, 16, 16), (3, 16, 4), (2, 8, 1), (2, 40, 2)])
+@pytest.mark.parametrize("length", [1, 17, 1000, 4097])
+def test_decode_kernel_at_other_head_dims(b, h, g, length, d, dtype):
+    """The CUDA-core split at the other head dims (decode_attention_dims.cu; lanes past d / 8 idle where
+    d / 8 is not a power of two), grouped heads too, against float64."""
+    import tpattn.decode as dec
+    gen = torch.Generator(device="cuda").manual_seed(length + h + d)
+    q = torch.randn(b, h, 1, d, device="cuda", generator=gen).to(dtype)
+    k, v = (torch.randn(b, g, length + 5, d, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    assert dec.decode_kernel_fits(q[:, :, 0])
+    got = decode_attention(q, k, v, length)
+    want = float64(q, k, v, length)
+    err = (got.double() - want).abs().max().item()
+    tol = (4e-3 if dtype == torch.float16 else 3e-2) * max(1.0, want.abs().max().item())
+    assert torch.isfinite(got).all() and err <= tol, (err, tol)
+
+
 def test_layer_decode_on_the_gpu_matches_its_full_forward():
     from tpattn.layer import TensorParallelAttention
     from tpattn.weights import head_weights

@@ -80,6 +80,22 @@ def test_paged_kernel_against_float64(h, g, d, dtype, page, split_kernel):
     assert torch.isfinite(got).all() and err <= tol, (err, tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [32, 96, 256])
+@pytest.mark.parametrize("h,g", [(16, 16), (16, 4)])
+@pytest.mark.parametrize("page", [1, 16])
+def test_paged_kernel_at_other_head_dims(h, g, d, dtype, page):
+    """The paged CUDA-core split at head dims other than 64 and 128, ragged lengths through a shuffled
+    table, against float64."""
+    lens = [1, 17, page, 1000, 4097]
+    q, pk, pv, table, L = paged_inputs(lens, h, g, d, page, dtype, seed=page + h + d)
+    got = paged_decode_attention(q, pk, pv, table, L, max(lens))
+    want = float64_rows(q, pk, pv, table, L)
+    err = (got.double() - want).abs().max().item()
+    tol = (4e-3 if dtype == torch.float16 else 3e-2) * max(1.0, want.abs().max().item())
+    assert torch.isfinite(got).all() and err <= tol, (err, tol)
+
+
 def test_zero_length_rows_are_zero_and_the_split_follows_longest(split_kernel):
     q, pk, pv, table, L = paged_inputs([0, 300, 0, 5], 8, 2, 128, 16, torch.float16)
     got = paged_decode_attention(q, pk, pv, table, L, 16 * table.shape[1])  # split for the table's capacity

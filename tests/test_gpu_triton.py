@@ -1,7 +1,7 @@
 """--kernel triton on the GPU (tpattn/attention/triton_fused.py, triton_kernels.py): o, dQ, dK, dV
 against float64 autograd of the reference with tests/test_gpu_backward_fused.py's rule (the
-kernel's error at most 3x torch's own in the same dtype, plus a small absolute term); odd N, both
-head dims, causal and not, grouped-query attention, bf16, B > 1, strided views read in place, every
+kernel's error at most 3x torch's own in the same dtype, plus a small absolute term); odd N, head
+dims 64 and 128 and the padded ones (every multiple of 8 up to 256), causal and not, grouped-query attention, bf16, B > 1, strided views read in place, every
 autotune config forced, the logsumexp, determinism, memory linear in N, and N with N^2 > 2^31.
 
 The first run compiles every config (Triton caches them on disk, ~/.triton/cache)."""
@@ -57,16 +57,48 @@ def _tune():
     return K.TUNE
 
 
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("i", range(4))
+@pytest.mark.parametrize("d", [8, 32, 80, 96, 160, 192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_head_dims(d, causal):
+    """Head dims other than 64 and 128 (tiles the next power of two wide, the columns past d zero):
+    N from 1 to 4097, GQA, fp16; bf16 once."""
+    for n in (1, 129, 1000, 4097):
+        check(1, 4, 2, n, d, causal)
+    check(2, 4, 1, 300, d, causal, torch.bfloat16)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("i", range(6))
 def test_every_autotune_config(i, d):
     """The autotuner keeps one config per shape; each of the sets is checked here (tile sizes 16 to
-    128: masks on partial last tiles and on the diagonal)."""
+    128: masks on partial last tiles and on the diagonal; a set of fewer than 6 from its start again)."""
     tune = _tune()
-    config = [tune[w][d][i] for w in ("fwd", "kv", "q")]
+    config = [tune[w][d][i % len(tune[w][d])] for w in ("fwd", "kv", "q")]
     for n in (200, 1000):
         for causal in (False, True):
             check(2, 4, 2, n, d, causal, config=config)
+
+
+@pytest.mark.parametrize("d", [40, 96, 136])
+def test_padded_head_dims_read_and_write_d_columns_only(d):
+    """q, k, v and dO as views of rows 8 columns wider holding NaN and inf past d (the next head of a
+    QKV GEMM output): o, the logsumexp and the gradients finite and within the float64 rule, the
+    gradients' views zero past d."""
+    b, h, g, n = 2, 4, 2, 1000
+    q, k, v, do = inputs(b, h, g, n, d, torch.float16)
+
+    def wide(t):
+        buf = torch.full((*t.shape[:-1], d + 8), float("nan"), dtype=t.dtype, device=t.device)
+        buf[..., d + 4:] = float("inf")
+        buf[..., :d] = t
+        return buf
+    bufs = [wide(t).requires_grad_(True) for t in (q, k, v)]
+    views = [t[..., :d] for t in bufs]
+    o = attention(*views, True, backend="triton")
+    o.backward(wide(do)[..., :d])
+    for t in bufs:
+        assert torch.equal(t.grad[..., d:], torch.zeros_like(t.grad[..., d:]))
+    check_output_and_grads(q, k, v, do, True, (o.detach(), *(t.grad[..., :d] for t in bufs)))
 
 
 @pytest.mark.parametrize("causal", [False, True])

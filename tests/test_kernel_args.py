@@ -360,3 +360,36 @@ def test_paged_append_and_prepare_launches(monkeypatch, rope):
     assert tuple(app[8:13]) == (R, h, g, d, P)
     assert tuple(prep[7:]) == (4, 6, P, 3)  # bucket rows, table width, page size, slots (the padding slot's index)
     assert calls[1][2][0] * 256 >= 4 * 6   # a thread per table entry
+
+
+@pytest.mark.parametrize("d", [32, 80, 96, 160, 192, 256, 128])
+@pytest.mark.parametrize("h,g", [(8, 8), (8, 2)])
+def test_decode_launches_at_every_head_dim(monkeypatch, d, h, g):
+    """Head dims other than 64 and 128 launch the CUDA-core split (grouped heads too) from
+    decode_attention_dims.cu, contiguous and paged; 128 keeps decode_attention.cu and its tensor-core
+    split for grouped heads. Each launch names a kernel that the file builds, with its arguments."""
+    from tpattn import cuda as tcuda
+    from tpattn import decode
+    calls = []
+    monkeypatch.setattr(tcuda, "launch", lambda source, name, device, grid, block, args, shared_mem=0:
+                        calls.append((source, name, grid, block, args)))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"multi_processor_count": 132}))
+    # the kernels' test of the head dim, as on a GPU with CuPy
+    monkeypatch.setattr(decode, "decode_kernel_fits", lambda q: decode.kernel_takes(torch.device("cuda"), q.dtype,
+                                                                                   q.shape[-1]))
+    monkeypatch.setattr(decode, "cupy_available", lambda: True)
+    B, L = 2, 300
+    q = torch.randn(B, h, 1, d).half()
+    k, v = (torch.randn(B, g, 512, d).half() for _ in range(2))
+    tickets = torch.zeros(B * g, dtype=torch.int32)
+    decode.decode_attention(q, k, v, L, tickets=tickets)
+    pool_k, pool_v = (torch.randn(40, g, 16, d).half() for _ in range(2))
+    table = torch.arange(B * 12, dtype=torch.int32).view(B, 12)
+    decode.paged_decode_attention(q[:, :, 0], pool_k, pool_v, table, torch.tensor([5, 190], dtype=torch.int32),
+                                  12 * 16, tickets=tickets)
+    other = d not in decode.DEC_HEAD_DIMS
+    assert [c[0] for c in calls] == ["decode_attention_dims.cu" if other else "decode_attention.cu"] * 2
+    assert all(c[1].startswith("dec_split" if other or h == g else "dec_mma") for c in calls), calls
+    assert all(f"_d{d}_" in c[1] for c in calls)
+    for c in calls:
+        check_launch(*c)

@@ -63,11 +63,19 @@ def test_refuses_in_one_line_without_triton(fresh):
 
 
 def test_refuses_other_head_dims_in_one_line(fresh):
+    """Every multiple of 8 up to 256 passes the head-dim check (then triton's absence is what is refused);
+    others are refused in one line that names the nearest ones taken, or the kernels for d > 256."""
     mod = fresh(triton_missing=True)
-    for d in (32, 80, 96, 256):
-        with pytest.raises(ConfigError, match=rf"^--kernel triton supports head dims 64 and 128 \(got {d}\); "
-                                              r"use --kernel tiled or naive for other head dims$"):
+    for d in (8, 32, 80, 96, 160, 192, 256):
+        with pytest.raises(ConfigError, match="needs the triton package"):
             mod.TritonBackend().check_supported(_cfg(head_dim=d))
+    for d, near in ((100, "96 or 104"), (4, "8"), (12, "8 or 16"), (250, "248 or 256")):
+        with pytest.raises(ConfigError, match=rf"^--kernel triton supports head dims that are multiples of 8 up to "
+                                              rf"256 \(got {d}\); use --head-dim {near}, or --kernel naive$"):
+            mod.TritonBackend().check_supported(_cfg(head_dim=d))
+    with pytest.raises(ConfigError, match=r"^--kernel triton supports head dims up to 256 \(got 264\), as every "
+                                          r"kernel here does; use --head-dim 256 or less$"):
+        mod.TritonBackend().check_supported(_cfg(head_dim=264))
 
 
 def test_refuses_cpu_and_fp32(fresh, monkeypatch):
@@ -87,10 +95,10 @@ def test_cli_refusals_exit_2_in_one_line():
     assert res.stderr.strip().splitlines() == ["tpattn: error: --kernel triton does not run on cpu; "
                                                "use --kernel reference on CPU"]
     # under the interpreter the device passes and the head dim is refused (before triton is looked for)
-    res = tpattn(["--kernel", "triton", "--device", "cpu", "--head-dim", "96"], TRITON_INTERPRET="1")
+    res = tpattn(["--kernel", "triton", "--device", "cpu", "--head-dim", "100"], TRITON_INTERPRET="1")
     assert res.returncode == 2, res.stderr
-    assert res.stderr.strip().splitlines() == ["tpattn: error: --kernel triton supports head dims 64 and 128 "
-                                               "(got 96); use --kernel tiled or naive for other head dims"]
+    assert res.stderr.strip().splitlines() == ["tpattn: error: --kernel triton supports head dims that are multiples "
+                                               "of 8 up to 256 (got 100); use --head-dim 96 or 104, or --kernel naive"]
 
 
 # ---- the kernels in Triton's interpreter (TRITON_INTERPRET=1 and triton installed) ----
@@ -177,16 +185,70 @@ def check(tf, b, h, g, n, d, causal, dtype=torch.float16, config=None):
 
 
 @interp
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("i", range(4))
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("i", range(6))
 def test_every_autotune_config(tf, i, d):
-    """Each config of the autotune sets (forward, dK/dV, dQ), so that every tile size's masks are
-    checked: N = 1 (one row), 129 and 300 (partial last tiles of 64 and 128), GQA, B = 2."""
+    """Each config of the autotune sets (forward, dK/dV, dQ; a set of fewer than 6 from its start
+    again), so that every tile size's masks are checked: N = 1 (one row), 129 and 300 (partial last
+    tiles of 64 and 128), GQA, B = 2."""
     K = tf.kernels()
-    config = [K.TUNE[w][d][i] for w in ("fwd", "kv", "q")]
+    assert all(len(K.TUNE[w][d]) <= 6 for w in ("fwd", "kv", "q"))
+    config = [K.TUNE[w][d][i % len(K.TUNE[w][d])] for w in ("fwd", "kv", "q")]
     for n in (1, 129, 300):
         for causal in (False, True):
             check(tf, 2, 4, 2, n, d, causal, config=config)
+
+
+@interp
+@pytest.mark.parametrize("d", [8, 32, 40, 80, 96, 160, 192, 256])
+def test_head_dims(tf, d):
+    """Head dims other than 64 and 128: tiles BLOCK_D wide (the next power of two), the columns past
+    d loaded as zeros and never stored, against float64; causal and not, GQA, a partial last tile;
+    o written into a view whose neighbouring head's columns stay untouched."""
+    K = tf.kernels()
+    assert K.block_d(d) >= max(16, d) and K.block_d(d) & (K.block_d(d) - 1) == 0
+    for causal in (False, True):
+        check(tf, 1, 4, 2, 70, d, causal)
+    # o written into a view of a wider buffer: the columns of the next head stay untouched
+    q, k, v, _ = _inputs(1, 2, 2, 33, d, torch.float16)
+    buf = torch.full((1, 33, 2, d + 8), 7.0, dtype=torch.float16)
+    out = buf[..., :d].permute(0, 2, 1, 3)
+    tf.TritonBackend().forward(q, k, v, True, out=out)
+    assert torch.equal(buf[..., d:], torch.full_like(buf[..., d:], 7.0))
+
+
+@interp
+@pytest.mark.parametrize("d,n", [(40, 129), (136, 129), (8, 37)])
+def test_padded_head_dims_never_read_past_d(tf, d, n):
+    """q, k, v and dO as views of wider rows whose next 8 columns hold NaN and inf (a layer's QKV
+    GEMM output, with the next head beside each): with the column masks, every tile (whole ones too)
+    reads d columns only, so o, the logsumexp and the gradients are finite and match float64; the
+    gradients' views leave those columns zero."""
+    from tpattn.attention import attention
+    b, h, g = 1, 4, 2
+    q, k, v, do = _inputs(b, h, g, n, d, torch.float16)
+
+    def wide(t):
+        buf = torch.full((*t.shape[:-1], d + 8), float("nan"), dtype=t.dtype)
+        buf[..., d + 4:] = float("inf")
+        buf[..., :d] = t
+        return buf
+    want = _grads(q.double(), k.double(), v.double(), do.double(), True, "reference")
+    low = _grads(q, k, v, do, True, "reference")
+    bufs = [wide(t).requires_grad_(True) for t in (q, k, v)]
+    views = [t[..., :d] for t in bufs]
+    assert views[0].stride(-2) == d + 8
+    o = attention(*views, True, backend=tf.TritonBackend())
+    o.backward(wide(do)[..., :d])
+    got = [o.detach()] + [t.grad[..., :d] for t in bufs]
+    for t in bufs:
+        assert torch.equal(t.grad[..., d:], torch.zeros_like(t.grad[..., d:]))
+    _, lse = tf.TritonBackend().forward_for_backward(*(t.detach() for t in views), True)
+    assert torch.isfinite(lse).all()
+    for name, w, t, x in zip(("o", "dq", "dk", "dv"), want, low, got):
+        assert torch.isfinite(x).all(), name
+        err, ref_err = (x.double() - w).abs().max().item(), (t.double() - w).abs().max().item()
+        assert err <= 3 * ref_err + 1e-3 * w.abs().max().item() + 1e-5, (name, err, ref_err)
 
 
 @interp

@@ -23,7 +23,9 @@ from .attention import custom_ops
 from .errors import ConfigError, cupy_available
 
 DEC_SOURCE = "decode_attention.cu"
-DEC_HEAD_DIMS = (64, 128)
+DEC_HEAD_DIMS = (64, 128)                        # every split: CUDA cores and tensor cores
+DEC_DIMS_SOURCE = "decode_attention_dims.cu"     # the CUDA-core split alone at the other head dims users run
+DEC_SPLIT_HEAD_DIMS = (32, 80, 96, 160, 192, 256)
 CHUNK_BYTES = {"cpu": 256 << 20, "cuda": 1 << 30}  # attend(): the most bytes of scores a block of query rows holds
 
 
@@ -135,7 +137,8 @@ def decode_splits(bg: int, length: int, sms: int, per_sm: int = 4) -> int:
 
 def kernel_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether kernels/decode_attention.cu runs for tensors of this device, dtype and head dim."""
-    return (device.type == "cuda" and head_dim in DEC_HEAD_DIMS and dtype in (torch.float16, torch.bfloat16)
+    return (device.type == "cuda" and head_dim in DEC_HEAD_DIMS + DEC_SPLIT_HEAD_DIMS
+            and dtype in (torch.float16, torch.bfloat16)
             and cupy_available())
 
 
@@ -171,7 +174,8 @@ def graph_refusal(device: torch.device, dtype: torch.dtype, head_dim: int) -> st
     or None."""
     if kernel_takes(device, dtype, head_dim):
         return None
-    return (f"a graphed decode step needs the decode kernel (a CUDA device, fp16 or bf16, head dim 64 or 128, "
+    dims = ", ".join(map(str, sorted(DEC_HEAD_DIMS + DEC_SPLIT_HEAD_DIMS)))
+    return (f"a graphed decode step needs the decode kernel (a CUDA device, fp16 or bf16, head dim {dims}, "
             f"CuPy; here {device.type}, {str(dtype).replace('torch.', '')}, head dim {head_dim}); call the layer "
             "eagerly instead")
 
@@ -193,12 +197,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
 
     from .cuda import GRID_YZ_MAX, launch, ptr
     g, lmax = k.shape[1], k.shape[2]
-    name, S = _split_kernel(q, B, h, g, d, lmax if pos is not None else length)
+    source, name, S = _split_kernel(q, B, h, g, d, lmax if pos is not None else length)
     q = q.contiguous()
     op = torch.empty(B, h, S, d, dtype=torch.float32, device=q.device)
     lp = torch.empty(B, h, S, dtype=torch.float32, device=q.device)
     o = torch.empty_like(q)
-    launch(DEC_SOURCE, name, q.device, (S, min(B * g, GRID_YZ_MAX), 1), (128, 1, 1),
+    launch(source, name, q.device, (S, min(B * g, GRID_YZ_MAX), 1), (128, 1, 1),
            (ptr(q), ptr(k), ptr(v), ptr(op), ptr(lp), ptr(o), ptr(tickets if tickets is not None else ticket_counters(q.device, B * g)), np.int32(B * g),
             np.int32(g), np.int32(h // g), np.int32(1 if pos is not None else length),
             np.uint64(0) if pos is None else ptr(pos), np.int32(lmax), np.int32(S),
@@ -206,20 +210,23 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
     return o
 
 
-def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int, paged: bool = False) -> tuple[str, int]:
-    """(kernel name, chunks S) of kernels/decode_attention.cu for B sequences of h query heads over g
-    K/V heads, the cache split by `length` (the longest it can be)."""
+def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int,
+                  paged: bool = False) -> tuple[str, str, int]:
+    """(source, kernel name, chunks S) of kernels/decode_attention.cu (decode_attention_dims.cu for a
+    head dim other than 64 and 128: the CUDA-core split there, grouped heads too) for B sequences of
+    h query heads over g K/V heads, the cache split by `length` (the longest it can be)."""
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    mma = SPLIT_KERNEL == "mma" or (SPLIT_KERNEL == "auto" and h > g)
+    mma = d in DEC_HEAD_DIMS and (SPLIT_KERNEL == "mma" or (SPLIT_KERNEL == "auto" and h > g))
+    source = DEC_SOURCE if d in DEC_HEAD_DIMS else DEC_DIMS_SOURCE
     suf = "f16" if q.dtype == torch.float16 else "bf16"
     S = decode_splits(B * g, length, sms, 2 if mma else 4)
     pg = "_pg" if paged else ""
     if mma:  # tensor cores: the group's heads as the rows of an m16 tile, 8 or 16 at a time; with 3
         # or more chunks, the next tile's loads in flight while one is computed (_p: faster there,
         # slower at large batch, where fewer blocks fit: measured)
-        return f"dec_mma_{suf}_d{d}_r{16 if h // g > 8 else 8}{'_p' if S >= 3 else ''}{pg}", S
+        return source, f"dec_mma_{suf}_d{d}_r{16 if h // g > 8 else 8}{'_p' if S >= 3 else ''}{pg}", S
     # CUDA cores: 1, 2, 4 or 8 query heads at a time
-    return f"dec_split_{suf}_d{d}_g{next(n for n in (1, 2, 4, 8) if n >= min(h // g, 8))}{pg}", S
+    return source, f"dec_split_{suf}_d{d}_g{next(n for n in (1, 2, 4, 8) if n >= min(h // g, 8))}{pg}", S
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
@@ -235,12 +242,12 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     from .cuda import GRID_YZ_MAX, launch, ptr
     B, h, d = q.shape
     g, page = k_pool.shape[1], k_pool.shape[2]
-    name, S = _split_kernel(q, B, h, g, d, max(1, longest), paged=True)
+    source, name, S = _split_kernel(q, B, h, g, d, max(1, longest), paged=True)
     q = q.contiguous()
     op = torch.empty(B, h, S, d, dtype=torch.float32, device=q.device)
     lp = torch.empty(B, h, S, dtype=torch.float32, device=q.device)
     o = torch.empty_like(q)
-    launch(DEC_SOURCE, name, q.device, (S, min(B * g, GRID_YZ_MAX), 1), (128, 1, 1),
+    launch(source, name, q.device, (S, min(B * g, GRID_YZ_MAX), 1), (128, 1, 1),
            (ptr(q), ptr(k_pool), ptr(v_pool), ptr(op), ptr(lp), ptr(o),
             ptr(tickets if tickets is not None else ticket_counters(q.device, B * g)), np.int32(B * g), np.int32(g),
             np.int32(h // g), np.int32(0), np.uint64(0), np.int32(0), np.int32(S),

@@ -53,8 +53,9 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def unsupported_head_dim(d: int) -> str:
+    others = ("--kernel triton (every multiple of 8 up to 256), tiled or naive" if d % 8 == 0 else "--kernel naive")
     return (f"--kernel fused supports head dims {' and '.join(map(str, HEAD_DIMS))} (got {d}); "
-            "use --kernel tiled or naive for other head dims")
+            f"use {others} for other head dims")
 
 
 class Choice(NamedTuple):

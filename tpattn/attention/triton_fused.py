@@ -28,7 +28,7 @@ from ..errors import ConfigError, FlagError
 from ..timing import section
 from . import Backend, kv_group
 
-HEAD_DIMS = (64, 128)
+MAX_HEAD_DIM = 256  # head dims: every multiple of 8 up to this (tiles padded to a power of two)
 GRID_YZ_MAX = 65535
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -51,9 +51,18 @@ def triton_available() -> bool:
     return True
 
 
-def unsupported_head_dim(d: int) -> str:
-    return (f"--kernel triton supports head dims {' and '.join(map(str, HEAD_DIMS))} (got {d}); "
-            "use --kernel tiled or naive for other head dims")
+def unsupported_head_dim(d: int) -> str | None:
+    """None for a head dim the kernels take (a multiple of 8, 8 to 256), else the one-line refusal,
+    naming the nearest head dims they take (no kernel here takes more than 256; only naive takes a
+    head dim that is not a multiple of 8)."""
+    if d % 8 == 0 and 8 <= d <= MAX_HEAD_DIM:
+        return None
+    if d > MAX_HEAD_DIM:
+        return (f"--kernel triton supports head dims up to {MAX_HEAD_DIM} (got {d}), as every kernel here does; "
+                f"use --head-dim {MAX_HEAD_DIM} or less")
+    near = sorted({max(8, d // 8 * 8), max(8, -(-d // 8) * 8)})
+    return (f"--kernel triton supports head dims that are multiples of 8 up to {MAX_HEAD_DIM} (got {d}); use "
+            f"--head-dim {' or '.join(map(str, near))}, or --kernel naive")
 
 
 _kernels = None
@@ -136,14 +145,15 @@ class TritonBackend(Backend):
         elif cfg.dtype not in self.dtypes:
             raise FlagError(f"--kernel {self.name} does not support --dtype {cfg.dtype}; "
                               f"use one of {', '.join(self.dtypes)}")
-        if cfg.head_dim not in HEAD_DIMS:
-            raise FlagError(unsupported_head_dim(cfg.head_dim))
+        why = unsupported_head_dim(cfg.head_dim)
+        if why:
+            raise FlagError(why)
         if not triton_available():
             raise FlagError(triton_missing_message())
 
     def _check(self, *ts) -> int:
-        """Check the tensors (one dtype and device, CUDA unless interpreting, fp16/bf16, head dim 64
-        or 128); their head dim."""
+        """Check the tensors (one dtype and device, CUDA unless interpreting, fp16/bf16, a head dim
+        the kernels take); their head dim."""
         q = ts[0]
         if any(t.dtype != q.dtype or t.device != q.device for t in ts):
             raise ValueError("q, k, v (and o, do) must share a dtype and a device (got "
@@ -153,8 +163,9 @@ class TritonBackend(Backend):
         if q.dtype not in _DTYPES:
             raise ConfigError(f"--kernel {self.name} supports {', '.join(self.dtypes)} (got {q.dtype})")
         d = q.shape[-1]
-        if d not in HEAD_DIMS:
-            raise ConfigError(unsupported_head_dim(d))
+        why = unsupported_head_dim(d)
+        if why:
+            raise ConfigError(why)
         if not triton_available():
             raise ConfigError(triton_missing_message())
         return d
@@ -183,7 +194,8 @@ class TritonBackend(Backend):
                 grid = lambda meta, bh=(b1 - b0) * h: (K.triton.cdiv(n, meta["BLOCK_M"]), bh)  # noqa: E731
                 _launch(K.attn_fwd, "fwd", grid,
                         (qs, ks, vs, os_, ls, qk_scale, n, h, group, *qs.stride()[:3], *ks.stride()[:3],
-                         *vs.stride()[:3], *os_.stride()[:3], K._n_bucket(n), d, bool(causal), lse is not None),
+                         *vs.stride()[:3], *os_.stride()[:3], K._n_bucket(n), d, bool(causal), lse is not None,
+                         K.block_d(d), K.block_d(d) != d),
                         (K._n_bucket(n), d, bool(causal), q.dtype))
         return o
 
@@ -224,7 +236,7 @@ class TritonBackend(Backend):
                 _launch(K.attn_bwd_q, "q", grid,
                         (qs, ks, vs, os_, dos, lse[b0:b1], delta[b0:b1], dqs, sm_scale, qk_scale, n, h, group,
                          *qs.stride()[:3], *ks.stride()[:3], *vs.stride()[:3], *os_.stride()[:3], *dos.stride()[:3],
-                         *dqs.stride()[:3], bucket, d, bool(causal)), key)
+                         *dqs.stride()[:3], bucket, d, bool(causal), K.block_d(d), K.block_d(d) != d), key)
         with section("bwd_kv"):
             for b0, b1 in _batches(b, max(h, g)):
                 qs, ks, vs, dos, dks, dvs = (t[b0:b1] for t in (q, k, v, do, dk, dv))
@@ -232,5 +244,6 @@ class TritonBackend(Backend):
                 _launch(K.attn_bwd_kv, "kv", grid,
                         (qs, ks, vs, dos, lse[b0:b1], delta[b0:b1], dks, dvs, sm_scale, qk_scale, n, h, g, group,
                          *qs.stride()[:3], *ks.stride()[:3], *vs.stride()[:3], *dos.stride()[:3],
-                         *dks.stride()[:3], *dvs.stride()[:3], bucket, d, bool(causal)), key)
+                         *dks.stride()[:3], *dvs.stride()[:3], bucket, d, bool(causal), K.block_d(d),
+                         K.block_d(d) != d), key)
         return dq, dk, dv

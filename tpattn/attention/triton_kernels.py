@@ -8,6 +8,10 @@ query row, natural log, fp32 [B, h, N], contiguous) and D = rowsum(dO * O) (same
 only per-row state the backward keeps. Scores are exponentiated with exp2: qk_scale =
 log2(e) / sqrt(d) is folded into the scale of S, so a row's base-2 logsumexp is L * log2(e).
 
+Any head dim d that is a multiple of 8, up to 256: tiles are BLOCK_D = the next power of two (at
+least 16) columns wide, and where BLOCK_D > d (PAD_D) the columns past d load as zeros and are never
+stored, so every product and row sum is the d columns' own.
+
 Any N: the last query and key tiles load with row masks (other=0) and mask their scores; causal:
 key tiles wholly above the diagonal are never visited, tiles wholly below it run without a mask,
 only the tiles that cross it (and the last, partial tile) pay for one. Base offsets (batch, head,
@@ -29,19 +33,36 @@ def _n_bucket(n: int) -> int:
     return max(64, 1 << max(0, n - 1).bit_length())
 
 
-# The autotune sets, (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim, chosen so that none
-# spills registers on sm_90 (checked with ptxas: the d = 128 backward tiles are register-bound, so
-# its inner step is 16 or 32 rows). Forward: BLOCK_M query rows per program, BLOCK_N keys per tile.
-# dK/dV: BLOCK_N keys per program (dK, dV in registers), BLOCK_M query rows per step. dQ: BLOCK_M
-# query rows per program (dQ in registers), BLOCK_N keys per step.
+def block_d(d: int) -> int:
+    """The tiles' width for head dim d: the next power of two, at least 16 (tl.dot's least K)."""
+    return max(16, 1 << max(0, d - 1).bit_length())
+
+
+# The autotune sets, (BLOCK_M, BLOCK_N, num_warps, num_stages) per tile width BLOCK_D (head dims up
+# to 32 take the 64 set). Forward: BLOCK_M query rows per program, BLOCK_N keys per tile. dK/dV:
+# BLOCK_N keys per program (dK, dV in registers), BLOCK_M query rows per step. dQ: BLOCK_M query
+# rows per program (dQ in registers), BLOCK_N keys per step. `python scripts/triton_regs.py` compiles
+# every one for sm_90 and prints ptxas's registers and spills: the d = 64 and 128 sets are the ones
+# measured before (several dK/dV configs spill a few hundred bytes there, with Triton 3.6's ptxas),
+# each dK/dV set with two more that do not spill (the autotuner times them all); the 256 sets hold
+# only configs that do not spill (the accumulators alone are 64 fp32 registers a thread per 64 x 256
+# tile at 8 warps).
 TUNE = {
-    "fwd": {128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3)],
+    "fwd": {256: [(64, 32, 8, 2), (64, 32, 8, 3), (32, 64, 8, 2), (64, 16, 8, 3)],
+            128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3)],
             64: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3)]},
-    "kv": {128: [(32, 128, 8, 3), (16, 128, 8, 3), (32, 128, 8, 2), (32, 64, 8, 3)],
-           64: [(64, 128, 8, 3), (32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)]},
-    "q": {128: [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2)],
+    "kv": {256: [(32, 32, 8, 2), (16, 32, 8, 2), (32, 16, 8, 2), (16, 16, 8, 2)],
+           128: [(32, 128, 8, 3), (16, 128, 8, 3), (32, 128, 8, 2), (32, 64, 8, 3), (16, 128, 8, 2), (16, 64, 8, 2)],
+           64: [(64, 128, 8, 3), (32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (16, 128, 8, 2), (32, 64, 8, 2)]},
+    "q": {256: [(64, 32, 8, 2), (32, 32, 4, 2), (64, 16, 8, 2), (32, 64, 8, 2)],
+          128: [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2)],
           64: [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2)]},
 }
+
+
+def tune_set(which: str, width: int) -> list:
+    """The autotune set of a kernel for tiles `width` (BLOCK_D) wide."""
+    return TUNE[which][max(64, width)]
 
 
 def _key(c) -> tuple:
@@ -49,21 +70,21 @@ def _key(c) -> tuple:
 
 
 def configs(which: str) -> list:
-    """Every config of a kernel's sets (both head dims), the first of the d = 128 set first."""
+    """Every config of a kernel's sets (every width), the first of the d = 128 set first."""
     out = []
-    for d in (128, 64):
-        for t in TUNE[which][d]:
+    for width in (128, 64, 256):
+        for t in TUNE[which][width]:
             if t not in out:
                 out.append(t)
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in out]
 
 
 def _prune(which: str):
-    """Keep the head dim's set, less tiles wider than the (bucketed) sequence: they only add autotune time."""
+    """Keep the tile width's set, less tiles wider than the (bucketed) sequence: they only add autotune time."""
     def prune(configs, nargs, **kwargs):
-        d = nargs.get("HEAD_DIM", kwargs.get("HEAD_DIM"))
+        width = nargs.get("BLOCK_D", kwargs.get("BLOCK_D"))
         bucket = nargs.get("N_KEY", kwargs.get("N_KEY"))
-        mine = [c for c in configs if _key(c) in TUNE[which].get(d, ())] or configs[:1]
+        mine = [c for c in configs if _key(c) in tune_set(which, width)] or configs[:1]
         return [c for c in mine if c.kwargs["BLOCK_M"] <= bucket and c.kwargs["BLOCK_N"] <= bucket] or mine[-1:]
     return prune
 
@@ -74,19 +95,34 @@ KEY = ["N_KEY", "HEAD_DIM", "CAUSAL"]  # (+ the tensors' dtypes, which the autot
 # ---------------------------------------------------------------- forward ----
 
 @triton.jit
-def _fwd_tiles(acc, l_i, m_i, q, kT_ptrs, v_ptrs, step_k, step_v, start, stop, offs_m, N_CTX, qk_scale,
-               MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+def _tile(ptrs, ok, dim_ok, ROWS: tl.constexpr, PAD_D: tl.constexpr):
+    """A tile's load, zeros where masked: by ok (rows or keys past N) when ROWS, by dim_ok (the
+    columns past the head dim) when PAD_D; no mask at all when neither (the common, whole tile)."""
+    if ROWS:
+        if PAD_D:
+            x = tl.load(ptrs, mask=ok & dim_ok, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=ok, other=0.0)
+    else:
+        if PAD_D:
+            x = tl.load(ptrs, mask=dim_ok, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _fwd_tiles(acc, l_i, m_i, q, kT_ptrs, v_ptrs, step_k, step_v, start, stop, offs_m, N_CTX, qk_scale, dims,
+               HEAD_DIM: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+               PAD_D: tl.constexpr):
     """Key tiles [start, stop) into the running (acc, l, m) of one query tile, online softmax in
     base 2. MASK: the tiles cross the diagonal (causal) or the end of the sequence."""
     cols = tl.arange(0, BLOCK_N)
+    dim_ok = dims < HEAD_DIM
     for s in range(start, stop, BLOCK_N):
-        if MASK:
-            key_ok = (s + cols) < N_CTX
-            kT = tl.load(kT_ptrs, mask=key_ok[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
-        else:
-            kT = tl.load(kT_ptrs)
-            v = tl.load(v_ptrs)
+        key_ok = (s + cols) < N_CTX
+        kT = _tile(kT_ptrs, key_ok[None, :], dim_ok[:, None], MASK, PAD_D)
+        v = _tile(v_ptrs, key_ok[:, None], dim_ok[None, :], MASK, PAD_D)
         qk = tl.dot(q, kT)
         if MASK:
             keep = key_ok[None, :]
@@ -112,7 +148,7 @@ def _fwd_tiles(acc, l_i, m_i, q, kT_ptrs, v_ptrs, step_k, step_v, start, stop, o
 def attn_fwd(Q, K, V, O, L, qk_scale, N_CTX, H, GROUP,
              sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
              N_KEY, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, STORE_LSE: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+             BLOCK_D: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (query tiles, B * h). One program: BLOCK_M query rows of one head against its K/V head."""
     pid_m = tl.program_id(0)
     if CAUSAL:  # the longest rows first: the last query tiles visit the most key tiles
@@ -124,18 +160,19 @@ def attn_fwd(Q, K, V, O, L, qk_scale, N_CTX, H, GROUP,
     m0 = pid_m * BLOCK_M
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, BLOCK_D)
     offs_m = m0 + rows
     row_ok = offs_m < N_CTX
+    io_ok = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
     q = tl.load(Q + b * sqb + hq * sqh + m0.to(tl.int64) * sqn + (rows[:, None] * sqn + dims[None, :]),
-                mask=row_ok[:, None], other=0.0)
+                mask=io_ok, other=0.0)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     kT_local = cols[None, :] * skn + dims[:, None]  # a Kᵀ tile [d, BLOCK_N]
     v_local = cols[:, None] * svn + dims[None, :]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if CAUSAL:
         full = (m0 // BLOCK_N) * BLOCK_N         # key tiles every row of this tile sees whole
         stop = tl.minimum(m0 + BLOCK_M, N_CTX)   # past the last row's diagonal: never visited
@@ -143,13 +180,13 @@ def attn_fwd(Q, K, V, O, L, qk_scale, N_CTX, H, GROUP,
         full = (N_CTX // BLOCK_N) * BLOCK_N      # whole key tiles
         stop = N_CTX
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base + kT_local, v_base + v_local, BLOCK_N * skn, BLOCK_N * svn,
-                               0, full, offs_m, N_CTX, qk_scale, False, CAUSAL, BLOCK_N)
+                               0, full, offs_m, N_CTX, qk_scale, dims, HEAD_DIM, False, CAUSAL, BLOCK_N, PAD_D)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base + full.to(tl.int64) * skn + kT_local,
                                v_base + full.to(tl.int64) * svn + v_local, BLOCK_N * skn, BLOCK_N * svn,
-                               full, stop, offs_m, N_CTX, qk_scale, True, CAUSAL, BLOCK_N)
+                               full, stop, offs_m, N_CTX, qk_scale, dims, HEAD_DIM, True, CAUSAL, BLOCK_N, PAD_D)
     o = acc / l_i[:, None]
     tl.store(O + b * sob + hq * soh + m0.to(tl.int64) * son + (rows[:, None] * son + dims[None, :]),
-             o.to(O.dtype.element_ty), mask=row_ok[:, None])
+             o.to(O.dtype.element_ty), mask=io_ok)
     if STORE_LSE:  # natural log: (m + log2 l) is the base-2 logsumexp of the scaled scores
         lse = (m_i + tl.math.log2(l_i)) * LN2
         tl.store(L + bh.to(tl.int64) * N_CTX + offs_m, lse, mask=row_ok)
@@ -159,23 +196,23 @@ def attn_fwd(Q, K, V, O, L, qk_scale, N_CTX, H, GROUP,
 
 @triton.jit
 def _kv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_row, d_row, step_q, step_do, start, stop, offs_n, N_CTX, qk_scale,
-              MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+              dims, HEAD_DIM: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+              PAD_D: tl.constexpr):
     """Query tiles [start, stop) of one query head into dK, dV of one key tile (transposed: Sᵀ, Pᵀ
     are [BLOCK_N, BLOCK_M]). P is recomputed from L; dK is scaled by 1/sqrt(d) by the caller.
     l_row, d_row: scalar pointers to the first tile's L and D (a scalar carried, not a tensor of
     pointers in the products' layout)."""
     rows = tl.arange(0, BLOCK_M)
+    dim_ok = (dims < HEAD_DIM)[None, :]
     for s in range(start, stop, BLOCK_M):
         offs_m = s + rows
+        ok = offs_m < N_CTX
+        q = _tile(q_ptrs, ok[:, None], dim_ok, MASK, PAD_D)
+        do = _tile(do_ptrs, ok[:, None], dim_ok, MASK, PAD_D)
         if MASK:
-            ok = offs_m < N_CTX
-            q = tl.load(q_ptrs, mask=ok[:, None], other=0.0)
-            do = tl.load(do_ptrs, mask=ok[:, None], other=0.0)
             lse = tl.load(l_row + rows, mask=ok, other=0.0)
             delta = tl.load(d_row + rows, mask=ok, other=0.0)
         else:
-            q = tl.load(q_ptrs)
-            do = tl.load(do_ptrs)
             lse = tl.load(l_row + rows)
             delta = tl.load(d_row + rows)
         sT = tl.dot(k, tl.trans(q))
@@ -202,7 +239,7 @@ def attn_bwd_kv(Q, K, V, DO, L, DELTA, DK, DV, sm_scale, qk_scale, N_CTX, H, G, 
                 sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
                 sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
                 N_KEY, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                BLOCK_D: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (key tiles, B * g). One program: dK and dV of BLOCK_N keys of one K/V head, summed over
     the GROUP query heads that read it (each query head's tiles in turn: no atomics, no repeated K/V)."""
     n0 = tl.program_id(0) * BLOCK_N
@@ -211,15 +248,16 @@ def attn_bwd_kv(Q, K, V, DO, L, DELTA, DK, DV, sm_scale, qk_scale, N_CTX, H, G, 
     hk = (bg % G).to(tl.int64)
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, BLOCK_D)
     offs_n = n0 + cols
     key_ok = offs_n < N_CTX
+    io_ok = key_ok[:, None] & (dims < HEAD_DIM)[None, :]
     k = tl.load(K + b * skb + hk * skh + n0.to(tl.int64) * skn + (cols[:, None] * skn + dims[None, :]),
-                mask=key_ok[:, None], other=0.0)
+                mask=io_ok, other=0.0)
     v = tl.load(V + b * svb + hk * svh + n0.to(tl.int64) * svn + (cols[:, None] * svn + dims[None, :]),
-                mask=key_ok[:, None], other=0.0)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+                mask=io_ok, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     if CAUSAL:
         lo = (n0 // BLOCK_M) * BLOCK_M                       # the first query tile that sees a key here
         mid = tl.cdiv(n0 + BLOCK_N, BLOCK_M) * BLOCK_M       # from here on rows see every key of the tile
@@ -241,34 +279,34 @@ def attn_bwd_kv(Q, K, V, DO, L, DELTA, DK, DV, sm_scale, qk_scale, N_CTX, H, G, 
         if CAUSAL:  # the query tiles crossing this key tile's diagonal
             dk, dv = _kv_tiles(dk, dv, k, v, q_base + lo.to(tl.int64) * sqn + q_local,
                                do_base + lo.to(tl.int64) * sdon + do_local, l_base + lo, d_base + lo,
-                               BLOCK_M * sqn, BLOCK_M * sdon, lo, diag_stop, offs_n, N_CTX, qk_scale, True, CAUSAL,
-                               BLOCK_M)
+                               BLOCK_M * sqn, BLOCK_M * sdon, lo, diag_stop, offs_n, N_CTX, qk_scale, dims, HEAD_DIM,
+                               True, CAUSAL, BLOCK_M, PAD_D)
         dk, dv = _kv_tiles(dk, dv, k, v, q_base + mid.to(tl.int64) * sqn + q_local,
                            do_base + mid.to(tl.int64) * sdon + do_local, l_base + mid, d_base + mid,
-                           BLOCK_M * sqn, BLOCK_M * sdon, mid, full, offs_n, N_CTX, qk_scale, False, CAUSAL, BLOCK_M)
+                           BLOCK_M * sqn, BLOCK_M * sdon, mid, full, offs_n, N_CTX, qk_scale, dims, HEAD_DIM, False,
+                           CAUSAL, BLOCK_M, PAD_D)
         dk, dv = _kv_tiles(dk, dv, k, v, q_base + tail.to(tl.int64) * sqn + q_local,
                            do_base + tail.to(tl.int64) * sdon + do_local, l_base + tail, d_base + tail,
-                           BLOCK_M * sqn, BLOCK_M * sdon, tail, N_CTX, offs_n, N_CTX, qk_scale, True, CAUSAL, BLOCK_M)
+                           BLOCK_M * sqn, BLOCK_M * sdon, tail, N_CTX, offs_n, N_CTX, qk_scale, dims, HEAD_DIM, True,
+                           CAUSAL, BLOCK_M, PAD_D)
     dk = dk * sm_scale
     tl.store(DK + b * sdkb + hk * sdkh + n0.to(tl.int64) * sdkn + (cols[:, None] * sdkn + dims[None, :]),
-             dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
+             dk.to(DK.dtype.element_ty), mask=io_ok)
     tl.store(DV + b * sdvb + hk * sdvh + n0.to(tl.int64) * sdvn + (cols[:, None] * sdvn + dims[None, :]),
-             dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+             dv.to(DV.dtype.element_ty), mask=io_ok)
 
 
 @triton.jit
-def _q_tiles(dq, q, do, lse2, delta, kT_ptrs, vT_ptrs, step_k, step_v, start, stop, offs_m, N_CTX, qk_scale,
-             MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+def _q_tiles(dq, q, do, lse2, delta, kT_ptrs, vT_ptrs, step_k, step_v, start, stop, offs_m, N_CTX, qk_scale, dims,
+             HEAD_DIM: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+             PAD_D: tl.constexpr):
     """Key tiles [start, stop) into dQ of one query tile (unscaled; the caller applies 1/sqrt(d))."""
     cols = tl.arange(0, BLOCK_N)
+    dim_ok = (dims < HEAD_DIM)[:, None]
     for s in range(start, stop, BLOCK_N):
-        if MASK:
-            key_ok = (s + cols) < N_CTX
-            kT = tl.load(kT_ptrs, mask=key_ok[None, :], other=0.0)
-            vT = tl.load(vT_ptrs, mask=key_ok[None, :], other=0.0)
-        else:
-            kT = tl.load(kT_ptrs)
-            vT = tl.load(vT_ptrs)
+        key_ok = (s + cols) < N_CTX
+        kT = _tile(kT_ptrs, key_ok[None, :], dim_ok, MASK, PAD_D)
+        vT = _tile(vT_ptrs, key_ok[None, :], dim_ok, MASK, PAD_D)
         p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse2[:, None])
         if MASK:
             keep = key_ok[None, :]
@@ -288,7 +326,7 @@ def _q_tiles(dq, q, do, lse2, delta, kT_ptrs, vT_ptrs, step_k, step_v, start, st
 def attn_bwd_q(Q, K, V, O, DO, L, DELTA, DQ, sm_scale, qk_scale, N_CTX, H, GROUP,
                sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon, sdqb, sdqh, sdqn,
                N_KEY, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               BLOCK_D: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (query tiles, B * h). One program: D = rowsum(dO * O) of BLOCK_M query rows (fp32, written
     to DELTA [B, h, N] for attn_bwd_kv, launched after it), then their dQ over the K/V head's tiles."""
     pid_m = tl.program_id(0)
@@ -301,23 +339,24 @@ def attn_bwd_q(Q, K, V, O, DO, L, DELTA, DQ, sm_scale, qk_scale, N_CTX, H, GROUP
     m0 = pid_m * BLOCK_M
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, BLOCK_D)
     offs_m = m0 + rows
     row_ok = offs_m < N_CTX
+    io_ok = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
     q = tl.load(Q + b * sqb + hq * sqh + m0.to(tl.int64) * sqn + (rows[:, None] * sqn + dims[None, :]),
-                mask=row_ok[:, None], other=0.0)
+                mask=io_ok, other=0.0)
     do = tl.load(DO + b * sdob + hq * sdoh + m0.to(tl.int64) * sdon + (rows[:, None] * sdon + dims[None, :]),
-                 mask=row_ok[:, None], other=0.0)
+                 mask=io_ok, other=0.0)
     lse2 = tl.load(L + bh.to(tl.int64) * N_CTX + offs_m, mask=row_ok, other=0.0) * LOG2E
     o = tl.load(O + b * sob + hq * soh + m0.to(tl.int64) * son + (rows[:, None] * son + dims[None, :]),
-                mask=row_ok[:, None], other=0.0)
+                mask=io_ok, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + bh.to(tl.int64) * N_CTX + offs_m, delta, mask=row_ok)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     kT_local = cols[None, :] * skn + dims[:, None]  # Kᵀ and Vᵀ tiles [d, BLOCK_N]
     vT_local = cols[None, :] * svn + dims[:, None]
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if CAUSAL:
         full = (m0 // BLOCK_N) * BLOCK_N
         stop = tl.minimum(m0 + BLOCK_M, N_CTX)
@@ -325,10 +364,10 @@ def attn_bwd_q(Q, K, V, O, DO, L, DELTA, DQ, sm_scale, qk_scale, N_CTX, H, GROUP
         full = (N_CTX // BLOCK_N) * BLOCK_N
         stop = N_CTX
     dq = _q_tiles(dq, q, do, lse2, delta, k_base + kT_local, v_base + vT_local, BLOCK_N * skn, BLOCK_N * svn,
-                  0, full, offs_m, N_CTX, qk_scale, False, CAUSAL, BLOCK_N)
+                  0, full, offs_m, N_CTX, qk_scale, dims, HEAD_DIM, False, CAUSAL, BLOCK_N, PAD_D)
     dq = _q_tiles(dq, q, do, lse2, delta, k_base + full.to(tl.int64) * skn + kT_local,
                   v_base + full.to(tl.int64) * svn + vT_local, BLOCK_N * skn, BLOCK_N * svn,
-                  full, stop, offs_m, N_CTX, qk_scale, True, CAUSAL, BLOCK_N)
+                  full, stop, offs_m, N_CTX, qk_scale, dims, HEAD_DIM, True, CAUSAL, BLOCK_N, PAD_D)
     dq = dq * sm_scale
     tl.store(DQ + b * sdqb + hq * sdqh + m0.to(tl.int64) * sdqn + (rows[:, None] * sdqn + dims[None, :]),
-             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+             dq.to(DQ.dtype.element_ty), mask=io_ok)

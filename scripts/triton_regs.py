@@ -1,0 +1,99 @@
+"""The Triton rung's kernels compiled for a GPU without one: registers, spills and shared memory of
+every autotune config at every tile width, from ptxas (the one that ships with triton), so that the
+configs can be chosen (and checked) on any machine.
+
+    python scripts/triton_regs.py [--arch 90] [--head-dims 64 96 128 256] [--dtype fp16]
+
+For each kernel (forward, dK/dV, dQ), head dim and config: (BLOCK_M, BLOCK_N, warps, stages), registers
+a thread, spill stores and loads (bytes), shared memory. Exit status 1 if any config spills.
+Compiles with pointers aligned to 16 and, where 16 divides d (contiguous rows), the strides too, as a
+real launch specializes them (for d = 40, 136, ... the row stride is not a multiple of 16)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+KERNELS = {"fwd": "attn_fwd", "kv": "attn_bwd_kv", "q": "attn_bwd_q"}
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS = re.compile(r"Used (\d+) registers")
+
+
+def compile_one(K, which: str, d: int, causal: bool, cfg, dtype: str, arch: int) -> dict:
+    """One kernel, head dim, causal flag and config: ptxas's numbers for it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    fn = getattr(K, KERNELS[which]).fn
+    names = fn.arg_names
+    bm, bn, warps, stages = cfg
+    const = {"HEAD_DIM": d, "CAUSAL": causal, "BLOCK_D": K.block_d(d), "PAD_D": K.block_d(d) != d,
+             "BLOCK_M": bm, "BLOCK_N": bn, "STORE_LSE": True}
+    sig, attrs = {}, {}
+    for i, name in enumerate(names):
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in ("L", "DELTA"):
+            sig[name] = "*fp32"
+        elif name in ("Q", "K", "V", "O", "DO", "DK", "DV", "DQ"):
+            sig[name] = "*" + dtype
+        elif name in ("qk_scale", "sm_scale"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+        stride = name.startswith("s") and sig[name] == "i32"
+        if sig[name].startswith("*") or (stride and d % 16 == 0):  # a row stride of d elements: 16 | d
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items() if k in names},
+                    attrs=attrs)
+    c = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages})
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(c.asm["ptx"])
+        suffix = "a" if arch >= 90 else ""
+        out = subprocess.run([str(ptxas), f"-arch=sm_{arch}{suffix}", "-v", str(ptx), "-o", str(Path(tmp) / "k.o")],
+                             capture_output=True, text=True, check=True).stderr
+    spills, regs = _SPILLS.search(out), _REGS.search(out)
+    if spills is None or regs is None:
+        raise RuntimeError(f"ptxas -v printed no register count: {out}")
+    return {"kernel": which, "d": d, "causal": causal, "config": cfg, "regs": int(regs.group(1)),
+            "spill_stores": int(spills.group(1)), "spill_loads": int(spills.group(2)), "shared": c.metadata.shared}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python scripts/triton_regs.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100, H200)")
+    p.add_argument("--head-dims", type=int, nargs="+", default=[32, 64, 96, 128, 160, 256])
+    p.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
+    a = p.parse_args(argv)
+    try:
+        from tpattn.attention import triton_kernels as K
+    except ImportError:
+        print("triton_regs: error: needs the triton package (pip install triton)", file=sys.stderr)
+        return 2
+    bad = 0
+    print(f"sm_{a.arch}, {a.dtype}: kernel, head dim (tile width), causal, (BLOCK_M, BLOCK_N, warps, stages): "
+          "registers, spill stores/loads (bytes), shared memory (bytes)")
+    for d in a.head_dims:
+        for which in KERNELS:
+            for cfg in K.tune_set(which, K.block_d(d)):
+                for causal in (False, True):
+                    r = compile_one(K, which, d, causal, cfg, a.dtype, a.arch)
+                    spills = r["spill_stores"] + r["spill_loads"]
+                    bad += spills > 0
+                    print(f"  {which:<3} d={d:<3} ({K.block_d(d):>3}) {'causal' if causal else 'full  '} {cfg}: "
+                          f"{r['regs']:>3} regs, spills {r['spill_stores']}/{r['spill_loads']}, "
+                          f"shared {r['shared']}{'  SPILLS' if spills else ''}")
+    print(f"{bad} config(s) spill" if bad else "no config spills")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
