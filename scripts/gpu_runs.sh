@@ -70,6 +70,9 @@
 #           --prefill (the graphed paged decode step beside the contiguous one; prefills beside the layer's
 #           forward, fused and triton backends) with one profiled call of each prefill, and the serving
 #           example's tokens per second
+#   ncubwd  Nsight Compute (--set full) over one attention backward of tpattn's fused backend and one of SDPA's
+#           cuDNN backend, at B=1 H=32 N=4096 d=128 fp16 and at B=2 H=32 G=8 N=8192 bf16 causal; the details
+#           pages as CSV under $OUT/ncu, and scripts/ncu_backward.py's table of them
 #   gputests  the whole pytest -m gpu
 # Logs and JSON go to $OUT (default results/); COMMIT=<hash> records the commit where the copy's .git differs.
 # Usage: bash scripts/gpu_runs.sh [STEP]... (default all)
@@ -461,6 +464,21 @@ if want paged; then
     --json "$OUT/bench_paged.json" 2>&1 | tee "$OUT/bench_paged.log" | grep -E "B=|  [0-9]|wall|copy rate" || status=1
   timeout 200 python3 scripts/serve_llama.py --device cuda --dtype fp16 --hidden 1024 --heads 8 --kv-heads 2 --layers 4 \
     --prompts 16 --new-tokens 64 --max-batch 8 --check --graphs 2>&1 | tail -4 || status=1
+fi
+if want ncubwd; then
+  note "the backward under Nsight Compute: tpattn's kernels beside cuDNN's"
+  mkdir -p "$OUT/ncu"
+  ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  for shape in "default:" "gqa:--batch 2 --kv-heads 8 --seq-len 8192 --dtype bf16 --causal"; do
+    tag=${shape%%:*}; args=${shape#*:}
+    for c in tpattn cudnn; do
+      timeout 300 "$ncu" --clock-control none --profile-from-start off --set full -f -o "/tmp/bwd_${tag}_$c" \
+        python3 scripts/ncu_backward.py --contender $c $args > "$OUT/ncu/run_${tag}_$c.log" 2>&1 || status=1
+      "$ncu" --import "/tmp/bwd_${tag}_$c.ncu-rep" --csv --page details > "$OUT/ncu/bwd_${tag}_$c.csv" || status=1
+    done
+    python3 scripts/ncu_backward.py --report "$OUT/ncu/bwd_${tag}_tpattn.csv" "$OUT/ncu/bwd_${tag}_cudnn.csv" \
+      | tee "$OUT/ncu/report_$tag.txt" || status=1
+  done
 fi
 if want multigpu; then
   M="$OUT/multigpu"
