@@ -180,3 +180,38 @@ def test_long_sequence_past_32_bit_scores():
     for name, got, ref in (("o", o[0, 0, r0:], o_ref), ("dq", dq[0, 0, r0:], dq_ref)):
         err = (got.double() - ref).abs().max().item()
         assert err <= 1e-2 * ref.abs().max().item() + 1e-5, f"{name}: {err:.3g}"
+
+
+@pytest.mark.parametrize("d", [96, 256])
+@torch.no_grad()
+def test_llama_attention_at_head_dims_past_128(d):
+    """A transformers LlamaAttention with head dim 96 or 256 (random weights, nothing downloaded) as the
+    layer with the triton backend, fp16: the whole forward, and a prefill then decode steps through
+    a KV cache (the decode kernel's CUDA-core split at that head dim), against the module in float64."""
+    import copy
+
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+    import tpattn.decode as dec
+    from tpattn import TensorParallelAttention
+    heads, kv, B, N, T = 8, 2, 2, 300, 5
+    torch.manual_seed(d)
+    cfg = LlamaConfig(hidden_size=heads * d, num_attention_heads=heads, num_key_value_heads=kv, head_dim=d,
+                      rope_theta=10000.0)
+    cfg._attn_implementation = "sdpa"
+    attn = LlamaAttention(cfg, 0).double().cuda()
+    x = torch.randn(B, N + T, heads * d, dtype=torch.float64, device="cuda")
+    cos, sin = LlamaRotaryEmbedding(cfg, device="cuda")(x, torch.arange(N + T, device="cuda")[None].expand(B, -1))
+    ref, _ = attn(x, position_embeddings=(cos.double(), sin.double()), attention_mask=None)
+    layer = TensorParallelAttention.from_hf_llama(copy.deepcopy(attn).half(), backend="triton")
+    assert dec.decode_kernel_fits(torch.zeros(1, heads, d, dtype=torch.float16, device="cuda"))
+    xh = x.half()
+    full = layer(xh)
+    cache = layer.new_cache(B, N + T)
+    steps = torch.cat([layer(xh[:, :N], cache=cache)] + [layer(xh[:, N + t:N + t + 1], cache=cache) for t in range(T)], 1)
+    tol = 2e-2 * ref.abs().max().item()
+    for name, y in (("forward", full), ("prefill + decode", steps)):
+        err = (y.double() - ref).abs().max().item()
+        assert torch.isfinite(y).all() and err <= tol, (name, err, tol)
