@@ -203,7 +203,7 @@ def test_llama_attention_at_head_dims_past_128(d):
     cfg._attn_implementation = "sdpa"
     attn = LlamaAttention(cfg, 0).double().cuda()
     x = torch.randn(B, N + T, heads * d, dtype=torch.float64, device="cuda")
-    cos, sin = LlamaRotaryEmbedding(cfg, device="cuda")(x, torch.arange(N + T, device="cuda")[None].expand(B, -1))
+    cos, sin = LlamaRotaryEmbedding(cfg).cuda()(x, torch.arange(N + T, device="cuda")[None].expand(B, -1))
     ref, _ = attn(x, position_embeddings=(cos.double(), sin.double()), attention_mask=None)
     layer = TensorParallelAttention.from_hf_llama(copy.deepcopy(attn).half(), backend="triton")
     assert dec.decode_kernel_fits(torch.zeros(1, heads, d, dtype=torch.float16, device="cuda"))
