@@ -68,8 +68,9 @@
 #   paged   the paged cache: pytest -m gpu tests/test_gpu_paged.py and tests/test_gpu_decode.py (the append
 #           kernel, contiguous and paged, and the graphed step's preparation), scripts/bench_paged.py --layer
 #           --prefill (the graphed paged decode step beside the contiguous one; prefills beside the layer's
-#           forward, fused and triton backends) with one profiled call of each prefill, and the serving
-#           example's tokens per second
+#           forward, fused and triton backends) with one profiled call of each prefill, the serving
+#           example's tokens per second, and compute-sanitizer over scripts/sanitize_decode.py (the decode
+#           split at every head dim, the paged append, the graphed step's preparation)
 #   ncubwd  Nsight Compute (--set full) over one attention backward of tpattn's fused backend and one of SDPA's
 #           cuDNN backend, at B=1 H=32 N=4096 d=128 fp16 and at B=2 H=32 G=8 N=8192 bf16 causal; the details
 #           pages as CSV under $OUT/ncu, and scripts/ncu_backward.py's table of them
@@ -464,6 +465,11 @@ if want paged; then
     --json "$OUT/bench_paged.json" 2>&1 | tee "$OUT/bench_paged.log" | grep -E "B=|  [0-9]|wall|copy rate" || status=1
   timeout 200 python3 scripts/serve_llama.py --device cuda --dtype fp16 --hidden 1024 --heads 8 --kv-heads 2 --layers 4 \
     --prompts 16 --new-tokens 64 --max-batch 8 --check --graphs 2>&1 | tail -4 || status=1
+  san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  for tool in memcheck racecheck; do
+    timeout 300 "$san" --tool $tool --error-exitcode 9 python3 scripts/sanitize_decode.py > "$OUT/sanitizer_decode_$tool.log" 2>&1
+    echo "$tool exit $?"; tail -1 "$OUT/sanitizer_decode_$tool.log"
+  done
 fi
 if want ncubwd; then
   note "the backward under Nsight Compute: tpattn's kernels beside cuDNN's"

@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""The decode kernels on small shapes, for compute-sanitizer (memcheck, racecheck): the split at
+every head dim it is built for (contiguous and paged, multi-head and grouped, a length that ends
+inside a chunk), the paged append kernel (rows at their own positions and pages), and a graphed
+paged step's preparation (pg_prepare, padding rows included). Exits non-zero if an output is not
+finite.
+
+    compute-sanitizer --tool memcheck --error-exitcode 9 python scripts/sanitize_decode.py
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tpattn import decode  # noqa: E402
+
+
+def main() -> int:
+    bad = 0
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for dtype in (torch.float16, torch.bfloat16):
+        for d in sorted(decode.DEC_HEAD_DIMS + decode.DEC_SPLIT_HEAD_DIMS):
+            for h, kv in ((4, 4), (8, 2)):
+                q = torch.randn(2, h, 1, d, device="cuda", dtype=dtype, generator=g)
+                k, v = (torch.randn(2, kv, 300, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+                o = decode.decode_attention(q, k, v, 277)
+                pk, pv = (torch.randn(40, kv, 16, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+                table = torch.randperm(40, device="cuda")[:38].to(torch.int32).view(2, 19)
+                lens = torch.tensor([5, 290], dtype=torch.int32, device="cuda")
+                op = decode.paged_decode_attention(q[:, :, 0], pk, pv, table, lens, 19 * 16)
+                ok = bool(torch.isfinite(o).all() and torch.isfinite(op).all())
+                bad += not ok
+                print(f"{dtype} d={d} h={h} g={kv} split, contiguous and paged: {'ok' if ok else 'NOT FINITE'}")
+            qkv = torch.randn(5, 4 + 2 * 2, d, device="cuda", dtype=dtype, generator=g)
+            pk, pv = (torch.zeros(9, 2, 16, d, device="cuda", dtype=dtype) for _ in range(2))
+            pos = torch.tensor([0, 15, 16, 100, 127], device="cuda")
+            pages = torch.tensor([0, 0, 1, 6, 7], device="cuda")
+            cos, sin = decode.rope_tables(torch.arange(128, device="cuda"), d, 10000.0)
+            qa = decode.append_paged_kernel(qkv, pk, pv, pos, pages, cos, sin, 4, False)
+            ok = bool(torch.isfinite(qa).all())
+            bad += not ok
+            print(f"{dtype} d={d} paged append: {'ok' if ok else 'NOT FINITE'}")
+    from tpattn import TensorParallelAttention
+    from tpattn.paged import PagedKV, _StaticStep
+    D = 4 * 128
+    layer = TensorParallelAttention(*(torch.zeros(D, D, device="cuda", dtype=torch.float16) for _ in range(4)),
+                                    heads=4, head_dim=128, causal=True)
+    pool = PagedKV(layer, pages=20, page_size=16, max_seqs=3)
+    mirror = torch.randint(0, 20, (4, 6), dtype=torch.int32, device="cuda")
+    st = _StaticStep(pool, 8, mirror)
+    st.inputs.copy_(torch.tensor([[2, 0, 1, 3, 3, 3, 3, 3], [40, 15, 0, 0, 0, 0, 0, 0]]))
+    st.prepare()
+    torch.cuda.synchronize()
+    print(f"pg_prepare: lens {st.lens.tolist()}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
