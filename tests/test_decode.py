@@ -96,11 +96,21 @@ def test_cli_decode_over_two_ranks():
 @pytest.mark.parametrize("extra,says", [([], "--decode decodes causally: add --causal"),
                                         (["--causal", "--sequence-parallel"], "--decode with --sequence-parallel"),
                                         (["--causal", "--cuda-graph"], "--decode with --cuda-graph needs the decode "
-                                         "kernel (--dtype fp16 or bf16, --head-dim 64 or 128; got fp16, 16)")])
+                                         "kernel (--dtype fp16 or bf16, --head-dim 32, 64, 80, 96, 128, 160, 192, 256; "
+                                         "got fp16, 16)")])
 def test_cli_decode_refusals(extra, says):
     from conftest import tpattn
     r = tpattn(["--decode", "4", "--seq-len", "32", "--heads", "4", "--head-dim", "16", "--device", "cpu", *extra])
     assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.parametrize("d", [32, 96, 256])
+def test_cli_graphed_decode_takes_the_decode_kernels_head_dims(d):
+    """--decode --cuda-graph at a head dim the decode kernel takes passes the configuration's checks."""
+    from tpattn.config import Config, validate
+    cfg = Config(device="cuda", kernel="reference", dtype="bf16", dist_backend="nccl", seq_len=64, heads=4, head_dim=d,
+                 causal=True, decode=4, cuda_graph=True)
+    validate(cfg, gpus_on_node=1)
 
 
 def test_a_cache_brings_its_own_position_and_counters_and_a_graph_needs_the_kernel():

@@ -121,17 +121,19 @@ def test_append_kernel_is_the_torch_ops_bit_for_bit(rope, dtype):
     assert caches[0].k[:, :, at].abs().sum() > 0 and caches[0].k[:, :, at + 1:].abs().sum() == 0
 
 
-@pytest.mark.parametrize("rope", [None, 10000.0])
-def test_graphed_decode_step_replays_the_eager_steps(rope):
+@pytest.mark.parametrize("rope,d,backend", [(None, 128, "fused"), (10000.0, 128, "fused"), (10000.0, 96, "tiled"),
+                                             (None, 256, "tiled")])
+def test_graphed_decode_step_replays_the_eager_steps(rope, d, backend):
     """layer.graphed(x, cache): one graph serves every step (the length read on the device); its
-    outputs are the eager steps' bit for bit, the cache advances, and a full cache is refused."""
+    outputs are the eager steps' bit for bit, the cache advances, and a full cache is refused; at head
+    dims 96 and 256 too (the decode kernel's module for them; the prompt through the tiled kernels)."""
     from tpattn.errors import ConfigError
     from tpattn.layer import TensorParallelAttention
     from tpattn.weights import head_weights
-    w = head_weights(range(8), 8, 128, 0, torch.float16, "cuda", kv_heads=range(2))
-    layer = TensorParallelAttention(**w, heads=8, kv_heads=2, head_dim=128, backend="fused", causal=True, group=None,
+    w = head_weights(range(8), 8, d, 0, torch.float16, "cuda", kv_heads=range(2))
+    layer = TensorParallelAttention(**w, heads=8, kv_heads=2, head_dim=d, backend=backend, causal=True, group=None,
                                     rope_theta=rope)
-    x = torch.randn(2, 140, 1024, device="cuda").half()
+    x = torch.randn(2, 140, 8 * d, device="cuda").half()
     with torch.no_grad():
         eager = layer.new_cache(2, 140)
         want = [layer(x[:, :128], cache=eager)] + [layer(x[:, t:t + 1], cache=eager) for t in range(128, 140)]

@@ -81,7 +81,7 @@ def test_paged_kernel_against_float64(h, g, d, dtype, page, split_kernel):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("d", [32, 96, 256])
+@pytest.mark.parametrize("d", [32, 80, 96, 160, 192, 256])
 @pytest.mark.parametrize("h,g", [(16, 16), (16, 4)])
 @pytest.mark.parametrize("page", [1, 16])
 def test_paged_kernel_at_other_head_dims(h, g, d, dtype, page):

@@ -362,14 +362,17 @@ def test_paged_append_and_prepare_launches(monkeypatch, rope):
     assert calls[1][2][0] * 256 >= 4 * 6   # a thread per table entry
 
 
+@pytest.mark.parametrize("split", ["auto", "mma"])
 @pytest.mark.parametrize("d", [32, 80, 96, 160, 192, 256, 128])
 @pytest.mark.parametrize("h,g", [(8, 8), (8, 2)])
-def test_decode_launches_at_every_head_dim(monkeypatch, d, h, g):
-    """Head dims other than 64 and 128 launch the CUDA-core split (grouped heads too) from
-    decode_attention_dims.cu, contiguous and paged; 128 keeps decode_attention.cu and its tensor-core
-    split for grouped heads. Each launch names a kernel that the file builds, with its arguments."""
+def test_decode_launches_at_every_head_dim(monkeypatch, d, h, g, split):
+    """Head dims other than 64 and 128 launch the CUDA-core split (grouped heads too, and when the
+    tensor-core split is asked for) from decode_attention_dims.cu, contiguous and paged, and the
+    append kernels from there too; 128 keeps decode_attention.cu and its tensor-core split for grouped
+    heads. Each launch names a kernel that the file builds, with its arguments."""
     from tpattn import cuda as tcuda
     from tpattn import decode
+    monkeypatch.setattr(decode, "SPLIT_KERNEL", split)
     calls = []
     monkeypatch.setattr(tcuda, "launch", lambda source, name, device, grid, block, args, shared_mem=0:
                         calls.append((source, name, grid, block, args)))
@@ -387,9 +390,15 @@ def test_decode_launches_at_every_head_dim(monkeypatch, d, h, g):
     table = torch.arange(B * 12, dtype=torch.int32).view(B, 12)
     decode.paged_decode_attention(q[:, :, 0], pool_k, pool_v, table, torch.tensor([5, 190], dtype=torch.int32),
                                   12 * 16, tickets=tickets)
+    qkv = torch.randn(B, h + 2 * g, d).half()
+    decode.append_kernel(qkv, k, v, torch.tensor([7]), None, None, h, False)
+    decode.append_paged_kernel(qkv, pool_k, pool_v, torch.tensor([3, 40]), torch.tensor([0, 2]), None, None, h, False)
     other = d not in decode.DEC_HEAD_DIMS
-    assert [c[0] for c in calls] == ["decode_attention_dims.cu" if other else "decode_attention.cu"] * 2
-    assert all(c[1].startswith("dec_split" if other or h == g else "dec_mma") for c in calls), calls
+    assert [c[0] for c in calls] == ["decode_attention_dims.cu" if other else "decode_attention.cu"] * 4
+    assert [c[1][:10] for c in calls[2:]] == ["dec_append", "dec_append"]
+    calls, appends = calls[:2], calls[2:]
+    assert all(c[1].startswith("dec_split" if other or (h == g and split == "auto") else "dec_mma")
+               for c in calls), calls
     assert all(f"_d{d}_" in c[1] for c in calls)
-    for c in calls:
+    for c in calls + appends:
         check_launch(*c)

@@ -48,9 +48,10 @@ def reference(q, kp, vp, table, rows, starts):
 
 
 @interp
-@pytest.mark.parametrize("d,g", [(64, 2), (128, 4), (40, 1)])
+@pytest.mark.parametrize("d,g", [(64, 2), (128, 4), (40, 1), (96, 2), (160, 1)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_paged_prefill_matches_float64(d, g, dtype):
+    """Every tile width's default config (160: the 256 one), GQA, fp16 and bf16, against float64."""
     _patch_interpreter_bf16_dot()
     from tpattn.attention.triton_paged import paged_prefill
     gen = torch.Generator().manual_seed(d + g)
@@ -61,10 +62,10 @@ def test_paged_prefill_matches_float64(d, g, dtype):
     cu = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.int32)
     o = paged_prefill(q, kp, vp, table, cu, torch.tensor(starts, dtype=torch.int32), max(rows))
     want = reference(q, kp, vp, table, rows, starts)
-    low = reference(q.double().to(dtype), kp, vp, table, rows, starts).to(dtype)  # the storage rounding alone
     assert o.shape == q.shape and o.dtype == dtype and torch.isfinite(o).all()
     err = (o.double() - want).abs().max().item()
-    assert err <= 3 * (low.double() - want).abs().max().item() + 2e-3, err
+    tol = (4e-3 if dtype == torch.float16 else 3e-2) * max(1.0, want.abs().max().item())  # the GPU tests' bounds
+    assert err <= tol, (err, tol)
 
 
 @interp
@@ -103,7 +104,7 @@ def test_layer_paged_steps_through_the_triton_prefill(monkeypatch):
     calls, real = [], paged.triton_prefill_fits
     outs = {}
     for on in (True, False):
-        monkeypatch.setattr(paged, "triton_prefill_fits", (lambda *a: calls.append(1) or real(*a)) if on
+        monkeypatch.setattr(paged, "triton_prefill_fits", (lambda *a: calls.append(real(*a)) or calls[-1]) if on
                             else (lambda *a: False))
         pool = PagedKV(layer, pages=64, page_size=16, max_seqs=4)
         ids = [pool.add() for _ in range(4)]
@@ -113,6 +114,6 @@ def test_layer_paged_steps_through_the_triton_prefill(monkeypatch):
             with pool.step([ids[s] for s in seqs], rows) as st:
                 got.append(layer(torch.randn(1, sum(rows), D, generator=gen).half(), cache=st.view(0)))
         outs[on] = got
-    assert len(calls) == len(steps) and all(real(layer, torch.zeros(1, H, d).half(), 3) for _ in (0,))
+    assert calls == [True] * len(steps)
     for a, b in zip(outs[True], outs[False]):
         assert (a.float() - b.float()).abs().max().item() <= 2e-3

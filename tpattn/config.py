@@ -194,9 +194,11 @@ def check_parallel_style(cfg: Config, world: int) -> None:
                               f"generated inputs for now; drop one of them")
         if not cfg.causal:
             raise FlagError("--decode decodes causally: add --causal")
-        if cfg.cuda_graph and (cfg.dtype == "fp32" or cfg.head_dim not in (64, 128)):
-            raise FlagError(f"--decode with --cuda-graph needs the decode kernel (--dtype fp16 or bf16, --head-dim 64 "
-                              f"or 128; got {cfg.dtype}, {cfg.head_dim}); drop --cuda-graph")
+        from .decode import DEC_HEAD_DIMS, DEC_SPLIT_HEAD_DIMS
+        dims = sorted(DEC_HEAD_DIMS + DEC_SPLIT_HEAD_DIMS)
+        if cfg.cuda_graph and (cfg.dtype == "fp32" or cfg.head_dim not in dims):
+            raise FlagError(f"--decode with --cuda-graph needs the decode kernel (--dtype fp16 or bf16, --head-dim "
+                            f"{', '.join(map(str, dims))}; got {cfg.dtype}, {cfg.head_dim}); drop --cuda-graph")
     if cfg.deterministic and not cfg.backward:
         raise FlagError("--deterministic changes the backward only: add --backward (or drop --deterministic)")
     if cfg.cuda_graph:

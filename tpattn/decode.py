@@ -26,6 +26,12 @@ DEC_SOURCE = "decode_attention.cu"
 DEC_HEAD_DIMS = (64, 128)                        # every split: CUDA cores and tensor cores
 DEC_DIMS_SOURCE = "decode_attention_dims.cu"     # the CUDA-core split alone at the other head dims users run
 DEC_SPLIT_HEAD_DIMS = (32, 80, 96, 160, 192, 256)
+
+
+def dec_source(head_dim: int) -> str:
+    """The module whose kernels serve this head dim (both hold the append and preparation kernels, so
+    that a head dim compiles one module)."""
+    return DEC_SOURCE if head_dim in DEC_HEAD_DIMS else DEC_DIMS_SOURCE
 CHUNK_BYTES = {"cpu": 256 << 20, "cuda": 1 << 30}  # attend(): the most bytes of scores a block of query rows holds
 
 
@@ -217,7 +223,7 @@ def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int,
     h query heads over g K/V heads, the cache split by `length` (the longest it can be)."""
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     mma = d in DEC_HEAD_DIMS and (SPLIT_KERNEL == "mma" or (SPLIT_KERNEL == "auto" and h > g))
-    source = DEC_SOURCE if d in DEC_HEAD_DIMS else DEC_DIMS_SOURCE
+    source = dec_source(d)
     suf = "f16" if q.dtype == torch.float16 else "bf16"
     S = decode_splits(B * g, length, sms, 2 if mma else 4)
     pg = "_pg" if paged else ""
@@ -289,7 +295,7 @@ def append_kernel(qkv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
     suf = "f16" if qkv.dtype == torch.float16 else "bf16"
     rope = cos is not None
     n = B * rows * d // 2
-    launch(DEC_SOURCE, f"dec_append_{suf}", qkv.device, (min(-(-n // 256), 65535), 1, 1), (256, 1, 1),
+    launch(dec_source(d), f"dec_append_{suf}", qkv.device, (min(-(-n // 256), 65535), 1, 1), (256, 1, 1),
            (ptr(qkv), ptr(q), ptr(k), ptr(v), ptr(cos) if rope else np.uint64(0),
             ptr(sin) if rope else np.uint64(0), ptr(pos), np.int32(B), np.int32(heads), np.int32(g),
             np.int32(d), np.int32(k.shape[2]), np.int32(1 if interleaved else 0)))
@@ -311,7 +317,7 @@ def append_paged_kernel(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
     suf = "f16" if qkv.dtype == torch.float16 else "bf16"
     rope = cos is not None
     n = R * rows * d // 2
-    launch(DEC_SOURCE, f"dec_append_pg_{suf}", qkv.device, (min(-(-n // 256), 65535), 1, 1), (256, 1, 1),
+    launch(dec_source(d), f"dec_append_pg_{suf}", qkv.device, (min(-(-n // 256), 65535), 1, 1), (256, 1, 1),
            (ptr(qkv), ptr(q), ptr(k_pool), ptr(v_pool), ptr(cos) if rope else np.uint64(0),
             ptr(sin) if rope else np.uint64(0), ptr(pos), ptr(page_index), np.int32(R), np.int32(heads),
             np.int32(g), np.int32(d), np.int32(k_pool.shape[2]), np.int32(1 if interleaved else 0)))

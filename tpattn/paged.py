@@ -469,9 +469,9 @@ class _StaticStep:
         import numpy as np
 
         from .cuda import launch, ptr
-        from .decode import DEC_SOURCE
+        from .decode import dec_source
         b, W = self.bucket, self.table.shape[1]
-        launch(DEC_SOURCE, "pg_prepare", self.inputs.device, (-(-b * W // 256), 1, 1), (256, 1, 1),
+        launch(dec_source(self.pool.layers[0].head_dim), "pg_prepare", self.inputs.device, (-(-b * W // 256), 1, 1), (256, 1, 1),
                (ptr(self.inputs), ptr(self.dev_table), ptr(self.positions), ptr(self.page_index),
                 ptr(self.page_offset), ptr(self.table), ptr(self.lens), np.int32(b), np.int32(W),
                 np.int32(self.pool.page_size), np.int32(self.pool.max_seqs)))
