@@ -215,3 +215,31 @@ def test_llama_attention_at_head_dims_past_128(d):
     for name, y in (("forward", full), ("prefill + decode", steps)):
         err = (y.double() - ref).abs().max().item()
         assert torch.isfinite(y).all() and err <= tol, (name, err, tol)
+
+
+@pytest.mark.parametrize("d", [64, 128, 96])
+@torch.no_grad()
+def test_contiguous_cache_chunks_through_the_paged_prefill(d, monkeypatch):
+    """The triton backend's chunked prefill into a contiguous KV cache (the paged prefill's kernel, one
+    page per sequence): a prompt, two chunks (one past a 128-row tile) and decode rows, against the
+    same steps in torch math and the whole forward."""
+    import tpattn.decode as dec
+    from tpattn import TensorParallelAttention
+    H, G, B = 8, 2, 2
+    D = H * d
+    torch.manual_seed(d)
+    w = {k: (torch.randn(*s) * 0.02).half().cuda() for k, s in
+         (("wq", (D, D)), ("wk", (D, G * d)), ("wv", (D, G * d)), ("wo", (D, D)))}
+    layer = TensorParallelAttention(**w, heads=H, kv_heads=G, head_dim=d, causal=True, backend="triton",
+                                    rope_theta=10000.0)
+    x = torch.randn(B, 500, D, device="cuda").half()
+    cuts = [(0, 100), (100, 300), (300, 497), (497, 498), (498, 500)]
+    ran, real, outs = [], dec._triton_prefix_fits, {}
+    for on in (True, False):
+        monkeypatch.setattr(dec, "_triton_prefix_fits", (lambda *a: ran.append(real(*a)) or ran[-1]) if on
+                            else (lambda *a: False))
+        cache = layer.new_cache(B, 512)
+        outs[on] = torch.cat([layer(x[:, a:b], cache=cache) for a, b in cuts], 1)
+    assert ran == [True, True]
+    assert (outs[True].float() - outs[False].float()).abs().max().item() <= 2e-3
+    assert (outs[True].float() - layer(x).float()).abs().max().item() <= 4e-3

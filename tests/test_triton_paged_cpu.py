@@ -117,3 +117,32 @@ def test_layer_paged_steps_through_the_triton_prefill(monkeypatch):
     assert calls == [True] * len(steps)
     for a, b in zip(outs[True], outs[False]):
         assert (a.float() - b.float()).abs().max().item() <= 2e-3
+
+
+@interp
+@torch.no_grad()
+def test_contiguous_cache_chunks_through_the_paged_prefill(monkeypatch):
+    """A contiguous KV cache's chunked prefill with the triton backend (rows after earlier ones: the
+    paged prefill's kernel, the cache seen as one page per sequence): two sequences, a prompt then two
+    chunks and a decode row, against the same steps in torch math and against the whole forward."""
+    import tpattn.decode as dec
+    from tpattn import TensorParallelAttention
+    H, G, d, B = 4, 2, 64, 2
+    D = H * d
+    torch.manual_seed(2)
+    w = {k: (torch.randn(*s) * 0.05).half() for k, s in
+         (("wq", (D, D)), ("wk", (D, G * d)), ("wv", (D, G * d)), ("wo", (D, D)))}
+    layer = TensorParallelAttention(**w, heads=H, kv_heads=G, head_dim=d, causal=True, backend="triton",
+                                    rope_theta=10000.0, group=None)
+    x = torch.randn(B, 80, D).half()
+    cuts = [(0, 30), (30, 47), (47, 79), (79, 80)]
+    ran, real = [], dec._triton_prefix_fits
+    outs = {}
+    for on in (True, False):
+        monkeypatch.setattr(dec, "_triton_prefix_fits", (lambda *a: ran.append(real(*a)) or ran[-1]) if on
+                            else (lambda *a: False))
+        cache = layer.new_cache(B, 96)
+        outs[on] = torch.cat([layer(x[:, a:b], cache=cache) for a, b in cuts], 1)
+    assert ran == [True, True]  # the two chunks after the prompt (the prompt: the backend's forward)
+    assert (outs[True].float() - outs[False].float()).abs().max().item() <= 2e-3
+    assert (outs[True].float() - layer(x).float()).abs().max().item() <= 4e-3

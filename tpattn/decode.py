@@ -397,6 +397,9 @@ def forward_cached(layer, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
                     del qkv, q, k, v  # K and V are in the cache, q in qv: the projection's rows can go
                     layer.backend.forward(qv, cache.k[:, :, :L0 + T], cache.v[:, :, :L0 + T], True, out=ov,
                                           rows=(r0, L0 + T))
+        elif _triton_prefix_fits(layer, q, B):  # the paged prefill's kernel, the cache one page per sequence
+            with section("attention"):
+                o = triton_prefix_attention(q, cache.k, cache.v, L0)
         else:
             with section("attention"):
                 o = attend(q, cache.k[:, :, :L0 + T], cache.v[:, :, :L0 + T], L0).permute(0, 2, 1, 3)
@@ -415,6 +418,26 @@ def prefix_attention(backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     qv, ov, o, r0 = fused_prefix_buffers(q, L0, backend.row_chunks)
     backend.forward(qv, k, v, True, out=ov, rows=(r0, L0 + q.shape[2]))
     return o
+
+
+def _triton_prefix_fits(layer, q: torch.Tensor, B: int) -> bool:
+    from .paged import triton_prefill_fits
+    return not torch.compiler.is_compiling() and triton_prefill_fits(layer, q[:, :, 0], B)
+
+
+def triton_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, L0: int) -> torch.Tensor:
+    """o [B, T, h, d] of the T queries q [B, h, T, d] at positions L0.. over a contiguous cache's K, V
+    [B, g, max_len, d] (its first L0 + T rows valid), causal, through the Triton paged prefill
+    (tpattn/attention/triton_paged.py): the cache seen as a pool of B pages of max_len tokens,
+    sequence b's one page b. One launch, K/V read in place, no scores, no pad rows."""
+    from .attention.triton_paged import paged_prefill
+    B, h, T, d = q.shape
+    dev = q.device
+    rows = q.permute(0, 2, 1, 3).reshape(B * T, h, d)  # (a copy where q is not laid out by rows)
+    table = torch.arange(B, dtype=torch.int32, device=dev)[:, None]
+    cu = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=dev)
+    starts = torch.full((B,), L0, dtype=torch.int32, device=dev)
+    return paged_prefill(rows, k, v, table, cu, starts, T).view(B, T, h, d)
 
 
 def fused_prefix_buffers(q: torch.Tensor, L0: int, align: int):
