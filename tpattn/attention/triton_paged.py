@@ -8,7 +8,8 @@ already written) at positions 0 .. L_i + T_i - 1 in the pool's pages [pages, g, 
 the sequence at table[i, j]. Program (t, i * h + head) takes rows [t * BLOCK_M, (t + 1) * BLOCK_M)
 of sequence i (none if T_i is shorter: it returns), streams the key tiles up to its last row's
 position with an online softmax in base 2, as attn_fwd (triton_kernels.py) does, each key's page
-and slot looked up in the table (a gather: the tile's keys need not share a page). So a step's
+and slot looked up in the table (a gather: the tile's keys need not share a page); the tiles every
+row of the program sees whole (below its first row's position) run without a mask. So a step's
 prefill is one launch whatever its sequences, with no gathered copy of K and V and no scores in
 memory: O(rows x d) beyond the pool.
 """
@@ -29,6 +30,37 @@ CONFIG = {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
 
 def block_d(d: int) -> int:
     return max(16, 1 << max(0, d - 1).bit_length())
+
+
+@triton.jit
+def _paged_tiles(acc, l_i, m_i, q, KP, VP, trow, start, stop, pos_m, cols, dims, dim_ok, qk_scale, hk,
+                 skp, skh, sks, svp, svh, svs, PAGE, MASK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tiles [start, stop) of one sequence into one query tile's running (acc, l, m), online
+    softmax in base 2, each key's page looked up in the table row trow. MASK: the tiles cross the
+    diagonal or the keys' end (stop), or the head dim is padded; else every key is seen by every row."""
+    for n0 in range(start, stop, BLOCK_N):
+        kpos = n0 + cols
+        key_ok = kpos < stop
+        if MASK:
+            page = tl.load(trow + kpos // PAGE, mask=key_ok, other=0).to(tl.int64)
+        else:
+            page = tl.load(trow + kpos // PAGE).to(tl.int64)
+        slot = (kpos % PAGE).to(tl.int64)
+        kT = tl.load(KP + page[None, :] * skp + hk * skh + slot[None, :] * sks + dims[:, None],
+                     mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
+        v = tl.load(VP + page[:, None] * svp + hk * svh + slot[:, None] * svs + dims[None, :],
+                    mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        qk = tl.dot(q, kT)
+        if MASK:
+            qk = tl.where(key_ok[None, :] & (pos_m[:, None] >= kpos[None, :]), qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+        p = tl.math.exp2(qk * qk_scale - m_ref[:, None])
+        alpha = tl.math.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -57,29 +89,15 @@ def paged_prefill_fwd(Q, KP, VP, O, TABLE, CU, START, qk_scale,
         q = tl.load(Q + grow[:, None] * sqr + hq * sqh + dims[None, :], mask=io_ok, other=0.0)
         pos_m = L0 + offs_m                                   # the rows' positions
         stop = L0 + tl.minimum(m0 + BLOCK_M, n_rows)          # keys past the tile's last row: none
+        full = (L0 + m0 + 1) // BLOCK_N * BLOCK_N             # whole key tiles every row of the tile sees
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         trow = TABLE + s.to(tl.int64) * stab
-        for n0 in range(0, stop, BLOCK_N):
-            kpos = n0 + cols
-            key_ok = kpos < stop
-            page = tl.load(trow + kpos // PAGE, mask=key_ok, other=0).to(tl.int64)
-            slot = (kpos % PAGE).to(tl.int64)
-            kT = tl.load(KP + page[None, :] * skp + hk * skh + slot[None, :] * sks + dims[:, None],
-                         mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
-            v = tl.load(VP + page[:, None] * svp + hk * svh + slot[:, None] * svs + dims[None, :],
-                        mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
-            qk = tl.dot(q, kT)
-            keep = key_ok[None, :] & (pos_m[:, None] >= kpos[None, :])
-            qk = tl.where(keep, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows see no key
-            p = tl.math.exp2(qk * qk_scale - m_ref[:, None])
-            alpha = tl.math.exp2(m_i - m_ref)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+        acc, l_i, m_i = _paged_tiles(acc, l_i, m_i, q, KP, VP, trow, 0, full, pos_m, cols, dims, dim_ok, qk_scale,
+                                     hk, skp, skh, sks, svp, svh, svs, PAGE, False, BLOCK_N)
+        acc, l_i, m_i = _paged_tiles(acc, l_i, m_i, q, KP, VP, trow, full, stop, pos_m, cols, dims, dim_ok, qk_scale,
+                                     hk, skp, skh, sks, svp, svh, svs, PAGE, True, BLOCK_N)
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(O + grow[:, None] * sor + hq * soh + dims[None, :], o.to(O.dtype.element_ty), mask=io_ok)
 
