@@ -4,7 +4,7 @@ configs can be chosen (and checked) on any machine.
 
     python scripts/triton_regs.py [--arch 90] [--head-dims 64 96 128 256] [--dtype fp16]
 
-For each kernel (forward, dK/dV, dQ), head dim and config: (BLOCK_M, BLOCK_N, warps, stages), registers
+For each kernel (forward, dK/dV, dQ; the paged prefill at its one config), head dim and config: (BLOCK_M, BLOCK_N, warps, stages), registers
 a thread, spill stores and loads (bytes), shared memory. Exit status 1 if any config spills.
 Compiles with pointers aligned to 16 and, where 16 divides d (contiguous rows), the strides too, as a
 real launch specializes them (for d = 40, 136, ... the row stride is not a multiple of 16)."""
@@ -20,17 +20,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-KERNELS = {"fwd": "attn_fwd", "kv": "attn_bwd_kv", "q": "attn_bwd_q"}
+KERNELS = {"fwd": "attn_fwd", "kv": "attn_bwd_kv", "q": "attn_bwd_q", "pg": "paged_prefill_fwd"}
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
 
 
 def compile_one(K, which: str, d: int, causal: bool, cfg, dtype: str, arch: int) -> dict:
-    """One kernel, head dim, causal flag and config: ptxas's numbers for it."""
+    """One kernel, head dim, causal flag and config: ptxas's numbers for it (pg: the paged prefill of
+    tpattn/attention/triton_paged.py, causal by construction)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    fn = getattr(K, KERNELS[which]).fn
+    if which == "pg":
+        from tpattn.attention import triton_paged
+        fn = triton_paged.paged_prefill_fwd
+    else:
+        fn = getattr(K, KERNELS[which]).fn
     names = fn.arg_names
     bm, bn, warps, stages = cfg
     const = {"HEAD_DIM": d, "CAUSAL": causal, "BLOCK_D": K.block_d(d), "PAD_D": K.block_d(d) != d,
@@ -41,8 +46,10 @@ def compile_one(K, which: str, d: int, causal: bool, cfg, dtype: str, arch: int)
             sig[name] = "constexpr"
         elif name in ("L", "DELTA"):
             sig[name] = "*fp32"
-        elif name in ("Q", "K", "V", "O", "DO", "DK", "DV", "DQ"):
+        elif name in ("Q", "K", "V", "O", "DO", "DK", "DV", "DQ", "KP", "VP"):
             sig[name] = "*" + dtype
+        elif name in ("TABLE", "CU", "START"):
+            sig[name] = "*i32"
         elif name in ("qk_scale", "sm_scale"):
             sig[name] = "fp32"
         else:
@@ -81,10 +88,12 @@ def main(argv=None) -> int:
     bad = 0
     print(f"sm_{a.arch}, {a.dtype}: kernel, head dim (tile width), causal, (BLOCK_M, BLOCK_N, warps, stages): "
           "registers, spill stores/loads (bytes), shared memory (bytes)")
+    from tpattn.attention import triton_paged
     for d in a.head_dims:
         for which in KERNELS:
-            for cfg in K.tune_set(which, K.block_d(d)):
-                for causal in (False, True):
+            cfgs = [triton_paged.CONFIG[max(64, K.block_d(d))]] if which == "pg" else K.tune_set(which, K.block_d(d))
+            for cfg in cfgs:
+                for causal in (False, True) if which != "pg" else (True,):
                     r = compile_one(K, which, d, causal, cfg, a.dtype, a.arch)
                     spills = r["spill_stores"] + r["spill_loads"]
                     bad += spills > 0
