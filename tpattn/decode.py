@@ -421,8 +421,8 @@ def prefix_attention(backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _triton_prefix_fits(layer, q: torch.Tensor, B: int) -> bool:
-    from .paged import triton_prefill_fits
-    return not torch.compiler.is_compiling() and triton_prefill_fits(layer, q[:, :, 0], B)
+    from .attention.triton_fused import paged_prefill_fits
+    return not torch.compiler.is_compiling() and paged_prefill_fits(layer, q[:, :, 0], B)
 
 
 def triton_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, L0: int) -> torch.Tensor:

@@ -372,14 +372,10 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
 
 
 def triton_prefill_fits(layer, q: torch.Tensor, seqs: int) -> bool:
-    """Whether a prefill step runs the Triton paged prefill (tpattn/attention/triton_paged.py): the
-    layer's backend is triton, on a GPU (or Triton's interpreter), fp16/bf16, a head dim that is a
-    multiple of 8 up to 256, at most 65535 (sequence, head) pairs (the grid's y)."""
-    from .attention.triton_fused import interpreting, triton_available
-    d = q.shape[-1]
-    return (layer.backend.name == "triton" and q.dtype in (torch.float16, torch.bfloat16)
-            and (q.is_cuda or interpreting()) and d % 8 == 0 and 8 <= d <= 256
-            and seqs * q.shape[1] <= 65535 and triton_available())
+    """Whether a prefill step runs the Triton paged prefill (attention/triton_fused.py's
+    paged_prefill_fits says when)."""
+    from .attention.triton_fused import paged_prefill_fits
+    return paged_prefill_fits(layer, q, seqs)
 
 
 def paged_decode_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
