@@ -310,14 +310,7 @@ def test_decode_launches_contiguous_and_paged(monkeypatch, h, g):
     monkeypatch.setattr(decode, "decode_kernel_fits", lambda q: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"multi_processor_count": 132}))
     B, d, L = 3, 128, 300
-    q = torch.randn(B, h, 1, d).half()
-    k, v = (torch.randn(B, g, 512, d).half() for _ in range(2))
-    tickets = torch.zeros(B * g, dtype=torch.int32)
-    decode.decode_attention(q, k, v, L, tickets=tickets)
-    pool_k, pool_v = (torch.randn(40, g, 16, d).half() for _ in range(2))
-    table = torch.arange(B * 12, dtype=torch.int32).view(B, 12)
-    lens = torch.tensor([5, 190, 17], dtype=torch.int32)
-    decode.paged_decode_attention(q[:, :, 0], pool_k, pool_v, table, lens, 12 * 16, tickets=tickets)
+    table, lens = decode_both(decode, B, h, g, d, L)[2:]
     assert [c[1].endswith("_pg") for c in calls] == [False, True]
     for c in calls:
         check_launch(*c)
@@ -362,6 +355,19 @@ def test_paged_append_and_prepare_launches(monkeypatch, rope):
     assert calls[1][2][0] * 256 >= 4 * 6   # a thread per table entry
 
 
+def decode_both(decode, B, h, g, d, L):
+    """One contiguous and one paged decode launch (to a recorder) on CPU tensors: (q, k, table, lens)."""
+    q = torch.randn(B, h, 1, d).half()
+    k, v = (torch.randn(B, g, 512, d).half() for _ in range(2))
+    tickets = torch.zeros(B * g, dtype=torch.int32)
+    decode.decode_attention(q, k, v, L, tickets=tickets)
+    pool_k, pool_v = (torch.randn(40, g, 16, d).half() for _ in range(2))
+    table = torch.arange(B * 12, dtype=torch.int32).view(B, 12)
+    lens = torch.tensor([5, 190, 17][:B], dtype=torch.int32)
+    decode.paged_decode_attention(q[:, :, 0], pool_k, pool_v, table, lens, 12 * 16, tickets=tickets)
+    return q, k, table, lens
+
+
 @pytest.mark.parametrize("split", ["auto", "mma"])
 @pytest.mark.parametrize("d", [32, 80, 96, 160, 192, 256, 128])
 @pytest.mark.parametrize("h,g", [(8, 8), (8, 2)])
@@ -382,17 +388,11 @@ def test_decode_launches_at_every_head_dim(monkeypatch, d, h, g, split):
                                                                                    q.shape[-1]))
     monkeypatch.setattr(decode, "cupy_available", lambda: True)
     B, L = 2, 300
-    q = torch.randn(B, h, 1, d).half()
-    k, v = (torch.randn(B, g, 512, d).half() for _ in range(2))
-    tickets = torch.zeros(B * g, dtype=torch.int32)
-    decode.decode_attention(q, k, v, L, tickets=tickets)
-    pool_k, pool_v = (torch.randn(40, g, 16, d).half() for _ in range(2))
-    table = torch.arange(B * 12, dtype=torch.int32).view(B, 12)
-    decode.paged_decode_attention(q[:, :, 0], pool_k, pool_v, table, torch.tensor([5, 190], dtype=torch.int32),
-                                  12 * 16, tickets=tickets)
+    k = decode_both(decode, B, h, g, d, L)[1]
     qkv = torch.randn(B, h + 2 * g, d).half()
-    decode.append_kernel(qkv, k, v, torch.tensor([7]), None, None, h, False)
-    decode.append_paged_kernel(qkv, pool_k, pool_v, torch.tensor([3, 40]), torch.tensor([0, 2]), None, None, h, False)
+    decode.append_kernel(qkv, k, k, torch.tensor([7]), None, None, h, False)
+    pool = torch.zeros(40, g, 16, d).half()
+    decode.append_paged_kernel(qkv, pool, pool, torch.tensor([3, 40]), torch.tensor([0, 2]), None, None, h, False)
     other = d not in decode.DEC_HEAD_DIMS
     assert [c[0] for c in calls] == ["decode_attention_dims.cu" if other else "decode_attention.cu"] * 4
     assert [c[1][:10] for c in calls[2:]] == ["dec_append", "dec_append"]
