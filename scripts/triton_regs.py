@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     from tpattn.attention import triton_paged
     for d in a.head_dims:
         for which in KERNELS:
-            cfgs = [triton_paged.CONFIG[max(64, K.block_d(d))]] if which == "pg" else K.tune_set(which, K.block_d(d))
+            cfgs = [triton_paged.config(d)] if which == "pg" else K.tune_set(which, K.block_d(d))
             for cfg in cfgs:
                 for causal in (False, True) if which != "pg" else (True,):
                     r = compile_one(K, which, d, causal, cfg, a.dtype, a.arch)

@@ -80,7 +80,7 @@ def test_paged_prefill_takes_every_tile_config_and_page_size():
         cu = torch.tensor([0, rows[0], sum(rows)], dtype=torch.int32)
         want = reference(q, kp, vp, table, rows, starts)
         for config in ((128, 64, 8, 3), (64, 32, 4, 2), (16, 16, 4, 1)):
-            o = paged_prefill(q, kp, vp, table, cu, torch.tensor(starts, dtype=torch.int32), max(rows), config=config)
+            o = paged_prefill(q, kp, vp, table, cu, torch.tensor(starts, dtype=torch.int32), max(rows), tiles=config)
             assert (o.double() - want).abs().max().item() < 4e-3, (page, config)
 
 

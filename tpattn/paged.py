@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention.triton_fused import paged_prefill_fits as triton_prefill_fits  # (tests swap it here)
 from .errors import ConfigError
 
 PAGE_SIZE = 16  # tokens per page (FlashInfer reads pages of 1-16 tokens as fast as contiguous K/V)
@@ -244,18 +245,22 @@ class PagedStep:
         """Positions the step's rows reach (their rotary tables' length)."""
         return max(L0 + r for L0, r in zip(self.starts, self.rows))
 
+    def _with_table(self, extra: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block table int32 [n, most pages] of the step's n sequences, each its pages up to its length
+        after the step, zero-padded; `extra` int32 after it) on the pool's device, in one copy."""
+        P, n = self.pool.page_size, len(self.slots)
+        pages = [self.pool.tables[s][:-(-(L0 + r) // P)] for s, L0, r in zip(self.slots, self.starts, self.rows)]
+        most = max(len(p) for p in pages)
+        flat = _on_device(torch.tensor([x for p in pages for x in p + [0] * (most - len(p))] + extra,
+                                       dtype=torch.int32), self.pool.device)
+        return flat[:n * most].view(n, most), flat[n * most:]
+
     def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(block table int32 [n, most pages], lengths int32 [n] after the step, the longest) of the
         step's n sequences, on the pool's device: what the paged decode kernel reads. Made once."""
         if self._tables is None:
-            P = self.pool.page_size
             lens = [L0 + r for L0, r in zip(self.starts, self.rows)]
-            most = max(-(-n // P) for n in lens)
-            rows = [self.pool.tables[s][:-(-n // P)] for s, n in zip(self.slots, lens)]
-            table = torch.tensor([r + [0] * (most - len(r)) for r in rows], dtype=torch.int32)
-            self._tables = (_on_device(table, self.pool.device), _on_device(torch.tensor(lens, dtype=torch.int32),
-                                                                             self.pool.device),
-                            max(lens))
+            self._tables = (*self._with_table(lens), max(lens))
         return self._tables
 
     def prefill_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -263,13 +268,9 @@ class PagedStep:
         int32 [n]) of the step's n sequences on the pool's device, in one copy: what the Triton paged
         prefill reads. Made once."""
         if self._prefill is None:
-            P, n = self.pool.page_size, len(self.slots)
-            pages = [self.pool.tables[s][:-(-(L0 + r) // P)] for s, L0, r in zip(self.slots, self.starts, self.rows)]
-            most = max(len(p) for p in pages)
-            flat = torch.tensor([x for p in pages for x in p + [0] * (most - len(p))] + self.cu + self.starts,
-                                dtype=torch.int32)
-            flat = _on_device(flat, self.pool.device)
-            self._prefill = (flat[:n * most].view(n, most), flat[n * most:n * most + n + 1], flat[n * most + n + 1:])
+            n = len(self.slots)
+            table, rest = self._with_table(self.cu + self.starts)
+            self._prefill = (table, rest[:n + 1], rest[n + 1:])
         return self._prefill
 
     def view(self, index: int = 0) -> PagedView:
@@ -369,13 +370,6 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
     total = OutputSum(layer, plan, x.device)
     total.add_rows(0, R, o.view(R, h * d))
     return total.result().view(B, N, D)
-
-
-def triton_prefill_fits(layer, q: torch.Tensor, seqs: int) -> bool:
-    """Whether a prefill step runs the Triton paged prefill (attention/triton_fused.py's
-    paged_prefill_fits says when)."""
-    from .attention.triton_fused import paged_prefill_fits
-    return paged_prefill_fits(layer, q, seqs)
 
 
 def paged_decode_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,

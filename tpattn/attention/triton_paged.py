@@ -22,14 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per tile width (the head dim, rounded up to a power of
-# two): the forward's first configs (triton_kernels.TUNE["fwd"]), no autotune (a prefill's shapes
-# change every step; one compile per head dim and dtype)
-CONFIG = {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
+from .triton_kernels import block_d, tune_set
 
 
-def block_d(d: int) -> int:
-    return max(16, 1 << max(0, d - 1).bit_length())
+def config(d: int) -> tuple:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for head dim d: the forward's first config at its tile
+    width (triton_kernels.TUNE), no autotune (a prefill's shapes change every step; one compile per head
+    dim and dtype)."""
+    return tune_set("fwd", block_d(d))[0]
 
 
 @triton.jit
@@ -104,7 +104,7 @@ def paged_prefill_fwd(Q, KP, VP, O, TABLE, CU, START, qk_scale,
 
 def paged_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                   cu: torch.Tensor, starts: torch.Tensor, most_rows: int, out: torch.Tensor | None = None,
-                  config: tuple | None = None) -> torch.Tensor:
+                  tiles: tuple | None = None) -> torch.Tensor:
     """o [R, h, d] of a step's packed rows q [R, h, d] (columns contiguous), sequence i's rows
     [cu[i], cu[i+1]) at positions starts[i].. over its first starts[i] + rows positions of K, V in
     the pools [pages, g, page, d] (contiguous), through table [n, pages] (int32); cu [n + 1] and
@@ -116,7 +116,7 @@ def paged_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, t
     assert q.stride(-1) == 1 and o.stride(-1) == 1 and k_pool.is_contiguous() and v_pool.is_contiguous()
     if R == 0:
         return o
-    bm, bn, warps, stages = config or CONFIG[max(64, block_d(d))]
+    bm, bn, warps, stages = tiles or config(d)
     grid = (triton.cdiv(most_rows, bm), n * h)
     paged_prefill_fwd[grid](q, k_pool, v_pool, o, table, cu, starts, math.log2(math.e) / math.sqrt(d),
                             q.stride(0), q.stride(1), o.stride(0), o.stride(1), *k_pool.stride()[:3],
