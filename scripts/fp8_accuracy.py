@@ -17,16 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
 
+from bench_kernels import git_commit  # noqa: E402
 from tpattn.attention import fp8  # noqa: E402
 
 
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
     if d & (d - 1):
         p.error(f"--head-dim {d}: the Hadamard rotation needs a power of two (64, 128, 256)")
     res = {"command": shlex.join(["python", *sys.argv]), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-           "commit": _commit(), "torch": torch.__version__,
+           "commit": git_commit(None), "torch": torch.__version__,
            "shape": {"B": B, "H": H, "G": G, "N": N, "d": d, "causal": a.causal}, "forward": {}, "decode": {}}
     for label, frac in (("N(0, 1)", 0.0), ("0.1 % outliers, std 10", 1e-3)):
         res["forward"][label] = forward_rows(B, H, G, N, d, a.causal, frac)
@@ -97,14 +98,6 @@ def main(argv=None) -> int:
     Path(a.out + ".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 0
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -59,12 +59,17 @@ def _group_amax(x: torch.Tensor, scaling: str, block: int) -> torch.Tensor:
     raise ValueError(f"scaling {scaling!r}: use one of {', '.join(SCALINGS)}")
 
 
+def _scaled(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x8, s) with s = amax / 448 of each group (1 for a group of zeros) and x8 = e4m3(x / s)."""
+    s = amax / E4M3_MAX
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return e4m3(x.float() / s), s
+
+
 def quantize(x: torch.Tensor, scaling: str = "head", block: int = BLOCK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     """(x8, s): x [B, h, N, d] in e4m3 values (held in fp32) and the scale of each element's group
     (broadcastable against x), x ~ x8 * s. A group of zeros gets the scale 1."""
-    s = _group_amax(x, scaling, block) / E4M3_MAX
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    return e4m3(x.float() / s), s
+    return _scaled(x, _group_amax(x, scaling, block))
 
 
 def hadamard(d: int, dtype=torch.float64) -> torch.Tensor:
@@ -132,9 +137,7 @@ def attention_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 def quantize_pages(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(pool8, s) of a KV-cache pool [pages, g, page_size, d]: e4m3 values (held in fp32) and one
     scale per (page, K/V head) [pages, g, 1, 1], pool ~ pool8 * s."""
-    s = pool.abs().float().amax(dim=(2, 3), keepdim=True) / E4M3_MAX
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    return e4m3(pool.float() / s), s
+    return _scaled(pool, pool.abs().float().amax(dim=(2, 3), keepdim=True))
 
 
 def rmse(o: torch.Tensor, ref: torch.Tensor) -> float:
