@@ -118,8 +118,18 @@ def test_paged_cache_scales_per_page_and_head():
     pool = torch.randn(6, 2, 16, 32, dtype=torch.float64) * torch.arange(1, 7, dtype=torch.float64).view(6, 1, 1, 1)
     p8, s = fp8.quantize_pages(pool)
     assert s.shape == (6, 2, 1, 1) and torch.equal(fp8.e4m3(p8), p8)
-    assert torch.allclose(s.squeeze().double(), pool.abs().amax(dim=(2, 3)) / 448)
-    assert (((p8 * s).double() - pool).abs() <= s.double() * 448 * 2.0 ** -4 * 1.0001).all()
+    assert torch.equal(s.squeeze(), fp8.pow2_scale(pool.abs().amax(dim=(2, 3))))
+    amax = p8.abs().amax(dim=(2, 3))  # each page's largest value lands in (224, 448], rounded: [224, 448]
+    assert (amax >= 224).all() and (amax <= 448).all()
+    assert (((p8 * s).double() - pool).abs() <= pool.abs() * 2.0 ** -4 + s.double() * 2.0 ** -10).all()
+
+
+def test_pow2_scale_is_the_least_power_of_two_that_fits():
+    amax = torch.tensor([448.0, 448.5, 896.0, 1.0, 3.0e-6, 0.0, 1e30])
+    s = fp8.pow2_scale(amax)
+    assert s.tolist()[:4] == [1.0, 2.0, 2.0, 2.0 ** -8] and s[5] == 0
+    m, _ = torch.frexp(s[s > 0])
+    assert (m == 0.5).all() and (amax[s > 0] / s[s > 0] <= 448).all() and (amax[s > 0] / s[s > 0] > 224).all()
 
 
 def test_unknown_scaling_and_uneven_groups_are_refused():

@@ -24,6 +24,11 @@ sequence at once, its own length, K/V read in place through the block table); a 
 chunk of one) runs, per sequence, the fused forward kernel over its K/V gathered through the table,
 its rows causal from their positions on (decode.prefix_attention: no scores in memory) on a GPU
 with the fused backend; elsewhere torch math (decode.attend, the scores a block of rows at a time).
+
+kv_dtype="fp8" keeps the pages in e4m3 with a scale per (page, K/V head), half the bytes of fp16
+pages (tpattn.attention.fp8: append_pages quantizes each step's rows, raising a page's power-of-two
+scale when a row needs it). Its steps run in torch math, the pages dequantized as they are read:
+no kernel reads FP8 pages yet.
 """
 
 from __future__ import annotations
@@ -33,17 +38,22 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import fp8
 from .errors import ConfigError
 
 PAGE_SIZE = 16  # tokens per page (FlashInfer reads pages of 1-16 tokens as fast as contiguous K/V)
+KV_DTYPES = (None, "fp8")  # the pages' dtype: the layers' own, or e4m3 with a scale per page and K/V head
 
 
 class PagedKV:
     """The pages of K and V of each of `layers` (one layer or a model's list, on one group and one
     device, with the same K/V head shard), a block table per sequence slot, and the host allocator."""
 
-    def __init__(self, layers, pages: int, page_size: int = PAGE_SIZE, max_seqs: int = 64):
+    def __init__(self, layers, pages: int, page_size: int = PAGE_SIZE, max_seqs: int = 64, kv_dtype: str | None = None):
         layers = [layers] if isinstance(layers, torch.nn.Module) else list(layers)
+        if kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"PagedKV kv_dtype={kv_dtype!r}: use 'fp8' (e4m3 pages, a scale per page and K/V head) "
+                              "or None (the layers' dtype)")
         if not layers:
             raise ConfigError("PagedKV needs at least one layer")
         if pages < 1 or page_size < 1 or max_seqs < 1:
@@ -55,11 +65,16 @@ class PagedKV:
                 raise ConfigError(f"PagedKV's layers must share K/V heads per rank, head dim, dtype, device and group "
                                   f"(layer {i} differs from layer 0); make one pool per kind of layer")
         self.layers, self.pages, self.page_size, self.max_seqs = layers, pages, page_size, max_seqs
+        self.kv_dtype, self.fp8 = kv_dtype, kv_dtype == "fp8"
         g, d, dev, dt = first.local_kv_heads, first.head_dim, first.wqkv.device, first.dtype
         # one page more than asked for: page `pages`, never handed out, where a graphed step's padding
         # rows write their K and V (DecodeGraphs)
-        self.k = [torch.zeros(pages + 1, g, page_size, d, dtype=dt, device=dev) for _ in layers]
-        self.v = [torch.zeros(pages + 1, g, page_size, d, dtype=dt, device=dev) for _ in layers]
+        st = torch.float8_e4m3fn if self.fp8 else dt
+        self.k = [torch.zeros(pages + 1, g, page_size, d, dtype=st, device=dev) for _ in layers]
+        self.v = [torch.zeros(pages + 1, g, page_size, d, dtype=st, device=dev) for _ in layers]
+        # FP8 pages: each (page, K/V head)'s scale, a power of two (fp8.pow2_scale)
+        self.k_scale = [torch.zeros(pages + 1, g, dtype=torch.float32, device=dev) for _ in layers] if self.fp8 else None
+        self.v_scale = [torch.zeros(pages + 1, g, dtype=torch.float32, device=dev) for _ in layers] if self.fp8 else None
         self.scratch_page = pages
         self.device = dev
         self.free_pages = list(range(pages - 1, -1, -1))  # a stack: the lowest page is taken first
@@ -104,7 +119,18 @@ class PagedKV:
         return len(self.free_pages)
 
     def nbytes(self) -> int:
-        return sum(2 * t.numel() * t.element_size() for t in self.k)
+        """Bytes of the pages (and, FP8, their scales), every layer's K and V."""
+        return sum(2 * t.numel() * t.element_size() for t in self.k + (self.k_scale or []))
+
+    @staticmethod
+    def bytes_per_token(layers, kv_dtype: str | None = None, page_size: int = PAGE_SIZE) -> float:
+        """The pool's bytes per token of a sequence on this rank, over `layers` (a layer or a list): K
+        and V of the local K/V heads, and with kv_dtype="fp8" one byte a value plus each page's fp32
+        scale shared by its page_size tokens."""
+        layers = [layers] if isinstance(layers, torch.nn.Module) else list(layers)
+        fp8 = kv_dtype == "fp8"
+        return sum(2 * L.local_kv_heads * (L.head_dim * (1 if fp8 else L.dtype.itemsize) + (4 / page_size if fp8 else 0))
+                   for L in layers)
 
     def _slot(self, sid: int) -> int:
         if sid not in self.slots:
@@ -184,6 +210,7 @@ class PagedStep:
             self.cu.append(self.cu[-1] + r)
         self._rows_on_device = None
         self._tables = None
+        self._fp8 = None
 
     def _rows(self):
         """(positions, pages, offsets) of the packed rows on the pool's device: made on first use
@@ -212,6 +239,18 @@ class PagedStep:
     @property
     def total_rows(self) -> int:
         return self.cu[-1]
+
+    def fp8_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fresh [R] bool, carry [k] int64) for an FP8 pool's append (fp8.append_pages): whether each
+        row's page starts in this step, and the first row of each sequence whose last page held rows
+        before it. Made once, on the pool's device."""
+        if self._fp8 is None:
+            P = self.pool.page_size
+            pos = torch.cat([torch.arange(L0, L0 + r) for r, L0 in zip(self.rows, self.starts)])
+            fresh = (pos - pos % P) >= torch.repeat_interleave(torch.tensor(self.starts), torch.tensor(self.rows))
+            carry = torch.tensor([c for c, L0 in zip(self.cu, self.starts) if L0 % P], dtype=torch.int64)
+            self._fp8 = (_on_device(fresh, self.pool.device), _on_device(carry, self.pool.device))
+        return self._fp8
 
     def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(block table int32 [n, most pages], lengths int32 [n] after the step, the longest) of the
@@ -278,30 +317,36 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
         cos, sin = rope_tables(step.positions, d, layer.rope_theta, torch.promote_types(layer.dtype, torch.float32))
         q = apply_rope(q.transpose(0, 1).unsqueeze(0), cos, sin, layer.rope_interleaved)[0].transpose(0, 1)
         k = apply_rope(k.transpose(0, 1).unsqueeze(0), cos, sin, layer.rope_interleaved)[0].transpose(0, 1)
-    kp, vp = pool.k[view.index], pool.v[view.index]
+    i = view.index
+    kp, vp = pool.k[i], pool.v[i]
+    scales = (pool.k_scale[i], pool.v_scale[i]) if pool.fp8 else None
     with section("cache_append"):  # row r's K and V at (its page, its offset) of every K/V head
-        kp[step.page_index, :, step.page_offset] = k
-        vp[step.page_index, :, step.page_offset] = v
+        if scales:  # quantized at each page's scale, raised where a row needs it
+            fresh, carry = step.fp8_rows()
+            fp8.append_pages(kp, scales[0], step.page_index, step.page_offset, k, fresh, carry)
+            fp8.append_pages(vp, scales[1], step.page_index, step.page_offset, v, fresh, carry)
+        else:
+            kp[step.page_index, :, step.page_offset] = k
+            vp[step.page_index, :, step.page_offset] = v
     P = pool.page_size
     if max(step.rows) == 1:  # a decode step: every sequence at once through its block table and length
         table, lens, longest = step.decode_tables()
         with section("attention"):
-            if decode_kernel_fits(q):  # the paged split kernel
+            if decode_kernel_fits(q) and not scales:  # the paged split kernel
                 o = paged_decode_attention(q, kp, vp, table, lens, longest)
             else:
-                o = paged_decode_torch(q, kp, vp, table, lens)
+                o = paged_decode_torch(q, kp, vp, table, lens, scales)
         total = OutputSum(layer, plan, x.device)
         total.add_rows(0, R, o.view(R, h * d))
         return total.result().view(B, N, D)
     o = torch.empty(R, h, d, dtype=layer.dtype, device=x.device)
-    fused = layer.backend.name == "fused" and fused_prefix_fits(q)
+    fused = layer.backend.name == "fused" and fused_prefix_fits(q) and not scales
     with section("attention"):
         for i, (s, T, L0) in enumerate(zip(step.slots, step.rows, step.starts)):
             n = L0 + T
             pages = _on_device(torch.tensor(pool.tables[s][:-(-n // P)], dtype=torch.int64), x.device)
             # its pages gathered per K/V head in one pass each: [g, pages, P, d] seen as [1, g, n, d]
-            ks = kp.transpose(0, 1).index_select(1, pages).view(g, -1, d)[:, :n].unsqueeze(0)
-            vs = vp.transpose(0, 1).index_select(1, pages).view(g, -1, d)[:, :n].unsqueeze(0)
+            ks, vs = (_gather(t, pages, sc, n) for t, sc in zip((kp, vp), scales or (None, None)))
             r0 = step.cu[i]
             qs = q[r0:r0 + T].transpose(0, 1).unsqueeze(0)  # [1, h, T, d]
             if fused:  # the fused kernel's rows from position L0 on, causal: no scores in memory
@@ -313,17 +358,31 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
     return total.result().view(B, N, D)
 
 
+def _gather(pool: torch.Tensor, pages: torch.Tensor, scale: torch.Tensor | None, n: int) -> torch.Tensor:
+    """A sequence's first n positions of one layer's K or V pages [pages, g, P, d], gathered per K/V
+    head in one pass along its pages: [1, g, n, d] (FP8 pages dequantized with their scales, fp32)."""
+    g, d = pool.shape[1], pool.shape[3]
+    t = pool.transpose(0, 1).index_select(1, pages)  # [g, pages, P, d]
+    if scale is not None:
+        t = fp8.dequantize(t, scale.t().index_select(1, pages))
+    return t.reshape(g, -1, d)[:, :n].unsqueeze(0)
+
+
 def paged_decode_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                       lens: torch.Tensor) -> torch.Tensor:
+                       lens: torch.Tensor, scales=None) -> torch.Tensor:
     """What the paged decode kernel computes, in torch math (fp32, fp64 for fp64): q [n, h, d] (row
     b at position lens[b] - 1) over the first lens[b] positions read through table [n, pages]; a
-    row of length 0 is zero. Reads only what the tables say, as the kernel does."""
+    row of length 0 is zero. Reads only what the tables say, as the kernel does. scales: FP8 pages'
+    (k_scale, v_scale) [pages, g], the pages dequantized as they are read."""
     n, h, d = q.shape
     g = k_pool.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
     idx = table.long()
-    k = k_pool[idx].permute(0, 2, 1, 3, 4).reshape(n, g, -1, d).to(acc)  # [n, g, pages * P, d]
-    v = v_pool[idx].permute(0, 2, 1, 3, 4).reshape(n, g, -1, d).to(acc)
+    k, v = k_pool[idx], v_pool[idx]  # [n, pages, g, P, d]
+    if scales is not None:
+        k, v = fp8.dequantize(k, scales[0][idx]), fp8.dequantize(v, scales[1][idx])
+    k = k.permute(0, 2, 1, 3, 4).reshape(n, g, -1, d).to(acc)  # [n, g, pages * P, d]
+    v = v.permute(0, 2, 1, 3, 4).reshape(n, g, -1, d).to(acc)
     qf = q.to(acc).view(n, g, h // g, d)
     s = torch.einsum("bgrd,bgkd->bgrk", qf, k) / math.sqrt(d)
     valid = torch.arange(k.shape[2], device=q.device)[None, :] < lens.long()[:, None]  # [n, keys]
@@ -364,6 +423,11 @@ class _StaticStep:
 
     def decode_tables(self):
         return self.table, self.lens, self.longest
+
+    def fp8_rows(self):
+        """An FP8 pool's append rule for one row a sequence: a row at a page's offset 0 starts it, and
+        every row's page is requantized (no host-side choice inside the graph)."""
+        return self.page_offset == 0, None
 
     def view(self, index: int = 0) -> PagedView:
         return PagedView(self, index)
