@@ -45,7 +45,7 @@ def main() -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where the model runs (cuda: ranks share this node's GPUs, one each where there are enough)")
     ap.add_argument("--kv-dtype", choices=("model", "fp8"), default="model",
-                    help="the KV cache's pages: the model's dtype, or fp8 (e4m3 with a scale per page and K/V head)")
+                    help="the KV cache's pages: the model's dtype, or fp8 (e4m3 with a scale per token and K/V head)")
     ap.add_argument("--check", action="store_true", help="compare with the unmodified model's greedy tokens")
     ap.add_argument("--graphs", action="store_true", help="decode steps under CUDA graphs, one per batch-size bucket "
                     "(--device cuda; the first steps of each bucket capture it)")
@@ -90,7 +90,7 @@ def main() -> int:
         print(f"{args.prompts} prompts of {min(lens)}-{max(lens)} tokens, {n} tokens generated in {dt:.2f} s: "
               f"{n / dt:.1f} tokens/s ({proc.world} rank(s), at most {args.max_batch} sequences live, pages of "
               f"{args.page_size}{'; decode steps CUDA-graphed' if args.graphs else ''})", flush=True)
-        per = PagedKV.bytes_per_token(list(tp.attention), kv_dtype, args.page_size)
+        per = PagedKV.bytes_per_token(list(tp.attention), kv_dtype)
         print(f"KV cache: {per:g} bytes a token on rank 0 ({args.kv_dtype if kv_dtype else args.dtype} pages of "
               f"{args.page_size}, {args.layers} layers)", flush=True)
     ok = True

@@ -62,7 +62,7 @@ class ParallelLlama(torch.nn.Module):
         pages: the pool's size (by default enough for max_batch of the longest sequences).
         graphs: newcomers' prefills in steps of their own, and every decode step of the live
         sequences under a CUDA graph of its batch-size bucket (tpattn.paged.DecodeGraphs; on a GPU).
-        kv_dtype: the pool's pages, "fp8" (e4m3, a scale per page and K/V head: half the bytes of
+        kv_dtype: the pool's pages, "fp8" (e4m3, a scale per token and K/V head: about half the bytes of
         fp16, the attention read from dequantized pages) or None (the model's dtype)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ConfigError("generate needs at least one prompt, each of at least one token")

@@ -25,10 +25,9 @@ chunk of one) runs, per sequence, the fused forward kernel over its K/V gathered
 its rows causal from their positions on (decode.prefix_attention: no scores in memory) on a GPU
 with the fused backend; elsewhere torch math (decode.attend, the scores a block of rows at a time).
 
-kv_dtype="fp8" keeps the pages in e4m3 with a scale per (page, K/V head), half the bytes of fp16
-pages (tpattn.attention.fp8: append_pages quantizes each step's rows, raising a page's power-of-two
-scale when a row needs it). Its steps run in torch math, the pages dequantized as they are read:
-no kernel reads FP8 pages yet.
+kv_dtype="fp8" keeps each token's K and V of each K/V head in e4m3 with an fp32 scale of its own
+(tpattn.attention.fp8.quantize_rows): d + 4 bytes where fp16 takes 2d. Its steps run in torch math,
+the pages dequantized as they are read: no kernel reads FP8 pages yet.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ from .attention import fp8
 from .errors import ConfigError
 
 PAGE_SIZE = 16  # tokens per page (FlashInfer reads pages of 1-16 tokens as fast as contiguous K/V)
-KV_DTYPES = (None, "fp8")  # the pages' dtype: the layers' own, or e4m3 with a scale per page and K/V head
+KV_DTYPES = (None, "fp8")  # the pages' dtype: the layers' own, or e4m3 with a scale per token and K/V head
 
 
 class PagedKV:
@@ -52,7 +51,7 @@ class PagedKV:
     def __init__(self, layers, pages: int, page_size: int = PAGE_SIZE, max_seqs: int = 64, kv_dtype: str | None = None):
         layers = [layers] if isinstance(layers, torch.nn.Module) else list(layers)
         if kv_dtype not in KV_DTYPES:
-            raise ConfigError(f"PagedKV kv_dtype={kv_dtype!r}: use 'fp8' (e4m3 pages, a scale per page and K/V head) "
+            raise ConfigError(f"PagedKV kv_dtype={kv_dtype!r}: use 'fp8' (e4m3 pages, a scale per token and K/V head) "
                               "or None (the layers' dtype)")
         if not layers:
             raise ConfigError("PagedKV needs at least one layer")
@@ -72,9 +71,11 @@ class PagedKV:
         st = torch.float8_e4m3fn if self.fp8 else dt
         self.k = [torch.zeros(pages + 1, g, page_size, d, dtype=st, device=dev) for _ in layers]
         self.v = [torch.zeros(pages + 1, g, page_size, d, dtype=st, device=dev) for _ in layers]
-        # FP8 pages: each (page, K/V head)'s scale, a power of two (fp8.pow2_scale)
-        self.k_scale = [torch.zeros(pages + 1, g, dtype=torch.float32, device=dev) for _ in layers] if self.fp8 else None
-        self.v_scale = [torch.zeros(pages + 1, g, dtype=torch.float32, device=dev) for _ in layers] if self.fp8 else None
+        # FP8 pages: each position's scale per K/V head (fp8.quantize_rows)
+        self.k_scale = [torch.zeros(pages + 1, g, page_size, dtype=torch.float32, device=dev) for _ in layers] \
+            if self.fp8 else None
+        self.v_scale = [torch.zeros(pages + 1, g, page_size, dtype=torch.float32, device=dev) for _ in layers] \
+            if self.fp8 else None
         self.scratch_page = pages
         self.device = dev
         self.free_pages = list(range(pages - 1, -1, -1))  # a stack: the lowest page is taken first
@@ -123,14 +124,12 @@ class PagedKV:
         return sum(2 * t.numel() * t.element_size() for t in self.k + (self.k_scale or []))
 
     @staticmethod
-    def bytes_per_token(layers, kv_dtype: str | None = None, page_size: int = PAGE_SIZE) -> float:
+    def bytes_per_token(layers, kv_dtype: str | None = None) -> int:
         """The pool's bytes per token of a sequence on this rank, over `layers` (a layer or a list): K
-        and V of the local K/V heads, and with kv_dtype="fp8" one byte a value plus each page's fp32
-        scale shared by its page_size tokens."""
+        and V of the local K/V heads, and with kv_dtype="fp8" one byte a value plus the row's fp32 scale."""
         layers = [layers] if isinstance(layers, torch.nn.Module) else list(layers)
         fp8 = kv_dtype == "fp8"
-        return sum(2 * L.local_kv_heads * (L.head_dim * (1 if fp8 else L.dtype.itemsize) + (4 / page_size if fp8 else 0))
-                   for L in layers)
+        return sum(2 * L.local_kv_heads * (L.head_dim + 4 if fp8 else L.head_dim * L.dtype.itemsize) for L in layers)
 
     def _slot(self, sid: int) -> int:
         if sid not in self.slots:
@@ -210,7 +209,6 @@ class PagedStep:
             self.cu.append(self.cu[-1] + r)
         self._rows_on_device = None
         self._tables = None
-        self._fp8 = None
 
     def _rows(self):
         """(positions, pages, offsets) of the packed rows on the pool's device: made on first use
@@ -239,18 +237,6 @@ class PagedStep:
     @property
     def total_rows(self) -> int:
         return self.cu[-1]
-
-    def fp8_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(fresh [R] bool, carry [k] int64) for an FP8 pool's append (fp8.append_pages): whether each
-        row's page starts in this step, and the first row of each sequence whose last page held rows
-        before it. Made once, on the pool's device."""
-        if self._fp8 is None:
-            P = self.pool.page_size
-            pos = torch.cat([torch.arange(L0, L0 + r) for r, L0 in zip(self.rows, self.starts)])
-            fresh = (pos - pos % P) >= torch.repeat_interleave(torch.tensor(self.starts), torch.tensor(self.rows))
-            carry = torch.tensor([c for c, L0 in zip(self.cu, self.starts) if L0 % P], dtype=torch.int64)
-            self._fp8 = (_on_device(fresh, self.pool.device), _on_device(carry, self.pool.device))
-        return self._fp8
 
     def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(block table int32 [n, most pages], lengths int32 [n] after the step, the longest) of the
@@ -321,10 +307,11 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
     kp, vp = pool.k[i], pool.v[i]
     scales = (pool.k_scale[i], pool.v_scale[i]) if pool.fp8 else None
     with section("cache_append"):  # row r's K and V at (its page, its offset) of every K/V head
-        if scales:  # quantized at each page's scale, raised where a row needs it
-            fresh, carry = step.fp8_rows()
-            fp8.append_pages(kp, scales[0], step.page_index, step.page_offset, k, fresh, carry)
-            fp8.append_pages(vp, scales[1], step.page_index, step.page_offset, v, fresh, carry)
+        if scales:  # each row in e4m3 with its own scale
+            for pool8, sc, t in ((kp, scales[0], k), (vp, scales[1], v)):
+                t8, s = fp8.quantize_rows(t)
+                pool8[step.page_index, :, step.page_offset] = t8.to(pool8.dtype)  # (exact: e4m3 values)
+                sc[step.page_index, :, step.page_offset] = s.squeeze(-1)
         else:
             kp[step.page_index, :, step.page_offset] = k
             vp[step.page_index, :, step.page_offset] = v
@@ -364,7 +351,7 @@ def _gather(pool: torch.Tensor, pages: torch.Tensor, scale: torch.Tensor | None,
     g, d = pool.shape[1], pool.shape[3]
     t = pool.transpose(0, 1).index_select(1, pages)  # [g, pages, P, d]
     if scale is not None:
-        t = fp8.dequantize(t, scale.t().index_select(1, pages))
+        t = fp8.dequantize(t, scale.transpose(0, 1).index_select(1, pages))
     return t.reshape(g, -1, d)[:, :n].unsqueeze(0)
 
 
@@ -373,7 +360,7 @@ def paged_decode_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
     """What the paged decode kernel computes, in torch math (fp32, fp64 for fp64): q [n, h, d] (row
     b at position lens[b] - 1) over the first lens[b] positions read through table [n, pages]; a
     row of length 0 is zero. Reads only what the tables say, as the kernel does. scales: FP8 pages'
-    (k_scale, v_scale) [pages, g], the pages dequantized as they are read."""
+    (k_scale, v_scale) [pages, g, P], the pages dequantized as they are read."""
     n, h, d = q.shape
     g = k_pool.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -423,11 +410,6 @@ class _StaticStep:
 
     def decode_tables(self):
         return self.table, self.lens, self.longest
-
-    def fp8_rows(self):
-        """An FP8 pool's append rule for one row a sequence: a row at a page's offset 0 starts it, and
-        every row's page is requantized (no host-side choice inside the graph)."""
-        return self.page_offset == 0, None
 
     def view(self, index: int = 0) -> PagedView:
         return PagedView(self, index)

@@ -17,13 +17,14 @@ rows (causal rows past none) give zeros. rotate=True multiplies Q and K by the s
 matrix (H / sqrt(d), d a power of two) before quantizing: (Q H)(K H)^T = Q K^T, while an outlier in one
 column is spread over all d columns, so one large value no longer sets the scale of its whole group.
 
-The FP8 KV cache (tpattn.paged.PagedKV(..., kv_dtype="fp8")): K and V pages in e4m3 with one scale
-per (page, K/V head), dequantized as they are read; the query and the softmax stay in fp32. A page's
-scale is a power of two: the least s with amax / s <= 448 over the rows written so far (pow2_scale).
-Rows arrive a step at a time (append_pages), so a row larger than the page has held raises its scale
-and the rows already there are requantized; with powers of two that is a shift of the exponent, exact
-for every value that stays an e4m3 normal, so a page holds (but for values under 2^-6 s, rounded twice)
-the bits that quantizing its final rows at once gives (quantize_pages), whatever the steps were.
+The FP8 KV cache (tpattn.paged.PagedKV(..., kv_dtype="fp8")): each token's K and V of each K/V head
+in e4m3 with a scale of its own, s = amax / 448 over its d values (quantize_rows), dequantized as they
+are read; the query and the softmax stay in fp32. A row's scale depends on that row alone, so a step
+writes its rows without touching earlier ones, and a page's bits are the same whatever the steps were.
+Scales per page and K/V head were measured and not kept (scripts/fp8_accuracy.py's decode table):
+rows arrive one at a time, so a page's scale would rise as they come and its earlier rows be rounded
+again (1.5x the per-token error on N(0, 1) K/V), or, kept to powers of two so that rising is exact,
+lose the exact largest value that an amax scale gives (2.4x the per-token error with outliers).
 
 rmse(): the root mean square error of an output against float64, what the accuracy tables report
 (scripts/fp8_accuracy.py).
@@ -51,14 +52,6 @@ def to_e4m3(x: torch.Tensor) -> torch.Tensor:
 def e4m3(x: torch.Tensor) -> torch.Tensor:
     """x rounded to the nearest e4m3 value (ties to even), saturating at +-448, returned in fp32."""
     return to_e4m3(x).float()
-
-
-def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
-    """The FP8 cache's scale of a group whose largest |x| is amax (fp32, any shape): the least power
-    of two s with amax / s <= 448, so the group's largest value lands in (224, 448]; 0 for amax 0."""
-    y = amax.float() / E4M3_MAX
-    m, e = torch.frexp(y)  # y = m 2^e, m in [0.5, 1): a power of two has m = 0.5 and is its own scale
-    return torch.where(y > 0, torch.ldexp(torch.ones_like(y), e - (m == 0.5).to(e.dtype)), torch.zeros_like(y))
 
 
 def _group_amax(x: torch.Tensor, scaling: str, block: int) -> torch.Tensor:
@@ -152,42 +145,15 @@ def attention_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
         *q.shape[:3], v.shape[-1])
 
 
-def quantize_pages(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pool8, s) of a KV-cache pool [pages, g, page_size, d] quantized at once: e4m3 values (held in
-    fp32) and one scale per (page, K/V head) [pages, g, 1, 1] (pow2_scale of its amax), pool ~ pool8 * s."""
-    s = pow2_scale(pool.abs().float().amax(dim=(2, 3), keepdim=True))
-    return e4m3(pool.float() / torch.where(s > 0, s, torch.ones_like(s))), s
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x8, s): each row of x [..., d] (a token's K or V of one head) in e4m3 values (held in fp32)
+    with its own scale s [..., 1] = amax(|row|) / 448 (1 for a row of zeros), x ~ x8 * s."""
+    return _scaled(x, x.abs().float().amax(-1, keepdim=True))
 
 
-def append_pages(pool8: torch.Tensor, scale: torch.Tensor, page: torch.Tensor, offset: torch.Tensor,
-                 x: torch.Tensor, fresh: torch.Tensor, carry: torch.Tensor | None = None) -> None:
-    """A step's rows x [R, g, d] written, in place, into the FP8 cache's pages pool8 [pages, g, P, d]
-    (torch.float8_e4m3fn) at (page[r], offset[r]), their scales scale [pages, g] (fp32) raised to
-    cover them. fresh [R] (bool): the row's page starts in this step (its earlier scale and rows
-    are not the sequence's; they count as 0). carry: the rows (indices) whose page held rows before
-    the step, one per such page (each sequence's first row, where its length was not a multiple of
-    P), whose pages are requantized at their new scales; None: every row (a decode step, one row per
-    sequence, under a graph: no host-side choice). Pages no row reaches keep their bits and scales."""
-    g = x.shape[1]
-    amax = x.detach().abs().float().amax(-1)  # [R, g]
-    base = scale.index_select(0, page) * (~fresh).unsqueeze(1)  # the page's scale so far
-    want = torch.maximum(base, pow2_scale(amax))
-    new = scale.scatter_reduce(0, page.unsqueeze(1).expand(-1, g), want, "amax", include_self=False)
-    if carry is None or carry.numel():
-        pg = page if carry is None else page.index_select(0, carry)
-        had = base if carry is None else base.index_select(0, carry)
-        to = new.index_select(0, pg)
-        ratio = torch.where(to > 0, had / torch.where(to > 0, to, torch.ones_like(to)), torch.ones_like(to))
-        pool8[pg] = to_e4m3(pool8[pg].float() * ratio[:, :, None, None])  # a power of two: an exponent shift
-    scale.copy_(new)
-    s = new.index_select(0, page)
-    pool8[page, :, offset] = to_e4m3(x.float() / torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(-1))
-
-
-def dequantize(pages8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """pages8 [..., g, P, d] (e4m3) times their scales [..., g], in fp32 (exact: the scales are powers
-    of two)."""
-    return pages8.float() * scale[..., None, None]
+def dequantize(x8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP8 rows x8 [..., d] (e4m3, any storage) times their scales [...], in fp32."""
+    return x8.float() * scale.unsqueeze(-1)
 
 
 def rmse(o: torch.Tensor, ref: torch.Tensor) -> float:
