@@ -3,8 +3,11 @@
 numerics an FP8 kernel is to follow (tpattn/attention/fp8.py): per scaling (one scale per tensor, per
 (batch, head), per block of 128 rows), with and without the Hadamard rotation of Q and K, on N(0, 1)
 inputs and on inputs with a fraction of large outliers (FlashAttention-3's test: 0.1 % of entries with
-N(0, 10^2) added). Also the decode step over an FP8 paged KV cache (per page and K/V head scales)
-against float64, beside an fp16 cache's.
+N(0, 10^2) added). Also the decode step over an FP8 paged KV cache against float64, beside an fp16
+cache's: the cache's scale per token and K/V head (tpattn.paged.PagedKV(kv_dtype="fp8")), and the
+scales per page and K/V head it was chosen over (a page quantized at once, which a cache written a
+step at a time cannot hold; its rows arriving one at a time, the scale raised and the rows already
+there rounded again; a power-of-two scale, raised exactly).
 
     python scripts/fp8_accuracy.py [--seq-len 2048] [--heads 8] [--head-dim 128] [--causal] [--out PREFIX]
 
@@ -44,17 +47,41 @@ def forward_rows(B: int, H: int, G: int, N: int, d: int, causal: bool, outliers:
     return rows
 
 
+def page_rows_arriving(pages: torch.Tensor, pow2: bool) -> torch.Tensor:
+    """Pages [n, g, P, d] written a row at a time with one scale per (page, K/V head): amax / 448 of
+    the rows so far (pow2: the least power of two >= that), raised when a row needs it, the rows
+    already there requantized at the new scale; returns the dequantized pages."""
+    held = torch.zeros_like(pages, dtype=torch.float32)
+    s = torch.zeros(pages.shape[0], pages.shape[1], 1, 1)
+    amax = torch.zeros_like(s)
+    for r in range(pages.shape[2]):
+        amax = torch.maximum(amax, pages[:, :, r:r + 1].abs().float().amax(-1, keepdim=True))
+        new = amax / fp8.E4M3_MAX
+        if pow2:
+            m, e = torch.frexp(new)
+            new = torch.where(new > 0, torch.ldexp(torch.ones_like(new), e - (m == 0.5).to(e.dtype)), new)
+        safe = torch.where(new > 0, new, torch.ones_like(new))
+        held[:, :, :r] = fp8.e4m3(held[:, :, :r] * (s / safe))
+        held[:, :, r:r + 1] = fp8.e4m3(pages[:, :, r:r + 1].float() / safe)
+        s = new
+    return held * s
+
+
 def decode_rows(B: int, H: int, G: int, L: int, d: int, page: int, outliers: float) -> list[dict]:
     """One query row per sequence over L positions of a paged cache: the K/V pages in fp16, and in
-    e4m3 with a scale per (page, K/V head), read back dequantized; q and the softmax in fp32."""
+    e4m3 with the scales above, read back dequantized; q and the softmax in fp32."""
     q, k, v = fp8.inputs(B, H, G, L, d, outliers=outliers, seed=1)
     q = q[:, :, -1:]  # the step's row, at the last position: it sees every key
     pages = lambda t: t.view(B, G, L // page, page, d).transpose(1, 2).reshape(B * L // page, G, page, d)  # noqa: E731
     unpages = lambda t: t.view(B, L // page, G, page, d).transpose(1, 2).reshape(B, G, L, d)  # noqa: E731
+    whole = lambda t: torch.mul(*fp8._scaled(t, t.abs().float().amax(dim=(2, 3), keepdim=True)))  # noqa: E731
     ref = fp8.attention_float64(q, k, v)
     rows = []
     for name, conv in (("fp16", lambda t: t.half().double()),
-                       ("e4m3, a scale per page and K/V head", lambda t: unpages(torch.mul(*fp8.quantize_pages(pages(t)))))):
+                       ("e4m3, a scale per token and K/V head (the cache)", lambda t: torch.mul(*fp8.quantize_rows(t))),
+                       ("per page and K/V head, the page at once", lambda t: unpages(whole(pages(t)))),
+                       ("per page, rows arriving", lambda t: unpages(page_rows_arriving(pages(t), False))),
+                       ("per page, power of two, rows arriving", lambda t: unpages(page_rows_arriving(pages(t), True)))):
         rows.append({"cache": name, "rmse": fp8.rmse(fp8.attention_float64(q, conv(k), conv(v)).half(), ref)})
     return rows
 
@@ -92,7 +119,8 @@ def main(argv=None) -> int:
         md.append(f"| {label} | " + " | ".join(f"{r['rmse']:.2e}" for r in rows) + " |")
     md += ["", f"Decode over a paged cache: B=4 H=32 G=8 L={a.decode_len} d={d}, pages of 16, one query row at the last "
            "position; RMSE of the fp16 output against float64.", "", "| inputs | " +
-           " | ".join(r["cache"] for r in next(iter(res["decode"].values()))) + " |", "|---|---:|---:|"]
+           " | ".join(r["cache"] for r in next(iter(res["decode"].values()))) + " |",
+           "|---|" + "---:|" * len(next(iter(res["decode"].values())))]
     for label, rows in res["decode"].items():
         md.append(f"| {label} | " + " | ".join(f"{r['rmse']:.2e}" for r in rows) + " |")
     Path(a.out + ".md").write_text("\n".join(md) + "\n")

@@ -4,11 +4,14 @@
 per second. The model is built from a small LlamaConfig with random weights (nothing is
 downloaded); the prompts are random, of lengths spread over --prompt-lens. With --check, the
 tokens are compared with the unmodified model's greedy ones (transformers' generate, one prompt at
-a time; in fp16/bf16 a near tie can round the other way). One process, or every rank of mpirun /
-srun (the prompts are the same on every rank), on CPU or (--device cuda) the GPU, over gloo.
+a time; in fp16/bf16 a near tie can round the other way); with --kv-dtype fp8 (e4m3 pages) every
+token must be among the unmodified model's first five at its position, the model fed the same
+tokens. One process, or every rank of mpirun / srun (the prompts are the same on every rank), on CPU
+or (--device cuda) the GPU, over gloo.
 
     python scripts/serve_llama.py --prompts 6 --new-tokens 8 --check
     mpirun -n 2 python scripts/serve_llama.py --prompts 6 --new-tokens 8 --check
+    python scripts/serve_llama.py --prompts 6 --new-tokens 8 --check --kv-dtype fp8
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ def main() -> int:
     ap.add_argument("--dtype", choices=("fp32", "fp64", "fp16", "bf16"), default="fp32")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where the model runs (cuda: ranks share this node's GPUs, one each where there are enough)")
+    ap.add_argument("--kv-dtype", choices=("model", "fp8"), default="model",
+                    help="the KV cache's pages: the model's dtype, or fp8 (e4m3 with a scale per token and K/V head)")
     ap.add_argument("--check", action="store_true", help="compare with the unmodified model's greedy tokens")
     ap.add_argument("--graphs", action="store_true", help="decode steps under CUDA graphs, one per batch-size bucket "
                     "(--device cuda; the first steps of each bucket capture it)")
@@ -54,6 +59,8 @@ def main() -> int:
               "--prompt-lens", file=sys.stderr)
         return 2
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tpattn.paged import PagedKV
 
     import tpattn.hf as hf
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -74,14 +81,18 @@ def main() -> int:
     prompts = [torch.randint(0, args.vocab, (n,)).tolist() for n in lens]
     tp = hf.parallelize(model)
     t0 = time.perf_counter()
+    kv_dtype = None if args.kv_dtype == "model" else args.kv_dtype
     tokens = tp.generate(prompts, args.new_tokens, max_batch=args.max_batch, page_size=args.page_size,
-                         graphs=args.graphs)
+                         graphs=args.graphs, kv_dtype=kv_dtype)
     dt = time.perf_counter() - t0
     n = sum(len(t) for t in tokens)
     if proc.rank == 0:
         print(f"{args.prompts} prompts of {min(lens)}-{max(lens)} tokens, {n} tokens generated in {dt:.2f} s: "
               f"{n / dt:.1f} tokens/s ({proc.world} rank(s), at most {args.max_batch} sequences live, pages of "
               f"{args.page_size}{'; decode steps CUDA-graphed' if args.graphs else ''})", flush=True)
+        per = PagedKV.bytes_per_token(list(tp.attention), kv_dtype)
+        print(f"KV cache: {per:g} bytes a token on rank 0 ({args.kv_dtype if kv_dtype else args.dtype} pages of "
+              f"{args.page_size}, {args.layers} layers)", flush=True)
     ok = True
     if args.check:
         with torch.no_grad():
@@ -89,11 +100,32 @@ def main() -> int:
                     for p in prompts]
         same = sum(a == b for a, b in zip(tokens, want))
         ok = same == len(prompts)
-        if proc.rank == 0:
+        if kv_dtype == "fp8":  # e4m3 K and V move near ties: rank each token as the unmodified model does
+            ranks = teacher_forced_ranks(model, prompts, tokens, device)
+            ok = max(ranks) < TOP
+            if proc.rank == 0:
+                print(f"check: {same} of {len(prompts)} prompts' tokens identical to the unmodified model's; of "
+                      f"{len(ranks)} tokens, {sum(r == 0 for r in ranks)} its first choice, all within its top {TOP} "
+                      f"(teacher-forced): {'PASS' if ok else 'FAIL'} (worst rank {max(ranks) + 1})", flush=True)
+        elif proc.rank == 0:
             print(f"check: {same} of {len(prompts)} prompts' tokens identical to the unmodified model's "
                   f"{'PASS' if ok else 'FAIL'}", flush=True)
     exit_now(0 if ok else 1)
     return 0
+
+
+TOP = 5  # --kv-dtype fp8 --check: every token among the unmodified model's first TOP at its position
+
+
+@torch.no_grad()
+def teacher_forced_ranks(model, prompts, tokens, device) -> list[int]:
+    """Each generated token's rank (0: first) in the unmodified model's logits at its position, the
+    model fed the prompt and the tokens generated before it."""
+    ranks = []
+    for p, t in zip(prompts, tokens):
+        logits = model(torch.tensor([p + t[:-1]], device=device)).logits[0, len(p) - 1:]
+        ranks += (logits > logits.gather(1, torch.tensor(t, device=device)[:, None])).sum(1).tolist()
+    return ranks
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ cache over several ranks. Prints 'PAGED PASS rank R' and exits 0, or what failed
 - A transformers Llama model (random weights, float64) with its attention split over the ranks
   (tpattn.hf.parallelize): greedy tokens for prompts of different lengths and budgets, at most 2
   live at once, identical to the unmodified model's, with K/V heads split (G = 4) and held as
-  copies (G = 1).
+  copies (G = 1); with the FP8 cache (kv_dtype="fp8"), the tokens of one process's FP8 cache.
 - A paged step whose row counts differ between ranks is refused with the same line on every rank,
   before any rank attends (no rank waits in a collective).
 """
@@ -35,6 +35,12 @@ for G in (4, 1):
     got = tp.generate(prompts, budget, max_batch=2, page_size=4)
     if got != want:
         bad.append(f"G={G}: tokens {got} differ from the unmodified model's {want}")
+    # the FP8 cache: each token's row quantized alone, per K/V head, so splitting the heads over the
+    # ranks changes nothing: the same tokens as one process's FP8 cache
+    one = hf.parallelize(model, group=None).generate(prompts, budget, max_batch=2, page_size=4, kv_dtype="fp8")
+    split = tp.generate(prompts, budget, max_batch=2, page_size=4, kv_dtype="fp8")
+    if split != one:
+        bad.append(f"G={G}: FP8-cache tokens {split} differ from one process's {one}")
     if tp.attention[0].local_heads != 4 // W:
         bad.append(f"G={G}: rank {R} holds {tp.attention[0].local_heads} query heads")
 

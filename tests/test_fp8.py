@@ -113,13 +113,17 @@ def test_accuracy_ordering_the_tables_rest_on():
     assert rotated < 0.9 * tensor
 
 
-def test_paged_cache_scales_per_page_and_head():
+def test_cache_rows_scale_each_row_alone():
     torch.manual_seed(0)
-    pool = torch.randn(6, 2, 16, 32, dtype=torch.float64) * torch.arange(1, 7, dtype=torch.float64).view(6, 1, 1, 1)
-    p8, s = fp8.quantize_pages(pool)
-    assert s.shape == (6, 2, 1, 1) and torch.equal(fp8.e4m3(p8), p8)
-    assert torch.allclose(s.squeeze().double(), pool.abs().amax(dim=(2, 3)) / 448)
-    assert (((p8 * s).double() - pool).abs() <= s.double() * 448 * 2.0 ** -4 * 1.0001).all()
+    rows = torch.randn(6, 2, 16, 32, dtype=torch.float64) * torch.arange(1, 7, dtype=torch.float64).view(6, 1, 1, 1)
+    rows[0, 0, 3] = 0
+    r8, s = fp8.quantize_rows(rows)
+    assert s.shape == (6, 2, 16, 1) and torch.equal(fp8.e4m3(r8), r8) and s[0, 0, 3] == 1 and not r8[0, 0, 3].any()
+    amax = rows.abs().amax(-1)
+    assert torch.allclose(s.squeeze(-1).double(), torch.where(amax > 0, amax / 448, 1.0))
+    assert (r8.abs().amax(-1)[amax > 0] == 448).all()  # each row's largest value is exact
+    assert ((r8 * s).double() - rows).abs().le(rows.abs() * 2.0 ** -4 + s.double() * 2.0 ** -10).all()
+    assert torch.equal(fp8.dequantize(r8.to(torch.float8_e4m3fn), s.squeeze(-1)), r8 * s)
 
 
 def test_unknown_scaling_and_uneven_groups_are_refused():
@@ -147,3 +151,18 @@ def test_the_accuracy_script_writes_its_table(tmp_path):
     assert all(0 < r["rmse"] < 0.1 for r in rows) and res["commit"] and res["date"]
     md = out.with_suffix(".md").read_text()
     assert md.count("| N(0, 1) |") == 2 and "per 128-row block" in md
+
+
+def test_the_caches_per_token_scales_beat_the_per_page_scales_a_cache_can_hold():
+    """The FP8 cache's choice (scripts/fp8_accuracy.py's decode rows): a scale per token and K/V head
+    against scales per page written a row at a time, raised as the rows come (rounded again) or in
+    powers of two (no exact largest value): clearly less error on N(0, 1) and with outliers."""
+    import sys
+
+    from conftest import ROOT
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from fp8_accuracy import decode_rows
+    for outliers, against, margin in ((0.0, 3, 0.8), (1e-3, 4, 0.6)):
+        rows = decode_rows(2, 8, 4, 1024, 128, 16, outliers)
+        assert "per token" in rows[1]["cache"] and "rows arriving" in rows[against]["cache"]
+        assert rows[0]["rmse"] < 0.1 * rows[1]["rmse"] and rows[1]["rmse"] < margin * rows[against]["rmse"], rows

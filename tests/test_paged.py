@@ -238,3 +238,108 @@ def test_pool_rotary_tables_grow_and_keep_what_a_graph_reads():
     bigger = pool.rope(layer, 1025)[0]
     assert bigger.shape[0] == 2048 and torch.equal(bigger[:1024], cos)
     assert pool._rope_kept[0][0] is cos
+
+
+def _serve(layer, pool, xs, lens, steps, reuse=False):
+    """A ragged prefill of len(xs) sequences then `steps` decode steps of all; each sequence's
+    outputs [1, lens[i] + steps, E]. reuse: a sequence of 9 rows of values 1e5 larger comes and goes
+    first, so the others' pages held its rows."""
+    with torch.no_grad():
+        if reuse:
+            gone = pool.add()
+            with pool.step([gone], [9]) as step:
+                layer(torch.randn(1, 9, xs[0].shape[-1], dtype=xs[0].dtype) * 1e5, cache=step.view())
+            pool.remove(gone)
+        ids = [pool.add() for _ in lens]
+        with pool.step(ids, lens) as step:
+            y = layer(torch.cat([x[:, :n] for x, n in zip(xs, lens)], 1), cache=step.view())
+        outs = [[y[:, step.cu[i]:step.cu[i + 1]]] for i in range(len(lens))]
+        for t in range(steps):
+            with pool.step(ids, [1] * len(lens)) as step:
+                y = layer(torch.cat([x[:, n + t:n + t + 1] for x, n in zip(xs, lens)], 0), cache=step.view())
+            for i in range(len(lens)):
+                outs[i].append(y[i:i + 1])
+    return [torch.cat(o, 1) for o in outs]
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_fp8_pool_holds_each_row_quantized_with_its_own_scale(page_size):
+    """kv_dtype="fp8": after a ragged prefill and decode steps, the pages hold what
+    fp8.quantize_rows gives for the same K and V held exactly (each row in e4m3 with its own scale);
+    the outputs are off the exact ones by e4m3's rounding, not more; the pool holds a byte a value
+    and a scale a row."""
+    from tpattn.attention import fp8
+    layer = _layer(2, True)
+    lens, steps = [7, 3, 18], 6
+    torch.manual_seed(1)
+    xs = [torch.randn(1, n + steps, 32, dtype=torch.float64) for n in lens]
+    exact, eight = (PagedKV(layer, pages=64, page_size=page_size, max_seqs=4, kv_dtype=kv) for kv in (None, "fp8"))
+    want = _serve(layer, exact, xs, lens, steps)
+    got = _serve(layer, eight, xs, lens, steps)
+    for pages, p8, sc in ((exact.k[0], eight.k[0], eight.k_scale[0]), (exact.v[0], eight.v[0], eight.v_scale[0])):
+        q8, s = fp8.quantize_rows(pages)
+        assert p8.dtype == torch.float8_e4m3fn and pages.abs().sum() > 0
+        assert torch.equal(fp8.dequantize(p8, sc), q8 * s), "the pages differ from quantizing each row"
+    err = max((g - w).abs().max().item() for g, w in zip(got, want))
+    scale = max(w.abs().max().item() for w in want)
+    assert 1e-4 * scale < err < 0.1 * scale, (err, scale)
+    assert eight.nbytes() == 2 * 65 * 2 * page_size * (8 + 4)
+    assert PagedKV.bytes_per_token(layer, "fp8") == 2 * 2 * (8 + 4)
+    assert PagedKV.bytes_per_token(layer) == 2 * 2 * 8 * 8
+
+
+def test_fp8_pool_ignores_a_reused_pages_old_rows_and_graphs_match_eager_steps():
+    """Pages freed by a sequence of values 1e5 larger and taken by others: their outputs equal those
+    in a fresh pool (the old rows past a sequence's length are never read). DecodeGraphs'
+    fixed-tensor steps write the eager steps' bits into the pages."""
+    from tpattn.paged import DecodeGraphs
+    layer = _layer(2, True)
+    lens, steps = [5, 11], 5
+    torch.manual_seed(2)
+    xs = [torch.randn(1, n + steps, 32, dtype=torch.float64) for n in lens]
+    fresh_pool = PagedKV(layer, pages=16, page_size=4, max_seqs=3, kv_dtype="fp8")
+    fresh = _serve(layer, fresh_pool, xs, lens, steps)
+    reused = _serve(layer, PagedKV(layer, pages=16, page_size=4, max_seqs=3, kv_dtype="fp8"), xs, lens, steps, reuse=True)
+    assert all(torch.equal(a, b) for a, b in zip(fresh, reused))
+    pool = PagedKV(layer, pages=16, page_size=4, max_seqs=3, kv_dtype="fp8")
+    graphs = DecodeGraphs(pool, lambda x, st: layer(x, cache=st.view(0)), torch.zeros(2, 1, 32, dtype=torch.float64),
+                          max_len=32, buckets=(2,), capture=False)
+    with torch.no_grad():
+        ids = [pool.add() for _ in lens]
+        with pool.step(ids, lens) as step:
+            layer(torch.cat([x[:, :n] for x, n in zip(xs, lens)], 1), cache=step.view())
+        for t in range(steps):
+            y = graphs.step(ids, torch.cat([x[:, n + t:n + t + 1] for x, n in zip(xs, lens)], 0))
+            for i, n in enumerate(lens):
+                assert (y[i] - fresh[i][0, n + t:n + t + 1]).abs().max().item() < 1e-12, (t, i)
+    for mine, theirs in ((pool.k[0], fresh_pool.k[0]), (pool.k_scale[0], fresh_pool.k_scale[0])):
+        assert torch.equal(mine[:7].float(), theirs[:7].float())  # the same pages and scales, bit for bit
+
+
+def test_fp8_generate_and_refusals():
+    """generate(kv_dtype="fp8"): every token among the unmodified model's first three at its position
+    (teacher-forced), most of them its first; an unknown kv_dtype refused in one line."""
+    import tpattn.hf as hf
+    model = _llama()
+    tp = hf.parallelize(model, group=None)
+    got = tp.generate(PROMPTS, BUDGET, max_batch=2, page_size=4, kv_dtype="fp8")
+    ranks = []
+    with torch.no_grad():
+        for p, t in zip(PROMPTS, got):
+            logits = model(torch.tensor([p + t[:-1]])).logits[0, len(p) - 1:]
+            ranks += (logits > logits.gather(1, torch.tensor(t)[:, None])).sum(1).tolist()
+    assert len(ranks) == sum(BUDGET) and max(ranks) < 3 and sum(r == 0 for r in ranks) >= 0.8 * len(ranks), ranks
+    with pytest.raises(ConfigError, match=r"PagedKV kv_dtype='int8': use 'fp8' \(e4m3 pages"):
+        PagedKV(_layer(), pages=4, kv_dtype="int8")
+
+
+@pytest.mark.parametrize("kv", ["fp16", "fp8"])
+def test_serve_llama_checks_the_fp8_cache(kv):
+    """scripts/serve_llama.py --kv-dtype fp8 --check: the bytes a token, and the teacher-forced check."""
+    args = ["--prompts", "4", "--new-tokens", "6", "--check"] + (["--kv-dtype", "fp8"] if kv == "fp8" else [])
+    r = run([sys.executable, str(ROOT / "scripts" / "serve_llama.py"), *args], timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    per = {"fp16": "1024 bytes a token on rank 0 (fp32 pages", "fp8": "320 bytes a token on rank 0 (fp8 pages"}[kv]
+    assert per in r.stdout and "PASS" in r.stdout, r.stdout
+    if kv == "fp8":
+        assert "within its top 5 (teacher-forced): PASS" in r.stdout

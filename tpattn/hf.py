@@ -55,12 +55,15 @@ class ParallelLlama(torch.nn.Module):
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens, max_batch: int = 8, pages: int | None = None,
-                 page_size: int = PAGE_SIZE, eos_token_id: int | None = -1, graphs: bool = False) -> list[list[int]]:
+                 page_size: int = PAGE_SIZE, eos_token_id: int | None = -1, graphs: bool = False,
+                 kv_dtype: str | None = None) -> list[list[int]]:
         """Greedy tokens after each prompt (up to max_new_tokens, one number or one per prompt,
         ending early at the end token: eos_token_id, by default the model's), in the prompts' order.
         pages: the pool's size (by default enough for max_batch of the longest sequences).
         graphs: newcomers' prefills in steps of their own, and every decode step of the live
-        sequences under a CUDA graph of its batch-size bucket (tpattn.paged.DecodeGraphs; on a GPU)."""
+        sequences under a CUDA graph of its batch-size bucket (tpattn.paged.DecodeGraphs; on a GPU).
+        kv_dtype: the pool's pages, "fp8" (e4m3, a scale per token and K/V head: about half the bytes of
+        fp16, the attention read from dequantized pages) or None (the model's dtype)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ConfigError("generate needs at least one prompt, each of at least one token")
         budget = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
@@ -72,7 +75,7 @@ class ParallelLlama(torch.nn.Module):
         longest = max(len(p) + n for p, n in zip(prompts, budget))
         if pages is None:
             pages = min(len(prompts), max_batch) * -(-longest // page_size)
-        pool = PagedKV(list(self.attention), pages=pages, page_size=page_size, max_seqs=max_batch)
+        pool = PagedKV(list(self.attention), pages=pages, page_size=page_size, max_seqs=max_batch, kv_dtype=kv_dtype)
         device = self.attention[0].wqkv.device
         if graphs:
             return self._generate_graphed(pool, prompts, budget, ends, longest, max_batch, device)

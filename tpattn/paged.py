@@ -26,6 +26,10 @@ its rows causal from their positions on (decode.prefix_attention: no scores in m
 with the fused backend; with the triton backend, every sequence of the step in one launch that reads
 K/V in place through the block table (tpattn/attention/triton_paged.py: nothing gathered, no pad);
 elsewhere torch math (decode.attend, the scores a block of rows at a time).
+
+kv_dtype="fp8" keeps each token's K and V of each K/V head in e4m3 with an fp32 scale of its own
+(tpattn.attention.fp8.quantize_rows): d + 4 bytes where fp16 takes 2d. Its steps run in torch math,
+the pages dequantized as they are read: no kernel reads FP8 pages yet.
 """
 
 from __future__ import annotations
@@ -35,18 +39,23 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import fp8
 from .attention.triton_fused import paged_prefill_fits as triton_prefill_fits  # (tests swap it here)
 from .errors import ConfigError
 
 PAGE_SIZE = 16  # tokens per page (FlashInfer reads pages of 1-16 tokens as fast as contiguous K/V)
+KV_DTYPES = (None, "fp8")  # the pages' dtype: the layers' own, or e4m3 with a scale per token and K/V head
 
 
 class PagedKV:
     """The pages of K and V of each of `layers` (one layer or a model's list, on one group and one
     device, with the same K/V head shard), a block table per sequence slot, and the host allocator."""
 
-    def __init__(self, layers, pages: int, page_size: int = PAGE_SIZE, max_seqs: int = 64):
+    def __init__(self, layers, pages: int, page_size: int = PAGE_SIZE, max_seqs: int = 64, kv_dtype: str | None = None):
         layers = [layers] if isinstance(layers, torch.nn.Module) else list(layers)
+        if kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"PagedKV kv_dtype={kv_dtype!r}: use 'fp8' (e4m3 pages, a scale per token and K/V head) "
+                              "or None (the layers' dtype)")
         if not layers:
             raise ConfigError("PagedKV needs at least one layer")
         if pages < 1 or page_size < 1 or max_seqs < 1:
@@ -58,11 +67,18 @@ class PagedKV:
                 raise ConfigError(f"PagedKV's layers must share K/V heads per rank, head dim, dtype, device and group "
                                   f"(layer {i} differs from layer 0); make one pool per kind of layer")
         self.layers, self.pages, self.page_size, self.max_seqs = layers, pages, page_size, max_seqs
+        self.kv_dtype, self.fp8 = kv_dtype, kv_dtype == "fp8"
         g, d, dev, dt = first.local_kv_heads, first.head_dim, first.wqkv.device, first.dtype
         # one page more than asked for: page `pages`, never handed out, where a graphed step's padding
         # rows write their K and V (DecodeGraphs)
-        self.k = [torch.zeros(pages + 1, g, page_size, d, dtype=dt, device=dev) for _ in layers]
-        self.v = [torch.zeros(pages + 1, g, page_size, d, dtype=dt, device=dev) for _ in layers]
+        st = torch.float8_e4m3fn if self.fp8 else dt
+        self.k = [torch.zeros(pages + 1, g, page_size, d, dtype=st, device=dev) for _ in layers]
+        self.v = [torch.zeros(pages + 1, g, page_size, d, dtype=st, device=dev) for _ in layers]
+        # FP8 pages: each position's scale per K/V head (fp8.quantize_rows)
+        self.k_scale = [torch.zeros(pages + 1, g, page_size, dtype=torch.float32, device=dev) for _ in layers] \
+            if self.fp8 else None
+        self.v_scale = [torch.zeros(pages + 1, g, page_size, dtype=torch.float32, device=dev) for _ in layers] \
+            if self.fp8 else None
         self.scratch_page = pages
         self.device = dev
         self.free_pages = list(range(pages - 1, -1, -1))  # a stack: the lowest page is taken first
@@ -109,7 +125,16 @@ class PagedKV:
         return len(self.free_pages)
 
     def nbytes(self) -> int:
-        return sum(2 * t.numel() * t.element_size() for t in self.k)
+        """Bytes of the pages (and, FP8, their scales), every layer's K and V."""
+        return sum(2 * t.numel() * t.element_size() for t in self.k + (self.k_scale or []))
+
+    @staticmethod
+    def bytes_per_token(layers, kv_dtype: str | None = None) -> int:
+        """The pool's bytes per token of a sequence on this rank, over `layers` (a layer or a list): K
+        and V of the local K/V heads, and with kv_dtype="fp8" one byte a value plus the row's fp32 scale."""
+        layers = [layers] if isinstance(layers, torch.nn.Module) else list(layers)
+        fp8 = kv_dtype == "fp8"
+        return sum(2 * L.local_kv_heads * (L.head_dim + 4 if fp8 else L.head_dim * L.dtype.itemsize) for L in layers)
 
     def rope(self, layer, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [>= upto, d/2] of layer's rotary angles at positions 0, 1, ... (decode.rope_tables,
@@ -319,8 +344,10 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
     plan = layer.plan(1, R, decode=True)
     with section("qkv_proj"):
         qkv = mm(x.reshape(R, D), layer.wqkv, layer.dtype, layer._qkv_bias()).view(R, h + 2 * g, d)
-    kp, vp = pool.k[view.index], pool.v[view.index]
-    if decode_kernel_fits(qkv):  # rotation at each row's position and the K/V writes: one kernel
+    i = view.index
+    kp, vp = pool.k[i], pool.v[i]
+    scales = (pool.k_scale[i], pool.v_scale[i]) if pool.fp8 else None
+    if decode_kernel_fits(qkv) and not scales:  # rotation at each row's position and the K/V writes: one kernel
         cos, sin = pool.rope(layer, step.upto) if layer.rope_theta is not None else (None, None)
         with section("cache_append"):
             q = append_paged_kernel(qkv, kp, vp, step.positions, step.page_index, cos, sin, h, layer.rope_interleaved)
@@ -331,21 +358,27 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
             q = apply_rope(q.transpose(0, 1).unsqueeze(0), cos, sin, layer.rope_interleaved)[0].transpose(0, 1)
             k = apply_rope(k.transpose(0, 1).unsqueeze(0), cos, sin, layer.rope_interleaved)[0].transpose(0, 1)
         with section("cache_append"):  # row r's K and V at (its page, its offset) of every K/V head
-            kp[step.page_index, :, step.page_offset] = k
-            vp[step.page_index, :, step.page_offset] = v
+            if scales:  # each row in e4m3 with its own scale
+                for pool8, sc, t in ((kp, scales[0], k), (vp, scales[1], v)):
+                    t8, s = fp8.quantize_rows(t)
+                    pool8[step.page_index, :, step.page_offset] = t8.to(pool8.dtype)  # (exact: e4m3 values)
+                    sc[step.page_index, :, step.page_offset] = s.squeeze(-1)
+            else:
+                kp[step.page_index, :, step.page_offset] = k
+                vp[step.page_index, :, step.page_offset] = v
     P = pool.page_size
     if max(step.rows) == 1:  # a decode step: every sequence at once through its block table and length
         table, lens, longest = step.decode_tables()
         with section("attention"):
-            if decode_kernel_fits(q):  # the paged split kernel
+            if decode_kernel_fits(q) and not scales:  # the paged split kernel
                 o = paged_decode_attention(q, kp, vp, table, lens, longest)
             else:
-                o = paged_decode_torch(q, kp, vp, table, lens)
+                o = paged_decode_torch(q, kp, vp, table, lens, scales)
         total = OutputSum(layer, plan, x.device)
         total.add_rows(0, R, o.view(R, h * d))
         return total.result().view(B, N, D)
     o = torch.empty(R, h, d, dtype=layer.dtype, device=x.device)
-    if triton_prefill_fits(layer, q, len(step.slots)):  # every sequence in one launch, K/V read through the table in place
+    if triton_prefill_fits(layer, q, len(step.slots)) and not scales:  # every sequence in one launch, K/V read through the table in place
         from .attention.triton_paged import paged_prefill
         table, cu, starts = step.prefill_tables()
         with section("attention"):
@@ -353,14 +386,13 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
         total = OutputSum(layer, plan, x.device)
         total.add_rows(0, R, o.view(R, h * d))
         return total.result().view(B, N, D)
-    fused = layer.backend.name == "fused" and fused_prefix_fits(q)
+    fused = layer.backend.name == "fused" and fused_prefix_fits(q) and not scales
     with section("attention"):
         for i, (s, T, L0) in enumerate(zip(step.slots, step.rows, step.starts)):
             n = L0 + T
             pages = _on_device(torch.tensor(pool.tables[s][:-(-n // P)], dtype=torch.int64), x.device)
             # its pages gathered per K/V head in one pass each: [g, pages, P, d] seen as [1, g, n, d]
-            ks = kp.transpose(0, 1).index_select(1, pages).view(g, -1, d)[:, :n].unsqueeze(0)
-            vs = vp.transpose(0, 1).index_select(1, pages).view(g, -1, d)[:, :n].unsqueeze(0)
+            ks, vs = (_gather(t, pages, sc, n) for t, sc in zip((kp, vp), scales or (None, None)))
             r0 = step.cu[i]
             qs = q[r0:r0 + T].transpose(0, 1).unsqueeze(0)  # [1, h, T, d]
             if fused:  # the fused kernel's rows from position L0 on, causal: no scores in memory
@@ -372,17 +404,31 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
     return total.result().view(B, N, D)
 
 
+def _gather(pool: torch.Tensor, pages: torch.Tensor, scale: torch.Tensor | None, n: int) -> torch.Tensor:
+    """A sequence's first n positions of one layer's K or V pages [pages, g, P, d], gathered per K/V
+    head in one pass along its pages: [1, g, n, d] (FP8 pages dequantized with their scales, fp32)."""
+    g, d = pool.shape[1], pool.shape[3]
+    t = pool.transpose(0, 1).index_select(1, pages)  # [g, pages, P, d]
+    if scale is not None:
+        t = fp8.dequantize(t, scale.transpose(0, 1).index_select(1, pages))
+    return t.reshape(g, -1, d)[:, :n].unsqueeze(0)
+
+
 def paged_decode_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                       lens: torch.Tensor) -> torch.Tensor:
+                       lens: torch.Tensor, scales=None) -> torch.Tensor:
     """What the paged decode kernel computes, in torch math (fp32, fp64 for fp64): q [n, h, d] (row
     b at position lens[b] - 1) over the first lens[b] positions read through table [n, pages]; a
-    row of length 0 is zero. Reads only what the tables say, as the kernel does."""
+    row of length 0 is zero. Reads only what the tables say, as the kernel does. scales: FP8 pages'
+    (k_scale, v_scale) [pages, g, P], the pages dequantized as they are read."""
     n, h, d = q.shape
     g = k_pool.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
     idx = table.long()
-    k = k_pool[idx].permute(0, 2, 1, 3, 4).reshape(n, g, -1, d).to(acc)  # [n, g, pages * P, d]
-    v = v_pool[idx].permute(0, 2, 1, 3, 4).reshape(n, g, -1, d).to(acc)
+    k, v = k_pool[idx], v_pool[idx]  # [n, pages, g, P, d]
+    if scales is not None:
+        k, v = fp8.dequantize(k, scales[0][idx]), fp8.dequantize(v, scales[1][idx])
+    k = k.permute(0, 2, 1, 3, 4).reshape(n, g, -1, d).to(acc)  # [n, g, pages * P, d]
+    v = v.permute(0, 2, 1, 3, 4).reshape(n, g, -1, d).to(acc)
     qf = q.to(acc).view(n, g, h // g, d)
     s = torch.einsum("bgrd,bgkd->bgrk", qf, k) / math.sqrt(d)
     valid = torch.arange(k.shape[2], device=q.device)[None, :] < lens.long()[:, None]  # [n, keys]

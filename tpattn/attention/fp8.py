@@ -17,8 +17,14 @@ rows (causal rows past none) give zeros. rotate=True multiplies Q and K by the s
 matrix (H / sqrt(d), d a power of two) before quantizing: (Q H)(K H)^T = Q K^T, while an outlier in one
 column is spread over all d columns, so one large value no longer sets the scale of its whole group.
 
-The FP8 KV cache (decode): K and V pages quantized per (page, K/V head) with s = amax / 448 of that
-page's head, dequantized as they are read; the query and the softmax stay in fp32.
+The FP8 KV cache (tpattn.paged.PagedKV(..., kv_dtype="fp8")): each token's K and V of each K/V head
+in e4m3 with a scale of its own, s = amax / 448 over its d values (quantize_rows), dequantized as they
+are read; the query and the softmax stay in fp32. A row's scale depends on that row alone, so a step
+writes its rows without touching earlier ones, and a page's bits are the same whatever the steps were.
+Scales per page and K/V head were measured and not kept (scripts/fp8_accuracy.py's decode table):
+rows arrive one at a time, so a page's scale would rise as they come and its earlier rows be rounded
+again (1.5x the per-token error on N(0, 1) K/V), or, kept to powers of two so that rising is exact,
+lose the exact largest value that an amax scale gives (2.4x the per-token error with outliers).
 
 rmse(): the root mean square error of an output against float64, what the accuracy tables report
 (scripts/fp8_accuracy.py).
@@ -38,9 +44,14 @@ SCALINGS = ("tensor", "head", "block")
 BLOCK_ROWS = 128  # the rows of a scale block: the FP8 kernel's query and key tiles
 
 
+def to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to the nearest e4m3 value (ties to even), saturating at +-448, as torch.float8_e4m3fn."""
+    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
 def e4m3(x: torch.Tensor) -> torch.Tensor:
     """x rounded to the nearest e4m3 value (ties to even), saturating at +-448, returned in fp32."""
-    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+    return to_e4m3(x).float()
 
 
 def _group_amax(x: torch.Tensor, scaling: str, block: int) -> torch.Tensor:
@@ -134,10 +145,15 @@ def attention_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
         *q.shape[:3], v.shape[-1])
 
 
-def quantize_pages(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pool8, s) of a KV-cache pool [pages, g, page_size, d]: e4m3 values (held in fp32) and one
-    scale per (page, K/V head) [pages, g, 1, 1], pool ~ pool8 * s."""
-    return _scaled(pool, pool.abs().float().amax(dim=(2, 3), keepdim=True))
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x8, s): each row of x [..., d] (a token's K or V of one head) in e4m3 values (held in fp32)
+    with its own scale s [..., 1] = amax(|row|) / 448 (1 for a row of zeros), x ~ x8 * s."""
+    return _scaled(x, x.abs().float().amax(-1, keepdim=True))
+
+
+def dequantize(x8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP8 rows x8 [..., d] (e4m3, any storage) times their scales [...], in fp32."""
+    return x8.float() * scale.unsqueeze(-1)
 
 
 def rmse(o: torch.Tensor, ref: torch.Tensor) -> float:
