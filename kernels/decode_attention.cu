@@ -38,6 +38,13 @@
 //   dec_append_pg  the same for a paged step's R packed rows, each at its own position pos[r] (its
 //               angles there), k and v into the pool [pages, G, page, D] at page pidx[r], offset
 //               pos[r] % page.
+//   dec_append_pg8  an FP8 pool's paged step (sm_89+): a warp per (row, head); q as dec_append_pg's;
+//               k (rotated) and v rounded to the storage dtype, as torch holds them, then each row
+//               quantized with its own scale s = amax / 448 (1 for a row of zeros): e4m3 bytes into
+//               the pool [pages, G, page, D], s into the scales [pages, G, page] (fp32); the bits
+//               tpattn.attention.fp8.quantize_rows gives.
+//   dec_split_..._pg8  the CUDA-core split over an FP8 pool (sm_89+): 8 bytes a lane per key (cvt
+//               e4m3x2 -> f16x2), each key's dot product times its K scale, each p times its V scale.
 //   pg_prepare  a graphed paged decode step's rows from its two inputs, slots and lengths before the
 //               step ([2, n], int64, on the device): each row's position and page, its block-table
 //               row (copied from the device's mirror [slots + 1, W]) and its length after the step;
@@ -61,6 +68,26 @@ __device__ __forceinline__ void dec_load8(const tc_u16 *p, float (&x)[8]) {
     tc_unpack<BF16>(v.y, x[2], x[3]);
     tc_unpack<BF16>(v.z, x[4], x[5]);
     tc_unpack<BF16>(v.w, x[6], x[7]);
+}
+
+// 8 e4m3 values of an FP8 page (8 bytes) into floats (exact); the BF16 flag is the query's dtype and
+// does not matter here. sm_89+ (cvt e4m3x2 -> f16x2: the low byte into the low half); elsewhere the
+// FP8 kernels are never launched (tpattn/decode.py) and this loads zeros.
+template <bool BF16>
+__device__ __forceinline__ void dec_load8(const unsigned char *p, float (&x)[8]) {
+#if __CUDA_ARCH__ >= 890
+    const tc_u64 v = *(const tc_u64 *)p;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned short two = (unsigned short)(v >> (16 * i));
+        tc_u32 h;
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(two));
+        tc_unpack<false>(h, x[2 * i], x[2 * i + 1]);
+    }
+#else
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] = 0.0f;
+#endif
 }
 
 template <bool BF16>
@@ -142,13 +169,17 @@ __device__ __forceinline__ int dec_len(int b, int Ladd, const long long *__restr
     return Ladd + (Lpos != nullptr ? (int)*Lpos : 0);
 }
 
-template <int D, int GQ, bool BF16, bool PAGED>
-__device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
-                                          const tc_u16 *__restrict__ V, float *__restrict__ Op,
+// KV: tc_u16 (the storage dtype's pages or cache) or unsigned char (an FP8 pool's e4m3 pages, with the
+// scale of each position's row of K and of V, KS and VS [pages, G, page]).
+template <int D, int GQ, bool BF16, bool PAGED, typename KV = tc_u16>
+__device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const KV *__restrict__ K,
+                                          const KV *__restrict__ V, float *__restrict__ Op,
                                           float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets,
                                           int BG, int G, int group, int Ladd, const long long *__restrict__ Lpos,
                                           int LMAX, int S, float scale_log2, const int *__restrict__ table,
-                                          const int *__restrict__ lens, int tstride, int page) {
+                                          const int *__restrict__ lens, int tstride, int page,
+                                          const float *__restrict__ KS = nullptr, const float *__restrict__ VS = nullptr) {
+    constexpr bool F8 = sizeof(KV) == 1;
     // lanes per key, 8 elements each: D / 8 rounded up to a power of two (a head dim that is not a
     // power of two, 96 say, leaves the lanes past D / 8 idle: they load zeros and store nothing)
     constexpr int LANES = D / 8 <= 1 ? 1 : D / 8 <= 2 ? 2 : D / 8 <= 4 ? 4 : D / 8 <= 8 ? 8 : D / 8 <= 16 ? 16 : 32;
@@ -182,7 +213,7 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const tc
             // every lane runs every iteration (the shuffles need the whole warp); a key past the
             // chunk's end loads nothing and adds nothing
             for (int base = k0; base < k1; base += U * NGRP) {
-                float kx[U][8], vx[U][8];
+                float kx[U][8], vx[U][8], ks[U], vs[U];
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     const int key = base + u * NGRP + grp;
@@ -193,6 +224,11 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const tc
                     } else {
 #pragma unroll
                         for (int e = 0; e < 8; ++e) kx[u][e] = vx[u][e] = 0.0f;
+                    }
+                    if (F8) {  // the key's row scales (every lane of the group: they keep the same m and l)
+                        const long long row = key < k1 ? dec_at<D, PAGED>(b, g, G, key, kv, table, tstride, page) / D : -1;
+                        ks[u] = row >= 0 ? __ldg(KS + row) : 0.0f;
+                        vs[u] = row >= 0 ? __ldg(VS + row) : 0.0f;
                     }
                 }
 #pragma unroll
@@ -212,7 +248,7 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const tc
                     float mn = m[i];
 #pragma unroll
                     for (int u = 0; u < U; ++u) {
-                        sc[u] = base + u * NGRP + grp < k1 ? sc[u] * scale_log2 : TC_NEG_INF;
+                        sc[u] = base + u * NGRP + grp < k1 ? (F8 ? sc[u] * ks[u] : sc[u]) * scale_log2 : TC_NEG_INF;
                         mn = fmaxf(mn, sc[u]);
                     }
                     const float a = mn == m[i] ? 1.0f : tc_exp2(m[i] - mn);  // (both -inf: nothing yet)
@@ -225,8 +261,9 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const tc
                     for (int u = 0; u < U; ++u) {
                         const float p = tc_exp2(sc[u] - ref);  // masked: 2^-inf = 0
                         ps += p;
+                        const float pv = F8 ? p * vs[u] : p;
 #pragma unroll
-                        for (int e = 0; e < 8; ++e) o[i][e] = fmaf(p, vx[u][e], o[i][e]);
+                        for (int e = 0; e < 8; ++e) o[i][e] = fmaf(pv, vx[u][e], o[i][e]);
                     }
                     l[i] = l[i] * a + ps;
                 }
@@ -522,6 +559,74 @@ __device__ __forceinline__ void dec_append(const tc_u16 *__restrict__ QKV, tc_u1
     }
 }
 
+// An FP8 pool's step (see the header): a warp per (row b, head r of the H + 2G), DEC_PAIRS column
+// pairs a lane (D <= 256). Rows and heads are warp-uniform, so the amax reduction is the whole warp.
+#define DEC_PAIRS 4
+template <bool BF16>
+__device__ __forceinline__ void dec_append_pg8(const tc_u16 *__restrict__ QKV, tc_u16 *__restrict__ Qo,
+                                               unsigned char *__restrict__ K, unsigned char *__restrict__ V,
+                                               float *__restrict__ KS, float *__restrict__ VS,
+                                               const float *__restrict__ cosT, const float *__restrict__ sinT,
+                                               const long long *__restrict__ pos, const long long *__restrict__ pidx,
+                                               int R, int H, int G, int D, int page, int interleaved) {
+#if __CUDA_ARCH__ >= 890
+    const int half = D / 2, rows = H + 2 * G, lane = threadIdx.x & 31;
+    const long long nw = (long long)R * rows, step = ((long long)gridDim.x * blockDim.x) >> 5;
+    for (long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < nw; w += step) {
+        const int r = (int)(w % rows);
+        const long long b = w / rows, p0 = pos[b];
+        const tc_u16 *src = QKV + w * D;
+        float y[2 * DEC_PAIRS];
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DEC_PAIRS; ++i) {
+            const int j = lane + 32 * i;
+            y[2 * i] = y[2 * i + 1] = 0.0f;
+            if (j >= half) continue;
+            const int e0 = interleaved ? 2 * j : j, e1 = interleaved ? 2 * j + 1 : j + half;
+            float x0, x1, dummy;
+            tc_unpack<BF16>((tc_u32)src[e0], x0, dummy);
+            tc_unpack<BF16>((tc_u32)src[e1], x1, dummy);
+            if (cosT != nullptr && r < H + G) {  // as dec_append: as torch computes it
+                const float c = cosT[p0 * half + j], sn = sinT[p0 * half + j];
+                const float y0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
+                const float y1 = __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, sn));
+                x0 = y0;
+                x1 = y1;
+            }
+            const tc_u16 h0 = dec_round<BF16>(x0), h1 = dec_round<BF16>(x1);
+            if (r < H) {
+                tc_u16 *dst = Qo + (b * H + r) * D;
+                dst[e0] = h0;
+                dst[e1] = h1;
+            } else {  // the stored dtype's values, as torch quantizes them
+                tc_unpack<BF16>((tc_u32)h0, y[2 * i], dummy);
+                tc_unpack<BF16>((tc_u32)h1, y[2 * i + 1], dummy);
+                amax = fmaxf(amax, fmaxf(fabsf(y[2 * i]), fabsf(y[2 * i + 1])));
+            }
+        }
+        if (r < H) continue;
+        amax = tc_warp_max(amax);
+        float s = amax / 448.0f;
+        s = s > 0.0f ? s : 1.0f;
+        const int kvh = r < H + G ? r - H : r - H - G;
+        const long long row = (pidx[b] * G + kvh) * page + p0 % page;
+        unsigned char *dst = (r < H + G ? K : V) + row * D;
+#pragma unroll
+        for (int i = 0; i < DEC_PAIRS; ++i) {
+            const int j = lane + 32 * i;
+            if (j >= half) continue;
+            const int e0 = interleaved ? 2 * j : j, e1 = interleaved ? 2 * j + 1 : j + half;
+            unsigned short two;  // rounded to nearest even, saturating at +-448; the second operand low
+            asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(two) : "f"(y[2 * i + 1] / s), "f"(y[2 * i] / s));
+            dst[e0] = (unsigned char)(two & 0xffu);
+            dst[e1] = (unsigned char)(two >> 8);
+        }
+        if (lane == 0) (r < H + G ? KS : VS)[row] = s;
+    }
+#endif
+}
+
 // The contiguous kernels (K, V [B, G, LMAX, D], one length for the batch) and the paged ones (_pg:
 // K, V the pool [pages, G, page, D], a block table [B, tstride] and a length per sequence, lens [B]);
 // the arguments the other layout does not use are passed as 0.
@@ -543,6 +648,21 @@ __device__ __forceinline__ void dec_append(const tc_u16 *__restrict__ QKV, tc_u1
         dec_mma<D, M16, PIPE, BF16, PAGED>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, Lpos, LMAX, S, \
                                            scale_log2, table, lens, tstride, page);                     \
     }
+// the CUDA-core split over an FP8 pool (_pg8): e4m3 pages and their row scales KS, VS
+#define DEC_SPLIT8(SUF, BF16, D, GQ)                                                                    \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_split_##SUF##_d##D##_g##GQ##_pg8(    \
+        const tc_u16 *__restrict__ Q, const unsigned char *__restrict__ K, const unsigned char *__restrict__ V, \
+        float *__restrict__ Op, float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets, \
+        int BG, int G, int group, int S, float scale_log2, const int *__restrict__ table,               \
+        const int *__restrict__ lens, int tstride, int page, const float *__restrict__ KS,              \
+        const float *__restrict__ VS) {                                                                 \
+        dec_split<D, GQ, BF16, true, unsigned char>(Q, K, V, Op, Lp, O, tickets, BG, G, group, 0, nullptr, 0, S, \
+                                                    scale_log2, table, lens, tstride, page, KS, VS);    \
+    }
+#define DEC_SPLITS8(D)                                                                                  \
+    DEC_SPLIT8(f16, false, D, 1) DEC_SPLIT8(f16, false, D, 2) DEC_SPLIT8(f16, false, D, 4)              \
+    DEC_SPLIT8(f16, false, D, 8) DEC_SPLIT8(bf16, true, D, 1) DEC_SPLIT8(bf16, true, D, 2)              \
+    DEC_SPLIT8(bf16, true, D, 4) DEC_SPLIT8(bf16, true, D, 8)
 #define DEC_LAYOUT(SUF, BF16, D, PAGED, PG)                                                             \
     DEC_SPLIT(SUF, BF16, D, 1, PAGED, PG) DEC_SPLIT(SUF, BF16, D, 2, PAGED, PG)                         \
     DEC_SPLIT(SUF, BF16, D, 4, PAGED, PG) DEC_SPLIT(SUF, BF16, D, 8, PAGED, PG)                         \
@@ -554,6 +674,8 @@ DEC_DEFINE(f16, false, 64)
 DEC_DEFINE(bf16, true, 64)
 DEC_DEFINE(f16, false, 128)
 DEC_DEFINE(bf16, true, 128)
+DEC_SPLITS8(64)
+DEC_SPLITS8(128)
 #else
 // the other head dims users run (small models, Phi, vision models, Gemma and long-context models):
 // the CUDA-core split only, contiguous and paged (tpattn/decode.py runs it for grouped heads too),
@@ -584,6 +706,13 @@ DEC_DEFINE_SPLIT(256)
         const float *__restrict__ cosT, const float *__restrict__ sinT, const long long *__restrict__ pos, \
         const long long *__restrict__ pidx, int R, int H, int G, int D, int page, int interleaved) {     \
         dec_append<BF16, true>(QKV, Qo, K, V, cosT, sinT, pos, pidx, R, H, G, D, page, interleaved);     \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(256) dec_append_pg8_##SUF(                             \
+        const tc_u16 *__restrict__ QKV, tc_u16 *__restrict__ Qo, unsigned char *__restrict__ K,         \
+        unsigned char *__restrict__ V, float *__restrict__ KS, float *__restrict__ VS,                   \
+        const float *__restrict__ cosT, const float *__restrict__ sinT, const long long *__restrict__ pos, \
+        const long long *__restrict__ pidx, int R, int H, int G, int D, int page, int interleaved) {     \
+        dec_append_pg8<BF16>(QKV, Qo, K, V, KS, VS, cosT, sinT, pos, pidx, R, H, G, D, page, interleaved); \
     }
 DEC_APPEND(f16, false)
 DEC_APPEND(bf16, true)

@@ -337,3 +337,112 @@ def test_graphed_paged_step_prepares_on_the_device_and_advances():
     assert torch.equal(st.table, mirror[torch.tensor(slots, device="cuda")])
     assert st.lens.tolist() == [41, 16, 0, 0]
     assert st.inputs.tolist() == [slots, [41, 16, 0, 0]]
+
+
+# ---- an FP8 pool (PagedKV(kv_dtype="fp8")): dec_append_pg8 and the split's _pg8 -------------------
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rope", ["none", "halves", "interleaved"])
+@pytest.mark.parametrize("d", [64, 128])
+@torch.no_grad()
+def test_fp8_append_kernel_gives_quantize_rows_bits(dtype, rope, d):
+    """dec_append_pg8: q as dec_append_pg writes it; each K and V row, rotated and rounded to the
+    storage dtype, in e4m3 with its own scale: the bits of fp8.quantize_rows of the torch path's
+    rows (a row of zeros: scale 1), at ragged positions across pages, GQA."""
+    from tpattn.attention import fp8
+    from tpattn.decode import append_paged_kernel, apply_rope, rope_tables
+    torch.manual_seed(1)
+    R, h, g, P = 11, 8, 2, 16
+    qkv = torch.randn(R, h + 2 * g, d, device="cuda").to(dtype) * 3
+    qkv[4, h + g] = 0  # a V row of zeros
+    pos = torch.tensor([0, 1, 15, 16, 17, 300, 301, 4095, 5, 6, 7], device="cuda")
+    pages = torch.randperm(30, device="cuda")[:R]
+    pk, pv = (torch.zeros(31, g, P, d, device="cuda", dtype=torch.float8_e4m3fn) for _ in range(2))
+    ks, vs = (torch.zeros(31, g, P, device="cuda") for _ in range(2))
+    cos = sin = None
+    if rope != "none":
+        cos, sin = rope_tables(torch.arange(4096, device="cuda"), d, 10000.0)
+    q = append_paged_kernel(qkv, pk, pv, pos, pages, cos, sin, h, rope == "interleaved", scales=(ks, vs))
+    qt, kt, vt = qkv.split([h, g, g], dim=1)
+    if rope != "none":
+        c, s = rope_tables(pos, d, 10000.0)
+        qt = apply_rope(qt.transpose(0, 1).unsqueeze(0), c, s, rope == "interleaved")[0].transpose(0, 1)
+        kt = apply_rope(kt.transpose(0, 1).unsqueeze(0), c, s, rope == "interleaved")[0].transpose(0, 1)
+    assert torch.equal(q, qt)
+    for pool, sc, t in ((pk, ks, kt), (pv, vs, vt)):
+        t8, s = fp8.quantize_rows(t)
+        assert torch.equal(pool[pages, :, pos % P].float(), t8), "e4m3 bytes"
+        assert torch.equal(sc[pages, :, pos % P], s.squeeze(-1)), "row scales"
+    assert vs[pages[4], 0, pos[4] % P] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("h,g", [(32, 32), (32, 8), (16, 1)])
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_fp8_paged_kernel_against_float64(h, g, d, dtype, page):
+    """The split's _pg8 over e4m3 pages with row scales, ragged lengths (0 to 1100) through a
+    shuffled block table: against float64 over the dequantized pages (the kernel's only roundings
+    are fp32 sums and the output's), and a zero-length row is zero."""
+    from tpattn.attention import fp8
+    lens = [0, 1, 37, 300, 1100, 16]
+    q, pool_k, pool_v, table, lens_t = paged_inputs(lens, h, g, d, page, dtype, seed=4)
+    pk8, ks = fp8.quantize_rows(pool_k.float() * 2)
+    pv8, vs = fp8.quantize_rows(pool_v.float())
+    pk8, pv8 = pk8.to(torch.float8_e4m3fn), pv8.to(torch.float8_e4m3fn)
+    ks, vs = ks.squeeze(-1), vs.squeeze(-1)
+    o = paged_decode_attention(q, pk8, pv8, table, lens_t, max(lens), scales=(ks, vs))
+    want = float64_rows(q, fp8.dequantize(pk8, ks), fp8.dequantize(pv8, vs), table, lens_t)
+    tol = 4e-3 if dtype == torch.float16 else 3e-2
+    assert (o.double() - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
+    assert not o[0].any()
+
+
+@pytest.mark.parametrize("g", [8, 2])
+@torch.no_grad()
+def test_fp8_pool_steps_through_the_kernels_match_torch_math(g, monkeypatch):
+    """An FP8 pool on the GPU: prompts of different lengths (torch math over dequantized pages; the
+    kernel quantizes their K and V), decode steps through dec_append_pg8 and _pg8, sequences
+    joining and leaving, against the same steps in torch math; the pages and scales equal bit for
+    bit; the graphed steps (DecodeGraphs) give the eager kernel steps' rows."""
+    import tpattn.decode as dec
+    import tpattn.paged as paged
+    torch.manual_seed(0)
+    H, d = 8, 128
+    D = H * d
+    layer = fused_layer(H, g, d)
+    outs, pools = {}, {}
+    fits = dec.fp8_pages_fit
+    for kernel in (True, False):
+        monkeypatch.setattr(dec, "fp8_pages_fit", fits if kernel else (lambda q: False))
+        pool = pools[kernel] = paged.PagedKV(layer, pages=256, page_size=16, max_seqs=8, kv_dtype="fp8")
+        gen = torch.Generator().manual_seed(1)
+        ids = [pool.add() for _ in range(3)]
+        got = []
+        for sid, n in zip(ids, (37, 5, 130)):
+            with pool.step([sid], [n]) as st:
+                layer(torch.randn(1, n, D, generator=gen).half().cuda(), cache=st.view(0))
+        for t in range(6):
+            if t == 2:
+                pool.remove(ids.pop(1))
+            with pool.step(ids, [1] * len(ids)) as st:
+                got.append(layer(torch.randn(len(ids), 1, D, generator=gen).half().cuda(), cache=st.view(0)))
+        outs[kernel] = got
+    monkeypatch.undo()
+    for a, b in zip(outs[True], outs[False]):
+        assert (a.float() - b.float()).abs().max().item() <= 2e-3
+    for name in ("k", "v", "k_scale", "v_scale"):
+        assert torch.equal(getattr(pools[True], name)[0].float(), getattr(pools[False], name)[0].float()), name
+    rows = {}
+    for capture in (True, False):
+        gen = torch.Generator().manual_seed(3)
+        pool = paged.PagedKV(layer, pages=64, page_size=16, max_seqs=4, kv_dtype="fp8")
+        ids = [pool.add() for _ in range(3)]
+        for sid, n in zip(ids, (50, 7, 130)):
+            with pool.step([sid], [n]) as st:
+                layer(torch.randn(1, n, D, generator=gen).half().cuda(), cache=st.view(0))
+        graphs = paged.DecodeGraphs(pool, lambda x, st: layer(x, cache=st.view(0)), torch.zeros(4, 1, D).half().cuda(),
+                                    max_len=256, buckets=(2, 4), capture=capture)
+        rows[capture] = [graphs.step(ids, torch.randn(len(ids), 1, D, generator=gen).half().cuda()) for _ in range(4)]
+    for a, b in zip(rows[True], rows[False]):
+        assert torch.equal(a, b)

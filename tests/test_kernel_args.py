@@ -402,3 +402,36 @@ def test_decode_launches_at_every_head_dim(monkeypatch, d, h, g, split):
     assert all(f"_d{d}_" in c[1] for c in calls)
     for c in calls + appends:
         check_launch(*c)
+
+
+@pytest.mark.parametrize("d,h,g", [(128, 8, 8), (128, 8, 2), (64, 32, 8)])
+def test_fp8_pool_launches(monkeypatch, d, h, g):
+    """An FP8 pool's kernels: dec_append_pg8 (a warp per row and head: both pools, both scale
+    tensors, then the tables as dec_append_pg's) and the CUDA-core split's _pg8 (grouped heads too;
+    no contiguous-cache arguments; the K and V scales last), each with its kernel's arguments."""
+    from tpattn import cuda as tcuda
+    from tpattn import decode
+    calls = []
+    monkeypatch.setattr(tcuda, "launch", lambda source, name, device, grid, block, args, shared_mem=0:
+                        calls.append((source, name, grid, block, args)))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"multi_processor_count": 132}))
+    R, P = 3, 16
+    qkv = torch.randn(R, h + 2 * g, d).half()
+    pool_k, pool_v = (torch.zeros(9, g, P, d, dtype=torch.float8_e4m3fn) for _ in range(2))
+    ks, vs = (torch.zeros(9, g, P) for _ in range(2))
+    pos, pages = torch.tensor([3, 17, 40]), torch.tensor([0, 4, 2])
+    q = decode.append_paged_kernel(qkv, pool_k, pool_v, pos, pages, None, None, h, False, scales=(ks, vs))
+    table = torch.arange(R * 3, dtype=torch.int32).view(R, 3)
+    lens = torch.tensor([4, 18, 41], dtype=torch.int32)
+    decode.paged_decode_attention(q, pool_k, pool_v, table, lens, 48, tickets=torch.zeros(R * g, dtype=torch.int32),
+                                  scales=(ks, vs))
+    assert calls[0][1] == "dec_append_pg8_f16" and calls[1][1].startswith(f"dec_split_f16_d{d}_g") \
+        and calls[1][1].endswith("_pg8"), [c[1] for c in calls]
+    for c in calls:
+        check_launch(*c)
+    app, split = calls[0][4], calls[1][4]
+    assert (app[2], app[3], app[4], app[5]) == (pool_k.data_ptr(), pool_v.data_ptr(), ks.data_ptr(), vs.data_ptr())
+    assert tuple(app[10:15]) == (R, h, g, d, P)
+    assert calls[0][2][0] * 8 >= R * (h + 2 * g)  # a warp per row and head, 8 warps a block
+    assert (split[-2], split[-1]) == (ks.data_ptr(), vs.data_ptr()) and (split[-4], split[-3]) == (3, P)
+    assert (split[7], split[8], split[9]) == (R * g, g, h // g)

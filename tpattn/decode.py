@@ -153,6 +153,18 @@ def decode_kernel_fits(q: torch.Tensor) -> bool:
     return kernel_takes(q.device, q.dtype, q.shape[-1])
 
 
+FP8_PAGE_HEAD_DIMS = DEC_HEAD_DIMS  # an FP8 pool's kernels (dec_append_pg8, the split's _pg8)
+FP8_CC = (8, 9)                     # e4m3 conversions in hardware (cvt ... e4m3x2)
+
+
+def fp8_pages_fit(q: torch.Tensor) -> bool:
+    """Whether an FP8 pool's steps (PagedKV(kv_dtype="fp8")) run the kernels for q (rows [..., d]):
+    the decode kernels take q, at head dim 64 or 128, on compute capability 8.9 or later. Else
+    torch math over the dequantized pages."""
+    return (decode_kernel_fits(q) and q.shape[-1] in FP8_PAGE_HEAD_DIMS
+            and torch.cuda.get_device_capability(q.device) >= FP8_CC)
+
+
 # which split of kernels/decode_attention.cu runs: "auto" (CUDA cores for multi-head attention,
 # tensor cores for grouped heads: the faster one of each, measured), or "cores" / "mma" everywhere
 SPLIT_KERNEL = "auto"
@@ -217,16 +229,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
 
 
 def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int,
-                  paged: bool = False) -> tuple[str, str, int]:
+                  paged: bool = False, fp8: bool = False) -> tuple[str, str, int]:
     """(source, kernel name, chunks S) of kernels/decode_attention.cu (decode_attention_dims.cu for a
     head dim other than 64 and 128: the CUDA-core split there, grouped heads too) for B sequences of
-    h query heads over g K/V heads, the cache split by `length` (the longest it can be)."""
+    h query heads over g K/V heads, the cache split by `length` (the longest it can be). fp8: an FP8
+    pool's pages (the CUDA-core split's _pg8, grouped heads too)."""
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    mma = d in DEC_HEAD_DIMS and (SPLIT_KERNEL == "mma" or (SPLIT_KERNEL == "auto" and h > g))
+    mma = d in DEC_HEAD_DIMS and not fp8 and (SPLIT_KERNEL == "mma" or (SPLIT_KERNEL == "auto" and h > g))
     source = dec_source(d)
     suf = "f16" if q.dtype == torch.float16 else "bf16"
     S = decode_splits(B * g, length, sms, 2 if mma else 4)
-    pg = "_pg" if paged else ""
+    pg = "_pg8" if fp8 else "_pg" if paged else ""
     if mma:  # tensor cores: the group's heads as the rows of an m16 tile, 8 or 16 at a time; with 3
         # or more chunks, the next tile's loads in flight while one is computed (_p: faster there,
         # slower at large batch, where fewer blocks fit: measured)
@@ -236,29 +249,36 @@ def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int,
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                           lens: torch.Tensor, longest: int, tickets: torch.Tensor | None = None) -> torch.Tensor:
+                           lens: torch.Tensor, longest: int, tickets: torch.Tensor | None = None,
+                           scales=None) -> torch.Tensor:
     """One query row per sequence, q [B, h, d] (sequence b's row at position lens[b] - 1), over the
     first lens[b] positions of its K/V in the pool k_pool, v_pool [pages, g, page, d] (contiguous),
     read through its row of the block table, table [B, max_pages] (int32 page ids, in order): the
     split kernel's paged layout (kernels/decode_attention.cu, _pg), on the GPU. lens: int32 [B] on the
     device (a sequence of length 0 gives a zero row); longest: the most any lens[b] can be, which
-    sets the split (under a CUDA graph: the table's capacity, so that one graph serves every step)."""
+    sets the split (under a CUDA graph: the table's capacity, so that one graph serves every step).
+    scales: an FP8 pool's (k_scale, v_scale) [pages, g, page] (fp32), its pages float8_e4m3fn: the
+    split's _pg8 (fp8_pages_fit)."""
     import numpy as np
 
     from .cuda import GRID_YZ_MAX, launch, ptr
     B, h, d = q.shape
     g, page = k_pool.shape[1], k_pool.shape[2]
-    source, name, S = _split_kernel(q, B, h, g, d, max(1, longest), paged=True)
+    source, name, S = _split_kernel(q, B, h, g, d, max(1, longest), paged=True, fp8=scales is not None)
     q = q.contiguous()
     op = torch.empty(B, h, S, d, dtype=torch.float32, device=q.device)
     lp = torch.empty(B, h, S, dtype=torch.float32, device=q.device)
     o = torch.empty_like(q)
-    launch(source, name, q.device, (S, min(B * g, GRID_YZ_MAX), 1), (128, 1, 1),
-           (ptr(q), ptr(k_pool), ptr(v_pool), ptr(op), ptr(lp), ptr(o),
+    head = (ptr(q), ptr(k_pool), ptr(v_pool), ptr(op), ptr(lp), ptr(o),
             ptr(tickets if tickets is not None else ticket_counters(q.device, B * g)), np.int32(B * g), np.int32(g),
-            np.int32(h // g), np.int32(0), np.uint64(0), np.int32(0), np.int32(S),
-            np.float32(math.log2(math.e) / math.sqrt(d)), ptr(table), ptr(lens), np.int32(table.shape[1]),
-            np.int32(page)))
+            np.int32(h // g))
+    tail = (np.float32(math.log2(math.e) / math.sqrt(d)), ptr(table), ptr(lens), np.int32(table.shape[1]),
+            np.int32(page))
+    if scales is not None:  # (no contiguous-cache arguments: Ladd, Lpos, LMAX)
+        args = (*head, np.int32(S), *tail, ptr(scales[0]), ptr(scales[1]))
+    else:
+        args = (*head, np.int32(0), np.uint64(0), np.int32(0), np.int32(S), *tail)
+    launch(source, name, q.device, (S, min(B * g, GRID_YZ_MAX), 1), (128, 1, 1), args)
     return o
 
 
@@ -303,11 +323,13 @@ def append_kernel(qkv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
 
 
 def append_paged_kernel(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pos: torch.Tensor,
-                        page_index: torch.Tensor, cos, sin, heads: int, interleaved: bool) -> torch.Tensor:
+                        page_index: torch.Tensor, cos, sin, heads: int, interleaved: bool, scales=None) -> torch.Tensor:
     """A paged step's rows in one launch (dec_append_pg): qkv [R, heads + 2g, d] (contiguous), row r
     at position pos[r] (int64, on the device), rotated by the tables cos, sin [positions, d/2] (fp32,
     or None), its k and v written into the pools [pages, g, page, d] at page page_index[r] (int64),
-    offset pos[r] % page; returns q [R, heads, d]."""
+    offset pos[r] % page; returns q [R, heads, d]. scales: an FP8 pool's (k_scale, v_scale) [pages, g,
+    page]: dec_append_pg8, a warp per row and head, each K and V row in e4m3 with its own scale (the
+    bits of fp8.quantize_rows)."""
     import numpy as np
 
     from .cuda import launch, ptr
@@ -316,11 +338,17 @@ def append_paged_kernel(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
     q = torch.empty(R, heads, d, dtype=qkv.dtype, device=qkv.device)
     suf = "f16" if qkv.dtype == torch.float16 else "bf16"
     rope = cos is not None
+    tables = (ptr(cos) if rope else np.uint64(0), ptr(sin) if rope else np.uint64(0), ptr(pos), ptr(page_index),
+              np.int32(R), np.int32(heads), np.int32(g), np.int32(d), np.int32(k_pool.shape[2]),
+              np.int32(1 if interleaved else 0))
+    if scales is not None:
+        warps = R * rows  # 8 warps a block
+        launch(dec_source(d), f"dec_append_pg8_{suf}", qkv.device, (min(-(-warps // 8), 65535), 1, 1), (256, 1, 1),
+               (ptr(qkv), ptr(q), ptr(k_pool), ptr(v_pool), ptr(scales[0]), ptr(scales[1]), *tables))
+        return q
     n = R * rows * d // 2
     launch(dec_source(d), f"dec_append_pg_{suf}", qkv.device, (min(-(-n // 256), 65535), 1, 1), (256, 1, 1),
-           (ptr(qkv), ptr(q), ptr(k_pool), ptr(v_pool), ptr(cos) if rope else np.uint64(0),
-            ptr(sin) if rope else np.uint64(0), ptr(pos), ptr(page_index), np.int32(R), np.int32(heads),
-            np.int32(g), np.int32(d), np.int32(k_pool.shape[2]), np.int32(1 if interleaved else 0)))
+           (ptr(qkv), ptr(q), ptr(k_pool), ptr(v_pool), *tables))
     return q
 
 

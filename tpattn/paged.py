@@ -28,8 +28,10 @@ K/V in place through the block table (tpattn/attention/triton_paged.py: nothing 
 elsewhere torch math (decode.attend, the scores a block of rows at a time).
 
 kv_dtype="fp8" keeps each token's K and V of each K/V head in e4m3 with an fp32 scale of its own
-(tpattn.attention.fp8.quantize_rows): d + 4 bytes where fp16 takes 2d. Its steps run in torch math,
-the pages dequantized as they are read: no kernel reads FP8 pages yet.
+(tpattn.attention.fp8.quantize_rows): d + 4 bytes where fp16 takes 2d. On a GPU of compute
+capability 8.9 or later at head dims 64 and 128 (decode.fp8_pages_fit) the append and the decode
+step run kernels (dec_append_pg8 quantizes each row; the split's _pg8 reads e4m3 pages and their
+scales); a prefill, and anything else, torch math over the dequantized pages.
 """
 
 from __future__ import annotations
@@ -318,7 +320,7 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
     QKV of the R rows, rotary positions from each row's position, K and V written into the pool's
     pages, each sequence's rows attending causally over its own positions, the output projection
     and the plan's collective of R x D values. Returns y of x's shape."""
-    from .decode import (append_paged_kernel, apply_rope, attend, decode_kernel_fits, fused_prefix_fits,
+    from .decode import (append_paged_kernel, apply_rope, attend, decode_kernel_fits, fp8_pages_fit, fused_prefix_fits,
                          paged_decode_attention, prefix_attention, rope_tables)
     from .ops import mm
     from .outputsum import OutputSum
@@ -347,10 +349,12 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
     i = view.index
     kp, vp = pool.k[i], pool.v[i]
     scales = (pool.k_scale[i], pool.v_scale[i]) if pool.fp8 else None
-    if decode_kernel_fits(qkv) and not scales:  # rotation at each row's position and the K/V writes: one kernel
+    kernels = fp8_pages_fit(qkv) if scales else decode_kernel_fits(qkv)
+    if kernels:  # rotation at each row's position and the K/V writes (FP8: quantized): one kernel
         cos, sin = pool.rope(layer, step.upto) if layer.rope_theta is not None else (None, None)
         with section("cache_append"):
-            q = append_paged_kernel(qkv, kp, vp, step.positions, step.page_index, cos, sin, h, layer.rope_interleaved)
+            q = append_paged_kernel(qkv, kp, vp, step.positions, step.page_index, cos, sin, h, layer.rope_interleaved,
+                                    scales)
     else:
         q, k, v = qkv.split([h, g, g], dim=1)  # [R, heads, d]
         if layer.rope_theta is not None:
@@ -370,8 +374,8 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
     if max(step.rows) == 1:  # a decode step: every sequence at once through its block table and length
         table, lens, longest = step.decode_tables()
         with section("attention"):
-            if decode_kernel_fits(q) and not scales:  # the paged split kernel
-                o = paged_decode_attention(q, kp, vp, table, lens, longest)
+            if kernels:  # the paged split kernel
+                o = paged_decode_attention(q, kp, vp, table, lens, longest, scales=scales)
             else:
                 o = paged_decode_torch(q, kp, vp, table, lens, scales)
         total = OutputSum(layer, plan, x.device)
