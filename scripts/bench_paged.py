@@ -2,7 +2,7 @@
 copy rate.
 
     python scripts/bench_paged.py [--pages 16 64 256] [--rounds 5] [--layer] [--prefill] [--no-kernel]
-                                   [--prefill-backends fused triton] [--profile-prefill K] [--json PATH]
+                                   [--prefill-backends fused triton] [--profile-prefill K] [--fp8] [--json PATH]
 
 For each shape (B sequences, G K/V heads, H = 32 query heads, d = 128, fp16): the split kernel
 over a contiguous cache of length L (kernels/decode_attention.cu), the paged kernel (_pg) over
@@ -13,7 +13,9 @@ CUDA events over 50 back-to-back launches, the median of --rounds rounds, conten
 --layer: the layer's whole graphed decode step, contiguous against paged; --prefill: prefills through
 the layer on the paged cache against its forward over the same rows without a cache, with each of
 --prefill-backends (fused: the fused kernel per sequence over its gathered K/V; triton: every
-sequence in one launch, K/V read through the block table).
+sequence in one launch, K/V read through the block table). --fp8: also an FP8 pool (PagedKV(kv_dtype=
+"fp8"): e4m3 pages and a scale a row, the split's _pg8) beside the fp16 pages of each page size, and
+with --layer its graphed step; its GB/s count the bytes it reads (d + 4 a row where fp16 reads 2d).
 """
 
 from __future__ import annotations
@@ -64,6 +66,13 @@ def paged(lens, g, d, page, gen):
     return pk, pv, table, torch.tensor(lens, dtype=torch.int32, device="cuda")
 
 
+def fp8_pages(pk, pv):
+    """An FP8 pool's pages and row scales of the fp16 pages pk, pv (tpattn.attention.fp8.quantize_rows)."""
+    from tpattn.attention import fp8
+    (k8, ks), (v8, vs) = fp8.quantize_rows(pk), fp8.quantize_rows(pv)
+    return k8.to(torch.float8_e4m3fn), v8.to(torch.float8_e4m3fn), (ks.squeeze(-1), vs.squeeze(-1))
+
+
 def rope_layer(H: int, G: int, d: int, gen: torch.Generator, backend: str = "fused"):
     """The benchmarks' layer: causal, fp16, rotary positions, the fused backend (or `backend`), weights
     drawn from gen."""
@@ -78,11 +87,12 @@ def rope_layer(H: int, G: int, d: int, gen: torch.Generator, backend: str = "fus
 LAYER_SHAPES = [(1, 8, 32768), (16, 8, 4096), (64, 8, 4096)]
 
 
-def layer_steps(H: int, d: int, rounds: int, steps: int = 40) -> list[dict]:
+def layer_steps(H: int, d: int, rounds: int, steps: int = 40, fp8: bool = False) -> list[dict]:
     """The layer's whole decode step (QKV GEMM, rotary positions, the cache write, attention, the
     output GEMM), CUDA-graphed, on the contiguous cache (layer.graphed(x_row, cache)) and on the
     paged cache (tpattn.paged.DecodeGraphs), uniform and ragged lengths: wall-clock us per step over
-    `steps` steps (host work of each step included: the pool's bookkeeping, the tables' copies)."""
+    `steps` steps (host work of each step included: the pool's bookkeeping, the tables' copies).
+    fp8: also the paged step on an FP8 pool (uniform lengths)."""
     import time
 
     from tpattn.paged import DecodeGraphs, PagedKV
@@ -98,11 +108,11 @@ def layer_steps(H: int, d: int, rounds: int, steps: int = 40) -> list[dict]:
         contiguous = layer.graphed(x, cache)
         runs = {"contiguous": contiguous}
         ragged = torch.linspace(0.4 * L, 1.6 * L, B).round().int().tolist() if B > 1 else [L]
-        for name, lens in (("paged", [L] * B), ("paged ragged", ragged)):
+        for name, lens in (("paged", [L] * B), ("paged ragged", ragged)) + ((("paged fp8", [L] * B),) if fp8 else ()):
             if name == "paged ragged" and B == 1:
                 continue
             pool = PagedKV(layer, pages=sum(-(-(n + (rounds + 1) * steps + 8) // 16) for n in lens) + 8, page_size=16,
-                           max_seqs=B)
+                           max_seqs=B, kv_dtype="fp8" if name.endswith("fp8") else None)
             ids = [pool.add() for _ in lens]
             with pool.step(ids, lens):  # the prompts' pages taken (their K/V left zero: the bytes read are the same)
                 pass
@@ -216,6 +226,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-kernel", action="store_true", help="skip the decode kernel's table")
     p.add_argument("--prefill-backends", nargs="+", choices=("fused", "triton"), default=["fused"],
                    help="the layer's backends for --prefill (triton: the paged prefill in one launch; default fused)")
+    p.add_argument("--fp8", action="store_true", help="also an FP8 pool (e4m3 pages, a scale a row) beside each "
+                   "page size's fp16 pages, and with --layer its graphed step")
     p.add_argument("--profile-prefill", type=int, metavar="K", help="also one call of each prefill under "
                    "torch.profiler: wall, host and GPU time, and the K ops with the most host time")
     a = p.parse_args(argv)
@@ -232,24 +244,30 @@ def main(argv=None) -> int:
         q = torch.randn(B, H, 1, d, device="cuda", generator=gen).half()
         k, v = (torch.randn(B, G, L, d, device="cuda", generator=gen).half() for _ in range(2))
         ragged = torch.linspace(0.4 * L, 1.6 * L, B).round().int().tolist() if B > 1 else [L]
-        cont = {"contiguous": (lambda: decode_attention(q, k, v, L), B * L)}
+        row16 = 2 * d  # bytes of a K or V row: fp16, and an FP8 pool's e4m3 row with its fp32 scale
+        cont = {"contiguous": (lambda: decode_attention(q, k, v, L), B * L, row16)}
         for P in a.pages:
             pk, pv, table, lens = paged([L] * B, G, d, P, gen)
             cont[f"paged {P}"] = ((lambda pk=pk, pv=pv, t=table, n=lens: paged_decode_attention(q[:, :, 0], pk, pv, t, n, L)),
-                                  B * L)
+                                  B * L, row16)
+            if a.fp8:
+                k8, v8, sc = fp8_pages(pk, pv)
+                cont[f"paged {P} fp8"] = ((lambda k8=k8, v8=v8, sc=sc, t=table, n=lens:
+                                           paged_decode_attention(q[:, :, 0], k8, v8, t, n, L, scales=sc)), B * L, d + 4)
             if B > 1:
                 rk, rv, rt, rn = paged(ragged, G, d, P, gen)
                 cont[f"paged {P} ragged"] = ((lambda pk=rk, pv=rv, t=rt, n=rn: paged_decode_attention(q[:, :, 0], pk, pv, t, n,
-                                                                                               max(ragged))), sum(ragged))
+                                                                                               max(ragged))), sum(ragged),
+                                             row16)
         times = {k: [] for k in cont}
         for _ in range(a.rounds):
-            for name, (fn, _) in cont.items():
+            for name, (fn, _, _) in cont.items():
                 times[name].append(timed(fn))
         base = statistics.median(times["contiguous"])
         print(f"B={B} G={G} L={L}" + (f" (ragged: {min(ragged)}-{max(ragged)}, mean {sum(ragged) / B:.0f})" if B > 1 else ""))
-        for name, (fn, tokens) in cont.items():
+        for name, (fn, tokens, row) in cont.items():
             us = statistics.median(times[name])
-            gbs = 2 * tokens * G * d * 2 / (us * 1e-6) / 1e9
+            gbs = 2 * tokens * G * row / (us * 1e-6) / 1e9
             row = {"B": B, "G": G, "L": L, "layout": name, "us": us, "GBps": gbs, "of_copy": gbs / rate,
                    "vs_contiguous_per_token": (us / tokens) / (base / (B * L))}
             rows.append(row)
@@ -257,7 +275,7 @@ def main(argv=None) -> int:
                   f"{row['vs_contiguous_per_token']:.3f} of contiguous")
     steps = []
     if a.layer:
-        steps = layer_steps(H, d, a.rounds)
+        steps = layer_steps(H, d, a.rounds, fp8=a.fp8)
         print("the layer's decode step, CUDA-graphed, wall-clock us per step (median of rounds; host work included):")
         for shape in LAYER_SHAPES:
             mine = [r for r in steps if (r["B"], r["G"], r["L"]) == shape]

@@ -71,6 +71,10 @@
 #           forward, fused and triton backends) with one profiled call of each prefill, the serving
 #           example's tokens per second, and compute-sanitizer over scripts/sanitize_decode.py (the decode
 #           split at every head dim, the paged append, the graphed step's preparation)
+#   fp8     the FP8 pool: pytest -m gpu -k fp8 tests/test_gpu_paged.py (its kernels' bits, float64, the pool's
+#           steps and graphs), scripts/bench_paged.py --fp8 --layer (the decode kernel on e4m3 pages beside
+#           fp16 pages, and the graphed step), the serving example with --kv-dtype fp8, compute-sanitizer
+#           over scripts/sanitize_decode.py
 #   ncubwd  Nsight Compute (--set full) over one attention backward of tpattn's fused backend and one of SDPA's
 #           cuDNN backend, at B=1 H=32 N=4096 d=128 fp16 and at B=2 H=32 G=8 N=8192 bf16 causal; the details
 #           pages as CSV under $OUT/ncu, and scripts/ncu_backward.py's table of them
@@ -469,6 +473,20 @@ if want paged; then
   for tool in memcheck racecheck; do
     timeout 300 "$san" --tool $tool --error-exitcode 9 python3 scripts/sanitize_decode.py > "$OUT/sanitizer_decode_$tool.log" 2>&1
     echo "$tool exit $?"; tail -1 "$OUT/sanitizer_decode_$tool.log"
+  done
+fi
+if want fp8; then
+  note "the FP8 pool: its kernels' GPU tests, the decode kernel and the graphed step beside fp16 pages"
+  timeout 240 python3 -m pytest -m gpu -q -p no:warnings --tb=short tests/test_gpu_paged.py -k fp8 2>&1 \
+    | tee "$OUT/pytest_fp8.log" | tail -3 || status=1
+  timeout 300 python3 scripts/bench_paged.py --fp8 --layer --pages 16 64 --rounds 3 --json "$OUT/bench_paged_fp8.json" 2>&1 \
+    | tee "$OUT/bench_paged_fp8.log" | grep -E "B=|  [a-z]|copy rate" || status=1
+  timeout 200 python3 scripts/serve_llama.py --device cuda --dtype fp16 --hidden 1024 --heads 8 --kv-heads 2 --layers 4 \
+    --prompts 16 --new-tokens 64 --max-batch 8 --check --graphs --kv-dtype fp8 2>&1 | tail -4 || status=1
+  san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  for tool in memcheck racecheck; do
+    timeout 300 "$san" --tool $tool --error-exitcode 9 python3 scripts/sanitize_decode.py > "$OUT/sanitizer_fp8_$tool.log" 2>&1
+    echo "$tool exit $?"; grep -E "FP8|ERROR SUMMARY" "$OUT/sanitizer_fp8_$tool.log" | tail -5
   done
 fi
 if want ncubwd; then

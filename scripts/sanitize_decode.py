@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The decode kernels on small shapes, for compute-sanitizer (memcheck, racecheck): the split at
 every head dim it is built for (contiguous and paged, multi-head and grouped, a length that ends
-inside a chunk), the paged append kernel (rows at their own positions and pages), and a graphed
-paged step's preparation (pg_prepare, padding rows included). Exits non-zero if an output is not
-finite.
+inside a chunk), the paged append kernel (rows at their own positions and pages), an FP8 pool's
+append (dec_append_pg8) and split (_pg8) at d = 64 and 128, and a graphed paged step's preparation
+(pg_prepare, padding rows included). Exits non-zero if an output is not finite.
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python scripts/sanitize_decode.py
 """
@@ -42,6 +42,15 @@ def main() -> int:
             ok = bool(torch.isfinite(qa).all())
             bad += not ok
             print(f"{dtype} d={d} paged append: {'ok' if ok else 'NOT FINITE'}")
+            if d in decode.FP8_PAGE_HEAD_DIMS:  # an FP8 pool: the append quantizes, the split reads e4m3
+                k8, v8 = (torch.zeros(9, 2, 16, d, device="cuda", dtype=torch.float8_e4m3fn) for _ in range(2))
+                sc = tuple(torch.zeros(9, 2, 16, device="cuda") for _ in range(2))
+                qa = decode.append_paged_kernel(qkv, k8, v8, pos, pages, cos, sin, 4, False, scales=sc)
+                table = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]], dtype=torch.int32, device="cuda").expand(5, 8).contiguous()
+                o8 = decode.paged_decode_attention(qa, k8, v8, table, (pos + 1).to(torch.int32), 128, scales=sc)
+                ok = bool(torch.isfinite(qa).all() and torch.isfinite(o8).all() and (sc[0][pages, :, pos % 16] > 0).all())
+                bad += not ok
+                print(f"{dtype} d={d} FP8 pool append and split: {'ok' if ok else 'NOT FINITE'}")
     from tpattn import TensorParallelAttention
     from tpattn.paged import PagedKV, _StaticStep
     D = 4 * 128
