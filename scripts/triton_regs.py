@@ -4,7 +4,7 @@ configs can be chosen (and checked) on any machine.
 
     python scripts/triton_regs.py [--arch 90] [--head-dims 64 96 128 256] [--dtype fp16]
 
-For each kernel (forward, dK/dV, dQ; the paged prefill at its one config), head dim and config: (BLOCK_M, BLOCK_N, warps, stages), registers
+For each kernel (forward, dK/dV, dQ; the paged prefill at its one config, over 16-bit and FP8 pages), head dim and config: (BLOCK_M, BLOCK_N, warps, stages), registers
 a thread, spill stores and loads (bytes), shared memory. Exit status 1 if any config spills.
 Compiles with pointers aligned to 16 and, where 16 divides d (contiguous rows), the strides too, as a
 real launch specializes them (for d = 40, 136, ... the row stride is not a multiple of 16)."""
@@ -20,14 +20,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-KERNELS = {"fwd": "attn_fwd", "kv": "attn_bwd_kv", "q": "attn_bwd_q", "pg": "paged_prefill_fwd"}
+KERNELS = {"fwd": "attn_fwd", "kv": "attn_bwd_kv", "q": "attn_bwd_q", "pg": "paged_prefill_fwd",
+           "pg8": "paged_prefill_fwd"}  # pg8: the paged prefill over an FP8 pool
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
 
 
-def compile_one(K, which: str, d: int, causal: bool, cfg, dtype: str, arch: int) -> dict:
+def compile_one(K, which: str, d: int, causal: bool, cfg, dtype: str, arch: int, fp8: bool = False) -> dict:
     """One kernel, head dim, causal flag and config: ptxas's numbers for it (pg: the paged prefill of
-    tpattn/attention/triton_paged.py, causal by construction)."""
+    tpattn/attention/triton_paged.py, causal by construction; fp8: over an FP8 pool's pages)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -39,13 +40,15 @@ def compile_one(K, which: str, d: int, causal: bool, cfg, dtype: str, arch: int)
     names = fn.arg_names
     bm, bn, warps, stages = cfg
     const = {"HEAD_DIM": d, "CAUSAL": causal, "BLOCK_D": K.block_d(d), "PAD_D": K.block_d(d) != d,
-             "BLOCK_M": bm, "BLOCK_N": bn, "STORE_LSE": True}
+             "BLOCK_M": bm, "BLOCK_N": bn, "STORE_LSE": True, "F8": fp8}
     sig, attrs = {}, {}
     for i, name in enumerate(names):
         if name in const:
             sig[name] = "constexpr"
-        elif name in ("L", "DELTA"):
+        elif name in ("L", "DELTA", "KS", "VS"):
             sig[name] = "*fp32"
+        elif name in ("KP", "VP") and fp8:
+            sig[name] = "*fp8e4nv"
         elif name in ("Q", "K", "V", "O", "DO", "DK", "DV", "DQ", "KP", "VP"):
             sig[name] = "*" + dtype
         elif name in ("TABLE", "CU", "START"):
@@ -91,10 +94,11 @@ def main(argv=None) -> int:
     from tpattn.attention import triton_paged
     for d in a.head_dims:
         for which in KERNELS:
-            cfgs = [triton_paged.config(d)] if which == "pg" else K.tune_set(which, K.block_d(d))
+            paged = which.startswith("pg")
+            cfgs = [triton_paged.config(d)] if paged else K.tune_set(which, K.block_d(d))
             for cfg in cfgs:
-                for causal in (False, True) if which != "pg" else (True,):
-                    r = compile_one(K, which, d, causal, cfg, a.dtype, a.arch)
+                for causal in (False, True) if not paged else (True,):
+                    r = compile_one(K, "pg" if paged else which, d, causal, cfg, a.dtype, a.arch, which == "pg8")
                     spills = r["spill_stores"] + r["spill_loads"]
                     bad += spills > 0
                     print(f"  {which:<3} d={d:<3} ({K.block_d(d):>3}) {'causal' if causal else 'full  '} {cfg}: "

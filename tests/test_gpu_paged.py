@@ -226,10 +226,12 @@ def test_paged_prefill_runs_the_fused_kernel_and_matches_torch_math(g, monkeypat
 
 @pytest.mark.parametrize("g", [8, 2])
 @torch.no_grad()
-def test_paged_prefill_through_triton_is_one_launch_and_matches_torch_math(g, monkeypatch):
+@pytest.mark.parametrize("kv_dtype", [None, "fp8"])
+def test_paged_prefill_through_triton_is_one_launch_and_matches_torch_math(g, kv_dtype, monkeypatch):
     """The triton backend's paged prefill (tpattn/attention/triton_paged.py): every sequence of a step in
-    one launch, K/V read through the block table; ragged prompts, then chunks continuing two of them
-    beside a new prompt, then a chunk beside a decode row; the same steps in torch math give the same rows."""
+    one launch, K/V read through the block table (16-bit pages, and an FP8 pool's e4m3 pages and row
+    scales); ragged prompts, then chunks continuing two of them beside a new prompt, then a chunk
+    beside a decode row; the same steps in torch math give the same rows."""
     pytest.importorskip("triton")
     import tpattn.paged as paged
     from tpattn.paged import PagedKV
@@ -242,7 +244,7 @@ def test_paged_prefill_through_triton_is_one_launch_and_matches_torch_math(g, mo
     for on in (True, False):
         monkeypatch.setattr(paged, "triton_prefill_fits", (lambda *a: calls.append(real(*a)) or calls[-1]) if on
                             else (lambda *a: False))
-        pool = PagedKV(layer, pages=128, page_size=16, max_seqs=4)
+        pool = PagedKV(layer, pages=128, page_size=16, max_seqs=4, kv_dtype=kv_dtype)
         ids = [pool.add() for _ in range(4)]
         gen = torch.Generator().manual_seed(1)
         got = []

@@ -69,6 +69,35 @@ def test_paged_prefill_matches_float64(d, g, dtype):
 
 
 @interp
+@pytest.mark.parametrize("d,g,page", [(64, 2, 16), (128, 4, 1), (96, 1, 64)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_paged_prefill_reads_fp8_pages(d, g, page, dtype):
+    """An FP8 pool's pages (e4m3, a scale a row): the prefill against float64 over the dequantized
+    pages, with the 16-bit pages' bound; scales that differ between rows by 2^10 change nothing."""
+    _patch_interpreter_bf16_dot()
+    from tpattn.attention import fp8
+    from tpattn.attention.triton_paged import paged_prefill
+    gen = torch.Generator().manual_seed(d + page)
+    h = 4
+    rows, starts = [37, 1, 130, 5], [0, 70, 140, 0]
+    kp, vp, table = pool_of([T + L0 for T, L0 in zip(rows, starts)], g, page, d, torch.float32, gen)
+    kp = kp * 2.0 ** torch.randint(-5, 6, kp.shape[:3] + (1,), generator=gen)  # rows of very different sizes
+    (k8, ks), (v8, vs) = fp8.quantize_rows(kp), fp8.quantize_rows(vp)
+    k8, v8, ks, vs = k8.to(torch.float8_e4m3fn), v8.to(torch.float8_e4m3fn), ks.squeeze(-1), vs.squeeze(-1)
+    q = (torch.randn(sum(rows), h, d, generator=gen) * 0.1).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.int32)
+    o = paged_prefill(q, k8, v8, table, cu, torch.tensor(starts, dtype=torch.int32), max(rows), scales=(ks, vs))
+    want = reference(q, fp8.dequantize(k8, ks), fp8.dequantize(v8, vs), table, rows, starts)
+    assert o.dtype == dtype and torch.isfinite(o).all()
+    err = (o.double() - want).abs().max().item()
+    tol = (4e-3 if dtype == torch.float16 else 3e-2) * max(1.0, want.abs().max().item())
+    assert err <= tol, (err, tol)
+    plain = paged_prefill(q, k8, v8, table, cu, torch.tensor(starts, dtype=torch.int32), max(rows),
+                          scales=(torch.ones_like(ks), torch.ones_like(vs)))
+    assert (plain.double() - want).abs().max().item() > 10 * tol  # the scales are read
+
+
+@interp
 def test_paged_prefill_takes_every_tile_config_and_page_size():
     from tpattn.attention.triton_paged import paged_prefill
     gen = torch.Generator().manual_seed(5)
@@ -86,10 +115,12 @@ def test_paged_prefill_takes_every_tile_config_and_page_size():
 
 @interp
 @torch.no_grad()
-def test_layer_paged_steps_through_the_triton_prefill(monkeypatch):
-    """A layer with the triton backend on a paged cache: ragged prompts in one step, chunks that
-    continue two of them beside a new prompt and a decode row, each prefill step one launch of the
-    paged prefill; the same steps with it turned off (torch math over gathered K/V) give the same rows."""
+@pytest.mark.parametrize("kv_dtype", [None, "fp8"])
+def test_layer_paged_steps_through_the_triton_prefill(monkeypatch, kv_dtype):
+    """A layer with the triton backend on a paged cache (16-bit pages, and an FP8 pool): ragged
+    prompts in one step, chunks that continue two of them beside a new prompt and a decode row, each
+    prefill step one launch of the paged prefill; the same steps with it turned off (torch math over
+    gathered K/V) give the same rows."""
     import tpattn.paged as paged
     from tpattn import TensorParallelAttention
     from tpattn.paged import PagedKV
@@ -106,7 +137,7 @@ def test_layer_paged_steps_through_the_triton_prefill(monkeypatch):
     for on in (True, False):
         monkeypatch.setattr(paged, "triton_prefill_fits", (lambda *a: calls.append(real(*a)) or calls[-1]) if on
                             else (lambda *a: False))
-        pool = PagedKV(layer, pages=64, page_size=16, max_seqs=4)
+        pool = PagedKV(layer, pages=64, page_size=16, max_seqs=4, kv_dtype=kv_dtype)
         ids = [pool.add() for _ in range(4)]
         gen = torch.Generator().manual_seed(1)
         got = []

@@ -31,7 +31,8 @@ kv_dtype="fp8" keeps each token's K and V of each K/V head in e4m3 with an fp32 
 (tpattn.attention.fp8.quantize_rows): d + 4 bytes where fp16 takes 2d. On a GPU of compute
 capability 8.9 or later at head dims 64 and 128 (decode.fp8_pages_fit) the append and the decode
 step run kernels (dec_append_pg8 quantizes each row; the split's _pg8 reads e4m3 pages and their
-scales); a prefill, and anything else, torch math over the dequantized pages.
+scales); a prefill with the triton backend reads the e4m3 pages in place too (triton_paged.py); the
+rest, torch math over the dequantized pages.
 """
 
 from __future__ import annotations
@@ -382,11 +383,11 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
         total.add_rows(0, R, o.view(R, h * d))
         return total.result().view(B, N, D)
     o = torch.empty(R, h, d, dtype=layer.dtype, device=x.device)
-    if triton_prefill_fits(layer, q, len(step.slots)) and not scales:  # every sequence in one launch, K/V read through the table in place
+    if triton_prefill_fits(layer, q, len(step.slots)):  # every sequence in one launch, K/V read through the table in place
         from .attention.triton_paged import paged_prefill
         table, cu, starts = step.prefill_tables()
         with section("attention"):
-            paged_prefill(q, kp, vp, table, cu, starts, max(step.rows), out=o)
+            paged_prefill(q, kp, vp, table, cu, starts, max(step.rows), out=o, scales=scales)
         total = OutputSum(layer, plan, x.device)
         total.add_rows(0, R, o.view(R, h * d))
         return total.result().view(B, N, D)

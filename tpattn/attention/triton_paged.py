@@ -12,6 +12,11 @@ and slot looked up in the table (a gather: the tile's keys need not share a page
 row of the program sees whole (below its first row's position) run without a mask. So a step's
 prefill is one launch whatever its sequences, with no gathered copy of K and V and no scores in
 memory: O(rows x d) beyond the pool.
+
+An FP8 pool (PagedKV(kv_dtype="fp8"): e4m3 pages, a scale a row [pages, g, page]): the tiles are read
+as e4m3 and widened to the query's dtype (exact), each key's dot products times its K scale, each
+p times its V scale before the PV product (l sums the p themselves): the same softmax over the
+dequantized pages, with no dequantized copy.
 """
 
 from __future__ import annotations
@@ -33,11 +38,13 @@ def config(d: int) -> tuple:
 
 
 @triton.jit
-def _paged_tiles(acc, l_i, m_i, q, KP, VP, trow, start, stop, pos_m, cols, dims, dim_ok, qk_scale, hk,
-                 skp, skh, sks, svp, svh, svs, PAGE, MASK: tl.constexpr, BLOCK_N: tl.constexpr):
+def _paged_tiles(acc, l_i, m_i, q, KP, VP, KS, VS, trow, start, stop, pos_m, cols, dims, dim_ok, qk_scale, hk,
+                 skp, skh, sks, svp, svh, svs, ssp, ssh, PAGE, MASK: tl.constexpr, F8: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
     """Key tiles [start, stop) of one sequence into one query tile's running (acc, l, m), online
     softmax in base 2, each key's page looked up in the table row trow. MASK: the tiles cross the
-    diagonal or the keys' end (stop), or the head dim is padded; else every key is seen by every row."""
+    diagonal or the keys' end (stop), or the head dim is padded; else every key is seen by every row.
+    F8: e4m3 pages with row scales KS, VS (strides ssp, ssh per page and head; 1 per slot)."""
     for n0 in range(start, stop, BLOCK_N):
         kpos = n0 + cols
         key_ok = kpos < stop
@@ -50,7 +57,15 @@ def _paged_tiles(acc, l_i, m_i, q, KP, VP, trow, start, stop, pos_m, cols, dims,
                      mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
         v = tl.load(VP + page[:, None] * svp + hk * svh + slot[:, None] * svs + dims[None, :],
                     mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        if F8:  # widened exactly; the row scales applied to the products
+            at = page * ssp + hk * ssh + slot
+            ks = tl.load(KS + at, mask=key_ok, other=0.0)
+            vs = tl.load(VS + at, mask=key_ok, other=0.0)
+            kT = kT.to(q.dtype)
+            v = v.to(q.dtype)
         qk = tl.dot(q, kT)
+        if F8:
+            qk = qk * ks[None, :]
         if MASK:
             qk = tl.where(key_ok[None, :] & (pos_m[:, None] >= kpos[None, :]), qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
@@ -58,16 +73,19 @@ def _paged_tiles(acc, l_i, m_i, q, KP, VP, trow, start, stop, pos_m, cols, dims,
         p = tl.math.exp2(qk * qk_scale - m_ref[:, None])
         alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if F8:
+            acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(v.dtype), v)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit
-def paged_prefill_fwd(Q, KP, VP, O, TABLE, CU, START, qk_scale,
-                      sqr, sqh, sor, soh, skp, skh, sks, svp, svh, svs, stab, H, GROUP, PAGE,
+def paged_prefill_fwd(Q, KP, VP, O, TABLE, CU, START, KS, VS, qk_scale,
+                      sqr, sqh, sor, soh, skp, skh, sks, svp, svh, svs, ssp, ssh, stab, H, GROUP, PAGE,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
+                      BLOCK_N: tl.constexpr, F8: tl.constexpr):
     t = tl.program_id(0)
     sh = tl.program_id(1)
     s = sh // H
@@ -94,33 +112,39 @@ def paged_prefill_fwd(Q, KP, VP, O, TABLE, CU, START, qk_scale,
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         trow = TABLE + s.to(tl.int64) * stab
-        acc, l_i, m_i = _paged_tiles(acc, l_i, m_i, q, KP, VP, trow, 0, full, pos_m, cols, dims, dim_ok, qk_scale,
-                                     hk, skp, skh, sks, svp, svh, svs, PAGE, False, BLOCK_N)
-        acc, l_i, m_i = _paged_tiles(acc, l_i, m_i, q, KP, VP, trow, full, stop, pos_m, cols, dims, dim_ok, qk_scale,
-                                     hk, skp, skh, sks, svp, svh, svs, PAGE, True, BLOCK_N)
+        acc, l_i, m_i = _paged_tiles(acc, l_i, m_i, q, KP, VP, KS, VS, trow, 0, full, pos_m, cols, dims, dim_ok,
+                                     qk_scale, hk, skp, skh, sks, svp, svh, svs, ssp, ssh, PAGE, False, F8, BLOCK_N)
+        acc, l_i, m_i = _paged_tiles(acc, l_i, m_i, q, KP, VP, KS, VS, trow, full, stop, pos_m, cols, dims, dim_ok,
+                                     qk_scale, hk, skp, skh, sks, svp, svh, svs, ssp, ssh, PAGE, True, F8, BLOCK_N)
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(O + grow[:, None] * sor + hq * soh + dims[None, :], o.to(O.dtype.element_ty), mask=io_ok)
 
 
 def paged_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                   cu: torch.Tensor, starts: torch.Tensor, most_rows: int, out: torch.Tensor | None = None,
-                  tiles: tuple | None = None) -> torch.Tensor:
+                  tiles: tuple | None = None, scales=None) -> torch.Tensor:
     """o [R, h, d] of a step's packed rows q [R, h, d] (columns contiguous), sequence i's rows
     [cu[i], cu[i+1]) at positions starts[i].. over its first starts[i] + rows positions of K, V in
     the pools [pages, g, page, d] (contiguous), through table [n, pages] (int32); cu [n + 1] and
-    starts [n] int32 on q's device; most_rows: the most rows any sequence has (sets the grid)."""
+    starts [n] int32 on q's device; most_rows: the most rows any sequence has (sets the grid).
+    scales: an FP8 pool's (k_scale, v_scale) [pages, g, page] (fp32, contiguous), its pages e4m3."""
     R, h, d = q.shape
     g, page = k_pool.shape[1], k_pool.shape[2]
     n = table.shape[0]
     o = out if out is not None else torch.empty_like(q)
     assert q.stride(-1) == 1 and o.stride(-1) == 1 and k_pool.is_contiguous() and v_pool.is_contiguous()
+    f8 = scales is not None
+    if f8:
+        assert k_pool.dtype == v_pool.dtype == torch.float8_e4m3fn and all(
+            t.is_contiguous() and t.shape == k_pool.shape[:3] for t in scales)
+    ks, vs = scales if f8 else (k_pool, v_pool)  # (not read without F8)
     if R == 0:
         return o
     bm, bn, warps, stages = tiles or config(d)
     grid = (triton.cdiv(most_rows, bm), n * h)
-    paged_prefill_fwd[grid](q, k_pool, v_pool, o, table, cu, starts, math.log2(math.e) / math.sqrt(d),
+    paged_prefill_fwd[grid](q, k_pool, v_pool, o, table, cu, starts, ks, vs, math.log2(math.e) / math.sqrt(d),
                             q.stride(0), q.stride(1), o.stride(0), o.stride(1), *k_pool.stride()[:3],
-                            *v_pool.stride()[:3], table.stride(0), h, h // g, page,
-                            HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+                            *v_pool.stride()[:3], ks.stride(0), ks.stride(1), table.stride(0), h, h // g, page,
+                            HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=bm, BLOCK_N=bn, F8=f8, num_warps=warps,
                             num_stages=stages)
     return o
