@@ -71,10 +71,12 @@
 #           forward, fused and triton backends) with one profiled call of each prefill, the serving
 #           example's tokens per second, and compute-sanitizer over scripts/sanitize_decode.py (the decode
 #           split at every head dim, the paged append, the graphed step's preparation)
-#   fp8     the FP8 pool: pytest -m gpu -k fp8 tests/test_gpu_paged.py (its kernels' bits, float64, the pool's
-#           steps and graphs), scripts/bench_paged.py --fp8 --layer (the decode kernel on e4m3 pages beside
-#           fp16 pages, and the graphed step), the serving example with --kv-dtype fp8, compute-sanitizer
-#           over scripts/sanitize_decode.py
+#   fp8     the FP8 forward: pytest -m gpu tests/test_gpu_fp8.py, scripts/bench_fp8.py (beside tpattn's fp16
+#           fused forward and SDPA, d = 128 N = 4096 and 16384, causal and not, and d = 256); the FP8 pool:
+#           pytest -m gpu -k fp8 tests/test_gpu_paged.py (its kernels' bits, float64, the pool's steps and
+#           graphs), scripts/bench_paged.py --fp8 --layer (the decode kernel on e4m3 pages beside fp16
+#           pages, and the graphed step), the serving example with --kv-dtype fp8, compute-sanitizer over
+#           scripts/sanitize_decode.py
 #   ncubwd  Nsight Compute (--set full) over one attention backward of tpattn's fused backend and one of SDPA's
 #           cuDNN backend, at B=1 H=32 N=4096 d=128 fp16 and at B=2 H=32 G=8 N=8192 bf16 causal; the details
 #           pages as CSV under $OUT/ncu, and scripts/ncu_backward.py's table of them
@@ -476,7 +478,14 @@ if want paged; then
   done
 fi
 if want fp8; then
-  note "the FP8 pool: its kernels' GPU tests, the decode kernel and the graphed step beside fp16 pages"
+  note "the FP8 forward beside fp16 and SDPA; the FP8 pool: its kernels' GPU tests, the decode kernel and the graphed step"
+  timeout 300 python3 -m pytest -m gpu -q -p no:warnings --tb=short tests/test_gpu_fp8.py 2>&1 \
+    | tee "$OUT/pytest_fp8_fwd.log" | tail -3 || status=1
+  for args in "" "--causal" "--head-dim 256 --seq-lens 4096" "--scaling block --rotate --seq-lens 16384"; do
+    tag=$(echo "x$args" | tr -d ' -' | cut -c1-40)
+    timeout 200 python3 scripts/bench_fp8.py $args --commit "${COMMIT:-unknown}" --out "$OUT/fp8_$tag" 2>&1 \
+      | grep -E "N=|  [a-z]|RMSE|error" || status=1
+  done
   timeout 240 python3 -m pytest -m gpu -q -p no:warnings --tb=short tests/test_gpu_paged.py -k fp8 2>&1 \
     | tee "$OUT/pytest_fp8.log" | tail -3 || status=1
   timeout 300 python3 scripts/bench_paged.py --fp8 --layer --pages 16 64 --rounds 3 --json "$OUT/bench_paged_fp8.json" 2>&1 \

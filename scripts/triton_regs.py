@@ -4,7 +4,8 @@ configs can be chosen (and checked) on any machine.
 
     python scripts/triton_regs.py [--arch 90] [--head-dims 64 96 128 256] [--dtype fp16]
 
-For each kernel (forward, dK/dV, dQ; the paged prefill at its one config, over 16-bit and FP8 pages), head dim and config: (BLOCK_M, BLOCK_N, warps, stages), registers
+For each kernel (forward, dK/dV, dQ; the paged prefill at its one config, over 16-bit and FP8 pages;
+the FP8 forward, f8, at 64, 128 and 256), head dim and config: (BLOCK_M, BLOCK_N, warps, stages), registers
 a thread, spill stores and loads (bytes), shared memory. Exit status 1 if any config spills.
 Compiles with pointers aligned to 16 and, where 16 divides d (contiguous rows), the strides too, as a
 real launch specializes them (for d = 40, 136, ... the row stride is not a multiple of 16)."""
@@ -21,7 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 KERNELS = {"fwd": "attn_fwd", "kv": "attn_bwd_kv", "q": "attn_bwd_q", "pg": "paged_prefill_fwd",
-           "pg8": "paged_prefill_fwd"}  # pg8: the paged prefill over an FP8 pool
+           "pg8": "paged_prefill_fwd",  # pg8: the paged prefill over an FP8 pool
+           "f8": "fp8_fwd"}  # f8: the FP8 forward (triton_fp8.py), over its configs
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
 
@@ -35,19 +37,22 @@ def compile_one(K, which: str, d: int, causal: bool, cfg, dtype: str, arch: int,
     if which == "pg":
         from tpattn.attention import triton_paged
         fn = triton_paged.paged_prefill_fwd
+    elif which == "f8":
+        from tpattn.attention import triton_fp8
+        fn = triton_fp8.fp8_fwd.fn
     else:
         fn = getattr(K, KERNELS[which]).fn
     names = fn.arg_names
     bm, bn, warps, stages = cfg
     const = {"HEAD_DIM": d, "CAUSAL": causal, "BLOCK_D": K.block_d(d), "PAD_D": K.block_d(d) != d,
-             "BLOCK_M": bm, "BLOCK_N": bn, "STORE_LSE": True, "F8": fp8}
+             "BLOCK_M": bm, "BLOCK_N": bn, "STORE_LSE": True, "F8": fp8, "D_TUNED": d}
     sig, attrs = {}, {}
     for i, name in enumerate(names):
         if name in const:
             sig[name] = "constexpr"
-        elif name in ("L", "DELTA", "KS", "VS"):
+        elif name in ("L", "DELTA", "KS", "VS", "SQ", "SK", "SV"):
             sig[name] = "*fp32"
-        elif name in ("KP", "VP") and fp8:
+        elif (name in ("KP", "VP") and fp8) or (which == "f8" and name in ("Q", "K", "VT")):
             sig[name] = "*fp8e4nv"
         elif name in ("Q", "K", "V", "O", "DO", "DK", "DV", "DQ", "KP", "VP"):
             sig[name] = "*" + dtype
@@ -95,7 +100,13 @@ def main(argv=None) -> int:
     for d in a.head_dims:
         for which in KERNELS:
             paged = which.startswith("pg")
-            cfgs = [triton_paged.config(d)] if paged else K.tune_set(which, K.block_d(d))
+            if which == "f8":
+                if d not in (64, 128, 256):
+                    continue
+                from tpattn.attention import triton_fp8
+                cfgs = triton_fp8.TUNE[d]
+            else:
+                cfgs = [triton_paged.config(d)] if paged else K.tune_set(which, K.block_d(d))
             for cfg in cfgs:
                 for causal in (False, True) if not paged else (True,):
                     r = compile_one(K, "pg" if paged else which, d, causal, cfg, a.dtype, a.arch, which == "pg8")

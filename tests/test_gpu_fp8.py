@@ -1,0 +1,50 @@
+"""The FP8 attention forward (tpattn/attention/triton_fp8.py) on the GPU (compute capability 8.9+):
+against float64 beside the torch emulation of the same rounding points (tpattn/attention/fp8.py),
+at head dims 64, 128 and 256, N from 1 to 4097, causal and not, GQA, every scaling, with and without
+the rotation, fp16 and bf16 outputs, through the autotuner. The kernel's softmax is online, so it
+agrees with the emulation to FP8's error: its error must stay within a small factor of the
+emulation's. tests/test_triton_fp8_cpu.py runs the same logic in Triton's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpattn.attention import fp8
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                                 reason="FP8 tensor cores need a GPU of compute capability 8.9 or later")]
+
+
+@pytest.mark.parametrize("N", [1, 100, 1000, 4097])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("scaling,rotate", [("tensor", False), ("head", False), ("block", True)])
+def test_fp8_forward_against_float64(N, d, causal, scaling, rotate):
+    pytest.importorskip("triton")
+    from tpattn.attention import triton_fp8
+    q, k, v = fp8.inputs(1, 4, 2, N, d, outliers=1e-3, seed=N + d)
+    q16, k16, v16 = (t.half().cuda() for t in (q, k, v))
+    o = triton_fp8.attention(q16, k16, v16, causal, scaling, rotate)
+    ref = fp8.attention_float64(q, k, v, causal)
+    emu = fp8.attention_fp8(q16.double().cpu(), k16.double().cpu(), v16.double().cpu(), causal, scaling, rotate)
+    kernel, emulated = fp8.rmse(o.cpu(), ref), fp8.rmse(emu, ref)
+    assert o.dtype == torch.float16 and torch.isfinite(o).all()
+    assert kernel < 1.3 * emulated + 1e-3, (kernel, emulated)
+
+
+@pytest.mark.parametrize("tiles", [None, (64, 64, 4, 3), (128, 64, 8, 3)])
+def test_fp8_forward_bf16_and_spread_blocks(tiles):
+    """bf16 in and out; K and V whose 128-row blocks differ 8x in size, per-block scales."""
+    pytest.importorskip("triton")
+    from tpattn.attention import triton_fp8
+    q, k, v = fp8.inputs(2, 8, 8, 700, 128, seed=3)
+    blocks = 2.0 ** (torch.arange(700) // 128 * 3 - 3).double()
+    k, v = k * blocks[:, None], v * blocks[:, None]
+    qb, kb, vb = (t.bfloat16().cuda() for t in (q, k, v))
+    o = triton_fp8.attention(qb, kb, vb, True, "block", False, tiles=tiles)
+    ref = fp8.attention_float64(qb.double().cpu(), kb.double().cpu(), vb.double().cpu(), True)
+    emu = fp8.attention_fp8(qb.double().cpu(), kb.double().cpu(), vb.double().cpu(), True, "block", False)
+    assert o.dtype == torch.bfloat16
+    assert fp8.rmse(o.cpu(), ref) < 1.3 * fp8.rmse(emu, ref) + 2e-3

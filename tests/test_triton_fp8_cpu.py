@@ -1,0 +1,64 @@
+"""The FP8 attention forward in Triton (tpattn/attention/triton_fp8.py) in Triton's interpreter on CPU
+tensors (TRITON_INTERPRET=1 for the whole run, triton installed, numpy < 2.4, as
+tests/test_triton_cpu.py): against float64 beside the torch emulation of the same rounding points
+(tpattn/attention/fp8.py). The kernel's softmax is online (P relative to the running row max) and the
+interpreter rounds fp32 to e4m3 with ties away from zero (the GPU: to even), so the two agree to FP8's
+error, not bit for bit: the kernel's error must stay within a small factor of the emulation's, and a
+wrong scale, block or mask moves it far outside. tests/test_gpu_fp8.py runs the same on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_triton_cpu import _patch_interpreter_bf16_dot, interp
+from tpattn.attention import fp8
+
+
+def errors(B, h, g, N, d, causal, scaling, rotate, dtype=torch.float16, outliers=1e-3, seed=0, tiles=(64, 64, 4, 2),
+           spread=False):
+    """(kernel's RMSE against float64, the emulation's, the kernel's against the emulation's output)."""
+    from tpattn.attention import triton_fp8
+    q, k, v = fp8.inputs(B, h, g, N, d, outliers=outliers, seed=seed)
+    if spread:  # each 128-row block of K and V at its own size: per-block scales must follow the blocks
+        blocks = 2.0 ** (torch.arange(N) // 128 * 3 - 3).double()
+        k, v = k * blocks[:, None], v * blocks[:, None]
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    o = triton_fp8.attention(q, k, v, causal, scaling, rotate, tiles=tiles)
+    qd, kd, vd = q.double(), k.double(), v.double()
+    ref = fp8.attention_float64(qd, kd, vd, causal)
+    emu = fp8.attention_fp8(qd, kd, vd, causal, scaling, rotate)
+    assert o.dtype == dtype and o.shape == q.shape and torch.isfinite(o).all()
+    return fp8.rmse(o, ref), fp8.rmse(emu, ref), fp8.rmse(o, emu)
+
+
+@interp
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("scaling,rotate", [("tensor", False), ("head", False), ("block", True)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp8_forward_is_as_accurate_as_its_emulation(d, scaling, rotate, causal):
+    """GQA (4 query heads on 2 K/V heads), N = 200 (not a multiple of the tiles), 0.1 % outliers."""
+    kernel, emulated, apart = errors(1, 4, 2, 200, d, causal, scaling, rotate)
+    assert kernel < 1.4 * emulated + 1e-3 and apart < 1.2 * emulated, (kernel, emulated, apart)
+
+
+@interp
+@pytest.mark.parametrize("tiles", [(64, 64, 4, 2), (128, 128, 8, 3), (64, 128, 4, 3), None])
+def test_fp8_forward_blocks_follow_their_scales(tiles):
+    """K and V whose 128-row blocks differ 8x in size, per-block scales: every tile reads its own block's
+    scale (a tile of 64 rows or keys and one of 128, against N = 300's three blocks; None: the head
+    dim's first autotune config, what the interpreter runs); bf16 out."""
+    _patch_interpreter_bf16_dot()
+    kernel, emulated, apart = errors(1, 2, 1, 300, 64, True, "block", False, torch.bfloat16, tiles=tiles, spread=True)
+    assert kernel < 1.4 * emulated + 4e-3 and apart < 1.2 * emulated + 4e-3, (kernel, emulated, apart)
+
+
+@interp
+def test_fp8_forward_refuses_what_it_does_not_take():
+    from tpattn.attention import triton_fp8
+    q = torch.zeros(1, 3, 16, 96, dtype=torch.float16)
+    with pytest.raises(ValueError, match="head dims 64, 128 and 256"):
+        triton_fp8.attention(q, q, q)
+    q = torch.zeros(1, 3, 16, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="3 query heads do not divide into 2 K/V heads"):
+        triton_fp8.attention(q, q[:, :2], q[:, :2])

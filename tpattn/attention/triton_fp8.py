@@ -1,0 +1,190 @@
+"""The FP8 (e4m3) attention forward in Triton, on Hopper's FP8 tensor cores (imported only where it
+runs: it imports triton).
+
+The arithmetic of tpattn/attention/fp8.py (FlashAttention-3's rounding points), tile by tile:
+
+    Q, K, V   e4m3 with scales per (batch, head) or per 128-row block (fp8.quantize; Q and K rotated
+              by the Hadamard matrix first when asked), made in torch before the launch; V stored
+              transposed, [B, g, d, N], so that the PV product's second operand is K-major as
+              Hopper's FP8 tensor cores need it
+    S         tl.dot(Q8 tile, K8 tile^T) in fp32, times the tile's query and key scales and 1/sqrt(d)
+              (tiles of 64 or 128 rows lie in one 128-row scale block: two numbers a tile)
+    P         exp2 of S (base-2 units) less the running row max, in fp32; l sums these fp32 P
+    P8        P rounded to e4m3 (in [0, 1]: no scale)
+    O         acc = acc * alpha + s_v(key block) * tl.dot(P8, V8 tile), fp32; o = acc / l, rounded
+              once to fp16 or bf16
+
+One program per (query tile, batch x head); grouped-query heads read their K/V head in place. The
+online softmax makes P relative to the running max, not the final one (the emulation's), so P8
+rounds at other points: the outputs agree to FP8's error, not bit for bit.
+Forward only: FlashAttention-3 ships no FP8 backward either.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import fp8
+
+BLOCK = fp8.BLOCK_ROWS  # rows of a scale block; the tiles divide it
+# autotune configs per head dim, (BLOCK_M, BLOCK_N, warps, stages): those that ptxas compiles for sm_90a
+# without spills (python scripts/triton_regs.py; 128 x 128 tiles spill at d = 128, every 4-warp or
+# 128-row tile at d = 256)
+TUNE = {64: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 4), (64, 128, 4, 3)],
+        128: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2), (64, 64, 4, 3)],
+        256: [(64, 64, 8, 2), (64, 32, 8, 2)]}
+CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "D_TUNED": d}, num_warps=w, num_stages=st)
+           for d, cfgs in TUNE.items() for bm, bn, w, st in cfgs]
+
+
+def _head_dims_own(configs, named_args, **kwargs):
+    """The autotuner's candidates: the configs of this launch's head dim."""
+    return [c for c in configs if c.kwargs["D_TUNED"] == kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))]
+
+
+@triton.jit
+def _fp8_tiles(acc, l_i, m_i, q, qs, kT_ptrs, v_ptrs, SK, SV, sk_base, start, stop, offs_m, cols, N, skn, SBLK,
+               MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tiles [start, stop) into one query tile's (acc, l, m); kT_ptrs, v_ptrs at key `start`. A
+    tile lies in one scale block (BLOCK_N divides it), so its K and V scales are two numbers; qs: the
+    query tile's scale times 1/sqrt(d) in base 2. MASK: the keys' end (or, CAUSAL, the diagonal) is
+    inside these tiles; elsewhere every load and every score is whole."""
+    for n0 in range(start, stop, BLOCK_N):
+        keys = n0 + cols
+        if MASK:
+            key_ok = keys < N
+            kT = tl.load(kT_ptrs, mask=key_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
+        else:
+            kT = tl.load(kT_ptrs)
+            v = tl.load(v_ptrs)
+        blk = n0 // SBLK
+        s = tl.dot(q, kT) * (qs * tl.load(SK + sk_base + blk))
+        if MASK:
+            keep = key_ok[None, :]
+            if CAUSAL:
+                keep = keep & (offs_m[:, None] >= keys[None, :])
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = m_new
+        if MASK:  # a row with every key masked so far: keep exp2 away from (-inf) - (-inf)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_ref[:, None])
+        alpha = tl.math.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pv = tl.dot(p.to(tl.float8e4nv, fp_downcast_rounding="rtne"), v)
+        acc = acc * alpha[:, None] + pv * tl.load(SV + sk_base + blk)
+        m_i = m_new
+        kT_ptrs += BLOCK_N * skn
+        v_ptrs += BLOCK_N
+    return acc, l_i, m_i
+
+
+@triton.autotune(configs=CONFIGS, key=["N_BUCKET", "HEAD_DIM", "CAUSAL"],
+                 prune_configs_by={"early_config_prune": _head_dims_own})
+@triton.jit
+def fp8_fwd(Q, K, VT, O, SQ, SK, SV, qk_scale, N, N_BUCKET, H, GROUP, SBLK, nblk,
+            sqb, sqh, sqn, skb, skh, skn, svd, sob, soh, son,
+            HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            D_TUNED: tl.constexpr):
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    hq = (bh % H).to(tl.int64)
+    hk = hq // GROUP
+    m0 = t * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < N
+    q = tl.load(Q + b * sqb + hq * sqh + offs_m[:, None].to(tl.int64) * sqn + dims[None, :], mask=row_ok[:, None],
+                other=0.0)
+    qs = tl.load(SQ + (b * H + hq) * nblk + m0 // SBLK) * qk_scale  # (the tile lies in one scale block)
+    kv_base = b * skb + hk * skh  # K [B, g, N, d] and VT [B, g, d, N] share their batch and head strides
+    sk_base = (b * (H // GROUP) + hk) * nblk
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    kT_ptrs = K + kv_base + cols[None, :].to(tl.int64) * skn + dims[:, None]  # [d, keys]: K-major for Q K^T
+    v_ptrs = VT + kv_base + dims[None, :].to(tl.int64) * svd + cols[:, None]  # [keys, d] read from V^T: K-major
+    if CAUSAL:
+        whole = m0 // BLOCK_N * BLOCK_N  # key tiles wholly below the tile's first row
+        stop = tl.minimum(m0 + BLOCK_M, N)
+    else:
+        whole = N // BLOCK_N * BLOCK_N
+        stop = N
+    acc, l_i, m_i = _fp8_tiles(acc, l_i, m_i, q, qs, kT_ptrs, v_ptrs, SK, SV, sk_base, 0, whole, offs_m, cols, N, skn,
+                               SBLK, False, CAUSAL, BLOCK_N)
+    acc, l_i, m_i = _fp8_tiles(acc, l_i, m_i, q, qs, kT_ptrs + whole * skn, v_ptrs + whole, SK, SV, sk_base, whole,
+                               stop, offs_m, cols, N, skn, SBLK, True, CAUSAL, BLOCK_N)
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(O + b * sob + hq * soh + offs_m[:, None].to(tl.int64) * son + dims[None, :], o.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+def _compact(s: torch.Tensor, B: int, heads: int, N: int, scaling: str) -> torch.Tensor:
+    """fp8.quantize's scale (broadcastable against [B, heads, N, 1]) as [B, heads, blocks] (fp32,
+    contiguous): one block for "tensor" and "head", a block per BLOCK rows for "block"."""
+    if scaling == "block":
+        return s[:, :, ::BLOCK, 0].float().contiguous()
+    return s.reshape(s.shape[0], s.shape[1], 1).expand(B, heads, 1).float().contiguous()
+
+
+def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: str = "head", rotate: bool = False):
+    """The kernel's operands from 16-bit (or fp32) q [B, h, N, d], k, v [B, g, N, d]: q8, k8 [.., N, d]
+    and vt8 [B, g, d, N] in torch.float8_e4m3fn, and their scales [B, heads, blocks] (fp32), as
+    fp8.attention_fp8 quantizes them (its rotation of q and k first when rotate)."""
+    B, h, N, d = q.shape
+    g = k.shape[1]
+    if rotate:
+        rot = fp8.hadamard(d).to(device=q.device, dtype=torch.float32)
+        q, k = q.float() @ rot, k.float() @ rot
+    (q8, sq), (k8, sk), (v8, sv) = (fp8.quantize(t, scaling) for t in (q, k, v))
+    vt8 = v8.transpose(-1, -2).to(torch.float8_e4m3fn).contiguous()
+    return (q8.to(torch.float8_e4m3fn).contiguous(), k8.to(torch.float8_e4m3fn).contiguous(), vt8,
+            _compact(sq, B, h, N, scaling), _compact(sk, B, g, N, scaling), _compact(sv, B, g, N, scaling))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, scaling: str = "head",
+              rotate: bool = False, out_dtype: torch.dtype | None = None, tiles: tuple | None = None) -> torch.Tensor:
+    """o [B, h, N, d] of q [B, h, N, d] over k, v [B, g, N, d] through the FP8 kernel (prepare, then
+    fp8_fwd), in out_dtype (default q's, fp16 for fp32 inputs). d: 64, 128 or 256 (Triton's tile:
+    a power of two, at least 16 for the FP8 products). tiles: (BLOCK_M, BLOCK_N, warps, stages)
+    instead of the autotuned choice among CONFIGS."""
+    B, h, N, d = q.shape
+    g = k.shape[1]
+    if h % g:
+        raise ValueError(f"{h} query heads do not divide into {g} K/V heads")
+    if d not in (64, 128, 256):
+        raise ValueError(f"the FP8 kernel takes head dims 64, 128 and 256 (got {d})")
+    out_dtype = out_dtype or (q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float16)
+    q8, k8, vt8, sq, sk, sv = prepare(q, k, v, scaling, rotate)
+    o = torch.empty(B, h, N, d, dtype=out_dtype, device=q.device)
+    return launch(q8, k8, vt8, sq, sk, sv, causal, o, BLOCK if scaling == "block" else max(N, 1), tiles)
+
+
+def launch(q8, k8, vt8, sq, sk, sv, causal: bool, o: torch.Tensor, sblk: int, tiles: tuple | None = None) -> torch.Tensor:
+    """fp8_fwd over prepared operands (prepare's), writing o [B, h, N, d]; sblk: rows per scale block;
+    tiles: a fixed (BLOCK_M, BLOCK_N, warps, stages) instead of the autotuned one (in Triton's
+    interpreter, on CPU tensors: the head dim's first)."""
+    B, h, N, d = q8.shape
+    g = k8.shape[1]
+    if B * h * N == 0:
+        return o
+    assert k8.stride()[:2] == vt8.stride()[:2], "K and V^T share their batch and head strides"
+    args = (q8, k8, vt8, o, sq, sk, sv, math.log2(math.e) / math.sqrt(d), N, triton.next_power_of_2(N), h, h // g,
+            sblk, sq.shape[2], *q8.stride()[:3], *k8.stride()[:3], vt8.stride(2), *o.stride()[:3])
+    if tiles is None and q8.device.type == "cpu":  # Triton's interpreter cannot time configs: the first
+        tiles = TUNE[d][0]
+    if tiles is not None:
+        bm, bn, warps, stages = tiles
+        assert BLOCK % bn == 0 and BLOCK % bm == 0, "the tiles divide a scale block"
+        fp8_fwd.fn[(triton.cdiv(N, bm), B * h)](*args, HEAD_DIM=d, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn,
+                                                 D_TUNED=d, num_warps=warps, num_stages=stages)
+        return o
+    fp8_fwd[lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * h)](*args, HEAD_DIM=d, CAUSAL=causal)
+    return o
