@@ -69,7 +69,7 @@ def test_no_check_is_not_a_pass():
     (["--heads", "0"], "--heads must be at least 1"),
     (["--head-dim", "0"], "--head-dim must be between 1 and 256"),
     (["--head-dim", "257"], "--head-dim must be between 1 and 256"),
-    (["--dtype", "fp8"], "invalid choice: 'fp8'"),
+    (["--dtype", "int8"], "invalid choice: 'int8'"),
     (["--kernel", "flash9"], "invalid choice: 'flash9'"),
     (["--dist-backend", "mpi"], "invalid choice: 'mpi'"),
     (["--seq-len", "abc"], "invalid int value: 'abc'"),

@@ -166,3 +166,53 @@ def test_the_caches_per_token_scales_beat_the_per_page_scales_a_cache_can_hold()
         rows = decode_rows(2, 8, 4, 1024, 128, 16, outliers)
         assert "per token" in rows[1]["cache"] and "rows arriving" in rows[against]["cache"]
         assert rows[0]["rmse"] < 0.1 * rows[1]["rmse"] and rows[1]["rmse"] < margin * rows[against]["rmse"], rows
+
+
+# ---- --dtype fp8: the layer's attention in this arithmetic (Fp8Backend) ----------------------------
+
+def test_fp8_backend_is_the_emulation_a_head_group_at_a_time(monkeypatch):
+    """Fp8Backend.forward: attention_fp8 with the layer's scaling (per 128-row block, rotated), in
+    chunks of whole head groups when the scores would be large: the same output as one call."""
+    from tpattn.attention import reference
+    q, k, v = (t.half() for t in fp8.inputs(2, 8, 2, 300, 64, outliers=1e-3))
+    want = fp8.attention_fp8(q, k, v, True, fp8.SCALING, fp8.ROTATE, out_dtype=torch.float16)
+    assert torch.equal(fp8.Fp8Backend().forward(q, k, v, True), want)
+    monkeypatch.setitem(reference.CHUNK_BYTES, "cpu", 1)  # one head group per chunk
+    monkeypatch.setattr(fp8, "CHUNK_BYTES", reference.CHUNK_BYTES)
+    assert torch.equal(fp8.Fp8Backend().forward(q, k, v, True), want)
+    with pytest.raises(Exception, match="FP8 attention is forward only"):
+        fp8.Fp8Backend().attention(q.requires_grad_(), k, v, True)
+
+
+@pytest.mark.parametrize("args", [[], ["--causal", "--kv-heads", "2"]])
+def test_cli_fp8_checks_against_the_fp16_layer_and_float64(args):
+    """python -m tpattn --dtype fp8 --check: both checks, by RMS error, PASS; the report names fp8."""
+    from conftest import tpattn
+    r = tpattn(["--dtype", "fp8", "--check", "--seq-len", "300", "--heads", "4", "--head-dim", "64", *args])
+    assert r.returncode == 0, r.stdout + r.stderr
+    for name in ("vs_fp16_layer", "vs_float64"):
+        line = next(x for x in r.stdout.splitlines() if x.startswith(f"check {name}: rms err"))
+        rel = float(line.split(" = ")[1].split(" x rms")[0])
+        assert 5e-3 < rel < 0.1 and "(tol 0.1) PASS" in line, line  # FP8's error, not fp16's
+    assert "dtype=fp8" in r.stdout and "RESULT: PASS" in r.stdout
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--backward"], "--dtype fp8 with --backward: FP8 attention is forward only"),
+    (["--decode", "2", "--causal"], "--dtype fp8 with --decode: the KV cache decodes in 16-bit here"),
+    (["--kernel", "fused", "--device", "cpu"], "--dtype fp8 runs the FP8 arithmetic in torch (--kernel reference)"),
+    (["--head-dim", "96"], "needs a power-of-two --head-dim (got 96); use 64 or 128"),
+    (["--context-parallel", "2"], "--dtype fp8 with --context-parallel"),
+])
+def test_cli_fp8_refusals_name_the_fix(args, says):
+    from conftest import tpattn
+    r = tpattn(["--dtype", "fp8", *args])
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.mpi
+def test_cli_fp8_on_two_ranks_matches_one():
+    from conftest import tpattn
+    r = tpattn(["--dtype", "fp8", "--check", "--seq-len", "256", "--heads", "4", "--head-dim", "64", "--causal"], ranks=2)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "check vs_single_process" in r.stdout and "RESULT: PASS" in r.stdout

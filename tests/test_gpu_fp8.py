@@ -48,3 +48,13 @@ def test_fp8_forward_bf16_and_spread_blocks(tiles):
     emu = fp8.attention_fp8(qb.double().cpu(), kb.double().cpu(), vb.double().cpu(), True, "block", False)
     assert o.dtype == torch.bfloat16
     assert fp8.rmse(o.cpu(), ref) < 1.3 * fp8.rmse(emu, ref) + 2e-3
+
+
+@pytest.mark.parametrize("args", [[], ["--causal", "--kv-heads", "8"]])
+def test_cli_fp8_through_the_triton_kernel(args):
+    """python -m tpattn --dtype fp8 --kernel triton --check on the GPU: both RMS checks pass."""
+    pytest.importorskip("triton")
+    from conftest import tpattn
+    r = tpattn(["--dtype", "fp8", "--kernel", "triton", "--check", "--device", "cuda", *args], timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("(tol 0.1) PASS") == 2 and "RESULT: PASS" in r.stdout, r.stdout

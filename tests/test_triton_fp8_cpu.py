@@ -62,3 +62,16 @@ def test_fp8_forward_refuses_what_it_does_not_take():
     q = torch.zeros(1, 3, 16, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="3 query heads do not divide into 2 K/V heads"):
         triton_fp8.attention(q, q[:, :2], q[:, :2])
+
+
+@interp
+def test_layer_fp8_backend_through_the_triton_kernel():
+    """Fp8Backend("triton") (python -m tpattn --dtype fp8 --kernel triton): the layer's scaling and
+    rotation through the kernel, against the torch arithmetic (Fp8Backend("reference")) and float64."""
+    from tpattn.attention.fp8 import Fp8Backend
+    q, k, v = (t.half() for t in fp8.inputs(1, 4, 2, 260, 64, outliers=1e-3, seed=7))
+    ref = fp8.attention_float64(q.double(), k.double(), v.double(), True)
+    kernel = Fp8Backend("triton").forward(q, k, v, True)
+    torch_math = Fp8Backend("reference").forward(q, k, v, True)
+    assert kernel.dtype == torch.float16
+    assert fp8.rmse(kernel, ref) < 1.4 * fp8.rmse(torch_math, ref) + 1e-3

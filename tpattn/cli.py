@@ -16,8 +16,8 @@ import torch
 from . import dist as tpdist
 from . import faults, watch
 from .attention import backend_names
-from .check import TOL_BASELINE, TOL_FLOAT64, compare, grads_float64, layer_float64, sample_rows
-from .config import DEVICES, DIST_BACKENDS, DTYPES, OUTPUT_COLLECTIVES, REDUCE_DTYPES, Config, ConfigError, resolve, validate
+from .check import TOL_BASELINE, TOL_FLOAT64, TOL_FP8_RMS, compare, grads_float64, layer_float64, sample_rows
+from .config import DEVICES, DIST_BACKENDS, DTYPES, FP8, OUTPUT_COLLECTIVES, REDUCE_DTYPES, Config, ConfigError, resolve, validate
 from .layer import WORLD, TensorParallelAttention
 from .memory import heads_world, preflight
 from .report import COLLECTIVES, build, text
@@ -63,8 +63,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--batch", type=int, default=1, metavar="B", help="batch size (default 1)")
     s.add_argument("--causal", action="store_true", help="causal mask: key j > query i does not contribute")
     k = p.add_argument_group("compute")
-    k.add_argument("--dtype", default="fp16", choices=list(DTYPES), help="storage dtype of weights, Q, K, V, S, "
-                   "P, O (accumulation is always fp32; default fp16)")
+    k.add_argument("--dtype", default="fp16", choices=[*DTYPES, FP8], help="storage dtype of weights, Q, K, V, S, "
+                   "P, O (accumulation is always fp32; default fp16). fp8: the attention in e4m3 (scales per 128-row "
+                   "block, Q and K rotated by a Hadamard matrix, P in e4m3 for the PV product; torch math, or with "
+                   "--kernel triton the Triton FP8 kernel on compute capability 8.9+; forward only), weights and projections in fp16; --check adds its error against the fp16 layer")
     k.add_argument("--kernel", choices=backend_names(), help="local attention backend: naive (the seed's three "
                    "CUDA kernels via CuPy), reference (torch, same passes and rounding, CPU or GPU), tiled (three "
                    "passes on tensor cores, wgmma on compute capability 9.0) or fused (one online-softmax kernel, S and P never stored; on compute capability 9.0 "
@@ -268,7 +270,7 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
     else:
         x = layer_input(cfg.batch, cfg.seq_len, cfg.model_dim, cfg.seed, cfg.torch_dtype, device)
     layer = TensorParallelAttention(**w, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-                                    backend=cfg.kernel, causal=cfg.causal, group=WORLD if proc.distributed else None,
+                                    backend=_backend(cfg), causal=cfg.causal, group=WORLD if proc.distributed else None,
                                     reduce_dtype=cfg.reduce_dtype, sequence_parallel=cfg.sequence_parallel,
                                     overlap=cfg.overlap, output_collective=cfg.output_collective,
                                     uneven_heads=cfg.uneven_heads, deterministic=cfg.deterministic,
@@ -411,15 +413,31 @@ def _run_decode(cfg: Config, proc, device, infos, argv, layer, w, loaded) -> int
     return _finish(cfg, proc, device, infos, argv, samples, checks, layer.collective_nbytes(B, 1), extra)
 
 
+def _backend(cfg: Config):
+    """The layer's attention backend: --kernel's, or with --dtype fp8 the FP8 arithmetic."""
+    if cfg.dtype == FP8:
+        from .attention.fp8 import Fp8Backend
+        return Fp8Backend(cfg.kernel)
+    return cfg.kernel
+
+
 def _checks(cfg: Config, proc, layer, w, x, y, device, loaded) -> dict:
     """Rank 0: the tensor-parallel output against the single-process baseline (same weights, same
-    backend, all heads, no collective) and the layer against float64 on sampled rows."""
+    backend, all heads, no collective) and the layer against float64 on sampled rows; --dtype fp8:
+    also against the fp16 layer (the same weights, --kernel's 16-bit attention, single process)."""
     checks = {}
     full = w
-    if proc.world > 1:
+    if proc.world > 1 or cfg.dtype == FP8:
         full = _weights(cfg, range(cfg.heads), range(cfg.kv_heads), device, loaded)
+    if cfg.dtype == FP8:
+        fp16 = TensorParallelAttention(**full, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                                       backend=cfg.kernel, causal=cfg.causal, group=None)
+        checks["vs_fp16_layer"] = {**compare(y, fp16(x).double(), TOL_FP8_RMS, rms_metric=True),
+                                   "what": f"all {cfg.seq_len} rows, the same weights with fp16 attention"}
+        del fp16
+    if proc.world > 1:
         base = TensorParallelAttention(**full, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-                                       backend=cfg.kernel, causal=cfg.causal, group=None, reduce_dtype=cfg.reduce_dtype,
+                                       backend=_backend(cfg), causal=cfg.causal, group=None, reduce_dtype=cfg.reduce_dtype,
                                        head_chunk=max(heads_by_rank(cfg.heads, heads_world(cfg, proc.world)[0],
                                                                     cfg.uneven_heads, cfg.kv_heads)))  # the largest rank's
         y_base = base(x)
@@ -428,8 +446,9 @@ def _checks(cfg: Config, proc, layer, w, x, y, device, loaded) -> dict:
         del base, y_base
     rows = sample_rows(cfg.seq_len)
     ref = layer_float64(x, full, cfg.heads, cfg.causal, rows)
-    checks["vs_float64"] = {**compare(y[:, rows.to(y.device)], ref, TOL_FLOAT64[cfg.dtype]),
-                            "what": f"{len(rows)} of {cfg.seq_len} rows, all heads"}
+    fp8 = cfg.dtype == FP8
+    checks["vs_float64"] = {**compare(y[:, rows.to(y.device)], ref, TOL_FP8_RMS if fp8 else TOL_FLOAT64[cfg.dtype],
+                                      rms_metric=fp8), "what": f"{len(rows)} of {cfg.seq_len} rows, all heads"}
     return checks
 
 

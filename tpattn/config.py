@@ -17,6 +17,7 @@ from .commplan import OUTPUT_COLLECTIVES, make_plan  # noqa: F401 (OUTPUT_COLLEC
 from .errors import ConfigError, FlagError, cupy_available, cupy_missing_message  # noqa: F401 (re-exported)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+FP8 = "fp8"  # --dtype fp8: attention in e4m3 (tpattn.attention.fp8.Fp8Backend), weights and projections in fp16
 REDUCE_DTYPES = ("fp32", "model")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 DEVICES = ("auto", "cuda", "cpu")
@@ -65,7 +66,8 @@ class Config:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        """The weights', input's and projections' dtype (--dtype fp8: fp16; the attention is e4m3)."""
+        return torch.float16 if self.dtype == FP8 else DTYPES[self.dtype]
 
     @property
     def elem_size(self) -> int:
@@ -87,8 +89,12 @@ def resolve(cfg: Config) -> Config:
         raise FlagError(f"unknown --device {cfg.device!r}; choose one of {', '.join(DEVICES)}")
     if cfg.kernel is not None and cfg.kernel not in backend_names():
         raise FlagError(f"unknown --kernel {cfg.kernel!r}; choose one of {', '.join(backend_names())}")
-    if cfg.dtype not in DTYPES:
-        raise FlagError(f"unknown --dtype {cfg.dtype!r}; choose one of {', '.join(DTYPES)}")
+    if cfg.dtype not in DTYPES and cfg.dtype != FP8:
+        raise FlagError(f"unknown --dtype {cfg.dtype!r}; choose one of {', '.join(DTYPES)}, {FP8}")
+    if cfg.dtype == FP8 and cfg.kernel is None:
+        cfg.kernel = "reference"
+        cfg.notes.append("--dtype fp8: the attention in e4m3 through torch math (--kernel reference), the "
+                         "projections in fp16")
     has_gpu = torch.cuda.is_available()
     if cfg.device == "cuda" and not has_gpu:
         raise FlagError("--device cuda but no CUDA GPU is visible to torch "
@@ -143,6 +149,8 @@ def validate(cfg: Config, world: int = 1, local_world: int = 1, gpus_on_node: in
         raise FlagError(f"--timeout must be positive seconds (got {cfg.timeout})")
     if cfg.reduce_dtype not in REDUCE_DTYPES:
         raise FlagError(f"unknown --reduce-dtype {cfg.reduce_dtype!r}; choose fp32 or model")
+    if cfg.dtype == FP8:
+        check_fp8(cfg)
     check_parallel_style(cfg, world)
     if cfg.dist_backend not in ("nccl", "gloo"):
         raise FlagError(f"unknown --dist-backend {cfg.dist_backend!r}; choose one of {', '.join(DIST_BACKENDS)}")
@@ -150,7 +158,7 @@ def validate(cfg: Config, world: int = 1, local_world: int = 1, gpus_on_node: in
     if not 1 <= cfg.head_dim <= backend.max_head_dim:
         raise FlagError(f"--head-dim must be between 1 and {backend.max_head_dim} for --kernel {cfg.kernel} "
                           f"(got {cfg.head_dim})")
-    backend.check_supported(cfg)  # dtype, device, CuPy
+    backend.check_supported(dataclasses.replace(cfg, dtype="fp16") if cfg.dtype == FP8 else cfg)  # dtype, device, CuPy
     kv_heads = cfg.heads if cfg.kv_heads is None else cfg.kv_heads
     # query and K/V heads over the ranks (with --context-parallel C: over the W/C ranks of a heads' group)
     err = check_kv_heads(cfg.heads, kv_heads, world // cfg.context_parallel, cfg.uneven_heads)
@@ -167,6 +175,38 @@ def validate(cfg: Config, world: int = 1, local_world: int = 1, gpus_on_node: in
         check_writable(cfg.json, "--json")
     if check_json and cfg.profile:
         check_writable(cfg.profile, "--profile")
+
+
+def check_fp8(cfg: Config) -> None:
+    """--dtype fp8: what the FP8 attention (tpattn.attention.fp8.Fp8Backend) takes: torch math
+    (--kernel reference) or the Triton kernel (--kernel triton: a GPU of compute capability 8.9+,
+    head dims 64, 128, 256)."""
+    if cfg.kernel not in ("reference", "triton"):
+        raise FlagError(f"--dtype fp8 runs the FP8 arithmetic in torch (--kernel reference) or in Triton's FP8 kernel "
+                        f"(--kernel triton); --kernel {cfg.kernel} has no FP8 kernel: use one of those")
+    if cfg.kernel == "triton":
+        from .attention.triton_fused import interpreting
+        fits = cfg.device == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+        if not (fits or (interpreting() and cfg.device == "cpu")):
+            raise FlagError("--dtype fp8 --kernel triton needs FP8 tensor cores (a GPU of compute capability 8.9 or "
+                            "later, --device cuda); use --kernel reference (torch math) here")
+        if cfg.head_dim not in (64, 128, 256):
+            raise FlagError(f"--dtype fp8 --kernel triton takes --head-dim 64, 128 or 256 (got {cfg.head_dim}); "
+                            "use one of those, or --kernel reference")
+    for flag, on, why in (("--backward", cfg.backward, "FP8 attention is forward only (as FlashAttention-3's): "
+                                                       "train with --dtype fp16 or bf16"),
+                          ("--decode", cfg.decode, "the KV cache decodes in 16-bit here (an FP8 cache: "
+                                                   "tpattn.paged.PagedKV(kv_dtype='fp8')); use --dtype fp16 or bf16"),
+                          ("--context-parallel", cfg.context_parallel > 1, "the ring merges 16-bit pieces with "
+                                                                           "their logsumexp; use --dtype fp16 or bf16"),
+                          ("--sequence-parallel", cfg.sequence_parallel, "use head parallelism or --dtype fp16"),
+                          ("--cuda-graph", cfg.cuda_graph, "the FP8 arithmetic runs in torch ops; drop --cuda-graph")):
+        if on:
+            raise FlagError(f"--dtype fp8 with {flag}: {why}")
+    if cfg.head_dim & (cfg.head_dim - 1) or cfg.head_dim < 8:
+        p = 1 << max(3, cfg.head_dim.bit_length() - 1)
+        raise FlagError(f"--dtype fp8 rotates Q and K by a Hadamard matrix, which needs a power-of-two --head-dim "
+                        f"(got {cfg.head_dim}); use {p} or {2 * p}")
 
 
 def check_parallel_style(cfg: Config, world: int) -> None:

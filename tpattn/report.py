@@ -154,7 +154,7 @@ def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, c
           verdict: str, command: list[str]) -> dict:
     world = proc.world
     stats = across_ranks(rank_reports)
-    model = cfg.dtype
+    model = "fp16" if cfg.dtype == "fp8" else cfg.dtype  # (--dtype fp8: fp16 activations, e4m3 attention)
     part = "fp32" if cfg.reduce_dtype == "fp32" else model
     dtypes = {"allreduce": part, "allgather": model, "reducescatter": part, "peer": f"{part} in, {model} out",
               "oneshot": f"{part} in, {model} out",
@@ -305,7 +305,9 @@ def text(rep: dict) -> str:
         if e:
             lines.append(exposure_line(e, rep["config"].get("overlap", 1)))
     for name, ch in rep["checks"].items():
-        lines.append(f"check {name}: max err {ch['max_abs_err']:.3g} = {ch['rel_err']:.3g} x rms "
-                     f"(tol {ch['tol']:g}{' + eps*|y| each' if ch.get('ulp_allowed') else ''}) {'PASS' if ch['pass'] else 'FAIL'}{'  ' + ch['what'] if 'what' in ch else ''}")
+        err = (f"rms err {ch['rel_err'] * ch['rms_ref']:.3g} = {ch['rel_err']:.3g} x rms (max err {ch['max_abs_err']:.3g})"
+               if ch.get("metric") == "rms" else f"max err {ch['max_abs_err']:.3g} = {ch['rel_err']:.3g} x rms")
+        lines.append(f"check {name}: {err} (tol {ch['tol']:g}{' + eps*|y| each' if ch.get('ulp_allowed') else ''}) "
+                     f"{'PASS' if ch['pass'] else 'FAIL'}{'  ' + ch['what'] if 'what' in ch else ''}")
     lines.append(f"RESULT: {rep['verdict']}")
     return "\n".join(lines)

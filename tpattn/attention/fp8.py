@@ -28,6 +28,10 @@ lose the exact largest value that an amax scale gives (2.4x the per-token error 
 
 rmse(): the root mean square error of an output against float64, what the accuracy tables report
 (scripts/fp8_accuracy.py).
+
+Fp8Backend: the layer's attention in this arithmetic (python -m tpattn --dtype fp8: e4m3 attention,
+fp16 weights and projections), forward only, scales per 128-row block with the rotation of Q and K
+(SCALING, ROTATE: the most accurate row of the accuracy table).
 """
 
 from __future__ import annotations
@@ -36,12 +40,16 @@ import math
 
 import torch
 
-from .reference import causal_mask
+from ..errors import ConfigError
+from ..timing import section
+from . import Backend, head_chunks, kv_group
+from .reference import CHUNK_BYTES, causal_mask
 from .ring import _scores
 
 E4M3_MAX = 448.0
 SCALINGS = ("tensor", "head", "block")
 BLOCK_ROWS = 128  # the rows of a scale block: the FP8 kernel's query and key tiles
+SCALING, ROTATE = "block", True  # the layer's FP8 attention (Fp8Backend): the accuracy table's best
 
 
 def to_e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -174,3 +182,41 @@ def inputs(B: int, h: int, g: int, N: int, d: int, outliers: float = 0.0, outlie
             x = x + mask * torch.randn(x.shape, dtype=torch.float64, generator=gen) * outlier_std
         out.append(x)
     return tuple(out)
+
+
+class Fp8Backend(Backend):
+    """The layer's attention in e4m3 (attention_fp8, SCALING and ROTATE): q, k, v arrive in the layer's
+    fp16 or bf16 and o leaves in it; a chunk of whole head groups at a time (each chunk's fp32 scores
+    below CHUNK_BYTES; the scales are per head and block, so chunking changes nothing). Torch math on
+    CPU or GPU; kernel="triton": the Triton kernel (triton_fp8.py) over all heads at once, on a GPU of
+    compute capability 8.9 or later. Forward only, as FlashAttention-3's FP8."""
+    name = "fp8"
+    dtypes = ("fp16", "bf16")
+
+    def __init__(self, kernel: str = "reference"):
+        self.kernel = kernel
+
+    def forward(self, q, k, v, causal: bool, out=None):
+        b, h, n, d = q.shape
+        group = kv_group(q, k, v)
+        o = out if out is not None else torch.empty_like(q)
+        if self.kernel == "triton":
+            from . import triton_fp8
+            with section("fp8"):
+                return triton_fp8.attention(q, k, v, causal, SCALING, ROTATE, out=o)
+        per_head = 4 * b * n * n * 4  # S, P, P8 and a temporary, fp32
+        chunk = max(1, min(h, CHUNK_BYTES[q.device.type] // max(per_head, 1)))
+        with section("fp8"):
+            for h0, h1 in head_chunks(h, group, chunk):
+                kv = slice(h0 // group, (h1 - 1) // group + 1)
+                o[:, h0:h1] = attention_fp8(q[:, h0:h1], k[:, kv], v[:, kv], causal, SCALING, ROTATE, out_dtype=q.dtype)
+        return o
+
+    def forward_for_backward(self, q, k, v, causal: bool):
+        raise ConfigError(FORWARD_ONLY)
+
+    def backward(self, q, k, v, o, saved, do, causal: bool, deterministic: bool = False):
+        raise ConfigError(FORWARD_ONLY)
+
+
+FORWARD_ONLY = "FP8 attention is forward only (as FlashAttention-3's): train with --dtype fp16 or bf16"

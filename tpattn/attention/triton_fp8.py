@@ -150,11 +150,12 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: str = "h
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, scaling: str = "head",
-              rotate: bool = False, out_dtype: torch.dtype | None = None, tiles: tuple | None = None) -> torch.Tensor:
+              rotate: bool = False, out_dtype: torch.dtype | None = None, tiles: tuple | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
     """o [B, h, N, d] of q [B, h, N, d] over k, v [B, g, N, d] through the FP8 kernel (prepare, then
     fp8_fwd), in out_dtype (default q's, fp16 for fp32 inputs). d: 64, 128 or 256 (Triton's tile:
     a power of two, at least 16 for the FP8 products). tiles: (BLOCK_M, BLOCK_N, warps, stages)
-    instead of the autotuned choice among CONFIGS."""
+    instead of the autotuned choice among CONFIGS. out: o's memory ([B, h, N, d], rows contiguous)."""
     B, h, N, d = q.shape
     g = k.shape[1]
     if h % g:
@@ -163,7 +164,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         raise ValueError(f"the FP8 kernel takes head dims 64, 128 and 256 (got {d})")
     out_dtype = out_dtype or (q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float16)
     q8, k8, vt8, sq, sk, sv = prepare(q, k, v, scaling, rotate)
-    o = torch.empty(B, h, N, d, dtype=out_dtype, device=q.device)
+    o = out if out is not None else torch.empty(B, h, N, d, dtype=out_dtype, device=q.device)
+    assert o.shape == q.shape and o.stride(-1) == 1, "out: [B, h, N, d] with contiguous rows"
     return launch(q8, k8, vt8, sq, sk, sv, causal, o, BLOCK if scaling == "block" else max(N, 1), tiles)
 
 
