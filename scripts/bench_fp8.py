@@ -35,14 +35,9 @@ from bench_kernels import git_commit, sdpa_backends  # noqa: E402
 
 
 def timed(fn, reps: int = 20) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps
+    """ms a call: bench_paged.timed's CUDA events over back-to-back calls."""
+    from bench_paged import timed as us
+    return us(fn, reps) / 1e3
 
 
 def contenders(B: int, H: int, N: int, d: int, causal: bool, scaling: str, rotate: bool) -> dict:

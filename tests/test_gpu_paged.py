@@ -129,33 +129,37 @@ def test_paged_cache_decode_steps_through_the_kernel_match_torch_math(g, monkeyp
     import tpattn.paged as paged
     from tpattn.decode import decode_kernel_fits
     torch.manual_seed(0)
-    H, d = 8, 128
-    D = H * d
-    layer = fused_layer(H, g, d)
+    layer = fused_layer(8, g, 128)
     outs = {}
     for kernel in (True, False):
         import tpattn.decode as dec
         monkeypatch.setattr(dec, "decode_kernel_fits", decode_kernel_fits if kernel else (lambda q: False))
-        pool = paged.PagedKV(layer, pages=256, page_size=16, max_seqs=8)
-        gen = torch.Generator().manual_seed(1)
-        ids = [pool.add() for _ in range(3)]
-        got = []
-        for sid, n in zip(ids, (37, 5, 130)):
-            with pool.step([sid], [n]) as st:
-                layer(torch.randn(1, n, D, generator=gen).half().cuda(), cache=st.view(0))
-        for t in range(6):
-            if t == 2:
-                pool.remove(ids.pop(1))
-            if t == 3:
-                sid = pool.add()
-                with pool.step([sid], [20]) as st:
-                    layer(torch.randn(1, 20, D, generator=gen).half().cuda(), cache=st.view(0))
-                ids.append(sid)
-            with pool.step(ids, [1] * len(ids)) as st:
-                got.append(layer(torch.randn(len(ids), 1, D, generator=gen).half().cuda(), cache=st.view(0)))
-        outs[kernel] = got
+        outs[kernel] = serve_steps(layer, paged.PagedKV(layer, pages=256, page_size=16, max_seqs=8))
     for a, b in zip(outs[True], outs[False]):
         assert (a.float() - b.float()).abs().max().item() <= 2e-3
+
+
+def serve_steps(layer, pool) -> list:
+    """Prompts of 37, 5 and 130 rows, then six decode steps of every live sequence: the second leaves
+    at step 2, a prompt of 20 joins at step 3; each step's rows."""
+    D = layer.wqkv.shape[0]
+    gen = torch.Generator().manual_seed(1)
+    ids = [pool.add() for _ in range(3)]
+    got = []
+    for sid, n in zip(ids, (37, 5, 130)):
+        with pool.step([sid], [n]) as st:
+            layer(torch.randn(1, n, D, generator=gen).half().cuda(), cache=st.view(0))
+    for t in range(6):
+        if t == 2:
+            pool.remove(ids.pop(1))
+        if t == 3:
+            sid = pool.add()
+            with pool.step([sid], [20]) as st:
+                layer(torch.randn(1, 20, D, generator=gen).half().cuda(), cache=st.view(0))
+            ids.append(sid)
+        with pool.step(ids, [1] * len(ids)) as st:
+            got.append(layer(torch.randn(len(ids), 1, D, generator=gen).half().cuda(), cache=st.view(0)))
+    return got
 
 
 @torch.no_grad()
@@ -417,19 +421,8 @@ def test_fp8_pool_steps_through_the_kernels_match_torch_math(g, monkeypatch):
     fits = dec.fp8_pages_fit
     for kernel in (True, False):
         monkeypatch.setattr(dec, "fp8_pages_fit", fits if kernel else (lambda q: False))
-        pool = pools[kernel] = paged.PagedKV(layer, pages=256, page_size=16, max_seqs=8, kv_dtype="fp8")
-        gen = torch.Generator().manual_seed(1)
-        ids = [pool.add() for _ in range(3)]
-        got = []
-        for sid, n in zip(ids, (37, 5, 130)):
-            with pool.step([sid], [n]) as st:
-                layer(torch.randn(1, n, D, generator=gen).half().cuda(), cache=st.view(0))
-        for t in range(6):
-            if t == 2:
-                pool.remove(ids.pop(1))
-            with pool.step(ids, [1] * len(ids)) as st:
-                got.append(layer(torch.randn(len(ids), 1, D, generator=gen).half().cuda(), cache=st.view(0)))
-        outs[kernel] = got
+        pools[kernel] = paged.PagedKV(layer, pages=256, page_size=16, max_seqs=8, kv_dtype="fp8")
+        outs[kernel] = serve_steps(layer, pools[kernel])
     monkeypatch.undo()
     for a, b in zip(outs[True], outs[False]):
         assert (a.float() - b.float()).abs().max().item() <= 2e-3
