@@ -6,7 +6,8 @@ cache over several ranks. Prints 'PAGED PASS rank R' and exits 0, or what failed
   live at once, identical to the unmodified model's, with K/V heads split (G = 4) and held as
   copies (G = 1); with the FP8 cache (kv_dtype="fp8"), the tokens of one process's FP8 cache.
 - A paged step whose row counts differ between ranks is refused with the same line on every rank,
-  before any rank attends (no rank waits in a collective).
+  before any rank attends (no rank waits in a collective); so is a pool whose pages or kv_dtype
+  differ between ranks, when it is built.
 """
 
 import torch
@@ -54,6 +55,16 @@ except ConfigError as exc:
     said = str(exc)
 if "the ranks' paged-cache calls differ" not in said or "every rank must add, step and remove" not in said:
     bad.append(f"a step that differs between ranks: {said}")
+
+# ---- pools built differently on the ranks: refused at construction, on every rank ------------------
+for kw in ({"pages": 8 + (R == W - 1)}, {"kv_dtype": "fp8" if R == 0 else None}):
+    try:
+        PagedKV(list(tp.attention), page_size=4, max_seqs=2, **{"pages": 8, **kw})
+        said = "no error"
+    except ConfigError as exc:
+        said = str(exc)
+    if "the ranks' paged-cache calls differ (rank 0: PagedKV(" not in said or "in a pool built alike" not in said:
+        bad.append(f"a pool built differently ({kw}): {said}")
 
 for b in bad:
     print(f"rank {R}: FAIL {b}", flush=True)

@@ -70,6 +70,9 @@ class PagedKV:
                 raise ConfigError(f"PagedKV's layers must share K/V heads per rank, head dim, dtype, device and group "
                                   f"(layer {i} differs from layer 0); make one pool per kind of layer")
         self.layers, self.pages, self.page_size, self.max_seqs = layers, pages, page_size, max_seqs
+        # the same pool on every rank (a step that runs out of pages on one rank only would leave the
+        # others waiting in the layer's collective)
+        self._agree("PagedKV", (pages, page_size, max_seqs, kv_dtype))
         self.kv_dtype, self.fp8 = kv_dtype, kv_dtype == "fp8"
         g, d, dev, dt = first.local_kv_heads, first.head_dim, first.wqkv.device, first.dtype
         # one page more than asked for: page `pages`, never handed out, where a graphed step's padding
@@ -170,7 +173,8 @@ class PagedKV:
         if len(set(map(repr, said))) > 1:
             shown = "; ".join(f"rank {r}: {w}{a}" for r, (w, a) in enumerate(said[:4]))
             raise ConfigError(f"the ranks' paged-cache calls differ ({shown}); every rank must add, step and "
-                              "remove the same sequences with the same row counts")
+                              "remove the same sequences with the same row counts, in a pool built alike (pages, "
+                              "page_size, max_seqs, kv_dtype)")
 
     # ---- steps ---------------------------------------------------------------------------------
 
