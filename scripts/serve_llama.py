@@ -105,8 +105,8 @@ def main() -> int:
             ok = max(ranks) < TOP
             if proc.rank == 0:
                 print(f"check: {same} of {len(prompts)} prompts' tokens identical to the unmodified model's; of "
-                      f"{len(ranks)} tokens, {sum(r == 0 for r in ranks)} its first choice, all within its top {TOP} "
-                      f"(teacher-forced): {'PASS' if ok else 'FAIL'} (worst rank {max(ranks) + 1})", flush=True)
+                      f"{len(ranks)} tokens, {sum(r == 0 for r in ranks)} its first choice; every token within its "
+                      f"top {TOP} (teacher-forced): {'PASS' if ok else 'FAIL'} (worst rank {max(ranks) + 1})", flush=True)
         elif proc.rank == 0:
             print(f"check: {same} of {len(prompts)} prompts' tokens identical to the unmodified model's "
                   f"{'PASS' if ok else 'FAIL'}", flush=True)

@@ -58,3 +58,13 @@ def test_cli_fp8_through_the_triton_kernel(args):
     r = tpattn(["--dtype", "fp8", "--kernel", "triton", "--check", "--device", "cuda", *args], timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("(tol 0.1) PASS") == 2 and "RESULT: PASS" in r.stdout, r.stdout
+
+
+def test_cli_fp8_torch_math_on_the_gpu():
+    """python -m tpattn --dtype fp8 --check --device cuda (--kernel reference: the torch arithmetic on
+    the GPU, its rotation on the GPU too): both RMS checks pass."""
+    from conftest import tpattn
+    r = tpattn(["--dtype", "fp8", "--check", "--device", "cuda", "--kernel", "reference", "--seq-len", "1024",
+                "--heads", "8", "--head-dim", "64", "--causal"], timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("(tol 0.1) PASS") == 2 and "RESULT: PASS" in r.stdout, r.stdout

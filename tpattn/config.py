@@ -65,9 +65,13 @@ class Config:
         return self.heads * self.head_dim
 
     @property
+    def storage(self) -> str:
+        """The weights', input's and projections' dtype by name (--dtype fp8: fp16; the attention is e4m3)."""
+        return "fp16" if self.dtype == FP8 else self.dtype
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        """The weights', input's and projections' dtype (--dtype fp8: fp16; the attention is e4m3)."""
-        return torch.float16 if self.dtype == FP8 else DTYPES[self.dtype]
+        return DTYPES[self.storage]
 
     @property
     def elem_size(self) -> int:
@@ -199,14 +203,14 @@ def check_fp8(cfg: Config) -> None:
                                                    "tpattn.paged.PagedKV(kv_dtype='fp8')); use --dtype fp16 or bf16"),
                           ("--context-parallel", cfg.context_parallel > 1, "the ring merges 16-bit pieces with "
                                                                            "their logsumexp; use --dtype fp16 or bf16"),
-                          ("--sequence-parallel", cfg.sequence_parallel, "use head parallelism or --dtype fp16"),
-                          ("--cuda-graph", cfg.cuda_graph, "the FP8 arithmetic runs in torch ops; drop --cuda-graph")):
+                          ("--cuda-graph", cfg.cuda_graph, "the FP8 path is not captured in a graph (its rotation "
+                                                           "and scales are made as it runs); drop --cuda-graph")):
         if on:
             raise FlagError(f"--dtype fp8 with {flag}: {why}")
     if cfg.head_dim & (cfg.head_dim - 1) or cfg.head_dim < 8:
         p = 1 << max(3, cfg.head_dim.bit_length() - 1)
-        raise FlagError(f"--dtype fp8 rotates Q and K by a Hadamard matrix, which needs a power-of-two --head-dim "
-                        f"(got {cfg.head_dim}); use {p} or {2 * p}")
+        raise FlagError(f"--dtype fp8 rotates Q and K by a Hadamard matrix: --head-dim must be a power of two, at "
+                        f"least 8 (got {cfg.head_dim}); use {p}" + (f" or {2 * p}" if p < cfg.head_dim else ""))
 
 
 def check_parallel_style(cfg: Config, world: int) -> None:

@@ -154,7 +154,7 @@ def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, c
           verdict: str, command: list[str]) -> dict:
     world = proc.world
     stats = across_ranks(rank_reports)
-    model = "fp16" if cfg.dtype == "fp8" else cfg.dtype  # (--dtype fp8: fp16 activations, e4m3 attention)
+    model = cfg.storage
     part = "fp32" if cfg.reduce_dtype == "fp32" else model
     dtypes = {"allreduce": part, "allgather": model, "reducescatter": part, "peer": f"{part} in, {model} out",
               "oneshot": f"{part} in, {model} out",
