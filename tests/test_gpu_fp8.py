@@ -31,7 +31,7 @@ def test_fp8_forward_against_float64(N, d, causal, scaling, rotate):
     emu = fp8.attention_fp8(q16.double().cpu(), k16.double().cpu(), v16.double().cpu(), causal, scaling, rotate)
     kernel, emulated = fp8.rmse(o.cpu(), ref), fp8.rmse(emu, ref)
     assert o.dtype == torch.float16 and torch.isfinite(o).all()
-    assert kernel < 1.3 * emulated + 1e-3, (kernel, emulated)
+    assert kernel < 1.15 * emulated, (kernel, emulated)
 
 
 @pytest.mark.parametrize("tiles", [None, (64, 64, 4, 3), (128, 64, 8, 3)])
@@ -47,7 +47,7 @@ def test_fp8_forward_bf16_and_spread_blocks(tiles):
     ref = fp8.attention_float64(qb.double().cpu(), kb.double().cpu(), vb.double().cpu(), True)
     emu = fp8.attention_fp8(qb.double().cpu(), kb.double().cpu(), vb.double().cpu(), True, "block", False)
     assert o.dtype == torch.bfloat16
-    assert fp8.rmse(o.cpu(), ref) < 1.3 * fp8.rmse(emu, ref) + 2e-3
+    assert fp8.rmse(o.cpu(), ref) < 1.15 * fp8.rmse(emu, ref)
 
 
 @pytest.mark.parametrize("args", [[], ["--causal", "--kv-heads", "8"]])

@@ -1,17 +1,18 @@
 """The FP8 attention forward in Triton (tpattn/attention/triton_fp8.py) in Triton's interpreter on CPU
 tensors (TRITON_INTERPRET=1 for the whole run, triton installed, numpy < 2.4, as
-tests/test_triton_cpu.py): against float64 beside the torch emulation of the same rounding points
-(tpattn/attention/fp8.py). The kernel's softmax is online (P relative to the running row max) and the
-interpreter rounds fp32 to e4m3 with ties away from zero (the GPU: to even), so the two agree to FP8's
-error, not bit for bit: the kernel's error must stay within a small factor of the emulation's, and a
-wrong scale, block or mask moves it far outside. tests/test_gpu_fp8.py runs the same on the GPU."""
+tests/test_triton_cpu.py; its fp32-to-e4m3 casts through torch, as the GPU rounds: nearest even,
+saturating): against float64 beside the torch emulation of the same rounding points
+(tpattn/attention/fp8.py). The kernel's softmax is online (P relative to the running row max, not
+the final one), so the two agree to FP8's error, not bit for bit: the kernel's error must stay
+within 10 % of the emulation's and the two outputs a third of that error apart (measured: 1.00x and
+0.04-0.21x); a wrong scale, block or mask moves them far outside. tests/test_gpu_fp8.py runs the same on the GPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from test_triton_cpu import _patch_interpreter_bf16_dot, interp
+from test_triton_cpu import _patch_interpreter_bf16_dot, _patch_interpreter_fp8_casts, interp
 from tpattn.attention import fp8
 
 
@@ -19,6 +20,7 @@ def errors(B, h, g, N, d, causal, scaling, rotate, dtype=torch.float16, outliers
            spread=False):
     """(kernel's RMSE against float64, the emulation's, the kernel's against the emulation's output)."""
     from tpattn.attention import triton_fp8
+    _patch_interpreter_fp8_casts()
     q, k, v = fp8.inputs(B, h, g, N, d, outliers=outliers, seed=seed)
     if spread:  # each 128-row block of K and V at its own size: per-block scales must follow the blocks
         blocks = 2.0 ** (torch.arange(N) // 128 * 3 - 3).double()
@@ -39,7 +41,7 @@ def errors(B, h, g, N, d, causal, scaling, rotate, dtype=torch.float16, outliers
 def test_fp8_forward_is_as_accurate_as_its_emulation(d, scaling, rotate, causal):
     """GQA (4 query heads on 2 K/V heads), N = 200 (not a multiple of the tiles), 0.1 % outliers."""
     kernel, emulated, apart = errors(1, 4, 2, 200, d, causal, scaling, rotate)
-    assert kernel < 1.4 * emulated + 1e-3 and apart < 1.2 * emulated, (kernel, emulated, apart)
+    assert kernel < 1.1 * emulated and apart < 0.35 * emulated, (kernel, emulated, apart)
 
 
 @interp
@@ -50,7 +52,7 @@ def test_fp8_forward_blocks_follow_their_scales(tiles):
     dim's first autotune config, what the interpreter runs); bf16 out."""
     _patch_interpreter_bf16_dot()
     kernel, emulated, apart = errors(1, 2, 1, 300, 64, True, "block", False, torch.bfloat16, tiles=tiles, spread=True)
-    assert kernel < 1.4 * emulated + 4e-3 and apart < 1.2 * emulated + 4e-3, (kernel, emulated, apart)
+    assert kernel < 1.1 * emulated and apart < 0.1 * emulated, (kernel, emulated, apart)
 
 
 @interp
@@ -71,7 +73,9 @@ def test_layer_fp8_backend_through_the_triton_kernel():
     from tpattn.attention.fp8 import Fp8Backend
     q, k, v = (t.half() for t in fp8.inputs(1, 4, 2, 260, 64, outliers=1e-3, seed=7))
     ref = fp8.attention_float64(q.double(), k.double(), v.double(), True)
+    _patch_interpreter_fp8_casts()
     kernel = Fp8Backend("triton").forward(q, k, v, True)
     torch_math = Fp8Backend("reference").forward(q, k, v, True)
     assert kernel.dtype == torch.float16
-    assert fp8.rmse(kernel, ref) < 1.4 * fp8.rmse(torch_math, ref) + 1e-3
+    assert fp8.rmse(kernel, ref) < 1.1 * fp8.rmse(torch_math, ref) and fp8.rmse(kernel, torch_math) < 0.35 * fp8.rmse(
+        torch_math, ref)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_triton_cpu import _patch_interpreter_bf16_dot, interp
+from test_triton_cpu import _patch_interpreter_bf16_dot, _patch_interpreter_fp8_casts, interp
 
 
 def pool_of(lens, g, page, d, dtype, gen):
@@ -75,6 +75,7 @@ def test_paged_prefill_reads_fp8_pages(d, g, page, dtype):
     """An FP8 pool's pages (e4m3, a scale a row): the prefill against float64 over the dequantized
     pages, with the 16-bit pages' bound; scales that differ between rows by 2^10 change nothing."""
     _patch_interpreter_bf16_dot()
+    _patch_interpreter_fp8_casts()
     from tpattn.attention import fp8
     from tpattn.attention.triton_paged import paged_prefill
     gen = torch.Generator().manual_seed(d + page)
@@ -177,3 +178,23 @@ def test_contiguous_cache_chunks_through_the_paged_prefill(monkeypatch):
     assert ran == [True, True]  # the two chunks after the prompt (the prompt: the backend's forward)
     assert (outs[True].float() - outs[False].float()).abs().max().item() <= 2e-3
     assert (outs[True].float() - layer(x).float()).abs().max().item() <= 4e-3
+
+
+@interp
+def test_paged_prefill_keeps_small_fp8_values_out_of_fp16_subnormals():
+    """V rows of size 1e-4 (scales near 2e-7): p times the V scale is normalized by the tile's largest
+    before the fp16 PV product, so the output keeps the 16-bit pages' relative bound (without it, about
+    10 % off)."""
+    _patch_interpreter_fp8_casts()
+    from tpattn.attention import fp8
+    from tpattn.attention.triton_paged import paged_prefill
+    gen = torch.Generator().manual_seed(3)
+    rows, starts = [37, 130], [0, 40]
+    kp, vp, table = pool_of([T + L0 for T, L0 in zip(rows, starts)], 2, 16, 64, torch.float32, gen)
+    (k8, ks), (v8, vs) = fp8.quantize_rows(kp), fp8.quantize_rows(vp * 1e-4)
+    k8, v8, ks, vs = k8.to(torch.float8_e4m3fn), v8.to(torch.float8_e4m3fn), ks.squeeze(-1), vs.squeeze(-1)
+    q = (torch.randn(sum(rows), 4, 64, generator=gen) * 0.1).half()
+    cu = torch.tensor([0, rows[0], sum(rows)], dtype=torch.int32)
+    o = paged_prefill(q, k8, v8, table, cu, torch.tensor(starts, dtype=torch.int32), max(rows), scales=(ks, vs))
+    want = reference(q, fp8.dequantize(k8, ks), fp8.dequantize(v8, vs), table, rows, starts)
+    assert (o.double() - want).abs().max().item() <= 4e-3 * want.abs().max().item()

@@ -73,8 +73,11 @@ def _paged_tiles(acc, l_i, m_i, q, KP, VP, KS, VS, trow, start, stop, pos_m, col
         p = tl.math.exp2(qk * qk_scale - m_ref[:, None])
         alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if F8:
-            acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(v.dtype), v)
+        if F8:  # p times its key's V scale over the tile's largest (p * s_v in [0, 1] stays clear of
+            # fp16's subnormals, where small scales would lose its bits), the largest outside the product
+            vmax = tl.max(vs, 0)
+            vmax = tl.where(vmax > 0.0, vmax, 1.0)
+            acc = acc * alpha[:, None] + tl.dot((p * (vs / vmax)[None, :]).to(v.dtype), v) * vmax
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
