@@ -217,18 +217,21 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const KV
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     const int key = base + u * NGRP + grp;
-                    if (key < k1 && cols) {
-                        const long long at = dec_at<D, PAGED>(b, g, G, key, kv, table, tstride, page);
-                        dec_load8<BF16>(K + at + lane * 8, kx[u]);
-                        dec_load8<BF16>(V + at + lane * 8, vx[u]);
+                    // FP8: the key's place is found once for its bytes and its row scales, which every lane
+                    // of the group reads (they keep the same m and l)
+                    const bool in = key < k1;
+                    const long long at = F8 && in ? dec_at<D, PAGED>(b, g, G, key, kv, table, tstride, page) : 0;
+                    if (in && cols) {
+                        const long long a = F8 ? at : dec_at<D, PAGED>(b, g, G, key, kv, table, tstride, page);
+                        dec_load8<BF16>(K + a + lane * 8, kx[u]);
+                        dec_load8<BF16>(V + a + lane * 8, vx[u]);
                     } else {
 #pragma unroll
                         for (int e = 0; e < 8; ++e) kx[u][e] = vx[u][e] = 0.0f;
                     }
-                    if (F8) {  // the key's row scales (every lane of the group: they keep the same m and l)
-                        const long long row = key < k1 ? dec_at<D, PAGED>(b, g, G, key, kv, table, tstride, page) / D : -1;
-                        ks[u] = row >= 0 ? __ldg(KS + row) : 0.0f;
-                        vs[u] = row >= 0 ? __ldg(VS + row) : 0.0f;
+                    if (F8) {
+                        ks[u] = in ? __ldg(KS + at / D) : 0.0f;
+                        vs[u] = in ? __ldg(VS + at / D) : 0.0f;
                     }
                 }
 #pragma unroll
