@@ -43,8 +43,9 @@
 //               quantized with its own scale s = amax / 448 (1 for a row of zeros): e4m3 bytes into
 //               the pool [pages, G, page, D], s into the scales [pages, G, page] (fp32); the bits
 //               tpattn.attention.fp8.quantize_rows gives.
-//   dec_split_..._pg8  the CUDA-core split over an FP8 pool (sm_89+): 8 bytes a lane per key (cvt
-//               e4m3x2 -> f16x2), each key's dot product times its K scale, each p times its V scale.
+//   dec_split_..._pg8  the CUDA-core split over an FP8 pool (sm_89+; every head dim the split takes):
+//               8 bytes a lane per key (cvt e4m3x2 -> f16x2), each key's dot product times its K
+//               scale, each p times its V scale.
 //   pg_prepare  a graphed paged decode step's rows from its two inputs, slots and lengths before the
 //               step ([2, n], int64, on the device): each row's position and page, its block-table
 //               row (copied from the device's mirror [slots + 1, W]) and its length after the step;
@@ -689,7 +690,7 @@ DEC_SPLITS8(128)
     DEC_SPLIT(SUF, BF16, D, 4, PAGED, PG) DEC_SPLIT(SUF, BF16, D, 8, PAGED, PG)
 #define DEC_DEFINE_SPLIT(D)                                                                             \
     DEC_SPLITS(f16, false, D, false, ) DEC_SPLITS(f16, false, D, true, _pg)                             \
-    DEC_SPLITS(bf16, true, D, false, ) DEC_SPLITS(bf16, true, D, true, _pg)
+    DEC_SPLITS(bf16, true, D, false, ) DEC_SPLITS(bf16, true, D, true, _pg) DEC_SPLITS8(D)
 DEC_DEFINE_SPLIT(32)
 DEC_DEFINE_SPLIT(80)
 DEC_DEFINE_SPLIT(96)

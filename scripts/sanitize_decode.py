@@ -2,7 +2,7 @@
 """The decode kernels on small shapes, for compute-sanitizer (memcheck, racecheck): the split at
 every head dim it is built for (contiguous and paged, multi-head and grouped, a length that ends
 inside a chunk), the paged append kernel (rows at their own positions and pages), an FP8 pool's
-append (dec_append_pg8) and split (_pg8) at d = 64 and 128, and a graphed paged step's preparation
+append (dec_append_pg8) and split (_pg8) at every head dim, and a graphed paged step's preparation
 (pg_prepare, padding rows included). Exits non-zero if an output is not finite.
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python scripts/sanitize_decode.py

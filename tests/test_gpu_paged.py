@@ -349,7 +349,7 @@ def test_graphed_paged_step_prepares_on_the_device_and_advances():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("rope", ["none", "halves", "interleaved"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
 @torch.no_grad()
 def test_fp8_append_kernel_gives_quantize_rows_bits(dtype, rope, d):
     """dec_append_pg8: q as dec_append_pg writes it; each K and V row, rotated and rounded to the
@@ -383,7 +383,7 @@ def test_fp8_append_kernel_gives_quantize_rows_bits(dtype, rope, d):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("h,g", [(32, 32), (32, 8), (16, 1)])
 @pytest.mark.parametrize("page", [1, 16, 64])
 def test_fp8_paged_kernel_against_float64(h, g, d, dtype, page):

@@ -404,7 +404,7 @@ def test_decode_launches_at_every_head_dim(monkeypatch, d, h, g, split):
         check_launch(*c)
 
 
-@pytest.mark.parametrize("d,h,g", [(128, 8, 8), (128, 8, 2), (64, 32, 8)])
+@pytest.mark.parametrize("d,h,g", [(128, 8, 8), (128, 8, 2), (64, 32, 8), (96, 8, 2), (256, 4, 4), (32, 8, 8)])
 def test_fp8_pool_launches(monkeypatch, d, h, g):
     """An FP8 pool's kernels: dec_append_pg8 (a warp per row and head: both pools, both scale
     tensors, then the tables as dec_append_pg's) and the CUDA-core split's _pg8 (grouped heads too;
@@ -427,6 +427,7 @@ def test_fp8_pool_launches(monkeypatch, d, h, g):
                                   scales=(ks, vs))
     assert calls[0][1] == "dec_append_pg8_f16" and calls[1][1].startswith(f"dec_split_f16_d{d}_g") \
         and calls[1][1].endswith("_pg8"), [c[1] for c in calls]
+    assert [c[0] for c in calls] == [decode.dec_source(d)] * 2  # both from the head dim's own module
     for c in calls:
         check_launch(*c)
     app, split = calls[0][4], calls[1][4]

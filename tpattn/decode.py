@@ -153,14 +153,14 @@ def decode_kernel_fits(q: torch.Tensor) -> bool:
     return kernel_takes(q.device, q.dtype, q.shape[-1])
 
 
-FP8_PAGE_HEAD_DIMS = DEC_HEAD_DIMS  # an FP8 pool's kernels (dec_append_pg8, the split's _pg8)
+FP8_PAGE_HEAD_DIMS = tuple(sorted(DEC_HEAD_DIMS + DEC_SPLIT_HEAD_DIMS))  # an FP8 pool's kernels (dec_append_pg8, _pg8)
 FP8_CC = (8, 9)                     # e4m3 conversions in hardware (cvt ... e4m3x2)
 
 
 def fp8_pages_fit(q: torch.Tensor) -> bool:
     """Whether an FP8 pool's steps (PagedKV(kv_dtype="fp8")) run the kernels for q (rows [..., d]):
-    the decode kernels take q, at head dim 64 or 128, on compute capability 8.9 or later. Else
-    torch math over the dequantized pages."""
+    the decode kernels take q (every head dim the split takes), on compute capability 8.9 or later.
+    Else torch math over the dequantized pages."""
     return (decode_kernel_fits(q) and q.shape[-1] in FP8_PAGE_HEAD_DIMS
             and torch.cuda.get_device_capability(q.device) >= FP8_CC)
 

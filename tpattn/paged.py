@@ -29,7 +29,7 @@ elsewhere torch math (decode.attend, the scores a block of rows at a time).
 
 kv_dtype="fp8" keeps each token's K and V of each K/V head in e4m3 with an fp32 scale of its own
 (tpattn.attention.fp8.quantize_rows): d + 4 bytes where fp16 takes 2d. On a GPU of compute
-capability 8.9 or later at head dims 64 and 128 (decode.fp8_pages_fit) the append and the decode
+capability 8.9 or later at the decode split's head dims (decode.fp8_pages_fit) the append and the decode
 step run kernels (dec_append_pg8 quantizes each row; the split's _pg8 reads e4m3 pages and their
 scales); a prefill with the triton backend reads the e4m3 pages in place too (triton_paged.py); the
 rest, torch math over the dequantized pages.
