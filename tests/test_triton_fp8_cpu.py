@@ -68,14 +68,15 @@ def test_fp8_forward_refuses_what_it_does_not_take():
 
 @interp
 def test_layer_fp8_backend_through_the_triton_kernel():
-    """Fp8Backend("triton") (python -m tpattn --dtype fp8 --kernel triton): the layer's scaling and
-    rotation through the kernel, against the torch arithmetic (Fp8Backend("reference")) and float64."""
+    """Fp8TritonBackend (python -m tpattn --dtype fp8 --kernel triton): the layer's scaling and
+    rotation through the kernel, against the torch arithmetic (Fp8Backend) and float64."""
     from tpattn.attention.fp8 import Fp8Backend
+    from tpattn.attention.triton_fp8 import Fp8TritonBackend
     q, k, v = (t.half() for t in fp8.inputs(1, 4, 2, 260, 64, outliers=1e-3, seed=7))
     ref = fp8.attention_float64(q.double(), k.double(), v.double(), True)
     _patch_interpreter_fp8_casts()
-    kernel = Fp8Backend("triton").forward(q, k, v, True)
-    torch_math = Fp8Backend("reference").forward(q, k, v, True)
+    kernel = Fp8TritonBackend().forward(q, k, v, True)
+    torch_math = Fp8Backend().forward(q, k, v, True)
     assert kernel.dtype == torch.float16
     assert fp8.rmse(kernel, ref) < 1.1 * fp8.rmse(torch_math, ref) and fp8.rmse(kernel, torch_math) < 0.35 * fp8.rmse(
         torch_math, ref)

@@ -191,22 +191,15 @@ class Fp8Backend(Backend):
     """The layer's attention in e4m3 (attention_fp8, SCALING and ROTATE): q, k, v arrive in the layer's
     fp16 or bf16 and o leaves in it; a chunk of whole head groups at a time (each chunk's fp32 scores
     below CHUNK_BYTES; the scales are per head and block, so chunking changes nothing). Torch math on
-    CPU or GPU; kernel="triton": the Triton kernel (triton_fp8.py) over all heads at once, on a GPU of
-    compute capability 8.9 or later. Forward only, as FlashAttention-3's FP8."""
+    CPU or GPU (triton_fp8.Fp8TritonBackend: the same through the Triton kernel). Forward only, as
+    FlashAttention-3's FP8."""
     name = "fp8"
     dtypes = ("fp16", "bf16")
-
-    def __init__(self, kernel: str = "reference"):
-        self.kernel = kernel
 
     def forward(self, q, k, v, causal: bool, out=None):
         b, h, n, d = q.shape
         group = kv_group(q, k, v)
         o = out if out is not None else torch.empty_like(q)
-        if self.kernel == "triton":
-            from . import triton_fp8
-            with section("fp8"):
-                return triton_fp8.attention(q, k, v, causal, SCALING, ROTATE, out=o)
         per_head = 4 * b * n * n * 4  # S, P, P8 and a temporary, fp32
         chunk = max(1, min(h, CHUNK_BYTES.get(q.device.type, CHUNK_BYTES["cpu"]) // max(per_head, 1)))
         with section("fp8"):

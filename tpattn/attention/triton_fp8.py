@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..timing import section
 from . import fp8
 
 BLOCK = fp8.BLOCK_ROWS  # rows of a scale block; the tiles divide it
@@ -190,3 +191,13 @@ def launch(q8, k8, vt8, sq, sk, sv, causal: bool, o: torch.Tensor, sblk: int, ti
         return o
     fp8_fwd[lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * h)](*args, HEAD_DIM=d, CAUSAL=causal)
     return o
+
+
+class Fp8TritonBackend(fp8.Fp8Backend):
+    """The layer's FP8 attention (fp8.Fp8Backend's scaling and rotation) through this module's kernel,
+    all heads in one launch: python -m tpattn --dtype fp8 --kernel triton (compute capability 8.9+)."""
+
+    def forward(self, q, k, v, causal: bool, out=None):
+        o = out if out is not None else torch.empty_like(q)
+        with section("fp8"):
+            return attention(q, k, v, causal, fp8.SCALING, fp8.ROTATE, out=o)
