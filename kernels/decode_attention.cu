@@ -611,7 +611,7 @@ __device__ __forceinline__ void dec_append_pg8(const tc_u16 *__restrict__ QKV, t
         }
         if (r < H) continue;
         amax = tc_warp_max(amax);
-        float s = amax / 448.0f;
+        float s = amax * (1.0f / 448.0f);  // (as torch divides by a number on the GPU: fp8.quantize_rows)
         s = s > 0.0f ? s : 1.0f;
         const int kvh = r < H + G ? r - H : r - H - G;
         const long long row = (pidx[b] * G + kvh) * page + p0 % page;

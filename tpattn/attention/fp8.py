@@ -82,8 +82,10 @@ def _group_amax(x: torch.Tensor, scaling: str, block: int) -> torch.Tensor:
 
 
 def _scaled(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x8, s) with s = amax / 448 of each group (1 for a group of zeros) and x8 = e4m3(x / s)."""
-    s = amax / E4M3_MAX
+    """(x8, s) with s = amax / 448 of each group (1 for a group of zeros) and x8 = e4m3(x / s). s is
+    amax times the fp32 reciprocal of 448, as torch divides by a number on a GPU and the kernels
+    compute it: the same bits on CPU, GPU and in the kernels."""
+    s = amax.float() * (1.0 / E4M3_MAX)
     s = torch.where(s > 0, s, torch.ones_like(s))
     return e4m3(x.float() / s), s
 
