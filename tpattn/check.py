@@ -11,7 +11,7 @@ import torch
 # S, P, O and y; against the single-process baseline only the order of sums differs (and each
 # element may differ by an epsilon relative to its size, see compare()).
 TOL_FLOAT64 = {"fp16": 2e-2, "bf16": 1e-1, "fp32": 1e-4}
-TOL_BASELINE = {"fp16": 1e-2, "bf16": 5e-2, "fp32": 1e-5, "fp8": 1e-2}
+TOL_BASELINE = {"fp16": 1e-2, "bf16": 5e-2, "fp32": 1e-5}
 # --dtype fp8 against float64 and against the fp16 layer: the RMS error over rms(ref), FP8's own metric
 # (e4m3's three mantissa bits give 2-5 % at the CLI's shapes; a causal layer's first rows, which
 # average few values, stand out in a max-error metric)

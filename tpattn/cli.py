@@ -430,9 +430,10 @@ def _checks(cfg: Config, proc, layer, w, x, y, device, loaded) -> dict:
     also against the fp16 layer (the same weights, --kernel's 16-bit attention, single process)."""
     checks = {}
     full = w
-    if proc.world > 1 or cfg.dtype == FP8:
+    fp8 = cfg.dtype == FP8
+    if proc.world > 1 or fp8:
         full = _weights(cfg, range(cfg.heads), range(cfg.kv_heads), device, loaded)
-    if cfg.dtype == FP8:
+    if fp8:
         fp16 = TensorParallelAttention(**full, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                                        backend=cfg.kernel, causal=cfg.causal, group=None)
         checks["vs_fp16_layer"] = {**compare(y, fp16(x).double(), TOL_FP8_RMS, rms_metric=True),
@@ -444,12 +445,11 @@ def _checks(cfg: Config, proc, layer, w, x, y, device, loaded) -> dict:
                                        head_chunk=max(heads_by_rank(cfg.heads, heads_world(cfg, proc.world)[0],
                                                                     cfg.uneven_heads, cfg.kv_heads)))  # the largest rank's
         y_base = base(x)
-        checks["vs_single_process"] = {**compare(y, y_base.double(), TOL_BASELINE[cfg.dtype], ulp_of=cfg.torch_dtype),
+        checks["vs_single_process"] = {**compare(y, y_base.double(), TOL_BASELINE[cfg.storage], ulp_of=cfg.torch_dtype),
                                        "what": f"all {cfg.seq_len} rows, world {proc.world} vs 1"}
         del base, y_base
     rows = sample_rows(cfg.seq_len)
     ref = layer_float64(x, full, cfg.heads, cfg.causal, rows)
-    fp8 = cfg.dtype == FP8
     checks["vs_float64"] = {**compare(y[:, rows.to(y.device)], ref, TOL_FP8_RMS if fp8 else TOL_FLOAT64[cfg.dtype],
                                       rms_metric=fp8), "what": f"{len(rows)} of {cfg.seq_len} rows, all heads"}
     return checks

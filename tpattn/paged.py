@@ -73,7 +73,7 @@ class PagedKV:
         # the same pool on every rank (a step that runs out of pages on one rank only would leave the
         # others waiting in the layer's collective)
         self._agree("PagedKV", (pages, page_size, max_seqs, kv_dtype))
-        self.kv_dtype, self.fp8 = kv_dtype, kv_dtype == "fp8"
+        self.kv_dtype = kv_dtype
         g, d, dev, dt = first.local_kv_heads, first.head_dim, first.wqkv.device, first.dtype
         # one page more than asked for: page `pages`, never handed out, where a graphed step's padding
         # rows write their K and V (DecodeGraphs)
@@ -81,10 +81,8 @@ class PagedKV:
         self.k = [torch.zeros(pages + 1, g, page_size, d, dtype=st, device=dev) for _ in layers]
         self.v = [torch.zeros(pages + 1, g, page_size, d, dtype=st, device=dev) for _ in layers]
         # FP8 pages: each position's scale per K/V head (fp8.quantize_rows)
-        self.k_scale = [torch.zeros(pages + 1, g, page_size, dtype=torch.float32, device=dev) for _ in layers] \
-            if self.fp8 else None
-        self.v_scale = [torch.zeros(pages + 1, g, page_size, dtype=torch.float32, device=dev) for _ in layers] \
-            if self.fp8 else None
+        self.k_scale, self.v_scale = ([torch.zeros(pages + 1, g, page_size, device=dev) for _ in layers]
+                                      if self.fp8 else None for _ in range(2))
         self.scratch_page = pages
         self.device = dev
         self.free_pages = list(range(pages - 1, -1, -1))  # a stack: the lowest page is taken first
@@ -129,6 +127,10 @@ class PagedKV:
 
     def free_page_count(self) -> int:
         return len(self.free_pages)
+
+    @property
+    def fp8(self) -> bool:
+        return self.kv_dtype == "fp8"
 
     def nbytes(self) -> int:
         """Bytes of the pages (and, FP8, their scales), every layer's K and V."""
