@@ -91,6 +91,38 @@ __device__ __forceinline__ void dec_load8(const unsigned char *p, float (&x)[8])
 #endif
 }
 
+// two e4m3 values (the low and high byte of `two`) -> f16x2, or (BF16) bf16x2: exact either way
+// (e4m3's 3 mantissa bits and exponents 2^-9 .. 2^8 fit both). sm_89+ only (see dec_load8).
+template <bool BF16>
+__device__ __forceinline__ tc_u32 dec_e4m3x2(tc_u32 two) {
+    tc_u32 h = 0u;
+#if __CUDA_ARCH__ >= 890
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)(two & 0xffffu)));
+#endif
+    if (BF16) {
+        float lo, hi;
+        tc_unpack<false>(h, lo, hi);
+        h = tc_pack<true>(lo, hi);
+    }
+    return h;
+}
+
+// N 32-bit words of an FP8 page (4N bytes from p, 4N-byte aligned), or zeros where !in
+template <int N>
+__device__ __forceinline__ void dec_words8(const unsigned char *p, bool in, tc_u32 (&w)[N]) {
+    if constexpr (N % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < N / 4; ++i) {
+            const tc_u4 t = in ? ((const tc_u4 *)p)[i] : tc_u4{0u, 0u, 0u, 0u};
+            w[4 * i] = t.x, w[4 * i + 1] = t.y, w[4 * i + 2] = t.z, w[4 * i + 3] = t.w;
+        }
+    } else {
+        static_assert(N == 2, "dec_words8: 2 or a multiple of 4 words");
+        const tc_u64 t = in ? *(const tc_u64 *)p : 0ull;
+        w[0] = (tc_u32)t, w[1] = (tc_u32)(t >> 32);
+    }
+}
+
 template <bool BF16>
 __device__ __forceinline__ tc_u16 dec_round(float x) {
     return (tc_u16)(tc_pack<BF16>(x, 0.0f) & 0xffffu);
@@ -328,13 +360,23 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const KV
 // so that output column n of n-tile u is column n D/8 + u of O. 16-byte loads throughout.
 // PIPE (the _p kernels): the next tile's K and V loads are issued before the current tile is
 // computed (64 more registers a thread: 3 blocks an SM instead of 4 at d = 128).
-template <int D, bool M16, bool PIPE, bool BF16, bool PAGED>
-__device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
-                                        const tc_u16 *__restrict__ V, float *__restrict__ Op,
+// KV = unsigned char (_pg8): an FP8 pool's e4m3 pages with row scales kscale, vscale [pages, G, page]
+// (fp32). A lane's K and V bytes are half the fp16 ones (the same columns), widened to f16x2 (bf16x2
+// for bf16 queries) before the products. The S column of key j is times kscale[j], the row's
+// p times vscale[j]: the 16 keys of a tile are the columns of the quad's lanes (2c, 2c + 1, 2c + 8,
+// 2c + 9), so each lane reads the scales of the keys whose V it reads. P V runs in fp16 with P's
+// row scaled by vscale / m_v (m_v the largest vscale of the tile's keys, so that nothing rounds
+// to an fp16 subnormal), and m_v multiplies the tile's product into the accumulators.
+template <int D, bool M16, bool PIPE, bool BF16, bool PAGED, typename KV = tc_u16>
+__device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *__restrict__ K,
+                                        const KV *__restrict__ V, float *__restrict__ Op,
                                         float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets,
                                         int BG, int G, int group, int Ladd, const long long *__restrict__ Lpos,
                                         int LMAX, int S, float scale_log2, const int *__restrict__ table,
-                                        const int *__restrict__ lens, int tstride, int page) {
+                                        const int *__restrict__ lens, int tstride, int page,
+                                        const float *__restrict__ kscale = nullptr,
+                                        const float *__restrict__ vscale = nullptr) {
+    constexpr bool F8 = sizeof(KV) == 1;
     constexpr int E = D / 4, KS = D / 16, NT = D / 8, ROWS = M16 ? 16 : 8, W = DEC_THREADS / 32;
     __shared__ float sm[W][ROWS], sl[W][ROWS];
     __shared__ float so[W][ROWS][D];
@@ -371,18 +413,9 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const tc_u
             float o[NT][4], m0 = TC_NEG_INF, m1 = TC_NEG_INF, l0 = 0.0f, l1 = 0.0f;
 #pragma unroll
             for (int u = 0; u < NT; ++u) o[u][0] = o[u][1] = o[u][2] = o[u][3] = 0.0f;
-            auto compute = [&](const tc_u4 (&kr)[2][E / 8], const tc_u4 (&vr)[4][NT / 8], int t0) {
-                float sc[2][4];
-#pragma unroll
-                for (int t = 0; t < 2; ++t) {
-                    sc[t][0] = sc[t][1] = sc[t][2] = sc[t][3] = 0.0f;
-                    const tc_u32 *kw = (const tc_u32 *)kr[t];
-#pragma unroll
-                    for (int j = 0; j < KS; ++j) {
-                        const tc_u32 a[4] = {qa[2 * j], M16 ? qb[2 * j] : 0u, qa[2 * j + 1], M16 ? qb[2 * j + 1] : 0u};
-                        tc_mma<BF16>(sc[t], a, kw[2 * j], kw[2 * j + 1]);
-                    }
-                }
+            // the tile's scores sc (fp32, times log2(e) / sqrt(d) here, keys past k1 masked) -> p in place,
+            // the rows' running max and sum updated; returns the accumulators' rescale a0 (a1: rows 8-15)
+            auto softmax = [&](float (&sc)[2][4], int t0, float &a0, float &a1) {
                 float mx0 = TC_NEG_INF, mx1 = TC_NEG_INF;
 #pragma unroll
                 for (int t = 0; t < 2; ++t)
@@ -395,9 +428,11 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const tc_u
                     }
                 mx0 = fmaxf(mx0, tc_shfl_xor(mx0, 1));
                 mx0 = fmaxf(mx0, tc_shfl_xor(mx0, 2));
-                const float n0 = fmaxf(m0, mx0), ref0 = n0 == TC_NEG_INF ? 0.0f : n0, a0 = tc_exp2(m0 - ref0);
+                const float n0 = fmaxf(m0, mx0), ref0 = n0 == TC_NEG_INF ? 0.0f : n0;
+                a0 = tc_exp2(m0 - ref0);
                 m0 = n0;
-                float n1 = 0.0f, ref1 = 0.0f, a1 = 1.0f;
+                float n1 = 0.0f, ref1 = 0.0f;
+                a1 = 1.0f;
                 if (M16) {
                     mx1 = fmaxf(mx1, tc_shfl_xor(mx1, 1));
                     mx1 = fmaxf(mx1, tc_shfl_xor(mx1, 2));
@@ -420,6 +455,21 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const tc_u
                 }
                 l0 = l0 * a0 + ps0;
                 if (M16) l1 = l1 * a1 + ps1;
+            };
+            auto compute = [&](const tc_u4 (&kr)[2][E / 8], const tc_u4 (&vr)[4][NT / 8], int t0) {
+                float sc[2][4];
+#pragma unroll
+                for (int t = 0; t < 2; ++t) {
+                    sc[t][0] = sc[t][1] = sc[t][2] = sc[t][3] = 0.0f;
+                    const tc_u32 *kw = (const tc_u32 *)kr[t];
+#pragma unroll
+                    for (int j = 0; j < KS; ++j) {
+                        const tc_u32 a[4] = {qa[2 * j], M16 ? qb[2 * j] : 0u, qa[2 * j + 1], M16 ? qb[2 * j + 1] : 0u};
+                        tc_mma<BF16>(sc[t], a, kw[2 * j], kw[2 * j + 1]);
+                    }
+                }
+                float a0, a1;
+                softmax(sc, t0, a0, a1);
                 const tc_u32 pa[4] = {tc_pack<BF16>(sc[0][0], sc[0][1]), M16 ? tc_pack<BF16>(sc[0][2], sc[0][3]) : 0u,
                                       tc_pack<BF16>(sc[1][0], sc[1][1]), M16 ? tc_pack<BF16>(sc[1][2], sc[1][3]) : 0u};
                 const tc_u32 *v0 = (const tc_u32 *)vr[0], *v1 = (const tc_u32 *)vr[1], *v2 = (const tc_u32 *)vr[2],
@@ -452,24 +502,106 @@ const long long at = key < k1 ? dec_at<D, PAGED>(b, g, G, key, kv, table, tstrid
                         vr[k][i] = key < k1 ? ((const tc_u4 *)(V + at + r * NT))[i] : tc_u4{0u, 0u, 0u, 0u};
                 }
             };
-            tc_u4 kr[2][E / 8], vr[4][NT / 8];
-            if (PIPE) load(k0 + 16 * warp, kr, vr);
-            for (int t0 = k0 + 16 * warp; t0 < k1; t0 += 16 * W) {
-                if (PIPE) {  // the next tile's loads in flight while this one is computed
-                    tc_u4 kn[2][E / 8], vn[4][NT / 8];
-                    load(t0 + 16 * W, kn, vn);
-                    compute(kr, vr, t0);
+            if constexpr (F8) {
+                // a tile of e4m3 pages: the lane's K bytes of keys r, 8 + r (E a key), its V bytes of keys
+                // 2c, 2c + 1, 2c + 8, 2c + 9 (NT a key) and those four keys' scales
+                struct Tile8 {
+                    tc_u32 k[2][E / 4], v[4][NT / 4];
+                    float ks[4], vs[4];
+                };
+                auto load8 = [&](int t0, Tile8 &x) {
 #pragma unroll
-                    for (int t = 0; t < 2; ++t)
+                    for (int t = 0; t < 2; ++t) {
+                        const int key = t0 + 8 * t + r;
+                        const long long at = key < k1 ? dec_at<D, PAGED>(b, g, G, key, kv, table, tstride, page) : 0;
+                        dec_words8<E / 4>((const unsigned char *)K + at + c * E, key < k1, x.k[t]);
+                    }
 #pragma unroll
-                        for (int i = 0; i < E / 8; ++i) kr[t][i] = kn[t][i];
+                    for (int k = 0; k < 4; ++k) {
+                        const int key = t0 + (k >> 1) * 8 + 2 * c + (k & 1);
+                        const bool in = key < k1;
+                        const long long at = in ? dec_at<D, PAGED>(b, g, G, key, kv, table, tstride, page) : 0;
+                        dec_words8<NT / 4>((const unsigned char *)V + at + r * NT, in, x.v[k]);
+                        x.ks[k] = in ? __ldg(kscale + at / D) : 0.0f;
+                        x.vs[k] = in ? __ldg(vscale + at / D) : 0.0f;
+                    }
+                };
+                auto compute8 = [&](const Tile8 &x, int t0) {
+                    float sc[2][4];
+#pragma unroll
+                    for (int t = 0; t < 2; ++t) {
+                        sc[t][0] = sc[t][1] = sc[t][2] = sc[t][3] = 0.0f;
+#pragma unroll
+                        for (int j = 0; j < KS; ++j) {  // word j: columns 4j .. 4j + 3 of the lane's E
+                            const tc_u32 a[4] = {qa[2 * j], M16 ? qb[2 * j] : 0u, qa[2 * j + 1], M16 ? qb[2 * j + 1] : 0u};
+                            tc_mma<BF16>(sc[t], a, dec_e4m3x2<BF16>(x.k[t][j]), dec_e4m3x2<BF16>(x.k[t][j] >> 16));
+                        }
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) sc[t][e] *= x.ks[2 * t + (e & 1)];
+                    }
+                    float a0, a1;
+                    softmax(sc, t0, a0, a1);
+                    float mv = fmaxf(fmaxf(x.vs[0], x.vs[1]), fmaxf(x.vs[2], x.vs[3]));
+                    mv = fmaxf(mv, tc_shfl_xor(mv, 1));
+                    mv = fmaxf(mv, tc_shfl_xor(mv, 2));  // the quad holds the tile's 16 keys
+                    const float iv = mv > 0.0f ? 1.0f / mv : 0.0f;
+                    float w[4];
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) w[k] = x.vs[k] * iv;
+                    const tc_u32 pa[4] = {tc_pack<false>(sc[0][0] * w[0], sc[0][1] * w[1]),
+                                          M16 ? tc_pack<false>(sc[0][2] * w[0], sc[0][3] * w[1]) : 0u,
+                                          tc_pack<false>(sc[1][0] * w[2], sc[1][1] * w[3]),
+                                          M16 ? tc_pack<false>(sc[1][2] * w[2], sc[1][3] * w[3]) : 0u};
+                    tc_u32 vf[4][NT / 2];  // V widened to f16x2: word i = columns 2i, 2i + 1 of the lane's NT
 #pragma unroll
                     for (int k = 0; k < 4; ++k)
 #pragma unroll
-                        for (int i = 0; i < NT / 8; ++i) vr[k][i] = vn[k][i];
-                } else {
-                    load(t0, kr, vr);
-                    compute(kr, vr, t0);
+                        for (int i = 0; i < NT / 4; ++i)
+                            vf[k][2 * i] = dec_e4m3x2<false>(x.v[k][i]), vf[k][2 * i + 1] = dec_e4m3x2<false>(x.v[k][i] >> 16);
+#pragma unroll
+                    for (int u = 0; u < NT; ++u) {
+                        const unsigned sel = (u & 1) ? 0x7632u : 0x5410u;
+                        float pv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                        tc_mma<false>(pv, pa, __byte_perm(vf[0][u >> 1], vf[1][u >> 1], sel),
+                                      __byte_perm(vf[2][u >> 1], vf[3][u >> 1], sel));
+                        o[u][0] = fmaf(o[u][0], a0, mv * pv[0]);
+                        o[u][1] = fmaf(o[u][1], a0, mv * pv[1]);
+                        if (M16) o[u][2] = fmaf(o[u][2], a1, mv * pv[2]), o[u][3] = fmaf(o[u][3], a1, mv * pv[3]);
+                    }
+                };
+                Tile8 cur;
+                if (PIPE) load8(k0 + 16 * warp, cur);
+                for (int t0 = k0 + 16 * warp; t0 < k1; t0 += 16 * W) {
+                    if (PIPE) {  // the next tile's loads in flight while this one is computed
+                        Tile8 nxt;
+                        load8(t0 + 16 * W, nxt);
+                        compute8(cur, t0);
+                        cur = nxt;
+                    } else {
+                        load8(t0, cur);
+                        compute8(cur, t0);
+                    }
+                }
+            } else {
+                tc_u4 kr[2][E / 8], vr[4][NT / 8];
+                if (PIPE) load(k0 + 16 * warp, kr, vr);
+                for (int t0 = k0 + 16 * warp; t0 < k1; t0 += 16 * W) {
+                    if (PIPE) {  // the next tile's loads in flight while this one is computed
+                        tc_u4 kn[2][E / 8], vn[4][NT / 8];
+                        load(t0 + 16 * W, kn, vn);
+                        compute(kr, vr, t0);
+    #pragma unroll
+                        for (int t = 0; t < 2; ++t)
+    #pragma unroll
+                            for (int i = 0; i < E / 8; ++i) kr[t][i] = kn[t][i];
+    #pragma unroll
+                        for (int k = 0; k < 4; ++k)
+    #pragma unroll
+                            for (int i = 0; i < NT / 8; ++i) vr[k][i] = vn[k][i];
+                    } else {
+                        load(t0, kr, vr);
+                        compute(kr, vr, t0);
+                    }
                 }
             }
             // the warp's rows: l summed over the quad; output column n of n-tile u is column n NT + u
@@ -652,6 +784,20 @@ __device__ __forceinline__ void dec_append_pg8(const tc_u16 *__restrict__ QKV, t
         dec_mma<D, M16, PIPE, BF16, PAGED>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, Lpos, LMAX, S, \
                                            scale_log2, table, lens, tstride, page);                     \
     }
+// the tensor-core split over an FP8 pool (grouped heads at d = 64 and 128; _pg8)
+#define DEC_MMA8(SUF, BF16, D, M16, ROWS, PIPE, P)                                                     \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r##ROWS##P##_pg8(   \
+        const tc_u16 *__restrict__ Q, const unsigned char *__restrict__ K, const unsigned char *__restrict__ V, \
+        float *__restrict__ Op, float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets, \
+        int BG, int G, int group, int S, float scale_log2, const int *__restrict__ table,               \
+        const int *__restrict__ lens, int tstride, int page, const float *__restrict__ KS,              \
+        const float *__restrict__ VS) {                                                                 \
+        dec_mma<D, M16, PIPE, BF16, true, unsigned char>(Q, K, V, Op, Lp, O, tickets, BG, G, group, 0, nullptr, 0, \
+                                                         S, scale_log2, table, lens, tstride, page, KS, VS); \
+    }
+#define DEC_MMAS8(SUF, BF16, D)                                                                         \
+    DEC_MMA8(SUF, BF16, D, false, 8, false, ) DEC_MMA8(SUF, BF16, D, true, 16, false, )                 \
+    DEC_MMA8(SUF, BF16, D, false, 8, true, _p) DEC_MMA8(SUF, BF16, D, true, 16, true, _p)
 // the CUDA-core split over an FP8 pool (_pg8): e4m3 pages and their row scales KS, VS
 #define DEC_SPLIT8(SUF, BF16, D, GQ)                                                                    \
     extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_split_##SUF##_d##D##_g##GQ##_pg8(    \
@@ -680,6 +826,10 @@ DEC_DEFINE(f16, false, 128)
 DEC_DEFINE(bf16, true, 128)
 DEC_SPLITS8(64)
 DEC_SPLITS8(128)
+DEC_MMAS8(f16, false, 64)
+DEC_MMAS8(bf16, true, 64)
+DEC_MMAS8(f16, false, 128)
+DEC_MMAS8(bf16, true, 128)
 #else
 // the other head dims users run (small models, Phi, vision models, Gemma and long-context models):
 // the CUDA-core split only, contiguous and paged (tpattn/decode.py runs it for grouped heads too),

@@ -407,8 +407,9 @@ def test_decode_launches_at_every_head_dim(monkeypatch, d, h, g, split):
 @pytest.mark.parametrize("d,h,g", [(128, 8, 8), (128, 8, 2), (64, 32, 8), (96, 8, 2), (256, 4, 4), (32, 8, 8)])
 def test_fp8_pool_launches(monkeypatch, d, h, g):
     """An FP8 pool's kernels: dec_append_pg8 (a warp per row and head: both pools, both scale
-    tensors, then the tables as dec_append_pg's) and the CUDA-core split's _pg8 (grouped heads too;
-    no contiguous-cache arguments; the K and V scales last), each with its kernel's arguments."""
+    tensors, then the tables as dec_append_pg's) and the split's _pg8 (the tensor-core one for grouped
+    heads at d = 64 and 128, else the CUDA-core one; no contiguous-cache arguments; the K and V
+    scales last), each with its kernel's arguments."""
     from tpattn import cuda as tcuda
     from tpattn import decode
     calls = []
@@ -425,7 +426,8 @@ def test_fp8_pool_launches(monkeypatch, d, h, g):
     lens = torch.tensor([4, 18, 41], dtype=torch.int32)
     decode.paged_decode_attention(q, pool_k, pool_v, table, lens, 48, tickets=torch.zeros(R * g, dtype=torch.int32),
                                   scales=(ks, vs))
-    assert calls[0][1] == "dec_append_pg8_f16" and calls[1][1].startswith(f"dec_split_f16_d{d}_g") \
+    split = "dec_mma_f16" if h > g and d in decode.DEC_HEAD_DIMS else "dec_split_f16"
+    assert calls[0][1] == "dec_append_pg8_f16" and calls[1][1].startswith(f"{split}_d{d}_") \
         and calls[1][1].endswith("_pg8"), [c[1] for c in calls]
     assert [c[0] for c in calls] == [decode.dec_source(d)] * 2  # both from the head dim's own module
     for c in calls:

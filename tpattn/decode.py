@@ -233,9 +233,9 @@ def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int,
     """(source, kernel name, chunks S) of kernels/decode_attention.cu (decode_attention_dims.cu for a
     head dim other than 64 and 128: the CUDA-core split there, grouped heads too) for B sequences of
     h query heads over g K/V heads, the cache split by `length` (the longest it can be). fp8: an FP8
-    pool's pages (the CUDA-core split's _pg8, grouped heads too)."""
+    pool's pages (the same choice of split, each kernel's _pg8)."""
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    mma = d in DEC_HEAD_DIMS and not fp8 and (SPLIT_KERNEL == "mma" or (SPLIT_KERNEL == "auto" and h > g))
+    mma = d in DEC_HEAD_DIMS and (SPLIT_KERNEL == "mma" or (SPLIT_KERNEL == "auto" and h > g))
     source = dec_source(d)
     suf = "f16" if q.dtype == torch.float16 else "bf16"
     S = decode_splits(B * g, length, sms, 2 if mma else 4)
