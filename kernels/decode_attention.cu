@@ -46,6 +46,8 @@
 //   dec_split_..._pg8  the CUDA-core split over an FP8 pool (sm_89+; every head dim the split takes):
 //               8 bytes a lane per key (cvt e4m3x2 -> f16x2), each key's dot product times its K
 //               scale, each p times its V scale.
+//   dec_mma_..._pg8  the tensor-core split over an FP8 pool (sm_89+; d = 64 and 128, grouped heads):
+//               the same fragments from half the bytes (see dec_mma's comment).
 //   pg_prepare  a graphed paged decode step's rows from its two inputs, slots and lengths before the
 //               step ([2, n], int64, on the device): each row's position and page, its block-table
 //               row (copied from the device's mirror [slots + 1, W]) and its length after the step;
