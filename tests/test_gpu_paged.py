@@ -237,25 +237,11 @@ def test_paged_prefill_through_triton_is_one_launch_and_matches_torch_math(g, kv
     scales); ragged prompts, then chunks continuing two of them beside a new prompt, then a chunk
     beside a decode row; the same steps in torch math give the same rows."""
     pytest.importorskip("triton")
-    import tpattn.paged as paged
-    from tpattn.paged import PagedKV
+    from paged_prefill_steps import prefill_steps_both_ways
     torch.manual_seed(0)
-    H, d = 8, 128
-    D = H * d
-    layer = fused_layer(H, g, d, backend="triton")
+    layer = fused_layer(8, g, 128, backend="triton")
     steps = [((0, 1, 2), (37, 5, 130)), ((0, 2, 3), (100, 64, 9)), ((1, 3), (300, 1))]
-    real, calls, outs = paged.triton_prefill_fits, [], {}
-    for on in (True, False):
-        monkeypatch.setattr(paged, "triton_prefill_fits", (lambda *a: calls.append(real(*a)) or calls[-1]) if on
-                            else (lambda *a: False))
-        pool = PagedKV(layer, pages=128, page_size=16, max_seqs=4, kv_dtype=kv_dtype)
-        ids = [pool.add() for _ in range(4)]
-        gen = torch.Generator().manual_seed(1)
-        got = []
-        for seqs, rows in steps:
-            with pool.step([ids[s] for s in seqs], rows) as st:
-                got.append(layer(torch.randn(1, sum(rows), D, generator=gen).half().cuda(), cache=st.view(0)))
-        outs[on] = got
+    calls, outs = prefill_steps_both_ways(layer, steps, 128, kv_dtype, "cuda", monkeypatch)
     assert calls == [True] * 3
     for a, b in zip(outs[True], outs[False]):
         assert (a.float() - b.float()).abs().max().item() <= 2e-3

@@ -114,6 +114,18 @@ def test_paged_prefill_takes_every_tile_config_and_page_size():
             assert (o.double() - want).abs().max().item() < 4e-3, (page, config)
 
 
+def small_triton_layer():
+    """A causal layer with the triton backend, 4 heads over 2 K/V heads of 64, rotary positions,
+    weights from torch's global generator."""
+    from tpattn import TensorParallelAttention
+    H, G, d = 4, 2, 64
+    D = H * d
+    w = {k: (torch.randn(*s) * 0.05).half() for k, s in
+         (("wq", (D, D)), ("wk", (D, G * d)), ("wv", (D, G * d)), ("wo", (D, D)))}
+    return TensorParallelAttention(**w, heads=H, kv_heads=G, head_dim=d, causal=True, backend="triton",
+                                   rope_theta=10000.0, group=None)
+
+
 @interp
 @torch.no_grad()
 @pytest.mark.parametrize("kv_dtype", [None, "fp8"])
@@ -122,30 +134,11 @@ def test_layer_paged_steps_through_the_triton_prefill(monkeypatch, kv_dtype):
     prompts in one step, chunks that continue two of them beside a new prompt and a decode row, each
     prefill step one launch of the paged prefill; the same steps with it turned off (torch math over
     gathered K/V) give the same rows."""
-    import tpattn.paged as paged
-    from tpattn import TensorParallelAttention
-    from tpattn.paged import PagedKV
-    H, G, d = 4, 2, 64
-    D = H * d
+    from paged_prefill_steps import prefill_steps_both_ways
     torch.manual_seed(0)
-    w = {k: (torch.randn(*s) * 0.05).half() for k, s in
-         (("wq", (D, D)), ("wk", (D, G * d)), ("wv", (D, G * d)), ("wo", (D, D)))}
-    layer = TensorParallelAttention(**w, heads=H, kv_heads=G, head_dim=d, causal=True, backend="triton",
-                                    rope_theta=10000.0, group=None)
+    layer = small_triton_layer()
     steps = [((0, 1, 2), (37, 5, 20)), ((0, 2, 3), (40, 17, 9)), ((1, 3), (1, 30))]
-    calls, real = [], paged.triton_prefill_fits
-    outs = {}
-    for on in (True, False):
-        monkeypatch.setattr(paged, "triton_prefill_fits", (lambda *a: calls.append(real(*a)) or calls[-1]) if on
-                            else (lambda *a: False))
-        pool = PagedKV(layer, pages=64, page_size=16, max_seqs=4, kv_dtype=kv_dtype)
-        ids = [pool.add() for _ in range(4)]
-        gen = torch.Generator().manual_seed(1)
-        got = []
-        for seqs, rows in steps:
-            with pool.step([ids[s] for s in seqs], rows) as st:
-                got.append(layer(torch.randn(1, sum(rows), D, generator=gen).half(), cache=st.view(0)))
-        outs[on] = got
+    calls, outs = prefill_steps_both_ways(layer, steps, 64, kv_dtype, "cpu", monkeypatch)
     assert calls == [True] * len(steps)
     for a, b in zip(outs[True], outs[False]):
         assert (a.float() - b.float()).abs().max().item() <= 2e-3
@@ -158,14 +151,9 @@ def test_contiguous_cache_chunks_through_the_paged_prefill(monkeypatch):
     paged prefill's kernel, the cache seen as one page per sequence): two sequences, a prompt then two
     chunks and a decode row, against the same steps in torch math and against the whole forward."""
     import tpattn.decode as dec
-    from tpattn import TensorParallelAttention
-    H, G, d, B = 4, 2, 64, 2
-    D = H * d
+    B, D = 2, 4 * 64
     torch.manual_seed(2)
-    w = {k: (torch.randn(*s) * 0.05).half() for k, s in
-         (("wq", (D, D)), ("wk", (D, G * d)), ("wv", (D, G * d)), ("wo", (D, D)))}
-    layer = TensorParallelAttention(**w, heads=H, kv_heads=G, head_dim=d, causal=True, backend="triton",
-                                    rope_theta=10000.0, group=None)
+    layer = small_triton_layer()
     x = torch.randn(B, 80, D).half()
     cuts = [(0, 30), (30, 47), (47, 79), (79, 80)]
     ran, real = [], dec._triton_prefix_fits
