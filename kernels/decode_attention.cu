@@ -40,7 +40,7 @@
 //               pos[r] % page.
 //   dec_append_pg8  an FP8 pool's paged step (sm_89+): a warp per (row, head); q as dec_append_pg's;
 //               k (rotated) and v rounded to the storage dtype, as torch holds them, then each row
-//               quantized with its own scale s = amax / 448 (1 for a row of zeros): e4m3 bytes into
+//               quantized with its own scale s = amax / 448 (0 for a row of zeros): e4m3 bytes into
 //               the pool [pages, G, page, D], s into the scales [pages, G, page] (fp32); the bits
 //               tpattn.attention.fp8.quantize_rows gives.
 //   dec_split_..._pg8  the CUDA-core split over an FP8 pool (sm_89+; every head dim the split takes):
@@ -772,8 +772,9 @@ __device__ __forceinline__ void dec_append_pg8(const tc_u16 *__restrict__ QKV, t
         }
         if (r < H) continue;
         amax = tc_warp_max(amax);
-        float s = amax * (1.0f / 448.0f);  // (as torch divides by a number on the GPU: fp8.quantize_rows)
-        s = s > 0.0f ? s : 1.0f;
+        // (as torch divides by a number on the GPU: fp8.quantize_rows); a row of zeros keeps s = 0, its
+        // bytes zeros divided by 1 (a scale of 1 there would be a tile's largest V scale in dec_mma's _pg8)
+        const float s = amax * (1.0f / 448.0f), div = s > 0.0f ? s : 1.0f;
         const int kvh = r < H + G ? r - H : r - H - G;
         const long long row = (pidx[b] * G + kvh) * page + p0 % page;
         unsigned char *dst = (r < H + G ? K : V) + row * D;
@@ -783,7 +784,7 @@ __device__ __forceinline__ void dec_append_pg8(const tc_u16 *__restrict__ QKV, t
             if (j >= half) continue;
             const int e0 = interleaved ? 2 * j : j, e1 = interleaved ? 2 * j + 1 : j + half;
             unsigned short two;  // rounded to nearest even, saturating at +-448; the second operand low
-            asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(two) : "f"(y[2 * i + 1] / s), "f"(y[2 * i] / s));
+            asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(two) : "f"(y[2 * i + 1] / div), "f"(y[2 * i] / div));
             dst[e0] = (unsigned char)(two & 0xffu);
             dst[e1] = (unsigned char)(two >> 8);
         }

@@ -40,7 +40,8 @@ def test_block_quantization_kernel_gives_torchs_bytes(d, dtype):
     """fp8_quant (the block scaling's quantization, one launch a tensor) against the same in torch on
     the GPU, N = 1000 (a partial last block): V's bytes (rows transposed, no rotation) and scales
     equal bit for bit, so the kernel's division and e4m3 rounding are torch's (nearest even); Q and K
-    after the rotation (fp32 products summed in another order) within 1e-6 and one e4m3 step."""
+    after the rotation (fp32 products summed in another order, on the tensor cores) within 4e-6 and one
+    e4m3 step."""
     pytest.importorskip("triton")
     from tpattn.attention import triton_fp8
     q, k, v = (t.to(dtype).cuda() for t in fp8.inputs(1, 4, 2, 1000, d, outliers=1e-3, seed=d))
@@ -52,7 +53,7 @@ def test_block_quantization_kernel_gives_torchs_bytes(d, dtype):
         if name in ("vt8", "sv"):
             assert torch.equal(x, y), name
         elif name in ("sq", "sk"):
-            assert torch.allclose(x, y, rtol=1e-6, atol=0), name
+            assert torch.allclose(x, y, rtol=4e-6, atol=0), name
         else:
             assert (x != y).float().mean().item() <= 0.01, name
             assert ((x - y).abs() <= torch.maximum(x.abs(), y.abs()) / 8 + 2.0 ** -9).all(), name

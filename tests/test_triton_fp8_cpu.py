@@ -94,6 +94,7 @@ def test_block_quantization_kernel_gives_torchs_bytes(d, dtype):
     tests/test_gpu_fp8.py checks the GPU's)."""
     from tpattn.attention import triton_fp8
     _patch_interpreter_fp8_casts()
+    _patch_interpreter_bf16_dot()
     q, k, v = fp8.inputs(1, 2, 1, 300, d, outliers=1e-3, seed=5)
     blocks = 2.0 ** (torch.arange(300) // 128 * 3 - 3).double()
     q, k, v = (t.to(dtype) for t in (q * blocks[:, None], k, v * blocks[:, None]))
