@@ -463,7 +463,7 @@ fi
 if want paged; then
   note "the paged cache: GPU tests, the graphed decode step and the prefills beside their baselines"
   for f in test_gpu_paged test_gpu_decode; do
-    timeout 300 python3 -m pytest -m gpu -q -p no:warnings --tb=short tests/$f.py 2>&1 | tee "$OUT/pytest_$f.log" | tail -3 \
+    timeout 480 python3 -m pytest -m gpu -q -p no:warnings --tb=short tests/$f.py 2>&1 | tee "$OUT/pytest_$f.log" | tail -3 \
       || status=1
   done
   timeout 400 python3 scripts/bench_paged.py --layer --prefill --no-kernel --rounds 3 --profile-prefill 20 \
