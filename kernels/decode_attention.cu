@@ -619,13 +619,13 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                         tc_u4 kn[2][E / 8], vn[4][NT / 8];
                         load(t0 + 16 * W, kn, vn);
                         compute(kr, vr, t0);
-    #pragma unroll
+#pragma unroll
                         for (int t = 0; t < 2; ++t)
-    #pragma unroll
+#pragma unroll
                             for (int i = 0; i < E / 8; ++i) kr[t][i] = kn[t][i];
-    #pragma unroll
+#pragma unroll
                         for (int k = 0; k < 4; ++k)
-    #pragma unroll
+#pragma unroll
                             for (int i = 0; i < NT / 8; ++i) vr[k][i] = vn[k][i];
                     } else {
                         load(t0, kr, vr);

@@ -34,6 +34,8 @@ import torch  # noqa: E402
 
 from bench_kernels import git_commit, sdpa_backends  # noqa: E402
 
+from tpattn.attention import fp8  # noqa: E402
+
 
 def timed(fn, reps: int = 20) -> float:
     """ms a call: bench_paged.timed's CUDA events over back-to-back calls."""
@@ -67,7 +69,7 @@ def contenders(B: int, H: int, N: int, d: int, causal: bool, scaling: str, rotat
 
 
 def error_rows(H: int, N: int, d: int, causal: bool, scaling: str, rotate: bool) -> dict:
-    from tpattn.attention import fp8, get_backend, triton_fp8
+    from tpattn.attention import get_backend, triton_fp8
     q, k, v = fp8.inputs(1, H, H, min(N, 4096), d, outliers=1e-3, seed=1)
     ref = fp8.attention_float64(q, k, v, causal)
     q16, k16, v16 = (t.half().cuda() for t in (q, k, v))
@@ -81,7 +83,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384])
-    p.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256))
+    p.add_argument("--head-dim", type=int, default=128, choices=fp8.KERNEL_HEAD_DIMS)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--scaling", choices=("tensor", "head", "block"), default="head")
     p.add_argument("--rotate", action="store_true", help="Hadamard rotation of Q and K before quantizing")
@@ -92,7 +94,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_fp8: error: needs a CUDA GPU; run it on a GPU machine", file=sys.stderr)
         return 2
-    if torch.cuda.get_device_capability() < (8, 9):
+    if torch.cuda.get_device_capability() < fp8.CC:
         print(f"bench_fp8: error: FP8 tensor cores need compute capability 8.9 or later (this GPU: "
               f"{torch.cuda.get_device_name()})", file=sys.stderr)
         return 2

@@ -104,9 +104,9 @@ def main(argv=None) -> int:
         for which in KERNELS:
             paged = which.startswith("pg")
             if which in ("f8", "q8"):
-                if d not in (64, 128, 256):
+                from tpattn.attention import fp8, triton_fp8
+                if d not in fp8.KERNEL_HEAD_DIMS:
                     continue
-                from tpattn.attention import triton_fp8
                 cfgs = triton_fp8.TUNE[d] if which == "f8" else [(triton_fp8.QUANT_SUB, triton_fp8.QUANT_BJ, 4, 1)]
             else:
                 cfgs = [triton_paged.config(d)] if paged else K.tune_set(which, K.block_d(d))

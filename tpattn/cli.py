@@ -415,13 +415,13 @@ def _run_decode(cfg: Config, proc, device, infos, argv, layer, w, loaded) -> int
 
 def _backend(cfg: Config):
     """The layer's attention backend: --kernel's, or with --dtype fp8 the FP8 arithmetic."""
-    if cfg.dtype == FP8 and cfg.kernel == "triton":
+    if cfg.dtype != FP8:
+        return cfg.kernel
+    if cfg.kernel == "triton":
         from .attention.triton_fp8 import Fp8TritonBackend
         return Fp8TritonBackend()
-    if cfg.dtype == FP8:
-        from .attention.fp8 import Fp8Backend
-        return Fp8Backend()
-    return cfg.kernel
+    from .attention.fp8 import Fp8Backend
+    return Fp8Backend()
 
 
 def _checks(cfg: Config, proc, layer, w, x, y, device, loaded) -> dict:

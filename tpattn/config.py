@@ -189,12 +189,13 @@ def check_fp8(cfg: Config) -> None:
         raise FlagError(f"--dtype fp8 runs the FP8 arithmetic in torch (--kernel reference) or in Triton's FP8 kernel "
                         f"(--kernel triton); --kernel {cfg.kernel} has no FP8 kernel: use one of those")
     if cfg.kernel == "triton":
+        from .attention import fp8
         from .attention.triton_fused import interpreting
-        fits = cfg.device == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+        fits = cfg.device == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability() >= fp8.CC
         if not (fits or (interpreting() and cfg.device == "cpu")):
             raise FlagError("--dtype fp8 --kernel triton needs FP8 tensor cores (a GPU of compute capability 8.9 or "
                             "later, --device cuda); use --kernel reference (torch math) here")
-        if cfg.head_dim not in (64, 128, 256):
+        if cfg.head_dim not in fp8.KERNEL_HEAD_DIMS:
             raise FlagError(f"--dtype fp8 --kernel triton takes --head-dim 64, 128 or 256 (got {cfg.head_dim}); "
                             "use one of those, or --kernel reference")
     for flag, on, why in (("--backward", cfg.backward, "FP8 attention is forward only (as FlashAttention-3's): "

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import custom_ops
+from .attention import custom_ops, fp8
 from .errors import ConfigError, cupy_available
 
 DEC_SOURCE = "decode_attention.cu"
@@ -154,7 +154,7 @@ def decode_kernel_fits(q: torch.Tensor) -> bool:
 
 
 FP8_PAGE_HEAD_DIMS = tuple(sorted(DEC_HEAD_DIMS + DEC_SPLIT_HEAD_DIMS))  # an FP8 pool's kernels (dec_append_pg8, _pg8)
-FP8_CC = (8, 9)                     # e4m3 conversions in hardware (cvt ... e4m3x2)
+FP8_CC = fp8.CC                     # e4m3 conversions in hardware (cvt ... e4m3x2)
 
 
 def fp8_pages_fit(q: torch.Tensor) -> bool:

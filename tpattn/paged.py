@@ -327,8 +327,8 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
     QKV of the R rows, rotary positions from each row's position, K and V written into the pool's
     pages, each sequence's rows attending causally over its own positions, the output projection
     and the plan's collective of R x D values. Returns y of x's shape."""
-    from .decode import (FP8_CC, append_paged_kernel, apply_rope, attend, decode_kernel_fits, fp8_pages_fit,
-                         fused_prefix_fits, paged_decode_attention, prefix_attention, rope_tables)
+    from .decode import (append_paged_kernel, apply_rope, attend, decode_kernel_fits, fp8_pages_fit, fused_prefix_fits,
+                         paged_decode_attention, prefix_attention, rope_tables)
     from .ops import mm
     from .outputsum import OutputSum
     from .timing import section
@@ -389,8 +389,7 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
         total.add_rows(0, R, o.view(R, h * d))
         return total.result().view(B, N, D)
     o = torch.empty(R, h, d, dtype=layer.dtype, device=x.device)
-    if triton_prefill_fits(layer, q, len(step.slots)) and (  # every sequence in one launch, K/V read in place
-            not scales or not q.is_cuda or torch.cuda.get_device_capability(q.device) >= FP8_CC):  # (e4m3: 8.9+)
+    if triton_prefill_fits(layer, q, len(step.slots), scales is not None):  # every sequence in one launch, K/V in place
         from .attention.triton_paged import paged_prefill
         table, cu, starts = step.prefill_tables()
         with section("attention"):

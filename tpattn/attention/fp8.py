@@ -50,6 +50,8 @@ from .ring import _scores
 E4M3_MAX = 448.0
 SCALINGS = ("tensor", "head", "block")
 BLOCK_ROWS = 128  # the rows of a scale block: the FP8 kernel's query and key tiles
+CC = (8, 9)  # FP8 in hardware (e4m3 conversions, FP8 tensor cores): compute capability 8.9 or later
+KERNEL_HEAD_DIMS = (64, 128, 256)  # the Triton FP8 forward's (triton_fp8.py: a power-of-two tile, >= 16)
 # the layer's FP8 attention (Fp8Backend): the accuracy table's most accurate row with outliers (8.9e-3 where
 # per-tensor scales give 1.5e-2), within 1 % of the best on N(0, 1)
 SCALING, ROTATE = "block", True

@@ -252,7 +252,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     g = k.shape[1]
     if h % g:
         raise ValueError(f"{h} query heads do not divide into {g} K/V heads")
-    if d not in (64, 128, 256):
+    if d not in fp8.KERNEL_HEAD_DIMS:
         raise ValueError(f"the FP8 kernel takes head dims 64, 128 and 256 (got {d})")
     out_dtype = out_dtype or (q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float16)
     q8, k8, vt8, sq, sk, sv = prepare(q, k, v, scaling, rotate)

@@ -65,13 +65,16 @@ def unsupported_head_dim(d: int) -> str | None:
             f"--head-dim {' or '.join(map(str, near))}, or --kernel naive")
 
 
-def paged_prefill_fits(layer, q: torch.Tensor, seqs: int) -> bool:
+def paged_prefill_fits(layer, q: torch.Tensor, seqs: int, fp8_pages: bool = False) -> bool:
     """Whether a prefill over rows q [R, h, d] of `seqs` sequences runs the Triton paged prefill
     (triton_paged.py): the layer's backend is triton, on a GPU (or Triton's interpreter), fp16/bf16,
-    a head dim the kernels take, at most 65535 (sequence, head) pairs (the grid's y). Beside the
-    backend, below tpattn/paged.py and tpattn/decode.py, which both ask."""
+    a head dim the kernels take, at most 65535 (sequence, head) pairs (the grid's y); over an FP8
+    pool's pages (fp8_pages), a GPU of compute capability 8.9 or later. Beside the backend, below
+    tpattn/paged.py and tpattn/decode.py, which both ask."""
+    from .fp8 import CC
     return (layer.backend.name == "triton" and q.dtype in _DTYPES and (q.is_cuda or interpreting())
             and unsupported_head_dim(q.shape[-1]) is None and seqs * q.shape[1] <= GRID_YZ_MAX
+            and (not fp8_pages or not q.is_cuda or torch.cuda.get_device_capability(q.device) >= CC)
             and triton_available())
 
 
