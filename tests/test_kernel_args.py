@@ -196,6 +196,44 @@ def test_fused_ws_launch(launches, monkeypatch, causal, h, g):
     assert (args[11], args[12]) == (h, h // g)
 
 
+@pytest.mark.parametrize("kernel", ["ws", "red"])
+def test_five_product_backward_and_the_rings_dq_sum_launches(launches, monkeypatch, kernel):
+    """The five-product backward (hbwd_pre, hbwd5w_kv or hbwd5_kv, hbwd_dq_out) reads its own rows' L and
+    Dl (ldn = N, qoff = 0); the ring's sum over pieces runs hbwd_pre once, each piece's kernel at its
+    (ldn, qoff) into the one dQ sum, and hbwd_dq_out once."""
+    monkeypatch.setattr(fused, "_device_info", lambda dev: (40, (9, 0)))
+    monkeypatch.setenv("TPATTN_FUSED_BWD5", kernel)
+    monkeypatch.setattr(fused, "_prepared_bwd", {})
+    b, h, g, n, d = 1, 4, 2, 256, 64
+    q, k, v = qkv(b, h, g, n, d)
+    o, do = torch.randn(b, h, n, d).half(), torch.randn(b, h, n, d).half()
+    lse = torch.zeros(b, h, n)
+    be = fused.FusedBackend()
+    be.backward(q, k, v, o, lse, do, True)
+    kv = "hbwd5w_kv_f16_d64" if kernel == "ws" else "hbwd5_kv_f16_d64"
+    assert [c[1] for c in launches] == ["hbwd_pre_f16_d64", kv, "hbwd_dq_out_f16_d64"]
+    for c in launches:
+        check_launch(*c)
+    assert tuple(int(x) for x in launches[1][4][-2:]) == (n, 0)
+    assert int(launches[1][4][8]) == int(launches[0][4][3])  # (both kernels: q, k, v, do, L, Dl, dk, dv, dqa, ...)
+    launches.clear()
+    sums = be.dq_sum(q, o, lse, do)
+    m = n // 2
+    dk, dv = be.backward_summing(q[:, :, m:], k[:, :, :m], v[:, :, :m], do[:, :, m:], False, sums, n, m)
+    be.backward_summing(q.reshape(b, 2 * h, m, d), k[:, :, :m], v[:, :, :m], do.reshape(b, 2 * h, m, d), False, sums, m, 0)
+    dq = be.dq_of_sum(sums)
+    assert [c[1] for c in launches] == ["hbwd_pre_f16_d64", kv, kv, "hbwd_dq_out_f16_d64"]
+    for c in launches:
+        check_launch(*c)
+    assert tuple(int(x) for x in launches[1][4][-2:]) == (n, m) and tuple(int(x) for x in launches[2][4][-2:]) == (m, 0)
+    assert {int(c[4][8]) for c in launches[1:3]} == {sums.dqa.data_ptr()} == {int(launches[0][4][3]), int(launches[3][4][0])}
+    assert {int(c[4][4]) for c in launches[1:3]} == {sums.lse.data_ptr()}  # L, Dl: the sum's, not copies
+    assert {int(c[4][5]) for c in launches[1:3]} == {sums.dl.data_ptr()} == {int(launches[0][4][2])}
+    assert dk.shape == dv.shape == (b, g, m, d) and dq.shape == q.shape and dq.dtype == q.dtype
+    with pytest.raises(ValueError, match="not tile-aligned"):
+        be.backward_summing(q[:, :, 32:], k[:, :, 32:], v[:, :, 32:], do[:, :, 32:], False, sums, n, 32)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_fused_ws3_launch_over_a_row_range(launches, monkeypatch, causal):
     """fusedw3 (d = 64, N = 4096): 512 threads, Q's tensor map in boxes of 192 rows, and the query rows

@@ -307,11 +307,7 @@ class FusedBackend(CudaBackend):
                        (256, 1, 1), (ptr(o), ptr(do), ptr(dl), ptr(dqa), np.int64(rows), np.int64(dqa.numel() // 4),
                                      np.int32(h), np.int32(n), *_strides3(o), *_strides3(do)))
             with section("bwd_kv"):
-                if ws:
-                    _bwd5_ws(q, k, v, do, lse, dl, dk, dv, dqa, kv_args[8:], suf)
-                else:
-                    launch(HOPPER_BWD_SOURCE, f"hbwd5_kv_{suf}_d{d}", dev, (_cdiv(n, 128), min(b * g, GRID_YZ_MAX), 1),
-                           (256, 1, 1), (*kv_args[:8], ptr(dqa), *kv_args[8:]), shared_mem=bwd5_shared_mem(d))
+                _bwd5_kv(ws, q, k, v, do, lse, dl, dk, dv, dqa, kv_args, suf, (n, 0))
             with section("bwd_dq"):
                 tiles = b * h * _cdiv(n, 64) * (d // 64)
                 launch(HOPPER_BWD_SOURCE, f"hbwd_dq_out_{suf}_d{d}", dev, (min(tiles, GRID_X_MAX), 1, 1), (256, 1, 1),
@@ -341,6 +337,104 @@ class FusedBackend(CudaBackend):
         return write_into(out, (dq, dk, dv))
 
 
+    # ---- one dQ summed over several calls (the ring's pieces of one rank's query rows) ----------------
+
+    def dq_sum(self, q, o, lse, do, deterministic: bool = False) -> "DqSum | None":
+        """The five-product backward's state for several calls that add into the dQ of one set of query
+        rows (q, o, do [B, h, n, d], lse fp32 [B, h, n]): Dl = rowsum(dO o O) of every row and the fp32
+        dQ sum zeroed, in one hbwd_pre; each backward_summing call's kernel then adds its dS K into the
+        sum, and dq_of_sum turns it into dQ once. None where the five products do not run
+        (deterministic, another compute capability or head dim, no rows): the caller adds each call's dQ."""
+        b, h, n, d = q.shape
+        if (deterministic or d not in HEAD_DIMS or q.dtype not in (torch.float16, torch.bfloat16)
+                or b * h * n == 0 or bwd_kernels(_device_info(q.device)[1]) != "wgmma"):
+            return None
+        suf = self.kernel_suffix(q)
+        o, do = (t if _rows_aligned(t) else t.contiguous() for t in (o, do))
+        dl = torch.empty(b, h, n, dtype=torch.float32, device=q.device)
+        dqa = torch.empty(b * h * _cdiv(n, 64) * 64 * d, dtype=torch.float32, device=q.device)
+        rows = b * h * n
+        with section("bwd_pre"):
+            launch(HOPPER_BWD_SOURCE, f"hbwd_pre_{suf}_d{d}", q.device, (min(_cdiv(rows, 8), GRID_X_MAX), 1, 1),
+                   (256, 1, 1), (ptr(o), ptr(do), ptr(dl), ptr(dqa), np.int64(rows), np.int64(dqa.numel() // 4),
+                                 np.int32(h), np.int32(n), *_strides3(o), *_strides3(do)))
+        return DqSum(lse.to(torch.float32).contiguous(), dl, dqa, tuple(q.shape), q.dtype)
+
+    def backward_summing(self, q, k, v, do, causal: bool, sums: "DqSum", ldn: int, qoff: int):
+        """(dk, dv) of one call over some of dq_sum's rows, its dQ added into sums (the five-product
+        kernel without hbwd_pre and hbwd_dq_out). q, do [B, h', N, d] are rows of the sum's: call head i's
+        row r is the sum's row (i ldn + qoff + r) of its flat [B h n] rows, which is where its L and Dl
+        are read: ldn = N with h' = h n / N (the sum's rows seen as more heads; N a multiple of 64 when
+        h' > h), or ldn = n and qoff a multiple of 64 (a range of each head's rows, ending on a tile or at
+        n). Anything else is refused (its dQ tiles would land on other rows')."""
+        b, h, n, d = q.shape
+        bad = summing_refusal(sums.shape, q.shape, ldn, qoff)
+        if bad:
+            raise ValueError(bad)
+        suf = self.kernel_suffix(q)
+        group = kv_group(q, k, v)
+        g = k.shape[1]
+        strided = not all(t.is_contiguous() for t in (q, k, v, do))
+        ws = bwd5_kernel(d, strided) == "ws"
+        if ws:
+            q, k, v, do = (t if _rows_aligned(t) else t.clone(memory_format=torch.contiguous_format)
+                           for t in (q, k, v, do))
+        else:
+            q, k, v, do = (t if _rows_aligned(t) else t.clone() for t in (t.contiguous() for t in (q, k, v, do)))
+        dk, dv = torch.empty_like(k, memory_format=torch.contiguous_format), torch.empty_like(
+            v, memory_format=torch.contiguous_format)
+        kv_args = (ptr(q), ptr(k), ptr(v), ptr(do), ptr(sums.lse), ptr(sums.dl), ptr(dk), ptr(dv), np.int32(b * g),
+                   np.int32(g), np.int32(group), np.int32(n), np.float32(1.0 / math.sqrt(d)), np.int32(causal))
+        with section("bwd_kv"):
+            _bwd5_kv(ws, q, k, v, do, sums.lse, sums.dl, dk, dv, sums.dqa, kv_args, suf, (ldn, qoff))
+        return dk, dv
+
+    def dq_of_sum(self, sums: "DqSum") -> torch.Tensor:
+        """dQ [B, h, n, d] (the rows' dtype) from dq_sum's fp32 sum, rounded once (hbwd_dq_out)."""
+        b, h, n, d = sums.shape
+        dq = torch.empty(sums.shape, dtype=sums.dtype, device=sums.dqa.device)
+        suf = "bf16" if sums.dtype == torch.bfloat16 else "f16"
+        tiles = b * h * _cdiv(n, 64) * (d // 64)
+        with section("bwd_dq"):
+            launch(HOPPER_BWD_SOURCE, f"hbwd_dq_out_{suf}_d{d}", dq.device, (min(tiles, GRID_X_MAX), 1, 1), (256, 1, 1),
+                   (ptr(sums.dqa), ptr(dq), np.int32(n), np.int64(tiles), np.int32(h), *_strides3(dq)))
+        return dq
+
+
+class DqSum(NamedTuple):
+    """FusedBackend.dq_sum's state: the rows' L and Dl (fp32 [B, h, n]) and the fp32 dQ sum in the
+    kernels' layout (tests/backward_check.py: dq_from_sum), for rows of shape (B, h, n, d) and dtype."""
+    lse: torch.Tensor
+    dl: torch.Tensor
+    dqa: torch.Tensor
+    shape: tuple
+    dtype: torch.dtype
+
+
+def summing_refusal(rows_shape, q_shape, ldn: int, qoff: int) -> str | None:
+    """Why a backward_summing call of q_shape [B, h', N, d] at (ldn, qoff) cannot add into a sum of
+    rows_shape [B, h, n, d] (its rows or dQ tiles would not be its own), or None."""
+    b, h, n = q_shape[:3]
+    B, H, rows_n = rows_shape[:3]
+    if (qoff % 64 or (ldn % 64 and ldn != rows_n) or (n % 64 and qoff + n != ldn) or qoff + n > ldn
+            or b * h * ldn != B * H * rows_n):
+        return (f"backward_summing: rows [{qoff}, {qoff + n}) of {ldn} a head (q {tuple(q_shape)}) are not "
+                f"tile-aligned rows of the sum's {tuple(rows_shape)}")
+    return None
+
+
+def _bwd5_kv(ws: bool, q, k, v, do, lse, dl, dk, dv, dqa, kv_args, suf: str, rows: tuple[int, int]) -> None:
+    """The five-product dK/dV kernel (hbwd5w_kv when ws, else hbwd5_kv) adding dS K into dqa; rows:
+    (ldn, qoff), where L, Dl and dqa hold each head's rows (kernels/fused_hopper_backward.cu's hb_kv)."""
+    b, g, n, d = k.shape
+    extra = (np.int32(rows[0]), np.int32(rows[1]))
+    if ws:
+        _bwd5_ws(q, k, v, do, lse, dl, dk, dv, dqa, kv_args[8:], suf, extra)
+    else:
+        launch(HOPPER_BWD_SOURCE, f"hbwd5_kv_{suf}_d{d}", q.device, (_cdiv(n, 128), min(b * g, GRID_YZ_MAX), 1),
+               (256, 1, 1), (*kv_args[:8], ptr(dqa), *kv_args[8:], *extra), shared_mem=bwd5_shared_mem(d))
+
+
 def _strides3(t: torch.Tensor) -> tuple:
     """The batch, head and row strides of a [B, H, N, D] tensor (elements), as the kernels' long longs."""
     return tuple(np.int64(x) for x in t.stride()[:3])
@@ -349,19 +443,20 @@ def _strides3(t: torch.Tensor) -> tuple:
 _prepared_bwd: dict[tuple, Prepared] = {}  # hbwd5w launches, packed once per (tensors, shape)
 
 
-def _bwd5_ws(q, k, v, do, lse, dl, dk, dv, dqa, tail, suf: str) -> None:
+def _bwd5_ws(q, k, v, do, lse, dl, dk, dv, dqa, tail, suf: str, rows: tuple) -> None:
     """hbwd5w_kv: the five-product kernel split by role (a loader warp bringing K, V, Q and dO in by TMA,
     an adder warp sending each step's dQ tile to the fp32 sum in one bulk reduce-add, two consumer
-    warpgroups computing), a block per 128 keys of a K/V head; launched through tensor maps."""
+    warpgroups computing), a block per 128 keys of a K/V head; launched through tensor maps. rows: the
+    kernel's (ldn, qoff) (see _bwd5_kv)."""
     b, g, n, d = k.shape
     key = (suf, d, q.device.index, tuple(q.shape), tuple(k.shape), *((t.data_ptr(), t.stride()) for t in (q, k, v, do)),
-           *(t.data_ptr() for t in (lse, dl, dk, dv, dqa)), dk.stride(), *(float(x) for x in tail))
+           *(t.data_ptr() for t in (lse, dl, dk, dv, dqa)), dk.stride(), *(float(x) for x in tail), *map(int, rows))
     prep = _prepared_bwd.get(key)
     if prep is None:
         grid = (_cdiv(n, 128), min(b * g, GRID_YZ_MAX), 1)
         prep = Prepared(HOPPER_BWD_SOURCE, f"hbwd5w_kv_{suf}_d{d}", q.device, grid, (384, 1, 1),
                         (TensorMap(q, box=(64, 64)), TensorMap(k), TensorMap(v), TensorMap(do, box=(64, 64)),
-                         ptr(lse), ptr(dl), ptr(dk), ptr(dv), ptr(dqa), *tail, *_strides3(dk)),
+                         ptr(lse), ptr(dl), ptr(dk), ptr(dv), ptr(dqa), *tail, *_strides3(dk), *rows),
                         shared_mem=bwd5w_shared_mem(d))
         if len(_prepared_bwd) >= 64:
             _prepared_bwd.clear()
