@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 
 from . import convert
 from .attention import get_backend

@@ -168,7 +168,7 @@ def shape_from(a) -> Shape:
         raise PlanError(f"--context-parallel: the cost model prices the ring's pieces as the fused kernel; add --kernel "
                         f"fused (with --kernel {kernel} the ring runs them as torch math)")
     if getattr(a, "backward", False) and kernel != "fused":
-        raise PlanError(f"--backward: the cost model prices the backward of --kernel fused only; add --kernel fused")
+        raise PlanError("--backward: the cost model prices the backward of --kernel fused only; add --kernel fused")
     if getattr(a, "crossover", False) and s.context_parallel == 1:
         raise PlanError("--crossover compares the ring with head parallelism alone: add --context-parallel C (C > 1)")
     for flag, v in (("--seq-len", s.seq_len), ("--heads", s.heads), ("--head-dim", s.head_dim),
