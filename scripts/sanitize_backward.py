@@ -51,37 +51,36 @@ def main() -> int:
 
 def ring_ranks() -> int:
     """Every rank of a causal ring of 4 (rank rows 256: the kernels' dQ sum) and of a full one, one
-    process: the pieces' backward into each rank's dQ sum, d = 64 (hbwd5_kv for the folded pieces,
-    hbwd5w_kv for the strided ones) and 128."""
+    process: the pieces' backward into each rank's dQ sum, d = 64 and 128, the pieces through
+    hbwd5w_kv (their operands are strided views: the default) and through hbwd5_kv."""
     from tpattn.attention.ring import RowsDq, block_sums, context_rows, merge, piece_forward, pieces, step_backward
-    os.environ["TPATTN_FUSED_BWD5"] = ""
     be = get_backend("fused")
     bad, C, n = 0, 4, 256
-    for d in (64, 128):
-        for causal in (True, False):
-            g = torch.Generator(device="cuda").manual_seed(d)
-            q, do = (torch.randn(1, 4, C * n, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
-            k, v = (torch.randn(1, 2, C * n, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
-            rows = [context_rows(C * n, C, r).to("cuda") for r in range(C)]
-            blocks = [(k[:, :, r].contiguous(), v[:, :, r].contiguous()) for r in rows]
-            for c in range(C):
-                qc, doc = q[:, :, rows[c]].contiguous(), do[:, :, rows[c]].contiguous()
-                o = torch.zeros(1, 4, n, d, device="cuda")
-                lse = torch.full((1, 4, n), float("-inf"), device="cuda")
-                for j in range(C):
-                    for q0, q1, k0, k1, diag in pieces(c, j, n, causal):
-                        merge(o[:, :, q0:q1], lse[:, :, q0:q1], *piece_forward(
-                            be, qc[:, :, q0:q1], blocks[j][0][:, :, k0:k1], blocks[j][1][:, :, k0:k1], diag))
-                out = o.half()
-                acc = RowsDq(be, qc, out, lse, doc, causal, False)
-                grads = [block_sums(step_backward(be, qc, *blocks[j], out, lse, doc, c, j, causal, False, acc),
-                                    blocks[j][0]) for j in range(C)]
-                dq = acc.result()
-                ok = acc.sums is not None and bool(torch.isfinite(dq).all().item()) and all(
-                    torch.isfinite(t).all().item() for pair in grads for t in pair)
-                bad += not ok
-                print(f"ring C={C} rank {c} d={d} causal={causal} (dQ summed by the kernels): "
-                      f"{'ok' if ok else 'NOT FINITE or not summed'}")
+    for d, causal, five in ((64, True, ""), (128, True, ""), (64, False, ""), (64, True, "red"), (128, True, "red")):
+        os.environ["TPATTN_FUSED_BWD5"] = five
+        g = torch.Generator(device="cuda").manual_seed(d)
+        q, do = (torch.randn(1, 4, C * n, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
+        k, v = (torch.randn(1, 2, C * n, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
+        rows = [context_rows(C * n, C, r).to("cuda") for r in range(C)]
+        blocks = [(k[:, :, r].contiguous(), v[:, :, r].contiguous()) for r in rows]
+        for c in range(C):
+            qc, doc = q[:, :, rows[c]].contiguous(), do[:, :, rows[c]].contiguous()
+            o = torch.zeros(1, 4, n, d, device="cuda")
+            lse = torch.full((1, 4, n), float("-inf"), device="cuda")
+            for j in range(C):
+                for q0, q1, k0, k1, diag in pieces(c, j, n, causal):
+                    merge(o[:, :, q0:q1], lse[:, :, q0:q1], *piece_forward(
+                        be, qc[:, :, q0:q1], blocks[j][0][:, :, k0:k1], blocks[j][1][:, :, k0:k1], diag))
+            out = o.half()
+            acc = RowsDq(be, qc, out, lse, doc, causal, False)
+            grads = [block_sums(step_backward(be, qc, *blocks[j], out, lse, doc, c, j, causal, False, acc),
+                                blocks[j][0]) for j in range(C)]
+            dq = acc.result()
+            ok = acc.sums is not None and bool(torch.isfinite(dq).all().item()) and all(
+                torch.isfinite(t).all().item() for pair in grads for t in pair)
+            bad += not ok
+            print(f"ring C={C} rank {c} d={d} causal={causal} {five or 'ws'} (dQ summed by the kernels): "
+                  f"{'ok' if ok else 'NOT FINITE or not summed'}")
     return bad
 
 

@@ -219,6 +219,13 @@ def test_rows_not_on_the_kernels_tiles_add_each_pieces_dq_instead():
     with pytest.raises(ValueError, match="not tile-aligned"):  # rows 48.. of 96: inside a tile
         backend.backward_summing(q[:, :, 48:96].detach(), k[:, :, :48].detach(), v[:, :, :48].detach(),
                                  do[:, :, 48:96], False, sums, 96, 48)
+    # 2 heads of 96 rows seen as 3 of 64: the sum pads each head to 2 tiles, so call head 1's rows would
+    # straddle head 0's pad and head 1's first tile
+    sums = backend.dq_sum(q[:, :, :96].detach(), q[:, :, :96].detach(), torch.zeros(B, h, 96, dtype=torch.float64),
+                          q[:, :, :96].detach())
+    with pytest.raises(ValueError, match="not tile-aligned"):
+        backend.backward_summing(q[:, :, :96].detach().reshape(B, 3, 64, d), k[:, :, :64].detach(), v[:, :, :64].detach(),
+                                 do[:, :, :96].reshape(B, 3, 64, d), False, sums, 64, 0)
 
 
 def test_a_piece_of_more_query_rows_than_keys_is_seen_as_more_heads():

@@ -350,7 +350,7 @@ class FusedBackend(CudaBackend):
                 or b * h * n == 0 or bwd_kernels(_device_info(q.device)[1]) != "wgmma"):
             return None
         suf = self.kernel_suffix(q)
-        o, do = (t if _rows_aligned(t) else t.contiguous() for t in (o, do))
+        o, do = (t if _rows_aligned(t) else t.clone(memory_format=torch.contiguous_format) for t in (o, do))
         dl = torch.empty(b, h, n, dtype=torch.float32, device=q.device)
         dqa = torch.empty(b * h * _cdiv(n, 64) * 64 * d, dtype=torch.float32, device=q.device)
         rows = b * h * n
@@ -364,13 +364,16 @@ class FusedBackend(CudaBackend):
         """(dk, dv) of one call over some of dq_sum's rows, its dQ added into sums (the five-product
         kernel without hbwd_pre and hbwd_dq_out). q, do [B, h', N, d] are rows of the sum's: call head i's
         row r is the sum's row (i ldn + qoff + r) of its flat [B h n] rows, which is where its L and Dl
-        are read: ldn = N with h' = h n / N (the sum's rows seen as more heads; N a multiple of 64 when
-        h' > h), or ldn = n and qoff a multiple of 64 (a range of each head's rows, ending on a tile or at
+        are read: ldn = N with h' = h n / N (the sum's rows seen as more heads; N and n multiples of 64
+        when h' > h), or ldn = n and qoff a multiple of 64 (a range of each head's rows, ending on a tile or at
         n). Anything else is refused (its dQ tiles would land on other rows')."""
         b, h, n, d = q.shape
         bad = summing_refusal(sums.shape, q.shape, ldn, qoff)
         if bad:
             raise ValueError(bad)
+        if not (q.dtype == k.dtype == v.dtype == do.dtype == sums.dtype) or d != sums.shape[3]:
+            raise ValueError(f"backward_summing: q, k, v and do must have the sum's dtype {sums.dtype} and head dim "
+                             f"{sums.shape[3]} (got {q.dtype}, {k.dtype}, {v.dtype}, {do.dtype}, d={d})")
         suf = self.kernel_suffix(q)
         group = kv_group(q, k, v)
         g = k.shape[1]
@@ -416,7 +419,7 @@ def summing_refusal(rows_shape, q_shape, ldn: int, qoff: int) -> str | None:
     rows_shape [B, h, n, d] (its rows or dQ tiles would not be its own), or None."""
     b, h, n = q_shape[:3]
     B, H, rows_n = rows_shape[:3]
-    if (qoff % 64 or (ldn % 64 and ldn != rows_n) or (n % 64 and qoff + n != ldn) or qoff + n > ldn
+    if (qoff % 64 or (ldn != rows_n and (ldn % 64 or rows_n % 64)) or (n % 64 and qoff + n != ldn) or qoff + n > ldn
             or b * h * ldn != B * H * rows_n):
         return (f"backward_summing: rows [{qoff}, {qoff + n}) of {ldn} a head (q {tuple(q_shape)}) are not "
                 f"tile-aligned rows of the sum's {tuple(rows_shape)}")
