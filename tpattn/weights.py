@@ -65,8 +65,9 @@ def load_inputs(path: str, heads: int, head_dim: int, batch: int, seq_len: int, 
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same one-line answer
-        raise FlagError(f"--load {path}: cannot read it ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); "
-                          "give a file written by torch.save({'wq': ..., ...})") from None
+        why = (str(exc).splitlines() or [""])[0][:120]
+        raise FlagError(f"--load {path}: cannot read it ({type(exc).__name__}{': ' + why if why else ''}); "
+                        "give a file written by torch.save({'wq': ..., ...})") from None
     if not isinstance(obj, dict):
         raise FlagError(f"--load {path}: expected a dict of tensors, found {type(obj).__name__}")
     D = heads * head_dim
