@@ -46,7 +46,7 @@ def check_full(w: dict, heads) -> tuple[int, int]:
     for name, t in w.items():
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor or None (got {type(t).__name__})")
-    wq, wk, wv = w["wq"], w["wk"], w["wv"]
+    wq, wk = w["wq"], w["wk"]
     for name in ("wq", "wk", "wv", "wo"):
         if w[name] is None or w[name].dim() != 2:
             got = "None" if w[name] is None else f"shape {tuple(w[name].shape)}"
