@@ -142,10 +142,35 @@ class TensorParallelAttention(LayerPlan, LayerModule):
         self.biases = torch.nn.ParameterDict({n: param(b) for n, b in (("bq", bq), ("bk", bk), ("bv", bv))
                                               if b is not None and not all(present)})
         self.wo, self.bo = param(wo), param(bo)
+        self._agree_build(world * self.context_parallel)
         self.comm, self.ring = make_comms(self.group, self.shard, self.context_parallel)
         self.peers = PeerLinks(self.comm, output_collective)
         self._plans: dict[tuple, CommPlan] = {}
         self._built = True
+
+    def _agree_build(self, world: int) -> None:
+        """Every rank of the group built the same layer (its heads, shape, dtype, styles and biases), or
+        the same one line on every rank: a layer built differently on one rank would run other
+        collectives than the rest (a hang) or sum mismatched partials (a wrong output, silently). One
+        host gather at construction, before the layer's process groups are made."""
+        if self.group is None or world == 1:
+            return
+        from .comm import gather_objects
+        mine = {"heads": self.heads, "head_dim": self.head_dim, "kv_heads": self.kv_heads, "model_dim": self.model_dim,
+                "dtype": str(self.dtype).replace("torch.", ""), "device": self.wqkv.device.type,
+                "backend": self.backend.name, "causal": self.causal, "reduce_dtype": self.reduce_dtype,
+                "sequence_parallel": self.sequence_parallel, "overlap": self.overlap,
+                "output_collective": self.output_collective, "uneven_heads": self.uneven_heads,
+                "rope_theta": self.rope_theta, "rope_interleaved": self.rope_interleaved,
+                "deterministic": self.deterministic, "context_parallel": self.context_parallel,
+                "biases": tuple(n for n in ("bq", "bk", "bv", "bo") if convert.local_slices(self)[n] is not None)}
+        said = gather_objects(mine, self.group)
+        for r, theirs in enumerate(said):
+            diff = [k for k in mine if theirs[k] != said[0][k]]
+            if diff:
+                shown = "; ".join(f"{k}: rank 0 has {said[0][k]!r}, rank {r} has {theirs[k]!r}" for k in diff[:3])
+                raise ConfigError(f"the ranks built this layer differently ({shown}); build it alike on every rank "
+                                  "of its group (each rank holds its own heads of the same layer)")
 
     # ---- the shard: what this rank holds ---------------------------------------------------------
 
