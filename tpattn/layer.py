@@ -152,10 +152,10 @@ class TensorParallelAttention(LayerPlan, LayerModule):
         """Every rank of the group built the same layer (its heads, shape, dtype, styles and biases), or
         the same one line on every rank: a layer built differently on one rank would run other
         collectives than the rest (a hang) or sum mismatched partials (a wrong output, silently). One
-        host gather at construction, before the layer's process groups are made."""
+        gather of a digest at construction, before the layer's process groups are made."""
         if self.group is None or world == 1:
             return
-        from .comm import gather_objects
+        from .comm import gather_objects, same_everywhere
         mine = {"heads": self.heads, "head_dim": self.head_dim, "kv_heads": self.kv_heads, "model_dim": self.model_dim,
                 "dtype": str(self.dtype).replace("torch.", ""), "device": self.wqkv.device.type,
                 "backend": self.backend.name, "causal": self.causal, "reduce_dtype": self.reduce_dtype,
@@ -164,7 +164,9 @@ class TensorParallelAttention(LayerPlan, LayerModule):
                 "rope_theta": self.rope_theta, "rope_interleaved": self.rope_interleaved,
                 "deterministic": self.deterministic, "context_parallel": self.context_parallel,
                 "biases": tuple(n for n in ("bq", "bk", "bv", "bo") if convert.local_slices(self)[n] is not None)}
-        said = gather_objects(mine, self.group)
+        if same_everywhere(mine, self.group):
+            return
+        said = gather_objects(mine, self.group)  # (only to say what differs)
         for r, theirs in enumerate(said):
             diff = [k for k in mine if theirs[k] != said[0][k]]
             if diff:

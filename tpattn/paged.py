@@ -182,9 +182,9 @@ class PagedKV:
         """Every rank makes the same call (block tables and lengths must be the same on every rank);
         one line on every rank if not."""
         comm = self.layers[0].comm
-        if comm.world == 1 or comm.group is None:
+        if comm.world == 1 or comm.group is None or comm.same_everywhere((what, args), "pagedagree"):
             return
-        said = comm.all_gather_object((what, args), "pagedagree")
+        said = comm.all_gather_object((what, args), "pagedagree")  # (only to say what differs)
         if len(set(map(repr, said))) > 1:
             shown = "; ".join(f"rank {r}: {w}{a}" for r, (w, a) in enumerate(said[:4]))
             raise ConfigError(f"the ranks' paged-cache calls differ ({shown}); every rank must add, step and "
