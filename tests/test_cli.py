@@ -1,6 +1,7 @@
 """The CLI end to end on CPU: --help, a small run and its JSON, and every refused input."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -108,6 +109,18 @@ def test_load_of_an_empty_file_is_one_line(tmp_path):
     (tmp_path / "empty.pt").write_bytes(b"")
     line = one_error_line(tpattn(SMALL + ["--load", str(tmp_path / "empty.pt")]))
     assert "cannot read it (EOFError); give a file written by torch.save" in line
+
+
+@pytest.mark.parametrize("kind", ["complex", "sparse"])
+def test_load_of_tensors_that_are_not_dense_and_real_is_one_line(tmp_path, kind):
+    """(A complex wq ran with its imaginary part dropped; a sparse one failed inside torch.)"""
+    r = tpattn(SMALL + ["--no-check"])
+    D = int(re.search(r"D=(\d+)", r.stdout).group(1))
+    w = {k: torch.randn(D, D) for k in ("wq", "wk", "wv", "wo")}
+    w["wq"] = torch.randn(D, D, dtype=torch.complex64) if kind == "complex" else w["wq"].to_sparse()
+    torch.save(w, tmp_path / "w.pt")
+    line = one_error_line(tpattn(SMALL + ["--load", str(tmp_path / "w.pt")]))
+    assert "wq is a" in line and "save dense real tensors" in line
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
