@@ -26,6 +26,12 @@ def refused(fn, says: str) -> None:
     bad.append(f"not refused: expected {says!r}")
 
 
+# a layer built differently on one rank: the same line on every rank, not wrong outputs or a hang
+full = [torch.randn(E, E) for _ in range(4)]
+refused(lambda: TensorParallelAttention.from_full(*full, heads=6 if R != 1 else 3),
+        "the ranks built this layer differently (heads: rank 0 has 6, rank 1 has 3; head_dim: rank 0 has 4")
+refused(lambda: TensorParallelAttention.from_full(*full, heads=6, causal=R == 2),
+        "the ranks built this layer differently (causal: rank 0 has False, rank 2 has True)")
 # rows lost without a word: N = 10 over 3 ranks used to give every rank 3 rows and drop row 9
 sp = TensorParallelAttention.from_multihead_attention(mha, sequence_parallel=True)
 refused(lambda: sp.shard_sequence(torch.randn(1, 10, E)),

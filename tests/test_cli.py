@@ -1,6 +1,7 @@
 """The CLI end to end on CPU: --help, a small run and its JSON, and every refused input."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -74,7 +75,13 @@ def test_no_check_is_not_a_pass():
     (["--dist-backend", "mpi"], "invalid choice: 'mpi'"),
     (["--seq-len", "abc"], "invalid int value: 'abc'"),
     (["--iters", "0"], "--iters must be at least 1"),
-    (["--timeout", "0"], "--timeout must be positive"),
+    (["--timeout", "0"], "--timeout must be a finite, positive number of seconds"),
+    (["--timeout", "nan"], "--timeout must be a finite, positive number of seconds"),
+    (["--seq-len", "10000000"], "(S and P alone) but"),  # the CPU run's pre-flight: not the allocator's error
+    (["--seq-len", "99999999999999999999"], "is past 2147483647, the most any kernel here indexes"),
+    (["--timeout", "inf"], "--timeout must be a finite, positive number of seconds"),
+    (["--dtype", "fp8", "--deterministic"], "--dtype fp8 runs the forward only: drop --deterministic"),
+    (["--decode", "2", "--causal", "--profile", "p.json"], "--profile traces one call of the layer's forward"),
     (["--json", "/nonexistent-dir/r.json"], "does not exist"),
     (["--device", "cpu", "--kernel", "naive"], "does not run on cpu"),
     (["--device", "cpu", "--dist-backend", "nccl"], "needs --device cuda"),
@@ -84,6 +91,36 @@ def test_no_check_is_not_a_pass():
 def test_bad_input_is_one_line(args, needle):
     line = one_error_line(tpattn(SMALL + args))
     assert needle in line and line.startswith("tpattn: error:")
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"WORLD_SIZE": "0", "RANK": "0"}, "RANK='0' of WORLD_SIZE='0': the world needs at least one rank"),
+    ({"WORLD_SIZE": "2", "RANK": "5"}, "RANK='5' of WORLD_SIZE='2'"),
+    ({"WORLD_SIZE": "abc", "RANK": "0"}, "WORLD_SIZE='abc' is not an integer"),
+    ({"MASTER_PORT": "abc"}, "MASTER_PORT='abc' is not an integer"),
+    ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a TCP port"),
+])
+def test_a_launchers_bad_environment_is_one_line(env, needle):
+    line = one_error_line(tpattn(SMALL, **env))
+    assert needle in line and line.startswith("tpattn: error:")
+
+
+def test_load_of_an_empty_file_is_one_line(tmp_path):
+    (tmp_path / "empty.pt").write_bytes(b"")
+    line = one_error_line(tpattn(SMALL + ["--load", str(tmp_path / "empty.pt")]))
+    assert "cannot read it (EOFError); give a file written by torch.save" in line
+
+
+@pytest.mark.parametrize("kind", ["complex", "sparse"])
+def test_load_of_tensors_that_are_not_dense_and_real_is_one_line(tmp_path, kind):
+    """(A complex wq ran with its imaginary part dropped; a sparse one failed inside torch.)"""
+    r = tpattn(SMALL + ["--no-check"])
+    D = int(re.search(r"D=(\d+)", r.stdout).group(1))
+    w = {k: torch.randn(D, D) for k in ("wq", "wk", "wv", "wo")}
+    w["wq"] = torch.randn(D, D, dtype=torch.complex64) if kind == "complex" else w["wq"].to_sparse()
+    torch.save(w, tmp_path / "w.pt")
+    line = one_error_line(tpattn(SMALL + ["--load", str(tmp_path / "w.pt")]))
+    assert "wq is a" in line and "save dense real tensors" in line
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

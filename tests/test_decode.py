@@ -66,7 +66,7 @@ def test_decode_refusals():
         with pytest.raises(ConfigError, match="decodes causally"):
             TensorParallelAttention.from_multihead_attention(torch.nn.MultiheadAttention(32, 4, batch_first=True))(
                 torch.randn(2, 1, 32), cache=layer.new_cache(2, 4))
-    with pytest.raises(ValueError, match="rotary positions need a positive theta and an even head dim"):
+    with pytest.raises(ValueError, match="rotary positions need a positive, finite theta and an even head dim"):
         TensorParallelAttention.from_multihead_attention(torch.nn.MultiheadAttention(12, 4, batch_first=True),
                                                          rope_theta=10000.0)
 

@@ -227,7 +227,7 @@ def test_from_full_refuses_mismatched_kv_heads():
     w = head_weights(range(8), 8, 4, seed=0, dtype=torch.float32, device="cpu", kv_heads=range(2))
     with pytest.raises(ValueError, match="kv_heads=4 but wk and wv have 2 heads"):
         TensorParallelAttention.from_full(w["wq"], w["wk"], w["wv"], w["wo"], heads=8, kv_heads=4, group=None)
-    with pytest.raises(ValueError, match="wq needs 8 heads"):
+    with pytest.raises(ValueError, match=r"wk has shape \(32, 6\), expected \[32, G\*4\] for G K/V heads of dim 4"):
         TensorParallelAttention.from_full(w["wq"], w["wk"][:, :6], w["wv"][:, :6], w["wo"], heads=8, group=None)
     with pytest.raises(ValueError, match="expected"):  # the constructor checks this rank's slices
         TensorParallelAttention(w["wq"], w["wk"][:, :4], w["wv"][:, :4], w["wo"], heads=8, kv_heads=2, head_dim=4,

@@ -247,3 +247,61 @@ def test_graphed_training_step_refuses_in_one_line(monkeypatch):
         p.requires_grad_(False)
     with pytest.raises(ValueError, match=r"neither x nor any parameter of the layer requires a gradient"):
         graphs.graphed_train(layer, meta, meta)
+
+
+def _four(E=32):
+    torch.manual_seed(0)
+    return [torch.randn(E, E) for _ in range(4)]
+
+
+@pytest.mark.parametrize("call,kind,says", [
+    (lambda w: TensorParallelAttention.from_full(*w, torch.randn(33), heads=4, group=None), ValueError,
+     r"bq has shape \(33,\), expected \(32,\)"),
+    (lambda w: TensorParallelAttention.from_full(*w[:3], torch.randn(40, 32), heads=4, group=None), ValueError,
+     r"wo has shape \(40, 32\), expected \(32, 32\)"),
+    (lambda w: TensorParallelAttention.from_linears(*(torch.nn.Linear(32, 32) for _ in range(3)), torch.nn.Linear(33, 32),
+                                                    heads=4, group=None), ValueError, r"wo has shape \(33, 32\)"),
+    (lambda w: TensorParallelAttention.from_full(*w, heads=0, group=None), ValueError, "heads must be a positive int"),
+    (lambda w: TensorParallelAttention.from_full(*w, heads=4, group=None, context_parallel=0), ValueError,
+     "context_parallel must be at least 1"),
+    (lambda w: TensorParallelAttention.from_full(*w, heads=4, group=None, backend=None), TypeError,
+     "backend must be a name"),
+    (lambda w: TensorParallelAttention.from_full(*w, heads=4, group=None, head_chunk=-1), ValueError,
+     "head_chunk must be a positive int"),
+    (lambda w: TensorParallelAttention.from_full(*w, heads=4, group=None)(torch.randn(0, 4, 32)), ValueError,
+     "x has no rows"),
+    (lambda w: TensorParallelAttention(*w, heads=-4, head_dim=8, group=None), ValueError, "heads must be a positive int"),
+    (lambda w: TensorParallelAttention.from_multihead_attention(torch.nn.Linear(32, 32), group=None), TypeError,
+     "takes a torch.nn.MultiheadAttention"),
+    (lambda w: TensorParallelAttention.from_full(*w, heads=4, group=None, rope_theta=float("nan")), ValueError,
+     "positive, finite theta"),
+])
+def test_api_misuse_is_one_line_naming_the_argument(call, kind, says):
+    """What the API is given wrongly is refused in one line naming the argument: never cut to fit (a
+    weight too large), nor an error from deep inside."""
+    with pytest.raises(kind, match=says):
+        call(_four())
+
+
+def test_paged_cache_misuse_is_one_line():
+    from tpattn.paged import PagedKV
+    layer = TensorParallelAttention.from_full(*_four(), heads=4, group=None, causal=True)
+    for bad, says in ((None, "PagedKV takes a tpattn TensorParallelAttention layer"),
+                      (torch.nn.Linear(4, 4), "PagedKV takes a tpattn TensorParallelAttention layer")):
+        with pytest.raises(ConfigError, match=says):
+            PagedKV(bad, pages=4)
+    with pytest.raises(ConfigError, match=r"PagedKV pages must be an int \(got 2.5\)"):
+        PagedKV(layer, pages=2.5)
+    pool = PagedKV(torch.nn.ModuleList([layer]), pages=8, page_size=4)  # a ModuleList is a list of layers
+    a = pool.add()
+    with torch.no_grad():
+        with pool.step([a], [3]) as st:
+            with pytest.raises(ConfigError, match=r"pass step.view\(i\)"):
+                layer(torch.randn(1, 3, 32), cache=st)
+            with pytest.raises(TypeError, match="cache must be a KVCache"):
+                layer(torch.randn(1, 3, 32), cache="abc")
+        layer.half()
+        with pool.step([a], [3]) as st:
+            with pytest.raises(ConfigError, match=r"this pool holds float32 pages on cpu, made before the layer became "
+                                                  "float16"):
+                layer(torch.randn(1, 3, 32).half(), cache=st.view(0))

@@ -125,8 +125,20 @@ def test_llama_generate_gives_the_unmodified_models_tokens():
     assert tp.generate(PROMPTS, BUDGET, max_batch=8) == want
     with pytest.raises(ConfigError, match="parallelize takes a transformers LlamaForCausalLM"):
         hf.parallelize(torch.nn.Linear(2, 2))
-    with pytest.raises(ConfigError, match=r"prompt 0 \(6 tokens\) and 9 new tokens need more than the pool's 2 pages of 4; pass a larger pages="):
+    with pytest.raises(ConfigError, match=r"prompt 0 \(6 tokens\) and 9 new tokens need 4 pages of 4 tokens, more than "
+                                          r"the pool's 2; pass generate\(pages=4\) or more"):
         tp.generate(PROMPTS, BUDGET, pages=2, page_size=4)
+    # a pool that holds the longest sequence but not every live one at once: later prompts wait for
+    # pages (none runs out mid-way), and the tokens are the same
+    assert tp.generate(PROMPTS, BUDGET, max_batch=4, pages=5, page_size=4) == want
+    assert tp.generate(torch.tensor([PROMPTS[4]]), BUDGET[4]) == [want[4]]  # a [B, T] tensor of prompts
+    for bad, says in (([[3, 97]], r"prompt 0 holds 97, not a token id of this model \(0 \.\. 96\)"),
+                      ([[-1]], "prompt 0 holds -1"), ([[2.5]], "prompt 0 holds 2.5"), ([], "a list of token-id lists"),
+                      ([[1], []], "at least one prompt of at least one token")):
+        with pytest.raises(ConfigError, match=says):
+            tp.generate(bad, 3)
+    with pytest.raises(ConfigError, match="max_new_tokens a positive int"):
+        tp.generate(PROMPTS, 2.5)
 
 
 @pytest.mark.mpi

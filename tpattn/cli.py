@@ -17,9 +17,10 @@ from . import dist as tpdist
 from . import faults, watch
 from .attention import backend_names
 from .check import TOL_BASELINE, TOL_FLOAT64, TOL_FP8_RMS, compare, grads_float64, layer_float64, sample_rows
-from .config import DEVICES, DIST_BACKENDS, DTYPES, FP8, OUTPUT_COLLECTIVES, REDUCE_DTYPES, Config, ConfigError, resolve, validate
+from .config import (DEVICES, DIST_BACKENDS, DTYPES, FP8, OUTPUT_COLLECTIVES, REDUCE_DTYPES, Config, ConfigError,
+                     check_writable, profile_path, resolve, validate)
 from .layer import WORLD, TensorParallelAttention
-from .memory import heads_world, preflight
+from .memory import heads_world, host_available, preflight
 from .report import COLLECTIVES, build, text
 from .sharding import head_range, heads_by_rank, kv_head_range
 from .timing import Timer, recording, summarize
@@ -69,8 +70,10 @@ def parser() -> argparse.ArgumentParser:
                    "--kernel triton the Triton FP8 kernel on compute capability 8.9+; forward only), weights and projections in fp16; --check adds its error against the fp16 layer")
     k.add_argument("--kernel", choices=backend_names(), help="local attention backend: naive (the seed's three "
                    "CUDA kernels via CuPy), reference (torch, same passes and rounding, CPU or GPU), tiled (three "
-                   "passes on tensor cores, wgmma on compute capability 9.0) or fused (one online-softmax kernel, S and P never stored; on compute capability 9.0 "
-                   "warp-specialized: TMA loads, wgmma, a persistent grid; head dim 64 or 128); default naive on a GPU with CuPy, else reference")
+                   "passes on tensor cores, wgmma on compute capability 9.0), fused (one online-softmax kernel, S and P never "
+                   "stored; on compute capability 9.0 warp-specialized: TMA loads, wgmma, a persistent grid; head dim 64 "
+                   "or 128) or triton (the fused algorithm in Triton, every head dim that is a multiple of 8 up to 256; "
+                   "needs triton on a GPU); default naive on a GPU with CuPy, else reference")
     k.add_argument("--device", default="auto", choices=list(DEVICES), help="auto picks cuda when a GPU (and CuPy "
                    "for naive) is there, else cpu, and says why (default auto)")
     k.add_argument("--seed", type=int, default=0, help="seed of the weights and input; the same seed gives the "
@@ -111,7 +114,8 @@ def parser() -> argparse.ArgumentParser:
                    "attends to the block in hand, the partial outputs merged by their logsumexp; the heads split "
                    "over the W/C rings (rank r: ring rank r %% C, heads rank r // C). C divides the world size, 2C "
                    "divides --seq-len; for sequences whose K/V no rank holds whole; not with --decode, "
-                   "--sequence-parallel, --cuda-graph or --overlap (default 1: off)")
+                   "--sequence-parallel, --cuda-graph, --overlap, --dtype fp8 or --output-collective p2p or oneshot "
+                   "(default 1: off)")
     d.add_argument("--overlap", type=int, default=1, metavar="K", help="pipeline the output projection "
                    "(with --kernel fused the attention too) and the collective over K row chunks, the "
                    "collectives on a side CUDA stream (sequence parallel: the all-gather with the QKV "
@@ -137,11 +141,11 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--decode", type=int, default=0, metavar="T", help="decode instead: a prompt of --seq-len rows "
                    "through a KV cache of each rank's K/V heads, then T steps of one row each (causal); per-step "
                    "latency and tokens/s; every decoded row checked against the full forward and float64 "
-                   "(with --cuda-graph: each step a replay of one graph; not with --sequence-parallel, --backward "
-                   "or --load)")
+                   "(with --cuda-graph: each step a replay of one graph; not with --sequence-parallel, --backward, "
+                   "--load, --context-parallel, --profile or --dtype fp8)")
     m.add_argument("--json", metavar="PATH", help="also write the report as JSON (rank 0)")
-    m.add_argument("--profile", metavar="PATH", help="write a torch.profiler trace of one extra iteration "
-                   "(chrome trace JSON; rank r > 0 writes PATH.rank<r>)")
+    m.add_argument("--profile", metavar="PATH", help="write a torch.profiler trace of one more forward call "
+                   "(chrome trace JSON; rank r > 0 writes PATH.rank<r>; not with --decode)")
     return p
 
 
@@ -217,6 +221,8 @@ def _main(argv: list[str], proc) -> int:
     try:
         cfg = resolve(parse(argv))
         validate(cfg, proc.world, proc.local_world, check_json=proc.rank == 0)
+        if cfg.profile and proc.rank:  # every rank writes its own trace: each checks its own path
+            check_writable(profile_path(cfg.profile, proc.rank), "--profile")
         if cfg.load:  # every rank reads and checks the whole file, so all reach the same answer
             loaded = load_inputs(cfg.load, cfg.heads, cfg.head_dim, cfg.batch, cfg.seq_len, cfg.torch_dtype,
                                  cfg.kv_heads)
@@ -227,6 +233,8 @@ def _main(argv: list[str], proc) -> int:
             if sharing > 1:  # ranks sharing one GPU (gloo): each holds to its share, as a GPU of its own would
                 torch.cuda.set_per_process_memory_fraction(1.0 / sharing, device)
             preflight(cfg, proc.world, proc.rank, free // sharing, sharing)
+        elif (avail := host_available()) is not None:  # a CPU run: the ranks of this node share its memory
+            preflight(cfg, proc.world, proc.rank, avail // max(1, proc.local_world), max(1, proc.local_world), host=True)
     except ConfigError as exc:
         local_error = exc.cli_message
     timeout = cfg.timeout if cfg is not None and local_error is None else 300.0
@@ -234,7 +242,10 @@ def _main(argv: list[str], proc) -> int:
             "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     tpdist.rendezvous(proc, timeout)
-    error, infos = tpdist.agree(proc, cfg.fingerprint() if cfg else None, local_error, info, timeout)
+    fp = cfg.fingerprint() if cfg else None
+    if fp is not None and loaded is not None:  # the same path may name different files on different ranks
+        fp["load_sha256"] = _sha256(cfg.load)
+    error, infos = tpdist.agree(proc, fp, local_error, info, timeout)
     if error:
         _say(proc, f"error: {error}")
         tpdist.leave(proc, timeout, EXIT_USAGE)
@@ -531,6 +542,15 @@ def _worst_grad(got: dict, want: dict, names: list[str], tol: float, ulp_of=None
     return max(out, key=lambda c: (not c["pass"], c["rel_err"]))
 
 
+def _sha256(path: str) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
 def _profile(cfg: Config, proc, layer, x) -> None:
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if x.is_cuda else [])
@@ -538,7 +558,7 @@ def _profile(cfg: Config, proc, layer, x) -> None:
         layer(x)
         if x.is_cuda:
             torch.cuda.synchronize(x.device)
-    path = cfg.profile if proc.rank == 0 else f"{cfg.profile}.rank{proc.rank}"
+    path = profile_path(cfg.profile, proc.rank)
     prof.export_chrome_trace(path)
     print(f"rank {proc.rank}: wrote the torch.profiler trace of one call to {os.path.abspath(path)} "
           "(open it in chrome://tracing or https://ui.perfetto.dev)", flush=True)

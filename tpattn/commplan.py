@@ -139,9 +139,12 @@ def make_plan(batch: int, seq_len: int, model_dim: int, world: int, *, elem: int
     divides = rows_split(batch, chunks, world)
     if output_collective == "split" and not divides:
         rows = next(r1 - r0 for r0, r1 in chunks if not rows_split(batch, [(r0, r1)], world))
+        fix = (f"a --seq-len divisible by {world}" if overlap == 1 or seq_len % world else
+               f"an --overlap whose chunks of --seq-len {seq_len} each divide by {world} (--overlap {overlap} cuts it "
+               f"into chunks of {rows} rows and others)")
         raise ConfigError(f"--output-collective split needs --batch x the rows of each chunk divisible by the "
                           f"world size {world} (a chunk has {rows} rows); use --output-collective allreduce "
-                          f"or auto, or a --seq-len divisible by {world}")
+                          f"or auto, or {fix}")
     if output_collective in ("allreduce", "p2p", "oneshot"):
         how = output_collective
     elif peers and oneshot_candidate(batch, seq_len, model_dim, world, part_elem=part_elem,

@@ -16,6 +16,7 @@ import torch
 from .commplan import OUTPUT_COLLECTIVES, make_plan  # noqa: F401 (OUTPUT_COLLECTIVES re-exported)
 from .errors import ConfigError, FlagError, cupy_available, cupy_missing_message  # noqa: F401 (re-exported)
 
+INT_MAX = 2**31 - 1
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 FP8 = "fp8"  # --dtype fp8: attention in e4m3 (tpattn.attention.fp8.Fp8Backend), weights and projections in fp16
 REDUCE_DTYPES = ("fp32", "model")
@@ -149,8 +150,10 @@ def validate(cfg: Config, world: int = 1, local_world: int = 1, gpus_on_node: in
                                ("--warmup", cfg.warmup, 0)):
         if value < least:
             raise FlagError(f"{name} must be at least {least} (got {value})")
-    if cfg.timeout <= 0:
-        raise FlagError(f"--timeout must be positive seconds (got {cfg.timeout})")
+        if value > INT_MAX:  # the kernels index rows, heads and batches with 32-bit ints
+            raise FlagError(f"{name} {value} is past {INT_MAX}, the most any kernel here indexes")
+    if not 0 < cfg.timeout <= 86400 * 365:  # (NaN fails it too; the collectives' timedelta takes no infinity)
+        raise FlagError(f"--timeout must be a finite, positive number of seconds (got {cfg.timeout})")
     if cfg.reduce_dtype not in REDUCE_DTYPES:
         raise FlagError(f"unknown --reduce-dtype {cfg.reduce_dtype!r}; choose fp32 or model")
     if cfg.dtype == FP8:
@@ -177,7 +180,7 @@ def validate(cfg: Config, world: int = 1, local_world: int = 1, gpus_on_node: in
                               f"launch at most {n} ranks per node, or use --dist-backend gloo to share GPUs")
     if check_json and cfg.json:
         check_writable(cfg.json, "--json")
-    if check_json and cfg.profile:
+    if cfg.profile is not None and check_json:  # rank 0's path; the others' in the CLI (profile_path)
         check_writable(cfg.profile, "--profile")
 
 
@@ -239,12 +242,18 @@ def check_parallel_style(cfg: Config, world: int) -> None:
                               f"generated inputs for now; drop one of them")
         if not cfg.causal:
             raise FlagError("--decode decodes causally: add --causal")
+        if cfg.profile:
+            raise FlagError("--profile traces one call of the layer's forward; --decode times its prefill and steps "
+                            "itself: drop one of them")
         from .decode import DEC_HEAD_DIMS, DEC_SPLIT_HEAD_DIMS
         dims = sorted(DEC_HEAD_DIMS + DEC_SPLIT_HEAD_DIMS)
         if cfg.cuda_graph and (cfg.dtype == "fp32" or cfg.head_dim not in dims):
             raise FlagError(f"--decode with --cuda-graph needs the decode kernel (--dtype fp16 or bf16, --head-dim "
                             f"{', '.join(map(str, dims))}; got {cfg.dtype}, {cfg.head_dim}); drop --cuda-graph")
     if cfg.deterministic and not cfg.backward:
+        if cfg.dtype == FP8:
+            raise FlagError("--deterministic changes the backward only, and --dtype fp8 runs the forward only: drop "
+                            "--deterministic")
         raise FlagError("--deterministic changes the backward only: add --backward (or drop --deterministic)")
     if cfg.cuda_graph:
         if cfg.device != "cuda":
@@ -282,6 +291,11 @@ def check_context_flag(cfg: Config, world: int) -> int:
                         f"one): --seq-len must divide by 2 x {C} = {2 * C} (got {cfg.seq_len}); use "
                         + (f"{lo} or " if lo else "") + f"{lo + 2 * C}")
     return C
+
+
+def profile_path(path: str, rank: int) -> str:
+    """Where rank `rank` writes --profile's trace: the path on rank 0, PATH.rank<r> on the others."""
+    return path if rank == 0 else f"{path}.rank{rank}"
 
 
 def check_writable(path: str, flag: str) -> None:

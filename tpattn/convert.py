@@ -5,6 +5,8 @@ tpattn/layer.py exposes them as the layer's classmethods and methods."""
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from .comm import resolve_group
@@ -19,14 +21,13 @@ def from_full(cls, wq, wk, wv, wo, bq=None, bk=None, bv=None, bo=None, *, heads:
     for G K/V heads (G = H unless grouped-query), wo: [H*d, D]). Keyword arguments go to the
     constructor (uneven_heads=True: a world size that does not divide the heads). A bias given as
     None is not a parameter of the layer (nothing trains it)."""
+    from .module import check_context
     _, rank, world = resolve_group(group)
-    C = kw.get("context_parallel", 1)  # rank r: heads as rank r // C of W / C, rows of ring rank r % C
+    head_dim, kv_heads = check_full(dict(wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=bo), heads)
+    # rank r: heads as rank r // C of W / C, rows of ring rank r % C
+    C = check_context(kw.get("context_parallel", 1), world, kw.get("sequence_parallel", False),
+                      kw.get("output_collective", "auto"))
     rank, world = rank // C, max(1, world // C)
-    head_dim = wq.shape[1] // heads
-    if wq.shape[1] != heads * head_dim or wk.shape != wv.shape or wk.shape[1] % head_dim or not wk.shape[1]:
-        raise ValueError(f"wq {tuple(wq.shape)}, wk {tuple(wk.shape)}, wv {tuple(wv.shape)}: wq needs {heads} "
-                         "heads of d columns and wk, wv one shape of a whole number of heads of d columns")
-    kv_heads = wk.shape[1] // head_dim
     if kw.get("kv_heads") not in (None, kv_heads):
         raise ValueError(f"kv_heads={kw['kv_heads']} but wk and wv have {kv_heads} heads of dim {head_dim}")
     kw["kv_heads"] = kv_heads
@@ -36,9 +37,45 @@ def from_full(cls, wq, wk, wv, wo, bq=None, bk=None, bv=None, bo=None, *, heads:
     return cls(**mine, heads=heads, head_dim=head_dim, group=group, **kw)
 
 
+def check_full(w: dict, heads) -> tuple[int, int]:
+    """(head_dim, kv_heads) of full weights in from_full's layout, or one line naming the weight whose
+    shape does not fit the others (a weight too large would otherwise be cut to the heads' slice and
+    give wrong outputs silently)."""
+    if isinstance(heads, bool) or not isinstance(heads, numbers.Integral) or heads < 1:
+        raise ValueError(f"heads must be a positive int (got {heads!r})")
+    for name, t in w.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None (got {type(t).__name__})")
+    wq, wk = w["wq"], w["wk"]
+    for name in ("wq", "wk", "wv", "wo"):
+        if w[name] is None or w[name].dim() != 2:
+            got = "None" if w[name] is None else f"shape {tuple(w[name].shape)}"
+            raise ValueError(f"{name} must be a 2-D weight in \"x @ W\" layout (got {got}); wq [D, H*d], wk and wv "
+                             "[D, G*d], wo [H*d, D]")
+    D, hd = wq.shape
+    if hd % heads or not hd:
+        raise ValueError(f"wq has shape {tuple(wq.shape)}: its {hd} columns are not {heads} heads of a whole head dim; "
+                         "give wq as [D, heads * head_dim] (x @ W layout: a torch Linear's weight.T)")
+    d = hd // heads
+    if wk.shape[0] != D or wk.shape[1] % d or not wk.shape[1]:
+        raise ValueError(f"wk has shape {tuple(wk.shape)}, expected [{D}, G*{d}] for G K/V heads of dim {d} "
+                         f"(wq {tuple(wq.shape)}: D = {D}, {heads} heads of dim {d})")
+    g = wk.shape[1] // d
+    want = dict(wv=(D, g * d), wo=(hd, D), bq=(hd,), bk=(g * d,), bv=(g * d,), bo=(D,))
+    for name, shape in want.items():
+        t = w[name]
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape} (wq {tuple(wq.shape)}, wk "
+                             f"{tuple(wk.shape)}: D = {D}, {heads} heads and {g} K/V heads of dim {d})")
+    return d, g
+
+
 def from_linears(cls, q_proj, k_proj, v_proj, o_proj, *, heads: int, **kw):
     """From four torch.nn.Linear layers (weights [out, in], y = x W^T + b); k_proj and v_proj
     may have fewer output features (G*d for G K/V heads: grouped-query attention)."""
+    for name, lin in (("q_proj", q_proj), ("k_proj", k_proj), ("v_proj", v_proj), ("o_proj", o_proj)):
+        if not isinstance(lin, torch.nn.Linear):
+            raise TypeError(f"{name} must be a torch.nn.Linear (got {type(lin).__name__})")
     b = (lambda lin: None if lin.bias is None else lin.bias.detach())
     return from_full(cls, q_proj.weight.detach().T, k_proj.weight.detach().T, v_proj.weight.detach().T,
                      o_proj.weight.detach().T, b(q_proj), b(k_proj), b(v_proj), b(o_proj), heads=heads, **kw)
@@ -46,6 +83,8 @@ def from_linears(cls, q_proj, k_proj, v_proj, o_proj, *, heads: int, **kw):
 
 def from_multihead_attention(cls, mha: torch.nn.MultiheadAttention, **kw):
     """From a torch.nn.MultiheadAttention (same embed dim for q, k and v; inputs batch-first)."""
+    if not isinstance(mha, torch.nn.MultiheadAttention):
+        raise TypeError(f"from_multihead_attention takes a torch.nn.MultiheadAttention (got {type(mha).__name__})")
     if not mha._qkv_same_embed_dim:
         raise ValueError("from_multihead_attention needs kdim == vdim == embed_dim")
     if mha.bias_k is not None or mha.add_zero_attn:

@@ -128,7 +128,12 @@ def _process_alive(pid: int) -> bool:
 
 def _env_int(name: str, default: int | None = None) -> int | None:
     v = os.environ.get(name)
-    return int(v) if v not in (None, "") else default
+    if v in (None, ""):
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise ConfigError(f"{name}={v!r} is not an integer (a launcher sets it: unset it, or give a number)") from None
 
 
 def _slurm_tasks_on_node(spec: str, node: int) -> int:
@@ -146,6 +151,9 @@ def _slurm_tasks_on_node(spec: str, node: int) -> int:
 def discover() -> Proc:
     """Rank, world and local rank from MPI, then srun, then torchrun, else a single process."""
     env = os.environ
+    port = _env_int("MASTER_PORT")  # read by every rank here, before any rank communicates
+    if port is not None and not 0 < port < 65536:
+        raise ConfigError(f"MASTER_PORT={port} is not a TCP port (1-65535)")
     if any(k in env for k in MPI_ENV):
         fix = ("pip install 'tpattn[mpi]' (Open MPI wheel, with its mpirun) or 'tpattn[mpich]' (MPICH wheel, with "
                "its mpiexec), or point mpi4py at your cluster's MPI: module load it, or export "
@@ -228,9 +236,11 @@ def discover() -> Proc:
         return Proc("srun", _env_int("SLURM_PROCID"), world, _env_int("SLURM_LOCALID", 0),
                     _slurm_tasks_on_node(spec, node))
     if "RANK" in env and "WORLD_SIZE" in env:
-        world = _env_int("WORLD_SIZE")
-        return Proc("torchrun", _env_int("RANK"), world, _env_int("LOCAL_RANK", 0),
-                    _env_int("LOCAL_WORLD_SIZE", world))
+        world, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
+        if world is None or rank is None or world < 1 or not 0 <= rank < world:
+            raise ConfigError(f"RANK={env['RANK']!r} of WORLD_SIZE={env['WORLD_SIZE']!r}: the world needs at least one "
+                              "rank and each rank a number below it (torchrun sets both; unset them for one process)")
+        return Proc("torchrun", rank, world, _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", world))
     return Proc()
 
 
@@ -403,6 +413,9 @@ def agree(proc: Proc, fingerprint: dict | None, local_error: str | None, info: d
     ref = everyone[0]["fp"]
     for r, e in enumerate(everyone):
         diff = [k for k in ref if e["fp"].get(k) != ref[k]]
+        if diff == ["load_sha256"]:
+            return (f"--load {ref.get('load')} holds different contents on rank 0 and rank {r} (a relative path, or "
+                    "files that differ between nodes): give every rank the same file"), infos
         if diff:
             shown = "; ".join(f"{k}: rank 0 has {ref[k]!r}, rank {r} has {e['fp'].get(k)!r}" for k in diff[:3])
             return f"arguments differ between ranks ({shown}); launch every rank with the same arguments", infos

@@ -17,6 +17,8 @@ must be the same everywhere), so the block tables agree.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from .errors import ConfigError
@@ -64,12 +66,12 @@ class ParallelLlama(torch.nn.Module):
         sequences under a CUDA graph of its batch-size bucket (tpattn.paged.DecodeGraphs; on a GPU).
         kv_dtype: the pool's pages, "fp8" (e4m3, a scale per token and K/V head: about half the bytes of
         fp16, the attention read from dequantized pages) or None (the model's dtype)."""
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ConfigError("generate needs at least one prompt, each of at least one token")
+        prompts = _token_lists(prompts, self.model.get_input_embeddings().num_embeddings)
         budget = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
-        if len(budget) != len(prompts) or min(budget) < 1 or max_batch < 1:
-            raise ConfigError(f"generate needs max_new_tokens >= 1 (one number, or one per prompt) and max_batch >= 1 "
-                              f"(got {max_new_tokens}, {max_batch})")
+        if (len(budget) != len(prompts) or not all(_count(n) for n in budget + [max_batch])
+                or (pages is not None and not _count(pages))):
+            raise ConfigError(f"generate needs max_new_tokens a positive int (one, or one per prompt), max_batch and "
+                              f"pages positive ints (got {max_new_tokens}, {max_batch}, {pages})")
         eos = getattr(self.model.generation_config, "eos_token_id", None) if eos_token_id == -1 else eos_token_id
         ends = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
         longest = max(len(p) + n for p, n in zip(prompts, budget))
@@ -83,7 +85,7 @@ class ParallelLlama(torch.nn.Module):
         out: list[list[int]] = [[] for _ in prompts]
         live: dict[int, int] = {}  # sequence id -> prompt index
         while waiting or live:
-            new = _admit(pool, waiting, len(live), max_batch, prompts, budget)  # newcomers: prefill packed together
+            new = _admit(pool, waiting, live, max_batch, prompts, budget)  # newcomers: prefill packed together
             ids = list(live) + [s for s, _ in new]
             live.update(new)
             rows = [1] * (len(ids) - len(new)) + [len(prompts[i]) for _, i in new]
@@ -118,7 +120,7 @@ class ParallelLlama(torch.nn.Module):
                 del live[s]
                 pool.remove(s)
         while waiting or live:
-            new = _admit(pool, waiting, len(live), max_batch, prompts, budget)
+            new = _admit(pool, waiting, live, max_batch, prompts, budget)
             if new:  # the newcomers' prefills, packed together
                 ids = [s for s, _ in new]
                 live.update(new)
@@ -136,14 +138,41 @@ class ParallelLlama(torch.nn.Module):
         return out
 
 
-def _admit(pool, waiting: list[int], live: int, max_batch: int, prompts, budget) -> list[tuple[int, int]]:
-    """(sequence id, prompt index) of the waiting prompts that join now, while fewer than max_batch
-    are live; a prompt the pool could never hold is refused in one line."""
+def _count(n) -> bool:
+    return isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1
+
+
+def _token_lists(prompts, vocab: int) -> list[list[int]]:
+    """The prompts as lists of token ids (a list of lists, or a [B, T] tensor), each id in [0, vocab),
+    or one line saying what is wrong."""
+    if isinstance(prompts, torch.Tensor):
+        prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()] if prompts.dim() == 1 else None
+    if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, (list, tuple)) and p for p in prompts):
+        raise ConfigError("generate takes prompts as a list of token-id lists (or a [B, T] tensor), at least one "
+                          "prompt of at least one token")
+    for i, p in enumerate(prompts):
+        bad = [t for t in p if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab]
+        if bad:
+            raise ConfigError(f"prompt {i} holds {bad[0]!r}, not a token id of this model (0 .. {vocab - 1})")
+    return [[int(t) for t in p] for p in prompts]
+
+
+def _admit(pool, waiting: list[int], live: dict, max_batch: int, prompts, budget) -> list[tuple[int, int]]:
+    """(sequence id, prompt index) of the waiting prompts that join now, in order: while fewer than
+    max_batch are live and the pool's pages hold every live sequence's prompt and new tokens (each
+    keeps its pages until it ends, so none runs out of pages mid-way: a prompt that does not fit yet
+    waits for others to end); a prompt the pool could never hold is refused in one line."""
+    need = (lambda i: -(-(len(prompts[i]) + budget[i]) // pool.page_size))  # noqa: E731
+    held = sum(need(i) for i in live.values())
     new = []
-    while waiting and live + len(new) < max_batch:
-        i = waiting.pop(0)
-        if len(prompts[i]) + budget[i] > pool.pages * pool.page_size:
-            raise ConfigError(f"prompt {i} ({len(prompts[i])} tokens) and {budget[i]} new tokens need more "
-                              f"than the pool's {pool.pages} pages of {pool.page_size}; pass a larger pages=")
-        new.append((pool.add(), i))
+    while waiting and len(live) + len(new) < max_batch:
+        i = waiting[0]
+        if need(i) > pool.pages:
+            raise ConfigError(f"prompt {i} ({len(prompts[i])} tokens) and {budget[i]} new tokens need {need(i)} "
+                              f"pages of {pool.page_size} tokens, more than the pool's {pool.pages}; pass "
+                              f"generate(pages={need(i)}) or more")
+        if held + need(i) > pool.pages:
+            break
+        held += need(i)
+        new.append((pool.add(), waiting.pop(0)))
     return new

@@ -33,6 +33,9 @@ built: assigning a setting raises, replace(**changes) builds another layer with 
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from . import convert, decode, faults, paged
@@ -49,6 +52,13 @@ from .sharding import Shard
 from .timing import section
 
 REDUCE_DTYPES = ("fp32", "model")
+
+
+def check_ints(**given) -> None:
+    """Each given count a positive int (None: not given), or one line naming it."""
+    for name, v in given.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1):
+            raise ValueError(f"{name} must be a positive int (got {v!r})")
 
 
 class TensorParallelAttention(LayerPlan, LayerModule):
@@ -86,6 +96,10 @@ class TensorParallelAttention(LayerPlan, LayerModule):
                  uneven_heads: bool = False, rope_theta: float | None = None, rope_interleaved: bool = False,
                  deterministic: bool = False, context_parallel: int = 1):
         super().__init__()
+        check_ints(heads=heads, head_dim=head_dim, kv_heads=kv_heads, head_chunk=head_chunk)
+        if not isinstance(backend, (str, Backend)) and not callable(getattr(backend, "forward", None)):
+            raise TypeError(f"backend must be a name ('reference', 'naive', 'tiled', 'fused', 'triton') or a Backend "
+                            f"instance (got {type(backend).__name__})")
         self.group, rank, world = resolve_group(group)
         self.context_parallel = check_context(context_parallel, world, sequence_parallel, output_collective)
         rank, world = rank // self.context_parallel, world // self.context_parallel  # the heads' ranks
@@ -110,9 +124,9 @@ class TensorParallelAttention(LayerPlan, LayerModule):
         if reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(f"reduce_dtype must be 'fp32' or 'model' (got {reduce_dtype!r})")
         check_style(None, world, sequence_parallel, output_collective, overlap)  # what the CLI refuses, in the API's words
-        if rope_theta is not None and (rope_theta <= 0 or head_dim % 2):
-            raise ValueError(f"rope_theta={rope_theta} with head_dim={head_dim}: rotary positions need a positive "
-                             "theta and an even head dim")
+        if rope_theta is not None and (not math.isfinite(rope_theta) or rope_theta <= 0 or head_dim % 2):
+            raise ValueError(f"rope_theta={rope_theta} with head_dim={head_dim}: rotary positions need a positive, "
+                             "finite theta and an even head dim")
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         custom_ops.BACKENDS.setdefault(self.backend.name, self.backend)  # a backend given as an instance
         self.causal, self.reduce_dtype = causal, reduce_dtype
@@ -128,10 +142,37 @@ class TensorParallelAttention(LayerPlan, LayerModule):
         self.biases = torch.nn.ParameterDict({n: param(b) for n, b in (("bq", bq), ("bk", bk), ("bv", bv))
                                               if b is not None and not all(present)})
         self.wo, self.bo = param(wo), param(bo)
+        self._agree_build(world * self.context_parallel)
         self.comm, self.ring = make_comms(self.group, self.shard, self.context_parallel)
         self.peers = PeerLinks(self.comm, output_collective)
         self._plans: dict[tuple, CommPlan] = {}
         self._built = True
+
+    def _agree_build(self, world: int) -> None:
+        """Every rank of the group built the same layer (its heads, shape, dtype, styles and biases), or
+        the same one line on every rank: a layer built differently on one rank would run other
+        collectives than the rest (a hang) or sum mismatched partials (a wrong output, silently). One
+        gather of a digest at construction, before the layer's process groups are made."""
+        if self.group is None or world == 1:
+            return
+        from .comm import gather_objects, same_everywhere
+        mine = {"heads": self.heads, "head_dim": self.head_dim, "kv_heads": self.kv_heads, "model_dim": self.model_dim,
+                "dtype": str(self.dtype).replace("torch.", ""), "device": self.wqkv.device.type,
+                "backend": self.backend.name, "causal": self.causal, "reduce_dtype": self.reduce_dtype,
+                "sequence_parallel": self.sequence_parallel, "overlap": self.overlap,
+                "output_collective": self.output_collective, "uneven_heads": self.uneven_heads,
+                "rope_theta": self.rope_theta, "rope_interleaved": self.rope_interleaved,
+                "deterministic": self.deterministic, "context_parallel": self.context_parallel,
+                "biases": tuple(n for n in ("bq", "bk", "bv", "bo") if convert.local_slices(self)[n] is not None)}
+        if same_everywhere(mine, self.group):
+            return
+        said = gather_objects(mine, self.group)  # (only to say what differs)
+        for r, theirs in enumerate(said):
+            diff = [k for k in mine if theirs[k] != said[0][k]]
+            if diff:
+                shown = "; ".join(f"{k}: rank 0 has {said[0][k]!r}, rank {r} has {theirs[k]!r}" for k in diff[:3])
+                raise ConfigError(f"the ranks built this layer differently ({shown}); build it alike on every rank "
+                                  "of its group (each rank holds its own heads of the same layer)")
 
     # ---- the shard: what this rank holds ---------------------------------------------------------
 
@@ -183,6 +224,12 @@ class TensorParallelAttention(LayerPlan, LayerModule):
                 raise ConfigError("a KV cache decodes head-parallel; context parallelism is for training and prefill: "
                                   "decode with a head-parallel layer built from this one's weights "
                                   "(TensorParallelAttention.from_full(**layer.full_weights(), heads=..., causal=True))")
+            if isinstance(cache, paged.PagedStep):
+                raise ConfigError("cache= takes one layer's view of a paged step: pass step.view(i) (i: this layer's "
+                                  "index in the pool's layers), not the step")
+            if not isinstance(cache, (decode.KVCache, paged.PagedView)):
+                raise TypeError(f"cache must be a KVCache (layer.new_cache(batch, max_len)) or a paged step's view "
+                                f"(pool.step(ids, rows).view(i)); got {type(cache).__name__}")
             if grad:
                 raise ConfigError("a KV cache call records no gradients: run it under torch.no_grad() (or "
                                   "torch.inference_mode()), or call the layer without cache= to train")
@@ -206,8 +253,8 @@ class TensorParallelAttention(LayerPlan, LayerModule):
             raise TypeError(f"x must be a torch.Tensor [B, N, {self.model_dim}] (got {type(x).__name__})")
         if x.dim() != 3 or x.shape[-1] != self.model_dim:
             raise ValueError(f"input has shape {tuple(x.shape)}, the layer expects [B, N, {self.model_dim}]")
-        if x.shape[1] == 0:
-            raise ValueError(f"x has no rows (shape {tuple(x.shape)}): pass at least one position")
+        if x.shape[1] == 0 or x.shape[0] == 0:
+            raise ValueError(f"x has no rows (shape {tuple(x.shape)}): pass at least one sequence of one position")
         dev = self.wqkv.device
         if x.device.type == "meta":
             raise ValueError(f"x is on the meta device, which holds no values: pass a tensor on {dev}, where the "

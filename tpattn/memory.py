@@ -95,13 +95,37 @@ def largest_n(cfg: Config, world: int, rank: int, free: int) -> int:
     return int((-b + math.sqrt(b * b + 4 * a * budget)) / (2 * a))
 
 
-def preflight(cfg: Config, world: int, rank: int, free: int, sharing: int = 1) -> None:
+def host_available() -> int | None:
+    """Bytes of host memory available for new allocations (Linux's MemAvailable), or None where
+    /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def preflight(cfg: Config, world: int, rank: int, free: int, sharing: int = 1, host: bool = False) -> None:
     """Refuse, in one line, a run whose estimate does not fit `free` bytes (with `sharing` ranks on
-    one GPU, this rank's share of its free memory)."""
+    one GPU, this rank's share of its free memory; host: a CPU run, `free` its share of the host's
+    available memory: the estimate, made for a GPU's allocator, runs 4-5x over a CPU run's peak, so
+    there only S and P, which the run certainly holds, are checked)."""
+    sp_bytes = 2 * scores_bytes(cfg, world, rank)
+    if host:
+        if sp_bytes > free * HEADROOM:
+            fit = int(math.sqrt(free * HEADROOM / (sp_bytes / cfg.seq_len ** 2)))
+            raise ConfigError(f"--seq-len {cfg.seq_len} needs more than {sp_bytes / 2**30:.1f} GiB on rank {rank} (S "
+                              f"and P alone) but {free / 2**30:.1f} GiB of memory is available"
+                              + (f" (its share of this node's, {sharing} ranks)" if sharing > 1 else " on this node")
+                              + f"; the largest --seq-len that could fit is about {fit}"
+                              + (" (or use more ranks)" if heads_per_rank(cfg, world, rank) > 1 else ""))
+        return
     need = estimate(cfg, world, rank)
     if need > free * HEADROOM:
         fit = largest_n(cfg, world, rank, free)
-        sp_bytes = 2 * scores_bytes(cfg, world, rank)
         sp = f"(S and P alone {sp_bytes / 2**30:.1f} GiB) " if sp_bytes else ""
         share = f" (its share of a GPU that {sharing} ranks share)" if sharing > 1 else ""
         hints = []

@@ -38,6 +38,7 @@ rest, torch math over the dequantized pages.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +56,19 @@ class PagedKV:
     device, with the same K/V head shard), a block table per sequence slot, and the host allocator."""
 
     def __init__(self, layers, pages: int, page_size: int = PAGE_SIZE, max_seqs: int = 64, kv_dtype: str | None = None):
-        layers = [layers] if isinstance(layers, torch.nn.Module) else list(layers)
+        if isinstance(layers, torch.nn.Module) and not isinstance(layers, torch.nn.ModuleList):
+            layers = [layers]
+        else:
+            try:
+                layers = list(layers)
+            except TypeError:
+                layers = None
+        if layers is None or not all(hasattr(L, "local_kv_heads") and hasattr(L, "wqkv") for L in layers):
+            raise ConfigError("PagedKV takes a tpattn TensorParallelAttention layer or a list of them (the layers whose "
+                              "K and V it holds)")
+        for name, v in (("pages", pages), ("page_size", page_size), ("max_seqs", max_seqs)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise ConfigError(f"PagedKV {name} must be an int (got {v!r})")
         if kv_dtype not in KV_DTYPES:
             raise ConfigError(f"PagedKV kv_dtype={kv_dtype!r}: use 'fp8' (e4m3 pages, a scale per token and K/V head) "
                               "or None (the layers' dtype)")
@@ -169,9 +182,9 @@ class PagedKV:
         """Every rank makes the same call (block tables and lengths must be the same on every rank);
         one line on every rank if not."""
         comm = self.layers[0].comm
-        if comm.world == 1 or comm.group is None:
+        if comm.world == 1 or comm.group is None or comm.same_everywhere((what, args), "pagedagree"):
             return
-        said = comm.all_gather_object((what, args), "pagedagree")
+        said = comm.all_gather_object((what, args), "pagedagree")  # (only to say what differs)
         if len(set(map(repr, said))) > 1:
             shown = "; ".join(f"rank {r}: {w}{a}" for r, (w, a) in enumerate(said[:4]))
             raise ConfigError(f"the ranks' paged-cache calls differ ({shown}); every rank must add, step and "
@@ -338,6 +351,11 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
     if pool.layers[view.index] is not layer:
         raise ConfigError(f"this view is of the pool's layer {view.index}, not this layer: use step.view(i) with this "
                           "layer's index in the pool's layers")
+    kp = pool.k[view.index]
+    if kp.dtype != (torch.float8_e4m3fn if pool.fp8 else layer.dtype) or kp.device != layer.wqkv.device:
+        raise ConfigError(f"this pool holds {str(kp.dtype).replace('torch.', '')} pages on {kp.device}, made before the "
+                          f"layer became {str(layer.dtype).replace('torch.', '')} on {layer.wqkv.device} (.half() or "
+                          ".to()): make a new PagedKV for the layer as it is now")
     if layer.sequence_parallel and layer.world > 1:
         raise ConfigError("a paged cache decodes head-parallel: build the layer without sequence_parallel "
                           "(layer.replace(sequence_parallel=False) shares its weights)")

@@ -65,8 +65,9 @@ def load_inputs(path: str, heads: int, head_dim: int, batch: int, seq_len: int, 
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same one-line answer
-        raise FlagError(f"--load {path}: cannot read it ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); "
-                          "give a file written by torch.save({'wq': ..., ...})") from None
+        why = (str(exc).splitlines() or [""])[0][:120]
+        raise FlagError(f"--load {path}: cannot read it ({type(exc).__name__}{': ' + why if why else ''}); "
+                        "give a file written by torch.save({'wq': ..., ...})") from None
     if not isinstance(obj, dict):
         raise FlagError(f"--load {path}: expected a dict of tensors, found {type(obj).__name__}")
     D = heads * head_dim
@@ -88,6 +89,12 @@ def load_inputs(path: str, heads: int, head_dim: int, batch: int, seq_len: int, 
             kvh = f" --kv-heads {G}" if G != heads else ""
             raise FlagError(f"--load {path}: {k} has shape {got}, expected {shapes[k]} for --heads {heads}{kvh} "
                               f"--head-dim {head_dim} --batch {batch} --seq-len {seq_len}")
+        if t.layout != torch.strided or t.is_meta or t.is_complex() or not (t.is_floating_point() or t.dtype in (
+                torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)):
+            kind = ("meta" if t.is_meta else str(t.layout).replace("torch.", "") if t.layout != torch.strided
+                    else str(t.dtype).replace("torch.", ""))
+            raise FlagError(f"--load {path}: {k} is a {kind} tensor; save dense real tensors (t.to_dense(), "
+                            "t.real, or float values)")
         bad = (~torch.isfinite(t.float())).sum().item()
         if bad:
             raise FlagError(f"--load {path}: {k} has {bad} NaN/Inf value(s); fix the input before running")
