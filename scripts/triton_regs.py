@@ -5,8 +5,8 @@ configs can be chosen (and checked) on any machine.
     python scripts/triton_regs.py [--arch 90] [--head-dims 64 96 128 256] [--dtype fp16]
 
 For each kernel (forward, dK/dV, dQ; the paged prefill at its one config, over 16-bit and FP8 pages;
-the FP8 forward at 64, 128 and 256, f8 with a V scale per 128-key block and f8h with one a head, and
-its block quantization, q8, without and with the rotation), head dim and config: (BLOCK_M, BLOCK_N, warps, stages), registers
+the FP8 forward, f8, at 64, 128 and 256, and its block quantization, q8, without and with the
+rotation), head dim and config: (BLOCK_M, BLOCK_N, warps, stages), registers
 a thread, spill stores and loads (bytes), shared memory. Exit status 1 if any config spills.
 Compiles with pointers aligned to 16 and, where 16 divides d (contiguous rows), the strides too, as a
 real launch specializes them (for d = 40, 136, ... the row stride is not a multiple of 16)."""
@@ -30,8 +30,7 @@ _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
 
 
-def compile_one(K, which: str, d: int, causal: bool, cfg, dtype: str, arch: int, fp8: bool = False,
-                sv_const: bool = False) -> dict:
+def compile_one(K, which: str, d: int, causal: bool, cfg, dtype: str, arch: int, fp8: bool = False) -> dict:
     """One kernel, head dim, causal flag and config: ptxas's numbers for it (pg: the paged prefill of
     tpattn/attention/triton_paged.py, causal by construction; fp8: over an FP8 pool's pages)."""
     import triton
@@ -49,7 +48,7 @@ def compile_one(K, which: str, d: int, causal: bool, cfg, dtype: str, arch: int,
     bm, bn, warps, stages = cfg
     const = {"HEAD_DIM": d, "CAUSAL": causal, "BLOCK_D": K.block_d(d), "PAD_D": K.block_d(d) != d,
              "BLOCK_M": bm, "BLOCK_N": bn, "STORE_LSE": True, "F8": fp8, "D_TUNED": d,
-             "BLOCK": 128, "SUB": bm, "BJ": bn, "ROTATE": causal, "SV_CONST": sv_const}
+             "BLOCK": 128, "SUB": bm, "BJ": bn, "ROTATE": causal}
     sig, attrs = {}, {}
     for i, name in enumerate(names):
         if name in const:
@@ -112,16 +111,13 @@ def main(argv=None) -> int:
             else:
                 cfgs = [triton_paged.config(d)] if paged else K.tune_set(which, K.block_d(d))
             for cfg in cfgs:
-                # f8: with a V scale per 128-key block, and (f8h) with one a head, applied to the output
-                for sv in ((False, True) if which == "f8" else (False,)):
-                    for causal in (False, True) if not paged else (True,):
-                        r = compile_one(K, "pg" if paged else which, d, causal, cfg, a.dtype, a.arch, which == "pg8", sv)
-                        spills = r["spill_stores"] + r["spill_loads"]
-                        bad += spills > 0
-                        name = "f8h" if sv else which
-                        print(f"  {name:<3} d={d:<3} ({K.block_d(d):>3}) {'causal' if causal else 'full  '} {cfg}: "
-                              f"{r['regs']:>3} regs, spills {r['spill_stores']}/{r['spill_loads']}, "
-                              f"shared {r['shared']}{'  SPILLS' if spills else ''}")
+                for causal in (False, True) if not paged else (True,):
+                    r = compile_one(K, "pg" if paged else which, d, causal, cfg, a.dtype, a.arch, which == "pg8")
+                    spills = r["spill_stores"] + r["spill_loads"]
+                    bad += spills > 0
+                    print(f"  {which:<3} d={d:<3} ({K.block_d(d):>3}) {'causal' if causal else 'full  '} {cfg}: "
+                          f"{r['regs']:>3} regs, spills {r['spill_stores']}/{r['spill_loads']}, "
+                          f"shared {r['shared']}{'  SPILLS' if spills else ''}")
     print(f"{bad} config(s) spill" if bad else "no config spills")
     return 1 if bad else 0
 

@@ -35,7 +35,7 @@ from . import fp8
 BLOCK = fp8.BLOCK_ROWS  # rows of a scale block; the tiles divide it
 # autotune configs per head dim, (BLOCK_M, BLOCK_N, warps, stages): those that ptxas compiles for sm_90a
 # without spills (python scripts/triton_regs.py; 128 x 128 tiles spill at d = 128, every 4-warp or
-# 128-row tile at d = 256), but for (64, 128, 4, 3) at d = 64, causal, with one V scale a head: 20 bytes
+# 128-row tile at d = 256)
 TUNE = {64: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 4), (64, 128, 4, 3)],
         128: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2), (64, 64, 4, 3)],
         256: [(64, 64, 8, 2), (64, 32, 8, 2)]}
@@ -49,16 +49,17 @@ def _head_dims_own(configs, named_args, **kwargs):
 
 
 @triton.jit
-def _fp8_tiles(acc, l_i, m_i, q, qs, kT_ptrs, v_ptrs, SK, SV, sk_base, start, stop, offs_m, cols, N, skn, SBLK,
-               MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, SV_CONST: tl.constexpr):
+def _fp8_tiles(acc, l_i, m_i, sv_run, q, qs, kT_ptrs, v_ptrs, SK, SV, sk_base, start, stop, offs_m, cols, N, skn,
+               SBLK, MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key tiles [start, stop) into one query tile's (acc, l, m); kT_ptrs, v_ptrs at key `start`. A
     tile lies in one scale block (BLOCK_N divides it), so its K and V scales are two numbers; qs: the
     query tile's scale times 1/sqrt(d) in base 2. MASK: the keys' end (or, CAUSAL, the diagonal) is
-    inside these tiles; elsewhere every load and every score is whole. The scores' scale c (>= 0) is
+    inside these tiles; elsewhere every load and every score is whole. The scores' scale c (> 0) is
     applied inside the exponent's multiply-add, exp2(raw c - m), not to the tile first (m: the running
-    max of raw c, from the tile's max of raw: c >= 0 keeps the order). SV_CONST: one V scale for every
-    key (per-tensor or per-head scaling): left out here, applied once to the output (acc then takes
-    one multiply-add an element a tile, not two)."""
+    max of raw c, from the tile's max of raw: c > 0 keeps the order). acc is held in units of the V
+    scale sv_run of the last tile's block: a tile of another block rescales it by sv_run / sv inside the
+    row factor alpha (a number a row), so each element takes one multiply-add a tile, not two; the
+    output is acc sv_run / l."""
     for n0 in range(start, stop, BLOCK_N):
         keys = n0 + cols
         if MASK:
@@ -75,29 +76,22 @@ def _fp8_tiles(acc, l_i, m_i, q, qs, kT_ptrs, v_ptrs, SK, SV, sk_base, start, st
             keep = key_ok[None, :]
             if CAUSAL:
                 keep = keep & (offs_m[:, None] >= keys[None, :])
-            top = tl.max(tl.where(keep, raw, float("-inf")), 1)
-            top = tl.where(top == float("-inf"), top, top * c)  # (a row with no key here: -inf, not -inf * 0)
-        else:
-            top = tl.max(raw, 1) * c
-        m_new = tl.maximum(m_i, top)
+            raw = tl.where(keep, raw, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(raw, 1) * c)  # (c > 0: every scale is, a block of zeros' too)
         m_ref = m_new
         if MASK:  # a row with every key masked so far: keep exp2 away from (-inf) - (-inf)
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        arg = raw * c - m_ref[:, None]
-        if MASK:
-            arg = tl.where(keep, arg, float("-inf"))
-        p = tl.math.exp2(arg)
+        p = tl.math.exp2(raw * c - m_ref[:, None])
         alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         pv = tl.dot(p.to(tl.float8e4nv, fp_downcast_rounding="rtne"), v)
-        if SV_CONST:
-            acc = acc * alpha[:, None] + pv
-        else:
-            acc = acc * alpha[:, None] + pv * tl.load(SV + sk_base + blk)
+        sv = tl.load(SV + sk_base + blk)  # (> 0: a block of zeros has scale 1)
+        acc = acc * (alpha * (sv_run / sv))[:, None] + pv
+        sv_run = sv
         m_i = m_new
         kT_ptrs += BLOCK_N * skn
         v_ptrs += BLOCK_N
-    return acc, l_i, m_i
+    return acc, l_i, m_i, sv_run
 
 
 @triton.autotune(configs=CONFIGS, key=["N_BUCKET", "HEAD_DIM", "CAUSAL"],
@@ -106,7 +100,7 @@ def _fp8_tiles(acc, l_i, m_i, q, qs, kT_ptrs, v_ptrs, SK, SV, sk_base, start, st
 def fp8_fwd(Q, K, VT, O, SQ, SK, SV, qk_scale, N, N_BUCKET, H, GROUP, SBLK, nblk,
             sqb, sqh, sqn, skb, skh, skn, svd, sob, soh, son,
             HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            D_TUNED: tl.constexpr, SV_CONST: tl.constexpr):
+            D_TUNED: tl.constexpr):
     t = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -125,6 +119,7 @@ def fp8_fwd(Q, K, VT, O, SQ, SK, SV, qk_scale, N, N_BUCKET, H, GROUP, SBLK, nblk
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    sv_run = tl.load(SV + sk_base)  # the units acc is held in (_fp8_tiles)
     kT_ptrs = K + kv_base + cols[None, :].to(tl.int64) * skn + dims[:, None]  # [d, keys]: K-major for Q K^T
     v_ptrs = VT + kv_base + dims[None, :].to(tl.int64) * svd + cols[:, None]  # [keys, d] read from V^T: K-major
     if CAUSAL:
@@ -133,14 +128,11 @@ def fp8_fwd(Q, K, VT, O, SQ, SK, SV, qk_scale, N, N_BUCKET, H, GROUP, SBLK, nblk
     else:
         whole = N // BLOCK_N * BLOCK_N
         stop = N
-    acc, l_i, m_i = _fp8_tiles(acc, l_i, m_i, q, qs, kT_ptrs, v_ptrs, SK, SV, sk_base, 0, whole, offs_m, cols, N, skn,
-                               SBLK, False, CAUSAL, BLOCK_N, SV_CONST)
-    acc, l_i, m_i = _fp8_tiles(acc, l_i, m_i, q, qs, kT_ptrs + whole * skn, v_ptrs + whole, SK, SV, sk_base, whole,
-                               stop, offs_m, cols, N, skn, SBLK, True, CAUSAL, BLOCK_N, SV_CONST)
-    if SV_CONST:
-        o = acc * (tl.load(SV + sk_base) / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
-    else:
-        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    acc, l_i, m_i, sv_run = _fp8_tiles(acc, l_i, m_i, sv_run, q, qs, kT_ptrs, v_ptrs, SK, SV, sk_base, 0, whole,
+                                       offs_m, cols, N, skn, SBLK, False, CAUSAL, BLOCK_N)
+    acc, l_i, m_i, sv_run = _fp8_tiles(acc, l_i, m_i, sv_run, q, qs, kT_ptrs + whole * skn, v_ptrs + whole, SK, SV,
+                                       sk_base, whole, stop, offs_m, cols, N, skn, SBLK, True, CAUSAL, BLOCK_N)
+    o = acc * (sv_run / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
     tl.store(O + b * sob + hq * soh + offs_m[:, None].to(tl.int64) * son + dims[None, :], o.to(O.dtype.element_ty),
              mask=row_ok[:, None])
 
@@ -289,16 +281,15 @@ def launch(q8, k8, vt8, sq, sk, sv, causal: bool, o: torch.Tensor, sblk: int, ti
     assert k8.stride()[:2] == vt8.stride()[:2], "K and V^T share their batch and head strides"
     args = (q8, k8, vt8, o, sq, sk, sv, math.log2(math.e) / math.sqrt(d), N, triton.next_power_of_2(N), h, h // g,
             sblk, sq.shape[2], *q8.stride()[:3], *k8.stride()[:3], vt8.stride(2), *o.stride()[:3])
-    one = sv.shape[2] == 1  # one V scale a head: applied to the output, not to each tile (SV_CONST)
     if tiles is None and q8.device.type == "cpu":  # Triton's interpreter cannot time configs: the first
         tiles = TUNE[d][0]
     if tiles is not None:
         bm, bn, warps, stages = tiles
         assert BLOCK % bn == 0 and BLOCK % bm == 0, "the tiles divide a scale block"
         fp8_fwd.fn[(triton.cdiv(N, bm), B * h)](*args, HEAD_DIM=d, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn,
-                                                 D_TUNED=d, SV_CONST=one, num_warps=warps, num_stages=stages)
+                                                 D_TUNED=d, num_warps=warps, num_stages=stages)
         return o
-    fp8_fwd[lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * h)](*args, HEAD_DIM=d, CAUSAL=causal, SV_CONST=one)
+    fp8_fwd[lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * h)](*args, HEAD_DIM=d, CAUSAL=causal)
     return o
 
 
