@@ -10,7 +10,7 @@ import numbers
 import torch
 
 from .comm import resolve_group
-from .sharding import Shard
+from .sharding import Shard, check_context
 from .weights import slice_heads
 
 NAMES = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")
@@ -21,7 +21,6 @@ def from_full(cls, wq, wk, wv, wo, bq=None, bk=None, bv=None, bo=None, *, heads:
     for G K/V heads (G = H unless grouped-query), wo: [H*d, D]). Keyword arguments go to the
     constructor (uneven_heads=True: a world size that does not divide the heads). A bias given as
     None is not a parameter of the layer (nothing trains it)."""
-    from .module import check_context
     _, rank, world = resolve_group(group)
     head_dim, kv_heads = check_full(dict(wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=bo), heads)
     # rank r: heads as rank r // C of W / C, rows of ring rank r % C

@@ -43,12 +43,12 @@ from .attention import Backend, custom_ops, get_backend, head_chunks
 from .comm import copy_to_ranks, sum_of_copies
 from .commplan import CommPlan, check_style
 from .errors import ConfigError
-from .module import WORLD, LayerModule, check_context, make_comms, resolve_group
+from .module import WORLD, LayerModule, make_comms, resolve_group
 from .ops import mm
 from .outputsum import head_parallel_out, sequence_parallel_out, sequence_parallel_qkv
 from .peer import PeerLinks
 from .planning import LayerPlan
-from .sharding import Shard
+from .sharding import Shard, check_context
 from .timing import section
 
 REDUCE_DTYPES = ("fp32", "model")

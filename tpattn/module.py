@@ -12,7 +12,6 @@ import torch
 from . import convert
 from .attention import get_backend
 from .comm import WORLD, Comm, context_groups, resolve_group  # noqa: F401 (WORLD, re-exported)
-from .errors import ConfigError
 from .peer import PeerLinks
 from .sharding import Shard
 
@@ -20,23 +19,6 @@ from .sharding import Shard
 STYLE = ("backend", "causal", "reduce_dtype", "head_chunk", "sequence_parallel", "overlap", "output_collective",
          "rope_theta", "rope_interleaved", "deterministic", "context_parallel")
 FIXED = frozenset(STYLE + ("heads", "head_dim", "shard", "group", "comm", "peers", "ring"))
-
-
-def check_context(context_parallel: int, world: int, sequence_parallel: bool, output_collective: str = "auto") -> int:
-    """context_parallel (C ranks in the ring), or one line naming the fix."""
-    C = int(context_parallel)
-    if C < 1:
-        raise ConfigError(f"context_parallel must be at least 1 (got {context_parallel}); 1 turns it off")
-    if world % C:
-        ok = ", ".join(str(c) for c in range(1, world + 1) if world % c == 0)
-        raise ConfigError(f"context_parallel={C} does not divide the group's {world} ranks (rings of C ranks, the heads "
-                          f"split over the W/C rings); use context_parallel in {{{ok}}}")
-    if C > 1 and sequence_parallel:
-        raise ConfigError("context_parallel and sequence_parallel both split the sequence: choose one")
-    if C > 1 and output_collective in ("p2p", "oneshot"):
-        raise ConfigError(f"context_parallel sums the heads' partial outputs with NCCL or gloo collectives, not "
-                          f"output_collective={output_collective!r}; use 'auto', 'allreduce' or 'split'")
-    return C
 
 
 def make_comms(group, shard, context_parallel: int):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import spell
+from .errors import ConfigError, spell
 
 
 def divisors(n: int) -> list[int]:
@@ -189,3 +189,20 @@ class Shard:
         r, k = self.head_range, self.kv_head_range
         return (f"rank {self.rank} of {self.world}: heads {r.start}-{r.stop - 1} of {self.heads}, "
                 f"K/V heads {k.start}-{k.stop - 1} of {self.kv_heads}")
+
+
+def check_context(context_parallel: int, world: int, sequence_parallel: bool, output_collective: str = "auto") -> int:
+    """context_parallel (C ranks in the ring), or one line naming the fix."""
+    C = int(context_parallel)
+    if C < 1:
+        raise ConfigError(f"context_parallel must be at least 1 (got {context_parallel}); 1 turns it off")
+    if world % C:
+        ok = ", ".join(str(c) for c in range(1, world + 1) if world % c == 0)
+        raise ConfigError(f"context_parallel={C} does not divide the group's {world} ranks (rings of C ranks, the heads "
+                          f"split over the W/C rings); use context_parallel in {{{ok}}}")
+    if C > 1 and sequence_parallel:
+        raise ConfigError("context_parallel and sequence_parallel both split the sequence: choose one")
+    if C > 1 and output_collective in ("p2p", "oneshot"):
+        raise ConfigError(f"context_parallel sums the heads' partial outputs with NCCL or gloo collectives, not "
+                          f"output_collective={output_collective!r}; use 'auto', 'allreduce' or 'split'")
+    return C
