@@ -32,6 +32,11 @@ refused(lambda: TensorParallelAttention.from_full(*full, heads=6 if R != 1 else 
         "the ranks built this layer differently (heads: rank 0 has 6, rank 1 has 3; head_dim: rank 0 has 4")
 refused(lambda: TensorParallelAttention.from_full(*full, heads=6, causal=R == 2),
         "the ranks built this layer differently (causal: rank 0 has False, rank 2 has True)")
+# a rank whose own checks fail: its line there, the same failure named on the others (not a wait)
+mine = [torch.randn(E, 8), torch.randn(E, 8), torch.randn(E, 8), torch.randn(8, E)]
+refused(lambda: TensorParallelAttention(*mine, heads=6, head_dim=4, causal=True,
+                                        rope_theta=float("nan") if R == 1 else 10000.0),
+        "rope_theta=nan with head_dim=4" if R == 1 else "rank 1 refused this layer: rope_theta=nan with head_dim=4")
 # rows lost without a word: N = 10 over 3 ranks used to give every rank 3 rows and drop row 9
 sp = TensorParallelAttention.from_multihead_attention(mha, sequence_parallel=True)
 refused(lambda: sp.shard_sequence(torch.randn(1, 10, E)),

@@ -96,11 +96,29 @@ class TensorParallelAttention(LayerPlan, LayerModule):
                  uneven_heads: bool = False, rope_theta: float | None = None, rope_interleaved: bool = False,
                  deterministic: bool = False, context_parallel: int = 1):
         super().__init__()
+        self.group, rank, world = resolve_group(group)
+        try:  # this rank's checks and slices; what fails here fails on every rank (_agree_build)
+            self._build(wq, wk, wv, wo, bq, bk, bv, bo, heads, head_dim, backend, causal, reduce_dtype, head_chunk,
+                        sequence_parallel, overlap, output_collective, kv_heads, uneven_heads, rope_theta,
+                        rope_interleaved, deterministic, context_parallel, rank, world)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - re-raised here, and said on the other ranks
+            error = exc
+        self._agree_build(world, error)
+        self.comm, self.ring = make_comms(self.group, self.shard, self.context_parallel)
+        self.peers = PeerLinks(self.comm, output_collective)
+        self._plans: dict[tuple, CommPlan] = {}
+        self._built = True
+
+    def _build(self, wq, wk, wv, wo, bq, bk, bv, bo, heads, head_dim, backend, causal, reduce_dtype, head_chunk,
+               sequence_parallel, overlap, output_collective, kv_heads, uneven_heads, rope_theta, rope_interleaved,
+               deterministic, context_parallel, rank: int, world: int) -> None:
+        """The constructor's checks and this rank's state, before the ranks agree (rank and world: this
+        process in the layer's group)."""
         check_ints(heads=heads, head_dim=head_dim, kv_heads=kv_heads, head_chunk=head_chunk)
         if not isinstance(backend, (str, Backend)) and not callable(getattr(backend, "forward", None)):
             raise TypeError(f"backend must be a name ('reference', 'naive', 'tiled', 'fused', 'triton') or a Backend "
                             f"instance (got {type(backend).__name__})")
-        self.group, rank, world = resolve_group(group)
         self.context_parallel = check_context(context_parallel, world, sequence_parallel, output_collective)
         rank, world = rank // self.context_parallel, world // self.context_parallel  # the heads' ranks
         self.shard = Shard.of(heads, heads if kv_heads is None else kv_heads, world, rank, uneven_heads)
@@ -142,31 +160,42 @@ class TensorParallelAttention(LayerPlan, LayerModule):
         self.biases = torch.nn.ParameterDict({n: param(b) for n, b in (("bq", bq), ("bk", bk), ("bv", bv))
                                               if b is not None and not all(present)})
         self.wo, self.bo = param(wo), param(bo)
-        self._agree_build(world * self.context_parallel)
-        self.comm, self.ring = make_comms(self.group, self.shard, self.context_parallel)
-        self.peers = PeerLinks(self.comm, output_collective)
-        self._plans: dict[tuple, CommPlan] = {}
-        self._built = True
 
-    def _agree_build(self, world: int) -> None:
+    def _agree_build(self, world: int, error: Exception | None) -> None:
         """Every rank of the group built the same layer (its heads, shape, dtype, styles and biases), or
-        the same one line on every rank: a layer built differently on one rank would run other
-        collectives than the rest (a hang) or sum mismatched partials (a wrong output, silently). One
-        gather of a digest at construction, before the layer's process groups are made."""
+        the same refusal on every rank: a layer built differently on one rank would run other
+        collectives than the rest (a hang) or sum mismatched partials (a wrong output, silently), and a
+        rank whose own checks failed would leave the others waiting. One gather of a digest at
+        construction, before the layer's process groups are made (the settings, or the error, gathered
+        whole only when the digests differ, to say what differs). Raises this rank's error, or the
+        first failing rank's."""
         if self.group is None or world == 1:
+            if error is not None:
+                raise error
             return
         from .comm import gather_objects, same_everywhere
-        mine = {"heads": self.heads, "head_dim": self.head_dim, "kv_heads": self.kv_heads, "model_dim": self.model_dim,
-                "dtype": str(self.dtype).replace("torch.", ""), "device": self.wqkv.device.type,
-                "backend": self.backend.name, "causal": self.causal, "reduce_dtype": self.reduce_dtype,
-                "sequence_parallel": self.sequence_parallel, "overlap": self.overlap,
-                "output_collective": self.output_collective, "uneven_heads": self.uneven_heads,
-                "rope_theta": self.rope_theta, "rope_interleaved": self.rope_interleaved,
-                "deterministic": self.deterministic, "context_parallel": self.context_parallel,
-                "biases": tuple(n for n in ("bq", "bk", "bv", "bo") if convert.local_slices(self)[n] is not None)}
-        if same_everywhere(mine, self.group):
+        if error is not None:
+            mine = {"error": f"{error}"}
+        else:
+            mine = {"heads": self.heads, "head_dim": self.head_dim, "kv_heads": self.kv_heads,
+                    "model_dim": self.model_dim, "dtype": str(self.dtype).replace("torch.", ""),
+                    "device": self.wqkv.device.type, "backend": self.backend.name, "causal": self.causal,
+                    "reduce_dtype": self.reduce_dtype, "sequence_parallel": self.sequence_parallel,
+                    "overlap": self.overlap, "output_collective": self.output_collective,
+                    "uneven_heads": self.uneven_heads, "rope_theta": self.rope_theta,
+                    "rope_interleaved": self.rope_interleaved, "deterministic": self.deterministic,
+                    "context_parallel": self.context_parallel,
+                    "biases": tuple(n for n in ("bq", "bk", "bv", "bo") if convert.local_slices(self)[n] is not None)}
+        # every rank takes part in both gathers (the second only when the digests differ: to say what)
+        said = None if same_everywhere(mine, self.group) else gather_objects(mine, self.group)
+        if error is not None:
+            raise error
+        if said is None:
             return
-        said = gather_objects(mine, self.group)  # (only to say what differs)
+        failed = [(r, theirs["error"]) for r, theirs in enumerate(said) if "error" in theirs]
+        if failed:
+            raise ConfigError(f"rank {failed[0][0]} refused this layer: {failed[0][1]} (a layer is built on every "
+                              "rank of its group together)")
         for r, theirs in enumerate(said):
             diff = [k for k in mine if theirs[k] != said[0][k]]
             if diff:
