@@ -37,6 +37,9 @@ mine = [torch.randn(E, 8), torch.randn(E, 8), torch.randn(E, 8), torch.randn(8, 
 refused(lambda: TensorParallelAttention(*mine, heads=6, head_dim=4, causal=True,
                                         rope_theta=float("nan") if R == 1 else 10000.0),
         "rope_theta=nan with head_dim=4" if R == 1 else "rank 1 refused this layer: rope_theta=nan with head_dim=4")
+# full weights that do not fit on one rank only (from_full's own checks): the same exchange
+refused(lambda: TensorParallelAttention.from_full(*full, torch.randn(E + 1 if R == 2 else E), heads=6),
+        "bq has shape (25,), expected (24,)" if R == 2 else "rank 2 refused this layer: bq has shape (25,)")
 # rows lost without a word: N = 10 over 3 ranks used to give every rank 3 rows and drop row 9
 sp = TensorParallelAttention.from_multihead_attention(mha, sequence_parallel=True)
 refused(lambda: sp.shard_sequence(torch.randn(1, 10, E)),

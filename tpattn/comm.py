@@ -566,6 +566,30 @@ def same_everywhere(obj, group=None) -> bool:
     return all(torch.equal(t, everyone[0]) for t in everyone)
 
 
+def agree_build(group, mine: dict | None, error: Exception | None) -> None:
+    """A layer's construction agreed by the ranks of `group` (TensorParallelAttention._agree_build):
+    mine, this rank's settings, or its error. One gather of a digest; when the digests differ, every
+    rank gathers the settings (or errors) to say what differs. Raises this rank's error, else the first
+    failing rank's, else the settings that differ; returns when every rank built the same layer."""
+    from .errors import ConfigError
+    mine = {"error": f"{error}"} if error is not None else mine
+    said = None if same_everywhere(mine, group) else gather_objects(mine, group)  # (both on every rank)
+    if error is not None:
+        raise error
+    if said is None:
+        return
+    failed = [(r, theirs["error"]) for r, theirs in enumerate(said) if "error" in theirs]
+    if failed:
+        raise ConfigError(f"rank {failed[0][0]} refused this layer: {failed[0][1]} (a layer is built on every rank "
+                          "of its group together)")
+    for r, theirs in enumerate(said):
+        diff = [k for k in mine if theirs[k] != said[0][k]]
+        if diff:
+            shown = "; ".join(f"{k}: rank 0 has {said[0][k]!r}, rank {r} has {theirs[k]!r}" for k in diff[:3])
+            raise ConfigError(f"the ranks built this layer differently ({shown}); build it alike on every rank of "
+                              "its group (each rank holds its own heads of the same layer)")
+
+
 def gather_objects(obj, group=None) -> list:
     """Every rank's obj on every rank (pickled; no process group: [obj])."""
     if not (dist.is_available() and dist.is_initialized()):

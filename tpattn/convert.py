@@ -9,7 +9,7 @@ import numbers
 
 import torch
 
-from .comm import resolve_group
+from .comm import agree_build, resolve_group
 from .sharding import Shard, check_context
 from .weights import slice_heads
 
@@ -21,11 +21,16 @@ def from_full(cls, wq, wk, wv, wo, bq=None, bk=None, bv=None, bo=None, *, heads:
     for G K/V heads (G = H unless grouped-query), wo: [H*d, D]). Keyword arguments go to the
     constructor (uneven_heads=True: a world size that does not divide the heads). A bias given as
     None is not a parameter of the layer (nothing trains it)."""
-    _, rank, world = resolve_group(group)
-    head_dim, kv_heads = check_full(dict(wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=bo), heads)
-    # rank r: heads as rank r // C of W / C, rows of ring rank r % C
-    C = check_context(kw.get("context_parallel", 1), world, kw.get("sequence_parallel", False),
-                      kw.get("output_collective", "auto"))
+    grp, rank, world = resolve_group(group)
+    try:
+        head_dim, kv_heads = check_full(dict(wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=bo), heads)
+        # rank r: heads as rank r // C of W / C, rows of ring rank r % C
+        C = check_context(kw.get("context_parallel", 1), world, kw.get("sequence_parallel", False),
+                          kw.get("output_collective", "auto"))
+    except Exception as exc:  # noqa: BLE001 - said on every rank, in the exchange the constructor's would join
+        if world > 1:
+            agree_build(grp, None, exc)
+        raise
     rank, world = rank // C, max(1, world // C)
     if kw.get("kv_heads") not in (None, kv_heads):
         raise ValueError(f"kv_heads={kw['kv_heads']} but wk and wv have {kv_heads} heads of dim {head_dim}")

@@ -173,35 +173,17 @@ class TensorParallelAttention(LayerPlan, LayerModule):
             if error is not None:
                 raise error
             return
-        from .comm import gather_objects, same_everywhere
-        if error is not None:
-            mine = {"error": f"{error}"}
-        else:
-            mine = {"heads": self.heads, "head_dim": self.head_dim, "kv_heads": self.kv_heads,
-                    "model_dim": self.model_dim, "dtype": str(self.dtype).replace("torch.", ""),
-                    "device": self.wqkv.device.type, "backend": self.backend.name, "causal": self.causal,
-                    "reduce_dtype": self.reduce_dtype, "sequence_parallel": self.sequence_parallel,
-                    "overlap": self.overlap, "output_collective": self.output_collective,
-                    "uneven_heads": self.uneven_heads, "rope_theta": self.rope_theta,
-                    "rope_interleaved": self.rope_interleaved, "deterministic": self.deterministic,
-                    "context_parallel": self.context_parallel,
-                    "biases": tuple(n for n in ("bq", "bk", "bv", "bo") if convert.local_slices(self)[n] is not None)}
-        # every rank takes part in both gathers (the second only when the digests differ: to say what)
-        said = None if same_everywhere(mine, self.group) else gather_objects(mine, self.group)
-        if error is not None:
-            raise error
-        if said is None:
-            return
-        failed = [(r, theirs["error"]) for r, theirs in enumerate(said) if "error" in theirs]
-        if failed:
-            raise ConfigError(f"rank {failed[0][0]} refused this layer: {failed[0][1]} (a layer is built on every "
-                              "rank of its group together)")
-        for r, theirs in enumerate(said):
-            diff = [k for k in mine if theirs[k] != said[0][k]]
-            if diff:
-                shown = "; ".join(f"{k}: rank 0 has {said[0][k]!r}, rank {r} has {theirs[k]!r}" for k in diff[:3])
-                raise ConfigError(f"the ranks built this layer differently ({shown}); build it alike on every rank "
-                                  "of its group (each rank holds its own heads of the same layer)")
+        from .comm import agree_build
+        mine = None if error is not None else {
+            "heads": self.heads, "head_dim": self.head_dim, "kv_heads": self.kv_heads, "model_dim": self.model_dim,
+            "dtype": str(self.dtype).replace("torch.", ""), "device": self.wqkv.device.type,
+            "backend": self.backend.name, "causal": self.causal, "reduce_dtype": self.reduce_dtype,
+            "sequence_parallel": self.sequence_parallel, "overlap": self.overlap,
+            "output_collective": self.output_collective, "uneven_heads": self.uneven_heads,
+            "rope_theta": self.rope_theta, "rope_interleaved": self.rope_interleaved,
+            "deterministic": self.deterministic, "context_parallel": self.context_parallel,
+            "biases": tuple(n for n in ("bq", "bk", "bv", "bo") if convert.local_slices(self)[n] is not None)}
+        agree_build(self.group, mine, error)
 
     # ---- the shard: what this rank holds ---------------------------------------------------------
 
