@@ -570,8 +570,13 @@ def agree_build(group, mine: dict | None, error: Exception | None) -> None:
     """A layer's construction agreed by the ranks of `group` (TensorParallelAttention._agree_build):
     mine, this rank's settings, or its error. One gather of a digest; when the digests differ, every
     rank gathers the settings (or errors) to say what differs. Raises this rank's error, else the first
-    failing rank's, else the settings that differ; returns when every rank built the same layer."""
+    failing rank's, else the settings that differ; returns when every rank built the same layer (at
+    once for a layer of one process: group None or of one rank)."""
     from .errors import ConfigError
+    if group is None or dist.get_world_size(group) == 1:
+        if error is not None:
+            raise error
+        return
     mine = {"error": f"{error}"} if error is not None else mine
     said = None if same_everywhere(mine, group) else gather_objects(mine, group)  # (both on every rank)
     if error is not None:

@@ -180,7 +180,7 @@ def validate(cfg: Config, world: int = 1, local_world: int = 1, gpus_on_node: in
                               f"launch at most {n} ranks per node, or use --dist-backend gloo to share GPUs")
     if check_json and cfg.json:
         check_writable(cfg.json, "--json")
-    if cfg.profile is not None and check_json:  # rank 0's path; the others' in the CLI (profile_path)
+    if check_json and cfg.profile:  # rank 0's path; the others' in the CLI (profile_path)
         check_writable(cfg.profile, "--profile")
 
 

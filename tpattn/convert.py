@@ -5,11 +5,10 @@ tpattn/layer.py exposes them as the layer's classmethods and methods."""
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from .comm import agree_build, resolve_group
+from .errors import check_counts
 from .sharding import Shard, check_context
 from .weights import slice_heads
 
@@ -28,8 +27,7 @@ def from_full(cls, wq, wk, wv, wo, bq=None, bk=None, bv=None, bo=None, *, heads:
         C = check_context(kw.get("context_parallel", 1), world, kw.get("sequence_parallel", False),
                           kw.get("output_collective", "auto"))
     except Exception as exc:  # noqa: BLE001 - said on every rank, in the exchange the constructor's would join
-        if world > 1:
-            agree_build(grp, None, exc)
+        agree_build(grp, None, exc)  # (raises exc)
         raise
     rank, world = rank // C, max(1, world // C)
     if kw.get("kv_heads") not in (None, kv_heads):
@@ -45,8 +43,7 @@ def check_full(w: dict, heads) -> tuple[int, int]:
     """(head_dim, kv_heads) of full weights in from_full's layout, or one line naming the weight whose
     shape does not fit the others (a weight too large would otherwise be cut to the heads' slice and
     give wrong outputs silently)."""
-    if isinstance(heads, bool) or not isinstance(heads, numbers.Integral) or heads < 1:
-        raise ValueError(f"heads must be a positive int (got {heads!r})")
+    check_counts(heads=heads)
     for name, t in w.items():
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor or None (got {type(t).__name__})")

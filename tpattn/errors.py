@@ -5,6 +5,7 @@ module can use it without an import circle (tests/test_imports.py checks there i
 from __future__ import annotations
 
 import importlib.util
+import numbers
 import re
 
 __version__ = "0.1.0"
@@ -73,3 +74,15 @@ def rank_ranges(ranks: list[int]) -> str:
         out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
         i = j + 1
     return ",".join(out)
+
+
+def is_count(v) -> bool:
+    """v is a positive int (a Python or numpy integer; not a bool)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1
+
+
+def check_counts(**given) -> None:
+    """Each given count a positive int (None: not given), or one line naming it."""
+    for name, v in given.items():
+        if v is not None and not is_count(v):
+            raise ValueError(f"{name} must be a positive int (got {v!r})")

@@ -21,7 +21,7 @@ import numbers
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, is_count
 from .layer import TensorParallelAttention
 from .module import WORLD
 from .paged import PAGE_SIZE, PagedKV
@@ -68,8 +68,8 @@ class ParallelLlama(torch.nn.Module):
         fp16, the attention read from dequantized pages) or None (the model's dtype)."""
         prompts = _token_lists(prompts, self.model.get_input_embeddings().num_embeddings)
         budget = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
-        if (len(budget) != len(prompts) or not all(_count(n) for n in budget + [max_batch])
-                or (pages is not None and not _count(pages))):
+        if (len(budget) != len(prompts) or not all(is_count(n) for n in budget + [max_batch])
+                or (pages is not None and not is_count(pages))):
             raise ConfigError(f"generate needs max_new_tokens a positive int (one, or one per prompt), max_batch and "
                               f"pages positive ints (got {max_new_tokens}, {max_batch}, {pages})")
         eos = getattr(self.model.generation_config, "eos_token_id", None) if eos_token_id == -1 else eos_token_id
@@ -136,10 +136,6 @@ class ParallelLlama(torch.nn.Module):
             for s, t in zip(ids, nxt.tolist()):
                 took(s, t)
         return out
-
-
-def _count(n) -> bool:
-    return isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1
 
 
 def _token_lists(prompts, vocab: int) -> list[list[int]]:

@@ -34,7 +34,6 @@ built: assigning a setting raises, replace(**changes) builds another layer with 
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
@@ -42,7 +41,7 @@ from . import convert, decode, faults, paged
 from .attention import Backend, custom_ops, get_backend, head_chunks
 from .comm import copy_to_ranks, sum_of_copies
 from .commplan import CommPlan, check_style
-from .errors import ConfigError
+from .errors import ConfigError, check_counts
 from .module import WORLD, LayerModule, make_comms, resolve_group
 from .ops import mm
 from .outputsum import head_parallel_out, sequence_parallel_out, sequence_parallel_qkv
@@ -52,13 +51,6 @@ from .sharding import Shard, check_context
 from .timing import section
 
 REDUCE_DTYPES = ("fp32", "model")
-
-
-def check_ints(**given) -> None:
-    """Each given count a positive int (None: not given), or one line naming it."""
-    for name, v in given.items():
-        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1):
-            raise ValueError(f"{name} must be a positive int (got {v!r})")
 
 
 class TensorParallelAttention(LayerPlan, LayerModule):
@@ -104,7 +96,7 @@ class TensorParallelAttention(LayerPlan, LayerModule):
             error = None
         except Exception as exc:  # noqa: BLE001 - re-raised here, and said on the other ranks
             error = exc
-        self._agree_build(world, error)
+        self._agree_build(error)
         self.comm, self.ring = make_comms(self.group, self.shard, self.context_parallel)
         self.peers = PeerLinks(self.comm, output_collective)
         self._plans: dict[tuple, CommPlan] = {}
@@ -115,7 +107,7 @@ class TensorParallelAttention(LayerPlan, LayerModule):
                deterministic, context_parallel, rank: int, world: int) -> None:
         """The constructor's checks and this rank's state, before the ranks agree (rank and world: this
         process in the layer's group)."""
-        check_ints(heads=heads, head_dim=head_dim, kv_heads=kv_heads, head_chunk=head_chunk)
+        check_counts(heads=heads, head_dim=head_dim, kv_heads=kv_heads, head_chunk=head_chunk)
         if not isinstance(backend, (str, Backend)) and not callable(getattr(backend, "forward", None)):
             raise TypeError(f"backend must be a name ('reference', 'naive', 'tiled', 'fused', 'triton') or a Backend "
                             f"instance (got {type(backend).__name__})")
@@ -161,18 +153,12 @@ class TensorParallelAttention(LayerPlan, LayerModule):
                                               if b is not None and not all(present)})
         self.wo, self.bo = param(wo), param(bo)
 
-    def _agree_build(self, world: int, error: Exception | None) -> None:
+    def _agree_build(self, error: Exception | None) -> None:
         """Every rank of the group built the same layer (its heads, shape, dtype, styles and biases), or
-        the same refusal on every rank: a layer built differently on one rank would run other
-        collectives than the rest (a hang) or sum mismatched partials (a wrong output, silently), and a
-        rank whose own checks failed would leave the others waiting. One gather of a digest at
-        construction, before the layer's process groups are made (the settings, or the error, gathered
-        whole only when the digests differ, to say what differs). Raises this rank's error, or the
-        first failing rank's."""
-        if self.group is None or world == 1:
-            if error is not None:
-                raise error
-            return
+        the same refusal on every rank (comm.agree_build): a layer built differently on one rank would
+        run other collectives than the rest (a hang) or sum mismatched partials (a wrong output,
+        silently), and a rank whose own checks failed would leave the others waiting. Raises this rank's
+        error, or the first failing rank's."""
         from .comm import agree_build
         mine = None if error is not None else {
             "heads": self.heads, "head_dim": self.head_dim, "kv_heads": self.kv_heads, "model_dim": self.model_dim,
