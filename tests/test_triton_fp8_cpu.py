@@ -56,6 +56,23 @@ def test_fp8_forward_blocks_follow_their_scales(tiles):
 
 
 @interp
+def test_fp8_forward_of_tiny_queries_and_keys_is_finite():
+    """bf16 Q and K near 1e-22: their scales' product (the scores' factor) underflows fp32, and a
+    factor of 0 made the masked tiles' -inf scores NaN (-inf * 0). The scores are ~1e-38: attention
+    is the mean of the visible V rows, as float64 says."""
+    from tpattn.attention import triton_fp8
+    _patch_interpreter_fp8_casts()
+    _patch_interpreter_bf16_dot()
+    q, k, v = fp8.inputs(1, 2, 1, 150, 64, seed=3)
+    q, k, v = (q * 1e-22).bfloat16(), (k * 1e-22).bfloat16(), v.bfloat16()
+    o = triton_fp8.attention(q, k, v, True, "head", False, tiles=(64, 64, 4, 2))
+    ref = fp8.attention_float64(q.double(), k.double(), v.double(), True)
+    emulated = fp8.attention_fp8(q.double(), k.double(), v.double(), True, "head", False)
+    assert torch.isfinite(o).all()
+    assert fp8.rmse(o, ref) < 1.1 * fp8.rmse(emulated, ref), (fp8.rmse(o, ref), fp8.rmse(emulated, ref))
+
+
+@interp
 def test_fp8_forward_refuses_what_it_does_not_take():
     from tpattn.attention import triton_fp8
     q = torch.zeros(1, 3, 16, 96, dtype=torch.float16)

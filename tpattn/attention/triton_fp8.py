@@ -70,7 +70,7 @@ def _fp8_tiles(acc, l_i, m_i, sv_run, q, qs, kT_ptrs, v_ptrs, SK, SV, sk_base, s
             kT = tl.load(kT_ptrs)
             v = tl.load(v_ptrs)
         blk = n0 // SBLK
-        c = qs * tl.load(SK + sk_base + blk)
+        c = tl.maximum(qs * tl.load(SK + sk_base + blk), 1.1754943508222875e-38)  # (>= 2^-126: an fp32 constant)
         raw = tl.dot(q, kT)
         if MASK:
             keep = key_ok[None, :]
@@ -86,7 +86,7 @@ def _fp8_tiles(acc, l_i, m_i, sv_run, q, qs, kT_ptrs, v_ptrs, SK, SV, sk_base, s
         l_i = l_i * alpha + tl.sum(p, 1)
         pv = tl.dot(p.to(tl.float8e4nv, fp_downcast_rounding="rtne"), v)
         sv = tl.load(SV + sk_base + blk)  # (> 0: a block of zeros has scale 1)
-        acc = acc * (alpha * (sv_run / sv))[:, None] + pv
+        acc = acc * (alpha * tl.math.div_rn(sv_run, sv))[:, None] + pv  # (rounded division: x / x is 1 exactly)
         sv_run = sv
         m_i = m_new
         kT_ptrs += BLOCK_N * skn
