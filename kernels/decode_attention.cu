@@ -496,18 +496,25 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
             // PAGED: where a tile's keys lie. Pages of a power of two of 16 tokens or more hold whole
             // 16-key tiles (t0 is a multiple of 16): one block-table lookup a tile, issued one load
             // ahead (pg_next: the page of the next tile this warp loads), so that no load waits on a
-            // lookup; smaller pages: a lookup a key (dec_at)
+            // lookup; smaller pages: a lookup a key (dec_at). FP8 pages without PIPE look the tile's
+            // page up as it loads: the register carried between tiles made those kernels spill at D = 64
             const bool whole = PAGED && page >= 16 && (page & (page - 1)) == 0;
+            constexpr bool AHEAD = PIPE || sizeof(KV) == 2;
             auto page_of = [&](int t) -> int {
                 return whole && t < k1 ? __ldg(table + (long long)b * tstride + (t >> (__ffs(page) - 1))) : 0;
             };
             int pg_next = 0;
-            if constexpr (PAGED) pg_next = page_of(k0 + 16 * warp);
+            if constexpr (PAGED && AHEAD) pg_next = page_of(k0 + 16 * warp);
             auto tile_base = [&](int t0) -> long long {  // (whole) tile t0's first key, then the next lookup
                 if (!whole) return 0;
-                const long long tb = (((long long)pg_next * G + g) * page + (t0 & (page - 1))) * D;
-                pg_next = page_of(t0 + 16 * W);
-                return tb;
+                int pg;
+                if constexpr (AHEAD) {
+                    pg = pg_next;
+                    pg_next = page_of(t0 + 16 * W);
+                } else {
+                    pg = page_of(t0);
+                }
+                return (((long long)pg * G + g) * page + (t0 & (page - 1))) * D;
             };
             // a tile's K and V fragments; keys past the chunk load zeros (and no memory)
             auto load = [&](int t0, tc_u4 (&kr)[2][E / 8], tc_u4 (&vr)[4][NT / 8]) {
