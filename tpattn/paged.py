@@ -313,7 +313,8 @@ class PagedStep:
     def prefill_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(block table int32 [n, most pages], row offsets cu int32 [n + 1], lengths before the step
         int32 [n]) of the step's n sequences on the pool's device, in one copy: what the Triton paged
-        prefill reads. Made once."""
+        prefill reads (the other prefills gather each sequence's pages through the table). Made once
+        a step, for all its layers."""
         if self._prefill is None:
             n = len(self.slots)
             table, rest = self._with_table(self.cu + self.starts)
@@ -416,10 +417,11 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
         total.add_rows(0, R, o.view(R, h * d))
         return total.result().view(B, N, D)
     fused = layer.backend.name == "fused" and fused_prefix_fits(q) and not scales
+    table = step.prefill_tables()[0]  # (one copy a step, for every layer and sequence)
     with section("attention"):
-        for i, (s, T, L0) in enumerate(zip(step.slots, step.rows, step.starts)):
+        for i, (T, L0) in enumerate(zip(step.rows, step.starts)):
             n = L0 + T
-            pages = _on_device(torch.tensor(pool.tables[s][:-(-n // P)], dtype=torch.int64), x.device)
+            pages = table[i, :-(-n // P)]
             # its pages gathered per K/V head in one pass each: [g, pages, P, d] seen as [1, g, n, d]
             ks, vs = (_gather(t, pages, sc, n) for t, sc in zip((kp, vp), scales or (None, None)))
             r0 = step.cu[i]
