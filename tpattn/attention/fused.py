@@ -366,7 +366,9 @@ class FusedBackend(CudaBackend):
         row r is the sum's row (i ldn + qoff + r) of its flat [B h n] rows, which is where its L and Dl
         are read: ldn = N with h' = h n / N (the sum's rows seen as more heads; N and n multiples of 64
         when h' > h), or ldn = n and qoff a multiple of 64 (a range of each head's rows, ending on a tile or at
-        n). Anything else is refused (its dQ tiles would land on other rows')."""
+        n). Anything else is refused (its dQ tiles would land on other rows'). causal masks by the call's
+        own rows and keys (row r sees keys 0..r), whatever qoff: the ring's causal pieces are the diagonal
+        block (qoff 0) and whole blocks below it (causal False)."""
         b, h, n, d = q.shape
         bad = summing_refusal(sums.shape, q.shape, ldn, qoff)
         if bad:
