@@ -40,6 +40,11 @@ refused(lambda: TensorParallelAttention(*mine, heads=6, head_dim=4, causal=True,
 # full weights that do not fit on one rank only (from_full's own checks): the same exchange
 refused(lambda: TensorParallelAttention.from_full(*full, torch.randn(E + 1 if R == 2 else E), heads=6),
         "bq has shape (25,), expected (24,)" if R == 2 else "rank 2 refused this layer: bq has shape (25,)")
+# K/V heads that only one rank's weights contradict (kv_heads=3 given, rank 1's wk and wv hold 1 head)
+kv = E // 6 * (1 if R == 1 else 3)
+refused(lambda: TensorParallelAttention.from_full(full[0], torch.randn(E, kv), torch.randn(E, kv), full[3], heads=6,
+                                                  kv_heads=3),
+        "kv_heads=3 but wk and wv have 1 heads" if R == 1 else "rank 1 refused this layer: kv_heads=3 but wk and wv")
 # rows lost without a word: N = 10 over 3 ranks used to give every rank 3 rows and drop row 9
 sp = TensorParallelAttention.from_multihead_attention(mha, sequence_parallel=True)
 refused(lambda: sp.shard_sequence(torch.randn(1, 10, E)),

@@ -21,21 +21,22 @@ def from_full(cls, wq, wk, wv, wo, bq=None, bk=None, bv=None, bo=None, *, heads:
     constructor (uneven_heads=True: a world size that does not divide the heads). A bias given as
     None is not a parameter of the layer (nothing trains it)."""
     grp, rank, world = resolve_group(group)
-    try:
-        head_dim, kv_heads = check_full(dict(wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=bo), heads)
+    full = dict(wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=bo)
+    try:  # every refusal before the constructor's: said on every rank, in the exchange it would join
+        head_dim, kv_heads = check_full(full, heads)
         # rank r: heads as rank r // C of W / C, rows of ring rank r % C
         C = check_context(kw.get("context_parallel", 1), world, kw.get("sequence_parallel", False),
                           kw.get("output_collective", "auto"))
-    except Exception as exc:  # noqa: BLE001 - said on every rank, in the exchange the constructor's would join
+        rank, world = rank // C, max(1, world // C)
+        if kw.get("kv_heads") not in (None, kv_heads):
+            raise ValueError(f"kv_heads={kw['kv_heads']} but wk and wv have {kv_heads} heads of dim {head_dim}")
+        shard = Shard.of(heads, kv_heads, world, rank, kw.get("uneven_heads", False))
+        mine = slice_heads({k: t for k, t in full.items() if t is not None}, shard.head_range, head_dim,
+                           shard.kv_head_range)
+    except Exception as exc:  # noqa: BLE001
         agree_build(grp, None, exc)  # (raises exc)
         raise
-    rank, world = rank // C, max(1, world // C)
-    if kw.get("kv_heads") not in (None, kv_heads):
-        raise ValueError(f"kv_heads={kw['kv_heads']} but wk and wv have {kv_heads} heads of dim {head_dim}")
     kw["kv_heads"] = kv_heads
-    shard = Shard.of(heads, kv_heads, world, rank, kw.get("uneven_heads", False))
-    full = {k: t for k, t in dict(wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=bo).items() if t is not None}
-    mine = slice_heads(full, shard.head_range, head_dim, shard.kv_head_range)
     return cls(**mine, heads=heads, head_dim=head_dim, group=group, **kw)
 
 
