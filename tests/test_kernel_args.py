@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tpattn.attention import CudaBackend, fused, naive, tiled
+from tpattn.config import ConfigError
 from tpattn.cuda import TensorMap, kernel_source
 
 CPP = shutil.which("cpp")
@@ -232,6 +233,24 @@ def test_five_product_backward_and_the_rings_dq_sum_launches(launches, monkeypat
     assert dk.shape == dv.shape == (b, g, m, d) and dq.shape == q.shape and dq.dtype == q.dtype
     with pytest.raises(ValueError, match="not tile-aligned"):
         be.backward_summing(q[:, :, 32:], k[:, :, 32:], v[:, :, 32:], do[:, :, 32:], False, sums, n, 32)
+
+
+@pytest.mark.parametrize("d", [192, 256])
+def test_fused_ws_wide_head_dims(launches, monkeypatch, d):
+    """Head dims 192 and 256: fusedw even for a call of few tiles (there is no fused2 for them), K and V
+    tensor maps in boxes of 64 keys (the kernel's key tile there); the backward is the Triton rung's
+    (launched through its own path, not these kernels'); not on compute capability 8.x."""
+    monkeypatch.setattr(fused, "_device_info", lambda dev: (132, (9, 0)))
+    monkeypatch.delenv("TPATTN_FUSED_GRID", raising=False)
+    q, k, v = qkv(1, 2, 1, 100, d)
+    fused.FusedBackend().forward(q, k, v, True)
+    (source, name, grid, block, args), = launches
+    check_launch(source, name, grid, block, args)
+    assert name == f"fusedw_f16_d{d}" and block == (384, 1, 1) and grid == (2, 1, 1)
+    assert args[0].box == (64, 128) and args[1].box == args[2].box == (64, 64)
+    monkeypatch.setattr(fused, "_device_info", lambda dev: (108, (8, 0)))
+    with pytest.raises(ConfigError, match=f"head dim {d} runs on compute capability 9.0 only"):
+        fused.FusedBackend().forward(q, k, v, True)
 
 
 @pytest.mark.parametrize("causal", [False, True])

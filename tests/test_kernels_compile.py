@@ -97,15 +97,20 @@ def test_hopper_kernels_exist_and_are_refused_elsewhere(monkeypatch):
 
 
 def test_fusedw_shared_memory_matches_its_stages(monkeypatch):
-    """fusedw's shared memory: two Q stages, 2 x KVS K/V stages (the .cu file's and the host's KVS
-    agree), barriers and tile numbers; within the 227 KB a block may have on 9.0."""
-    from tpattn.attention.fused import WS_KV_STAGES, kernel_for
+    """fusedw's shared memory: QS Q stages of 128 rows, 2 x KVS K/V stages of BC keys (the .cu file's
+    and the host's QS, KVS and BC agree), barriers and tile numbers; within the 227 KB a block may have
+    on 9.0, at every head dim it is built for (192 and 256: tiles of 64 keys, one Q stage at 256)."""
+    from tpattn.attention.fused import WIDE_HEAD_DIMS, WS_KEY_TILE, WS_KV_STAGES, WS_Q_STAGES, kernel_for
     monkeypatch.delenv("TPATTN_FUSED_CFG", raising=False)
     src = kernel_source("fused_ws_attention.cu")
-    assert "KVS = D == 64 ? 4 : 2" in src and WS_KV_STAGES == {64: 4, 128: 2}
-    for d in (64, 128):
+    assert "BC = D > 128 ? 64 : 128" in src and WS_KEY_TILE == {64: 128, 128: 128, 192: 64, 256: 64}
+    assert "QS = D == 256 ? 1 : 2, KVS = D == 64 ? 4 : 2" in src
+    assert WS_Q_STAGES == {64: 2, 128: 2, 192: 2, 256: 1} and WS_KV_STAGES == {64: 4, 128: 2, 192: 2, 256: 2}
+    for d in (64, 128) + WIDE_HEAD_DIMS:
+        assert f"TW_DEFINE(fusedw, bf16, true, {d}, 2)" in src
         ch = kernel_for(d, "bf16", (9, 0))
-        assert ch.name == f"fusedw_bf16_d{d}" and ch.shared == (2 + 2 * WS_KV_STAGES[d]) * 128 * d * 2 + 1280
+        assert ch.name == f"fusedw_bf16_d{d}"
+        assert ch.shared == (WS_Q_STAGES[d] * 128 + 2 * WS_KV_STAGES[d] * WS_KEY_TILE[d]) * d * 2 + 1280
         assert ch.shared <= 232448
     # fusedw3 (d = 64): two Q stages of 192 rows, three consumer warpgroups
     ch = kernel_for(64, "bf16", (9, 0), rows=4096)
