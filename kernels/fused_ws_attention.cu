@@ -61,12 +61,14 @@
 //
 // Layout (as fused_hopper_attention.cu): Q and O [B, H, N, D], K and V [B, H / group, N, D] or strided
 // views (the QKV GEMM output read in place), 16-bit. Q, K and V arrive as TMA tensor maps over
-// (D, N, heads, B) with a box of 64 columns x BR rows for Q and 64 x 128 for K and V
-// (tpattn/attention/fused.py encodes them); O as a pointer and its strides. D = 64 or 128. Query
+// (D, N, heads, B) with a box of 64 columns x BR rows for Q and 64 x BC for K and V
+// (tpattn/attention/fused.py encodes them); O as a pointer and its strides. D = 64 or 128 here, and in
+// fused_ws_dims.cu 192 and 256 (key tiles of BC = 64 keys, one Q stage at 256) and, on those kernels,
+// head dims DS below D (32, 80, 96, 160; the maps' zeros past DS). Query
 // rows [row_begin, row_end) of every head are computed, in tiles of BR rows from row_begin (rows of
 // the last tile past row_end are computed and not stored). Grid x: any number of blocks up to the
 // tile count (tiles = ceil((row_end - row_begin) / BR) * B * H); block 128 (NC + 1) threads; dynamic shared memory
-// (2 * BR + 2 * KVS * BC) * D * 2 + 1024 + 256 bytes (the last 256: the mbarriers). sched: null (the static order) or two int32 zeros in device
+// (QS * BR + 2 * KVS * BC) * D * 2 + 1024 + 256 bytes (the last 256: the mbarriers). sched: null (the static order) or two int32 zeros in device
 // memory that this kernel alone uses (and leaves at zero), 8 bytes of padding, then 32 bytes a block
 // for the tile numbers (two 16-byte slots). Needs compute capability 9.0 (sm_90a).
 
@@ -170,7 +172,7 @@ __device__ __forceinline__ tw_tile tw_tile_of(long long t, int nq, int row_begin
         __VA_ARGS__;                       \
     }
 
-template <int D, bool BF16, int NC>
+template <int D, bool BF16, int NC, int DS = D>
 __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, const tw_tmap *vm,
                                          tc_u16 *__restrict__ O, float *__restrict__ Lse, int BH, int N,
                                          float scale_log2, int causal,
@@ -202,7 +204,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
     // a ring position k (K/V tiles counted over the block's whole run): its stage and phase parity
     auto stage = [](int k) { return k % KVS; };
     auto parity = [](int k) { return (k / KVS) & 1; };
-    constexpr int CH = D / 8;  // 16-byte chunks of a row of O
+    constexpr int CH = D / 8, CHS = DS / 8;  // 16-byte chunks of a row of O: computed, stored (the head dim's)
     const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
     const int nq = (row_end - row_begin + BR - 1) / BR;
     const long long tiles = (long long)nq * BH;
@@ -312,8 +314,8 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 tc_u16 *Oh = O + b * o_sb + hh * o_sh + (long long)x.q0 * o_ld;
                 const tc_u32 sQs = sQ + qs * QB;
                 tw_bar_wait(o_full(qs), q_parity(n));
-                for (int e = tid - 32; e < rows * CH; e += 96) {
-                    const int r = e / CH, ch = e - r * CH;
+                for (int e = tid - 32; e < rows * CHS; e += 96) {
+                    const int r = e / CHS, ch = e - r * CHS;
                     *(tc_u4 *)(Oh + (long long)r * o_ld + ch * 8) = hw_ld_shared4(sQs + hw_swz<BR>(r, ch));
                 }
                 hw_fence_proxy();  // these generic reads of the Q stage before a later tile's TMA writes it
@@ -521,23 +523,38 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
     if (c == 0) my_turn();  // the last consumer's last turn hand-over, so no barrier is left half arrived
 }
 
-#define TW_DEFINE(NAME, SUF, BF16, D, NC)                                                                \
+// DS: the head dim the tensors have, at most the D the kernel computes with (the tensor maps read zeros
+// in Q, K and V's columns past DS, so S is Q K^T over DS columns and O's columns past DS are zeros; the
+// writers store DS of them). The kernel's name carries DS.
+#define TW_DEFINE_DS(NAME, SUF, BF16, D, NC, DS)                                                        \
     extern "C" __global__ void __launch_bounds__(128 + 128 * NC, 1)                                     \
-        NAME##_##SUF##_d##D(const __grid_constant__ tw_tmap qm, const __grid_constant__ tw_tmap km,     \
-                            const __grid_constant__ tw_tmap vm, tc_u16 *__restrict__ O,                  \
-                            float *__restrict__ Lse, int BH, int N,                                      \
-                            float scale_log2, int causal, int row_begin, int row_end, int H, int group,  \
-                            long long o_sb, long long o_sh, int o_ld, int hg, int *__restrict__ sched) { \
-        tw_fused<D, BF16, NC>(&qm, &km, &vm, O, Lse, BH, N, scale_log2, causal, row_begin, row_end, H, group, \
-                              o_sb, o_sh, o_ld, hg, sched);                                              \
+        NAME##_##SUF##_d##DS(const __grid_constant__ tw_tmap qm, const __grid_constant__ tw_tmap km,    \
+                             const __grid_constant__ tw_tmap vm, tc_u16 *__restrict__ O,                 \
+                             float *__restrict__ Lse, int BH, int N,                                     \
+                             float scale_log2, int causal, int row_begin, int row_end, int H, int group, \
+                             long long o_sb, long long o_sh, int o_ld, int hg, int *__restrict__ sched) { \
+        tw_fused<D, BF16, NC, DS>(&qm, &km, &vm, O, Lse, BH, N, scale_log2, causal, row_begin, row_end, H, \
+                                  group, o_sb, o_sh, o_ld, hg, sched);                                   \
     }
+#define TW_DEFINE(NAME, SUF, BF16, D, NC) TW_DEFINE_DS(NAME, SUF, BF16, D, NC, D)
+#ifndef TW_OTHER_DIMS
 TW_DEFINE(fusedw, f16, false, 64, 2)
 TW_DEFINE(fusedw, bf16, true, 64, 2)
 TW_DEFINE(fusedw, f16, false, 128, 2)
 TW_DEFINE(fusedw, bf16, true, 128, 2)
 TW_DEFINE(fusedw3, f16, false, 64, 3)
 TW_DEFINE(fusedw3, bf16, true, 64, 3)
+#else  // fused_ws_dims.cu: the other head dims users run, each on the next of 64, 128, 192, 256
 TW_DEFINE(fusedw, f16, false, 192, 2)
 TW_DEFINE(fusedw, bf16, true, 192, 2)
 TW_DEFINE(fusedw, f16, false, 256, 2)
 TW_DEFINE(fusedw, bf16, true, 256, 2)
+TW_DEFINE_DS(fusedw, f16, false, 64, 2, 32)
+TW_DEFINE_DS(fusedw, bf16, true, 64, 2, 32)
+TW_DEFINE_DS(fusedw, f16, false, 128, 2, 80)
+TW_DEFINE_DS(fusedw, bf16, true, 128, 2, 80)
+TW_DEFINE_DS(fusedw, f16, false, 128, 2, 96)
+TW_DEFINE_DS(fusedw, bf16, true, 128, 2, 96)
+TW_DEFINE_DS(fusedw, f16, false, 192, 2, 160)
+TW_DEFINE_DS(fusedw, bf16, true, 192, 2, 160)
+#endif

@@ -1,5 +1,7 @@
-"""GPU tests (`pytest -m gpu`) of --kernel fused at head dims 192 and 256: fusedw with key tiles of 64
-keys (and one Q stage at 256) forward, the Triton rung's backward behind FusedBackend.backward.
+"""GPU tests (`pytest -m gpu`) of --kernel fused at the head dims other than 64 and 128 (fused_ws_dims.cu):
+fusedw at 192 and 256 (key tiles of 64 keys, one Q stage at 256) and at 32, 80, 96 and 160 on the
+kernel of the next of 64, 128 and 192 (zeros read past the head dim), forward; the Triton rung's
+backward behind FusedBackend.backward.
 Forward against float64 and the reference on odd N (1 to 4097, sequence ends inside a 64-key tile and
 on its edge), causal and not, fp16 and bf16, GQA; the persistent grid's orders giving the same bits;
 row chunks and strided views (the layer's QKV output read in place) giving the full call's bits; the
@@ -18,8 +20,8 @@ from tpattn.config import ConfigError
 pytestmark = pytest.mark.gpu
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-needs_hopper = pytest.mark.skipif(not HOPPER, reason="fusedw at head dims 192 and 256 needs compute capability 9.0")
-WIDE = [192, 256]
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="fusedw at these head dims needs compute capability 9.0")
+OTHER = [32, 80, 96, 160, 192, 256]
 
 
 def nan_like(t):
@@ -34,10 +36,10 @@ def grid(request, monkeypatch):
 
 
 @needs_hopper
-def test_fused_picks_fusedw_at_wide_head_dims_however_small_the_call():
+def test_fused_picks_fusedw_at_other_head_dims_however_small_the_call():
     from tpattn.attention.fused import kernel_for
     cc = torch.cuda.get_device_capability()
-    for d in WIDE:
+    for d in OTHER:
         assert kernel_for(d, "f16", cc, wide=False).name == f"fusedw_f16_d{d}"
         with pytest.raises(ConfigError, match=rf"head dim {d} runs on compute capability 9.0 only"):
             kernel_for(d, "bf16", (8, 0))
@@ -45,10 +47,10 @@ def test_fused_picks_fusedw_at_wide_head_dims_however_small_the_call():
 
 @needs_hopper
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", WIDE)
-@pytest.mark.parametrize("n", [1, 17, 63, 64, 65, 129, 1000, 4097])
+@pytest.mark.parametrize("d", OTHER)
+@pytest.mark.parametrize("n", [1, 17, 64, 65, 129, 1000, 4097])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_wide_fused_matches_reference_and_float64(dtype, n, d, causal, grid):
+def test_other_dims_fused_matches_reference_and_float64(dtype, n, d, causal, grid):
     q, k, v = qkv(2, 3, n, d, DT[dtype], seed=n * 1000 + d + 5)
     out = nan_like(q)
     o = get_backend("fused").forward(q, k, v, causal, out=out)
@@ -61,9 +63,9 @@ def test_wide_fused_matches_reference_and_float64(dtype, n, d, causal, grid):
 
 @needs_hopper
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", WIDE)
+@pytest.mark.parametrize("d", OTHER)
 @pytest.mark.parametrize("n", [197, 1500, 4097])
-def test_wide_fused_tile_orders_give_the_same_bits(d, n, causal, monkeypatch):
+def test_other_dims_fused_tile_orders_give_the_same_bits(d, n, causal, monkeypatch):
     """More tiles than SMs (B x H = 32): the counter (sms), every grid-th tile (static) and a block per
     tile give the same bits, three calls in a row each (the counter back at zero after each)."""
     monkeypatch.delenv("TPATTN_FUSED_CFG", raising=False)
@@ -81,10 +83,10 @@ def test_wide_fused_tile_orders_give_the_same_bits(d, n, causal, monkeypatch):
 @needs_hopper
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("h,g", [(8, 2), (8, 1)])
-@pytest.mark.parametrize("d", WIDE)
+@pytest.mark.parametrize("d", OTHER)
 @pytest.mark.parametrize("n", [17, 1000])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_wide_fused_gqa(dtype, n, d, h, g, causal, monkeypatch):
+def test_other_dims_fused_gqa(dtype, n, d, h, g, causal, monkeypatch):
     monkeypatch.delenv("TPATTN_FUSED_CFG", raising=False)
     q, k, v = gqa_qkv(2, h, g, n, d, DT[dtype], seed=n + d + g)
     check_gqa("fused", q, k, v, causal, dtype)
@@ -92,8 +94,8 @@ def test_wide_fused_gqa(dtype, n, d, h, g, causal, monkeypatch):
 
 @needs_hopper
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", WIDE)
-def test_wide_fused_row_chunks_strided_views_and_lse(d, causal, monkeypatch):
+@pytest.mark.parametrize("d", OTHER)
+def test_other_dims_fused_row_chunks_strided_views_and_lse(d, causal, monkeypatch):
     """Row chunks [r0, r1) (the paged and chunked prefill's calls) give the whole call's rows bit for bit;
     q, k, v as views of one packed QKV tensor [B, N, h + 2g, d] (the layer's GEMM output, read in place
     by the tensor maps) give the contiguous call's bits; the logsumexp is float64's."""
@@ -120,8 +122,8 @@ def test_wide_fused_row_chunks_strided_views_and_lse(d, causal, monkeypatch):
 
 
 @needs_hopper
-@pytest.mark.parametrize("d", WIDE)
-def test_wide_fused_causal_in_a_cuda_graph(d, monkeypatch):
+@pytest.mark.parametrize("d", OTHER)
+def test_other_dims_fused_causal_in_a_cuda_graph(d, monkeypatch):
     monkeypatch.delenv("TPATTN_FUSED_CFG", raising=False)
     monkeypatch.delenv("TPATTN_FUSED_GRID", raising=False)
     q, k, v = qkv(2, 16, 2048, d, torch.bfloat16, seed=3)
@@ -145,10 +147,10 @@ def test_wide_fused_causal_in_a_cuda_graph(d, monkeypatch):
 
 @needs_hopper
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", WIDE)
+@pytest.mark.parametrize("d", [32, 96, 256])
 @pytest.mark.parametrize("h,g,n,dtype", [(4, 4, 1, torch.float16), (4, 2, 333, torch.float16),
                                          (4, 1, 1000, torch.bfloat16)])
-def test_wide_fused_gradients(h, g, n, dtype, d, causal):
+def test_other_dims_fused_gradients(h, g, n, dtype, d, causal):
     """Through the layer's autograd function (fusedw's forward saving L, the Triton rung's backward
     reading it): FlashAttention's rule against float64 (tests/backward_check.py); a second backward
     gives the same bits, and out= (the layer's packed gradient) receives them."""

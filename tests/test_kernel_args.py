@@ -11,6 +11,7 @@ head a query head reads (group, K/V strides) are checked too, for grouped-query 
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 import subprocess
@@ -235,19 +236,22 @@ def test_five_product_backward_and_the_rings_dq_sum_launches(launches, monkeypat
         be.backward_summing(q[:, :, 32:], k[:, :, 32:], v[:, :, 32:], do[:, :, 32:], False, sums, n, 32)
 
 
-@pytest.mark.parametrize("d", [192, 256])
-def test_fused_ws_wide_head_dims(launches, monkeypatch, d):
-    """Head dims 192 and 256: fusedw even for a call of few tiles (there is no fused2 for them), K and V
-    tensor maps in boxes of 64 keys (the kernel's key tile there); the backward is the Triton rung's
-    (launched through its own path, not these kernels'); not on compute capability 8.x."""
+@pytest.mark.parametrize("d,keys", [(32, 128), (80, 128), (96, 128), (160, 64), (192, 64), (256, 64)])
+def test_fused_ws_other_head_dims(launches, monkeypatch, d, keys):
+    """The head dims other than 64 and 128: fusedw of fused_ws_dims.cu even for a call of few tiles
+    (there is no fused2 for them), the tensor maps over the head dim itself (the kernel computing with
+    the next of 64, 128, 192 reads zeros past it), K and V in boxes of the kernel's key tile (64 keys
+    above 128 columns); refused on compute capability 8.x in one line."""
     monkeypatch.setattr(fused, "_device_info", lambda dev: (132, (9, 0)))
     monkeypatch.delenv("TPATTN_FUSED_GRID", raising=False)
     q, k, v = qkv(1, 2, 1, 100, d)
     fused.FusedBackend().forward(q, k, v, True)
     (source, name, grid, block, args), = launches
     check_launch(source, name, grid, block, args)
-    assert name == f"fusedw_f16_d{d}" and block == (384, 1, 1) and grid == (2, 1, 1)
-    assert args[0].box == (64, 128) and args[1].box == args[2].box == (64, 64)
+    assert source == "fused_ws_dims.cu" and name == f"fusedw_f16_d{d}" and block == (384, 1, 1) and grid == (2, 1, 1)
+    assert args[0].dims == (d, 100, 2, 1) and args[1].dims == (d, 100, 1, 1)
+    assert args[0].box == (64, 128) and args[1].box == args[2].box == (64, keys)
+    assert float(args[7]) == pytest.approx(math.log2(math.e) / math.sqrt(d))  # the scale of d, not of the tile
     monkeypatch.setattr(fused, "_device_info", lambda dev: (108, (8, 0)))
     with pytest.raises(ConfigError, match=f"head dim {d} runs on compute capability 9.0 only"):
         fused.FusedBackend().forward(q, k, v, True)

@@ -25,12 +25,17 @@ from .autograd import write_into
 SOURCE = "fused_attention.cu"
 HOPPER_SOURCE = "fused_hopper_attention.cu"  # wgmma (sm_90a): runs on compute capability 9.0 only
 WS_SOURCE = "fused_ws_attention.cu"          # warp-specialized: TMA, mbarriers, wgmma (sm_90a) too
+WS_DIMS_SOURCE = "fused_ws_dims.cu"          # the same kernel at the other head dims (sm_90a)
 BWD_SOURCE = "fused_attention_backward.cu"   # the backward (mma.sync): any compute capability >= 8.0
 HOPPER_BWD_SOURCE = "fused_hopper_backward.cu"  # the backward on wgmma (sm_90a): compute capability 9.0
 BWD_ROWS = {64: 64, 128: 32}  # query rows per step of its dK/dV kernel (the .cu file's TPB_DEFINE)
 HOPPER_CC = (9, 0)
-HEAD_DIMS = (64, 128, 192, 256)
-WIDE_HEAD_DIMS = (192, 256)  # fusedw only (compute capability 9.0); their backward is the Triton rung's
+HEAD_DIMS = (32, 64, 80, 96, 128, 160, 192, 256)
+# fusedw only (compute capability 9.0, fused_ws_dims.cu); their backward is the Triton rung's
+OTHER_HEAD_DIMS = (32, 80, 96, 160, 192, 256)
+# the head dim fusedw computes with (its tiles' columns): d itself, or the next of 64, 128, 192 above it,
+# the tensor maps reading zeros past d
+WS_TILE_DIM = {32: 64, 80: 128, 96: 128, 160: 192}
 # The kernel per head dim, "{suf}" standing for f16 or bf16. On compute capability 9.0 (H100, H200)
 # fusedw (a TMA producer warpgroup and two wgmma consumer warpgroups, 128 query rows, 128 keys per
 # tile, two Q stages, persistent grid) unless the call is too small to fill half the GPU (see
@@ -49,7 +54,7 @@ W3_PAD = 1.15
 # fusedw per head dim (the .cu file's QS, KVS and BC): Q stages, K/V stages, keys per K/V tile. Above
 # d = 128 tiles of 64 keys (S and P of 64 keys beside the 64 x d accumulator: no spills, wgmma not
 # serialized; ptxas -v, sm_90a) and, at d = 256, one Q stage (192 KB of shared memory each)
-WS_Q_STAGES = {64: 2, 128: 2, 192: 2, 256: 1}
+WS_Q_STAGES = {64: 2, 128: 2, 192: 2, 256: 1}  # (by tile dim)
 WS_KV_STAGES = {64: 4, 128: 2, 192: 2, 256: 2}
 WS_KEY_TILE = {64: 128, 128: 128, 192: 64, 256: 64}
 
@@ -60,8 +65,8 @@ def _cdiv(a: int, b: int) -> int:
 
 def unsupported_head_dim(d: int) -> str:
     others = ("--kernel triton (every multiple of 8 up to 256), tiled or naive" if d % 8 == 0 else "--kernel naive")
-    return (f"--kernel fused supports head dims 64, 128, 192 and 256 (got {d}; 192 and 256 need compute capability "
-            f"9.0); use {others} for other head dims")
+    return (f"--kernel fused supports head dims {', '.join(map(str, HEAD_DIMS[:-1]))} and {HEAD_DIMS[-1]} (got {d}; "
+            f"all but 64 and 128 need compute capability 9.0); use {others} for other head dims")
 
 
 class Choice(NamedTuple):
@@ -80,12 +85,13 @@ def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True, rows: i
     w3 = d == 64 and rows > 0 and _cdiv(rows, 192) * 192 <= W3_PAD * _cdiv(rows, 128) * 128
     key = (d, suf, cc, wide, w3, os.environ.get("TPATTN_FUSED_CFG"))
     if key not in _kernels:
-        if d in WIDE_HEAD_DIMS and cc != HOPPER_CC:
+        if d in OTHER_HEAD_DIMS and cc != HOPPER_CC:
             raise ConfigError(f"--kernel fused at head dim {d} runs on compute capability 9.0 only (fusedw; this GPU "
                               f"has {cc[0]}.{cc[1]}); use --kernel triton")
         hopper = W3_CONFIG if w3 else HOPPER_CONFIG
-        # (above d = 128 there is no fused2: fusedw however few tiles the call has)
-        name = (key[5] or (hopper if cc == HOPPER_CC and (wide or d in WIDE_HEAD_DIMS) else CONFIG[d])).format(suf=suf, d=d)
+        # (at the other head dims there is no fused2: fusedw however few tiles the call has)
+        name = (key[5] or (hopper if cc == HOPPER_CC and (wide or d in OTHER_HEAD_DIMS) else CONFIG[d])).format(
+            suf=suf, d=d)
         m = re.fullmatch(rf"fused2_{suf}_d{d}_w(\d+)_m(\d+)_c(\d+)|fused[hw]_{suf}_d{d}|fusedw3_{suf}_d64", name)
         if not m and name.startswith("fusedw3_"):
             raise ConfigError(f"TPATTN_FUSED_CFG={name!r}: fusedw3 is for head dim 64 only (this call has d={d}); "
@@ -99,8 +105,9 @@ def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True, rows: i
             _kernels[key] = Choice(HOPPER_SOURCE, name, 256, 128, (128 + 4 * 128) * d * 2 + 1024)
         elif name.startswith("fusedw"):  # a producer warpgroup and 2 (fusedw) or 3 (fusedw3) consumers of 64
             br = 64 * (3 if name.startswith("fusedw3") else 2)  # rows each: br a tile; + 256 bytes for the mbarriers
-            _kernels[key] = Choice(WS_SOURCE, name, 128 + 2 * br, br,
-                                   (WS_Q_STAGES[d] * br + 2 * WS_KV_STAGES[d] * WS_KEY_TILE[d]) * d * 2 + 1024 + 256)
+            t = WS_TILE_DIM.get(d, d)
+            _kernels[key] = Choice(WS_DIMS_SOURCE if d in OTHER_HEAD_DIMS else WS_SOURCE, name, 128 + 2 * br, br,
+                                   (WS_Q_STAGES[t] * br + 2 * WS_KV_STAGES[t] * WS_KEY_TILE[t]) * t * 2 + 1024 + 256)
         else:
             w, mt, c = (int(g) for g in m.groups())
             rows = 16 * mt * w
@@ -212,12 +219,13 @@ class FusedBackend(CudaBackend):
         scale_log2 = np.float32(math.log2(math.e) / math.sqrt(d))
         t0, t1 = r0 // ch.rows, _cdiv(r1, ch.rows)
         with section("fused"):
-            if ch.source == WS_SOURCE:  # one grid dimension over (query tile, head) pairs; TMA maps of Q, K, V
+            if ch.source in (WS_SOURCE, WS_DIMS_SOURCE):  # one grid dimension over (query tile, head) pairs; TMA maps of Q, K, V
                 mode = grid_mode()
                 key = (ch.name, causal, r0, r1, mode, q.device.index, tuple(q.shape), tuple(k.shape), int(lse_ptr),
                        *((t.data_ptr(), t.stride()) for t in (q, k, v, o)))
                 prep = _prepared.get(key)
                 if prep is None:
+                    tile = WS_TILE_DIM.get(d, d)  # the kernel's K/V tiles: WS_KEY_TILE keys of its tile dim
                     nq = _cdiv(r1 - r0, ch.rows)  # query tiles of ch.rows rows a head
                     tiles = nq * bh
                     grid = (min(tiles, GRID_X_MAX if mode == "tiles" else sms), 1, 1)
@@ -231,8 +239,8 @@ class FusedBackend(CudaBackend):
                     # causal: heads in groups of about GROUP_TILES tiles per SM, each group's longest tiles first
                     hg = min(bh, _cdiv(GROUP_TILES * sms, nq)) if causal and GROUP_TILES else 1
                     prep = Prepared(ch.source, ch.name, q.device, grid, (ch.threads, 1, 1),
-                                    (TensorMap(q, box=(64, ch.rows)), TensorMap(k, box=(64, WS_KEY_TILE[d])),
-                                     TensorMap(v, box=(64, WS_KEY_TILE[d])), ptr(o), lse_ptr,
+                                    (TensorMap(q, box=(64, ch.rows)), TensorMap(k, box=(64, WS_KEY_TILE[tile])),
+                                     TensorMap(v, box=(64, WS_KEY_TILE[tile])), ptr(o), lse_ptr,
                                      np.int32(bh), np.int32(n), scale_log2, np.int32(causal), np.int32(r0), np.int32(r1), np.int32(h),
                                      np.int32(group), np.int64(o.stride(0)), np.int64(o.stride(1)),
                                      np.int32(o.stride(2)), np.int32(hg), np.uint64(counter)), shared_mem=ch.shared)
@@ -271,16 +279,15 @@ class FusedBackend(CudaBackend):
         hbwd_dq, which also writes Dl, then hbwd_kv; or mma.sync's fbwd_dot, fbwd_kv, fbwd_dq); see
         bwd_kernels. q, k, v, o and do may be strided views with contiguous rows: hbwd5w_kv reads them
         in place (TMA), the other kernels from contiguous copies. out: (dq, dk, dv) to write, strided
-        views alike (hbwd5w_kv's path writes them in place; the others copy into them). Head dims 192
-        and 256 (WIDE_HEAD_DIMS): the Triton rung's backward, which reads the same L (natural log),
-        no atomics (the same bits every run, so deterministic needs nothing more)."""
+        views alike (hbwd5w_kv's path writes them in place; the others copy into them). The other head
+        dims (OTHER_HEAD_DIMS): the Triton rung's backward, which reads the same L (natural log), no atomics (the same bits every run, so deterministic needs nothing more)."""
         b, h, n, d = q.shape
         suf = self.kernel_suffix(q)
         group = kv_group(q, k, v)
         if not (q.dtype == k.dtype == v.dtype == o.dtype == do.dtype):
             raise ValueError(f"q, k, v, o and do must share a dtype (got {q.dtype}, {k.dtype}, {v.dtype}, {o.dtype}, "
                              f"{do.dtype})")
-        if d in WIDE_HEAD_DIMS:
+        if d in OTHER_HEAD_DIMS:
             from .triton_fused import TritonBackend
             return write_into(out, TritonBackend().backward(q, k, v, o, lse, do, causal, deterministic))
         g = k.shape[1]
@@ -362,7 +369,7 @@ class FusedBackend(CudaBackend):
         sum, and dq_of_sum turns it into dQ once. None where the five products do not run
         (deterministic, another compute capability or head dim, no rows): the caller adds each call's dQ."""
         b, h, n, d = q.shape
-        if (deterministic or d not in HEAD_DIMS or d in WIDE_HEAD_DIMS or q.dtype not in (torch.float16, torch.bfloat16)
+        if (deterministic or d not in HEAD_DIMS or d in OTHER_HEAD_DIMS or q.dtype not in (torch.float16, torch.bfloat16)
                 or b * h * n == 0 or bwd_kernels(_device_info(q.device)[1]) != "wgmma"):
             return None
         suf = self.kernel_suffix(q)
