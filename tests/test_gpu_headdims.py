@@ -57,8 +57,10 @@ def test_other_dims_fused_matches_reference_and_float64(dtype, n, d, causal, gri
     torch.cuda.synchronize()
     assert o.data_ptr() == out.data_ptr()
     assert torch.isfinite(o).all(), "the kernel left poisoned outputs"
-    assert rel_err(o, get_backend("reference").forward(q, k, v, causal)) <= TOL_REF[dtype]
     assert rel_err(o, attention64(q, k, v, causal)) <= TOL_F64[dtype]
+    # the reference rounds S (spread sqrt(d)) to the storage dtype: above d = 128 its own error passes
+    # TOL_REF (d = 160, N = 4097 causal fp16: 0.0113 measured), so twice that against it
+    assert rel_err(o, get_backend("reference").forward(q, k, v, causal)) <= TOL_REF[dtype] * (2 if d > 128 else 1)
 
 
 @needs_hopper
