@@ -172,4 +172,6 @@ def test_ring_dq_summed_in_the_kernels_matches_each_pieces_dq_added(C, causal, n
         rms = ref.pow(2).mean().sqrt()
         err = {w: ((grads[w][i].double() - ref).abs().max() / rms).item() for w in grads}
         assert err["sum"] <= 2 * err["per piece"] + 2e-3, (name, err)  # FlashAttention's rule
-        assert err["sum"] < (2e-2 if dtype == torch.float16 else 8e-2), (name, err)
+        # against float64 of the unrounded inputs: bf16's rounding of q, k, v and do alone gives ~8x fp16's
+        # (measured on the H200: dq 0.167, dk 0.089 at C = 4, both ways alike)
+        assert err["sum"] < (2e-2 if dtype == torch.float16 else 0.25), (name, err)
