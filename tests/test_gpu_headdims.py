@@ -57,10 +57,14 @@ def test_other_dims_fused_matches_reference_and_float64(dtype, n, d, causal, gri
     torch.cuda.synchronize()
     assert o.data_ptr() == out.data_ptr()
     assert torch.isfinite(o).all(), "the kernel left poisoned outputs"
-    assert rel_err(o, attention64(q, k, v, causal)) <= TOL_F64[dtype]
-    # the reference rounds S (spread sqrt(d)) to the storage dtype: above d = 128 its own error passes
-    # TOL_REF (d = 160, N = 4097 causal fp16: 0.0113 measured), so twice that against it
-    assert rel_err(o, get_backend("reference").forward(q, k, v, causal)) <= TOL_REF[dtype] * (2 if d > 128 else 1)
+    f64 = attention64(q, k, v, causal)
+    assert rel_err(o, f64) <= TOL_F64[dtype]
+    # the reference rounds S (spread sqrt(d)) and P to the storage dtype at the seed's points: its own
+    # distance from float64 is most of its distance from the kernel (H200, N = 4097 causal, bf16: d = 80
+    # reference 0.067 from float64, the kernel 0.021 and the Triton rung 0.021; the kernel 0.083 from the
+    # reference), so that distance is allowed on top of TOL_REF
+    ref = get_backend("reference").forward(q, k, v, causal)
+    assert rel_err(o, ref) <= TOL_REF[dtype] + rel_err(ref, f64)
 
 
 @needs_hopper
