@@ -40,7 +40,7 @@
 //               pos[r] % page.
 //   dec_append_pg8  an FP8 pool's paged step (sm_89+): a warp per (row, head); q as dec_append_pg's;
 //               k (rotated) and v rounded to the storage dtype, as torch holds them, then each row
-//               quantized with its own scale s = amax / 448 (1 for a row of zeros): e4m3 bytes into
+//               quantized with its own scale s = amax / 448 (0 for a row of zeros): e4m3 bytes into
 //               the pool [pages, G, page, D], s into the scales [pages, G, page] (fp32); the bits
 //               tpattn.attention.fp8.quantize_rows gives.
 //   dec_split_..._pg8  the CUDA-core split over an FP8 pool (sm_89+; every head dim the split takes):
@@ -195,6 +195,14 @@ __device__ __forceinline__ long long dec_at(int b, int g, int G, int key, long l
     const int blk = (page & (page - 1)) == 0 ? key >> (__ffs(page) - 1) : key / page;
     const long long pg = __ldg(table + (long long)b * tstride + blk);
     return ((pg * G + g) * page + (key - blk * page)) * (long long)D;
+}
+
+// dec_at, or (whole: pages holding whole 16-key tiles, dec_mma) tb + the key's place in its tile t0
+template <int D, bool PAGED>
+__device__ __forceinline__ long long dec_key(bool whole, long long tb, int t0, int b, int g, int G, int key, long long kv,
+                                             const int *__restrict__ table, int tstride, int page) {
+    if (PAGED && whole) return tb + (long long)(key - t0) * D;
+    return dec_at<D, PAGED>(b, g, G, key, kv, table, tstride, page);
 }
 
 // The cache length of sequence b: Ladd + *Lpos (one length for the batch), or (PAGED) lens[b].
@@ -485,12 +493,37 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                     tc_mma<BF16>(o[u], pa, __byte_perm(v0[u >> 1], v1[u >> 1], sel), __byte_perm(v2[u >> 1], v3[u >> 1], sel));
                 }
             };
+            // PAGED: where a tile's keys lie. Pages of a power of two of 16 tokens or more hold whole
+            // 16-key tiles (t0 is a multiple of 16): one block-table lookup a tile, issued one load
+            // ahead (pg_next: the page of the next tile this warp loads), so that no load waits on a
+            // lookup; smaller pages: a lookup a key (dec_at). FP8 pages without PIPE look the tile's
+            // page up as it loads: the register carried between tiles made those kernels spill at D = 64
+            const bool whole = PAGED && page >= 16 && (page & (page - 1)) == 0;
+            constexpr bool AHEAD = PIPE || sizeof(KV) == 2;
+            auto page_of = [&](int t) -> int {
+                return whole && t < k1 ? __ldg(table + (long long)b * tstride + (t >> (__ffs(page) - 1))) : 0;
+            };
+            int pg_next = 0;
+            if constexpr (PAGED && AHEAD) pg_next = page_of(k0 + 16 * warp);
+            auto tile_base = [&](int t0) -> long long {  // (whole) tile t0's first key, then the next lookup
+                if (!whole) return 0;
+                int pg;
+                if constexpr (AHEAD) {
+                    pg = pg_next;
+                    pg_next = page_of(t0 + 16 * W);
+                } else {
+                    pg = page_of(t0);
+                }
+                return (((long long)pg * G + g) * page + (t0 & (page - 1))) * D;
+            };
             // a tile's K and V fragments; keys past the chunk load zeros (and no memory)
             auto load = [&](int t0, tc_u4 (&kr)[2][E / 8], tc_u4 (&vr)[4][NT / 8]) {
+                long long tb = 0;
+                if constexpr (PAGED) tb = tile_base(t0);
 #pragma unroll
                 for (int t = 0; t < 2; ++t) {
                     const int key = t0 + 8 * t + r;
-const long long at = key < k1 ? dec_at<D, PAGED>(b, g, G, key, kv, table, tstride, page) : 0;
+                    const long long at = key < k1 ? dec_key<D, PAGED>(whole, tb, t0, b, g, G, key, kv, table, tstride, page) : 0;
 #pragma unroll
                     for (int i = 0; i < E / 8; ++i)
                         kr[t][i] = key < k1 ? ((const tc_u4 *)(K + at + c * E))[i] : tc_u4{0u, 0u, 0u, 0u};
@@ -498,7 +531,7 @@ const long long at = key < k1 ? dec_at<D, PAGED>(b, g, G, key, kv, table, tstrid
 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
                     const int key = t0 + (k >> 1) * 8 + 2 * c + (k & 1);
-const long long at = key < k1 ? dec_at<D, PAGED>(b, g, G, key, kv, table, tstride, page) : 0;
+                    const long long at = key < k1 ? dec_key<D, PAGED>(whole, tb, t0, b, g, G, key, kv, table, tstride, page) : 0;
 #pragma unroll
                     for (int i = 0; i < NT / 8; ++i)
                         vr[k][i] = key < k1 ? ((const tc_u4 *)(V + at + r * NT))[i] : tc_u4{0u, 0u, 0u, 0u};
@@ -512,17 +545,18 @@ const long long at = key < k1 ? dec_at<D, PAGED>(b, g, G, key, kv, table, tstrid
                     float ks[4], vs[4];
                 };
                 auto load8 = [&](int t0, Tile8 &x) {
+                    const long long tb = tile_base(t0);
 #pragma unroll
                     for (int t = 0; t < 2; ++t) {
                         const int key = t0 + 8 * t + r;
-                        const long long at = key < k1 ? dec_at<D, PAGED>(b, g, G, key, kv, table, tstride, page) : 0;
+                        const long long at = key < k1 ? dec_key<D, PAGED>(whole, tb, t0, b, g, G, key, kv, table, tstride, page) : 0;
                         dec_words8<E / 4>((const unsigned char *)K + at + c * E, key < k1, x.k[t]);
                     }
 #pragma unroll
                     for (int k = 0; k < 4; ++k) {
                         const int key = t0 + (k >> 1) * 8 + 2 * c + (k & 1);
                         const bool in = key < k1;
-                        const long long at = in ? dec_at<D, PAGED>(b, g, G, key, kv, table, tstride, page) : 0;
+                        const long long at = in ? dec_key<D, PAGED>(whole, tb, t0, b, g, G, key, kv, table, tstride, page) : 0;
                         dec_words8<NT / 4>((const unsigned char *)V + at + r * NT, in, x.v[k]);
                         x.ks[k] = in ? __ldg(kscale + at / D) : 0.0f;
                         x.vs[k] = in ? __ldg(vscale + at / D) : 0.0f;
@@ -745,8 +779,9 @@ __device__ __forceinline__ void dec_append_pg8(const tc_u16 *__restrict__ QKV, t
         }
         if (r < H) continue;
         amax = tc_warp_max(amax);
-        float s = amax * (1.0f / 448.0f);  // (as torch divides by a number on the GPU: fp8.quantize_rows)
-        s = s > 0.0f ? s : 1.0f;
+        // (as torch divides by a number on the GPU: fp8.quantize_rows); a row of zeros keeps s = 0, its
+        // bytes zeros divided by 1 (a scale of 1 there would be a tile's largest V scale in dec_mma's _pg8)
+        const float s = amax * (1.0f / 448.0f), div = s > 0.0f ? s : 1.0f;
         const int kvh = r < H + G ? r - H : r - H - G;
         const long long row = (pidx[b] * G + kvh) * page + p0 % page;
         unsigned char *dst = (r < H + G ? K : V) + row * D;
@@ -756,7 +791,7 @@ __device__ __forceinline__ void dec_append_pg8(const tc_u16 *__restrict__ QKV, t
             if (j >= half) continue;
             const int e0 = interleaved ? 2 * j : j, e1 = interleaved ? 2 * j + 1 : j + half;
             unsigned short two;  // rounded to nearest even, saturating at +-448; the second operand low
-            asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(two) : "f"(y[2 * i + 1] / s), "f"(y[2 * i] / s));
+            asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(two) : "f"(y[2 * i + 1] / div), "f"(y[2 * i] / div));
             dst[e0] = (unsigned char)(two & 0xffu);
             dst[e1] = (unsigned char)(two >> 8);
         }

@@ -263,13 +263,16 @@ __device__ __forceinline__ void hb_p_ds(tc_u32 (&pa)[4][4], tc_u32 (&da)[4][4], 
 }
 
 // ------------------------------------------------------------------------------------ dK, dV
-// DQ (the five-product kernel): dQ += dS K of the step's 64 query rows too, added to the fp32 dQa
+// DQ (the five-product kernel): dQ += dS K of the step's 64 query rows too, added to the fp32 dQa.
+// L, Dl and dQa may hold more rows per head than the call's N (the ring's pieces, summed into one set of
+// query rows): head bh's row r is at L[bh ldn + qoff + r], and its dQa tile at bh ceil(ldn / 64) +
+// (qoff + r) / 64 (qoff a multiple of 64); a plain call has ldn = N, qoff = 0
 template <int D, bool BF16, bool DQ>
 __device__ __forceinline__ void hb_kv(const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K,
                                       const tc_u16 *__restrict__ V, const tc_u16 *__restrict__ dO,
                                       const float *__restrict__ L, const float *__restrict__ Dl,
                                       tc_u16 *__restrict__ dK, tc_u16 *__restrict__ dV, float *__restrict__ dQa,
-                                      int BG, int G, int group, int N, float scale, int causal) {
+                                      int BG, int G, int group, int N, float scale, int causal, int ldn, int qoff) {
     constexpr int BC = 128, BM = 64, NT = 256;
     constexpr tc_u32 KB = BC * D * 2, MB = BM * D * 2;  // bytes of a K (or V) tile, of a Q (or dO) tile
     // shared: K, V (this block's keys), two buffers of (Q, dO), then L and Dl of each buffer; with DQ
@@ -287,6 +290,10 @@ __device__ __forceinline__ void hb_kv(const tc_u16 *__restrict__ Q, const tc_u16
     const float scale_log2 = scale * HB_LOG2E;
     const int k0 = blockIdx.x * BC, kr = k0 + rl;
     const int n_qt = (N + BM - 1) / BM, qt_first = causal ? k0 / BM : 0, per = n_qt - qt_first;
+    const int ld_qt = (ldn + BM - 1) / BM;  // dQa's query tiles a head
+    L += qoff;  // (the call's first row of each head)
+    Dl += qoff;
+    if constexpr (DQ) dQa += (long long)(qoff / BM) * (D / 64) * 4096;
     const int steps = group * per;  // (query head of the group, query tile) pairs
     for (int bg = blockIdx.y; bg < BG; bg += gridDim.y) {
         const long long kv_off = (long long)bg * N * D, bh0 = (long long)bg * group;  // bg = b G + g
@@ -304,9 +311,9 @@ __device__ __forceinline__ void hb_kv(const tc_u16 *__restrict__ Q, const tc_u16
                 const int r = q0 + (tid & (BM - 1));
                 float x;
                 if (tid < BM)
-                    x = r < N ? L[bh * N + r] * HB_LOG2E : TC_POS_INF;
+                    x = r < N ? L[bh * ldn + r] * HB_LOG2E : TC_POS_INF;
                 else
-                    x = r < N ? Dl[bh * N + r] : 0.0f;
+                    x = r < N ? Dl[bh * ldn + r] : 0.0f;
                 sLD[buf * 2 * BM + tid] = x;
             }
             tc_cp_commit();
@@ -357,7 +364,7 @@ __device__ __forceinline__ void hb_kv(const tc_u16 *__restrict__ Q, const tc_u16
                     hw_wg_fence();
                     hb_dq_product<D, BF16>(dq, sDS, sK, wg);
                     hw_wg_commit();
-                    const long long tile = ((bh0 + t / per) * n_qt + q0 / BM) * (D / 64) + (D == 128 ? wg : 0);
+                    const long long tile = ((bh0 + t / per) * ld_qt + q0 / BM) * (D / 64) + (D == 128 ? wg : 0);
                     dq_dst = dQa + tile * 4096;
                     if constexpr (DEFER) {
                         hw_wg_wait<1>();
@@ -475,7 +482,8 @@ template <int D, bool BF16>
 __device__ __forceinline__ void hb_kv5(const tw_tmap *qm, const tw_tmap *km, const tw_tmap *vm, const tw_tmap *dom,
                                        const float *__restrict__ L, const float *__restrict__ Dl,
                                        tc_u16 *__restrict__ dK, tc_u16 *__restrict__ dV, float *__restrict__ dQa,
-                                       int BG, int G, int group, int N, float scale, int causal, hb_strides skv) {
+                                       int BG, int G, int group, int N, float scale, int causal, hb_strides skv,
+                                       int ldn, int qoff) {
     constexpr int BC = 128, BM = 64, P = D / 64, NQ = 288;  // NQ: the dQ barriers' threads
     constexpr tc_u32 KB = BC * D * 2, MB = BM * D * 2, SB = BC * BM * 2, QB = BM * D * 4;
     const tc_u32 sK = hw_smem_base(), sV = sK + KB, sQ0 = sV + KB, sDS0 = sQ0 + 4 * MB, sDQ0 = sDS0 + 2 * SB,
@@ -486,6 +494,10 @@ __device__ __forceinline__ void hb_kv5(const tw_tmap *qm, const tw_tmap *km, con
     const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
     const int k0 = blockIdx.x * BC;
     const int n_qt = (N + BM - 1) / BM, qt_first = causal ? k0 / BM : 0, per = n_qt - qt_first;
+    const int ld_qt = (ldn + BM - 1) / BM;  // as hb_kv's: dQa's query tiles a head, from the call's first row on
+    L += qoff;
+    Dl += qoff;
+    dQa += (long long)(qoff / BM) * P * 4096;
     const int steps = group * per;  // (query head of the group, query tile) pairs, >= 1 (k0 < N)
     // the key blocks of a head start at query tiles spread over its tiles, so that they do not all add to
     // the same dQ tile at once
@@ -540,7 +552,7 @@ __device__ __forceinline__ void hb_kv5(const tw_tmap *qm, const tw_tmap *km, con
             for (int bg = blockIdx.y; bg < BG; bg += gridDim.y)
                 for (int t = 0; t < steps; ++t, ++n) {
                     const int s = n & 1;
-                    const long long tile = (((long long)bg * group + t / per) * n_qt + q0_of(t) / BM) * P;
+                    const long long tile = (((long long)bg * group + t / per) * ld_qt + q0_of(t) / BM) * P;
                     tw_sync(HB_DQF_BAR + s, NQ);
                     if (lane == 0) {
                         asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
@@ -577,7 +589,7 @@ __device__ __forceinline__ void hb_kv5(const tw_tmap *qm, const tw_tmap *km, con
         // consumer reads it, and by which every consumer has read the slot's step t - 1)
         auto ld_of = [&](int t) {
             const int r = q0_of(t) + (ctid & 63);
-            const long long row = ((long long)bg * group + t / per) * N + r;
+            const long long row = ((long long)bg * group + t / per) * ldn + r;
             return r >= N ? (ctid < 64 ? TC_POS_INF : 0.0f) : ctid < 64 ? L[row] * HB_LOG2E : Dl[row];
         };
         float *sld = (float *)(hw_smem + (sLD - tc_saddr(hw_smem)));
@@ -800,23 +812,23 @@ __device__ __forceinline__ void hb_dq(const tc_u16 *__restrict__ Q, const tc_u16
         const tc_u16 *__restrict__ dO, const float *__restrict__ L, const float *__restrict__ Dl,     \
         tc_u16 *__restrict__ dK, tc_u16 *__restrict__ dV, int BG, int G, int group, int N, float scale, \
         int causal) {                                                                                  \
-        hb_kv<D, BF16, false>(Q, K, V, dO, L, Dl, dK, dV, nullptr, BG, G, group, N, scale, causal);    \
+        hb_kv<D, BF16, false>(Q, K, V, dO, L, Dl, dK, dV, nullptr, BG, G, group, N, scale, causal, N, 0); \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256, 1) hbwd5_kv_##SUF##_d##D(                       \
         const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,     \
         const tc_u16 *__restrict__ dO, const float *__restrict__ L, const float *__restrict__ Dl,     \
         tc_u16 *__restrict__ dK, tc_u16 *__restrict__ dV, float *__restrict__ dQa, int BG, int G,     \
-        int group, int N, float scale, int causal) {                                                   \
-        hb_kv<D, BF16, true>(Q, K, V, dO, L, Dl, dK, dV, dQa, BG, G, group, N, scale, causal);         \
+        int group, int N, float scale, int causal, int ldn, int qoff) {                                \
+        hb_kv<D, BF16, true>(Q, K, V, dO, L, Dl, dK, dV, dQa, BG, G, group, N, scale, causal, ldn, qoff); \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(384, 1) hbwd5w_kv_##SUF##_d##D(                      \
         const __grid_constant__ tw_tmap qm, const __grid_constant__ tw_tmap km,                       \
         const __grid_constant__ tw_tmap vm, const __grid_constant__ tw_tmap dom,                      \
         const float *__restrict__ L, const float *__restrict__ Dl, tc_u16 *__restrict__ dK,           \
         tc_u16 *__restrict__ dV, float *__restrict__ dQa, int BG, int G, int group, int N, float scale, \
-        int causal, long long sk0, long long sk1, long long sk2) {                                     \
+        int causal, long long sk0, long long sk1, long long sk2, int ldn, int qoff) {                  \
         hb_kv5<D, BF16>(&qm, &km, &vm, &dom, L, Dl, dK, dV, dQa, BG, G, group, N, scale, causal,       \
-                        hb_strides{sk0, sk1, sk2});                                                    \
+                        hb_strides{sk0, sk1, sk2}, ldn, qoff);                                         \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) hbwd_pre_##SUF##_d##D(                          \
         const tc_u16 *__restrict__ O, const tc_u16 *__restrict__ dO, float *__restrict__ Dl,          \

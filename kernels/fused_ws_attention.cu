@@ -61,12 +61,14 @@
 //
 // Layout (as fused_hopper_attention.cu): Q and O [B, H, N, D], K and V [B, H / group, N, D] or strided
 // views (the QKV GEMM output read in place), 16-bit. Q, K and V arrive as TMA tensor maps over
-// (D, N, heads, B) with a box of 64 columns x BR rows for Q and 64 x 128 for K and V
-// (tpattn/attention/fused.py encodes them); O as a pointer and its strides. D = 64 or 128. Query
+// (D, N, heads, B) with a box of 64 columns x BR rows for Q and 64 x BC for K and V
+// (tpattn/attention/fused.py encodes them); O as a pointer and its strides. D = 64 or 128 here, and in
+// fused_ws_dims.cu 192 and 256 (key tiles of BC = 64 keys, one Q stage at 256) and, on those kernels,
+// head dims DS below D (32, 80, 96, 160; the maps' zeros past DS). Query
 // rows [row_begin, row_end) of every head are computed, in tiles of BR rows from row_begin (rows of
 // the last tile past row_end are computed and not stored). Grid x: any number of blocks up to the
 // tile count (tiles = ceil((row_end - row_begin) / BR) * B * H); block 128 (NC + 1) threads; dynamic shared memory
-// (2 * BR + 2 * KVS * BC) * D * 2 + 1024 + 256 bytes (the last 256: the mbarriers). sched: null (the static order) or two int32 zeros in device
+// (QS * BR + 2 * KVS * BC) * D * 2 + 1024 + 256 bytes (the last 256: the mbarriers). sched: null (the static order) or two int32 zeros in device
 // memory that this kernel alone uses (and leaves at zero), 8 bytes of padding, then 32 bytes a block
 // for the tile numbers (two 16-byte slots). Needs compute capability 9.0 (sm_90a).
 
@@ -115,9 +117,10 @@ __device__ __forceinline__ void tw_stmatrix4(tc_u32 addr, tc_u32 a, tc_u32 b, tc
                  "r"(d) : "memory");
 }
 
-// the key tiles of rows that end before row `end`: with causal up to that row's, else all of them
+// the key tiles (of BC keys) of rows that end before row `end`: with causal up to that row's, else all of them
+template <int BC = 128>
 __device__ __forceinline__ int tw_tile_keys(int end, int N, int causal) {
-    const int all = (N + 127) / 128, last = (end - 1) / 128 + 1;
+    const int all = (N + BC - 1) / BC, last = (end - 1) / BC + 1;
     return causal && last < all ? last : all;
 }
 
@@ -129,7 +132,7 @@ __device__ __forceinline__ int tw_tile_keys(int end, int N, int causal) {
 struct tw_tile {
     int bh, q0, n_kt;  // (batch, head), the tile's first query row, its key tiles
 };
-template <int BR>
+template <int BR, int BC = 128>
 __device__ __forceinline__ tw_tile tw_tile_of(long long t, int nq, int row_begin, int row_end, int N, int causal, int BH,
                                               int hg) {
     tw_tile x;
@@ -139,18 +142,18 @@ __device__ __forceinline__ tw_tile tw_tile_of(long long t, int nq, int row_begin
     const int qi = idx / hn;
     x.bh = g * hg + (idx - qi * hn);
     x.q0 = row_begin + (causal ? nq - 1 - qi : qi) * BR;  // causal: the longest rows first
-    x.n_kt = (N + 127) / 128;
+    x.n_kt = (N + BC - 1) / BC;
     if (causal) {  // up to the key tile of the tile's last row (< row_end: 192-row tiles; with 128 rows from a
                    // row_begin that is a multiple of 128 the same key tile, and ptxas serialized fusedw's wgmma
                    // at D = 64 with the min)
-        const int last = ((BR == 128 ? x.q0 + BR : min(x.q0 + BR, row_end)) - 1) / 128 + 1;
+        const int last = ((BR == 128 ? x.q0 + BR : min(x.q0 + BR, row_end)) - 1) / BC + 1;
         x.n_kt = last < x.n_kt ? last : x.n_kt;
     }
     return x;
 }
 
 // The statements after w run with W, a constant: TW_NARROW where w is TW_NARROW (at D = 64 only),
-// else 128. At D = 64 a sequence's last key tile, when it holds at most 80 keys (N = 197: 69, N = 257:
+// else BC (the kernel's key tile: 128, or 64 above D = 128). At D = 64 a sequence's last key tile, when it holds at most 80 keys (N = 197: 69, N = 257:
 // 1), is computed as 80 keys: S = Q K^T with wgmma n80, the softmax over 80 columns, P V over 5 k16
 // steps. One extra width only: measured on the H200, each width is more code in the consumer, and
 // with eight (16, 32, ..., 112) or two others beside 80 the 128-key loop itself ran up to 20 % slower.
@@ -165,19 +168,21 @@ __device__ __forceinline__ tw_tile tw_tile_of(long long t, int nq, int row_begin
             __VA_ARGS__;                   \
         }                                  \
     } else {                               \
-        constexpr int W = 128;             \
+        constexpr int W = BC;              \
         __VA_ARGS__;                       \
     }
 
-template <int D, bool BF16, int NC>
+template <int D, bool BF16, int NC, int DS = D>
 __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, const tw_tmap *vm,
                                          tc_u16 *__restrict__ O, float *__restrict__ Lse, int BH, int N,
                                          float scale_log2, int causal,
                                          int row_begin, int row_end, int H, int group, long long o_sb, long long o_sh,
                                          int o_ld, int hg, int *__restrict__ sched) {
-    constexpr int BR = 64 * NC, BC = 128, PANELS = D / 64;
-    // two Q stages; K/V stages: two at D = 128 (2 Q + 4 K/V tiles = 192 KB of shared memory), four at D = 64
-    constexpr int QS = 2, KVS = D == 64 ? 4 : 2;
+    // key tiles of BC keys: 128, or 64 above D = 128 (S and P of 64 keys beside a 64 x D accumulator)
+    constexpr int BR = 64 * NC, BC = D > 128 ? 64 : 128, PANELS = D / 64;
+    // Q stages: two, one at D = 256; K/V stages: two, four at D = 64. Shared memory: 2 Q + 4 K/V tiles of
+    // 128 rows = 192 KB at D = 128; at D = 192 2 Q + 4 K/V tiles of 64 rows, 192 KB; at D = 256 1 + 4, 192 KB
+    constexpr int QS = D == 256 ? 1 : 2, KVS = D == 64 ? 4 : 2;
     constexpr tc_u32 QB = BR * D * 2, KB = BC * D * 2;  // bytes of one Q tile and of one K or V tile
     constexpr int TURN = 1;  // named barrier ids: turns 1 .. NC
     const tc_u32 sQ = hw_smem_base(), sK = sQ + QS * QB, sV = sK + KVS * KB, bars = sV + KVS * KB;
@@ -199,7 +204,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
     // a ring position k (K/V tiles counted over the block's whole run): its stage and phase parity
     auto stage = [](int k) { return k % KVS; };
     auto parity = [](int k) { return (k / KVS) & 1; };
-    constexpr int CH = D / 8;  // 16-byte chunks of a row of O
+    constexpr int CH = D / 8, CHS = DS / 8;  // 16-byte chunks of a row of O: computed, stored (the head dim's)
     const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
     const int nq = (row_end - row_begin + BR - 1) / BR;
     const long long tiles = (long long)nq * BH;
@@ -233,12 +238,13 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
             // the tile's coordinates (key tiles, first query row, batch, head, K/V head). At D = 128 worked out
             // for the next tile during this tile's last V wait, off the path between the tiles (side by side
             // on one H200: 0-3.3 % faster at D = 128, long causal most, short batched 1 %; 0.4-2.7 % slower
-            // at D = 64, which works them out as the tile starts; docs/kernels.md, item 18)
-            constexpr bool EARLY = D == 128;
+            // at D = 64, which works them out as the tile starts; docs/kernels.md, item 18). D = 256 too; not
+            // D = 192, where the coordinates held across the K/V loop spilled the producer's 40 registers
+            constexpr bool EARLY = D == 128 || D == 256;
             int n_kt = 0, q0 = 0, b = 0, hh = 0, hk = 0;
             auto coords = [&](long long u) {
                 if (EARLY && u >= tiles) return;
-                const tw_tile x = tw_tile_of<BR>(u, nq, row_begin, row_end, N, causal, BH, hg);
+                const tw_tile x = tw_tile_of<BR, BC>(u, nq, row_begin, row_end, N, causal, BH, hg);
                 n_kt = x.n_kt;
                 q0 = x.q0;
                 b = x.bh / H;
@@ -303,13 +309,13 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                     t = tw_ld_global(ring + 2 * qs);
                     if (t < 0) break;
                 }
-                const tw_tile x = tw_tile_of<BR>(t, nq, row_begin, row_end, N, causal, BH, hg);
+                const tw_tile x = tw_tile_of<BR, BC>(t, nq, row_begin, row_end, N, causal, BH, hg);
                 const int b = x.bh / H, hh = x.bh - b * H, rows = min(BR, row_end - x.q0);
                 tc_u16 *Oh = O + b * o_sb + hh * o_sh + (long long)x.q0 * o_ld;
                 const tc_u32 sQs = sQ + qs * QB;
                 tw_bar_wait(o_full(qs), q_parity(n));
-                for (int e = tid - 32; e < rows * CH; e += 96) {
-                    const int r = e / CH, ch = e - r * CH;
+                for (int e = tid - 32; e < rows * CHS; e += 96) {
+                    const int r = e / CHS, ch = e - r * CHS;
                     *(tc_u4 *)(Oh + (long long)r * o_ld + ch * 8) = hw_ld_shared4(sQs + hw_swz<BR>(r, ch));
                 }
                 hw_fence_proxy();  // these generic reads of the Q stage before a later tile's TMA writes it
@@ -353,7 +359,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
             t = tw_ld_global(ring + 2 * qs);
             if (t < 0) break;
         }
-        const tw_tile x = tw_tile_of<BR>(t, nq, row_begin, row_end, N, causal, BH, hg);
+        const tw_tile x = tw_tile_of<BR, BC>(t, nq, row_begin, row_end, N, causal, BH, hg);
         const int q0 = x.q0, n_kt = x.n_kt;
         const int r0 = q0 + rl, wr0 = q0 + c * 64;  // this thread's first row, the warpgroup's first
         const tc_u32 sQs = sQ + qs * QB, sq = sQs + c * 64 * 128;  // the Q stage; this warpgroup's rows (panel 0)
@@ -370,7 +376,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         // the host), and a second warpgroup without rows (N mod 128 <= 64) computes them as before: with
         // the branch around its products ptxas serialized the wgmma at D = 64
         const bool rows_here = NC == 2 || wr0 < row_end;
-        const int nk = NC == 2 ? n_kt : tw_tile_keys(min(wr0 + 64, row_end), N, causal);
+        const int nk = NC == 2 ? n_kt : tw_tile_keys<BC>(min(wr0 + 64, row_end), N, causal);
         // keys of the last key tile that are computed: TW_NARROW where it holds that many or fewer (D = 64)
         const int wl = D == 64 && NC == 2 && N - (nk - 1) * BC <= TW_NARROW ? TW_NARROW : BC;
         // O *= alpha, the factors of the last softmax (at D = 128 in the next turn, between the issues of S_j
@@ -387,14 +393,14 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 TW_CMARK(3);
                 my_turn();
                 TW_CMARK(4);
-                hw_keep(s);
+                hw_keep_first<BC / 2>(s);
                 hw_wg_fence();
-                hw_qk<D, BR, BF16, W>(s, sq, sK + stage(kt) * KB);
+                hw_qk<D, BR, BF16, W, BC>(s, sq, sK + stage(kt) * KB);
                 hw_wg_commit();
                 your_turn();
                 hw_wg_wait<0>();
                 TW_CMARK(5);
-                hw_keep(s);
+                hw_keep_first<BC / 2>(s);
                 release(k_empty(stage(kt)));
                 hw_mask<W>(s, 0, N, causal, wr0, r0, lane);
                 hw_softmax<W>(s, m, l, alpha, scale_log2);
@@ -409,25 +415,25 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 tw_bar_wait(v_full(stage(vj)), parity(vj));
                 TW_CMARK(8);
                 tc_u32 pa[8][4];
-                hw_pack_p<BF16>(pa, s);
+                hw_pack_p<BF16, 8, BC / 16>(pa, s);
                 my_turn();
                 TW_CMARK(9);
                 hw_keep(o);
-                hw_keep(pa);
+                hw_keep_first<BC / 16>(pa);
                 hw_wg_fence();
-                hw_qk<D, BR, BF16, W>(s, sq, sK + stage(kj) * KB);
+                hw_qk<D, BR, BF16, W, BC>(s, sq, sK + stage(kj) * KB);
                 hw_wg_commit();
-                if constexpr (D == 128) {  // O rescaled by the last softmax's factors while S_j runs
+                if constexpr (D >= 128) {  // O rescaled by the last softmax's factors while S_j runs
                     rescale();
                     hw_keep(o);
                     hw_wg_fence();
                 }
-                hw_pv<D, BF16>(o, pa, sV + stage(vj) * KB);
+                hw_pv<D, BF16, BC / 16, BC>(o, pa, sV + stage(vj) * KB);
                 hw_wg_commit();
                 your_turn();
                 hw_wg_wait<1>();  // S_j is done; the PV product may still run
                 TW_CMARK(10);
-                hw_keep(s);
+                hw_keep_first<BC / 2>(s);
                 release(k_empty(stage(kj)));
                 hw_mask<W>(s, j * BC, N, causal, wr0, r0, lane);
                 hw_softmax<W>(s, m, l, alpha, scale_log2);
@@ -435,7 +441,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 hw_wg_wait<0>();
                 TW_CMARK(12);
                 hw_keep(o);
-                hw_keep(pa);
+                hw_keep_first<BC / 16>(pa);
                 release(v_empty(stage(vj)));
                 if constexpr (D == 64) rescale());
         };
@@ -448,19 +454,19 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 TW_CMARK(14);
                 tc_u32 pa[8][4];
                 hw_pack_p<BF16, 8, W / 16>(pa, s);
-                if constexpr (D == 128) rescale();
+                if constexpr (D >= 128) rescale();
                 my_turn();
                 TW_CMARK(15);
                 hw_keep(o);
-                hw_keep(pa);
+                hw_keep_first<BC / 16>(pa);
                 hw_wg_fence();
-                hw_pv<D, BF16, W / 16>(o, pa, sV + stage(vj) * KB);
+                hw_pv<D, BF16, W / 16, BC>(o, pa, sV + stage(vj) * KB);
                 hw_wg_commit();
                 your_turn();
                 hw_wg_wait<0>();
                 TW_CMARK(16);
                 hw_keep(o);
-                hw_keep(pa);
+                hw_keep_first<BC / 16>(pa);
                 release(v_empty(stage(vj))));
         };
         // a key tile this warpgroup does not compute: its turn passed on at once (every consumer takes
@@ -490,8 +496,8 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         } else {  // n_kt and nk again, from q0 through an opaque copy: held across the loop, they cost a spill there
             int q0o;
             asm volatile("mov.b32 %0, %1;\n" : "=r"(q0o) : "r"(q0));
-            const int wr0o = q0o + c * 64, n_kt_o = tw_tile_keys(min(q0o + BR, row_end), N, causal);
-            for (int j = wr0o < row_end ? tw_tile_keys(min(wr0o + 64, row_end), N, causal) : 0; j < n_kt_o; ++j) skip(j);
+            const int wr0o = q0o + c * 64, n_kt_o = tw_tile_keys<BC>(min(q0o + BR, row_end), N, causal);
+            for (int j = wr0o < row_end ? tw_tile_keys<BC>(min(wr0o + 64, row_end), N, causal) : 0; j < n_kt_o; ++j) skip(j);
             kt += n_kt_o;
         }
 
@@ -517,19 +523,38 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
     if (c == 0) my_turn();  // the last consumer's last turn hand-over, so no barrier is left half arrived
 }
 
-#define TW_DEFINE(NAME, SUF, BF16, D, NC)                                                                \
+// DS: the head dim the tensors have, at most the D the kernel computes with (the tensor maps read zeros
+// in Q, K and V's columns past DS, so S is Q K^T over DS columns and O's columns past DS are zeros; the
+// writers store DS of them). The kernel's name carries DS.
+#define TW_DEFINE_DS(NAME, SUF, BF16, D, NC, DS)                                                        \
     extern "C" __global__ void __launch_bounds__(128 + 128 * NC, 1)                                     \
-        NAME##_##SUF##_d##D(const __grid_constant__ tw_tmap qm, const __grid_constant__ tw_tmap km,     \
-                            const __grid_constant__ tw_tmap vm, tc_u16 *__restrict__ O,                  \
-                            float *__restrict__ Lse, int BH, int N,                                      \
-                            float scale_log2, int causal, int row_begin, int row_end, int H, int group,  \
-                            long long o_sb, long long o_sh, int o_ld, int hg, int *__restrict__ sched) { \
-        tw_fused<D, BF16, NC>(&qm, &km, &vm, O, Lse, BH, N, scale_log2, causal, row_begin, row_end, H, group, \
-                              o_sb, o_sh, o_ld, hg, sched);                                              \
+        NAME##_##SUF##_d##DS(const __grid_constant__ tw_tmap qm, const __grid_constant__ tw_tmap km,    \
+                             const __grid_constant__ tw_tmap vm, tc_u16 *__restrict__ O,                 \
+                             float *__restrict__ Lse, int BH, int N,                                     \
+                             float scale_log2, int causal, int row_begin, int row_end, int H, int group, \
+                             long long o_sb, long long o_sh, int o_ld, int hg, int *__restrict__ sched) { \
+        tw_fused<D, BF16, NC, DS>(&qm, &km, &vm, O, Lse, BH, N, scale_log2, causal, row_begin, row_end, H, \
+                                  group, o_sb, o_sh, o_ld, hg, sched);                                   \
     }
+#define TW_DEFINE(NAME, SUF, BF16, D, NC) TW_DEFINE_DS(NAME, SUF, BF16, D, NC, D)
+#ifndef TW_OTHER_DIMS
 TW_DEFINE(fusedw, f16, false, 64, 2)
 TW_DEFINE(fusedw, bf16, true, 64, 2)
 TW_DEFINE(fusedw, f16, false, 128, 2)
 TW_DEFINE(fusedw, bf16, true, 128, 2)
 TW_DEFINE(fusedw3, f16, false, 64, 3)
 TW_DEFINE(fusedw3, bf16, true, 64, 3)
+#else  // fused_ws_dims.cu: the other head dims users run, each on the next of 64, 128, 192, 256
+TW_DEFINE(fusedw, f16, false, 192, 2)
+TW_DEFINE(fusedw, bf16, true, 192, 2)
+TW_DEFINE(fusedw, f16, false, 256, 2)
+TW_DEFINE(fusedw, bf16, true, 256, 2)
+TW_DEFINE_DS(fusedw, f16, false, 64, 2, 32)
+TW_DEFINE_DS(fusedw, bf16, true, 64, 2, 32)
+TW_DEFINE_DS(fusedw, f16, false, 128, 2, 80)
+TW_DEFINE_DS(fusedw, bf16, true, 128, 2, 80)
+TW_DEFINE_DS(fusedw, f16, false, 128, 2, 96)
+TW_DEFINE_DS(fusedw, bf16, true, 128, 2, 96)
+TW_DEFINE_DS(fusedw, f16, false, 192, 2, 160)
+TW_DEFINE_DS(fusedw, bf16, true, 192, 2, 160)
+#endif

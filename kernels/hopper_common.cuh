@@ -96,6 +96,22 @@ __device__ __forceinline__ void hw_keep(tc_u32 (&r)[R][4]) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[i][e])::"memory");
 }
+// the same for the first U of them only (a key tile narrower than the arrays are sized for: the rest
+// are never written, and keeping them would hold registers for nothing)
+template <int U, int R>
+__device__ __forceinline__ void hw_keep_first(float (&r)[R]) {
+    static_assert(U <= R, "U of R");
+#pragma unroll
+    for (int i = 0; i < U; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int U, int R>
+__device__ __forceinline__ void hw_keep_first(tc_u32 (&r)[R][4]) {
+    static_assert(U <= R, "U of R");
+#pragma unroll
+    for (int i = 0; i < U; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[i][e])::"memory");
+}
 
 // The wgmma instructions: D (fp32 accumulators, 64 rows x N over the warpgroup, N / 2 a thread)
 // += A (64 x 16: a shared-memory descriptor "ss", or 4 x b32 registers a thread "rs") x B (16 x N,
@@ -153,9 +169,35 @@ __device__ __forceinline__ void hw_mma_rs_n128(float (&d)[64], const tc_u32 (&a)
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
 }
 
+// O += P V at head dims 192 and 256: wgmma m64n192k16 and m64n256k16 (96 and 128 accumulators a
+// thread), A from registers, B MN-major
+#define HW_OPS96 HW_OPS64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+#define HW_OPS128 HW_OPS96 ", %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define HW_F96(d) HW_F64(d), HW_F8(d, 64), HW_F8(d, 72), HW_F8(d, 80), HW_F8(d, 88)
+#define HW_F128(d) HW_F96(d), HW_F8(d, 96), HW_F8(d, 104), HW_F8(d, 112), HW_F8(d, 120)
+template <bool BF16, int TB>
+__device__ __forceinline__ void hw_mma_rs_n192(float (&d)[96], const tc_u32 (&a)[4], tc_u64 db, int scale_d) {
+    if (BF16)
+        asm volatile(HW_RS(192, "bf16", HW_OPS96, "%96", "%97", "%98", "%99", "%100", "%101", "%102") : HW_F96(d)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+    else
+        asm volatile(HW_RS(192, "f16", HW_OPS96, "%96", "%97", "%98", "%99", "%100", "%101", "%102") : HW_F96(d)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+}
+template <bool BF16, int TB>
+__device__ __forceinline__ void hw_mma_rs_n256(float (&d)[128], const tc_u32 (&a)[4], tc_u64 db, int scale_d) {
+    if (BF16)
+        asm volatile(HW_RS(256, "bf16", HW_OPS128, "%128", "%129", "%130", "%131", "%132", "%133", "%134") : HW_F128(d)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+    else
+        asm volatile(HW_RS(256, "f16", HW_OPS128, "%128", "%129", "%130", "%131", "%132", "%133", "%134") : HW_F128(d)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+}
+
 // S = Q K^T over a narrower key tile (the last one of a sequence whose length is not a multiple of
 // 128): wgmma m64n80k16, writing the first 40 accumulators of d (the same layout as the first 10
-// column groups of n128); W = 128 is hw_mma_ss_n128.
+// column groups of n128); W = 64 (the key tiles of head dims above 128) m64n64k16, the first 32;
+// W = 128 is hw_mma_ss_n128.
 #define HW_OPS_W80 HW_OPS32 ", %32, %33, %34, %35, %36, %37, %38, %39"
 #define HW_F_W80(d) HW_F32(d), HW_F8(d, 32)
 template <int W, bool BF16>
@@ -167,8 +209,10 @@ __device__ __forceinline__ void hw_mma_ss_w(float (&d)[64], tc_u64 da, tc_u64 db
         else
             asm volatile(HW_SS(80, "f16", HW_OPS_W80, "%40", "%41", "%42", "%43") : HW_F_W80(d)
                          : "l"(da), "l"(db), "r"(scale_d), "n"(0));
+    } else if constexpr (W == 64) {
+        hw_mma_ss_n64<BF16, 0>(*reinterpret_cast<float(*)[32]>(&d[0]), da, db, scale_d);
     } else {
-        static_assert(W == 128, "a key tile of 80 or 128 keys");
+        static_assert(W == 128, "a key tile of 64, 80 or 128 keys");
         hw_mma_ss_n128<BF16, 0>(d, da, db, scale_d);
     }
 }
@@ -246,31 +290,37 @@ __device__ __forceinline__ void hw_ab(float (&acc)[D / 2], const tc_u32 (&a)[KS]
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
         const tc_u64 db = ADD ? hw_desc_add(db0, kk * 16 * 128) : hw_desc(b + kk * 16 * 128, BROWS * 128, 1024);
-        if constexpr (D == 128)
+        if constexpr (D == 128) {
             hw_mma_rs_n128<BF16, 1>(acc, a[kk], db, 1);
-        else
+        } else if constexpr (D == 64) {
             hw_mma_rs_n64<BF16, 1>(acc, a[kk], db, 1);
+        } else if constexpr (D == 192) {
+            hw_mma_rs_n192<BF16, 1>(acc, a[kk], db, 1);
+        } else {
+            static_assert(D == 256, "head dim 64, 128, 192 or 256");
+            hw_mma_rs_n256<BF16, 1>(acc, a[kk], db, 1);
+        }
     }
 }
 
-// S (64 x W, this warpgroup's rows) = Q K^T over the first W keys of a K tile of 128 rows: sq is the
+// S (64 x W, this warpgroup's rows) = Q K^T over the first W keys of a K tile of KROWS rows: sq is the
 // warpgroup's first Q row in panel 0 of a Q tile of QROWS rows, sk the first row of the K tile. Issues
 // D / 16 wgmma m64nWk16 (W = 128: all of S; fewer: the first W / 2 accumulators).
-template <int D, int QROWS, bool BF16, int W = 128>
+template <int D, int QROWS, bool BF16, int W = 128, int KROWS = 128>
 __device__ __forceinline__ void hw_qk(float (&s)[64], tc_u32 sq, tc_u32 sk) {
     const tc_u64 da0 = hw_desc(sq, 16, 1024), db0 = hw_desc(sk, 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
         hw_mma_ss_w<W, BF16>(s, hw_desc_add(da0, (kk >> 2) * (QROWS * 128) + (kk & 3) * 32),
-                             hw_desc_add(db0, (kk >> 2) * (128 * 128) + (kk & 3) * 32), kk > 0);
+                             hw_desc_add(db0, (kk >> 2) * (KROWS * 128) + (kk & 3) * 32), kk > 0);
 }
 
 // O (64 x D) += P V: P as A fragments (one k16 step of keys per pa[kk]; the first KS of them), sv the
-// first row of a V tile of 128 keys in the tile layout (read transposed: MN-major, panels 128 * 128
+// first row of a V tile of VROWS keys in the tile layout (read transposed: MN-major, panels VROWS * 128
 // bytes apart).
-template <int D, bool BF16, int KS = 8>
+template <int D, bool BF16, int KS = 8, int VROWS = 128>
 __device__ __forceinline__ void hw_pv(float (&o)[D / 2], const tc_u32 (&pa)[8][4], tc_u32 sv) {
-    hw_ab<D, KS, 128, BF16, true>(o, *reinterpret_cast<const tc_u32(*)[KS][4]>(&pa[0][0]), sv);
+    hw_ab<D, KS, VROWS, BF16, true>(o, *reinterpret_cast<const tc_u32(*)[KS][4]>(&pa[0][0]), sv);
 }
 
 // A fragments from accumulators (n8 block j holds columns 8j..8j+7), rounded to the storage type:

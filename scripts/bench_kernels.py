@@ -62,6 +62,10 @@ SHAPE_SETS = {"users": [
     shape("d96 (Phi)", 1, 32, 4096, 96),
     shape("d96 causal", 1, 32, 4096, 96, causal=True),
     shape("d256 GQA bf16 causal (Gemma)", 1, 16, 4096, 256, kv=8, dtype="bf16", causal=True),
+    shape("d256", 1, 32, 4096, 256),
+    shape("d256 causal", 1, 32, 4096, 256, causal=True),
+    shape("d192", 1, 32, 4096, 192),
+    shape("d192 causal", 1, 32, 4096, 192, causal=True),
 ]}
 
 

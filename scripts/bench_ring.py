@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from tpattn.attention import get_backend  # noqa: E402
-from tpattn.attention.ring import block_sums, context_rows, merge, piece_forward, pieces, step_backward  # noqa: E402
+from tpattn.attention.ring import RowsDq, block_sums, context_rows, merge, piece_forward, pieces, step_backward  # noqa: E402
 
 
 def rank_forward(backend, q, k, v, C, c, causal):
@@ -55,19 +55,19 @@ def rank_forward(backend, q, k, v, C, c, causal):
 def rank_backward(backend, C, c, causal, state, do):
     qc, blocks, o, lse = state
     out = o.to(qc.dtype)
-    dq = torch.zeros(qc.shape, dtype=torch.float32, device=qc.device)
 
     # the earlier ranks' dK, dV sums of a block, as they arrive with it from step 1 on (their values do
     # not matter here: the step adds this rank's share into them, as the layer does)
     arrived = tuple(torch.zeros(blocks[0][0].shape, dtype=torch.float32, device=qc.device) for _ in range(2))
 
-    def run():
-        dq.zero_()
+    def run():  # as the layer's backward: dQ's sum begun, the steps, dQ out
+        dq = RowsDq(backend, qc, out, lse, do, causal, False)
         for s in range(C):
             j = (c - s) % C
             kb, vb = blocks[j]
             parts = step_backward(backend, qc, kb, vb, out, lse, do, c, j, causal, False, dq)
             block_sums(parts, kb, None if s == 0 else arrived)
+        return dq.result()
     return run
 
 

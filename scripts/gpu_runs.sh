@@ -77,6 +77,10 @@
 #           graphs), scripts/bench_paged.py --fp8 --layer (the decode kernel on e4m3 pages beside fp16
 #           pages, and the graphed step), the serving example with --kv-dtype fp8, compute-sanitizer over
 #           scripts/sanitize_decode.py
+#   ring    context parallelism on one GPU: pytest -m gpu tests/test_gpu_ring.py (the ranks sharing it over
+#           gloo, the kernels' dQ sum against each piece's dQ added), compute-sanitizer memcheck and racecheck
+#           over scripts/sanitize_backward.py (its ring ranks among the rest), scripts/bench_ring.py causal at
+#           N = 65536 (a rank's compute against the whole attention's / C)
 #   ncubwd  Nsight Compute (--set full) over one attention backward of tpattn's fused backend and one of SDPA's
 #           cuDNN backend, at B=1 H=32 N=4096 d=128 fp16 and at B=2 H=32 G=8 N=8192 bf16 causal; the details
 #           pages as CSV under $OUT/ncu, and scripts/ncu_backward.py's table of them
@@ -459,6 +463,18 @@ if want backward5; then
     tag=$(echo "x$args" | tr -d ' -' | cut -c1-40)
     python3 scripts/bench_train.py $args --profile 12 --commit "$c" --out "$OUT/train5_$tag" 2>&1 | grep -v -i warn || status=1
   done
+fi
+if want ring; then
+  note "context parallelism: GPU tests, the backward's sanitizer runs, the ring's compute per rank"
+  timeout 500 python3 -m pytest -m gpu -q -p no:warnings --tb=short tests/test_gpu_ring.py 2>&1 | tee "$OUT/pytest_gpu_ring.log" \
+    | tail -3 || status=1
+  san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  for tool in memcheck racecheck; do
+    timeout 400 "$san" --tool $tool --error-exitcode 9 python3 scripts/sanitize_backward.py > "$OUT/sanitizer_bwd_$tool.log" 2>&1
+    echo "$tool exit $?"; tail -1 "$OUT/sanitizer_bwd_$tool.log"
+  done
+  timeout 400 python3 scripts/bench_ring.py --seq-len 65536 --rounds 3 --causal --json "$OUT/bench_ring_64k_causal.json" 2>&1 \
+    | tee "$OUT/bench_ring_64k_causal.log" | tail -12 || status=1
 fi
 if want paged; then
   note "the paged cache: GPU tests, the graphed decode step and the prefills beside their baselines"

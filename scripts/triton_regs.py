@@ -5,7 +5,8 @@ configs can be chosen (and checked) on any machine.
     python scripts/triton_regs.py [--arch 90] [--head-dims 64 96 128 256] [--dtype fp16]
 
 For each kernel (forward, dK/dV, dQ; the paged prefill at its one config, over 16-bit and FP8 pages;
-the FP8 forward, f8, at 64, 128 and 256), head dim and config: (BLOCK_M, BLOCK_N, warps, stages), registers
+the FP8 forward, f8, at 64, 128 and 256, and its block quantization, q8, without and with the
+rotation), head dim and config: (BLOCK_M, BLOCK_N, warps, stages), registers
 a thread, spill stores and loads (bytes), shared memory. Exit status 1 if any config spills.
 Compiles with pointers aligned to 16 and, where 16 divides d (contiguous rows), the strides too, as a
 real launch specializes them (for d = 40, 136, ... the row stride is not a multiple of 16)."""
@@ -23,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 KERNELS = {"fwd": "attn_fwd", "kv": "attn_bwd_kv", "q": "attn_bwd_q", "pg": "paged_prefill_fwd",
            "pg8": "paged_prefill_fwd",  # pg8: the paged prefill over an FP8 pool
-           "f8": "fp8_fwd"}  # f8: the FP8 forward (triton_fp8.py), over its configs
+           "f8": "fp8_fwd",  # f8: the FP8 forward (triton_fp8.py), over its configs
+           "q8": "fp8_quant"}  # q8: its block quantization (one config; the causal column: with the rotation)
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
 
@@ -37,28 +39,29 @@ def compile_one(K, which: str, d: int, causal: bool, cfg, dtype: str, arch: int,
     if which == "pg":
         from tpattn.attention import triton_paged
         fn = triton_paged.paged_prefill_fwd
-    elif which == "f8":
+    elif which in ("f8", "q8"):
         from tpattn.attention import triton_fp8
-        fn = triton_fp8.fp8_fwd.fn
+        fn = triton_fp8.fp8_fwd.fn if which == "f8" else triton_fp8.fp8_quant
     else:
         fn = getattr(K, KERNELS[which]).fn
     names = fn.arg_names
     bm, bn, warps, stages = cfg
     const = {"HEAD_DIM": d, "CAUSAL": causal, "BLOCK_D": K.block_d(d), "PAD_D": K.block_d(d) != d,
-             "BLOCK_M": bm, "BLOCK_N": bn, "STORE_LSE": True, "F8": fp8, "D_TUNED": d}
+             "BLOCK_M": bm, "BLOCK_N": bn, "STORE_LSE": True, "F8": fp8, "D_TUNED": d,
+             "BLOCK": 128, "SUB": bm, "BJ": bn, "ROTATE": causal}
     sig, attrs = {}, {}
     for i, name in enumerate(names):
         if name in const:
             sig[name] = "constexpr"
-        elif name in ("L", "DELTA", "KS", "VS", "SQ", "SK", "SV"):
+        elif name in ("L", "DELTA", "KS", "VS", "SQ", "SK", "SV", "S"):
             sig[name] = "*fp32"
-        elif (name in ("KP", "VP") and fp8) or (which == "f8" and name in ("Q", "K", "VT")):
+        elif (name in ("KP", "VP") and fp8) or (which == "f8" and name in ("Q", "K", "VT")) or name == "X8":
             sig[name] = "*fp8e4nv"
-        elif name in ("Q", "K", "V", "O", "DO", "DK", "DV", "DQ", "KP", "VP"):
+        elif name in ("Q", "K", "V", "O", "DO", "DK", "DV", "DQ", "KP", "VP", "X", "R"):
             sig[name] = "*" + dtype
         elif name in ("TABLE", "CU", "START"):
             sig[name] = "*i32"
-        elif name in ("qk_scale", "sm_scale"):
+        elif name in ("qk_scale", "sm_scale", "rscale"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -100,11 +103,11 @@ def main(argv=None) -> int:
     for d in a.head_dims:
         for which in KERNELS:
             paged = which.startswith("pg")
-            if which == "f8":
+            if which in ("f8", "q8"):
                 from tpattn.attention import fp8, triton_fp8
                 if d not in fp8.KERNEL_HEAD_DIMS:
                     continue
-                cfgs = triton_fp8.TUNE[d]
+                cfgs = triton_fp8.TUNE[d] if which == "f8" else [(triton_fp8.QUANT_SUB, triton_fp8.QUANT_BJ, 4, 1)]
             else:
                 cfgs = [triton_paged.config(d)] if paged else K.tune_set(which, K.block_d(d))
             for cfg in cfgs:

@@ -62,9 +62,12 @@ def rel(a, b):
 
 
 if dev.type == "cuda":  # the pieces through the fused kernels (fp16, bf16), against float64
-    E2, H2, d2 = 256, 4, 64
-    N2 = 2 * C * 96  # chunks of 96 rows: partial tiles
-    for dt, G, causal in ((torch.float16, 4, True), (torch.bfloat16, 2, True), (torch.float16, 1, False)):
+    E2, H2 = 256, 4
+    # chunks of 96 rows: partial tiles (each piece's dQ added); of 128: the kernels' dQ sum over the pieces
+    for dt, G, causal, m, d2 in ((torch.float16, 4, True, 96, 64), (torch.bfloat16, 2, True, 96, 64),
+                                 (torch.float16, 1, False, 96, 64), (torch.float16, 2, True, 128, 64),
+                                 (torch.bfloat16, 2, True, 128, 128)):
+        N2 = 2 * C * m
         torch.manual_seed(1)
         w2 = {"wq": torch.randn(E2, H2 * d2), "wk": torch.randn(E2, G * d2), "wv": torch.randn(E2, G * d2),
               "wo": torch.randn(H2 * d2, E2)}
@@ -86,7 +89,7 @@ if dev.type == "cuda":  # the pieces through the fused kernels (fp16, bf16), aga
         ysp = sp(xsp)
         ysp.backward(dy2)
         got, want, own = fr.full_grads(), ref.full_grads(), sp.full_grads()
-        what = f"fused {dt} C={C} G={G} causal={causal}"
+        what = f"fused {dt} C={C} G={G} causal={causal} chunks of {m} d={d2}"
         for name, a, b, c_ in [("y", yr2, ys2, ysp), ("x.grad", xr2.grad, xs2.grad, xsp.grad),
                                *((f"d{k_}", got[k_], want[k_], own[k_]) for k_ in ("wq", "wk", "wv", "wo"))]:
             if name in ("y", "x.grad"):  # this rank's rows

@@ -34,6 +34,31 @@ def test_fp8_forward_against_float64(N, d, causal, scaling, rotate):
     assert kernel < 1.15 * emulated, (kernel, emulated)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_block_quantization_kernel_gives_torchs_bytes(d, dtype):
+    """fp8_quant (the block scaling's quantization, one launch a tensor) against the same in torch on
+    the GPU, N = 1000 (a partial last block): V's bytes (rows transposed, no rotation) and scales
+    equal bit for bit, so the kernel's division and e4m3 rounding are torch's (nearest even); Q and K
+    after the rotation (fp32 products summed in another order, on the tensor cores) within 4e-6 and one
+    e4m3 step."""
+    pytest.importorskip("triton")
+    from tpattn.attention import triton_fp8
+    q, k, v = (t.to(dtype).cuda() for t in fp8.inputs(1, 4, 2, 1000, d, outliers=1e-3, seed=d))
+    got = triton_fp8.prepare(q, k, v, "block", True)
+    want = triton_fp8.prepare_torch(q, k, v, "block", True)
+    for name, a, b in zip(("q8", "k8", "vt8", "sq", "sk", "sv"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        x, y = a.float(), b.float()
+        if name in ("vt8", "sv"):
+            assert torch.equal(x, y), name
+        elif name in ("sq", "sk"):
+            assert torch.allclose(x, y, rtol=4e-6, atol=0), name
+        else:
+            assert (x != y).float().mean().item() <= 0.01, name
+            assert ((x - y).abs() <= torch.maximum(x.abs(), y.abs()) / 8 + 2.0 ** -9).all(), name
+
+
 @pytest.mark.parametrize("tiles", [None, (64, 64, 4, 3), (128, 64, 8, 3)])
 def test_fp8_forward_bf16_and_spread_blocks(tiles):
     """bf16 in and out; K and V whose 128-row blocks differ 8x in size, per-block scales."""

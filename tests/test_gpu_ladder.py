@@ -359,16 +359,16 @@ def test_more_heads_than_the_grid_holds(kernel, env, monkeypatch):
     assert rel_err(o, ref) <= TOL_REF["fp16"]
 
 
-@pytest.mark.parametrize("d", [32, 80, 96, 256])
+@pytest.mark.parametrize("d", [40, 88, 120, 248])
 def test_fused_unsupported_head_dim_is_a_clear_error(d):
     q, k, v = qkv(1, 2, 16, d, torch.float16)
-    with pytest.raises(ConfigError, match="supports head dims 64 and 128"):
+    with pytest.raises(ConfigError, match="supports head dims 32, 64, 80, 96, 128, 160, 192 and 256"):
         get_backend("fused").forward(q, k, v, False)
 
 
 def test_fused_unsupported_head_dim_through_the_cli():
-    r = tpattn(["--kernel", "fused", "--seq-len", "64", "--heads", "2", "--head-dim", "80"], timeout=120)
-    assert r.returncode == 2 and "supports head dims 64 and 128" in r.stderr, r.stdout + r.stderr
+    r = tpattn(["--kernel", "fused", "--seq-len", "64", "--heads", "2", "--head-dim", "88"], timeout=120)
+    assert r.returncode == 2 and "supports head dims 32, 64, 80, 96, 128, 160, 192 and 256" in r.stderr, r.stdout + r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
 

@@ -340,7 +340,7 @@ def test_graphed_paged_step_prepares_on_the_device_and_advances():
 def test_fp8_append_kernel_gives_quantize_rows_bits(dtype, rope, d):
     """dec_append_pg8: q as dec_append_pg writes it; each K and V row, rotated and rounded to the
     storage dtype, in e4m3 with its own scale: the bits of fp8.quantize_rows of the torch path's
-    rows (a row of zeros: scale 1), at ragged positions across pages, GQA."""
+    rows (a row of zeros: scale 0), at ragged positions across pages, GQA."""
     from tpattn.attention import fp8
     from tpattn.decode import append_paged_kernel, apply_rope, rope_tables
     torch.manual_seed(1)
@@ -365,7 +365,7 @@ def test_fp8_append_kernel_gives_quantize_rows_bits(dtype, rope, d):
         t8, s = fp8.quantize_rows(t)
         assert torch.equal(pool[pages, :, pos % P].float(), t8), "e4m3 bytes"
         assert torch.equal(sc[pages, :, pos % P], s.squeeze(-1)), "row scales"
-    assert vs[pages[4], 0, pos[4] % P] == 1
+    assert vs[pages[4], 0, pos[4] % P] == 0  # a row of zeros keeps scale 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -388,6 +388,28 @@ def test_fp8_paged_kernel_against_float64(h, g, d, dtype, page):
     tol = 4e-3 if dtype == torch.float16 else 3e-2
     assert (o.double() - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
     assert not o[0].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp8_paged_kernel_keeps_small_rows_beside_zero_rows(d, dtype):
+    """The tensor-core split over e4m3 pages scales P by each key's V scale over the tile's largest
+    before its fp16 product: V rows of size 1e-3 with a zero row in every 16-key tile (whose scale is
+    0, not 1: a 1 would push the other keys' P into fp16 subnormals, 8 % off), grouped heads, against
+    float64 over the dequantized pages."""
+    from tpattn.attention import fp8
+    lens = [1, 37, 300, 1100]
+    q, pool_k, pool_v, table, lens_t = paged_inputs(lens, 32, 8, d, 16, dtype, seed=6)
+    pool_v = pool_v.float() * 1e-3
+    pool_v[:, :, ::16] = 0
+    pk8, ks = fp8.quantize_rows(pool_k.float())
+    pv8, vs = fp8.quantize_rows(pool_v)
+    pk8, pv8 = pk8.to(torch.float8_e4m3fn), pv8.to(torch.float8_e4m3fn)
+    ks, vs = ks.squeeze(-1), vs.squeeze(-1)
+    o = paged_decode_attention(q, pk8, pv8, table, lens_t, max(lens), scales=(ks, vs))
+    want = float64_rows(q, fp8.dequantize(pk8, ks), fp8.dequantize(pv8, vs), table, lens_t)
+    tol = 4e-3 if dtype == torch.float16 else 3e-2
+    assert (o.double() - want).abs().max().item() <= tol * want.abs().max().item()
 
 
 @pytest.mark.parametrize("g", [8, 2])

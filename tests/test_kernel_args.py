@@ -11,6 +11,7 @@ head a query head reads (group, K/V strides) are checked too, for grouped-query 
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from tpattn.attention import CudaBackend, fused, naive, tiled
+from tpattn.config import ConfigError
 from tpattn.cuda import TensorMap, kernel_source
 
 CPP = shutil.which("cpp")
@@ -194,6 +196,65 @@ def test_fused_ws_launch(launches, monkeypatch, causal, h, g):
     assert qm.strides == (d * 2, n * d * 2, h * n * d * 2)
     assert km.strides == (d * 2, n * d * 2 if g > 1 else 16, g * n * d * 2)  # one K/V head: never stepped over
     assert (args[11], args[12]) == (h, h // g)
+
+
+@pytest.mark.parametrize("kernel", ["ws", "red"])
+def test_five_product_backward_and_the_rings_dq_sum_launches(launches, monkeypatch, kernel):
+    """The five-product backward (hbwd_pre, hbwd5w_kv or hbwd5_kv, hbwd_dq_out) reads its own rows' L and
+    Dl (ldn = N, qoff = 0); the ring's sum over pieces runs hbwd_pre once, each piece's kernel at its
+    (ldn, qoff) into the one dQ sum, and hbwd_dq_out once."""
+    monkeypatch.setattr(fused, "_device_info", lambda dev: (40, (9, 0)))
+    monkeypatch.setenv("TPATTN_FUSED_BWD5", kernel)
+    monkeypatch.setattr(fused, "_prepared_bwd", {})
+    b, h, g, n, d = 1, 4, 2, 256, 64
+    q, k, v = qkv(b, h, g, n, d)
+    o, do = torch.randn(b, h, n, d).half(), torch.randn(b, h, n, d).half()
+    lse = torch.zeros(b, h, n)
+    be = fused.FusedBackend()
+    be.backward(q, k, v, o, lse, do, True)
+    kv = "hbwd5w_kv_f16_d64" if kernel == "ws" else "hbwd5_kv_f16_d64"
+    assert [c[1] for c in launches] == ["hbwd_pre_f16_d64", kv, "hbwd_dq_out_f16_d64"]
+    for c in launches:
+        check_launch(*c)
+    assert tuple(int(x) for x in launches[1][4][-2:]) == (n, 0)
+    assert int(launches[1][4][8]) == int(launches[0][4][3])  # (both kernels: q, k, v, do, L, Dl, dk, dv, dqa, ...)
+    launches.clear()
+    sums = be.dq_sum(q, o, lse, do)
+    m = n // 2
+    dk, dv = be.backward_summing(q[:, :, m:], k[:, :, :m], v[:, :, :m], do[:, :, m:], False, sums, n, m)
+    be.backward_summing(q.reshape(b, 2 * h, m, d), k[:, :, :m], v[:, :, :m], do.reshape(b, 2 * h, m, d), False, sums, m, 0)
+    dq = be.dq_of_sum(sums)
+    assert [c[1] for c in launches] == ["hbwd_pre_f16_d64", kv, kv, "hbwd_dq_out_f16_d64"]
+    for c in launches:
+        check_launch(*c)
+    assert tuple(int(x) for x in launches[1][4][-2:]) == (n, m) and tuple(int(x) for x in launches[2][4][-2:]) == (m, 0)
+    assert {int(c[4][8]) for c in launches[1:3]} == {sums.dqa.data_ptr()} == {int(launches[0][4][3]), int(launches[3][4][0])}
+    assert {int(c[4][4]) for c in launches[1:3]} == {sums.lse.data_ptr()}  # L, Dl: the sum's, not copies
+    assert {int(c[4][5]) for c in launches[1:3]} == {sums.dl.data_ptr()} == {int(launches[0][4][2])}
+    assert dk.shape == dv.shape == (b, g, m, d) and dq.shape == q.shape and dq.dtype == q.dtype
+    with pytest.raises(ValueError, match="not tile-aligned"):
+        be.backward_summing(q[:, :, 32:], k[:, :, 32:], v[:, :, 32:], do[:, :, 32:], False, sums, n, 32)
+
+
+@pytest.mark.parametrize("d,keys", [(32, 128), (80, 128), (96, 128), (160, 64), (192, 64), (256, 64)])
+def test_fused_ws_other_head_dims(launches, monkeypatch, d, keys):
+    """The head dims other than 64 and 128: fusedw of fused_ws_dims.cu even for a call of few tiles
+    (there is no fused2 for them), the tensor maps over the head dim itself (the kernel computing with
+    the next of 64, 128, 192 reads zeros past it), K and V in boxes of the kernel's key tile (64 keys
+    above 128 columns); refused on compute capability 8.x in one line."""
+    monkeypatch.setattr(fused, "_device_info", lambda dev: (132, (9, 0)))
+    monkeypatch.delenv("TPATTN_FUSED_GRID", raising=False)
+    q, k, v = qkv(1, 2, 1, 100, d)
+    fused.FusedBackend().forward(q, k, v, True)
+    (source, name, grid, block, args), = launches
+    check_launch(source, name, grid, block, args)
+    assert source == "fused_ws_dims.cu" and name == f"fusedw_f16_d{d}" and block == (384, 1, 1) and grid == (2, 1, 1)
+    assert args[0].dims == (d, 100, 2, 1) and args[1].dims == (d, 100, 1, 1)
+    assert args[0].box == (64, 128) and args[1].box == args[2].box == (64, keys)
+    assert float(args[7]) == pytest.approx(math.log2(math.e) / math.sqrt(d))  # the scale of d, not of the tile
+    monkeypatch.setattr(fused, "_device_info", lambda dev: (108, (8, 0)))
+    with pytest.raises(ConfigError, match=f"head dim {d} runs on compute capability 9.0 only"):
+        fused.FusedBackend().forward(q, k, v, True)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -97,15 +97,27 @@ def test_hopper_kernels_exist_and_are_refused_elsewhere(monkeypatch):
 
 
 def test_fusedw_shared_memory_matches_its_stages(monkeypatch):
-    """fusedw's shared memory: two Q stages, 2 x KVS K/V stages (the .cu file's and the host's KVS
-    agree), barriers and tile numbers; within the 227 KB a block may have on 9.0."""
-    from tpattn.attention.fused import WS_KV_STAGES, kernel_for
+    """fusedw's shared memory: QS Q stages of 128 rows, 2 x KVS K/V stages of BC keys (the .cu file's
+    and the host's QS, KVS and BC agree), barriers and tile numbers; within the 227 KB a block may have
+    on 9.0, at every head dim it is built for (192 and 256: tiles of 64 keys, one Q stage at 256; 32,
+    80, 96 and 160 on the kernel of the next of 64, 128 and 192, in fused_ws_dims.cu)."""
+    from tpattn.attention.fused import (HEAD_DIMS, OTHER_HEAD_DIMS, WS_DIMS_SOURCE, WS_KEY_TILE, WS_KV_STAGES,
+                                        WS_Q_STAGES, WS_SOURCE, WS_TILE_DIM, kernel_for)
     monkeypatch.delenv("TPATTN_FUSED_CFG", raising=False)
     src = kernel_source("fused_ws_attention.cu")
-    assert "KVS = D == 64 ? 4 : 2" in src and WS_KV_STAGES == {64: 4, 128: 2}
-    for d in (64, 128):
+    assert "BC = D > 128 ? 64 : 128" in src and WS_KEY_TILE == {64: 128, 128: 128, 192: 64, 256: 64}
+    assert "QS = D == 256 ? 1 : 2, KVS = D == 64 ? 4 : 2" in src
+    assert WS_Q_STAGES == {64: 2, 128: 2, 192: 2, 256: 1} and WS_KV_STAGES == {64: 4, 128: 2, 192: 2, 256: 2}
+    main, dims = src.split("#ifndef TW_OTHER_DIMS")[1].split("#else")
+    assert "#define TW_OTHER_DIMS" in kernel_source(WS_DIMS_SOURCE)
+    for d in HEAD_DIMS:
+        t = WS_TILE_DIM.get(d, d)
+        assert t in (64, 128, 192, 256) and d <= t and d % 8 == 0
+        built = f"TW_DEFINE(fusedw, bf16, true, {d}, 2)" if t == d else f"TW_DEFINE_DS(fusedw, bf16, true, {t}, 2, {d})"
+        assert built in (dims if d in OTHER_HEAD_DIMS else main)
         ch = kernel_for(d, "bf16", (9, 0))
-        assert ch.name == f"fusedw_bf16_d{d}" and ch.shared == (2 + 2 * WS_KV_STAGES[d]) * 128 * d * 2 + 1280
+        assert ch.name == f"fusedw_bf16_d{d}" and ch.source == (WS_DIMS_SOURCE if d in OTHER_HEAD_DIMS else WS_SOURCE)
+        assert ch.shared == (WS_Q_STAGES[t] * 128 + 2 * WS_KV_STAGES[t] * WS_KEY_TILE[t]) * t * 2 + 1280
         assert ch.shared <= 232448
     # fusedw3 (d = 64): two Q stages of 192 rows, three consumer warpgroups
     ch = kernel_for(64, "bf16", (9, 0), rows=4096)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import ROOT, mpirun_cmd, run
-from tpattn.attention.ring import block_sums, context_rows, merge, piece_backward, piece_forward, pieces, step_backward
+from tpattn.attention.ring import (RowsDq, block_sums, context_rows, merge, piece_backward, piece_forward, pieces,
+                                  step_backward)
 from tpattn.errors import ConfigError
 from tpattn.layer import TensorParallelAttention
 
@@ -60,6 +61,54 @@ class EqualLengths:
         return piece_backward(None, q, k, v, o, lse, do, causal)
 
 
+class SummingLikeTheKernels(EqualLengths):
+    """EqualLengths with the fused backend's dQ sum over the ring's pieces (dq_sum, backward_summing,
+    dq_of_sum), addressed as kernels/fused_hopper_backward.cu's hb_kv does: call head i's row r reads L
+    and Dl at flat row i ldn + qoff + r of the sum's rows, and adds its dQ into 64-row tile
+    i ceil(ldn / 64) + (qoff + r) / 64 of a sum that holds ceil(n / 64) tiles a head (each tile's
+    inner order is the kernels' and does not matter here). Refuses what the fused backend refuses."""
+
+    def __init__(self):
+        self.calls = []
+
+    def dq_sum(self, q, o, lse, do, deterministic=False):
+        from tpattn.attention.fused import DqSum
+        b, h, n, d = q.shape
+        dl = (do * o).sum(-1)  # once, for all the rows
+        tiles = torch.zeros(b * h * -(-n // 64), 64, d, dtype=q.dtype)
+        return DqSum(lse.contiguous(), dl, tiles, tuple(q.shape), q.dtype)
+
+    def backward_summing(self, q, k, v, do, causal, sums, ldn, qoff):
+        from tpattn.attention.fused import summing_refusal
+        b, h, n, d = q.shape
+        self.calls.append((h, n, ldn, qoff))
+        bad = summing_refusal(sums.shape, q.shape, ldn, qoff)  # what fused.backward_summing refuses
+        if bad:
+            raise ValueError(bad)
+        heads = torch.arange(b * h)
+        at = (heads[:, None] * ldn + qoff + torch.arange(n)[None]).view(b, h, n)
+        lse, dl = sums.lse.reshape(-1)[at], sums.dl.reshape(-1)[at]
+        g = k.shape[1]
+        s = q.view(b, g, h // g, n, d) @ k.unsqueeze(2).transpose(-1, -2) / d ** 0.5
+        if causal:
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        p = torch.exp(s - lse.view(b, g, h // g, n, 1))
+        dof = do.view(b, g, h // g, n, d)
+        dv = (p.transpose(-1, -2) @ dof).sum(2)
+        ds = p * (dof @ v.unsqueeze(2).transpose(-1, -2) - dl.view(b, g, h // g, n, 1)) / d ** 0.5
+        dk = (ds.transpose(-1, -2) @ q.view(b, g, h // g, n, d)).sum(2)
+        dq = (ds @ k.unsqueeze(2)).reshape(b * h, n, d)
+        ld_qt = -(-ldn // 64)
+        for t in range(-(-n // 64)):
+            rows = dq[:, 64 * t:64 * t + 64]
+            sums.dqa[heads * ld_qt + qoff // 64 + t, :rows.shape[1]] += rows
+        return dk, dv
+
+    def dq_of_sum(self, sums):
+        b, h, n, d = sums.shape
+        return sums.dqa.view(b, h, -1, d)[:, :, :n].clone()
+
+
 def _ring_in_one_process(q, k, v, do, C, causal, backend=None):
     """Every rank's rows of the ring's forward and backward, computed in one process from the pieces
     (tpattn/comm.py's loop without the passes): (o, dq, dk, dv) in sequence order."""
@@ -81,12 +130,12 @@ def _ring_in_one_process(q, k, v, do, C, causal, backend=None):
     for c in range(C):
         o, lse = outs[c]
         o_all[:, :, rows[c]] = o
-        dq_c = torch.zeros(B, h, n, d, dtype=q.dtype)
+        dq_c = RowsDq(backend, q[:, :, rows[c]], o, lse, do[:, :, rows[c]], causal, False)
         for j in range(C):
             parts = step_backward(backend, q[:, :, rows[c]], k[:, :, rows[j]], v[:, :, rows[j]], o, lse,
                                   do[:, :, rows[c]], c, j, causal, False, dq_c)
             sums[j] = block_sums(parts, k[:, :, rows[j]], sums[j])
-        dq[:, :, rows[c]] = dq_c
+        dq[:, :, rows[c]] = dq_c.result()
     for j in range(C):
         dk[:, :, rows[j]], dv[:, :, rows[j]] = sums[j]
     return o_all, dq, dk, dv
@@ -123,6 +172,60 @@ def test_pieces_merged_by_logsumexp_are_the_whole_attention_and_its_gradients(C,
     assert torch.allclose(o, want.detach(), atol=1e-12)
     for got, ref in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
         assert torch.allclose(got, ref, atol=1e-11)
+
+
+@pytest.mark.parametrize("C", [2, 3])
+@pytest.mark.parametrize("causal", [True, False])
+def test_pieces_summing_dq_in_the_kernels_tiles_give_the_whole_gradients(C, causal):
+    """The fused backend's way (Dl once, each piece's dQ added into the kernels' tiles at (ldn, qoff),
+    dQ out once), emulated with the kernels' addressing: the ring's pieces land on their own rows."""
+    torch.manual_seed(1)
+    B, h, g, d = 1, 4, 2, 64
+    N = 256 * C  # rank rows n = 256: the causal pieces start at row 128 and fold 2 heads of 128 rows
+    q = torch.randn(B, h, N, d, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(B, g, N, d, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    do = torch.randn(B, h, N, d, dtype=torch.float64)
+    backend = SummingLikeTheKernels()
+    _, dq, dk, dv = _ring_in_one_process(q.detach(), k.detach(), v.detach(), do, C, causal, backend)
+    s = q @ k.repeat_interleave(h // g, 1).transpose(-1, -2) / d ** 0.5
+    if causal:
+        s = s.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf"))
+    (torch.softmax(s, -1) @ v.repeat_interleave(h // g, 1)).backward(do)
+    for got, ref in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
+        assert torch.allclose(got, ref, atol=1e-11)
+    n = N // C
+    want = {(h, n, n, 0)} | ({(2 * h, n // 2, n // 2, 0), (h, n // 2, n, n // 2)} if causal and C > 1 else set())
+    assert set(backend.calls) == want  # every kind of piece went through the sum
+
+
+def test_rows_not_on_the_kernels_tiles_add_each_pieces_dq_instead():
+    """A causal ring whose rank rows are not a multiple of 128 does not use the kernels' sum (its pieces
+    would start inside a 64-row tile): RowsDq adds each piece's dQ in fp32, and the gradients hold."""
+    torch.manual_seed(2)
+    C, B, h, g, d = 2, 1, 2, 1, 64
+    N = 2 * 96
+    q = torch.randn(B, h, N, d, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(B, g, N, d, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    do = torch.randn(B, h, N, d, dtype=torch.float64)
+    backend = SummingLikeTheKernels()
+    _, dq, _, _ = _ring_in_one_process(q.detach(), k.detach(), v.detach(), do, C, True, backend)
+    assert backend.calls == []
+    s = (q @ k.repeat_interleave(h // g, 1).transpose(-1, -2) / d ** 0.5).masked_fill(
+        torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf"))
+    (torch.softmax(s, -1) @ v.repeat_interleave(h // g, 1)).backward(do)
+    assert torch.allclose(dq, q.grad, atol=1e-11)
+    sums = backend.dq_sum(q[:, :, :96].detach(), q[:, :, :96].detach(), torch.zeros(B, h, 96, dtype=torch.float64),
+                          q[:, :, :96].detach())
+    with pytest.raises(ValueError, match="not tile-aligned"):  # rows 48.. of 96: inside a tile
+        backend.backward_summing(q[:, :, 48:96].detach(), k[:, :, :48].detach(), v[:, :, :48].detach(),
+                                 do[:, :, 48:96], False, sums, 96, 48)
+    # 2 heads of 96 rows seen as 3 of 64: the sum pads each head to 2 tiles, so call head 1's rows would
+    # straddle head 0's pad and head 1's first tile
+    sums = backend.dq_sum(q[:, :, :96].detach(), q[:, :, :96].detach(), torch.zeros(B, h, 96, dtype=torch.float64),
+                          q[:, :, :96].detach())
+    with pytest.raises(ValueError, match="not tile-aligned"):
+        backend.backward_summing(q[:, :, :96].detach().reshape(B, 3, 64, d), k[:, :, :64].detach(), v[:, :, :64].detach(),
+                                 do[:, :, :96].reshape(B, 3, 64, d), False, sums, 64, 0)
 
 
 def test_a_piece_of_more_query_rows_than_keys_is_seen_as_more_heads():

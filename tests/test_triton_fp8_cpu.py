@@ -56,6 +56,23 @@ def test_fp8_forward_blocks_follow_their_scales(tiles):
 
 
 @interp
+def test_fp8_forward_of_tiny_queries_and_keys_is_finite():
+    """bf16 Q and K near 1e-22: their scales' product (the scores' factor) underflows fp32, and a
+    factor of 0 made the masked tiles' -inf scores NaN (-inf * 0). The scores are ~1e-38: attention
+    is the mean of the visible V rows, as float64 says."""
+    from tpattn.attention import triton_fp8
+    _patch_interpreter_fp8_casts()
+    _patch_interpreter_bf16_dot()
+    q, k, v = fp8.inputs(1, 2, 1, 150, 64, seed=3)
+    q, k, v = (q * 1e-22).bfloat16(), (k * 1e-22).bfloat16(), v.bfloat16()
+    o = triton_fp8.attention(q, k, v, True, "head", False, tiles=(64, 64, 4, 2))
+    ref = fp8.attention_float64(q.double(), k.double(), v.double(), True)
+    emulated = fp8.attention_fp8(q.double(), k.double(), v.double(), True, "head", False)
+    assert torch.isfinite(o).all()
+    assert fp8.rmse(o, ref) < 1.1 * fp8.rmse(emulated, ref), (fp8.rmse(o, ref), fp8.rmse(emulated, ref))
+
+
+@interp
 def test_fp8_forward_refuses_what_it_does_not_take():
     from tpattn.attention import triton_fp8
     q = torch.zeros(1, 3, 16, 96, dtype=torch.float16)
@@ -80,3 +97,34 @@ def test_layer_fp8_backend_through_the_triton_kernel():
     assert kernel.dtype == torch.float16
     assert fp8.rmse(kernel, ref) < 1.1 * fp8.rmse(torch_math, ref) and fp8.rmse(kernel, torch_math) < 0.35 * fp8.rmse(
         torch_math, ref)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+def test_block_quantization_kernel_gives_torchs_bytes(d, dtype):
+    """fp8_quant (triton_fp8.quantize_blocks: one launch a tensor) against prepare_torch's block
+    scaling, N = 300 (a partial last block), blocks of different sizes, 0.1 % outliers: without the
+    rotation the same scales and e4m3 bytes, rows and transposed (V^T); with it (fp32 products summed
+    in another order than torch's matmul) the scales within 1e-6 and at most 1 % of the bytes one e4m3
+    step apart. A wrong scale or a missing rotation fails it (the cast's rounding is torch's here:
+    tests/test_gpu_fp8.py checks the GPU's)."""
+    from tpattn.attention import triton_fp8
+    _patch_interpreter_fp8_casts()
+    _patch_interpreter_bf16_dot()
+    q, k, v = fp8.inputs(1, 2, 1, 300, d, outliers=1e-3, seed=5)
+    blocks = 2.0 ** (torch.arange(300) // 128 * 3 - 3).double()
+    q, k, v = (t.to(dtype) for t in (q * blocks[:, None], k, v * blocks[:, None]))
+    for rotate in (False, True):
+        want = triton_fp8.prepare_torch(q, k, v, "block", rotate)
+        got = triton_fp8.prepare(q, k, v, "block", rotate)
+        for name, a, b in zip(("q8", "k8", "vt8", "sq", "sk", "sv"), got, want):
+            assert a.shape == b.shape and a.dtype == b.dtype, name
+            if not rotate or name in ("vt8", "sv"):  # V is never rotated
+                assert torch.equal(a.float(), b.float()), (name, rotate)
+            elif a.dtype == torch.float32:
+                assert torch.allclose(a, b, rtol=1e-6, atol=0), name
+            else:
+                x, y = a.float(), b.float()
+                assert (x != y).float().mean().item() <= 0.01, name
+                assert ((x - y).abs() <= torch.maximum(x.abs(), y.abs()) / 8 + 2.0 ** -9).all(), name

@@ -170,16 +170,18 @@ def test_contiguous_cache_chunks_through_the_paged_prefill(monkeypatch):
 
 @interp
 def test_paged_prefill_keeps_small_fp8_values_out_of_fp16_subnormals():
-    """V rows of size 1e-4 (scales near 2e-7): p times the V scale is normalized by the tile's largest
-    before the fp16 PV product, so the output keeps the 16-bit pages' relative bound (without it, about
-    10 % off)."""
+    """V rows of size 1e-4 (scales near 2e-7), every 16th row zeros: p times the V scale is normalized
+    by the tile's largest before the fp16 PV product, so the output keeps the 16-bit pages' relative
+    bound (without it, about 10 % off; with a zero row's scale 1 as the tile's largest, as before)."""
     _patch_interpreter_fp8_casts()
     from tpattn.attention import fp8
     from tpattn.attention.triton_paged import paged_prefill
     gen = torch.Generator().manual_seed(3)
     rows, starts = [37, 130], [0, 40]
     kp, vp, table = pool_of([T + L0 for T, L0 in zip(rows, starts)], 2, 16, 64, torch.float32, gen)
-    (k8, ks), (v8, vs) = fp8.quantize_rows(kp), fp8.quantize_rows(vp * 1e-4)
+    vp = vp * 1e-4
+    vp[:, :, ::16] = 0  # a zero V row in every tile
+    (k8, ks), (v8, vs) = fp8.quantize_rows(kp), fp8.quantize_rows(vp)
     k8, v8, ks, vs = k8.to(torch.float8_e4m3fn), v8.to(torch.float8_e4m3fn), ks.squeeze(-1), vs.squeeze(-1)
     q = (torch.randn(sum(rows), 4, 64, generator=gen) * 0.1).half()
     cu = torch.tensor([0, rows[0], sum(rows)], dtype=torch.int32)

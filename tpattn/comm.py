@@ -393,12 +393,13 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        from .attention.ring import block_sums, step_backward
+        from .attention.ring import RowsDq, block_sums, step_backward
         q, k, v, o, lse = ctx.saved_tensors
         comm, causal, backend = ctx.comm, ctx.causal, ctx.backend
         C, c = comm.world, comm.rank
         do = do.contiguous()
-        dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
+        with section("attention_bwd"):
+            dq = RowsDq(backend, q, o, lse, do, causal, ctx.deterministic)
         kv = (k.contiguous(), v.contiguous())
         pending = None  # the block's dK, dV sums on their way from the previous rank: (wait, where they land)
         for s in range(C):
@@ -419,6 +420,8 @@ class _RingAttention(torch.autograd.Function):
                 kv = nxt
         pending[0]()  # the last pass brings each block's sums home
         grads = pending[1]
+        with section("attention_bwd"):
+            dq = dq.result()
         return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None
 
 

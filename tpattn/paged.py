@@ -313,7 +313,8 @@ class PagedStep:
     def prefill_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(block table int32 [n, most pages], row offsets cu int32 [n + 1], lengths before the step
         int32 [n]) of the step's n sequences on the pool's device, in one copy: what the Triton paged
-        prefill reads. Made once."""
+        prefill reads (the other prefills gather each sequence's pages through the table). Made once
+        a step, for all its layers."""
         if self._prefill is None:
             n = len(self.slots)
             table, rest = self._with_table(self.cu + self.starts)
@@ -416,10 +417,11 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
         total.add_rows(0, R, o.view(R, h * d))
         return total.result().view(B, N, D)
     fused = layer.backend.name == "fused" and fused_prefix_fits(q) and not scales
+    table = step.prefill_tables()[0]  # (one copy a step, for every layer and sequence)
     with section("attention"):
-        for i, (s, T, L0) in enumerate(zip(step.slots, step.rows, step.starts)):
+        for i, (T, L0) in enumerate(zip(step.rows, step.starts)):
             n = L0 + T
-            pages = _on_device(torch.tensor(pool.tables[s][:-(-n // P)], dtype=torch.int64), x.device)
+            pages = table[i, :-(-n // P)]
             # its pages gathered per K/V head in one pass each: [g, pages, P, d] seen as [1, g, n, d]
             ks, vs = (_gather(t, pages, sc, n) for t, sc in zip((kp, vp), scales or (None, None)))
             r0 = step.cu[i]
@@ -437,10 +439,12 @@ def _gather(pool: torch.Tensor, pages: torch.Tensor, scale: torch.Tensor | None,
     """A sequence's first n positions of one layer's K or V pages [pages, g, P, d], gathered per K/V
     head in one pass along its pages: [1, g, n, d] (FP8 pages dequantized with their scales, fp32)."""
     g, d = pool.shape[1], pool.shape[3]
-    t = pool.transpose(0, 1).index_select(1, pages)  # [g, pages, P, d]
+    # (whole pages along the pool's first dim, then heads first: index_select over the pool seen
+    # heads-first, a strided source, took time in the pool's size on the CPU, 0.1 s a call at 512 pages)
+    t = pool.index_select(0, pages)  # [pages, g, P, d]
     if scale is not None:
-        t = fp8.dequantize(t, scale.transpose(0, 1).index_select(1, pages))
-    return t.reshape(g, -1, d)[:, :n].unsqueeze(0)
+        t = fp8.dequantize(t, scale.index_select(0, pages))
+    return t.transpose(0, 1).reshape(g, -1, d)[:, :n].unsqueeze(0)
 
 
 def paged_decode_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,

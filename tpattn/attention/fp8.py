@@ -162,8 +162,12 @@ def attention_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x8, s): each row of x [..., d] (a token's K or V of one head) in e4m3 values (held in fp32)
-    with its own scale s [..., 1] = amax(|row|) / 448 (1 for a row of zeros), x ~ x8 * s."""
-    return _scaled(x, x.abs().float().amax(-1, keepdim=True))
+    with its own scale s [..., 1] = amax(|row|) / 448, x ~ x8 * s. A row of zeros keeps the scale 0
+    (its bytes are zeros, divided by 1): a kernel that normalizes a tile's V scales by their largest
+    must not see a 1 there beside rows of scale 1e-6."""
+    amax = x.abs().float().amax(-1, keepdim=True)
+    x8, _ = _scaled(x, amax)
+    return x8, amax * (1.0 / E4M3_MAX)
 
 
 def dequantize(x8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -25,11 +25,17 @@ from .autograd import write_into
 SOURCE = "fused_attention.cu"
 HOPPER_SOURCE = "fused_hopper_attention.cu"  # wgmma (sm_90a): runs on compute capability 9.0 only
 WS_SOURCE = "fused_ws_attention.cu"          # warp-specialized: TMA, mbarriers, wgmma (sm_90a) too
+WS_DIMS_SOURCE = "fused_ws_dims.cu"          # the same kernel at the other head dims (sm_90a)
 BWD_SOURCE = "fused_attention_backward.cu"   # the backward (mma.sync): any compute capability >= 8.0
 HOPPER_BWD_SOURCE = "fused_hopper_backward.cu"  # the backward on wgmma (sm_90a): compute capability 9.0
 BWD_ROWS = {64: 64, 128: 32}  # query rows per step of its dK/dV kernel (the .cu file's TPB_DEFINE)
 HOPPER_CC = (9, 0)
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (32, 64, 80, 96, 128, 160, 192, 256)
+# fusedw only (compute capability 9.0, fused_ws_dims.cu); their backward is the Triton rung's
+OTHER_HEAD_DIMS = (32, 80, 96, 160, 192, 256)
+# the head dim fusedw computes with (its tiles' columns): d itself, or the next of 64, 128, 192 above it,
+# the tensor maps reading zeros past d
+WS_TILE_DIM = {32: 64, 80: 128, 96: 128, 160: 192}
 # The kernel per head dim, "{suf}" standing for f16 or bf16. On compute capability 9.0 (H100, H200)
 # fusedw (a TMA producer warpgroup and two wgmma consumer warpgroups, 128 query rows, 128 keys per
 # tile, two Q stages, persistent grid) unless the call is too small to fill half the GPU (see
@@ -45,7 +51,12 @@ W3_CONFIG = "fusedw3_{suf}_d{d}"  # d = 64 only
 # the H200 it is 7-14 % faster per row at d = 64 (docs/kernels.md), so N = 257, 1024, 4096 take it and
 # N = 197 (384 rows against 256) does not
 W3_PAD = 1.15
-WS_KV_STAGES = {64: 4, 128: 2}  # fusedw's K/V stages per head dim (KVS in the .cu file)
+# fusedw per head dim (the .cu file's QS, KVS and BC): Q stages, K/V stages, keys per K/V tile. Above
+# d = 128 tiles of 64 keys (S and P of 64 keys beside the 64 x d accumulator: no spills, wgmma not
+# serialized; ptxas -v, sm_90a) and, at d = 256, one Q stage (192 KB of shared memory each)
+WS_Q_STAGES = {64: 2, 128: 2, 192: 2, 256: 1}  # (by tile dim)
+WS_KV_STAGES = {64: 4, 128: 2, 192: 2, 256: 2}
+WS_KEY_TILE = {64: 128, 128: 128, 192: 64, 256: 64}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -54,8 +65,8 @@ def _cdiv(a: int, b: int) -> int:
 
 def unsupported_head_dim(d: int) -> str:
     others = ("--kernel triton (every multiple of 8 up to 256), tiled or naive" if d % 8 == 0 else "--kernel naive")
-    return (f"--kernel fused supports head dims {' and '.join(map(str, HEAD_DIMS))} (got {d}); "
-            f"use {others} for other head dims")
+    return (f"--kernel fused supports head dims {', '.join(map(str, HEAD_DIMS[:-1]))} and {HEAD_DIMS[-1]} (got {d}; "
+            f"all but 64 and 128 need compute capability 9.0); use {others} for other head dims")
 
 
 class Choice(NamedTuple):
@@ -74,8 +85,13 @@ def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True, rows: i
     w3 = d == 64 and rows > 0 and _cdiv(rows, 192) * 192 <= W3_PAD * _cdiv(rows, 128) * 128
     key = (d, suf, cc, wide, w3, os.environ.get("TPATTN_FUSED_CFG"))
     if key not in _kernels:
+        if d in OTHER_HEAD_DIMS and cc != HOPPER_CC:
+            raise ConfigError(f"--kernel fused at head dim {d} runs on compute capability 9.0 only (fusedw; this GPU "
+                              f"has {cc[0]}.{cc[1]}); use --kernel triton")
         hopper = W3_CONFIG if w3 else HOPPER_CONFIG
-        name = (key[5] or (hopper if cc == HOPPER_CC and wide else CONFIG[d])).format(suf=suf, d=d)
+        # (at the other head dims there is no fused2: fusedw however few tiles the call has)
+        name = (key[5] or (hopper if cc == HOPPER_CC and (wide or d in OTHER_HEAD_DIMS) else CONFIG[d])).format(
+            suf=suf, d=d)
         m = re.fullmatch(rf"fused2_{suf}_d{d}_w(\d+)_m(\d+)_c(\d+)|fused[hw]_{suf}_d{d}|fusedw3_{suf}_d64", name)
         if not m and name.startswith("fusedw3_"):
             raise ConfigError(f"TPATTN_FUSED_CFG={name!r}: fusedw3 is for head dim 64 only (this call has d={d}); "
@@ -89,8 +105,9 @@ def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True, rows: i
             _kernels[key] = Choice(HOPPER_SOURCE, name, 256, 128, (128 + 4 * 128) * d * 2 + 1024)
         elif name.startswith("fusedw"):  # a producer warpgroup and 2 (fusedw) or 3 (fusedw3) consumers of 64
             br = 64 * (3 if name.startswith("fusedw3") else 2)  # rows each: br a tile; + 256 bytes for the mbarriers
-            _kernels[key] = Choice(WS_SOURCE, name, 128 + 2 * br, br,
-                                   (2 * br + 2 * WS_KV_STAGES[d] * 128) * d * 2 + 1024 + 256)
+            t = WS_TILE_DIM.get(d, d)
+            _kernels[key] = Choice(WS_DIMS_SOURCE if d in OTHER_HEAD_DIMS else WS_SOURCE, name, 128 + 2 * br, br,
+                                   (WS_Q_STAGES[t] * br + 2 * WS_KV_STAGES[t] * WS_KEY_TILE[t]) * t * 2 + 1024 + 256)
         else:
             w, mt, c = (int(g) for g in m.groups())
             rows = 16 * mt * w
@@ -202,12 +219,13 @@ class FusedBackend(CudaBackend):
         scale_log2 = np.float32(math.log2(math.e) / math.sqrt(d))
         t0, t1 = r0 // ch.rows, _cdiv(r1, ch.rows)
         with section("fused"):
-            if ch.source == WS_SOURCE:  # one grid dimension over (query tile, head) pairs; TMA maps of Q, K, V
+            if ch.source in (WS_SOURCE, WS_DIMS_SOURCE):  # one grid dimension over (query tile, head) pairs; TMA maps of Q, K, V
                 mode = grid_mode()
                 key = (ch.name, causal, r0, r1, mode, q.device.index, tuple(q.shape), tuple(k.shape), int(lse_ptr),
                        *((t.data_ptr(), t.stride()) for t in (q, k, v, o)))
                 prep = _prepared.get(key)
                 if prep is None:
+                    tile = WS_TILE_DIM.get(d, d)  # the kernel's K/V tiles: WS_KEY_TILE keys of its tile dim
                     nq = _cdiv(r1 - r0, ch.rows)  # query tiles of ch.rows rows a head
                     tiles = nq * bh
                     grid = (min(tiles, GRID_X_MAX if mode == "tiles" else sms), 1, 1)
@@ -221,7 +239,8 @@ class FusedBackend(CudaBackend):
                     # causal: heads in groups of about GROUP_TILES tiles per SM, each group's longest tiles first
                     hg = min(bh, _cdiv(GROUP_TILES * sms, nq)) if causal and GROUP_TILES else 1
                     prep = Prepared(ch.source, ch.name, q.device, grid, (ch.threads, 1, 1),
-                                    (TensorMap(q, box=(64, ch.rows)), TensorMap(k), TensorMap(v), ptr(o), lse_ptr,
+                                    (TensorMap(q, box=(64, ch.rows)), TensorMap(k, box=(64, WS_KEY_TILE[tile])),
+                                     TensorMap(v, box=(64, WS_KEY_TILE[tile])), ptr(o), lse_ptr,
                                      np.int32(bh), np.int32(n), scale_log2, np.int32(causal), np.int32(r0), np.int32(r1), np.int32(h),
                                      np.int32(group), np.int64(o.stride(0)), np.int64(o.stride(1)),
                                      np.int32(o.stride(2)), np.int32(hg), np.uint64(counter)), shared_mem=ch.shared)
@@ -260,13 +279,17 @@ class FusedBackend(CudaBackend):
         hbwd_dq, which also writes Dl, then hbwd_kv; or mma.sync's fbwd_dot, fbwd_kv, fbwd_dq); see
         bwd_kernels. q, k, v, o and do may be strided views with contiguous rows: hbwd5w_kv reads them
         in place (TMA), the other kernels from contiguous copies. out: (dq, dk, dv) to write, strided
-        views alike (hbwd5w_kv's path writes them in place; the others copy into them)."""
+        views alike (hbwd5w_kv's path writes them in place; the others copy into them). The other head
+        dims (OTHER_HEAD_DIMS): the Triton rung's backward, which reads the same L (natural log), no atomics (the same bits every run, so deterministic needs nothing more)."""
         b, h, n, d = q.shape
         suf = self.kernel_suffix(q)
         group = kv_group(q, k, v)
         if not (q.dtype == k.dtype == v.dtype == o.dtype == do.dtype):
             raise ValueError(f"q, k, v, o and do must share a dtype (got {q.dtype}, {k.dtype}, {v.dtype}, {o.dtype}, "
                              f"{do.dtype})")
+        if d in OTHER_HEAD_DIMS:
+            from .triton_fused import TritonBackend
+            return write_into(out, TritonBackend().backward(q, k, v, o, lse, do, causal, deterministic))
         g = k.shape[1]
         dev = q.device
         kernels = bwd_kernels(_device_info(dev)[1]) if b * h * n else "mma"
@@ -307,11 +330,7 @@ class FusedBackend(CudaBackend):
                        (256, 1, 1), (ptr(o), ptr(do), ptr(dl), ptr(dqa), np.int64(rows), np.int64(dqa.numel() // 4),
                                      np.int32(h), np.int32(n), *_strides3(o), *_strides3(do)))
             with section("bwd_kv"):
-                if ws:
-                    _bwd5_ws(q, k, v, do, lse, dl, dk, dv, dqa, kv_args[8:], suf)
-                else:
-                    launch(HOPPER_BWD_SOURCE, f"hbwd5_kv_{suf}_d{d}", dev, (_cdiv(n, 128), min(b * g, GRID_YZ_MAX), 1),
-                           (256, 1, 1), (*kv_args[:8], ptr(dqa), *kv_args[8:]), shared_mem=bwd5_shared_mem(d))
+                _bwd5_kv(ws, q, k, v, do, lse, dl, dk, dv, dqa, kv_args, suf, (n, 0))
             with section("bwd_dq"):
                 tiles = b * h * _cdiv(n, 64) * (d // 64)
                 launch(HOPPER_BWD_SOURCE, f"hbwd_dq_out_{suf}_d{d}", dev, (min(tiles, GRID_X_MAX), 1, 1), (256, 1, 1),
@@ -341,6 +360,109 @@ class FusedBackend(CudaBackend):
         return write_into(out, (dq, dk, dv))
 
 
+    # ---- one dQ summed over several calls (the ring's pieces of one rank's query rows) ----------------
+
+    def dq_sum(self, q, o, lse, do, deterministic: bool = False) -> "DqSum | None":
+        """The five-product backward's state for several calls that add into the dQ of one set of query
+        rows (q, o, do [B, h, n, d], lse fp32 [B, h, n]): Dl = rowsum(dO o O) of every row and the fp32
+        dQ sum zeroed, in one hbwd_pre; each backward_summing call's kernel then adds its dS K into the
+        sum, and dq_of_sum turns it into dQ once. None where the five products do not run
+        (deterministic, another compute capability or head dim, no rows): the caller adds each call's dQ."""
+        b, h, n, d = q.shape
+        if (deterministic or d not in HEAD_DIMS or d in OTHER_HEAD_DIMS or q.dtype not in (torch.float16, torch.bfloat16)
+                or b * h * n == 0 or bwd_kernels(_device_info(q.device)[1]) != "wgmma"):
+            return None
+        suf = self.kernel_suffix(q)
+        o, do = (t if _rows_aligned(t) else t.clone(memory_format=torch.contiguous_format) for t in (o, do))
+        dl = torch.empty(b, h, n, dtype=torch.float32, device=q.device)
+        dqa = torch.empty(b * h * _cdiv(n, 64) * 64 * d, dtype=torch.float32, device=q.device)
+        rows = b * h * n
+        with section("bwd_pre"):
+            launch(HOPPER_BWD_SOURCE, f"hbwd_pre_{suf}_d{d}", q.device, (min(_cdiv(rows, 8), GRID_X_MAX), 1, 1),
+                   (256, 1, 1), (ptr(o), ptr(do), ptr(dl), ptr(dqa), np.int64(rows), np.int64(dqa.numel() // 4),
+                                 np.int32(h), np.int32(n), *_strides3(o), *_strides3(do)))
+        return DqSum(lse.to(torch.float32).contiguous(), dl, dqa, tuple(q.shape), q.dtype)
+
+    def backward_summing(self, q, k, v, do, causal: bool, sums: "DqSum", ldn: int, qoff: int):
+        """(dk, dv) of one call over some of dq_sum's rows, its dQ added into sums (the five-product
+        kernel without hbwd_pre and hbwd_dq_out). q, do [B, h', N, d] are rows of the sum's: call head i's
+        row r is the sum's row (i ldn + qoff + r) of its flat [B h n] rows, which is where its L and Dl
+        are read: ldn = N with h' = h n / N (the sum's rows seen as more heads; N and n multiples of 64
+        when h' > h), or ldn = n and qoff a multiple of 64 (a range of each head's rows, ending on a tile or at
+        n). Anything else is refused (its dQ tiles would land on other rows'). causal masks by the call's
+        own rows and keys (row r sees keys 0..r), whatever qoff: the ring's causal pieces are the diagonal
+        block (qoff 0) and whole blocks below it (causal False)."""
+        b, h, n, d = q.shape
+        bad = summing_refusal(sums.shape, q.shape, ldn, qoff)
+        if bad:
+            raise ValueError(bad)
+        if not (q.dtype == k.dtype == v.dtype == do.dtype == sums.dtype) or d != sums.shape[3]:
+            raise ValueError(f"backward_summing: q, k, v and do must have the sum's dtype {sums.dtype} and head dim "
+                             f"{sums.shape[3]} (got {q.dtype}, {k.dtype}, {v.dtype}, {do.dtype}, d={d})")
+        suf = self.kernel_suffix(q)
+        group = kv_group(q, k, v)
+        g = k.shape[1]
+        strided = not all(t.is_contiguous() for t in (q, k, v, do))
+        ws = bwd5_kernel(d, strided) == "ws"
+        if ws:
+            q, k, v, do = (t if _rows_aligned(t) else t.clone(memory_format=torch.contiguous_format)
+                           for t in (q, k, v, do))
+        else:
+            q, k, v, do = (t if _rows_aligned(t) else t.clone() for t in (t.contiguous() for t in (q, k, v, do)))
+        dk, dv = torch.empty_like(k, memory_format=torch.contiguous_format), torch.empty_like(
+            v, memory_format=torch.contiguous_format)
+        kv_args = (ptr(q), ptr(k), ptr(v), ptr(do), ptr(sums.lse), ptr(sums.dl), ptr(dk), ptr(dv), np.int32(b * g),
+                   np.int32(g), np.int32(group), np.int32(n), np.float32(1.0 / math.sqrt(d)), np.int32(causal))
+        with section("bwd_kv"):
+            _bwd5_kv(ws, q, k, v, do, sums.lse, sums.dl, dk, dv, sums.dqa, kv_args, suf, (ldn, qoff))
+        return dk, dv
+
+    def dq_of_sum(self, sums: "DqSum") -> torch.Tensor:
+        """dQ [B, h, n, d] (the rows' dtype) from dq_sum's fp32 sum, rounded once (hbwd_dq_out)."""
+        b, h, n, d = sums.shape
+        dq = torch.empty(sums.shape, dtype=sums.dtype, device=sums.dqa.device)
+        suf = "bf16" if sums.dtype == torch.bfloat16 else "f16"
+        tiles = b * h * _cdiv(n, 64) * (d // 64)
+        with section("bwd_dq"):
+            launch(HOPPER_BWD_SOURCE, f"hbwd_dq_out_{suf}_d{d}", dq.device, (min(tiles, GRID_X_MAX), 1, 1), (256, 1, 1),
+                   (ptr(sums.dqa), ptr(dq), np.int32(n), np.int64(tiles), np.int32(h), *_strides3(dq)))
+        return dq
+
+
+class DqSum(NamedTuple):
+    """FusedBackend.dq_sum's state: the rows' L and Dl (fp32 [B, h, n]) and the fp32 dQ sum in the
+    kernels' layout (tests/backward_check.py: dq_from_sum), for rows of shape (B, h, n, d) and dtype."""
+    lse: torch.Tensor
+    dl: torch.Tensor
+    dqa: torch.Tensor
+    shape: tuple
+    dtype: torch.dtype
+
+
+def summing_refusal(rows_shape, q_shape, ldn: int, qoff: int) -> str | None:
+    """Why a backward_summing call of q_shape [B, h', N, d] at (ldn, qoff) cannot add into a sum of
+    rows_shape [B, h, n, d] (its rows or dQ tiles would not be its own), or None."""
+    b, h, n = q_shape[:3]
+    B, H, rows_n = rows_shape[:3]
+    if (qoff % 64 or (ldn != rows_n and (ldn % 64 or rows_n % 64)) or (n % 64 and qoff + n != ldn) or qoff + n > ldn
+            or b * h * ldn != B * H * rows_n):
+        return (f"backward_summing: rows [{qoff}, {qoff + n}) of {ldn} a head (q {tuple(q_shape)}) are not "
+                f"tile-aligned rows of the sum's {tuple(rows_shape)}")
+    return None
+
+
+def _bwd5_kv(ws: bool, q, k, v, do, lse, dl, dk, dv, dqa, kv_args, suf: str, rows: tuple[int, int]) -> None:
+    """The five-product dK/dV kernel (hbwd5w_kv when ws, else hbwd5_kv) adding dS K into dqa; rows:
+    (ldn, qoff), where L, Dl and dqa hold each head's rows (kernels/fused_hopper_backward.cu's hb_kv)."""
+    b, g, n, d = k.shape
+    extra = (np.int32(rows[0]), np.int32(rows[1]))
+    if ws:
+        _bwd5_ws(q, k, v, do, lse, dl, dk, dv, dqa, kv_args[8:], suf, extra)
+    else:
+        launch(HOPPER_BWD_SOURCE, f"hbwd5_kv_{suf}_d{d}", q.device, (_cdiv(n, 128), min(b * g, GRID_YZ_MAX), 1),
+               (256, 1, 1), (*kv_args[:8], ptr(dqa), *kv_args[8:], *extra), shared_mem=bwd5_shared_mem(d))
+
+
 def _strides3(t: torch.Tensor) -> tuple:
     """The batch, head and row strides of a [B, H, N, D] tensor (elements), as the kernels' long longs."""
     return tuple(np.int64(x) for x in t.stride()[:3])
@@ -349,19 +471,20 @@ def _strides3(t: torch.Tensor) -> tuple:
 _prepared_bwd: dict[tuple, Prepared] = {}  # hbwd5w launches, packed once per (tensors, shape)
 
 
-def _bwd5_ws(q, k, v, do, lse, dl, dk, dv, dqa, tail, suf: str) -> None:
+def _bwd5_ws(q, k, v, do, lse, dl, dk, dv, dqa, tail, suf: str, rows: tuple) -> None:
     """hbwd5w_kv: the five-product kernel split by role (a loader warp bringing K, V, Q and dO in by TMA,
     an adder warp sending each step's dQ tile to the fp32 sum in one bulk reduce-add, two consumer
-    warpgroups computing), a block per 128 keys of a K/V head; launched through tensor maps."""
+    warpgroups computing), a block per 128 keys of a K/V head; launched through tensor maps. rows: the
+    kernel's (ldn, qoff) (see _bwd5_kv)."""
     b, g, n, d = k.shape
     key = (suf, d, q.device.index, tuple(q.shape), tuple(k.shape), *((t.data_ptr(), t.stride()) for t in (q, k, v, do)),
-           *(t.data_ptr() for t in (lse, dl, dk, dv, dqa)), dk.stride(), *(float(x) for x in tail))
+           *(t.data_ptr() for t in (lse, dl, dk, dv, dqa)), dk.stride(), *(float(x) for x in tail), *map(int, rows))
     prep = _prepared_bwd.get(key)
     if prep is None:
         grid = (_cdiv(n, 128), min(b * g, GRID_YZ_MAX), 1)
         prep = Prepared(HOPPER_BWD_SOURCE, f"hbwd5w_kv_{suf}_d{d}", q.device, grid, (384, 1, 1),
                         (TensorMap(q, box=(64, 64)), TensorMap(k), TensorMap(v), TensorMap(do, box=(64, 64)),
-                         ptr(lse), ptr(dl), ptr(dk), ptr(dv), ptr(dqa), *tail, *_strides3(dk)),
+                         ptr(lse), ptr(dl), ptr(dk), ptr(dv), ptr(dqa), *tail, *_strides3(dk), *rows),
                         shared_mem=bwd5w_shared_mem(d))
         if len(_prepared_bwd) >= 64:
             _prepared_bwd.clear()

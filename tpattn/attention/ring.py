@@ -138,16 +138,50 @@ def piece_backward(backend, q, k, v, o, lse, do, diagonal: bool, deterministic: 
     return dq, dk, dv
 
 
-def step_backward(backend, q, k, v, o, lse, do, c: int, j: int, causal: bool, deterministic: bool, dq):
+class RowsDq:
+    """dQ of this rank's query rows over the ring's steps. With a backend that sums it in its kernels
+    (the fused backend's five products: backend.dq_sum), each piece's kernel adds its dS K into one
+    fp32 sum laid out as the kernels hold it, Dl = rowsum(dO o O) is computed once for all the rows
+    instead of once a piece, and the sum becomes dQ once (backend.dq_of_sum), in q's dtype. That
+    needs the pieces' rows on the kernels' 64-row tiles: causal, n a multiple of 128. Else (and for
+    any other backend) each piece's dQ is added into an fp32 tensor (fp64 for fp64)."""
+
+    def __init__(self, backend, q, o, lse, do, causal: bool, deterministic: bool):
+        make = getattr(backend, "dq_sum", None)
+        self.backend = backend
+        self.sums = None
+        if make is not None and (not causal or q.shape[2] % 128 == 0):
+            self.sums = make(q, o, lse, do, deterministic)
+        self.dq = None if self.sums is not None else torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
+
+    def result(self) -> torch.Tensor:
+        return self.dq if self.sums is None else self.backend.dq_of_sum(self.sums)
+
+
+def step_backward(backend, q, k, v, o, lse, do, c: int, j: int, causal: bool, deterministic: bool, dq: RowsDq):
     """One step of the ring's backward on rank c with ring rank j's block k, v in hand: each piece's
-    backward (piece_backward), its dQ added into dq (fp32, fp64 for fp64; [B, h, n, d], this rank's
-    rows); returns the pieces' (k0, k1, dk, dv), this rank's share of the block's gradients, for
+    backward, its dQ added into dq (RowsDq: in the kernels' sum, or piece_backward's dQ added into
+    fp32); returns the pieces' (k0, k1, dk, dv), this rank's share of the block's gradients, for
     block_sums."""
     parts = []
-    for q0, q1, k0, k1, diag in pieces(c, j, q.shape[2], causal):
-        dq_b, dk_b, dv_b = piece_backward(backend, q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], o[:, :, q0:q1],
-                                          lse[:, :, q0:q1], do[:, :, q0:q1], diag, deterministic)
-        dq[:, :, q0:q1] += dq_b
+    n = q.shape[2]
+    for q0, q1, k0, k1, diag in pieces(c, j, n, causal):
+        ks, vs = k[:, :, k0:k1], v[:, :, k0:k1]
+        if dq.sums is not None:
+            # the piece's rows in the sum: a range of each head's rows (as many as keys), or all of them
+            # seen as more heads (_by_rows)
+            nk = k1 - k0
+            if q1 - q0 == nk:
+                ldn, qoff = n, q0
+            else:
+                assert q0 == 0 and q1 == n, (q0, q1, n)
+                ldn, qoff = nk, 0
+            dk_b, dv_b = backend.backward_summing(_by_rows(q[:, :, q0:q1], nk), ks, vs, _by_rows(do[:, :, q0:q1], nk),
+                                                  diag, dq.sums, ldn, qoff)
+        else:
+            dq_b, dk_b, dv_b = piece_backward(backend, q[:, :, q0:q1], ks, vs, o[:, :, q0:q1], lse[:, :, q0:q1],
+                                              do[:, :, q0:q1], diag, deterministic)
+            dq.dq[:, :, q0:q1] += dq_b
         parts.append((k0, k1, dk_b, dv_b))
     return parts
 

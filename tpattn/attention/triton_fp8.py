@@ -4,9 +4,10 @@ runs: it imports triton).
 The arithmetic of tpattn/attention/fp8.py (FlashAttention-3's rounding points), tile by tile:
 
     Q, K, V   e4m3 with scales per (batch, head) or per 128-row block (fp8.quantize; Q and K rotated
-              by the Hadamard matrix first when asked), made in torch before the launch; V stored
-              transposed, [B, g, d, N], so that the PV product's second operand is K-major as
-              Hopper's FP8 tensor cores need it
+              by the Hadamard matrix first when asked), made before the launch: per block by
+              fp8_quant (one pass over each input: rotation, amax, scale and e4m3 bytes), per head
+              or tensor in torch; V stored transposed, [B, g, d, N], so that the PV product's
+              second operand is K-major as Hopper's FP8 tensor cores need it
     S         tl.dot(Q8 tile, K8 tile^T) in fp32, times the tile's query and key scales and 1/sqrt(d)
               (tiles of 64 or 128 rows lie in one 128-row scale block: two numbers a tile)
     P         exp2 of S (base-2 units) less the running row max, in fp32; l sums these fp32 P
@@ -48,12 +49,17 @@ def _head_dims_own(configs, named_args, **kwargs):
 
 
 @triton.jit
-def _fp8_tiles(acc, l_i, m_i, q, qs, kT_ptrs, v_ptrs, SK, SV, sk_base, start, stop, offs_m, cols, N, skn, SBLK,
-               MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+def _fp8_tiles(acc, l_i, m_i, sv_run, q, qs, kT_ptrs, v_ptrs, SK, SV, sk_base, start, stop, offs_m, cols, N, skn,
+               SBLK, MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key tiles [start, stop) into one query tile's (acc, l, m); kT_ptrs, v_ptrs at key `start`. A
     tile lies in one scale block (BLOCK_N divides it), so its K and V scales are two numbers; qs: the
     query tile's scale times 1/sqrt(d) in base 2. MASK: the keys' end (or, CAUSAL, the diagonal) is
-    inside these tiles; elsewhere every load and every score is whole."""
+    inside these tiles; elsewhere every load and every score is whole. The scores' scale c (> 0) is
+    applied inside the exponent's multiply-add, exp2(raw c - m), not to the tile first (m: the running
+    max of raw c, from the tile's max of raw: c > 0 keeps the order). acc is held in units of the V
+    scale sv_run of the last tile's block: a tile of another block rescales it by sv_run / sv inside the
+    row factor alpha (a number a row), so each element takes one multiply-add a tile, not two; the
+    output is acc sv_run / l."""
     for n0 in range(start, stop, BLOCK_N):
         keys = n0 + cols
         if MASK:
@@ -64,25 +70,28 @@ def _fp8_tiles(acc, l_i, m_i, q, qs, kT_ptrs, v_ptrs, SK, SV, sk_base, start, st
             kT = tl.load(kT_ptrs)
             v = tl.load(v_ptrs)
         blk = n0 // SBLK
-        s = tl.dot(q, kT) * (qs * tl.load(SK + sk_base + blk))
+        c = tl.maximum(qs * tl.load(SK + sk_base + blk), 1.1754943508222875e-38)  # (>= 2^-126: an fp32 constant)
+        raw = tl.dot(q, kT)
         if MASK:
             keep = key_ok[None, :]
             if CAUSAL:
                 keep = keep & (offs_m[:, None] >= keys[None, :])
-            s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+            raw = tl.where(keep, raw, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(raw, 1) * c)  # (c > 0: every scale is, a block of zeros' too)
         m_ref = m_new
         if MASK:  # a row with every key masked so far: keep exp2 away from (-inf) - (-inf)
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_ref[:, None])
+        p = tl.math.exp2(raw * c - m_ref[:, None])
         alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         pv = tl.dot(p.to(tl.float8e4nv, fp_downcast_rounding="rtne"), v)
-        acc = acc * alpha[:, None] + pv * tl.load(SV + sk_base + blk)
+        sv = tl.load(SV + sk_base + blk)  # (> 0: a block of zeros has scale 1)
+        acc = acc * (alpha * tl.math.div_rn(sv_run, sv))[:, None] + pv  # (rounded division: x / x is 1 exactly)
+        sv_run = sv
         m_i = m_new
         kT_ptrs += BLOCK_N * skn
         v_ptrs += BLOCK_N
-    return acc, l_i, m_i
+    return acc, l_i, m_i, sv_run
 
 
 @triton.autotune(configs=CONFIGS, key=["N_BUCKET", "HEAD_DIM", "CAUSAL"],
@@ -110,6 +119,7 @@ def fp8_fwd(Q, K, VT, O, SQ, SK, SV, qk_scale, N, N_BUCKET, H, GROUP, SBLK, nblk
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    sv_run = tl.load(SV + sk_base)  # the units acc is held in (_fp8_tiles)
     kT_ptrs = K + kv_base + cols[None, :].to(tl.int64) * skn + dims[:, None]  # [d, keys]: K-major for Q K^T
     v_ptrs = VT + kv_base + dims[None, :].to(tl.int64) * svd + cols[:, None]  # [keys, d] read from V^T: K-major
     if CAUSAL:
@@ -118,11 +128,11 @@ def fp8_fwd(Q, K, VT, O, SQ, SK, SV, qk_scale, N, N_BUCKET, H, GROUP, SBLK, nblk
     else:
         whole = N // BLOCK_N * BLOCK_N
         stop = N
-    acc, l_i, m_i = _fp8_tiles(acc, l_i, m_i, q, qs, kT_ptrs, v_ptrs, SK, SV, sk_base, 0, whole, offs_m, cols, N, skn,
-                               SBLK, False, CAUSAL, BLOCK_N)
-    acc, l_i, m_i = _fp8_tiles(acc, l_i, m_i, q, qs, kT_ptrs + whole * skn, v_ptrs + whole, SK, SV, sk_base, whole,
-                               stop, offs_m, cols, N, skn, SBLK, True, CAUSAL, BLOCK_N)
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    acc, l_i, m_i, sv_run = _fp8_tiles(acc, l_i, m_i, sv_run, q, qs, kT_ptrs, v_ptrs, SK, SV, sk_base, 0, whole,
+                                       offs_m, cols, N, skn, SBLK, False, CAUSAL, BLOCK_N)
+    acc, l_i, m_i, sv_run = _fp8_tiles(acc, l_i, m_i, sv_run, q, qs, kT_ptrs + whole * skn, v_ptrs + whole, SK, SV,
+                                       sk_base, whole, stop, offs_m, cols, N, skn, SBLK, True, CAUSAL, BLOCK_N)
+    o = acc * (sv_run / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
     tl.store(O + b * sob + hq * soh + offs_m[:, None].to(tl.int64) * son + dims[None, :], o.to(O.dtype.element_ty),
              mask=row_ok[:, None])
 
@@ -135,10 +145,100 @@ def _compact(s: torch.Tensor, B: int, heads: int, N: int, scaling: str) -> torch
     return s.reshape(s.shape[0], s.shape[1], 1).expand(B, heads, 1).float().contiguous()
 
 
+@triton.jit
+def _quant_slice(x, R, cols, j0, rscale, BJ: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Columns j0 .. j0 + BJ of x @ (R / sqrt(d)) in fp32: x [SUB, d] 16-bit, R the +-1 Hadamard matrix
+    [d, d] in x's dtype (exact), the products summed in fp32 on the tensor cores, then times
+    rscale = 1/sqrt(d)."""
+    jc = j0 + tl.arange(0, BJ)
+    return tl.dot(x, tl.load(R + cols[:, None] * HEAD_DIM + jc[None, :])) * rscale
+
+
+@triton.jit
+def fp8_quant(X, X8, S, R, N, H, nblk, sxb, sxh, sxn, s8b, s8h, s8n, s8d, rscale,
+              HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, BJ: tl.constexpr,
+              ROTATE: tl.constexpr):
+    """Block `program_id(0)` (BLOCK rows) of head `program_id(1)` (batch x head) of X [B, H, N, d]
+    (16-bit, or fp32 without the rotation): rotated when ROTATE (x @ R * rscale, R the +-1 Hadamard
+    matrix in X's dtype), s = amax * (1/448) of the block (1 for zeros) into S [B, H, nblk], and
+    e4m3(x / s) (IEEE division, nearest even, saturating) into X8 through its strides (s8n, s8d):
+    [.., N, d] for Q and K, [.., d, N] for V^T. The bits of fp8.quantize(scaling="block") up to the
+    rotation's fp32 rounding (torch's matmul sums in another order). Two passes over the block's
+    SUB-row slices (amax, then the bytes), the rotation recomputed BJ columns at a time, not held."""
+    blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    hh = bh - b * H
+    cols = tl.arange(0, HEAD_DIM)
+    x_base = X + b.to(tl.int64) * sxb + hh.to(tl.int64) * sxh
+    o_base = X8 + b.to(tl.int64) * s8b + hh.to(tl.int64) * s8h
+    amax = tl.zeros([SUB], dtype=tl.float32)
+    for r0 in range(0, BLOCK, SUB):
+        rows = blk * BLOCK + r0 + tl.arange(0, SUB)
+        x = tl.load(x_base + rows[:, None].to(tl.int64) * sxn + cols[None, :], mask=(rows < N)[:, None], other=0.0)
+        if ROTATE:
+            for j0 in range(0, HEAD_DIM, BJ):
+                amax = tl.maximum(amax, tl.max(tl.abs(_quant_slice(x, R, cols, j0, rscale, BJ, HEAD_DIM)), axis=1))
+        else:
+            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+    sc = tl.max(amax, axis=0) * (1.0 / 448.0)
+    sc = tl.where(sc > 0.0, sc, 1.0)
+    tl.store(S + bh.to(tl.int64) * nblk + blk, sc)
+    for r0 in range(0, BLOCK, SUB):
+        rows = blk * BLOCK + r0 + tl.arange(0, SUB)
+        ok = (rows < N)[:, None]
+        x = tl.load(x_base + rows[:, None].to(tl.int64) * sxn + cols[None, :], mask=ok, other=0.0)
+        if ROTATE:
+            for j0 in range(0, HEAD_DIM, BJ):
+                y = tl.minimum(tl.maximum(tl.math.div_rn(_quant_slice(x, R, cols, j0, rscale, BJ, HEAD_DIM), sc),
+                                          -448.0), 448.0)
+                jc = j0 + tl.arange(0, BJ)
+                tl.store(o_base + rows[:, None].to(tl.int64) * s8n + jc[None, :].to(tl.int64) * s8d,
+                         y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=ok)
+        else:
+            y = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), sc), -448.0), 448.0)
+            tl.store(o_base + rows[:, None].to(tl.int64) * s8n + cols[None, :].to(tl.int64) * s8d,
+                     y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=ok)
+
+
+QUANT_SUB, QUANT_BJ = 32, 32  # fp8_quant's slices: rows of a block, columns of the rotation at a time
+
+
+def quantize_blocks(x: torch.Tensor, rotate: bool, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x8, s) of x [B, h, N, d] (rows contiguous) in one launch of fp8_quant: x8 in torch.float8_e4m3fn,
+    [B, h, N, d] (or, transpose, [B, h, d, N]), and the scales [B, h, blocks] (fp32) of its 128-row
+    blocks, after the Hadamard rotation when rotate: prepare's operands with scaling="block"."""
+    B, h, N, d = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    nblk = triton.cdiv(N, BLOCK)
+    x8 = torch.empty((B, h, d, N) if transpose else (B, h, N, d), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(B, h, nblk, dtype=torch.float32, device=x.device)
+    if B * h * N == 0:
+        return x8, s
+    signs = (fp8.hadamard(d) * math.sqrt(d)).round().to(device=x.device, dtype=x.dtype).contiguous() if rotate else s
+    s8n, s8d = (x8.stride(3), x8.stride(2)) if transpose else (x8.stride(2), x8.stride(3))
+    fp8_quant[(nblk, B * h)](x, x8, s, signs, N, h, nblk, *x.stride()[:3], x8.stride(0), x8.stride(1), s8n, s8d,
+                             1.0 / math.sqrt(d), HEAD_DIM=d, BLOCK=BLOCK, SUB=QUANT_SUB, BJ=QUANT_BJ,
+                             ROTATE=rotate, num_warps=4)
+    return x8, s
+
+
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: str = "head", rotate: bool = False):
     """The kernel's operands from 16-bit (or fp32) q [B, h, N, d], k, v [B, g, N, d]: q8, k8 [.., N, d]
     and vt8 [B, g, d, N] in torch.float8_e4m3fn, and their scales [B, heads, blocks] (fp32), as
-    fp8.attention_fp8 quantizes them (its rotation of q and k first when rotate)."""
+    fp8.attention_fp8 quantizes them (its rotation of q and k first when rotate). Block scales: three
+    launches of fp8_quant (16-bit inputs where rotated); per head or tensor (whose amax spans the
+    whole head) and fp32 inputs with the rotation: torch (prepare_torch)."""
+    if scaling != "block" or (rotate and q.dtype not in (torch.float16, torch.bfloat16)):
+        return prepare_torch(q, k, v, scaling, rotate)
+    (q8, sq), (k8, sk) = (quantize_blocks(t, rotate) for t in (q, k))
+    vt8, sv = quantize_blocks(v, False, transpose=True)
+    return q8, k8, vt8, sq, sk, sv
+
+
+def prepare_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: str = "head", rotate: bool = False):
+    """prepare's operands through torch ops (fp8.quantize): every scaling."""
     B, h, N, d = q.shape
     g = k.shape[1]
     if rotate:
