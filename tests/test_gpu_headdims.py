@@ -14,6 +14,7 @@ import torch
 
 from backward_check import check_output_and_grads, grads, inputs
 from test_gpu import DT, TOL_F64, TOL_REF, attention64, check_gqa, gqa_qkv, qkv, rel_err
+from test_gpu_ladder import graph_replays_give_eager_bits
 from tpattn.attention import get_backend
 from tpattn.config import ConfigError
 
@@ -132,23 +133,7 @@ def test_other_dims_fused_row_chunks_strided_views_and_lse(d, causal, monkeypatc
 def test_other_dims_fused_causal_in_a_cuda_graph(d, monkeypatch):
     monkeypatch.delenv("TPATTN_FUSED_CFG", raising=False)
     monkeypatch.delenv("TPATTN_FUSED_GRID", raising=False)
-    q, k, v = qkv(2, 16, 2048, d, torch.bfloat16, seed=3)
-    fused = get_backend("fused")
-    eager = fused.forward(q, k, v, True)
-    out = torch.empty_like(q)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fused.forward(q, k, v, True, out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fused.forward(q, k, v, True, out=out)
-    for _ in range(3):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
+    graph_replays_give_eager_bits(16, d, 3)
 
 
 @needs_hopper

@@ -263,7 +263,13 @@ def test_fused_ws_causal_in_a_cuda_graph(d, monkeypatch):
     replay the eager bits (the kernel puts the counter back to zero for the next replay)."""
     monkeypatch.delenv("TPATTN_FUSED_CFG", raising=False)
     monkeypatch.delenv("TPATTN_FUSED_GRID", raising=False)
-    q, k, v = qkv(2, 32, 2048, d, torch.bfloat16, seed=3)
+    graph_replays_give_eager_bits(32, d, 5)
+
+
+def graph_replays_give_eager_bits(h: int, d: int, replays: int) -> None:
+    """A causal fused call (B = 2, N = 2048, bf16) captured in a CUDA graph after an eager one and a warm
+    call on a side stream, replayed into NaN-poisoned output: each replay gives the eager bits."""
+    q, k, v = qkv(2, h, 2048, d, torch.bfloat16, seed=3)
     fused = get_backend("fused")
     eager = fused.forward(q, k, v, True)
     out = torch.empty_like(q)
@@ -275,7 +281,7 @@ def test_fused_ws_causal_in_a_cuda_graph(d, monkeypatch):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fused.forward(q, k, v, True, out=out)
-    for _ in range(5):
+    for _ in range(replays):
         out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
