@@ -10,13 +10,14 @@
 //     the softmax's latency where the products are half as long (measured 7-14 % faster at D = 64);
 //     tpattn/attention/fused.py picks it where 192-row tiles do not pad the rows much more;
 //   * the producer warpgroup: its first thread issues TMA loads (cp.async.bulk.tensor, 128-byte swizzle: the
-//     layout wgmma reads, zeros past the end of the sequence) of Q tiles into two stages and of K
-//     and V tiles of BC = 128 keys into a ring of KVS K and KVS V stages (KVS = 2 at D = 128, more
-//     at D = 64 where they are half the size); each stage has a "full" mbarrier (the TMA completes
+//     layout wgmma reads, zeros past the end of the sequence) of Q tiles into QS stages (two; one at
+//     D = 256) and of K and V tiles of BC keys (128; 64 above D = 128) into a ring of KVS K and KVS V
+//     stages (KVS = 2, four at D = 64 where they are half the size); each stage has a "full" mbarrier (the TMA completes
 //     its bytes on it) and an "empty" one (every consumer warp arrives once it is done reading; for a
 //     Q stage the writer warps below, once they have copied the tile's O out of it);
 //     the producer never waits for a consumer except for a free stage. With two Q stages the next
-//     tile's Q is in shared memory before the consumers finish this one: a short tile (N = 197 has
+//     tile's Q is in shared memory before the consumers finish this one (with one, at D = 256, it
+//     loads once the writers have copied this tile's O out): a short tile (N = 197 has
 //     two key tiles) no longer waits a TMA round trip between tiles. Its warps 1 .. 3 are the writers:
 //     they copy each tile's O, which the consumers stage in the tile's Q stage, to device memory and
 //     then free the stage (see O below);
@@ -372,9 +373,11 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         // tile of a head: N = 4096 is 21 1/3 tiles of 192 rows); with causal nk, up to the key tile of its
         // last row (< row_end), one key tile before the tile's last for a third of the warpgroups. The
         // key tiles it skips are masked out for all of its rows: its output is the same bits. NC = 2:
-        // both warpgroups of a 128-row tile end on the same key tile (row_begin a multiple of 128 from
-        // the host), and a second warpgroup without rows (N mod 128 <= 64) computes them as before: with
-        // the branch around its products ptxas serialized the wgmma at D = 64
+        // both warpgroups of a 128-row tile end on the same key tile of 128 keys (row_begin a multiple of
+        // 128 from the host), and a second warpgroup without rows (N mod 128 <= 64) computes them as before:
+        // with the branch around its products ptxas serialized the wgmma at D = 64. With key tiles of 64
+        // (D > 128) the first warpgroup of a causal tile computes one tile past its rows' last, all of it
+        // masked (alpha 1, nothing added: the same output; the work is the price of the shared count)
         const bool rows_here = NC == 2 || wr0 < row_end;
         const int nk = NC == 2 ? n_kt : tw_tile_keys<BC>(min(wr0 + 64, row_end), N, causal);
         // keys of the last key tile that are computed: TW_NARROW where it holds that many or fewer (D = 64)

@@ -86,7 +86,8 @@ def build(name: str, src: str) -> None:
 
 
 def use(name: str) -> None:
-    """The fused backend's next calls launch fusedw from the module built as `name`."""
+    """The fused backend's next calls launch fusedw from the module built as `name` (the 64/128 module's
+    place: head dims 64 and 128; the others come from fused_ws_dims.cu whatever `name` is)."""
     import tpattn.attention.fused as fused
     fused.WS_SOURCE = name
     fused._kernels.clear()

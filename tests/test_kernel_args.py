@@ -257,6 +257,43 @@ def test_fused_ws_other_head_dims(launches, monkeypatch, d, keys):
         fused.FusedBackend().forward(q, k, v, True)
 
 
+def test_fused_other_head_dims_refusals(launches, monkeypatch):
+    """At the head dims fusedw alone is built for: a TPATTN_FUSED_CFG naming another kernel, a GPU of
+    another compute capability (from the config, and in the prefill's choice, which takes the torch path
+    there), and a backward's mismatched out= (checked before the Triton rung is handed the call) are each
+    refused in one line or fall back."""
+    from types import SimpleNamespace
+
+    from tpattn import decode
+    from tpattn.config import Config
+    from tpattn.errors import FlagError
+    monkeypatch.setattr(fused, "_device_info", lambda dev: (132, (9, 0)))
+    for cfg in ("fusedh_{suf}_d{d}", "fused2_{suf}_d{d}_w4_m1_c64"):
+        monkeypatch.setenv("TPATTN_FUSED_CFG", cfg)
+        with pytest.raises(ConfigError, match=r"at head dim 96 only fusedw_f16_d96 is built; unset it"):
+            fused.kernel_for(96, "f16", (9, 0))
+    monkeypatch.delenv("TPATTN_FUSED_CFG")
+    monkeypatch.setattr(fused.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(fused.torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr("tpattn.attention.cupy_available", lambda: True)
+    with pytest.raises(FlagError, match=r"^--kernel fused at head dim 96 runs on compute capability 9.0 only "
+                                        r"\(this GPU has 8.0\); use --kernel triton$"):
+        fused.FusedBackend().check_supported(Config(device="cuda", kernel="fused", dtype="fp16", head_dim=96))
+    fused.FusedBackend().check_supported(Config(device="cuda", kernel="fused", dtype="fp16", head_dim=128))
+    monkeypatch.setattr(decode, "cupy_available", lambda: True)
+    q = SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=torch.float16, shape=(1, 2, 8, 96))
+    assert not decode.fused_prefix_fits(q)
+    assert decode.fused_prefix_fits(SimpleNamespace(device=q.device, dtype=q.dtype, shape=(1, 2, 8, 128)))
+    monkeypatch.setattr(fused.torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert decode.fused_prefix_fits(q)
+    q, k, v = qkv(1, 2, 1, 64, 96)
+    o, do, lse = torch.randn_like(q), torch.randn_like(q), torch.zeros(1, 2, 64)
+    bad = (torch.empty(1, 2, 64, 96, dtype=torch.float16), torch.empty(1, 2, 64, 96, dtype=torch.float16),
+           torch.empty(1, 1, 64, 96, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"out's dk must match its input \(\(1, 1, 64, 96\)"):
+        fused.FusedBackend().backward(q, k, v, o, lse, do, True, out=bad)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_fused_ws3_launch_over_a_row_range(launches, monkeypatch, causal):
     """fusedw3 (d = 64, N = 4096): 512 threads, Q's tensor map in boxes of 192 rows, and the query rows

@@ -171,8 +171,8 @@ def _encode(tm: TensorMap) -> ctypes.Array:
                 0, 3, 2, 0)  # no interleave, 128-byte swizzle, L2 promotion 128 B, zeros out of bounds
         if rc != 0:
             raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for dims {tm.dims}, byte strides "
-                               f"{tm.strides}, box {tm.box}; the wgmma kernel without TMA avoids it: "
-                               "TPATTN_FUSED_CFG=fusedh_{suf}_d{d}")
+                               f"{tm.strides}, box {tm.box}; the wgmma kernel without TMA avoids it at head dims 64 "
+                               "and 128 (TPATTN_FUSED_CFG=fusedh_{suf}_d{d}), --kernel triton at the others")
         if len(_tmaps) >= 256:
             _tmaps.clear()
         _tmaps[tm.key()] = buf

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, FlagError
 from ..cuda import GRID_X_MAX, GRID_YZ_MAX, Prepared, TensorMap, launch, ptr
 from ..timing import section
 from . import CudaBackend, kv_group
@@ -38,7 +38,8 @@ OTHER_HEAD_DIMS = (32, 80, 96, 160, 192, 256)
 WS_TILE_DIM = {32: 64, 80: 128, 96: 128, 160: 192}
 # The kernel per head dim, "{suf}" standing for f16 or bf16. On compute capability 9.0 (H100, H200)
 # fusedw (a TMA producer warpgroup and two wgmma consumer warpgroups, 128 query rows, 128 keys per
-# tile, two Q stages, persistent grid) unless the call is too small to fill half the GPU (see
+# tile and two Q stages at d = 64 and 128, persistent grid; the other head dims: WS_TILE_DIM and the
+# stage tables below) unless the call is too small to fill half the GPU (see
 # kernel_for); at d = 64 fusedw3 (three consumer warpgroups, 192 query rows a tile) where 192-row
 # tiles pad the query rows little more than 128-row ones (W3_PAD);
 # fusedh (two wgmma warpgroups that load their own tiles) by name; elsewhere fused2, the mma.sync
@@ -92,6 +93,9 @@ def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True, rows: i
         # (at the other head dims there is no fused2: fusedw however few tiles the call has)
         name = (key[5] or (hopper if cc == HOPPER_CC and (wide or d in OTHER_HEAD_DIMS) else CONFIG[d])).format(
             suf=suf, d=d)
+        if d in OTHER_HEAD_DIMS and name != f"fusedw_{suf}_d{d}":
+            raise ConfigError(f"TPATTN_FUSED_CFG={name!r}: at head dim {d} only fusedw_{suf}_d{d} is built; "
+                              "unset it (or use --kernel triton)")
         m = re.fullmatch(rf"fused2_{suf}_d{d}_w(\d+)_m(\d+)_c(\d+)|fused[hw]_{suf}_d{d}|fusedw3_{suf}_d64", name)
         if not m and name.startswith("fusedw3_"):
             raise ConfigError(f"TPATTN_FUSED_CFG={name!r}: fusedw3 is for head dim 64 only (this call has d={d}); "
@@ -189,6 +193,14 @@ class FusedBackend(CudaBackend):
     def head_dim_error(self, d: int) -> str | None:
         return None if d in HEAD_DIMS else unsupported_head_dim(d)
 
+    def check_supported(self, cfg) -> None:
+        super().check_supported(cfg)
+        if cfg.head_dim in OTHER_HEAD_DIMS and cfg.device == "cuda" and torch.cuda.is_available():
+            cc = torch.cuda.get_device_capability()
+            if cc != HOPPER_CC:  # (the config alone, so every rank of one kind of GPU says it)
+                raise FlagError(f"--kernel fused at head dim {cfg.head_dim} runs on compute capability 9.0 only "
+                                f"(this GPU has {cc[0]}.{cc[1]}); use --kernel triton")
+
     def forward(self, q, k, v, causal: bool, out=None, scratch=None, rows=None, lse=None):
         """rows=(r0, r1): only query rows [r0, r1) of o are computed (against all keys, causal by
         their position in the sequence); r0 a multiple of row_chunks, r1 too or N. lse: a contiguous
@@ -280,13 +292,19 @@ class FusedBackend(CudaBackend):
         bwd_kernels. q, k, v, o and do may be strided views with contiguous rows: hbwd5w_kv reads them
         in place (TMA), the other kernels from contiguous copies. out: (dq, dk, dv) to write, strided
         views alike (hbwd5w_kv's path writes them in place; the others copy into them). The other head
-        dims (OTHER_HEAD_DIMS): the Triton rung's backward, which reads the same L (natural log), no atomics (the same bits every run, so deterministic needs nothing more)."""
+        dims (OTHER_HEAD_DIMS): the Triton rung's backward, which reads the same L (natural log), no
+        atomics (the same bits every run, so deterministic needs nothing more)."""
         b, h, n, d = q.shape
         suf = self.kernel_suffix(q)
         group = kv_group(q, k, v)
         if not (q.dtype == k.dtype == v.dtype == o.dtype == do.dtype):
             raise ValueError(f"q, k, v, o and do must share a dtype (got {q.dtype}, {k.dtype}, {v.dtype}, {o.dtype}, "
                              f"{do.dtype})")
+        if out is not None:
+            for name, t, like in zip(("dq", "dk", "dv"), out, (q, k, v)):
+                if t.shape != like.shape or t.dtype != like.dtype or t.device != like.device:
+                    raise ValueError(f"out's {name} must match its input ({tuple(like.shape)}, {like.dtype}, "
+                                     f"{like.device}); got {tuple(t.shape)}, {t.dtype}, {t.device}")
         if d in OTHER_HEAD_DIMS:
             from .triton_fused import TritonBackend
             return write_into(out, TritonBackend().backward(q, k, v, o, lse, do, causal, deterministic))
@@ -302,11 +320,6 @@ class FusedBackend(CudaBackend):
                               for t in (q, k, v, o, do))
         else:
             q, k, v, o, do = (t if _rows_aligned(t) else t.clone() for t in (t.contiguous() for t in (q, k, v, o, do)))
-        if out is not None:
-            for name, t, like in zip(("dq", "dk", "dv"), out, (q, k, v)):
-                if t.shape != like.shape or t.dtype != like.dtype or t.device != like.device:
-                    raise ValueError(f"out's {name} must match its input ({tuple(like.shape)}, {like.dtype}, "
-                                     f"{like.device}); got {tuple(t.shape)}, {t.dtype}, {t.device}")
         if out is not None and ws and _rows_aligned(*out) and out[1].stride() == out[2].stride():
             dq, dk, dv = out
         else:
