@@ -550,7 +550,7 @@ def test_unknown_machine_name_lists_the_shipped_ones(capsys):
 def test_bad_options_one_line(capsys, toy):
     for argv, says in ((["--kernel", "reference"], "no cost model"), (["--seq-len", "0"], "--seq-len must be"),
                        (["--gpus-per-node", "9"], "has 4 GPU(s) per node"), (["--out", "x.json"], "add --calibrate"),
-                       (["--calibrate"], "needs --out"), (["--kernel", "fused", "--head-dim", "80"], "head dims"),
+                       (["--calibrate"], "needs --out"), (["--kernel", "fused", "--head-dim", "88"], "head dims"),
                        (["--world-sizes", "1", "--nodes", "2"], "not allowed with")):
         assert cli.main(["--machine", str(toy), *argv]) == 2, argv
         err = capsys.readouterr().err
