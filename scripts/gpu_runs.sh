@@ -84,6 +84,10 @@
 #   ncubwd  Nsight Compute (--set full) over one attention backward of tpattn's fused backend and one of SDPA's
 #           cuDNN backend, at B=1 H=32 N=4096 d=128 fp16 and at B=2 H=32 G=8 N=8192 bf16 causal; the details
 #           pages as CSV under $OUT/ncu, and scripts/ncu_backward.py's table of them
+#   headdims  the fused forward at the other head dims (kernels/fused_ws_dims.cu, compute capability 9.0):
+#           pytest -m gpu tests/test_gpu_headdims.py, compute-sanitizer memcheck and racecheck over
+#           scripts/sanitize_fused_dims.py, bench_kernels at d = 96, 192 and 256 (B=1 H=32 N=4096, causal and
+#           not) beside SDPA and the Triton rung, and bench_backward there (their backward is the Triton rung's)
 #   gputests  the whole pytest -m gpu
 # Logs and JSON go to $OUT (default results/); COMMIT=<hash> records the commit where the copy's .git differs.
 # Usage: bash scripts/gpu_runs.sh [STEP]... (default all)
@@ -610,6 +614,25 @@ if want multigpu; then
         --out "$M/validate_w$w" </dev/null 2>&1 | tee "$M/validate_w$w.log" | tail -20 || status=1
     done
   fi
+fi
+if want headdims; then
+  note "the fused forward at the other head dims: GPU tests, the sanitizer, beside SDPA and the Triton rung"
+  timeout 500 python3 -m pytest -m gpu -q -p no:warnings --tb=short tests/test_gpu_headdims.py 2>&1 \
+    | tee "$OUT/pytest_gpu_headdims.log" | tail -3 || status=1
+  san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  for tool in memcheck racecheck; do
+    timeout 300 "$san" --tool $tool --error-exitcode 9 python3 scripts/sanitize_fused_dims.py > "$OUT/sanitizer_dims_$tool.log" 2>&1
+    echo "$tool exit $?"; tail -1 "$OUT/sanitizer_dims_$tool.log"
+  done
+  for d in 96 192 256; do
+    for c in "" "--causal"; do
+      timeout 200 python3 scripts/bench_kernels.py --heads 32 --seq-lens 4096 --head-dim $d $c \
+        --kernels fused triton sdpa_flash sdpa_cudnn --out "$OUT" --name "headdims_d$d${c:+_causal}" \
+        --commit "${COMMIT:-unknown}" 2>&1 | tail -5 || status=1
+    done
+    timeout 200 python3 scripts/bench_backward.py --head-dim $d --causal --commit "${COMMIT:-unknown}" \
+      --out "$OUT/backward_d$d" 2>&1 | tail -8 || status=1
+  done
 fi
 if want gputests; then
   note "pytest -m gpu (all)"
