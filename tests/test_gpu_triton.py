@@ -182,13 +182,17 @@ def test_long_sequence_past_32_bit_scores():
         assert err <= 1e-2 * ref.abs().max().item() + 1e-5, f"{name}: {err:.3g}"
 
 
+@pytest.mark.parametrize("backend", ["triton", "fused"])
 @pytest.mark.parametrize("d", [96, 256])
 @torch.no_grad()
-def test_llama_attention_at_head_dims_past_128(d):
+def test_llama_attention_at_head_dims_past_128(d, backend):
     """A transformers LlamaAttention with head dim 96 or 256 (random weights, nothing downloaded) as the
-    layer with the triton backend, fp16: the whole forward, and a prefill then decode steps through
-    a KV cache (the decode kernel's CUDA-core split at that head dim), against the module in float64."""
+    layer with the triton backend, and with the fused one (fusedw of fused_ws_dims.cu, compute capability
+    9.0), fp16: the whole forward, and a prefill then decode steps through a KV cache (the decode kernel's
+    CUDA-core split at that head dim), against the module in float64."""
     import copy
+    if backend == "fused" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("--kernel fused at head dims 96 and 256 needs compute capability 9.0")
 
     pytest.importorskip("transformers")
     from transformers import LlamaConfig
@@ -205,7 +209,7 @@ def test_llama_attention_at_head_dims_past_128(d):
     x = torch.randn(B, N + T, heads * d, dtype=torch.float64, device="cuda")
     cos, sin = LlamaRotaryEmbedding(cfg).cuda()(x, torch.arange(N + T, device="cuda")[None].expand(B, -1))
     ref, _ = attn(x, position_embeddings=(cos.double(), sin.double()), attention_mask=None)
-    layer = TensorParallelAttention.from_hf_llama(copy.deepcopy(attn).half(), backend="triton")
+    layer = TensorParallelAttention.from_hf_llama(copy.deepcopy(attn).half(), backend=backend)
     assert dec.decode_kernel_fits(torch.zeros(1, heads, d, dtype=torch.float16, device="cuda"))
     xh = x.half()
     full = layer(xh)
