@@ -83,21 +83,8 @@ template <int N>
 __device__ __forceinline__ void hw_wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 
 // keep the compiler from moving reads or writes of registers that an asynchronous wgmma owns
-// across the fence / wait that guards them
-template <int R>
-__device__ __forceinline__ void hw_keep(float (&r)[R]) {
-#pragma unroll
-    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-template <int R>
-__device__ __forceinline__ void hw_keep(tc_u32 (&r)[R][4]) {
-#pragma unroll
-    for (int i = 0; i < R; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[i][e])::"memory");
-}
-// the same for the first U of them only (a key tile narrower than the arrays are sized for: the rest
-// are never written, and keeping them would hold registers for nothing)
+// across the fence / wait that guards them: the first U of them (hw_keep_first: a key tile narrower than
+// the arrays are sized for, whose rest is never written and would hold registers for nothing), or all
 template <int U, int R>
 __device__ __forceinline__ void hw_keep_first(float (&r)[R]) {
     static_assert(U <= R, "U of R");
@@ -112,6 +99,10 @@ __device__ __forceinline__ void hw_keep_first(tc_u32 (&r)[R][4]) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[i][e])::"memory");
 }
+template <int R>
+__device__ __forceinline__ void hw_keep(float (&r)[R]) { hw_keep_first<R>(r); }
+template <int R>
+__device__ __forceinline__ void hw_keep(tc_u32 (&r)[R][4]) { hw_keep_first<R>(r); }
 
 // The wgmma instructions: D (fp32 accumulators, 64 rows x N over the warpgroup, N / 2 a thread)
 // += A (64 x 16: a shared-memory descriptor "ss", or 4 x b32 registers a thread "rs") x B (16 x N,

@@ -492,10 +492,9 @@ def fused_prefix_buffers(q: torch.Tensor, L0: int, align: int):
 def fused_prefix_fits(q: torch.Tensor) -> bool:
     """Whether the fused kernel runs this prefill (a CUDA device, fp16/bf16, a head dim it takes there:
     64 or 128, and on compute capability 9.0 the others of HEAD_DIMS)."""
-    from .attention.fused import HEAD_DIMS, HOPPER_CC, OTHER_HEAD_DIMS
+    from .attention.fused import HEAD_DIMS, hopper_only
     return q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in HEAD_DIMS \
-        and (q.shape[-1] not in OTHER_HEAD_DIMS or torch.cuda.get_device_capability(q.device) == HOPPER_CC) \
-        and cupy_available()
+        and not hopper_only(q.shape[-1], torch.cuda.get_device_capability(q.device)) and cupy_available()
 
 
 def graphed(layer, x: torch.Tensor, cache: KVCache):

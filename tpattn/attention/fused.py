@@ -30,9 +30,10 @@ BWD_SOURCE = "fused_attention_backward.cu"   # the backward (mma.sync): any comp
 HOPPER_BWD_SOURCE = "fused_hopper_backward.cu"  # the backward on wgmma (sm_90a): compute capability 9.0
 BWD_ROWS = {64: 64, 128: 32}  # query rows per step of its dK/dV kernel (the .cu file's TPB_DEFINE)
 HOPPER_CC = (9, 0)
-HEAD_DIMS = (32, 64, 80, 96, 128, 160, 192, 256)
+BWD_HEAD_DIMS = (64, 128)  # every kernel of this backend: fused2, fusedh, fusedw and the CUDA backward
 # fusedw only (compute capability 9.0, fused_ws_dims.cu); their backward is the Triton rung's
 OTHER_HEAD_DIMS = (32, 80, 96, 160, 192, 256)
+HEAD_DIMS = tuple(sorted(BWD_HEAD_DIMS + OTHER_HEAD_DIMS))
 # the head dim fusedw computes with (its tiles' columns): d itself, or the next of 64, 128, 192 above it,
 # the tensor maps reading zeros past d
 WS_TILE_DIM = {32: 64, 80: 128, 96: 128, 160: 192}
@@ -70,12 +71,21 @@ def unsupported_head_dim(d: int) -> str:
             f"all but 64 and 128 need compute capability 9.0); use {others} for other head dims")
 
 
+def hopper_only(d: int, cc: tuple[int, int]) -> str | None:
+    """Why head dim d does not run on a GPU of compute capability cc (fusedw alone takes it), or None."""
+    if d in OTHER_HEAD_DIMS and cc != HOPPER_CC:
+        return (f"--kernel fused at head dim {d} runs on compute capability 9.0 only (this GPU has {cc[0]}.{cc[1]}); "
+                "use --kernel triton")
+    return None
+
+
 class Choice(NamedTuple):
     source: str
     name: str
     threads: int
     rows: int        # query rows per block
     shared: int      # dynamic shared memory, bytes
+    keys: int = 128  # fusedw: keys per K/V tile (its tensor maps' box)
 
 
 def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True, rows: int = 0) -> Choice:
@@ -86,9 +96,9 @@ def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True, rows: i
     w3 = d == 64 and rows > 0 and _cdiv(rows, 192) * 192 <= W3_PAD * _cdiv(rows, 128) * 128
     key = (d, suf, cc, wide, w3, os.environ.get("TPATTN_FUSED_CFG"))
     if key not in _kernels:
-        if d in OTHER_HEAD_DIMS and cc != HOPPER_CC:
-            raise ConfigError(f"--kernel fused at head dim {d} runs on compute capability 9.0 only (fusedw; this GPU "
-                              f"has {cc[0]}.{cc[1]}); use --kernel triton")
+        why = hopper_only(d, cc)
+        if why:
+            raise ConfigError(why)
         hopper = W3_CONFIG if w3 else HOPPER_CONFIG
         # (at the other head dims there is no fused2: fusedw however few tiles the call has)
         name = (key[5] or (hopper if cc == HOPPER_CC and (wide or d in OTHER_HEAD_DIMS) else CONFIG[d])).format(
@@ -111,7 +121,8 @@ def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True, rows: i
             br = 64 * (3 if name.startswith("fusedw3") else 2)  # rows each: br a tile; + 256 bytes for the mbarriers
             t = WS_TILE_DIM.get(d, d)
             _kernels[key] = Choice(WS_DIMS_SOURCE if d in OTHER_HEAD_DIMS else WS_SOURCE, name, 128 + 2 * br, br,
-                                   (WS_Q_STAGES[t] * br + 2 * WS_KV_STAGES[t] * WS_KEY_TILE[t]) * t * 2 + 1024 + 256)
+                                   (WS_Q_STAGES[t] * br + 2 * WS_KV_STAGES[t] * WS_KEY_TILE[t]) * t * 2 + 1024 + 256,
+                                   WS_KEY_TILE[t])
         else:
             w, mt, c = (int(g) for g in m.groups())
             rows = 16 * mt * w
@@ -195,11 +206,10 @@ class FusedBackend(CudaBackend):
 
     def check_supported(self, cfg) -> None:
         super().check_supported(cfg)
-        if cfg.head_dim in OTHER_HEAD_DIMS and cfg.device == "cuda" and torch.cuda.is_available():
-            cc = torch.cuda.get_device_capability()
-            if cc != HOPPER_CC:  # (the config alone, so every rank of one kind of GPU says it)
-                raise FlagError(f"--kernel fused at head dim {cfg.head_dim} runs on compute capability 9.0 only "
-                                f"(this GPU has {cc[0]}.{cc[1]}); use --kernel triton")
+        if cfg.device == "cuda" and torch.cuda.is_available():  # (before any GPU work, on every rank alike)
+            why = hopper_only(cfg.head_dim, torch.cuda.get_device_capability())
+            if why:
+                raise FlagError(why)
 
     def forward(self, q, k, v, causal: bool, out=None, scratch=None, rows=None, lse=None):
         """rows=(r0, r1): only query rows [r0, r1) of o are computed (against all keys, causal by
@@ -237,7 +247,6 @@ class FusedBackend(CudaBackend):
                        *((t.data_ptr(), t.stride()) for t in (q, k, v, o)))
                 prep = _prepared.get(key)
                 if prep is None:
-                    tile = WS_TILE_DIM.get(d, d)  # the kernel's K/V tiles: WS_KEY_TILE keys of its tile dim
                     nq = _cdiv(r1 - r0, ch.rows)  # query tiles of ch.rows rows a head
                     tiles = nq * bh
                     grid = (min(tiles, GRID_X_MAX if mode == "tiles" else sms), 1, 1)
@@ -251,8 +260,8 @@ class FusedBackend(CudaBackend):
                     # causal: heads in groups of about GROUP_TILES tiles per SM, each group's longest tiles first
                     hg = min(bh, _cdiv(GROUP_TILES * sms, nq)) if causal and GROUP_TILES else 1
                     prep = Prepared(ch.source, ch.name, q.device, grid, (ch.threads, 1, 1),
-                                    (TensorMap(q, box=(64, ch.rows)), TensorMap(k, box=(64, WS_KEY_TILE[tile])),
-                                     TensorMap(v, box=(64, WS_KEY_TILE[tile])), ptr(o), lse_ptr,
+                                    (TensorMap(q, box=(64, ch.rows)), TensorMap(k, box=(64, ch.keys)),
+                                     TensorMap(v, box=(64, ch.keys)), ptr(o), lse_ptr,
                                      np.int32(bh), np.int32(n), scale_log2, np.int32(causal), np.int32(r0), np.int32(r1), np.int32(h),
                                      np.int32(group), np.int64(o.stride(0)), np.int64(o.stride(1)),
                                      np.int32(o.stride(2)), np.int32(hg), np.uint64(counter)), shared_mem=ch.shared)
@@ -305,7 +314,7 @@ class FusedBackend(CudaBackend):
                 if t.shape != like.shape or t.dtype != like.dtype or t.device != like.device:
                     raise ValueError(f"out's {name} must match its input ({tuple(like.shape)}, {like.dtype}, "
                                      f"{like.device}); got {tuple(t.shape)}, {t.dtype}, {t.device}")
-        if d in OTHER_HEAD_DIMS:
+        if d not in BWD_HEAD_DIMS:
             from .triton_fused import TritonBackend
             return write_into(out, TritonBackend().backward(q, k, v, o, lse, do, causal, deterministic))
         g = k.shape[1]
@@ -382,7 +391,7 @@ class FusedBackend(CudaBackend):
         sum, and dq_of_sum turns it into dQ once. None where the five products do not run
         (deterministic, another compute capability or head dim, no rows): the caller adds each call's dQ."""
         b, h, n, d = q.shape
-        if (deterministic or d not in HEAD_DIMS or d in OTHER_HEAD_DIMS or q.dtype not in (torch.float16, torch.bfloat16)
+        if (deterministic or d not in BWD_HEAD_DIMS or q.dtype not in (torch.float16, torch.bfloat16)
                 or b * h * n == 0 or bwd_kernels(_device_info(q.device)[1]) != "wgmma"):
             return None
         suf = self.kernel_suffix(q)
