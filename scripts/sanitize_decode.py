@@ -2,8 +2,9 @@
 """The decode kernels on small shapes, for compute-sanitizer (memcheck, racecheck): the split at
 every head dim it is built for (contiguous and paged, multi-head and grouped, a length that ends
 inside a chunk), the paged append kernel (rows at their own positions and pages), an FP8 pool's
-append (dec_append_pg8) and split (_pg8) at every head dim, and a graphed paged step's preparation
-(pg_prepare, padding rows included). Exits non-zero if an output is not finite.
+append (dec_append_pg8) and split (_pg8) at every head dim, the fused kernel's prefill over rows already
+in a cache (its q and o buffers hold only the rows from the last row tile before the cache's end on) at
+every head dim it takes here, and a graphed paged step's preparation (pg_prepare, padding rows included). Exits non-zero if an output is not finite.
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python scripts/sanitize_decode.py
 """
@@ -51,6 +52,17 @@ def main() -> int:
                 ok = bool(torch.isfinite(qa).all() and torch.isfinite(o8).all() and (sc[0][pages, :, pos % 16] > 0).all())
                 bad += not ok
                 print(f"{dtype} d={d} FP8 pool append and split: {'ok' if ok else 'NOT FINITE'}")
+    from tpattn.attention import get_backend
+    from tpattn.attention.fused import HEAD_DIMS, hopper_only
+    cc = torch.cuda.get_device_capability()
+    for d in [d for d in HEAD_DIMS if not hopper_only(d, cc)]:  # a prefill over rows already in a cache:
+        for L0, T in ((0, 40), (200, 77), (256, 300)):      # q and o buffers of rows [L0 // 128 * 128, N) only
+            q = torch.randn(2, 4, T, d, device="cuda", dtype=torch.float16, generator=g)
+            k, v = (torch.randn(2, 2, L0 + T, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
+            o = decode.prefix_attention(get_backend("fused"), q, k, v, L0)
+            ok = bool(torch.isfinite(o).all())
+            bad += not ok
+            print(f"d={d} fused prefill of {T} rows after {L0}: {'ok' if ok else 'NOT FINITE'}")
     from tpattn import TensorParallelAttention
     from tpattn.paged import PagedKV, _StaticStep
     D = 4 * 128

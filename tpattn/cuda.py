@@ -112,8 +112,10 @@ def _compile(cupy, filename: str, src: str):
     return mod
 
 
-def ptr(t: torch.Tensor) -> np.uint64:
-    return np.uint64(t.data_ptr())
+def ptr(t: torch.Tensor, rows_before: int = 0) -> np.uint64:
+    """t's address as a kernel parameter; rows_before: the address that many rows (dimension 2) before
+    t, for a kernel told t's first row is row rows_before (TensorMap's rows_before)."""
+    return np.uint64(t.data_ptr() - (rows_before * t.stride(2) * t.element_size() if rows_before else 0))
 
 
 class TensorMap:
@@ -125,12 +127,15 @@ class TensorMap:
 
     SWIZZLE_BYTES = 128
 
-    def __init__(self, t: torch.Tensor, box: tuple[int, int] = (64, 128)):
+    def __init__(self, t: torch.Tensor, box: tuple[int, int] = (64, 128), rows_before: int = 0):
         b, h, n, d = t.shape
         el = t.element_size()
         if el != 2 or t.stride(3) != 1:
             raise ValueError(f"a tensor map needs 16-bit values in contiguous rows (dtype {t.dtype}, strides {t.stride()})")
-        self.address = t.data_ptr()
+        # rows_before: t holds rows [rows_before, rows_before + n) of the map's rows, which start that many
+        # rows before t (a kernel given rows from rows_before on never reads those)
+        self.address = t.data_ptr() - rows_before * t.stride(2) * el
+        n += rows_before
         self.dtype = t.dtype
         self.dims = (d, n, h, b)
         # a dimension of extent 1 is never stepped over: any legal stride does

@@ -424,7 +424,7 @@ def forward_cached(layer, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
                     qv, ov, o, r0 = fused_prefix_buffers(q, L0, layer.backend.row_chunks)
                     del qkv, q, k, v  # K and V are in the cache, q in qv: the projection's rows can go
                     layer.backend.forward(qv, cache.k[:, :, :L0 + T], cache.v[:, :, :L0 + T], True, out=ov,
-                                          rows=(r0, L0 + T))
+                                          rows=(r0, L0 + T), row_base=r0)
         elif _triton_prefix_fits(layer, q, B):  # the paged prefill's kernel, the cache one page per sequence
             with section("attention"):
                 o = triton_prefix_attention(q, cache.k, cache.v, L0)
@@ -444,7 +444,7 @@ def prefix_attention(backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     fused_prefix_buffers, no scores in memory (tpattn::prefix_attention; forward_cached does the
     same eagerly, dropping the projection's rows before the kernel runs)."""
     qv, ov, o, r0 = fused_prefix_buffers(q, L0, backend.row_chunks)
-    backend.forward(qv, k, v, True, out=ov, rows=(r0, L0 + q.shape[2]))
+    backend.forward(qv, k, v, True, out=ov, rows=(r0, L0 + q.shape[2]), row_base=r0)
     return o
 
 
@@ -471,30 +471,28 @@ def triton_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, L
 def fused_prefix_buffers(q: torch.Tensor, L0: int, align: int):
     """For the fused kernel's prefill over the L0 rows already in a cache: it computes query rows
     [r0, N) of a sequence of N = L0 + T keys (r0: L0 rounded down to its row tile, `align`), causal
-    by position, reading q and writing o through views of N rows [B, h, N, d] in which each batch
-    row holds only its own rows [r0, N), laid out [rows, h, d], after a pad of r0 rows that the
-    views start in and the kernel never touches (rows below r0 are no batch row's). Memory O(T h d),
-    no scores. Returns (q's view with q copied into rows [L0, N), o's view, the rows [L0, N) of o as
-    [B, T, h, d], r0)."""
+    by position, reading q and writing o in buffers of those rows only, [B, h, N - r0, d] views laid
+    out [rows, h, d] per batch row (the kernel is told their first row is r0: forward(row_base=r0)).
+    Memory O(T h d), no scores. Returns (q's buffer with q in its rows [L0 - r0, N - r0) and zeros
+    before, o's buffer, the rows [L0, N) of o as [B, T, h, d], r0)."""
     B, h, T, d = q.shape
     N = L0 + T
     r0 = L0 // align * align
     rows = N - r0
-    strides = (rows * h * d, d, h * d, 1)  # (batch, head, row, column): rows [r0, N) of batch b at b*rows*h*d
-    pad = r0 * h * d
-    qbuf = torch.zeros(pad + B * rows * h * d, dtype=q.dtype, device=q.device)  # rows [r0, L0) zero
+    strides = (rows * h * d, d, h * d, 1)  # (batch, head, row, column)
+    qbuf = (torch.zeros if r0 < L0 else torch.empty)(B * rows * h * d, dtype=q.dtype, device=q.device)
     obuf = torch.empty_like(qbuf)
-    qv, ov = (t.as_strided((B, h, N, d), strides) for t in (qbuf, obuf))
-    qv[:, :, L0:].copy_(q)
-    return qv, ov, obuf.as_strided((B, T, h, d), (rows * h * d, h * d, d, 1), L0 * h * d), r0
+    qv, ov = (t.as_strided((B, h, rows, d), strides) for t in (qbuf, obuf))
+    qv[:, :, L0 - r0:].copy_(q)
+    return qv, ov, obuf.as_strided((B, T, h, d), (rows * h * d, h * d, d, 1), (L0 - r0) * h * d), r0
 
 
 def fused_prefix_fits(q: torch.Tensor) -> bool:
     """Whether the fused kernel runs this prefill (a CUDA device, fp16/bf16, a head dim it takes there:
     64 or 128, and on compute capability 9.0 the others of HEAD_DIMS)."""
-    from .attention.fused import HEAD_DIMS, hopper_only
+    from .attention.fused import HEAD_DIMS, _device_info, hopper_only
     return q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in HEAD_DIMS \
-        and not hopper_only(q.shape[-1], torch.cuda.get_device_capability(q.device)) and cupy_available()
+        and not hopper_only(q.shape[-1], _device_info(q.device)[1]) and cupy_available()
 
 
 def graphed(layer, x: torch.Tensor, cache: KVCache):

@@ -41,6 +41,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .attention import fp8
@@ -255,33 +256,53 @@ class PagedStep:
         self.cu = [0]
         for r in rows:
             self.cu.append(self.cu[-1] + r)
-        self._rows_on_device = None
-        self._tables = None
-        self._prefill = None
+        self._meta = None
 
-    def _rows(self):
-        """(positions, pages, offsets) of the packed rows on the pool's device: made on first use
-        (an eager step's layers use them; a graphed step has its own, made on the device)."""
-        if self._rows_on_device is None:  # (tensor ops on the host, one copy: no Python loop over rows)
-            P = self.pool.page_size
-            pos = torch.cat([torch.arange(L0, L0 + r) for r, L0 in zip(self.rows, self.starts)])
-            page = torch.cat([torch.tensor(self.pool.tables[s][L0 // P:-(-(L0 + r) // P)], dtype=torch.int64)
-                              [torch.arange(L0, L0 + r) // P - L0 // P] for s, r, L0 in zip(self.slots, self.rows, self.starts)])
-            rows = _on_device(torch.stack([pos, page, pos % P]), self.pool.device)
-            self._rows_on_device = (rows[0], rows[1], rows[2])
-        return self._rows_on_device
+    def _device_meta(self) -> dict:
+        """What the step's layers read about its rows and sequences, on the pool's device, made on first
+        use in one copy: per packed row its position, page and offset in the page (int64); per sequence
+        its block table row up to its length after the step, zero-padded (int32 [n, most pages]), the
+        row offsets cu [n + 1], the lengths before and after the step [n] (int32). Built with numpy in
+        one pinned host buffer (a chunk of a long prompt issues its step in tens of microseconds, not
+        the hundreds that torch ops on small host tensors took)."""
+        if self._meta is None:
+            P, n = self.pool.page_size, len(self.slots)
+            rows, starts, cu = (np.asarray(a, dtype=np.int64) for a in (self.rows, self.starts, self.cu))
+            R, ends = int(cu[-1]), starts + rows
+            npages = -(-ends // P)
+            most = int(npages.max())
+            host = torch.empty(6 * R + n * most + 3 * n + 1, dtype=torch.int32,
+                               pin_memory=self.pool.device.type == "cuda")  # (pinned: see _pinned)
+            h = host.numpy()
+            by_row = h[:6 * R].view(np.int64).reshape(3, R)
+            table = h[6 * R:6 * R + n * most].reshape(n, most)
+            table[:] = 0
+            for i, (s, k) in enumerate(zip(self.slots, npages.tolist())):
+                table[i, :k] = self.pool.tables[s][:k]
+            pos = np.arange(R, dtype=np.int64) + np.repeat(starts - cu[:-1], rows)
+            by_row[0] = pos
+            by_row[1] = table[np.repeat(np.arange(n), rows), pos // P]
+            by_row[2] = pos % P
+            rest = h[6 * R + n * most:]
+            rest[:n + 1], rest[n + 1:2 * n + 1], rest[2 * n + 1:] = cu, starts, ends
+            dev = host.to(self.pool.device, non_blocking=True)
+            by_row, rest = dev[:6 * R].view(torch.int64).view(3, R), dev[6 * R + n * most:]
+            self._meta = {"positions": by_row[0], "page_index": by_row[1], "page_offset": by_row[2],
+                          "table": dev[6 * R:6 * R + n * most].view(n, most), "cu": rest[:n + 1],
+                          "starts": rest[n + 1:2 * n + 1], "lens": rest[2 * n + 1:], "longest": int(ends.max())}
+        return self._meta
 
     @property
     def positions(self) -> torch.Tensor:
-        return self._rows()[0]
+        return self._device_meta()["positions"]
 
     @property
     def page_index(self) -> torch.Tensor:
-        return self._rows()[1]
+        return self._device_meta()["page_index"]
 
     @property
     def page_offset(self) -> torch.Tensor:
-        return self._rows()[2]
+        return self._device_meta()["page_offset"]
 
     @property
     def total_rows(self) -> int:
@@ -292,34 +313,18 @@ class PagedStep:
         """Positions the step's rows reach (their rotary tables' length)."""
         return max(L0 + r for L0, r in zip(self.starts, self.rows))
 
-    def _with_table(self, extra: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block table int32 [n, most pages] of the step's n sequences, each its pages up to its length
-        after the step, zero-padded; `extra` int32 after it) on the pool's device, in one copy."""
-        P, n = self.pool.page_size, len(self.slots)
-        pages = [self.pool.tables[s][:-(-(L0 + r) // P)] for s, L0, r in zip(self.slots, self.starts, self.rows)]
-        most = max(len(p) for p in pages)
-        flat = _on_device(torch.tensor([x for p in pages for x in p + [0] * (most - len(p))] + extra,
-                                       dtype=torch.int32), self.pool.device)
-        return flat[:n * most].view(n, most), flat[n * most:]
-
     def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(block table int32 [n, most pages], lengths int32 [n] after the step, the longest) of the
-        step's n sequences, on the pool's device: what the paged decode kernel reads. Made once."""
-        if self._tables is None:
-            lens = [L0 + r for L0, r in zip(self.starts, self.rows)]
-            self._tables = (*self._with_table(lens), max(lens))
-        return self._tables
+        step's n sequences, on the pool's device: what the paged decode kernel reads."""
+        m = self._device_meta()
+        return m["table"], m["lens"], m["longest"]
 
     def prefill_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(block table int32 [n, most pages], row offsets cu int32 [n + 1], lengths before the step
-        int32 [n]) of the step's n sequences on the pool's device, in one copy: what the Triton paged
-        prefill reads (the other prefills gather each sequence's pages through the table). Made once
-        a step, for all its layers."""
-        if self._prefill is None:
-            n = len(self.slots)
-            table, rest = self._with_table(self.cu + self.starts)
-            self._prefill = (table, rest[:n + 1], rest[n + 1:])
-        return self._prefill
+        int32 [n]) of the step's n sequences on the pool's device: what the Triton paged prefill reads
+        (the other prefills gather each sequence's pages through the table)."""
+        m = self._device_meta()
+        return m["table"], m["cu"], m["starts"]
 
     def view(self, index: int = 0) -> PagedView:
         """Layer `index`'s view (the pool's layers[index])."""
@@ -439,8 +444,13 @@ def _gather(pool: torch.Tensor, pages: torch.Tensor, scale: torch.Tensor | None,
     """A sequence's first n positions of one layer's K or V pages [pages, g, P, d], gathered per K/V
     head in one pass along its pages: [1, g, n, d] (FP8 pages dequantized with their scales, fp32)."""
     g, d = pool.shape[1], pool.shape[3]
-    # (whole pages along the pool's first dim, then heads first: index_select over the pool seen
-    # heads-first, a strided source, took time in the pool's size on the CPU, 0.1 s a call at 512 pages)
+    if pool.is_cuda:  # straight into [g, pages, P, d], which is [g, pages x P, d]: one copy, no relayout
+        t = pool.transpose(0, 1).index_select(1, pages)
+        if scale is not None:
+            t = fp8.dequantize(t, scale.transpose(0, 1).index_select(1, pages))
+        return t.reshape(g, -1, d)[:, :n].unsqueeze(0)
+    # (on the CPU, index_select over the pool seen heads-first, a strided source, took time in the
+    # pool's size, 0.1 s a call at 512 pages: whole pages along the pool's first dim, then heads first)
     t = pool.index_select(0, pages)  # [pages, g, P, d]
     if scale is not None:
         t = fp8.dequantize(t, scale.index_select(0, pages))

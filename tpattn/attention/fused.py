@@ -211,11 +211,18 @@ class FusedBackend(CudaBackend):
             if why:
                 raise FlagError(why)
 
-    def forward(self, q, k, v, causal: bool, out=None, scratch=None, rows=None, lse=None):
+    def forward(self, q, k, v, causal: bool, out=None, scratch=None, rows=None, lse=None, row_base: int = 0):
         """rows=(r0, r1): only query rows [r0, r1) of o are computed (against all keys, causal by
         their position in the sequence); r0 a multiple of row_chunks, r1 too or N. lse: a contiguous
-        fp32 [B, h, N] tensor that receives each row's logsumexp (the backward's L)."""
+        fp32 [B, h, N] tensor that receives each row's logsumexp (the backward's L). row_base (at most
+        r0): q and out hold only rows [row_base, N) of the N = k's rows, [B, h, N - row_base, d] (a
+        prefill's rows after a cache: no buffer for the rows before)."""
         b, h, n, d = q.shape
+        if row_base:
+            n += row_base
+            if k.shape[2] != n or lse is not None or rows is None or rows[0] < row_base:
+                raise ValueError(f"row_base={row_base}: q holds rows [{row_base}, {n}) of k's {k.shape[2]}, rows= "
+                                 f"starts at row_base or after (got {rows}), and no lse")
         if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
             raise ValueError(f"q, k and v must share a dtype and a device (got {q.dtype}, {k.dtype}, {v.dtype} on "
                              f"{q.device}, {k.device}, {v.device})")
@@ -243,7 +250,7 @@ class FusedBackend(CudaBackend):
         with section("fused"):
             if ch.source in (WS_SOURCE, WS_DIMS_SOURCE):  # one grid dimension over (query tile, head) pairs; TMA maps of Q, K, V
                 mode = grid_mode()
-                key = (ch.name, causal, r0, r1, mode, q.device.index, tuple(q.shape), tuple(k.shape), int(lse_ptr),
+                key = (ch.name, causal, r0, r1, row_base, mode, q.device.index, tuple(q.shape), tuple(k.shape), int(lse_ptr),
                        *((t.data_ptr(), t.stride()) for t in (q, k, v, o)))
                 prep = _prepared.get(key)
                 if prep is None:
@@ -260,8 +267,8 @@ class FusedBackend(CudaBackend):
                     # causal: heads in groups of about GROUP_TILES tiles per SM, each group's longest tiles first
                     hg = min(bh, _cdiv(GROUP_TILES * sms, nq)) if causal and GROUP_TILES else 1
                     prep = Prepared(ch.source, ch.name, q.device, grid, (ch.threads, 1, 1),
-                                    (TensorMap(q, box=(64, ch.rows)), TensorMap(k, box=(64, ch.keys)),
-                                     TensorMap(v, box=(64, ch.keys)), ptr(o), lse_ptr,
+                                    (TensorMap(q, box=(64, ch.rows), rows_before=row_base), TensorMap(k, box=(64, ch.keys)),
+                                     TensorMap(v, box=(64, ch.keys)), ptr(o, row_base), lse_ptr,
                                      np.int32(bh), np.int32(n), scale_log2, np.int32(causal), np.int32(r0), np.int32(r1), np.int32(h),
                                      np.int32(group), np.int64(o.stride(0)), np.int64(o.stride(1)),
                                      np.int32(o.stride(2)), np.int32(hg), np.uint64(counter)), shared_mem=ch.shared)
@@ -272,7 +279,8 @@ class FusedBackend(CudaBackend):
                 return o
             grid = (min(t1 - t0, GRID_X_MAX), min(bh, GRID_YZ_MAX), 1)
             launch(ch.source, ch.name, q.device, grid, (ch.threads, 1, 1),
-                   (ptr(q), ptr(k), ptr(v), ptr(o), lse_ptr, np.int32(bh), np.int32(n), scale_log2, np.int32(causal),
+                   (ptr(q, row_base), ptr(k), ptr(v), ptr(o, row_base), lse_ptr, np.int32(bh), np.int32(n), scale_log2,
+                    np.int32(causal),
                     np.int32(t0), np.int32(t1), np.int32(h), np.int32(group),
                     np.int64(q.stride(0)), np.int64(q.stride(1)), np.int32(q.stride(2)),
                     np.int64(k.stride(0)), np.int64(k.stride(1)), np.int32(k.stride(2)),
