@@ -237,10 +237,14 @@ def test_llama_generate_with_decode_graphs_gives_the_same_tokens(monkeypatch):
     assert tp.generate(PROMPTS, BUDGET, max_batch=3, graphs=True) == want
 
 
-def test_pool_rotary_tables_grow_and_keep_what_a_graph_reads():
-    """PagedKV.rope: the contiguous cache's tables (rope_tables at 0, 1, ...), made once per (theta,
-    head dim), grown by doubling past the positions asked for; an outgrown table stays referenced."""
+def test_rotary_tables_grow_and_keep_what_a_graph_reads(monkeypatch):
+    """decode.rope_rows (what PagedKV.rope and the layer's forward read): rope_tables at 0, 1, ... bit for
+    bit, made once per (device, head dim, theta, dtype), grown by doubling past the positions asked
+    for; an outgrown table stays referenced. The layer's rotation at an offset equals rope_tables' there."""
+    from tpattn import decode
     from tpattn.decode import rope_tables
+    monkeypatch.setattr(decode, "_rope_rows", {})
+    monkeypatch.setattr(decode, "_rope_kept", [])
     layer = _layer(1, True)
     pool = PagedKV(layer, pages=4, page_size=4, max_seqs=2)
     cos, sin = pool.rope(layer, 10)
@@ -249,7 +253,12 @@ def test_pool_rotary_tables_grow_and_keep_what_a_graph_reads():
     assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])
     bigger = pool.rope(layer, 1025)[0]
     assert bigger.shape[0] == 2048 and torch.equal(bigger[:1024], cos)
-    assert pool._rope_kept[0][0] is cos
+    assert decode._rope_kept[0][0] is cos
+    q, k = (torch.randn(1, layer.local_heads, 5, layer.head_dim, dtype=layer.dtype) for _ in range(2))
+    c, s_ = rope_tables(torch.arange(2040, 2045), layer.head_dim, layer.rope_theta, torch.float64)
+    got = layer._rope(q, k, 2040)
+    assert all(torch.equal(a, decode.apply_rope(t, c, s_)) for a, t in zip(got, (q, k)))
+    assert decode._rope_rows[(torch.device("cpu"), layer.head_dim, layer.rope_theta, torch.float64)][0].shape[0] == 2048
 
 
 def _serve(layer, pool, xs, lens, steps, reuse=False):

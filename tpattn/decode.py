@@ -98,6 +98,24 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype=torc
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
+_rope_rows: dict = {}   # (device, head_dim, theta, dtype) -> (cos, sin) of positions 0, 1, ...
+_rope_kept: list = []   # tables outgrown, kept: a captured CUDA graph may read them
+
+
+def rope_rows(device, upto: int, head_dim: int, theta: float, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [>= upto, head_dim / 2] of positions 0, 1, ... (rope_tables' values, bit for bit) on
+    `device`: made once per device, head dim, theta and dtype, grown by doubling, so a call slices them
+    instead of issuing the tables' dozen small operations again. An outgrown table stays allocated."""
+    key = (torch.device(device), head_dim, theta, dtype)
+    have = _rope_rows.get(key)
+    if have is None or have[0].shape[0] < upto:
+        n = max(int(upto), 2 * have[0].shape[0] if have is not None else 1024)
+        if have is not None:
+            _rope_kept.append(have)
+        have = _rope_rows[key] = rope_tables(torch.arange(n, device=device), head_dim, theta, dtype)
+    return have
+
+
 def apply_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """t [B, heads, T, d] rotated by the angles of its T positions, in fp32, back in t's dtype.
     Halves (Hugging Face): column i pairs with column i + d/2; interleaved: 2i with 2i + 1."""

@@ -107,8 +107,6 @@ class PagedKV:
         self.lengths = [0] * max_seqs          # slot -> positions filled
         self._next_id = 0
         self._open = None                      # the step in progress, if any
-        self._rope: dict = {}                  # (theta, d, dtype) -> (cos, sin): the rotary tables (rope())
-        self._rope_kept: list = []             # tables outgrown, kept: a captured graph may read them
 
     # ---- sequences ---------------------------------------------------------------------------
 
@@ -159,20 +157,10 @@ class PagedKV:
         return sum(2 * L.local_kv_heads * (L.head_dim + 4 if fp8 else L.head_dim * L.dtype.itemsize) for L in layers)
 
     def rope(self, layer, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [>= upto, d/2] of layer's rotary angles at positions 0, 1, ... (decode.rope_tables,
-        the values a contiguous cache's tables hold), on the pool's device: made once, grown by doubling.
-        An outgrown table stays allocated, since a captured step may read it."""
-        from .decode import rope_tables
-        acc = torch.promote_types(layer.dtype, torch.float32)
-        key = (layer.rope_theta, layer.head_dim, acc)
-        have = self._rope.get(key)
-        if have is None or have[0].shape[0] < upto:
-            n = max(int(upto), 2 * have[0].shape[0] if have is not None else 1024)
-            if have is not None:
-                self._rope_kept.append(have)
-            have = self._rope[key] = rope_tables(torch.arange(n, device=self.device), layer.head_dim,
-                                                 layer.rope_theta, acc)
-        return have
+        """(cos, sin) [>= upto, d/2] of layer's rotary angles at positions 0, 1, ... (decode.rope_rows: the
+        values a contiguous cache's tables hold), on the pool's device."""
+        from .decode import rope_rows
+        return rope_rows(self.device, upto, layer.head_dim, layer.rope_theta, torch.promote_types(layer.dtype, torch.float32))
 
     def _slot(self, sid: int) -> int:
         if sid not in self.slots:
