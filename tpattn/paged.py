@@ -400,10 +400,10 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
         total = OutputSum(layer, plan, x.device)
         total.add_rows(0, R, o.view(R, h * d))
         return total.result().view(B, N, D)
-    o = torch.empty(R, h, d, dtype=layer.dtype, device=x.device)
     if triton_prefill_fits(layer, q, len(step.slots), scales is not None):  # every sequence in one launch, K/V in place
         from .attention.triton_paged import paged_prefill
         table, cu, starts = step.prefill_tables()
+        o = torch.empty(R, h, d, dtype=layer.dtype, device=x.device)
         with section("attention"):
             paged_prefill(q, kp, vp, table, cu, starts, max(step.rows), out=o, scales=scales)
         total = OutputSum(layer, plan, x.device)
@@ -411,6 +411,8 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
         return total.result().view(B, N, D)
     fused = layer.backend.name == "fused" and fused_prefix_fits(q) and not scales
     table = step.prefill_tables()[0]  # (one copy a step, for every layer and sequence)
+    one = fused and len(step.slots) == 1  # (one sequence, a chunk of a prompt: its rows are the kernel's output)
+    o = None if one else torch.empty(R, h, d, dtype=layer.dtype, device=x.device)
     with section("attention"):
         for i, (T, L0) in enumerate(zip(step.rows, step.starts)):
             n = L0 + T
@@ -419,7 +421,9 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
             ks, vs = (_gather(t, pages, sc, n) for t, sc in zip((kp, vp), scales or (None, None)))
             r0 = step.cu[i]
             qs = q[r0:r0 + T].transpose(0, 1).unsqueeze(0)  # [1, h, T, d]
-            if fused:  # the fused kernel's rows from position L0 on, causal: no scores in memory
+            if one:  # the fused kernel's rows from position L0 on, causal: no scores in memory
+                o = prefix_attention(layer.backend, qs, ks, vs, L0)[0]  # [T, h, d], rows contiguous
+            elif fused:
                 o[r0:r0 + T] = prefix_attention(layer.backend, qs, ks, vs, L0)[0]
             else:
                 o[r0:r0 + T] = attend(qs, ks, vs, L0)[0].transpose(0, 1)
