@@ -238,9 +238,10 @@ def test_llama_generate_with_decode_graphs_gives_the_same_tokens(monkeypatch):
 
 
 def test_rotary_tables_grow_and_keep_what_a_graph_reads(monkeypatch):
-    """decode.rope_rows (what PagedKV.rope and the layer's forward read): rope_tables at 0, 1, ... bit for
-    bit, made once per (device, head dim, theta, dtype), grown by doubling past the positions asked
-    for; an outgrown table stays referenced. The layer's rotation at an offset equals rope_tables' there."""
+    """decode.rope_rows (what PagedKV.rope and, laid over the head's columns, the layer's forward read):
+    rope_tables at 0, 1, ... bit for bit, made once per (device, head dim, theta, dtype), grown by doubling
+    past the positions asked for; an outgrown table stays referenced. The layer's rotation at an offset
+    equals rope_tables' there."""
     from tpattn import decode
     from tpattn.decode import rope_tables
     monkeypatch.setattr(decode, "_rope_rows", {})
@@ -258,7 +259,8 @@ def test_rotary_tables_grow_and_keep_what_a_graph_reads(monkeypatch):
     c, s_ = rope_tables(torch.arange(2040, 2045), layer.head_dim, layer.rope_theta, torch.float64)
     got = layer._rope(q, k, 2040)
     assert all(torch.equal(a, decode.apply_rope(t, c, s_)) for a, t in zip(got, (q, k)))
-    assert decode._rope_rows[(torch.device("cpu"), layer.head_dim, layer.rope_theta, torch.float64)][0].shape[0] == 2048
+    full = decode._rope_rows[(torch.device("cpu"), layer.head_dim, layer.rope_theta, torch.float64, False)]
+    assert full[0].shape == (2045, layer.head_dim) and torch.equal(full[0][:1024, :layer.head_dim // 2], cos)
 
 
 def _serve(layer, pool, xs, lens, steps, reuse=False):

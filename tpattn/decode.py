@@ -98,36 +98,48 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype=torc
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
-_rope_rows: dict = {}   # (device, head_dim, theta, dtype) -> (cos, sin) of positions 0, 1, ...
+_rope_rows: dict = {}   # (device, head_dim, theta, dtype[, interleaved]) -> tables of positions 0, 1, ...
 _rope_kept: list = []   # tables outgrown, kept: a captured CUDA graph may read them
 
 
-def rope_rows(device, upto: int, head_dim: int, theta: float, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_rows(device, upto: int, head_dim: int, theta: float, dtype=torch.float32,
+              interleaved: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) [>= upto, head_dim / 2] of positions 0, 1, ... (rope_tables' values, bit for bit) on
-    `device`: made once per device, head dim, theta and dtype, grown by doubling, so a call slices them
+    `device`; with interleaved given, rope_signed's (C, S) [>= upto, head_dim] of them for that layout.
+    Made once per device, head dim, theta, dtype (and layout), grown by doubling, so a call slices them
     instead of issuing the tables' dozen small operations again. An outgrown table stays allocated."""
-    key = (torch.device(device), head_dim, theta, dtype)
+    key = (torch.device(device), head_dim, theta, dtype, interleaved)
     have = _rope_rows.get(key)
     if have is None or have[0].shape[0] < upto:
         n = max(int(upto), 2 * have[0].shape[0] if have is not None else 1024)
         if have is not None:
             _rope_kept.append(have)
-        have = _rope_rows[key] = rope_tables(torch.arange(n, device=device), head_dim, theta, dtype)
+        have = rope_tables(torch.arange(n, device=device), head_dim, theta, dtype)
+        have = _rope_rows[key] = have if interleaved is None else rope_signed(*have, interleaved)
     return have
+
+
+def rope_signed(cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables [T, d/2] laid over a head's d columns, (C, S) [T, d]: each pair's cos at both of its
+    columns, its sin negated at the pair's first column (apply_rope's products)."""
+    if interleaved:
+        return torch.stack([cos, cos], -1).flatten(-2), torch.stack([-sin, sin], -1).flatten(-2)
+    return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
 
 
 def apply_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """t [B, heads, T, d] rotated by the angles of its T positions, in fp32, back in t's dtype.
-    Halves (Hugging Face): column i pairs with column i + d/2; interleaved: 2i with 2i + 1."""
-    x = t.to(torch.promote_types(t.dtype, torch.float32))  # fp32 (fp64 for an fp64 layer)
-    if interleaved:
-        a, b = x[..., 0::2], x[..., 1::2]
-        out = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
-    else:
-        h = x.shape[-1] // 2
-        a, b = x[..., :h], x[..., h:]
-        out = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
-    return out.to(t.dtype)
+    Halves (Hugging Face): column i pairs with column i + d/2; interleaved: 2i with 2i + 1. cos, sin:
+    [T, d/2] (rope_tables), or rope_signed's (C, S) [T, d]. Each column is x C + partner S, the pair's
+    other column as its partner: a cos - b sin and b cos + a sin, each product and the sum rounded in
+    fp32 as written that way (the same bits), in four kernels."""
+    d = t.shape[-1]
+    C, S = (cos, sin) if cos.shape[-1] == d else rope_signed(cos, sin, interleaved)
+    partner = (t.unflatten(-1, (d // 2, 2)).flip(-1) if interleaved else t.unflatten(-1, (2, d // 2)).flip(-2)).flatten(-2)
+    a, b = t * C, partner * S  # (a 16-bit t widens exactly in the product)
+    if torch.is_grad_enabled() and t.requires_grad:
+        return (a + b).to(t.dtype)
+    return torch.add(a, b, out=torch.empty(t.shape, dtype=t.dtype, device=t.device))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:

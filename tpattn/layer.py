@@ -444,9 +444,10 @@ class TensorParallelAttention(LayerPlan, LayerModule):
         elif torch.compiler.is_compiling():  # (a traced graph computes them: no tensors held across calls)
             cos, sin = decode.rope_tables(torch.arange(start, start + q.shape[2], device=q.device), self.head_dim,
                                           self.rope_theta, torch.promote_types(q.dtype, torch.float32))
-        else:
+        else:  # (rope_signed's tables for this layout, made once)
             cos, sin = (t[start:start + q.shape[2]] for t in decode.rope_rows(
-                q.device, start + q.shape[2], self.head_dim, self.rope_theta, torch.promote_types(q.dtype, torch.float32)))
+                q.device, start + q.shape[2], self.head_dim, self.rope_theta, torch.promote_types(q.dtype, torch.float32),
+                self.rope_interleaved))
         return (decode.apply_rope(q, cos, sin, self.rope_interleaved),
                 decode.apply_rope(k, cos, sin, self.rope_interleaved))
 
