@@ -112,13 +112,15 @@ class CudaBackend(Backend):
         return self.suffix[name]
 
 
-def kv_group(q, k, v) -> int:
+def kv_group(q, k, v, rows_before: int = 0) -> int:
     """Query heads per K/V head (1 for multi-head attention), after checking that k and v have q's
-    batch, sequence and head dim and a head count that divides q's."""
+    batch, sequence and head dim and a head count that divides q's (rows_before: q holds the rows of
+    the sequence from there on)."""
     if k.shape != v.shape or k.dim() != 4 or q.dim() != 4:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape [B, g, N, d] "
                          f"(q is {tuple(q.shape)})")
     b, h, n, d = q.shape
+    n += rows_before
     g = k.shape[1]
     if (k.shape[0], k.shape[2], k.shape[3]) != (b, n, d) or g < 1 or h % g:
         raise ValueError(f"k and v {tuple(k.shape)} do not fit q {tuple(q.shape)}: they need q's batch, "

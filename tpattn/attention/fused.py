@@ -227,7 +227,7 @@ class FusedBackend(CudaBackend):
             raise ValueError(f"q, k and v must share a dtype and a device (got {q.dtype}, {k.dtype}, {v.dtype} on "
                              f"{q.device}, {k.device}, {v.device})")
         suf = self.kernel_suffix(q)
-        group = kv_group(q, k, v)  # query heads per K/V head: query head i reads K/V head i // group
+        group = kv_group(q, k, v, row_base)  # query heads per K/V head: query head i reads K/V head i // group
         if not _rows_aligned(q):
             q = q.contiguous()
         if not (k.stride() == v.stride() and _rows_aligned(k, v)):
