@@ -133,8 +133,10 @@ def apply_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     [T, d/2] (rope_tables), or rope_signed's (C, S) [T, d]. Each column is x C + partner S, the pair's
     other column as its partner: a cos - b sin and b cos + a sin, each product and the sum rounded in
     fp32 as written that way (the same bits), in four kernels."""
-    d = t.shape[-1]
+    d, acc = t.shape[-1], torch.promote_types(t.dtype, torch.float32)
     C, S = (cos, sin) if cos.shape[-1] == d else rope_signed(cos, sin, interleaved)
+    if C.dtype != acc:  # (tables of another precision: the products in fp32, or fp64 for fp64, all the same)
+        C, S = C.to(acc), S.to(acc)
     partner = (t.unflatten(-1, (d // 2, 2)).flip(-1) if interleaved else t.unflatten(-1, (2, d // 2)).flip(-2)).flatten(-2)
     a, b = t * C, partner * S  # (a 16-bit t widens exactly in the product)
     if torch.is_grad_enabled() and t.requires_grad:
