@@ -172,11 +172,11 @@ def prefill_cases(H: int, d: int, backend: str = "fused", G: int = 8, mean: int 
     return runs, lens
 
 
-def prefill_runs(H: int, d: int, rounds: int, backend: str = "fused") -> list[dict]:
+def prefill_runs(H: int, d: int, rounds: int, backend: str = "fused", chunk: int = 1024) -> list[dict]:
     """prefill_cases' calls, wall-clock ms per call, synchronized (host work included: the pool's
     add, step and remove), median of `rounds` rounds after one, the calls alternating."""
     import time
-    runs, lens = prefill_cases(H, d, backend)
+    runs, lens = prefill_cases(H, d, backend, chunk=chunk)
     times = {k: [] for k in runs}
     with torch.no_grad():
         for _ in range(rounds + 1):
@@ -190,13 +190,13 @@ def prefill_runs(H: int, d: int, rounds: int, backend: str = "fused") -> list[di
             for k, ts in times.items()]
 
 
-def profile_prefills(H: int, d: int, top: int, backend: str = "fused") -> None:
+def profile_prefills(H: int, d: int, top: int, backend: str = "fused", chunk: int = 1024) -> None:
     """One call of each prefill case (after a warm one) under torch.profiler: its wall time, the host's
     time in torch ops and the GPU's in kernels and copies, and the `top` ops by host time."""
     import time
 
     from torch.profiler import ProfilerActivity, profile
-    runs, _ = prefill_cases(H, d, backend)
+    runs, _ = prefill_cases(H, d, backend, chunk=chunk)
     with torch.no_grad():
         for name, fn in runs.items():
             fn()
@@ -226,11 +226,15 @@ def main(argv=None) -> int:
     p.add_argument("--no-kernel", action="store_true", help="skip the decode kernel's table")
     p.add_argument("--prefill-backends", nargs="+", choices=("fused", "triton"), default=["fused"],
                    help="the layer's backends for --prefill (triton: the paged prefill in one launch; default fused)")
+    p.add_argument("--prefill-chunk", type=int, default=1024, metavar="T",
+                   help="--prefill's long prompt (8192 rows) goes in chunks of T rows (default 1024)")
     p.add_argument("--fp8", action="store_true", help="also an FP8 pool (e4m3 pages, a scale a row) beside each "
                    "page size's fp16 pages, and with --layer its graphed step")
     p.add_argument("--profile-prefill", type=int, metavar="K", help="also one call of each prefill under "
                    "torch.profiler: wall, host and GPU time, and the K ops with the most host time")
     a = p.parse_args(argv)
+    if a.prefill_chunk < 1:
+        p.error(f"--prefill-chunk takes a positive row count (got {a.prefill_chunk})")
     if not torch.cuda.is_available():
         print("bench_paged: error: needs a CUDA GPU; run it on a GPU machine", file=sys.stderr)
         return 2
@@ -286,7 +290,7 @@ def main(argv=None) -> int:
     prefills = []
     if a.prefill:
         for backend in a.prefill_backends:
-            mine = prefill_runs(H, d, a.rounds, backend)
+            mine = prefill_runs(H, d, a.rounds, backend, a.prefill_chunk)
             prefills += mine
             print(f"prefills through the layer ({backend} backend, G=8, rotary), wall-clock ms per call, synchronized "
                   "(median of rounds):")
@@ -296,7 +300,7 @@ def main(argv=None) -> int:
                 print(f"  {paged_run['run']:<40} {paged_run['ms']:8.3f} ms  x{paged_run['ms'] / base['ms']:.3f}")
     if a.profile_prefill:
         for backend in a.prefill_backends:
-            profile_prefills(H, d, a.profile_prefill, backend)
+            profile_prefills(H, d, a.profile_prefill, backend, a.prefill_chunk)
     if a.json:
         Path(a.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "copy_GBps": rate, "rows": rows,
                                             "layer_steps": steps, "prefills": prefills, "argv": sys.argv}, indent=1))
