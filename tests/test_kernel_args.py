@@ -331,6 +331,42 @@ def test_fused_ws_reads_the_packed_projection_in_place(launches, monkeypatch):
     assert args[1].address == qkv_out.data_ptr() + h * d * 2 and args[1].dims == (d, n, g, b)
 
 
+@pytest.mark.parametrize("cc", [(9, 0), (8, 0)])
+@pytest.mark.parametrize("L0", [200, 256])
+def test_prefill_after_a_cache_gives_the_kernel_only_its_rows(launches, monkeypatch, cc, L0):
+    """decode.prefix_attention (a chunk of T rows after L0 in a cache): q and o buffers of the rows from
+    r0 (L0 rounded down to 128) on only, q copied after L0 - r0 zero rows; the kernel is handed addresses
+    r0 rows before them (fusedw: Q's tensor map and O's pointer; fused2: both pointers) and the rows
+    [r0, L0 + T), so it indexes rows by their position as with a whole buffer."""
+    from tpattn import decode
+    monkeypatch.setattr(fused, "_device_info", lambda dev: (1, cc))  # (one SM: the wide kernels)
+    b, h, g, T, d = 2, 4, 2, 77, 128
+    N = L0 + T
+    q = torch.randn(b, h, T, d).half()
+    k, v = (torch.randn(b, g, N, d).half() for _ in range(2))
+    qv, ov, o, r0 = decode.fused_prefix_buffers(q, L0, 128)
+    rows = N - r0
+    assert r0 == L0 // 128 * 128 and qv.shape == ov.shape == (b, h, rows, d)
+    assert qv.untyped_storage().nbytes() == b * h * rows * d * 2  # no buffer for the rows before r0
+    assert torch.equal(qv[:, :, L0 - r0:], q) and not qv[:, :, :L0 - r0].any()
+    assert o.shape == (b, T, h, d) and o.data_ptr() == ov.data_ptr() + (L0 - r0) * h * d * 2
+    fused.FusedBackend().forward(qv, k, v, True, out=ov, rows=(r0, N), row_base=r0)
+    (source, name, grid, block, args), = launches
+    check_launch(source, name, grid, block, args)
+    before = r0 * h * d * 2  # r0 rows of h heads, fp16
+    if cc == (9, 0):
+        assert name == "fusedw_f16_d128"
+        assert args[0].address == qv.data_ptr() - before and args[0].dims == (d, N, h, b)
+        assert args[0].strides == (h * d * 2, d * 2, rows * h * d * 2)
+        assert int(args[3]) == ov.data_ptr() - before and (int(args[9]), int(args[10])) == (r0, N)
+    else:
+        assert name.startswith("fused2_")
+        assert (int(args[0]), int(args[3])) == (qv.data_ptr() - before, ov.data_ptr() - before)
+        assert int(args[6]) == N and tuple(args[13:16]) == (rows * h * d, d, h * d)
+    with pytest.raises(ValueError, match="row_base=128"):
+        fused.FusedBackend().forward(qv, k, v, True, out=ov, rows=(0, N), row_base=128)
+
+
 def test_tensor_map_refuses_what_tma_cannot_read():
     t = torch.zeros(1, 2, 8, 64, dtype=torch.float32)
     with pytest.raises(ValueError, match="16-bit"):

@@ -237,6 +237,33 @@ def test_llama_generate_with_decode_graphs_gives_the_same_tokens(monkeypatch):
     assert tp.generate(PROMPTS, BUDGET, max_batch=3, graphs=True) == want
 
 
+def test_a_steps_rows_and_tables_are_its_sequences_pages():
+    """PagedStep's device metadata (one buffer, one copy): every packed row's position, page and offset,
+    and per sequence its pages up to its length after the step (zero-padded), the row offsets, the
+    lengths before and after; for sequences of several pages, one row, and starts inside a page."""
+    layer = _layer(2, True)
+    pool = PagedKV(layer, pages=40, page_size=4, max_seqs=4)
+    a, b, c = pool.add(), pool.add(), pool.add()
+    with pool.step([a, b], [6, 3]):
+        pass
+    st = pool.step([b, c, a], [9, 1, 2])
+    P = 4
+    want_pos, want_page = [], []
+    for sid, r, L0 in zip([b, c, a], [9, 1, 2], [3, 0, 6]):
+        pages = pool.tables[pool.slots[sid]]
+        want_pos += list(range(L0, L0 + r))
+        want_page += [pages[p // P] for p in range(L0, L0 + r)]
+    assert st.positions.tolist() == want_pos and st.page_index.tolist() == want_page
+    assert st.page_offset.tolist() == [p % P for p in want_pos] and st.positions.dtype == torch.int64
+    table, lens, longest = st.decode_tables()
+    assert lens.tolist() == [12, 1, 8] and longest == 12 and table.dtype == torch.int32
+    assert table.tolist() == [pool.tables[pool.slots[b]][:3], pool.tables[pool.slots[c]][:1] + [0, 0],
+                              pool.tables[pool.slots[a]][:2] + [0]]
+    t2, cu, starts = st.prefill_tables()
+    assert t2 is table and cu.tolist() == [0, 9, 10, 12] and starts.tolist() == [3, 0, 6]
+    st.__exit__(None, None, None)
+
+
 def test_rotary_tables_grow_and_keep_what_a_graph_reads(monkeypatch):
     """decode.rope_rows (what PagedKV.rope and, laid over the head's columns, the layer's forward read):
     rope_tables at 0, 1, ... bit for bit, made once per (device, head dim, theta, dtype), grown by doubling
