@@ -2,7 +2,8 @@
 copy rate.
 
     python scripts/bench_paged.py [--pages 16 64 256] [--rounds 5] [--layer] [--prefill] [--no-kernel]
-                                   [--prefill-backends fused triton] [--profile-prefill K] [--fp8] [--json PATH]
+                                   [--prefill-backends fused triton] [--prefill-chunk T] [--profile-prefill K]
+                                   [--host-profile K] [--fp8] [--json PATH]
 
 For each shape (B sequences, G K/V heads, H = 32 query heads, d = 128, fp16): the split kernel
 over a contiguous cache of length L (kernels/decode_attention.cu), the paged kernel (_pg) over
@@ -13,7 +14,9 @@ CUDA events over 50 back-to-back launches, the median of --rounds rounds, conten
 --layer: the layer's whole graphed decode step, contiguous against paged; --prefill: prefills through
 the layer on the paged cache against its forward over the same rows without a cache, with each of
 --prefill-backends (fused: the fused kernel per sequence over its gathered K/V; triton: every
-sequence in one launch, K/V read through the block table). --fp8: also an FP8 pool (PagedKV(kv_dtype=
+sequence in one launch, K/V read through the block table); --prefill-chunk: the long prompt's chunk
+size; --profile-prefill: one call of each under torch.profiler; --host-profile: each one's host time
+to issue a call beside its wall time, and cProfile's functions with the most host time. --fp8: also an FP8 pool (PagedKV(kv_dtype=
 "fp8"): e4m3 pages and a scale a row, the split's _pg8) beside the fp16 pages of each page size, and
 with --layer its graphed step; its GB/s count the bytes it reads (d + 4 a row where fp16 reads 2d).
 """
@@ -212,6 +215,39 @@ def profile_prefills(H: int, d: int, top: int, backend: str = "fused", chunk: in
             print(ev.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=48))
 
 
+def host_profile_prefills(H: int, d: int, top: int, backend: str = "fused", chunk: int = 1024, calls: int = 10) -> None:
+    """Each prefill case's host time to issue a call (the calls queued, not waited for) beside its wall
+    time, mean of `calls` calls after 3; then the same calls under cProfile: the `top` Python functions
+    by their own host time (torch ops appear as built-in methods)."""
+    import cProfile
+    import io
+    import pstats
+    import time
+    runs, _ = prefill_cases(H, d, backend, chunk=chunk)
+    with torch.no_grad():
+        for name, fn in runs.items():
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            print(f"{backend}, {name}: host issues a call in {(t1 - t0) / calls * 1e3:.3f} ms, wall "
+                  f"{(t2 - t0) / calls * 1e3:.3f} ms")
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            prof.disable()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+            print(out.getvalue().split("\n\n", 1)[-1].rstrip())
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python scripts/bench_paged.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--pages", type=int, nargs="+", default=[16, 64, 256], metavar="P")
@@ -228,6 +264,8 @@ def main(argv=None) -> int:
                    help="the layer's backends for --prefill (triton: the paged prefill in one launch; default fused)")
     p.add_argument("--prefill-chunk", type=int, default=1024, metavar="T",
                    help="--prefill's long prompt (8192 rows) goes in chunks of T rows (default 1024)")
+    p.add_argument("--host-profile", type=int, metavar="K", help="also each prefill's host time to issue a call "
+                   "beside its wall time, and the K Python functions with the most host time (cProfile)")
     p.add_argument("--fp8", action="store_true", help="also an FP8 pool (e4m3 pages, a scale a row) beside each "
                    "page size's fp16 pages, and with --layer its graphed step")
     p.add_argument("--profile-prefill", type=int, metavar="K", help="also one call of each prefill under "
@@ -301,6 +339,9 @@ def main(argv=None) -> int:
     if a.profile_prefill:
         for backend in a.prefill_backends:
             profile_prefills(H, d, a.profile_prefill, backend, a.prefill_chunk)
+    if a.host_profile:
+        for backend in a.prefill_backends:
+            host_profile_prefills(H, d, a.host_profile, backend, a.prefill_chunk)
     if a.json:
         Path(a.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "copy_GBps": rate, "rows": rows,
                                             "layer_steps": steps, "prefills": prefills, "argv": sys.argv}, indent=1))
