@@ -16,9 +16,10 @@ the layer on the paged cache against its forward over the same rows without a ca
 --prefill-backends (fused: the fused kernel per sequence over its gathered K/V; triton: every
 sequence in one launch, K/V read through the block table); --prefill-chunk: the long prompt's chunk
 size; --profile-prefill: one call of each under torch.profiler; --host-profile: each one's host time
-to issue a call beside its wall time, and cProfile's functions with the most host time. --fp8: also an FP8 pool (PagedKV(kv_dtype=
-"fp8"): e4m3 pages and a scale a row, the split's _pg8) beside the fp16 pages of each page size, and
-with --layer its graphed step; its GB/s count the bytes it reads (d + 4 a row where fp16 reads 2d).
+to issue a call beside its wall time, and cProfile's functions with the most host time. --fp8: also
+an FP8 pool (PagedKV(kv_dtype="fp8"): e4m3 pages and a scale a row, the split's _pg8) beside the fp16
+pages of each page size, and with --layer its graphed step; its GB/s count the bytes it reads (d + 4
+a row where fp16 reads 2d).
 """
 
 from __future__ import annotations
