@@ -218,9 +218,9 @@ class FusedBackend(CudaBackend):
         r0): q and out hold only rows [row_base, N) of the N = k's rows, [B, h, N - row_base, d] (a
         prefill's rows after a cache: no buffer for the rows before)."""
         b, h, n, d = q.shape
-        if row_base:
+        if row_base:  # (kv_group checks that k has the n rows)
             n += row_base
-            if k.shape[2] != n or lse is not None or rows is None or rows[0] < row_base:
+            if lse is not None or rows is None or rows[0] < row_base:
                 raise ValueError(f"row_base={row_base}: q holds rows [{row_base}, {n}) of k's {k.shape[2]}, rows= "
                                  f"starts at row_base or after (got {rows}), and no lse")
         if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
