@@ -173,12 +173,15 @@ __device__ __forceinline__ tw_tile tw_tile_of(long long t, int nq, int row_begin
         __VA_ARGS__;                       \
     }
 
-template <int D, bool BF16, int NC, int DS = D>
+// PG (fused_ws_paged.cu): K and V are read through a block table, not from [B, G, N, D] tensors (see the
+// paged kernels' comment at the end of the file); table and pshift are that table and log2 of the page size
+template <int D, bool BF16, int NC, int DS = D, bool PG = false>
 __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, const tw_tmap *vm,
                                          tc_u16 *__restrict__ O, float *__restrict__ Lse, int BH, int N,
                                          float scale_log2, int causal,
                                          int row_begin, int row_end, int H, int group, long long o_sb, long long o_sh,
-                                         int o_ld, int hg, int *__restrict__ sched) {
+                                         int o_ld, int hg, int *__restrict__ sched,
+                                         const int *__restrict__ table = nullptr, int pshift = 0) {
     // key tiles of BC keys: 128, or 64 above D = 128 (S and P of 64 keys beside a 64 x D accumulator)
     constexpr int BR = 64 * NC, BC = D > 128 ? 64 : 128, PANELS = D / 64;
     // Q stages: two, one at D = 256; K/V stages: two, four at D = 64. Shared memory: 2 Q + 4 K/V tiles of
@@ -274,21 +277,36 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 for (int p = 0; p < PANELS; ++p)
                     tw_tma(sQ + qs * QB + p * BR * 128, qm, 64 * p, q0, hh, b, q_full(qs));
                 const int nk = n_kt, bb = b, hv = hk;  // this tile's, while coords() moves on to the next
+                // key tile j of K or V into the stage at dst. PG: in boxes of PB = min(page, BC) keys, each
+                // from its page table[key / page] at offset key % page (the map is over the pool
+                // [pages, G, page, D]); keys past the sequence read its last page (finite values the
+                // mask drops, as it drops the zeros a contiguous map reads there)
+                auto kv_tile = [&](tc_u32 dst, const tw_tmap *map, int j, tc_u32 bar) {
+                    if constexpr (PG) {
+                        const int P = 1 << pshift, PB = P < BC ? P : BC;
+                        for (int k = 0; k < BC; k += PB) {
+                            const int key = j * BC + k;
+                            const int pg = __ldg(table + ((key < N ? key : N - 1) >> pshift));
+#pragma unroll
+                            for (int p = 0; p < PANELS; ++p)
+                                tw_tma(dst + p * BC * 128 + k * 128, map, 64 * p, key & (P - 1), hv, pg, bar);
+                        }
+                    } else {
+#pragma unroll
+                        for (int p = 0; p < PANELS; ++p) tw_tma(dst + p * BC * 128, map, 64 * p, j * BC, hv, bb, bar);
+                    }
+                };
                 for (int j = 0; j < nk; ++j, ++kt) {
                     const int s = stage(kt);
                     tw_bar_wait(k_empty(s), parity(kt) ^ 1);
                     TW_MARK(0, 22);
                     tw_bar_expect(k_full(s), KB);
-#pragma unroll
-                    for (int p = 0; p < PANELS; ++p)
-                        tw_tma(sK + s * KB + p * BC * 128, km, 64 * p, j * BC, hv, bb, k_full(s));
+                    kv_tile(sK + s * KB, km, j, k_full(s));
                     if (EARLY && j == nk - 1) coords(next);
                     tw_bar_wait(v_empty(s), parity(kt) ^ 1);
                     TW_MARK(0, 23);
                     tw_bar_expect(v_full(s), KB);
-#pragma unroll
-                    for (int p = 0; p < PANELS; ++p)
-                        tw_tma(sV + s * KB + p * BC * 128, vm, 64 * p, j * BC, hv, bb, v_full(s));
+                    kv_tile(sV + s * KB, vm, j, v_full(s));
                 }
                 t = next;
             }
@@ -540,7 +558,28 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                                   group, o_sb, o_sh, o_ld, hg, sched);                                   \
     }
 #define TW_DEFINE(NAME, SUF, BF16, D, NC) TW_DEFINE_DS(NAME, SUF, BF16, D, NC, D)
-#ifndef TW_OTHER_DIMS
+// fused_ws_paged.cu: a prefill's rows over a sequence's K and V in a paged pool (tpattn/paged.py), read
+// in place through its block table. km and vm are maps over the pool [pages, G, page, D] (dimensions
+// (D, page, G, pages), a box of 64 columns x min(page, 128) rows); table: the sequence's row of the
+// block table (int32 page ids, at least ceil(N / page) of them); pshift: log2 of the page size (pages
+// of 16 tokens or more, a power of two). One sequence a launch (BH = its query heads; batch 1)
+#define TW_DEFINE_PG(NAME, SUF, BF16, D, NC)                                                              \
+    extern "C" __global__ void __launch_bounds__(128 + 128 * NC, 1)                                     \
+        NAME##_##SUF##_d##D##_pg(const __grid_constant__ tw_tmap qm, const __grid_constant__ tw_tmap km, \
+                                 const __grid_constant__ tw_tmap vm, tc_u16 *__restrict__ O,             \
+                                 float *__restrict__ Lse, int BH, int N, float scale_log2, int causal,   \
+                                 int row_begin, int row_end, int H, int group, long long o_sb,           \
+                                 long long o_sh, int o_ld, int hg, int *__restrict__ sched,              \
+                                 const int *__restrict__ table, int pshift) {                            \
+        tw_fused<D, BF16, NC, D, true>(&qm, &km, &vm, O, Lse, BH, N, scale_log2, causal, row_begin, row_end, \
+                                       H, group, o_sb, o_sh, o_ld, hg, sched, table, pshift);           \
+    }
+#if defined(TW_PAGED)
+TW_DEFINE_PG(fusedw, f16, false, 64, 2)
+TW_DEFINE_PG(fusedw, bf16, true, 64, 2)
+TW_DEFINE_PG(fusedw, f16, false, 128, 2)
+TW_DEFINE_PG(fusedw, bf16, true, 128, 2)
+#elif !defined(TW_OTHER_DIMS)
 TW_DEFINE(fusedw, f16, false, 64, 2)
 TW_DEFINE(fusedw, bf16, true, 64, 2)
 TW_DEFINE(fusedw, f16, false, 128, 2)

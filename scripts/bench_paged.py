@@ -3,14 +3,17 @@ copy rate.
 
     python scripts/bench_paged.py [--pages 16 64 256] [--rounds 5] [--layer] [--prefill] [--no-kernel]
                                    [--prefill-backends fused triton] [--prefill-chunk T] [--profile-prefill K]
-                                   [--host-profile K] [--fp8] [--json PATH]
+                                   [--host-profile K] [--fp8] [--graph] [--json PATH]
 
 For each shape (B sequences, G K/V heads, H = 32 query heads, d = 128, fp16): the split kernel
 over a contiguous cache of length L (kernels/decode_attention.cu), the paged kernel (_pg) over
 the same lengths in pages of P tokens handed out in a shuffled order, and the paged kernel over
 ragged lengths of the same mean L spread x4 (0.4 L to 1.6 L). GB/s: the K and V bytes a step reads
 over its time; copy rate: a device-to-device copy of 1 GiB (bytes read + written over its time).
-CUDA events over 50 back-to-back launches, the median of --rounds rounds, contenders alternating.
+CUDA events over 50 back-to-back launches, the median of --rounds rounds, contenders alternating
+(host work included: below B = 64 a launch's host work can exceed its kernel); --graph also times
+each kernel alone, one call captured in a CUDA graph and replayed back to back (its GPU time, the
+host out of the way; the best of three captures).
 --layer: the layer's whole graphed decode step, contiguous against paged; --prefill: prefills through
 the layer on the paged cache against its forward over the same rows without a cache, with each of
 --prefill-backends (fused: the fused kernel per sequence over its gathered K/V; triton: every
@@ -48,6 +51,15 @@ def timed(fn, reps=50) -> float:
     b.record()
     torch.cuda.synchronize()
     return a.elapsed_time(b) / reps * 1e3  # us
+
+
+def graph_us(fn, reps: int = 50) -> float | None:
+    """fn()'s GPU time alone, us: one call captured in a CUDA graph, replayed `reps` times back to back
+    between two events, the best of three captures (scripts/bench_kernels.py's graph_ms)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_kernels import graph_ms
+    got = [graph_ms(lambda _timer: fn(), reps) for _ in range(3)]
+    return None if None in got else min(got) * 1e3
 
 
 def copy_rate() -> float:
@@ -261,6 +273,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefill", action="store_true", help="also prefills on the paged cache (ragged prompts in one "
                    "step, a long prompt in chunks) against the layer's forward over the same rows")
     p.add_argument("--no-kernel", action="store_true", help="skip the decode kernel's table")
+    p.add_argument("--graph", action="store_true", help="also each kernel's GPU time alone: one call captured in a "
+                   "CUDA graph, replayed back to back")
     p.add_argument("--prefill-backends", nargs="+", choices=("fused", "triton"), default=["fused"],
                    help="the layer's backends for --prefill (triton: the paged prefill in one launch; default fused)")
     p.add_argument("--prefill-chunk", type=int, default=1024, metavar="T",
@@ -307,15 +321,24 @@ def main(argv=None) -> int:
             for name, (fn, _, _) in cont.items():
                 times[name].append(timed(fn))
         base = statistics.median(times["contiguous"])
+        alone = {name: graph_us(fn, 50) for name, (fn, _, _) in cont.items()} if a.graph else {}
         print(f"B={B} G={G} L={L}" + (f" (ragged: {min(ragged)}-{max(ragged)}, mean {sum(ragged) / B:.0f})" if B > 1 else ""))
-        for name, (fn, tokens, row) in cont.items():
+        for name, (fn, tokens, nbytes) in cont.items():
             us = statistics.median(times[name])
-            gbs = 2 * tokens * G * row / (us * 1e-6) / 1e9
+            gbs = 2 * tokens * G * nbytes / (us * 1e-6) / 1e9
             row = {"B": B, "G": G, "L": L, "layout": name, "us": us, "GBps": gbs, "of_copy": gbs / rate,
                    "vs_contiguous_per_token": (us / tokens) / (base / (B * L))}
+            line = (f"  {name:<18} {us:8.1f} us  {gbs:6.0f} GB/s  {100 * gbs / rate:5.1f} %  per token x"
+                    f"{row['vs_contiguous_per_token']:.3f} of contiguous")
+            if alone.get(name) is not None:  # the kernel alone (graph replays)
+                g_us = alone[name]
+                g_gbs = 2 * tokens * G * nbytes / (g_us * 1e-6) / 1e9
+                row.update(graph_us=g_us, graph_GBps=g_gbs, graph_of_copy=g_gbs / rate,
+                           graph_vs_contiguous_per_token=(g_us / tokens) / (alone["contiguous"] / (B * L)))
+                line += (f" | graphed {g_us:7.1f} us  {100 * g_gbs / rate:5.1f} %  per token "
+                         f"x{row['graph_vs_contiguous_per_token']:.3f}")
             rows.append(row)
-            print(f"  {name:<18} {us:8.1f} us  {gbs:6.0f} GB/s  {100 * gbs / rate:5.1f} %  per token x"
-                  f"{row['vs_contiguous_per_token']:.3f} of contiguous")
+            print(line)
     steps = []
     if a.layer:
         steps = layer_steps(H, d, a.rounds, fp8=a.fp8)

@@ -195,23 +195,28 @@ def test_decode_graphs_replay_the_eager_steps():
 @pytest.mark.parametrize("g", [8, 2])
 @torch.no_grad()
 def test_paged_prefill_runs_the_fused_kernel_and_matches_torch_math(g, monkeypatch):
-    """Prefills on a paged cache through the fused forward kernel (decode.prefix_attention per
-    sequence): ragged prompts packed in one step, then chunks that continue two of them (rows
-    starting past a row tile, and not at one) beside a new prompt; the same steps in torch math
-    (decode.attend) give the same rows, and the fused kernel ran once per sequence of each step."""
+    """Prefills on a paged cache through the fused forward kernel, once reading K/V in place through
+    the block table (decode.paged_prefix_attention) and once over K/V gathered first
+    (decode.prefix_attention, paged_fits refused): ragged prompts packed in one step, then chunks that
+    continue two of them (rows starting past a row tile, and not at one) beside a new prompt. The two
+    give the same bits, the same steps in torch math (decode.attend) the same rows, and the kernel
+    ran once per sequence of each step."""
+    import tpattn.attention.fused as fz
     import tpattn.decode as dec
     from tpattn.paged import PagedKV
     torch.manual_seed(0)
     H, d = 8, 128
     D = H * d
     layer = fused_layer(H, g, d)
-    fused_calls = []
-    real = dec.prefix_attention
+    calls = {"in place": [], "gathered": []}
+    real, real_paged, real_fits = dec.prefix_attention, dec.paged_prefix_attention, fz.paged_fits
+    monkeypatch.setattr(dec, "prefix_attention", lambda *a: calls["gathered"].append(a[-1]) or real(*a))
+    monkeypatch.setattr(dec, "paged_prefix_attention", lambda *a: calls["in place"].append(a[-1]) or real_paged(*a))
     steps = [((0, 1, 2), (37, 5, 130)), ((0, 2, 3), (100, 64, 9)), ((1, 3), (300, 1))]
     outs = {}
-    for fused in (True, False):
-        monkeypatch.setattr(dec, "fused_prefix_fits", (lambda q: True) if fused else (lambda q: False))
-        monkeypatch.setattr(dec, "prefix_attention", lambda *a: fused_calls.append(a[-1]) or real(*a))
+    for way in ("in place", "gathered", "torch"):
+        monkeypatch.setattr(dec, "fused_prefix_fits", lambda q, way=way: way != "torch")
+        monkeypatch.setattr(fz, "paged_fits", lambda q, k, way=way: way == "in place" and real_fits(q, k))
         pool = PagedKV(layer, pages=128, page_size=16, max_seqs=4)
         ids = [pool.add() for _ in range(4)]
         gen = torch.Generator().manual_seed(1)
@@ -219,13 +224,50 @@ def test_paged_prefill_runs_the_fused_kernel_and_matches_torch_math(g, monkeypat
         for which, rows in steps:
             with pool.step([ids[i] for i in which], list(rows)) as st:
                 got.append(layer(torch.randn(1, sum(rows), D, generator=gen).half().cuda(), cache=st.view(0)))
-        outs[fused] = got
-        if fused:
-            assert fused_calls == [0, 0, 0, 37, 130, 0, 5, 9], fused_calls  # each sequence's L0, step by step
+        outs[way] = got
+        if way != "torch":
+            assert calls[way] == [0, 0, 0, 37, 130, 0, 5, 9], calls  # each sequence's L0, step by step
         else:
-            assert len(fused_calls) == 8, "torch math ran no fused kernel"
-    for a, b in zip(outs[True], outs[False]):
-        assert (a.float() - b.float()).abs().max().item() <= 2e-3
+            assert len(calls["in place"]) == len(calls["gathered"]) == 8, "torch math ran a fused kernel"
+    for a, b, c in zip(outs["in place"], outs["gathered"], outs["torch"]):
+        assert torch.equal(a, b)
+        assert (a.float() - c.float()).abs().max().item() <= 2e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("page", [16, 32, 128, 256])
+@pytest.mark.parametrize("h, g", [(4, 4), (8, 2)])
+@torch.no_grad()
+def test_fused_kernel_reads_pages_through_the_table(dtype, d, page, h, g):
+    """FusedBackend.forward_paged (fusedw's _pg kernels): a sequence's rows after L0 cached positions
+    over its K/V in a pool whose pages are handed out shuffled, read through its block-table row, give
+    the bits of the same kernel over the pages gathered first (prefix_attention), and float64's rows
+    within fp16's rounding: prompts shorter than a page, a key tile and a row tile, chunks starting
+    inside a page and a row tile, sequences ending inside a page (the keys past them masked)."""
+    from tpattn.attention import get_backend
+    from tpattn.decode import paged_prefix_attention, prefix_attention
+    be = get_backend("fused")
+    gen = torch.Generator(device="cuda").manual_seed(page + d + h)
+    for L0, T in ((0, 5), (0, 300), (37, 1), (128, 130), (300, 77), (1000, 1100)):
+        n = L0 + T
+        npages = -(-n // page)
+        total = npages + 3
+        pool_k, pool_v = (torch.randn(total, g, page, d, device="cuda", generator=gen).to(dtype) for _ in range(2))
+        order = torch.randperm(total, device="cuda", generator=gen).to(torch.int32)
+        table = order[:npages].contiguous()
+        q = torch.randn(1, h, T, d, device="cuda", generator=gen).to(dtype)
+        got = paged_prefix_attention(be, q, pool_k, pool_v, table, L0)
+        k, v = (t[table.long()].transpose(0, 1).reshape(1, g, -1, d)[:, :, :n] for t in (pool_k, pool_v))
+        ref = prefix_attention(be, q, k, v, L0)
+        assert torch.equal(got, ref), (L0, T)
+        kk, vv = (t.double().repeat_interleave(h // g, 1) for t in (k, v))
+        s = q.double() @ kk.transpose(-1, -2) / math.sqrt(d)
+        s = s.masked_fill(torch.arange(n, device="cuda")[None, :] > L0 + torch.arange(T, device="cuda")[:, None],
+                          float("-inf"))
+        want = (torch.softmax(s, -1) @ vv).transpose(1, 2)  # [1, T, h, d]
+        tol = 2e-3 if dtype == torch.float16 else 1.6e-2  # (P rounded to the dtype, then O once)
+        assert ((got.double() - want).abs() <= tol * (1 + want.abs())).all(), (L0, T)
 
 
 @pytest.mark.parametrize("g", [8, 2])
@@ -251,8 +293,8 @@ def test_paged_prefill_through_triton_is_one_launch_and_matches_torch_math(g, kv
 @torch.no_grad()
 def test_paged_chunked_prefill_holds_no_scores(backend):
     """A chunk of 2048 rows after 6144 in the cache (8 heads): its scores would be 512 MiB in fp32; the
-    fused path's peak beyond the pool, weights and input stays at what the K/V gather, q, o and the
-    projections need (rows x d each)."""
+    peak beyond the pool, weights and input stays at what q, o and the projections need (rows x d
+    each): K and V are read in place."""
     from tpattn.paged import PagedKV
     torch.manual_seed(0)
     H, g, d = 8, 8, 128
@@ -271,11 +313,11 @@ def test_paged_chunked_prefill_holds_no_scores(backend):
             layer(x, cache=st.view(0))
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
-    # the chunk's own tensors, fp16: K and V gathered through the table (2 x 16 MiB), the kernel's q and
-    # o buffers over the chunk's 2048 rows (2 x 4 MiB: none for the 6144 before), QKV, q and y rows
-    # (20 MiB): ~60 MiB. Its fp32 scores would be 512 MiB (attend's blocks: up to 1 GiB). Triton's
-    # paged prefill reads K/V in place: QKV, q, o and y rows only (~28 MiB)
-    assert peak < (80 if backend == "fused" else 64) * 2**20, peak / 2**20
+    # the chunk's own tensors, fp16: the kernel's q and o buffers over the chunk's 2048 rows (2 x 4 MiB:
+    # none for the 6144 before), QKV, q and y rows (20 MiB): ~28 MiB. Its fp32 scores would be 512 MiB
+    # (attend's blocks: up to 1 GiB). Both read K/V in place, through the block table (fused:
+    # FusedBackend.forward_paged; triton: its paged prefill); a gather of them would add 2 x 16 MiB
+    assert peak < 48 * 2**20, peak / 2**20
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

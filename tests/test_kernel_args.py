@@ -367,6 +367,55 @@ def test_prefill_after_a_cache_gives_the_kernel_only_its_rows(launches, monkeypa
         fused.FusedBackend().forward(qv, k, v, True, out=ov, rows=(0, N), row_base=128)
 
 
+@pytest.mark.parametrize("page,d", [(16, 128), (256, 128), (64, 64)])
+def test_prefill_reads_the_pool_through_the_block_table(launches, monkeypatch, page, d):
+    """FusedBackend.forward_paged (a prefill's rows over a paged pool, K/V read in place): fusedw's _pg
+    kernel of fused_ws_paged.cu, K and V maps over the whole pool [pages, g, page, d] with boxes of
+    min(page, 128) keys, Q and O from row r0 on as prefix_attention gives them, the sequence's table row
+    and log2 of the page size last; a table too short for the keys, or a pool it does not take, refused."""
+    from tpattn import decode
+    monkeypatch.setattr(fused, "_device_info", lambda dev: (132, (9, 0)))
+    monkeypatch.setattr(fused, "paged_fits", lambda q, k: True)
+    h, g, L0, T, pages = 8, 2, 300, 77, 40
+    N = L0 + T
+    q = torch.randn(1, h, T, d).half()
+    kp, vp = (torch.randn(pages, g, page, d).half() for _ in range(2))
+    table = torch.arange(-(-N // page), dtype=torch.int32)
+    qv, ov, o, r0 = decode.fused_prefix_buffers(q, L0, 128)
+    fused.FusedBackend().forward_paged(qv, kp, vp, table, N, ov, r0)
+    (source, name, grid, block, args), = launches
+    check_launch(source, name, grid, block, args)
+    assert (source, name, block) == (fused.WS_PAGED_SOURCE, f"fusedw_f16_d{d}_pg", (384, 1, 1))
+    assert args[0].address == qv.data_ptr() - r0 * h * d * 2 and args[0].dims == (d, N, h, 1)
+    for m, pool in ((args[1], kp), (args[2], vp)):
+        assert m.address == pool.data_ptr() and m.dims == (d, page, g, pages) and m.box == (64, min(page, 128))
+    assert int(args[3]) == ov.data_ptr() - r0 * h * d * 2
+    assert (int(args[6]), int(args[8]), int(args[9]), int(args[10]), int(args[12])) == (N, 1, r0, N, h // g)
+    assert int(args[-2]) == table.data_ptr() and 1 << int(args[-1]) == page
+    with pytest.raises(ValueError, match="not a call its kernels take"):
+        fused.FusedBackend().forward_paged(qv, kp, vp, table[:-1], N, ov, r0)
+    monkeypatch.setattr(fused, "paged_fits", lambda q, k: False)
+    with pytest.raises(ValueError, match="not a call its kernels take"):
+        fused.FusedBackend().forward_paged(qv, kp, vp, table, N, ov, r0)
+
+
+def test_paged_fits_takes_what_the_paged_kernels_read(monkeypatch):
+    """paged_fits: a GPU of compute capability 9.0, 16-bit, head dim 64 or 128, pages of a power of two of
+    at least 16 tokens; anything else goes through the gather (CPU tensors never fit)."""
+    q = torch.zeros(4, 8, 128).half()
+    assert not fused.paged_fits(q, torch.zeros(3, 2, 16, 128).half())  # on the CPU
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(fused, "_device_info", lambda dev: (132, (9, 0)))
+    assert fused.paged_fits(q, torch.zeros(3, 2, 16, 128).half())
+    assert fused.paged_fits(q, torch.zeros(3, 2, 256, 128).half())
+    for pool in (torch.zeros(3, 2, 8, 128).half(), torch.zeros(3, 2, 48, 128).half(),
+                 torch.zeros(3, 2, 16, 128).bfloat16(), torch.zeros(3, 2, 32, 128).half()[:, :, :16]):
+        assert not fused.paged_fits(q, pool), pool.shape
+    assert not fused.paged_fits(torch.zeros(4, 8, 96).half(), torch.zeros(3, 2, 16, 96).half())
+    monkeypatch.setattr(fused, "_device_info", lambda dev: (108, (8, 0)))
+    assert not fused.paged_fits(q, torch.zeros(3, 2, 16, 128).half())
+
+
 def test_tensor_map_refuses_what_tma_cannot_read():
     t = torch.zeros(1, 2, 8, 64, dtype=torch.float32)
     with pytest.raises(ValueError, match="16-bit"):

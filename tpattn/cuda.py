@@ -21,7 +21,7 @@ _modules: dict[tuple[int, str], object] = {}
 # Kernel files written for one GPU generation's own instructions: file -> (compute capability it
 # runs on, the NVRTC architecture it is compiled for). The others compile for whatever GPU runs them.
 ARCH_SPECIFIC = {"fused_hopper_attention.cu": ((9, 0), "sm_90a"), "fused_ws_attention.cu": ((9, 0), "sm_90a"),
-                 "fused_ws_dims.cu": ((9, 0), "sm_90a"),
+                 "fused_ws_dims.cu": ((9, 0), "sm_90a"), "fused_ws_paged.cu": ((9, 0), "sm_90a"),
                  "tiled_hopper_attention.cu": ((9, 0), "sm_90a"), "fused_hopper_backward.cu": ((9, 0), "sm_90a")}
 _functions: dict[tuple[int, str, str], object] = {}
 GRID_YZ_MAX = 65535

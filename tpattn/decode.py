@@ -480,6 +480,17 @@ def prefix_attention(backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return o
 
 
+def paged_prefix_attention(backend, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                           table: torch.Tensor, L0: int) -> torch.Tensor:
+    """prefix_attention's o [1, T, h, d] for one sequence whose first L0 + T positions lie in a paged
+    pool k_pool, v_pool [pages, g, page, d], its pages `table` (int32 on the device, in order): the
+    fused kernel reads them in place through the table (FusedBackend.forward_paged; nothing gathered).
+    Where fused.paged_fits(q, k_pool)."""
+    qv, ov, o, r0 = fused_prefix_buffers(q, L0, backend.row_chunks)
+    backend.forward_paged(qv, k_pool, v_pool, table, L0 + q.shape[2], ov, r0)
+    return o
+
+
 def _triton_prefix_fits(layer, q: torch.Tensor, B: int) -> bool:
     from .attention.triton_fused import paged_prefill_fits
     return not torch.compiler.is_compiling() and paged_prefill_fits(layer, q[:, :, 0], B)

@@ -334,8 +334,9 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
     QKV of the R rows, rotary positions from each row's position, K and V written into the pool's
     pages, each sequence's rows attending causally over its own positions, the output projection
     and the plan's collective of R x D values. Returns y of x's shape."""
+    from .attention.fused import paged_fits
     from .decode import (append_paged_kernel, apply_rope, attend, decode_kernel_fits, fp8_pages_fit, fused_prefix_fits,
-                         paged_decode_attention, prefix_attention, rope_tables)
+                         paged_decode_attention, paged_prefix_attention, prefix_attention, rope_tables)
     from .ops import mm
     from .outputsum import OutputSum
     from .timing import section
@@ -410,23 +411,29 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
         total.add_rows(0, R, o.view(R, h * d))
         return total.result().view(B, N, D)
     fused = layer.backend.name == "fused" and fused_prefix_fits(q) and not scales
+    in_place = fused and paged_fits(q, kp)  # the kernel reads the pages through the table: no gather
     table = step.prefill_tables()[0]  # (one copy a step, for every layer and sequence)
     one = fused and len(step.slots) == 1  # (one sequence, a chunk of a prompt: its rows are the kernel's output)
     o = None if one else torch.empty(R, h, d, dtype=layer.dtype, device=x.device)
     with section("attention"):
         for i, (T, L0) in enumerate(zip(step.rows, step.starts)):
             n = L0 + T
-            pages = table[i, :-(-n // P)]
-            # its pages gathered per K/V head in one pass each: [g, pages, P, d] seen as [1, g, n, d]
-            ks, vs = (_gather(t, pages, sc, n) for t, sc in zip((kp, vp), scales or (None, None)))
             r0 = step.cu[i]
             qs = q[r0:r0 + T].transpose(0, 1).unsqueeze(0)  # [1, h, T, d]
-            if one:  # the fused kernel's rows from position L0 on, causal: no scores in memory
-                o = prefix_attention(layer.backend, qs, ks, vs, L0)[0]  # [T, h, d], rows contiguous
-            elif fused:
-                o[r0:r0 + T] = prefix_attention(layer.backend, qs, ks, vs, L0)[0]
+            if in_place:  # the fused kernel's rows from position L0 on, causal, K/V through the table
+                oi = paged_prefix_attention(layer.backend, qs, kp, vp, table[i], L0)[0]
             else:
-                o[r0:r0 + T] = attend(qs, ks, vs, L0)[0].transpose(0, 1)
+                pages = table[i, :-(-n // P)]
+                # its pages gathered per K/V head in one pass each: [g, pages, P, d] seen as [1, g, n, d]
+                ks, vs = (_gather(t, pages, sc, n) for t, sc in zip((kp, vp), scales or (None, None)))
+                if fused:  # the fused kernel's rows from position L0 on, causal: no scores in memory
+                    oi = prefix_attention(layer.backend, qs, ks, vs, L0)[0]  # [T, h, d], rows contiguous
+                else:
+                    oi = attend(qs, ks, vs, L0)[0].transpose(0, 1)
+            if one:
+                o = oi
+            else:
+                o[r0:r0 + T] = oi
     total = OutputSum(layer, plan, x.device)
     total.add_rows(0, R, o.view(R, h * d))
     return total.result().view(B, N, D)

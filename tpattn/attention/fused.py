@@ -26,6 +26,8 @@ SOURCE = "fused_attention.cu"
 HOPPER_SOURCE = "fused_hopper_attention.cu"  # wgmma (sm_90a): runs on compute capability 9.0 only
 WS_SOURCE = "fused_ws_attention.cu"          # warp-specialized: TMA, mbarriers, wgmma (sm_90a) too
 WS_DIMS_SOURCE = "fused_ws_dims.cu"          # the same kernel at the other head dims (sm_90a)
+WS_PAGED_SOURCE = "fused_ws_paged.cu"        # the same kernel reading K/V through a block table (sm_90a)
+PAGED_HEAD_DIMS = (64, 128)                  # its head dims (fusedw_{suf}_d{d}_pg)
 BWD_SOURCE = "fused_attention_backward.cu"   # the backward (mma.sync): any compute capability >= 8.0
 HOPPER_BWD_SOURCE = "fused_hopper_backward.cu"  # the backward on wgmma (sm_90a): compute capability 9.0
 BWD_ROWS = {64: 64, 128: 32}  # query rows per step of its dK/dV kernel (the .cu file's TPB_DEFINE)
@@ -180,6 +182,53 @@ def _device_info(device) -> tuple[int, tuple[int, int]]:
     return _devices[idx]
 
 
+def paged_fits(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
+    """Whether FusedBackend.forward_paged takes q's rows over the pool k_pool [pages, g, page, d]: a GPU
+    of compute capability 9.0, fp16 or bf16, head dim 64 or 128, pages of a power of two of 16 tokens or
+    more, the pool contiguous and of q's dtype and device."""
+    page = k_pool.shape[2]
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and k_pool.dtype == q.dtype
+            and k_pool.device == q.device and q.shape[-1] in PAGED_HEAD_DIMS and k_pool.shape[-1] == q.shape[-1]
+            and page >= 16 and page & (page - 1) == 0 and k_pool.is_contiguous()
+            and _device_info(q.device)[1] == HOPPER_CC)
+
+
+def _ws_launch(ch: Choice, q, k, v, o, lse_ptr, n: int, causal: bool, r0: int, r1: int, h: int, group: int,
+               row_base: int, sms: int, kv_maps, tail: tuple = ()) -> None:
+    """Launch fusedw kernel ch over q's rows [r0, r1) of n (q and o from row row_base on): one grid
+    dimension over (query tile, head) pairs, TMA maps of Q and (kv_maps(): made on a new set of tensors
+    only) of K and V, the kernel's arguments packed once per set of tensors and options (tail: the paged
+    kernels' own). Persistent by default (grid_mode)."""
+    mode = grid_mode()
+    bh = q.shape[0] * h
+    key = (ch.name, causal, r0, r1, row_base, mode, q.device.index, tuple(q.shape), tuple(k.shape), int(lse_ptr),
+           *((t.data_ptr(), t.stride()) for t in (q, k, v, o)), tuple(int(a) for a in tail))
+    prep = _prepared.get(key)
+    if prep is None:
+        nq = _cdiv(r1 - r0, ch.rows)  # query tiles of ch.rows rows a head
+        tiles = nq * bh
+        grid = (min(tiles, GRID_X_MAX if mode == "tiles" else sms), 1, 1)
+        # causal tiles differ in work (1 to N / 128 key tiles), and so do fusedw3's without
+        # causal where a head's last 192-row tile leaves a warpgroup without rows (N = 257:
+        # 65 rows; with two tiles a head and an even grid every other block drew only those):
+        # a persistent block asks a counter for its next tile instead of taking every
+        # grid-th one. Otherwise the static order is even (the counter measured 1 % slower)
+        uneven = causal or (ch.rows == 192 and 0 < (r1 - r0) % 192 <= 128)
+        counter = _counter(q.device, sms) if uneven and mode == "sms" and tiles > grid[0] else 0
+        # causal: heads in groups of about GROUP_TILES tiles per SM, each group's longest tiles first
+        hg = min(bh, _cdiv(GROUP_TILES * sms, nq)) if causal and GROUP_TILES else 1
+        scale_log2 = np.float32(math.log2(math.e) / math.sqrt(q.shape[-1]))
+        prep = Prepared(ch.source, ch.name, q.device, grid, (ch.threads, 1, 1),
+                        (TensorMap(q, box=(64, ch.rows), rows_before=row_base), *kv_maps(), ptr(o, row_base), lse_ptr,
+                         np.int32(bh), np.int32(n), scale_log2, np.int32(causal), np.int32(r0), np.int32(r1), np.int32(h),
+                         np.int32(group), np.int64(o.stride(0)), np.int64(o.stride(1)),
+                         np.int32(o.stride(2)), np.int32(hg), np.uint64(counter), *tail), shared_mem=ch.shared)
+        if len(_prepared) >= 64:
+            _prepared.clear()
+        _prepared[key] = prep
+    prep()
+
+
 def _rows_aligned(*ts) -> bool:
     """Each head's rows are contiguous and every row starts on 16 bytes (the kernels' cp.async), and no
     dimension of more than one element is broadcast (a stride of 0: a TMA map steps by 16 bytes or more)."""
@@ -249,33 +298,8 @@ class FusedBackend(CudaBackend):
         t0, t1 = r0 // ch.rows, _cdiv(r1, ch.rows)
         with section("fused"):
             if ch.source in (WS_SOURCE, WS_DIMS_SOURCE):  # one grid dimension over (query tile, head) pairs; TMA maps of Q, K, V
-                mode = grid_mode()
-                key = (ch.name, causal, r0, r1, row_base, mode, q.device.index, tuple(q.shape), tuple(k.shape), int(lse_ptr),
-                       *((t.data_ptr(), t.stride()) for t in (q, k, v, o)))
-                prep = _prepared.get(key)
-                if prep is None:
-                    nq = _cdiv(r1 - r0, ch.rows)  # query tiles of ch.rows rows a head
-                    tiles = nq * bh
-                    grid = (min(tiles, GRID_X_MAX if mode == "tiles" else sms), 1, 1)
-                    # causal tiles differ in work (1 to N / 128 key tiles), and so do fusedw3's without
-                    # causal where a head's last 192-row tile leaves a warpgroup without rows (N = 257:
-                    # 65 rows; with two tiles a head and an even grid every other block drew only those):
-                    # a persistent block asks a counter for its next tile instead of taking every
-                    # grid-th one. Otherwise the static order is even (the counter measured 1 % slower)
-                    uneven = causal or (ch.rows == 192 and 0 < (r1 - r0) % 192 <= 128)
-                    counter = _counter(q.device, sms) if uneven and mode == "sms" and tiles > grid[0] else 0
-                    # causal: heads in groups of about GROUP_TILES tiles per SM, each group's longest tiles first
-                    hg = min(bh, _cdiv(GROUP_TILES * sms, nq)) if causal and GROUP_TILES else 1
-                    prep = Prepared(ch.source, ch.name, q.device, grid, (ch.threads, 1, 1),
-                                    (TensorMap(q, box=(64, ch.rows), rows_before=row_base), TensorMap(k, box=(64, ch.keys)),
-                                     TensorMap(v, box=(64, ch.keys)), ptr(o, row_base), lse_ptr,
-                                     np.int32(bh), np.int32(n), scale_log2, np.int32(causal), np.int32(r0), np.int32(r1), np.int32(h),
-                                     np.int32(group), np.int64(o.stride(0)), np.int64(o.stride(1)),
-                                     np.int32(o.stride(2)), np.int32(hg), np.uint64(counter)), shared_mem=ch.shared)
-                    if len(_prepared) >= 64:
-                        _prepared.clear()
-                    _prepared[key] = prep
-                prep()
+                _ws_launch(ch, q, k, v, o, lse_ptr, n, causal, r0, r1, h, group, row_base, sms,
+                           lambda: (TensorMap(k, box=(64, ch.keys)), TensorMap(v, box=(64, ch.keys))))
                 return o
             grid = (min(t1 - t0, GRID_X_MAX), min(bh, GRID_YZ_MAX), 1)
             launch(ch.source, ch.name, q.device, grid, (ch.threads, 1, 1),
@@ -289,6 +313,31 @@ class FusedBackend(CudaBackend):
         return o
 
     # ---- the backward (kernels/fused_attention_backward.cu; the math: tpattn/attention/autograd.py) ----
+
+    def forward_paged(self, q, k_pool, v_pool, table: torch.Tensor, n: int, out, row_base: int) -> None:
+        """A prefill's query rows [row_base, n) of one sequence of n keys, causal, into out: q and out
+        [1, h, n - row_base, d] (rows laid out as fused_prefix_buffers makes them; row_base a multiple
+        of row_chunks), K and V read in place from the pool k_pool, v_pool [pages, g, page, d] through
+        the sequence's block-table row `table` (int32 page ids on the device, at least ceil(n / page)),
+        nothing gathered: fusedw's paged kernels (fused_ws_paged.cu). paged_fits() says where they run."""
+        _, h, rows, d = q.shape
+        g, page = k_pool.shape[1], k_pool.shape[2]
+        if not (paged_fits(q, k_pool) and v_pool.shape == k_pool.shape and v_pool.stride() == k_pool.stride()
+                and table.dtype == torch.int32 and table.is_contiguous() and table.numel() * page >= n
+                and out.shape == q.shape and rows == n - row_base and row_base % self.row_chunks == 0 and h % g == 0):
+            raise ValueError(f"forward_paged: q {tuple(q.shape)} (rows from {row_base} of {n}), pools "
+                             f"{tuple(k_pool.shape)}, {tuple(v_pool.shape)}, table {tuple(table.shape)} {table.dtype}: "
+                             "not a call its kernels take (paged_fits)")
+        sms, _ = _device_info(q.device)
+        suf = self.kernel_suffix(q)
+        # fusedw's tiles (the .cu file's stage tables at d = 64 and 128), whatever TPATTN_FUSED_CFG says
+        ch = Choice(WS_PAGED_SOURCE, f"fusedw_{suf}_d{d}_pg", 384, 128,
+                    (WS_Q_STAGES[d] * 128 + 2 * WS_KV_STAGES[d] * WS_KEY_TILE[d]) * d * 2 + 1024 + 256, WS_KEY_TILE[d])
+        box = (64, min(page, ch.keys))
+        with section("fused"):
+            _ws_launch(ch, q, k_pool, v_pool, out, np.uint64(0), n, True, row_base, n, h, h // g, row_base, sms,
+                       lambda: (TensorMap(k_pool, box=box), TensorMap(v_pool, box=box)),
+                       tail=(ptr(table), np.int32(page.bit_length() - 1)))
 
     def forward_for_backward(self, q, k, v, causal: bool, out=None):
         """(o, L): the forward, also writing each row's logsumexp L (fp32 [B, h, N]), all the
