@@ -240,11 +240,12 @@ def test_paged_prefill_runs_the_fused_kernel_and_matches_torch_math(g, monkeypat
 @pytest.mark.parametrize("h, g", [(4, 4), (8, 2)])
 @torch.no_grad()
 def test_fused_kernel_reads_pages_through_the_table(dtype, d, page, h, g):
-    """FusedBackend.forward_paged (fusedw's _pg kernels): a sequence's rows after L0 cached positions
-    over its K/V in a pool whose pages are handed out shuffled, read through its block-table row, give
-    the bits of the same kernel over the pages gathered first (prefix_attention), and float64's rows
-    within fp16's rounding: prompts shorter than a page, a key tile and a row tile, chunks starting
-    inside a page and a row tile, sequences ending inside a page (the keys past them masked)."""
+    """decode.paged_prefix_attention (fusedw's _pg kernels): a sequence's rows after L0 cached positions,
+    read in place, over its K/V in a pool whose pages are handed out shuffled, read through its
+    block-table row, give the bits of the same kernel over the pages gathered first (prefix_attention,
+    row tiles from L0 rounded down to 128), and float64's rows within fp16's rounding: prompts shorter
+    than a page, a key tile and a row tile, chunks starting inside a page and a row tile, sequences
+    ending inside a page (the keys past them masked)."""
     from tpattn.attention import get_backend
     from tpattn.decode import paged_prefix_attention, prefix_attention
     be = get_backend("fused")
@@ -256,10 +257,11 @@ def test_fused_kernel_reads_pages_through_the_table(dtype, d, page, h, g):
         pool_k, pool_v = (torch.randn(total, g, page, d, device="cuda", generator=gen).to(dtype) for _ in range(2))
         order = torch.randperm(total, device="cuda", generator=gen).to(torch.int32)
         table = order[:npages].contiguous()
-        q = torch.randn(1, h, T, d, device="cuda", generator=gen).to(dtype)
-        got = paged_prefix_attention(be, q, pool_k, pool_v, table, L0)
+        rows = torch.randn(T, h, d, device="cuda", generator=gen).to(dtype)  # a step's rows [T, h, d]
+        got = paged_prefix_attention(be, rows, pool_k, pool_v, table, L0).unsqueeze(0)  # [1, T, h, d]
+        q = rows.transpose(0, 1).unsqueeze(0)
         k, v = (t[table.long()].transpose(0, 1).reshape(1, g, -1, d)[:, :, :n] for t in (pool_k, pool_v))
-        ref = prefix_attention(be, q, k, v, L0)
+        ref = prefix_attention(be, q, k, v, L0)  # (row tiles from L0 rounded down to 128: the same bits)
         assert torch.equal(got, ref), (L0, T)
         kk, vv = (t.double().repeat_interleave(h // g, 1) for t in (k, v))
         s = q.double() @ kk.transpose(-1, -2) / math.sqrt(d)

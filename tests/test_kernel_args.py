@@ -369,34 +369,41 @@ def test_prefill_after_a_cache_gives_the_kernel_only_its_rows(launches, monkeypa
 
 @pytest.mark.parametrize("page,d", [(16, 128), (256, 128), (64, 64)])
 def test_prefill_reads_the_pool_through_the_block_table(launches, monkeypatch, page, d):
-    """FusedBackend.forward_paged (a prefill's rows over a paged pool, K/V read in place): fusedw's _pg
-    kernel of fused_ws_paged.cu, K and V maps over the whole pool [pages, g, page, d] with boxes of
-    min(page, 128) keys, Q and O from row r0 on as prefix_attention gives them, the sequence's table row
-    and log2 of the page size last; a table too short for the keys, or a pool it does not take, refused."""
+    """decode.paged_prefix_attention (a prefill's rows over a paged pool, K/V read in place): fusedw's _pg
+    kernel of fused_ws_paged.cu; Q's map over the step's own rows [T, h, d] seen heads first, from row
+    L0 on (no buffer of the rows before, row tiles from L0), O's pointer the same; K and V maps over the
+    whole pool [pages, g, page, d] with boxes of min(page, 128) keys; the sequence's table row and log2 of
+    the page size last. A table too short for the keys, or a pool it does not take, refused."""
     from tpattn import decode
     monkeypatch.setattr(fused, "_device_info", lambda dev: (132, (9, 0)))
     monkeypatch.setattr(fused, "paged_fits", lambda q, k: True)
     h, g, L0, T, pages = 8, 2, 300, 77, 40
     N = L0 + T
-    q = torch.randn(1, h, T, d).half()
+    rows = torch.randn(T + 5, h, d).half()  # a step's rows: this sequence's are 5 ..
+    q = rows[5:]
     kp, vp = (torch.randn(pages, g, page, d).half() for _ in range(2))
     table = torch.arange(-(-N // page), dtype=torch.int32)
-    qv, ov, o, r0 = decode.fused_prefix_buffers(q, L0, 128)
-    fused.FusedBackend().forward_paged(qv, kp, vp, table, N, ov, r0)
+    out = torch.empty(T + 9, h, d).half()
+    be = fused.FusedBackend()
+    o = decode.paged_prefix_attention(be, q, kp, vp, table, L0, out=out[9:])
+    assert o.data_ptr() == out[9:].data_ptr()
     (source, name, grid, block, args), = launches
     check_launch(source, name, grid, block, args)
     assert (source, name, block) == (fused.WS_PAGED_SOURCE, f"fusedw_f16_d{d}_pg", (384, 1, 1))
-    assert args[0].address == qv.data_ptr() - r0 * h * d * 2 and args[0].dims == (d, N, h, 1)
+    row = h * d * 2  # bytes between a head's rows
+    assert args[0].address == q.data_ptr() - L0 * row and args[0].dims == (d, N, h, 1)
+    assert args[0].strides[:2] == (row, d * 2)
     for m, pool in ((args[1], kp), (args[2], vp)):
         assert m.address == pool.data_ptr() and m.dims == (d, page, g, pages) and m.box == (64, min(page, 128))
-    assert int(args[3]) == ov.data_ptr() - r0 * h * d * 2
-    assert (int(args[6]), int(args[8]), int(args[9]), int(args[10]), int(args[12])) == (N, 1, r0, N, h // g)
+    assert int(args[3]) == out[9:].data_ptr() - L0 * row and int(args[-5]) == row // 2  # o's row stride
+    assert (int(args[6]), int(args[8]), int(args[9]), int(args[10]), int(args[12])) == (N, 1, L0, N, h // g)
     assert int(args[-2]) == table.data_ptr() and 1 << int(args[-1]) == page
+    assert grid == (min(132, -(-T // 128) * h), 1, 1)  # row tiles from L0: ceil(T / 128) a head
     with pytest.raises(ValueError, match="not a call its kernels take"):
-        fused.FusedBackend().forward_paged(qv, kp, vp, table[:-1], N, ov, r0)
+        decode.paged_prefix_attention(be, q, kp, vp, table[:-1], L0)
     monkeypatch.setattr(fused, "paged_fits", lambda q, k: False)
     with pytest.raises(ValueError, match="not a call its kernels take"):
-        fused.FusedBackend().forward_paged(qv, kp, vp, table, N, ov, r0)
+        decode.paged_prefix_attention(be, q, kp, vp, table, L0)
 
 
 def test_paged_fits_takes_what_the_paged_kernels_read(monkeypatch):

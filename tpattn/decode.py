@@ -481,13 +481,15 @@ def prefix_attention(backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def paged_prefix_attention(backend, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                           table: torch.Tensor, L0: int) -> torch.Tensor:
-    """prefix_attention's o [1, T, h, d] for one sequence whose first L0 + T positions lie in a paged
-    pool k_pool, v_pool [pages, g, page, d], its pages `table` (int32 on the device, in order): the
-    fused kernel reads them in place through the table (FusedBackend.forward_paged; nothing gathered).
-    Where fused.paged_fits(q, k_pool)."""
-    qv, ov, o, r0 = fused_prefix_buffers(q, L0, backend.row_chunks)
-    backend.forward_paged(qv, k_pool, v_pool, table, L0 + q.shape[2], ov, r0)
+                           table: torch.Tensor, L0: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """o [T, h, d] of one sequence's T query rows q [T, h, d] at positions L0.. (rows of a projection,
+    contiguous), causal over its first L0 + T positions in a paged pool k_pool, v_pool [pages, g, page,
+    d], its pages `table` (int32 on the device, in order): the fused kernel reads q in place and K/V
+    through the table (FusedBackend.forward_paged): nothing gathered, no buffer of the rows before L0,
+    no scores. out: where o goes ([T, h, d], e.g. a step's rows of a larger output). Where
+    fused.paged_fits(q, k_pool)."""
+    o = torch.empty_like(q) if out is None else out
+    backend.forward_paged(q.transpose(0, 1).unsqueeze(0), k_pool, v_pool, table, L0, o.transpose(0, 1).unsqueeze(0))
     return o
 
 

@@ -419,17 +419,19 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
         for i, (T, L0) in enumerate(zip(step.rows, step.starts)):
             n = L0 + T
             r0 = step.cu[i]
+            if in_place:  # the fused kernel reads q's rows and K/V (through the table) in place, writes o's
+                oi = paged_prefix_attention(layer.backend, q[r0:r0 + T], kp, vp, table[i], L0,
+                                            out=None if one else o[r0:r0 + T])
+                o = oi if one else o
+                continue
             qs = q[r0:r0 + T].transpose(0, 1).unsqueeze(0)  # [1, h, T, d]
-            if in_place:  # the fused kernel's rows from position L0 on, causal, K/V through the table
-                oi = paged_prefix_attention(layer.backend, qs, kp, vp, table[i], L0)[0]
+            pages = table[i, :-(-n // P)]
+            # its pages gathered per K/V head in one pass each: [g, pages, P, d] seen as [1, g, n, d]
+            ks, vs = (_gather(t, pages, sc, n) for t, sc in zip((kp, vp), scales or (None, None)))
+            if fused:  # the fused kernel's rows from position L0 on, causal: no scores in memory
+                oi = prefix_attention(layer.backend, qs, ks, vs, L0)[0]  # [T, h, d], rows contiguous
             else:
-                pages = table[i, :-(-n // P)]
-                # its pages gathered per K/V head in one pass each: [g, pages, P, d] seen as [1, g, n, d]
-                ks, vs = (_gather(t, pages, sc, n) for t, sc in zip((kp, vp), scales or (None, None)))
-                if fused:  # the fused kernel's rows from position L0 on, causal: no scores in memory
-                    oi = prefix_attention(layer.backend, qs, ks, vs, L0)[0]  # [T, h, d], rows contiguous
-                else:
-                    oi = attend(qs, ks, vs, L0)[0].transpose(0, 1)
+                oi = attend(qs, ks, vs, L0)[0].transpose(0, 1)
             if one:
                 o = oi
             else:

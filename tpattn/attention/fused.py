@@ -314,20 +314,24 @@ class FusedBackend(CudaBackend):
 
     # ---- the backward (kernels/fused_attention_backward.cu; the math: tpattn/attention/autograd.py) ----
 
-    def forward_paged(self, q, k_pool, v_pool, table: torch.Tensor, n: int, out, row_base: int) -> None:
-        """A prefill's query rows [row_base, n) of one sequence of n keys, causal, into out: q and out
-        [1, h, n - row_base, d] (rows laid out as fused_prefix_buffers makes them; row_base a multiple
-        of row_chunks), K and V read in place from the pool k_pool, v_pool [pages, g, page, d] through
-        the sequence's block-table row `table` (int32 page ids on the device, at least ceil(n / page)),
-        nothing gathered: fusedw's paged kernels (fused_ws_paged.cu). paged_fits() says where they run."""
-        _, h, rows, d = q.shape
+    def forward_paged(self, q, k_pool, v_pool, table: torch.Tensor, L0: int, out) -> None:
+        """A prefill's T query rows at positions L0 .. L0 + T - 1 of one sequence, causal over its first
+        L0 + T keys, into out: q and out [1, h, T, d] (any layout with contiguous, 16-byte aligned rows:
+        the [T, h, d] rows of a projection seen heads first), K and V read in place from the pool k_pool,
+        v_pool [pages, g, page, d] through the sequence's block-table row `table` (int32 page ids on the
+        device, at least ceil((L0 + T) / page)): fusedw's paged kernels (fused_ws_paged.cu), nothing
+        gathered, no buffer of the rows before L0 (the kernel's row tiles start at L0, which need not be
+        a multiple of 128). paged_fits() says where they run."""
+        _, h, T, d = q.shape
         g, page = k_pool.shape[1], k_pool.shape[2]
+        n = L0 + T
         if not (paged_fits(q, k_pool) and v_pool.shape == k_pool.shape and v_pool.stride() == k_pool.stride()
                 and table.dtype == torch.int32 and table.is_contiguous() and table.numel() * page >= n
-                and out.shape == q.shape and rows == n - row_base and row_base % self.row_chunks == 0 and h % g == 0):
-            raise ValueError(f"forward_paged: q {tuple(q.shape)} (rows from {row_base} of {n}), pools "
-                             f"{tuple(k_pool.shape)}, {tuple(v_pool.shape)}, table {tuple(table.shape)} {table.dtype}: "
-                             "not a call its kernels take (paged_fits)")
+                and out.shape == q.shape and out.dtype == q.dtype and _rows_aligned(q, out) and h % g == 0
+                and T > 0 and L0 >= 0):
+            raise ValueError(f"forward_paged: q {tuple(q.shape)} at rows {L0}.., pools {tuple(k_pool.shape)}, "
+                             f"{tuple(v_pool.shape)}, table {tuple(table.shape)} {table.dtype}: not a call its "
+                             "kernels take (paged_fits)")
         sms, _ = _device_info(q.device)
         suf = self.kernel_suffix(q)
         # fusedw's tiles (the .cu file's stage tables at d = 64 and 128), whatever TPATTN_FUSED_CFG says
@@ -335,7 +339,7 @@ class FusedBackend(CudaBackend):
                     (WS_Q_STAGES[d] * 128 + 2 * WS_KV_STAGES[d] * WS_KEY_TILE[d]) * d * 2 + 1024 + 256, WS_KEY_TILE[d])
         box = (64, min(page, ch.keys))
         with section("fused"):
-            _ws_launch(ch, q, k_pool, v_pool, out, np.uint64(0), n, True, row_base, n, h, h // g, row_base, sms,
+            _ws_launch(ch, q, k_pool, v_pool, out, np.uint64(0), n, True, L0, n, h, h // g, L0, sms,
                        lambda: (TensorMap(k_pool, box=box), TensorMap(v_pool, box=box)),
                        tail=(ptr(table), np.int32(page.bit_length() - 1)))
 
