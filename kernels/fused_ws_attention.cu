@@ -174,14 +174,15 @@ __device__ __forceinline__ tw_tile tw_tile_of(long long t, int nq, int row_begin
     }
 
 // PG (fused_ws_paged.cu): K and V are read through a block table, not from [B, G, N, D] tensors (see the
-// paged kernels' comment at the end of the file); table and pshift are that table and log2 of the page size
+// paged kernels' comment at the end of the file); table and pshift are that table and log2 of the page size.
+// qoff: Q's map and O hold the rows from qoff on (row r at their row r - qoff)
 template <int D, bool BF16, int NC, int DS = D, bool PG = false>
 __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, const tw_tmap *vm,
                                          tc_u16 *__restrict__ O, float *__restrict__ Lse, int BH, int N,
                                          float scale_log2, int causal,
                                          int row_begin, int row_end, int H, int group, long long o_sb, long long o_sh,
                                          int o_ld, int hg, int *__restrict__ sched,
-                                         const int *__restrict__ table = nullptr, int pshift = 0) {
+                                         const int *__restrict__ table = nullptr, int pshift = 0, int qoff = 0) {
     // key tiles of BC keys: 128, or 64 above D = 128 (S and P of 64 keys beside a 64 x D accumulator)
     constexpr int BR = 64 * NC, BC = D > 128 ? 64 : 128, PANELS = D / 64;
     // Q stages: two, one at D = 256; K/V stages: two, four at D = 64. Shared memory: 2 Q + 4 K/V tiles of
@@ -275,7 +276,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 if constexpr (!EARLY) coords(t);
 #pragma unroll
                 for (int p = 0; p < PANELS; ++p)
-                    tw_tma(sQ + qs * QB + p * BR * 128, qm, 64 * p, q0, hh, b, q_full(qs));
+                    tw_tma(sQ + qs * QB + p * BR * 128, qm, 64 * p, q0 - qoff, hh, b, q_full(qs));
                 const int nk = n_kt, bb = b, hv = hk;  // this tile's, while coords() moves on to the next
                 // key tile j of K or V into the stage at dst. PG: in boxes of PB = min(page, BC) keys, each
                 // from its page table[key / page] at offset key % page (the map is over the pool
@@ -330,7 +331,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 }
                 const tw_tile x = tw_tile_of<BR, BC>(t, nq, row_begin, row_end, N, causal, BH, hg);
                 const int b = x.bh / H, hh = x.bh - b * H, rows = min(BR, row_end - x.q0);
-                tc_u16 *Oh = O + b * o_sb + hh * o_sh + (long long)x.q0 * o_ld;
+                tc_u16 *Oh = O + b * o_sb + hh * o_sh + (long long)(x.q0 - qoff) * o_ld;
                 const tc_u32 sQs = sQ + qs * QB;
                 tw_bar_wait(o_full(qs), q_parity(n));
                 for (int e = tid - 32; e < rows * CHS; e += 96) {
@@ -558,21 +559,24 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                                   group, o_sb, o_sh, o_ld, hg, sched);                                   \
     }
 #define TW_DEFINE(NAME, SUF, BF16, D, NC) TW_DEFINE_DS(NAME, SUF, BF16, D, NC, D)
-// fused_ws_paged.cu: a prefill's rows over a sequence's K and V in a paged pool (tpattn/paged.py), read
-// in place through its block table. km and vm are maps over the pool [pages, G, page, D] (dimensions
-// (D, page, G, pages), a box of 64 columns x min(page, 128) rows); table: the sequence's row of the
-// block table (int32 page ids, at least ceil(N / page) of them); pshift: log2 of the page size (pages
-// of 16 tokens or more, a power of two). One sequence a launch (BH = its query heads; batch 1)
+// fused_ws_paged.cu: a prefill's T rows of one sequence over its K and V in a paged pool (tpattn/paged.py),
+// read in place through its block table. The sequence's length before the step, L0, is read from device
+// memory (*start), so that one CUDA graph of a chunk's step serves every chunk of T rows: the rows are
+// positions L0 .. L0 + T - 1, causal over keys 0 .. L0 + T - 1, in row tiles from L0 (any L0). qm: a map over
+// the T rows (row 0: position L0), O the same rows; km and vm: maps over the pool [pages, G, page, D]
+// (dimensions (D, page, G, pages), a box of 64 columns x min(page, 128) rows); table: the sequence's row of
+// the block table (int32 page ids, at least ceil((L0 + T) / page) of them); pshift: log2 of the page size
+// (pages of 16 tokens or more, a power of two). One sequence a launch (BH = its query heads; batch 1)
 #define TW_DEFINE_PG(NAME, SUF, BF16, D, NC)                                                              \
     extern "C" __global__ void __launch_bounds__(128 + 128 * NC, 1)                                     \
         NAME##_##SUF##_d##D##_pg(const __grid_constant__ tw_tmap qm, const __grid_constant__ tw_tmap km, \
-                                 const __grid_constant__ tw_tmap vm, tc_u16 *__restrict__ O,             \
-                                 float *__restrict__ Lse, int BH, int N, float scale_log2, int causal,   \
-                                 int row_begin, int row_end, int H, int group, long long o_sb,           \
-                                 long long o_sh, int o_ld, int hg, int *__restrict__ sched,              \
-                                 const int *__restrict__ table, int pshift) {                            \
-        tw_fused<D, BF16, NC, D, true>(&qm, &km, &vm, O, Lse, BH, N, scale_log2, causal, row_begin, row_end, \
-                                       H, group, o_sb, o_sh, o_ld, hg, sched, table, pshift);           \
+                                 const __grid_constant__ tw_tmap vm, tc_u16 *__restrict__ O, int BH,     \
+                                 int T, float scale_log2, int H, int group, long long o_sb, long long o_sh, \
+                                 int o_ld, int hg, int *__restrict__ sched, const int *__restrict__ table, \
+                                 const int *__restrict__ start, int pshift) {                            \
+        const int L0 = __ldg(start);                                                                     \
+        tw_fused<D, BF16, NC, D, true>(&qm, &km, &vm, O, nullptr, BH, L0 + T, scale_log2, 1, L0, L0 + T, H, \
+                                       group, o_sb, o_sh, o_ld, hg, sched, table, pshift, L0);          \
     }
 #if defined(TW_PAGED)
 TW_DEFINE_PG(fusedw, f16, false, 64, 2)

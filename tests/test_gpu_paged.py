@@ -258,7 +258,8 @@ def test_fused_kernel_reads_pages_through_the_table(dtype, d, page, h, g):
         order = torch.randperm(total, device="cuda", generator=gen).to(torch.int32)
         table = order[:npages].contiguous()
         rows = torch.randn(T, h, d, device="cuda", generator=gen).to(dtype)  # a step's rows [T, h, d]
-        got = paged_prefix_attention(be, rows, pool_k, pool_v, table, L0).unsqueeze(0)  # [1, T, h, d]
+        start = torch.tensor([L0], dtype=torch.int32, device="cuda")
+        got = paged_prefix_attention(be, rows, pool_k, pool_v, table, start, L0).unsqueeze(0)  # [1, T, h, d]
         q = rows.transpose(0, 1).unsqueeze(0)
         k, v = (t[table.long()].transpose(0, 1).reshape(1, g, -1, d)[:, :, :n] for t in (pool_k, pool_v))
         ref = prefix_attention(be, q, k, v, L0)  # (row tiles from L0 rounded down to 128: the same bits)

@@ -370,10 +370,11 @@ def test_prefill_after_a_cache_gives_the_kernel_only_its_rows(launches, monkeypa
 @pytest.mark.parametrize("page,d", [(16, 128), (256, 128), (64, 64)])
 def test_prefill_reads_the_pool_through_the_block_table(launches, monkeypatch, page, d):
     """decode.paged_prefix_attention (a prefill's rows over a paged pool, K/V read in place): fusedw's _pg
-    kernel of fused_ws_paged.cu; Q's map over the step's own rows [T, h, d] seen heads first, from row
-    L0 on (no buffer of the rows before, row tiles from L0), O's pointer the same; K and V maps over the
-    whole pool [pages, g, page, d] with boxes of min(page, 128) keys; the sequence's table row and log2 of
-    the page size last. A table too short for the keys, or a pool it does not take, refused."""
+    kernel of fused_ws_paged.cu; Q's map over the step's own T rows [T, h, d] seen heads first (row 0:
+    position L0, which the kernel reads on the device), O's pointer the same; K and V maps over the whole
+    pool [pages, g, page, d] with boxes of min(page, 128) keys; the sequence's table row, L0's address and
+    log2 of the page size last. The launch is packed once for a set of tensors whatever L0 holds; a table
+    too short for the keys, or a pool it does not take, refused."""
     from tpattn import decode
     monkeypatch.setattr(fused, "_device_info", lambda dev: (132, (9, 0)))
     monkeypatch.setattr(fused, "paged_fits", lambda q, k: True)
@@ -383,27 +384,30 @@ def test_prefill_reads_the_pool_through_the_block_table(launches, monkeypatch, p
     q = rows[5:]
     kp, vp = (torch.randn(pages, g, page, d).half() for _ in range(2))
     table = torch.arange(-(-N // page), dtype=torch.int32)
+    start = torch.tensor([7, L0], dtype=torch.int32)[1:]
     out = torch.empty(T + 9, h, d).half()
     be = fused.FusedBackend()
-    o = decode.paged_prefix_attention(be, q, kp, vp, table, L0, out=out[9:])
+    o = decode.paged_prefix_attention(be, q, kp, vp, table, start, L0, out=out[9:])
     assert o.data_ptr() == out[9:].data_ptr()
     (source, name, grid, block, args), = launches
     check_launch(source, name, grid, block, args)
     assert (source, name, block) == (fused.WS_PAGED_SOURCE, f"fusedw_f16_d{d}_pg", (384, 1, 1))
     row = h * d * 2  # bytes between a head's rows
-    assert args[0].address == q.data_ptr() - L0 * row and args[0].dims == (d, N, h, 1)
-    assert args[0].strides[:2] == (row, d * 2)
+    assert args[0].address == q.data_ptr() and args[0].dims == (d, T, h, 1) and args[0].strides[:2] == (row, d * 2)
     for m, pool in ((args[1], kp), (args[2], vp)):
         assert m.address == pool.data_ptr() and m.dims == (d, page, g, pages) and m.box == (64, min(page, 128))
-    assert int(args[3]) == out[9:].data_ptr() - L0 * row and int(args[-5]) == row // 2  # o's row stride
-    assert (int(args[6]), int(args[8]), int(args[9]), int(args[10]), int(args[12])) == (N, 1, L0, N, h // g)
-    assert int(args[-2]) == table.data_ptr() and 1 << int(args[-1]) == page
+    assert int(args[3]) == out[9:].data_ptr() and int(args[-6]) == row // 2  # o's rows, and their stride
+    assert (int(args[4]), int(args[5]), int(args[7]), int(args[8])) == (h, T, h, h // g)
+    assert (int(args[-3]), int(args[-2])) == (table.data_ptr(), start.data_ptr()) and 1 << int(args[-1]) == page
     assert grid == (min(132, -(-T // 128) * h), 1, 1)  # row tiles from L0: ceil(T / 128) a head
+    start[0] = 900  # (another chunk's L0, the same tensors: the packed launch serves it)
+    decode.paged_prefix_attention(be, q, kp, vp, table, start, out=out[9:])
+    assert len(launches) == 1
     with pytest.raises(ValueError, match="not a call its kernels take"):
-        decode.paged_prefix_attention(be, q, kp, vp, table[:-1], L0)
+        decode.paged_prefix_attention(be, q, kp, vp, table[:-1], start, L0)
     monkeypatch.setattr(fused, "paged_fits", lambda q, k: False)
     with pytest.raises(ValueError, match="not a call its kernels take"):
-        decode.paged_prefix_attention(be, q, kp, vp, table, L0)
+        decode.paged_prefix_attention(be, q, kp, vp, table, start, L0)
 
 
 def test_paged_fits_takes_what_the_paged_kernels_read(monkeypatch):

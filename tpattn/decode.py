@@ -481,15 +481,18 @@ def prefix_attention(backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def paged_prefix_attention(backend, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                           table: torch.Tensor, L0: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """o [T, h, d] of one sequence's T query rows q [T, h, d] at positions L0.. (rows of a projection,
-    contiguous), causal over its first L0 + T positions in a paged pool k_pool, v_pool [pages, g, page,
-    d], its pages `table` (int32 on the device, in order): the fused kernel reads q in place and K/V
+                           table: torch.Tensor, start: torch.Tensor, L0: int | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """o [T, h, d] of one sequence's T query rows q [T, h, d] (rows of a projection, contiguous) at
+    positions L0.., causal over its first L0 + T positions in a paged pool k_pool, v_pool [pages, g,
+    page, d], its pages `table` (int32 on the device, in order); L0 is read on the device from `start`
+    (int32; L0: the host's copy, if any, for the checks): the fused kernel reads q in place and K/V
     through the table (FusedBackend.forward_paged): nothing gathered, no buffer of the rows before L0,
     no scores. out: where o goes ([T, h, d], e.g. a step's rows of a larger output). Where
     fused.paged_fits(q, k_pool)."""
     o = torch.empty_like(q) if out is None else out
-    backend.forward_paged(q.transpose(0, 1).unsqueeze(0), k_pool, v_pool, table, L0, o.transpose(0, 1).unsqueeze(0))
+    backend.forward_paged(q.transpose(0, 1).unsqueeze(0), k_pool, v_pool, table, start,
+                          o.transpose(0, 1).unsqueeze(0), L0)
     return o
 
 

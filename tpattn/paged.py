@@ -412,7 +412,7 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
         return total.result().view(B, N, D)
     fused = layer.backend.name == "fused" and fused_prefix_fits(q) and not scales
     in_place = fused and paged_fits(q, kp)  # the kernel reads the pages through the table: no gather
-    table = step.prefill_tables()[0]  # (one copy a step, for every layer and sequence)
+    table, _, starts = step.prefill_tables()  # (one copy a step, for every layer and sequence)
     one = fused and len(step.slots) == 1  # (one sequence, a chunk of a prompt: its rows are the kernel's output)
     o = None if one else torch.empty(R, h, d, dtype=layer.dtype, device=x.device)
     with section("attention"):
@@ -420,7 +420,7 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
             n = L0 + T
             r0 = step.cu[i]
             if in_place:  # the fused kernel reads q's rows and K/V (through the table) in place, writes o's
-                oi = paged_prefix_attention(layer.backend, q[r0:r0 + T], kp, vp, table[i], L0,
+                oi = paged_prefix_attention(layer.backend, q[r0:r0 + T], kp, vp, table[i], starts[i:i + 1], L0,
                                             out=None if one else o[r0:r0 + T])
                 o = oi if one else o
                 continue

@@ -194,15 +194,16 @@ def paged_fits(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
 
 
 def _ws_launch(ch: Choice, q, k, v, o, lse_ptr, n: int, causal: bool, r0: int, r1: int, h: int, group: int,
-               row_base: int, sms: int, kv_maps, tail: tuple = ()) -> None:
+               row_base: int, sms: int, kv_maps, paged: tuple | None = None) -> None:
     """Launch fusedw kernel ch over q's rows [r0, r1) of n (q and o from row row_base on): one grid
     dimension over (query tile, head) pairs, TMA maps of Q and (kv_maps(): made on a new set of tensors
-    only) of K and V, the kernel's arguments packed once per set of tensors and options (tail: the paged
-    kernels' own). Persistent by default (grid_mode)."""
+    only) of K and V, the kernel's arguments packed once per set of tensors and options. Persistent by
+    default (grid_mode). paged: (table, start, pshift) of the _pg kernels, whose rows [r0, r1) are
+    positions L0 .. L0 + r1 - r0 - 1 with L0 read from `start` on the device (r0 = row_base = 0 here)."""
     mode = grid_mode()
     bh = q.shape[0] * h
     key = (ch.name, causal, r0, r1, row_base, mode, q.device.index, tuple(q.shape), tuple(k.shape), int(lse_ptr),
-           *((t.data_ptr(), t.stride()) for t in (q, k, v, o)), tuple(int(a) for a in tail))
+           *((t.data_ptr(), t.stride()) for t in (q, k, v, o)), paged and (paged[0].data_ptr(), paged[1].data_ptr()))
     prep = _prepared.get(key)
     if prep is None:
         nq = _cdiv(r1 - r0, ch.rows)  # query tiles of ch.rows rows a head
@@ -218,11 +219,17 @@ def _ws_launch(ch: Choice, q, k, v, o, lse_ptr, n: int, causal: bool, r0: int, r
         # causal: heads in groups of about GROUP_TILES tiles per SM, each group's longest tiles first
         hg = min(bh, _cdiv(GROUP_TILES * sms, nq)) if causal and GROUP_TILES else 1
         scale_log2 = np.float32(math.log2(math.e) / math.sqrt(q.shape[-1]))
-        prep = Prepared(ch.source, ch.name, q.device, grid, (ch.threads, 1, 1),
-                        (TensorMap(q, box=(64, ch.rows), rows_before=row_base), *kv_maps(), ptr(o, row_base), lse_ptr,
-                         np.int32(bh), np.int32(n), scale_log2, np.int32(causal), np.int32(r0), np.int32(r1), np.int32(h),
-                         np.int32(group), np.int64(o.stride(0)), np.int64(o.stride(1)),
-                         np.int32(o.stride(2)), np.int32(hg), np.uint64(counter), *tail), shared_mem=ch.shared)
+        o_strides = (np.int64(o.stride(0)), np.int64(o.stride(1)), np.int32(o.stride(2)))
+        if paged is None:
+            args = (TensorMap(q, box=(64, ch.rows), rows_before=row_base), *kv_maps(), ptr(o, row_base), lse_ptr,
+                    np.int32(bh), np.int32(n), scale_log2, np.int32(causal), np.int32(r0), np.int32(r1), np.int32(h),
+                    np.int32(group), *o_strides, np.int32(hg), np.uint64(counter))
+        else:
+            table, start, pshift = paged
+            args = (TensorMap(q, box=(64, ch.rows)), *kv_maps(), ptr(o), np.int32(bh), np.int32(r1 - r0), scale_log2,
+                    np.int32(h), np.int32(group), *o_strides, np.int32(hg), np.uint64(counter), ptr(table), ptr(start),
+                    np.int32(pshift))
+        prep = Prepared(ch.source, ch.name, q.device, grid, (ch.threads, 1, 1), args, shared_mem=ch.shared)
         if len(_prepared) >= 64:
             _prepared.clear()
         _prepared[key] = prep
@@ -314,21 +321,22 @@ class FusedBackend(CudaBackend):
 
     # ---- the backward (kernels/fused_attention_backward.cu; the math: tpattn/attention/autograd.py) ----
 
-    def forward_paged(self, q, k_pool, v_pool, table: torch.Tensor, L0: int, out) -> None:
-        """A prefill's T query rows at positions L0 .. L0 + T - 1 of one sequence, causal over its first
-        L0 + T keys, into out: q and out [1, h, T, d] (any layout with contiguous, 16-byte aligned rows:
-        the [T, h, d] rows of a projection seen heads first), K and V read in place from the pool k_pool,
-        v_pool [pages, g, page, d] through the sequence's block-table row `table` (int32 page ids on the
-        device, at least ceil((L0 + T) / page)): fusedw's paged kernels (fused_ws_paged.cu), nothing
-        gathered, no buffer of the rows before L0 (the kernel's row tiles start at L0, which need not be
-        a multiple of 128). paged_fits() says where they run."""
+    def forward_paged(self, q, k_pool, v_pool, table: torch.Tensor, start: torch.Tensor, out, L0: int | None = None) -> None:
+        """A prefill's T query rows of one sequence, at positions L0 .. L0 + T - 1 where L0 (its length
+        before the step) is read from `start` on the device (an int32 element: one CUDA graph serves
+        every chunk of T rows), causal over its first L0 + T keys, into out: q and out [1, h, T, d] (any
+        layout with contiguous, 16-byte aligned rows: the [T, h, d] rows of a projection seen heads
+        first), K and V read in place from the pool k_pool, v_pool [pages, g, page, d] through the
+        sequence's block-table row `table` (int32 page ids on the device, enough for L0 + T keys; L0:
+        the host's copy, where it has one, checked against the table's width): fusedw's paged kernels
+        (fused_ws_paged.cu), nothing gathered, no buffer of the rows before L0, row tiles from L0 (any
+        L0). paged_fits() says where they run."""
         _, h, T, d = q.shape
         g, page = k_pool.shape[1], k_pool.shape[2]
-        n = L0 + T
         if not (paged_fits(q, k_pool) and v_pool.shape == k_pool.shape and v_pool.stride() == k_pool.stride()
-                and table.dtype == torch.int32 and table.is_contiguous() and table.numel() * page >= n
-                and out.shape == q.shape and out.dtype == q.dtype and _rows_aligned(q, out) and h % g == 0
-                and T > 0 and L0 >= 0):
+                and table.dtype == start.dtype == torch.int32 and table.is_contiguous() and start.numel() >= 1
+                and (L0 is None or (L0 >= 0 and table.numel() * page >= L0 + T))
+                and out.shape == q.shape and out.dtype == q.dtype and _rows_aligned(q, out) and h % g == 0 and T > 0):
             raise ValueError(f"forward_paged: q {tuple(q.shape)} at rows {L0}.., pools {tuple(k_pool.shape)}, "
                              f"{tuple(v_pool.shape)}, table {tuple(table.shape)} {table.dtype}: not a call its "
                              "kernels take (paged_fits)")
@@ -339,9 +347,9 @@ class FusedBackend(CudaBackend):
                     (WS_Q_STAGES[d] * 128 + 2 * WS_KV_STAGES[d] * WS_KEY_TILE[d]) * d * 2 + 1024 + 256, WS_KEY_TILE[d])
         box = (64, min(page, ch.keys))
         with section("fused"):
-            _ws_launch(ch, q, k_pool, v_pool, out, np.uint64(0), n, True, L0, n, h, h // g, L0, sms,
+            _ws_launch(ch, q, k_pool, v_pool, out, np.uint64(0), T, True, 0, T, h, h // g, 0, sms,
                        lambda: (TensorMap(k_pool, box=box), TensorMap(v_pool, box=box)),
-                       tail=(ptr(table), np.int32(page.bit_length() - 1)))
+                       paged=(table, start, page.bit_length() - 1))
 
     def forward_for_backward(self, q, k, v, causal: bool, out=None):
         """(o, L): the forward, also writing each row's logsumexp L (fp32 [B, h, N]), all the
