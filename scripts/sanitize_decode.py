@@ -4,7 +4,7 @@ every head dim it is built for (contiguous and paged, multi-head and grouped, a 
 inside a chunk), the paged append kernel (rows at their own positions and pages), an FP8 pool's
 append (dec_append_pg8) and split (_pg8) at every head dim, the fused kernel's prefill over rows already
 in a cache (its q and o buffers hold only the rows from the last row tile before the cache's end on) at
-every head dim it takes here, and a graphed paged step's preparation (pg_prepare, padding rows included). Exits non-zero if an output is not finite.
+every head dim it takes here, and over a paged pool through the block table (fused_ws_paged.cu), and a graphed paged step's preparation (pg_prepare, padding rows included). Exits non-zero if an output is not finite.
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python scripts/sanitize_decode.py
 """
@@ -63,6 +63,20 @@ def main() -> int:
             ok = bool(torch.isfinite(o).all())
             bad += not ok
             print(f"d={d} fused prefill of {T} rows after {L0}: {'ok' if ok else 'NOT FINITE'}")
+    from tpattn.attention.fused import PAGED_HEAD_DIMS, paged_fits
+    for d in PAGED_HEAD_DIMS:  # the same over a paged pool, K/V read through the block table (pages of 16 and
+        for page in (16, 256):  # 256), L0 on the device; keys past the sequence inside its last page
+            pk, pv = (torch.randn(40, 2, page, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
+            if not paged_fits(pk[0, :, 0], pk):
+                continue
+            for L0, T in ((0, 40), (200, 77), (256, 300)):
+                table = torch.randperm(40, device="cuda")[:-(-(L0 + T) // page)].to(torch.int32)
+                start = torch.tensor([L0], dtype=torch.int32, device="cuda")
+                rows = torch.randn(T, 4, d, device="cuda", dtype=torch.float16, generator=g)
+                o = decode.paged_prefix_attention(get_backend("fused"), rows, pk, pv, table, start, L0)
+                ok = bool(torch.isfinite(o).all())
+                bad += not ok
+                print(f"d={d} paged fused prefill of {T} rows after {L0}, pages of {page}: {'ok' if ok else 'NOT FINITE'}")
     from tpattn import TensorParallelAttention
     from tpattn.paged import PagedKV, _StaticStep
     D = 4 * 128
