@@ -17,8 +17,8 @@ host out of the way; the best of three captures).
 --layer: the layer's whole graphed decode step, contiguous against paged; --prefill: prefills through
 the layer on the paged cache against its forward over the same rows without a cache, with each of
 --prefill-backends (fused: the fused kernel per sequence over its gathered K/V; triton: every
-sequence in one launch, K/V read through the block table); --prefill-chunk: the long prompt's chunk
-size; --profile-prefill: one call of each under torch.profiler; --host-profile: each one's host time
+sequence in one launch, K/V read through the block table), and with the fused backend the chunks each a
+CUDA graph replay too (tpattn.paged.ChunkGraphs); --prefill-chunk: the long prompt's chunk size; --profile-prefill: one call of each under torch.profiler; --host-profile: each one's host time
 to issue a call beside its wall time, and cProfile's functions with the most host time. --fp8: also
 an FP8 pool (PagedKV(kv_dtype="fp8"): e4m3 pages and a scale a row, the split's _pg8) beside the fp16
 pages of each page size, and with --layer its graphed step; its GB/s count the bytes it reads (d + 4
@@ -185,6 +185,20 @@ def prefill_cases(H: int, d: int, backend: str = "fused", G: int = 8, mean: int 
             f"{prompts} ragged prompts: paged, one step": ragged_paged,
             f"{long} rows: one forward": lambda: layer(x_long),
             f"{long} rows: paged, chunks of {chunk}": chunked_paged}
+    from tpattn.paged import ChunkGraphs, chunk_graph_refusal
+    if chunk > 1 and chunk_graph_refusal(layer, pool) is None:  # every full chunk one graph replay
+        graphs = ChunkGraphs(pool, lambda x, st: layer(x, cache=st.view(0)), x_long[:, :chunk], max_len=long)
+
+        def chunked_graphed():
+            sid = pool.add()
+            for c0 in range(0, long, chunk):
+                if c0 + chunk <= long:
+                    graphs.step(sid, x_long[:, c0:c0 + chunk])
+                else:  # the last, shorter chunk: eagerly
+                    with pool.step([sid], [long - c0]) as st:
+                        layer(x_long[:, c0:], cache=st.view(0))
+            pool.remove(sid)
+        runs[f"{long} rows: paged, chunks of {chunk}, graphed"] = chunked_graphed
     return runs, lens
 
 
@@ -356,10 +370,13 @@ def main(argv=None) -> int:
             prefills += mine
             print(f"prefills through the layer ({backend} backend, G=8, rotary), wall-clock ms per call, synchronized "
                   "(median of rounds):")
-            for i in range(0, len(mine), 2):
-                base, paged_run = mine[i], mine[i + 1]
-                print(f"  {base['run']:<40} {base['ms']:8.3f} ms")
-                print(f"  {paged_run['run']:<40} {paged_run['ms']:8.3f} ms  x{paged_run['ms'] / base['ms']:.3f}")
+            base = None
+            for r in mine:  # each case's layer forward first, then its paged runs against it
+                if "paged" not in r["run"]:
+                    base = r
+                    print(f"  {r['run']:<48} {r['ms']:8.3f} ms")
+                else:
+                    print(f"  {r['run']:<48} {r['ms']:8.3f} ms  x{r['ms'] / base['ms']:.3f}")
     if a.profile_prefill:
         for backend in a.prefill_backends:
             profile_prefills(H, d, a.profile_prefill, backend, a.prefill_chunk)

@@ -273,6 +273,56 @@ def test_fused_kernel_reads_pages_through_the_table(dtype, d, page, h, g):
         assert ((got.double() - want).abs() <= tol * (1 + want.abs())).all(), (L0, T)
 
 
+@pytest.mark.parametrize("page", [16, 128])
+@torch.no_grad()
+def test_chunk_graphs_replay_the_eager_chunks(page):
+    """ChunkGraphs: two prompts in chunks of 192 rows, interleaved, every full chunk one replay of the
+    graph captured on the first (its L0, rows' pages and table row sent to fixed tensors; the kernel
+    reads L0 on the device), each prompt's shorter last chunk eager, then a decode step: the same rows as
+    the same chunks run eagerly on a second pool (within fp16 rounding: the one kernel, a captured GEMM),
+    and the same K and V in both pools (the replays wrote each chunk's rows where its pages are)."""
+    from tpattn.paged import ChunkGraphs, PagedKV
+    torch.manual_seed(0)
+    H, g, d, T = 8, 2, 128, 192
+    layer = fused_layer(H, g, d)
+    lens = (700, 450)
+    xs = [torch.randn(1, n + 1, H * d, device="cuda").half() for n in lens]
+    outs, pools = {}, {}
+    for graphed in (True, False):
+        pool = PagedKV(layer, pages=2048 // page + 4, page_size=page, max_seqs=2)
+        ids = [pool.add(), pool.add()]
+        pools[graphed] = (pool, ids)
+        chunks = ChunkGraphs(pool, lambda x, st: layer(x, cache=st.view(0)), xs[0][:, :T], max_len=1024)
+        got = [[], []]
+        for at in range(0, max(lens), T):
+            for i, sid in enumerate(ids):
+                n = min(T, lens[i] - at)
+                if n <= 0:
+                    continue
+                x = xs[i][:, at:at + n]
+                if n == T and graphed:
+                    got[i].append(chunks.step(sid, x))
+                else:
+                    with pool.step([sid], [n]) as st:
+                        got[i].append(layer(x, cache=st.view(0)))
+        with pool.step(ids, [1, 1]) as st:
+            y = layer(torch.cat([xs[0][:, -1:], xs[1][:, -1:]], 0), cache=st.view(0))
+        for i in range(2):
+            got[i].append(y[i:i + 1])
+        outs[graphed] = [torch.cat(r, 1) for r in got]
+        if graphed:
+            assert chunks.run is not None and chunks.static.starts == [384]  # captured once, replayed since
+    for a, b in zip(outs[True], outs[False]):
+        assert (a.float() - b.float()).abs().max().item() <= 2e-3
+    kv = {}
+    for graphed, (pool, ids) in pools.items():  # each sequence's K and V, through its pages
+        pages = [torch.tensor(pool.tables[pool.slots[s]], device="cuda") for s in ids]
+        kv[graphed] = [w[0][p].transpose(0, 1).reshape(g, -1, d)[:, :n + 1].float()
+                       for w in (pool.k, pool.v) for p, n in zip(pages, lens)]
+    for a, b in zip(kv[True], kv[False]):
+        assert (a - b).abs().max().item() <= 2e-3
+
+
 @pytest.mark.parametrize("g", [8, 2])
 @torch.no_grad()
 @pytest.mark.parametrize("kv_dtype", [None, "fp8"])

@@ -216,6 +216,73 @@ def test_decode_graphs_refusals():
         g.step([a], x[:1])
 
 
+def test_chunk_graphs_fixed_steps_match_the_whole_forward():
+    """ChunkGraphs' fixed-tensor chunk steps (run eagerly here: capture=False; tests/test_gpu_paged.py
+    replays them as CUDA graphs): two sequences' prompts in chunks of 6 rows through the one set of
+    fixed tensors, interleaved, each ending with a shorter chunk run eagerly; a decode step after; every
+    row against each sequence's whole forward. The fixed tensors hold the last chunk's positions, pages
+    (a table row padded with the scratch page) and L0."""
+    from tpattn.paged import ChunkGraphs
+    layer = _layer(2, True)
+    T, lens = 6, (15, 20)
+    xs = [torch.randn(1, n + 1, 32, dtype=torch.float64) for n in lens]
+    pool = PagedKV(layer, pages=40, page_size=4, max_seqs=2)
+    ids = [pool.add(), pool.add()]
+    chunks = ChunkGraphs(pool, lambda x, st: layer(x, cache=st.view(0)), torch.zeros(1, T, 32, dtype=torch.float64),
+                         max_len=32, capture=False)
+    outs = [[], []]
+    with torch.no_grad():
+        for at in range(0, max(lens), T):
+            for i, sid in enumerate(ids):
+                n = min(T, lens[i] - at)
+                if n <= 0:
+                    continue
+                x = xs[i][:, at:at + n]
+                if n == T:
+                    outs[i].append(chunks.step(sid, x))
+                else:  # the last, shorter chunk: eagerly
+                    with pool.step([sid], [n]) as st:
+                        outs[i].append(layer(x, cache=st.view()))
+        with pool.step(ids, [1, 1]) as st:
+            y = layer(torch.cat([xs[0][:, -1:], xs[1][:, -1:]], 0), cache=st.view())
+        for i in range(2):
+            outs[i].append(y[i:i + 1])
+            assert (torch.cat(outs[i], 1) - layer(xs[i])).abs().max().item() < 1e-12, i
+    st = chunks.static
+    sid = ids[1]
+    assert st.starts == [12] and st.start.tolist() == [12]  # sequence 1's last full chunk: rows 12 .. 17
+    assert st.positions.tolist() == list(range(12, 18))
+    want = [pool.tables[pool.slots[sid]][p // 4] for p in range(12, 18)]
+    assert st.page_index.tolist() == want
+    row = st.table[0].tolist()
+    assert row[:5] == pool.tables[pool.slots[sid]][:5] and set(row[5:]) == {pool.scratch_page}
+
+
+def test_chunk_graphs_refusals():
+    """ChunkGraphs: a capture on CPU (and, anywhere, a layer the paged prefill kernel does not take: one
+    line naming what it needs), a chunk of one row, x of another chunk size, a sequence past max_len."""
+    from tpattn.paged import ChunkGraphs, chunk_graph_refusal
+    layer = _layer(2, True)
+    pool = PagedKV(layer, pages=8, page_size=4, max_seqs=2)
+    x = torch.zeros(1, 4, 32, dtype=torch.float64)
+    with pytest.raises(ConfigError, match="the pool must be on a GPU"):
+        ChunkGraphs(pool, lambda x, st: x, x, max_len=8)
+    why = chunk_graph_refusal(layer, pool)
+    assert "compute capability 9.0" in why and "pages of 4 tokens" in why and "run the chunks eagerly" in why
+    with pytest.raises(ConfigError, match="T >= 2 rows"):
+        ChunkGraphs(pool, lambda x, st: x, x[:, :1], max_len=8, capture=False)
+    g = ChunkGraphs(pool, lambda x, st: layer(x, cache=st.view(0)), x, max_len=8, capture=False)
+    a = pool.add()
+    with pytest.raises(ConfigError, match="a chunk of 4 rows"):
+        g.step(a, x[:, :3])
+    with torch.no_grad():
+        g.step(a, x)
+        g.step(a, x)
+        with pytest.raises(ConfigError, match="past max_len=8"):
+            g.step(a, x)
+    assert pool.length(a) == 8
+
+
 def test_llama_generate_with_decode_graphs_gives_the_same_tokens(monkeypatch):
     """generate(graphs=True): prefills in steps of their own, decode steps through DecodeGraphs'
     fixed tensors (run eagerly on CPU; captured on a GPU): the unmodified model's tokens; on CPU

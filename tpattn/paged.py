@@ -483,6 +483,141 @@ def paged_decode_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
 
 # ---- decode steps under CUDA graphs, one per batch-size bucket ------------------------------------
 
+def chunk_graph_refusal(layer, pool: "PagedKV") -> str | None:
+    """Why a chunk of a prompt cannot be one CUDA graph replayed for every chunk (ChunkGraphs), or None:
+    it needs the fused backend's kernel that reads K/V in place through the block table with L0 on the
+    device (FusedBackend.forward_paged: compute capability 9.0, fp16/bf16, head dim 64 or 128, pages of a
+    power of two of at least 16 tokens, a 16-bit pool)."""
+    from .attention.fused import PAGED_HEAD_DIMS, paged_fits
+    from .decode import decode_kernel_fits
+    k = pool.k[pool.layers.index(layer)]
+    q = torch.empty(1, layer.local_heads, layer.head_dim, dtype=layer.dtype, device=k.device)
+    if layer.backend.name == "fused" and not pool.fp8 and decode_kernel_fits(q) and paged_fits(q, k):
+        return None
+    return (f"graphed chunks (ChunkGraphs) need the fused backend's paged prefill kernel: a GPU of compute capability "
+            f"9.0, fp16 or bf16, head dim {' or '.join(map(str, PAGED_HEAD_DIMS))}, a 16-bit pool with pages of a "
+            f"power of two of 16 tokens or more (here backend {layer.backend.name}, {str(layer.dtype).replace('torch.', '')}, "
+            f"head dim {layer.head_dim}, pages of {pool.page_size} {'e4m3' if pool.fp8 else 'tokens'} on {k.device}); "
+            "run the chunks eagerly (pool.step([sid], [T]) and the layers)")
+
+
+class _StaticChunk:
+    """The fixed tensors a captured chunk step reads (ChunkGraphs): one sequence, T rows at positions
+    L0 .. L0 + T - 1 with L0 on the device (the fused kernel reads it there), its rows' positions, pages
+    and offsets in them, its block-table row [1, max_pages]; fill() sends a chunk's values in one copy. `starts` holds
+    the host's L0 of the chunk being run (checks only: the graph does not keep it)."""
+
+    def __init__(self, pool: PagedKV, T: int, max_pages: int):
+        self.pool, self.T, self.max_pages = pool, T, max_pages
+        self.rows, self.cu, self.slots, self.starts = [T], [0, T], [None], [0]
+        self.seq_ids = ["the graphed chunk's sequence"]
+        self.dev = torch.zeros(self._words(), dtype=torch.int32, device=pool.device)
+        by_row = self.dev[:6 * T].view(torch.int64).view(3, T)
+        self.positions, self.page_index, self.page_offset = by_row[0], by_row[1], by_row[2]
+        self.table = self.dev[6 * T:6 * T + max_pages].view(1, max_pages)
+        self.start = self.dev[6 * T + max_pages:6 * T + max_pages + 1]
+        self.upto = self.longest = max_pages * pool.page_size
+
+    def _words(self) -> int:
+        return 6 * self.T + self.max_pages + 2  # (even: the int64 views stay 8-byte aligned)
+
+    @property
+    def total_rows(self) -> int:
+        return self.T
+
+    def prefill_tables(self):
+        return self.table, None, self.start
+
+    def view(self, index: int = 0) -> PagedView:
+        return PagedView(self, index)
+
+    def fill(self, step: "PagedStep") -> None:
+        """The chunk's positions, pages, table row and L0 into the fixed tensors: built with numpy in a new
+        pinned buffer (torch's allocator keeps it until the copy has read it), one copy."""
+        P, T, W = self.pool.page_size, self.T, self.max_pages
+        L0 = step.starts[0]
+        pages = self.pool.tables[step.slots[0]]
+        host = torch.empty(self._words(), dtype=torch.int32, pin_memory=self.pool.device.type == "cuda")
+        h = host.numpy()
+        table = h[6 * T:6 * T + W]
+        table[:] = self.pool.scratch_page
+        table[:len(pages)] = pages
+        by_row = h[:6 * T].view(np.int64).reshape(3, T)
+        by_row[0] = np.arange(L0, L0 + T, dtype=np.int64)
+        by_row[1] = table[by_row[0] // P]
+        by_row[2] = by_row[0] % P
+        h[6 * T + W:] = (L0, 0)
+        self.dev.copy_(host, non_blocking=True)
+        self.starts = [L0]
+
+
+class ChunkGraphs:
+    """A long prompt's chunks of T rows, each step one CUDA graph replay: fn(x, view) (for example the
+    model's layers, layer i given cache=view.step.view(i)... as DecodeGraphs' fn) captured once for one
+    sequence's chunk of T rows and replayed for every later chunk of T rows of any sequence: the chunk's
+    position L0, its rows' pages and its block-table row reach fixed tensors on the device in one copy,
+    and the fused kernel reads L0 there (FusedBackend.forward_paged), so that nothing the host knows of
+    the chunk is kept in the graph. A chunk step's host work is then the pool's step, that copy, x's copy
+    and the replay, where an eager chunk issues every kernel and its arguments (a 1024-row chunk issued
+    for longer than its GPU work took, measured: benchmarks/). A prompt's last chunk, shorter than T, runs
+    eagerly (pool.step and the layers). max_len: the longest a sequence may grow (the table row's width).
+    capture=False runs the same fixed-tensor steps eagerly (a check of the graphs)."""
+
+    def __init__(self, pool: PagedKV, fn, x_like: torch.Tensor, max_len: int, capture: bool = True):
+        T = x_like.shape[1] if x_like.dim() == 3 else x_like.shape[0]
+        if x_like.dim() != 3 or x_like.shape[0] != 1 or T < 2:
+            raise ConfigError(f"ChunkGraphs takes x_like [1, T, D] with T >= 2 rows a chunk (got {tuple(x_like.shape)}); "
+                              "one row a sequence is a decode step: DecodeGraphs")
+        if capture:
+            if pool.device.type != "cuda":
+                raise ConfigError("ChunkGraphs(capture=True) captures CUDA graphs: the pool must be on a GPU (or pass "
+                                  "capture=False to run the same steps eagerly)")
+            for layer in pool.layers:
+                why = chunk_graph_refusal(layer, pool)
+                if why:
+                    raise ConfigError(why)
+        self.pool, self.fn, self.capture, self.T = pool, fn, capture, T
+        self.max_pages = -(-int(max_len) // pool.page_size)
+        self.static = _StaticChunk(pool, T, self.max_pages)
+        self.x = torch.zeros_like(x_like, device=pool.device)
+        self.run = None
+        for layer in pool.layers:  # the rotary tables a captured step reads, made before any capture
+            if layer.rope_theta is not None:
+                pool.rope(layer, self.max_pages * pool.page_size)
+
+    def step(self, sid: int, x: torch.Tensor) -> torch.Tensor:
+        """Sequence sid's next T rows x [1, T, D]: the pool's step (its pages taken, the ranks' agreement),
+        the chunk's values and x into the fixed tensors, the graph replayed (captured on the first call);
+        returns fn's output (a copy)."""
+        if tuple(x.shape) != tuple(self.x.shape):
+            raise ConfigError(f"ChunkGraphs.step takes a chunk of {self.T} rows, x {tuple(self.x.shape)} (got "
+                              f"{tuple(x.shape)}); run a shorter last chunk eagerly")
+        end = self.pool.length(sid) + self.T
+        if end > self.max_pages * self.pool.page_size:
+            raise ConfigError(f"sequence {sid} would reach {end} positions, past max_len="
+                              f"{self.max_pages * self.pool.page_size} of these graphs; make ChunkGraphs with a "
+                              "larger max_len")
+        st = self.static
+        with self.pool.step([sid], [self.T]) as step:
+            st.fill(step)
+            self.x.copy_(x)
+            self.pool._open = st  # what the layers check their view against
+            try:
+                if not self.capture:
+                    out = self.fn(self.x, st)
+                else:
+                    if self.run is None:  # warm-up (this chunk itself, on a side stream), then the capture
+                        from .graphs import capture, replayer
+                        graph, res = capture(lambda: self.fn(self.x, st), self.x, warmups=1)
+                        for layer in self.pool.layers:  # peer buffers a captured peer sum reads stay put
+                            layer.peers.pin()
+                        self.run = replayer(self.pool.layers[0].world, graph, res)
+                    out = self.run()
+            finally:
+                self.pool._open = step
+            return out.clone()
+
+
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
