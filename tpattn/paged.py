@@ -21,11 +21,15 @@ Rows of a step are packed as FlashAttention's varlen API packs them: sequence i'
 row attending causally to its own sequence's positions only. A decode step (one row per sequence)
 on a GPU runs the split decode kernel's paged layout (kernels/decode_attention.cu, _pg: every
 sequence at once, its own length, K/V read in place through the block table); a prefill (or a
-chunk of one) runs, per sequence, the fused forward kernel over its K/V gathered through the table,
-its rows causal from their positions on (decode.prefix_attention: no scores in memory) on a GPU
-with the fused backend; with the triton backend, every sequence of the step in one launch that reads
-K/V in place through the block table (tpattn/attention/triton_paged.py: nothing gathered, no pad);
-elsewhere torch math (decode.attend, the scores a block of rows at a time).
+chunk of one) runs, per sequence, the fused forward kernel, its rows causal from their positions on
+(no scores in memory) on a GPU with the fused backend: on compute capability 9.0 at head dims 64
+and 128 with pages of 16 tokens or more, fusedw's paged build reading q, K and V in place (K/V
+through the block table, L0 on the device: decode.paged_prefix_attention), else over its K/V
+gathered through the table (decode.prefix_attention); with the triton backend, every sequence of
+the step in one launch that reads K/V in place through the block table
+(tpattn/attention/triton_paged.py: nothing gathered, no pad); elsewhere torch math
+(decode.attend, the scores a block of rows at a time). ChunkGraphs replays one CUDA graph for every
+chunk of T rows of a long prompt; DecodeGraphs one per batch-size bucket for decode steps.
 
 kv_dtype="fp8" keeps each token's K and V of each K/V head in e4m3 with an fp32 scale of its own
 (tpattn.attention.fp8.quantize_rows): d + 4 bytes where fp16 takes 2d. On a GPU of compute
