@@ -68,10 +68,12 @@
 #   paged   the paged cache: pytest -m gpu tests/test_gpu_paged.py and tests/test_gpu_decode.py (the append
 #           kernel, contiguous and paged, and the graphed step's preparation), scripts/bench_paged.py --layer
 #           --prefill (the graphed paged decode step beside the contiguous one; prefills beside the layer's
-#           forward, fused and triton backends) with one profiled call of each prefill, the chunked prefill's
-#           host time at chunks of 1024 and 2048 (--host-profile), the serving example's tokens per second,
-#           and compute-sanitizer over scripts/sanitize_decode.py (the decode split at every head dim, the paged
-#           append, the fused prefill after a cache, the graphed step's preparation)
+#           forward, fused and triton backends; the chunks eager and, fused, one graph replay each) with one
+#           profiled call of each prefill, the chunked prefill's host time at chunks of 1024 and 2048
+#           (--host-profile), the decode kernels alone (--graph: graph replays), the serving example's tokens
+#           per second, and compute-sanitizer over scripts/sanitize_decode.py (the decode split at every head
+#           dim, the paged append, the fused prefill after a cache and over a paged pool, the graphed step's
+#           preparation)
 #   fp8     the FP8 forward: pytest -m gpu tests/test_gpu_fp8.py, scripts/bench_fp8.py (beside tpattn's fp16
 #           fused forward and SDPA, d = 128 N = 4096 and 16384, causal and not, and d = 256); the FP8 pool:
 #           pytest -m gpu -k fp8 tests/test_gpu_paged.py (its kernels' bits, float64, the pool's steps and
@@ -490,6 +492,8 @@ if want paged; then
   timeout 400 python3 scripts/bench_paged.py --layer --prefill --no-kernel --rounds 3 --profile-prefill 20 \
     --prefill-backends fused triton \
     --json "$OUT/bench_paged.json" 2>&1 | tee "$OUT/bench_paged.log" | grep -E "B=|  [0-9]|wall|copy rate" || status=1
+  timeout 200 python3 scripts/bench_paged.py --rounds 3 --pages 16 64 --graph 2>&1 | tee "$OUT/bench_paged_kernels.log" \
+    | grep -E "B=|  [a-z]|copy rate" || status=1
   for chunk in 1024 2048; do  # the chunked prefill's host time per chunk size (issue time beside wall time)
     timeout 200 python3 scripts/bench_paged.py --prefill --no-kernel --rounds 3 --prefill-backends fused --pages 16 \
       --prefill-chunk $chunk --host-profile 25 2>&1 | tee "$OUT/bench_paged_host_$chunk.log" | grep -E "  [0-9]|issues" \
