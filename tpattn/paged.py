@@ -576,10 +576,11 @@ class ChunkGraphs:
             if pool.device.type != "cuda":
                 raise ConfigError("ChunkGraphs(capture=True) captures CUDA graphs: the pool must be on a GPU (or pass "
                                   "capture=False to run the same steps eagerly)")
-            for layer in pool.layers:
-                why = chunk_graph_refusal(layer, pool)
-                if why:
-                    raise ConfigError(why)
+            why = next(filter(None, (chunk_graph_refusal(layer, pool) for layer in pool.layers)), None)
+            # (every rank alike: a rank that could not capture would leave the others in a captured collective)
+            pool._agree("ChunkGraphs", (T, int(max_len), why is None))
+            if why:
+                raise ConfigError(why)
         self.pool, self.fn, self.capture, self.T = pool, fn, capture, T
         self.max_pages = -(-int(max_len) // pool.page_size)
         self.static = _StaticChunk(pool, T, self.max_pages)
