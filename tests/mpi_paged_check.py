@@ -5,6 +5,8 @@ cache over several ranks. Prints 'PAGED PASS rank R' and exits 0, or what failed
   (tpattn.hf.parallelize): greedy tokens for prompts of different lengths and budgets, at most 2
   live at once, identical to the unmodified model's, with K/V heads split (G = 4) and held as
   copies (G = 1); with the FP8 cache (kv_dtype="fp8"), the tokens of one process's FP8 cache.
+- A prompt in chunks through ChunkGraphs' fixed tensors (capture=False) gives the rows of the same
+  chunks run eagerly, the output sum of each over the ranks.
 - A paged step whose row counts differ between ranks is refused with the same line on every rank,
   before any rank attends (no rank waits in a collective); so is a pool whose pages or kv_dtype
   differ between ranks, when it is built.
@@ -44,6 +46,30 @@ for G in (4, 1):
         bad.append(f"G={G}: FP8-cache tokens {split} differ from one process's {one}")
     if tp.attention[0].local_heads != 4 // W:
         bad.append(f"G={G}: rank {R} holds {tp.attention[0].local_heads} query heads")
+
+# ---- a prompt in chunks through ChunkGraphs' fixed tensors (run eagerly: capture=False) ------------
+from tpattn.paged import ChunkGraphs  # noqa: E402
+
+layer = tp.attention[0]
+torch.manual_seed(1)
+x = torch.randn(1, 13, 64, dtype=torch.float64)
+rows = {}
+for graphed in (True, False):
+    pool = PagedKV([layer], pages=8, page_size=4, max_seqs=1)
+    sid = pool.add()
+    chunks = ChunkGraphs(pool, lambda xs, st: layer(xs, cache=st.view(0)), x[:, :4], max_len=16, capture=False)
+    out = []
+    with torch.no_grad():
+        for c0 in range(0, 13, 4):
+            n = min(4, 13 - c0)
+            if graphed and n == 4:
+                out.append(chunks.step(sid, x[:, c0:c0 + 4]))
+            else:
+                with pool.step([sid], [n]) as st:
+                    out.append(layer(x[:, c0:c0 + n], cache=st.view(0)))
+    rows[graphed] = torch.cat(out, 1)
+if (rows[True] - rows[False]).abs().max().item() > 1e-12:
+    bad.append("ChunkGraphs' fixed-tensor chunks differ from the same chunks run eagerly")
 
 # ---- a step that differs between ranks: one line on every rank, nobody waits ----------------------
 pool = PagedKV(list(tp.attention), pages=8, page_size=4, max_seqs=2)
