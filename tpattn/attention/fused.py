@@ -319,8 +319,6 @@ class FusedBackend(CudaBackend):
                    shared_mem=ch.shared)
         return o
 
-    # ---- the backward (kernels/fused_attention_backward.cu; the math: tpattn/attention/autograd.py) ----
-
     def forward_paged(self, q, k_pool, v_pool, table: torch.Tensor, start: torch.Tensor, out, L0: int | None = None) -> None:
         """A prefill's T query rows of one sequence, at positions L0 .. L0 + T - 1 where L0 (its length
         before the step) is read from `start` on the device (an int32 element: one CUDA graph serves
@@ -350,6 +348,8 @@ class FusedBackend(CudaBackend):
             _ws_launch(ch, q, k_pool, v_pool, out, np.uint64(0), T, True, 0, T, h, h // g, 0, sms,
                        lambda: (TensorMap(k_pool, box=box), TensorMap(v_pool, box=box)),
                        paged=(table, start, page.bit_length() - 1))
+
+    # ---- the backward (kernels/fused_attention_backward.cu; the math: tpattn/attention/autograd.py) ----
 
     def forward_for_backward(self, q, k, v, causal: bool, out=None):
         """(o, L): the forward, also writing each row's logsumexp L (fp32 [B, h, N]), all the
