@@ -199,7 +199,8 @@ def test_paged_prefill_runs_the_fused_kernel_and_matches_torch_math(g, monkeypat
     the block table (decode.paged_prefix_attention) and once over K/V gathered first
     (decode.prefix_attention, paged_fits refused): ragged prompts packed in one step, then chunks that
     continue two of them (rows starting past a row tile, and not at one) beside a new prompt. The two
-    give the same bits, the same steps in torch math (decode.attend) the same rows, and the kernel
+    give the same bits (the gathered calls through fusedw too, TPATTN_FUSED_CFG: small calls take fused2,
+    whose rounding differs), the same steps in torch math (decode.attend) the same rows, and the kernel
     ran once per sequence of each step."""
     import tpattn.attention.fused as fz
     import tpattn.decode as dec
@@ -211,9 +212,11 @@ def test_paged_prefill_runs_the_fused_kernel_and_matches_torch_math(g, monkeypat
     calls = {"in place": [], "gathered": []}
     real, real_paged, real_fits = dec.prefix_attention, dec.paged_prefix_attention, fz.paged_fits
     monkeypatch.setattr(dec, "prefix_attention", lambda *a: calls["gathered"].append(a[-1]) or real(*a))
-    monkeypatch.setattr(dec, "paged_prefix_attention", lambda *a: calls["in place"].append(a[-1]) or real_paged(*a))
+    monkeypatch.setattr(dec, "paged_prefix_attention",
+                        lambda *a, **kw: calls["in place"].append(a[6]) or real_paged(*a, **kw))
     steps = [((0, 1, 2), (37, 5, 130)), ((0, 2, 3), (100, 64, 9)), ((1, 3), (300, 1))]
     outs = {}
+    monkeypatch.setenv("TPATTN_FUSED_CFG", f"fusedw_f16_d{d}")  # (the gathered calls as well: small, they took fused2)
     for way in ("in place", "gathered", "torch"):
         monkeypatch.setattr(dec, "fused_prefix_fits", lambda q, way=way: way != "torch")
         monkeypatch.setattr(fz, "paged_fits", lambda q, k, way=way: way == "in place" and real_fits(q, k))
@@ -242,8 +245,9 @@ def test_paged_prefill_runs_the_fused_kernel_and_matches_torch_math(g, monkeypat
 def test_fused_kernel_reads_pages_through_the_table(dtype, d, page, h, g):
     """decode.paged_prefix_attention (fusedw's _pg kernels): a sequence's rows after L0 cached positions,
     read in place, over its K/V in a pool whose pages are handed out shuffled, read through its
-    block-table row, give the bits of the same kernel over the pages gathered first (prefix_attention,
-    row tiles from L0 rounded down to 128), and float64's rows within fp16's rounding: prompts shorter
+    block-table row, give the bits of fusedw over the pages gathered first (prefix_attention, row tiles
+    from L0 rounded down to 128; a row's extra key tile there is all masked: alpha 1, nothing added), and
+    float64's rows within fp16's rounding: prompts shorter
     than a page, a key tile and a row tile, chunks starting inside a page and a row tile, sequences
     ending inside a page (the keys past them masked)."""
     from tpattn.attention import get_backend
@@ -262,7 +266,9 @@ def test_fused_kernel_reads_pages_through_the_table(dtype, d, page, h, g):
         got = paged_prefix_attention(be, rows, pool_k, pool_v, table, start, L0).unsqueeze(0)  # [1, T, h, d]
         q = rows.transpose(0, 1).unsqueeze(0)
         k, v = (t[table.long()].transpose(0, 1).reshape(1, g, -1, d)[:, :, :n] for t in (pool_k, pool_v))
-        ref = prefix_attention(be, q, k, v, L0)  # (row tiles from L0 rounded down to 128: the same bits)
+        with pytest.MonkeyPatch.context() as mp:  # fusedw, as the paged kernel (a small call would take fused2)
+            mp.setenv("TPATTN_FUSED_CFG", f"fusedw_{'f16' if dtype == torch.float16 else 'bf16'}_d{d}")
+            ref = prefix_attention(be, q, k, v, L0)  # (row tiles from L0 rounded down to 128: the same bits)
         assert torch.equal(got, ref), (L0, T)
         kk, vv = (t.double().repeat_interleave(h // g, 1) for t in (k, v))
         s = q.double() @ kk.transpose(-1, -2) / math.sqrt(d)

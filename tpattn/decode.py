@@ -490,7 +490,7 @@ def paged_prefix_attention(backend, q: torch.Tensor, k_pool: torch.Tensor, v_poo
     through the table (FusedBackend.forward_paged): nothing gathered, no buffer of the rows before L0,
     no scores. out: where o goes ([T, h, d], e.g. a step's rows of a larger output). Where
     fused.paged_fits(q, k_pool)."""
-    o = torch.empty_like(q) if out is None else out
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out  # (rows contiguous, as q's may not be)
     backend.forward_paged(q.transpose(0, 1).unsqueeze(0), k_pool, v_pool, table, start,
                           o.transpose(0, 1).unsqueeze(0), L0)
     return o
