@@ -101,15 +101,21 @@ def test_fusedw_shared_memory_matches_its_stages(monkeypatch):
     and the host's QS, KVS and BC agree), barriers and tile numbers; within the 227 KB a block may have
     on 9.0, at every head dim it is built for (192 and 256: tiles of 64 keys, one Q stage at 256; 32,
     80, 96 and 160 on the kernel of the next of 64, 128 and 192, in fused_ws_dims.cu)."""
-    from tpattn.attention.fused import (HEAD_DIMS, OTHER_HEAD_DIMS, WS_DIMS_SOURCE, WS_KEY_TILE, WS_KV_STAGES,
-                                        WS_Q_STAGES, WS_SOURCE, WS_TILE_DIM, kernel_for)
+    from tpattn.attention.fused import (HEAD_DIMS, OTHER_HEAD_DIMS, PAGED_HEAD_DIMS, WS_DIMS_SOURCE, WS_KEY_TILE,
+                                        WS_KV_STAGES, WS_PAGED_SOURCE, WS_Q_STAGES, WS_SOURCE, WS_TILE_DIM, kernel_for)
     monkeypatch.delenv("TPATTN_FUSED_CFG", raising=False)
     src = kernel_source("fused_ws_attention.cu")
     assert "BC = D > 128 ? 64 : 128" in src and WS_KEY_TILE == {64: 128, 128: 128, 192: 64, 256: 64}
     assert "QS = D == 256 ? 1 : 2, KVS = D == 64 ? 4 : 2" in src
     assert WS_Q_STAGES == {64: 2, 128: 2, 192: 2, 256: 1} and WS_KV_STAGES == {64: 4, 128: 2, 192: 2, 256: 2}
-    main, dims = src.split("#ifndef TW_OTHER_DIMS")[1].split("#else")
+    paged, rest = src.split("#if defined(TW_PAGED)")[1].split("#elif !defined(TW_OTHER_DIMS)")
+    main, dims = rest.split("#else")
     assert "#define TW_OTHER_DIMS" in kernel_source(WS_DIMS_SOURCE)
+    # fused_ws_paged.cu: the paged build (K/V through a block table) at d = 64 and 128, fusedw's tiles
+    assert "#define TW_PAGED" in kernel_source(WS_PAGED_SOURCE) and PAGED_HEAD_DIMS == (64, 128)
+    for d in PAGED_HEAD_DIMS:
+        for suf, bf in (("f16", "false"), ("bf16", "true")):
+            assert f"TW_DEFINE_PG(fusedw, {suf}, {bf}, {d}, 2)" in paged
     for d in HEAD_DIMS:
         t = WS_TILE_DIM.get(d, d)
         assert t in (64, 128, 192, 256) and d <= t and d % 8 == 0
