@@ -1,6 +1,7 @@
 """The packed prefill steps the triton paged prefill's layer tests run (tests/test_gpu_paged.py on the
 GPU, tests/test_triton_paged_cpu.py in Triton's interpreter): the same steps on a fresh PagedKV
-twice, with paged.triton_prefill_fits as it is and with it answering False (torch math)."""
+twice, with paged.triton_prefill_fits as it is and with it answering False (torch math); and the
+prompts in chunks that ChunkGraphs' tests run (tests/test_paged.py, tests/test_gpu_paged.py)."""
 from __future__ import annotations
 
 import torch
@@ -26,3 +27,22 @@ def prefill_steps_both_ways(layer, steps, pages: int, kv_dtype, device: str, mon
         outs[on] = got
     monkeypatch.setattr(paged, "triton_prefill_fits", real)
     return calls, outs
+
+
+def prompts_in_chunks(layer, pool, ids, xs, lens, T: int, chunks=None) -> list[list[torch.Tensor]]:
+    """Sequence ids[i]'s prompt xs[i][:, :lens[i]] in chunks of T rows, the sequences taking turns: the
+    full chunks through chunks.step (a ChunkGraphs) where chunks is given, every other chunk eagerly
+    (pool.step and the layer). Returns each sequence's chunks' outputs, in order (call under no_grad)."""
+    got = [[] for _ in ids]
+    for at in range(0, max(lens), T):
+        for i, sid in enumerate(ids):
+            n = min(T, lens[i] - at)
+            if n <= 0:
+                continue
+            x = xs[i][:, at:at + n]
+            if n == T and chunks is not None:
+                got[i].append(chunks.step(sid, x))
+            else:
+                with pool.step([sid], [n]) as st:
+                    got[i].append(layer(x, cache=st.view(0)))
+    return got

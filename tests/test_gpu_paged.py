@@ -287,6 +287,7 @@ def test_chunk_graphs_replay_the_eager_chunks(page):
     reads L0 on the device), each prompt's shorter last chunk eager, then a decode step: the same rows as
     the same chunks run eagerly on a second pool (within fp16 rounding: the one kernel, a captured GEMM),
     and the same K and V in both pools (the replays wrote each chunk's rows where its pages are)."""
+    from paged_prefill_steps import prompts_in_chunks
     from tpattn.paged import ChunkGraphs, PagedKV
     torch.manual_seed(0)
     H, g, d, T = 8, 2, 128, 192
@@ -299,18 +300,7 @@ def test_chunk_graphs_replay_the_eager_chunks(page):
         ids = [pool.add(), pool.add()]
         pools[graphed] = (pool, ids)
         chunks = ChunkGraphs(pool, lambda x, st: layer(x, cache=st.view(0)), xs[0][:, :T], max_len=1024)
-        got = [[], []]
-        for at in range(0, max(lens), T):
-            for i, sid in enumerate(ids):
-                n = min(T, lens[i] - at)
-                if n <= 0:
-                    continue
-                x = xs[i][:, at:at + n]
-                if n == T and graphed:
-                    got[i].append(chunks.step(sid, x))
-                else:
-                    with pool.step([sid], [n]) as st:
-                        got[i].append(layer(x, cache=st.view(0)))
+        got = prompts_in_chunks(layer, pool, ids, xs, lens, T, chunks if graphed else None)
         with pool.step(ids, [1, 1]) as st:
             y = layer(torch.cat([xs[0][:, -1:], xs[1][:, -1:]], 0), cache=st.view(0))
         for i in range(2):

@@ -222,6 +222,7 @@ def test_chunk_graphs_fixed_steps_match_the_whole_forward():
     fixed tensors, interleaved, each ending with a shorter chunk run eagerly; a decode step after; every
     row against each sequence's whole forward. The fixed tensors hold the last chunk's positions, pages
     (a table row padded with the scratch page) and L0."""
+    from paged_prefill_steps import prompts_in_chunks
     from tpattn.paged import ChunkGraphs
     layer = _layer(2, True)
     T, lens = 6, (15, 20)
@@ -230,19 +231,8 @@ def test_chunk_graphs_fixed_steps_match_the_whole_forward():
     ids = [pool.add(), pool.add()]
     chunks = ChunkGraphs(pool, lambda x, st: layer(x, cache=st.view(0)), torch.zeros(1, T, 32, dtype=torch.float64),
                          max_len=32, capture=False)
-    outs = [[], []]
     with torch.no_grad():
-        for at in range(0, max(lens), T):
-            for i, sid in enumerate(ids):
-                n = min(T, lens[i] - at)
-                if n <= 0:
-                    continue
-                x = xs[i][:, at:at + n]
-                if n == T:
-                    outs[i].append(chunks.step(sid, x))
-                else:  # the last, shorter chunk: eagerly
-                    with pool.step([sid], [n]) as st:
-                        outs[i].append(layer(x, cache=st.view()))
+        outs = prompts_in_chunks(layer, pool, ids, xs, lens, T, chunks)  # (the last, shorter chunks: eagerly)
         with pool.step(ids, [1, 1]) as st:
             y = layer(torch.cat([xs[0][:, -1:], xs[1][:, -1:]], 0), cache=st.view())
         for i in range(2):
