@@ -520,7 +520,7 @@ class _StaticChunk:
         self.positions, self.page_index, self.page_offset = by_row[0], by_row[1], by_row[2]
         self.table = self.dev[6 * T:6 * T + max_pages].view(1, max_pages)
         self.start = self.dev[6 * T + max_pages:6 * T + max_pages + 1]
-        self.upto = self.longest = max_pages * pool.page_size
+        self.upto = max_pages * pool.page_size  # (the rotary tables' length the step reads)
 
     def _words(self) -> int:
         return 6 * self.T + self.max_pages + 2  # (even: the int64 views stay 8-byte aligned)
@@ -568,7 +568,7 @@ class ChunkGraphs:
     capture=False runs the same fixed-tensor steps eagerly (a check of the graphs)."""
 
     def __init__(self, pool: PagedKV, fn, x_like: torch.Tensor, max_len: int, capture: bool = True):
-        T = x_like.shape[1] if x_like.dim() == 3 else x_like.shape[0]
+        T = x_like.shape[1] if x_like.dim() == 3 else 0
         if x_like.dim() != 3 or x_like.shape[0] != 1 or T < 2:
             raise ConfigError(f"ChunkGraphs takes x_like [1, T, D] with T >= 2 rows a chunk (got {tuple(x_like.shape)}); "
                               "one row a sequence is a decode step: DecodeGraphs")

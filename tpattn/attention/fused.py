@@ -120,16 +120,22 @@ def kernel_for(d: int, suf: str, cc: tuple[int, int], wide: bool = True, rows: i
         if name.startswith("fusedh_"):
             _kernels[key] = Choice(HOPPER_SOURCE, name, 256, 128, (128 + 4 * 128) * d * 2 + 1024)
         elif name.startswith("fusedw"):  # a producer warpgroup and 2 (fusedw) or 3 (fusedw3) consumers of 64
-            br = 64 * (3 if name.startswith("fusedw3") else 2)  # rows each: br a tile; + 256 bytes for the mbarriers
-            t = WS_TILE_DIM.get(d, d)
-            _kernels[key] = Choice(WS_DIMS_SOURCE if d in OTHER_HEAD_DIMS else WS_SOURCE, name, 128 + 2 * br, br,
-                                   (WS_Q_STAGES[t] * br + 2 * WS_KV_STAGES[t] * WS_KEY_TILE[t]) * t * 2 + 1024 + 256,
-                                   WS_KEY_TILE[t])
+            br = 64 * (3 if name.startswith("fusedw3") else 2)  # rows each: br a tile
+            _kernels[key] = _fusedw_choice(WS_DIMS_SOURCE if d in OTHER_HEAD_DIMS else WS_SOURCE, name, d, br)
         else:
             w, mt, c = (int(g) for g in m.groups())
             rows = 16 * mt * w
             _kernels[key] = Choice(SOURCE, name, 32 * w, rows, (rows + 4 * c) * d * 2)
     return _kernels[key]
+
+
+def _fusedw_choice(source: str, name: str, d: int, br: int) -> Choice:
+    """fusedw's launch shape at head dim d with tiles of br query rows: a producer warpgroup and br / 64
+    consumers; shared memory for the .cu file's Q and K/V stages of its tile dim, + 256 bytes for the
+    mbarriers."""
+    t = WS_TILE_DIM.get(d, d)
+    return Choice(source, name, 128 + 2 * br, br,
+                  (WS_Q_STAGES[t] * br + 2 * WS_KV_STAGES[t] * WS_KEY_TILE[t]) * t * 2 + 1024 + 256, WS_KEY_TILE[t])
 
 
 def grid_mode() -> str:
@@ -340,9 +346,7 @@ class FusedBackend(CudaBackend):
                              "kernels take (paged_fits)")
         sms, _ = _device_info(q.device)
         suf = self.kernel_suffix(q)
-        # fusedw's tiles (the .cu file's stage tables at d = 64 and 128), whatever TPATTN_FUSED_CFG says
-        ch = Choice(WS_PAGED_SOURCE, f"fusedw_{suf}_d{d}_pg", 384, 128,
-                    (WS_Q_STAGES[d] * 128 + 2 * WS_KV_STAGES[d] * WS_KEY_TILE[d]) * d * 2 + 1024 + 256, WS_KEY_TILE[d])
+        ch = _fusedw_choice(WS_PAGED_SOURCE, f"fusedw_{suf}_d{d}_pg", d, 128)  # (whatever TPATTN_FUSED_CFG says)
         box = (64, min(page, ch.keys))
         with section("fused"):
             _ws_launch(ch, q, k_pool, v_pool, out, np.uint64(0), T, True, 0, T, h, h // g, 0, sms,
