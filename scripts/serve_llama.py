@@ -12,6 +12,7 @@ or (--device cuda) the GPU, over gloo.
     python scripts/serve_llama.py --prompts 6 --new-tokens 8 --check
     mpirun -n 2 python scripts/serve_llama.py --prompts 6 --new-tokens 8 --check
     python scripts/serve_llama.py --prompts 6 --new-tokens 8 --check --kv-dtype fp8
+    python scripts/serve_llama.py --prompts 6 --new-tokens 8 --check --prefill-chunk 16
 """
 
 from __future__ import annotations
@@ -46,12 +47,22 @@ def main() -> int:
                     help="where the model runs (cuda: ranks share this node's GPUs, one each where there are enough)")
     ap.add_argument("--kv-dtype", choices=("model", "fp8"), default="model",
                     help="the KV cache's pages: the model's dtype, or fp8 (e4m3 with a scale per token and K/V head)")
+    ap.add_argument("--prefill-chunk", type=int, metavar="T", help="chunked prefill: at most T prompt rows a step "
+                    "(with --graphs: a newcomer's prompt in chunks of T, each a CUDA graph replay; T >= 2)")
     ap.add_argument("--check", action="store_true", help="compare with the unmodified model's greedy tokens")
     ap.add_argument("--graphs", action="store_true", help="decode steps under CUDA graphs, one per batch-size bucket "
                     "(--device cuda; the first steps of each bucket capture it)")
     args = ap.parse_args()
     if args.graphs and args.device != "cuda":
         print("serve_llama.py: --graphs captures CUDA graphs: add --device cuda", file=sys.stderr)
+        return 2
+    counts = ("layers", "hidden", "heads", "kv_heads", "vocab", "prompts", "new_tokens", "max_batch", "page_size")
+    small = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in counts if getattr(args, n) < 1]
+    if args.prefill_chunk is not None and args.prefill_chunk < (2 if args.graphs else 1):
+        small.append(f"--prefill-chunk {args.prefill_chunk}")
+    if small:
+        print(f"serve_llama.py: {', '.join(small)}: each must be a positive count (--prefill-chunk 2 or more with "
+              "--graphs)", file=sys.stderr)
         return 2
     if args.hidden % args.heads or args.heads % args.kv_heads or args.prompt_lens[0] < 1 \
             or args.prompt_lens[0] > args.prompt_lens[1]:
@@ -83,13 +94,14 @@ def main() -> int:
     t0 = time.perf_counter()
     kv_dtype = None if args.kv_dtype == "model" else args.kv_dtype
     tokens = tp.generate(prompts, args.new_tokens, max_batch=args.max_batch, page_size=args.page_size,
-                         graphs=args.graphs, kv_dtype=kv_dtype)
+                         graphs=args.graphs, kv_dtype=kv_dtype, prefill_chunk=args.prefill_chunk)
     dt = time.perf_counter() - t0
     n = sum(len(t) for t in tokens)
     if proc.rank == 0:
         print(f"{args.prompts} prompts of {min(lens)}-{max(lens)} tokens, {n} tokens generated in {dt:.2f} s: "
               f"{n / dt:.1f} tokens/s ({proc.world} rank(s), at most {args.max_batch} sequences live, pages of "
-              f"{args.page_size}{'; decode steps CUDA-graphed' if args.graphs else ''})", flush=True)
+              f"{args.page_size}{'; decode steps CUDA-graphed' if args.graphs else ''}"
+              f"{f'; prompts in chunks of {args.prefill_chunk}' if args.prefill_chunk else ''})", flush=True)
         per = PagedKV.bytes_per_token(list(tp.attention), kv_dtype)
         print(f"KV cache: {per:g} bytes a token on rank 0 ({args.kv_dtype if kv_dtype else args.dtype} pages of "
               f"{args.page_size}, {args.layers} layers)", flush=True)

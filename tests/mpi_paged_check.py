@@ -38,6 +38,9 @@ for G in (4, 1):
     got = tp.generate(prompts, budget, max_batch=2, page_size=4)
     if got != want:
         bad.append(f"G={G}: tokens {got} differ from the unmodified model's {want}")
+    chunked = tp.generate(prompts, budget, max_batch=3, page_size=4, prefill_chunk=3)  # prompts over several steps
+    if chunked != want:
+        bad.append(f"G={G}: tokens in prefill chunks of 3 {chunked} differ from the unmodified model's {want}")
     # the FP8 cache: each token's row quantized alone, per K/V head, so splitting the heads over the
     # ranks changes nothing: the same tokens as one process's FP8 cache
     one = hf.parallelize(model, group=None).generate(prompts, budget, max_batch=2, page_size=4, kv_dtype="fp8")

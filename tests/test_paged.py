@@ -294,6 +294,52 @@ def test_llama_generate_with_decode_graphs_gives_the_same_tokens(monkeypatch):
     assert tp.generate(PROMPTS, BUDGET, max_batch=3, graphs=True) == want
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_llama_generate_in_prefill_chunks_gives_the_same_tokens(monkeypatch, chunk):
+    """generate(prefill_chunk=T): a step takes at most T prompt rows beside the live sequences' next
+    tokens (a long prompt read over several steps, mixed with others' decoding); with graphs, a
+    newcomer's whole chunks through ChunkGraphs (its fixed tensors run eagerly on CPU), the rest packed.
+    Either way the unmodified model's tokens; a chunk that is not a positive int (or, with graphs, of
+    one row) is refused in one line."""
+    import tpattn.hf as hf
+    import tpattn.paged as paged
+    model = _llama()
+    want = [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):].tolist()
+            for p, n in zip(PROMPTS, BUDGET)]
+    tp = hf.parallelize(model, group=None)
+    assert tp.generate(PROMPTS, BUDGET, max_batch=2, page_size=4, prefill_chunk=chunk) == want
+    assert tp.generate(PROMPTS, BUDGET, max_batch=4, prefill_chunk=chunk) == want
+    steps = []
+    real = paged.PagedKV.step
+
+    def counted(pool, ids, rows):
+        steps.append(list(rows))
+        return real(pool, ids, rows)
+    monkeypatch.setattr(paged.PagedKV, "step", counted)
+    tp.generate(PROMPTS, BUDGET, max_batch=3, prefill_chunk=chunk)
+    # every row fed once (each prompt, then each token but the last), a step's rows within the chunk
+    # and the other sequences' one row each, and the longest prompt over several steps
+    assert sum(map(sum, steps)) == sum(map(len, PROMPTS)) + sum(BUDGET) - len(PROMPTS)
+    assert max(map(sum, steps)) <= chunk + 2 and len(steps) > max(BUDGET)
+    monkeypatch.setattr(paged.PagedKV, "step", real)
+    for T in ([2, 4] if chunk == 2 else []):
+        class Eager(paged.DecodeGraphs):
+            def __init__(self, *a, **kw):
+                super().__init__(*a, **{**kw, "capture": False})
+
+        class EagerChunks(paged.ChunkGraphs):
+            def __init__(self, *a, **kw):
+                super().__init__(*a, **{**kw, "capture": False})
+        monkeypatch.setattr(paged, "DecodeGraphs", Eager)
+        monkeypatch.setattr(paged, "ChunkGraphs", EagerChunks)
+        assert tp.generate(PROMPTS, BUDGET, max_batch=2, page_size=4, graphs=True, prefill_chunk=T) == want
+    for bad in (0, 2.5, True):
+        with pytest.raises(ConfigError, match="prefill_chunk a positive int"):
+            tp.generate(PROMPTS, BUDGET, prefill_chunk=bad)
+    with pytest.raises(ConfigError, match="2 or more with graphs=True"):
+        tp.generate(PROMPTS, BUDGET, graphs=True, prefill_chunk=1)
+
+
 def test_a_steps_rows_and_tables_are_its_sequences_pages():
     """PagedStep's device metadata (one buffer, one copy): every packed row's position, page and offset,
     and per sequence its pages up to its length after the step (zero-padded), the row offsets, the
@@ -449,3 +495,16 @@ def test_serve_llama_checks_the_fp8_cache(kv):
     assert per in r.stdout and "PASS" in r.stdout, r.stdout
     if kv == "fp8":
         assert "every token within its top 5 (teacher-forced): PASS" in r.stdout
+
+
+def test_serve_llama_in_prefill_chunks_and_its_refusals():
+    """scripts/serve_llama.py --prefill-chunk 8 --check: the unmodified model's tokens with prompts read
+    over several steps; counts that are not positive refused in one line, exit 2."""
+    script = [sys.executable, str(ROOT / "scripts" / "serve_llama.py")]
+    r = run(script + ["--prompts", "4", "--new-tokens", "5", "--prompt-lens", "9", "30", "--prefill-chunk", "8",
+                      "--check"], timeout=240)
+    assert r.returncode == 0 and "prompts in chunks of 8" in r.stdout and "PASS" in r.stdout, r.stdout + r.stderr
+    for bad in (["--page-size", "0"], ["--prefill-chunk", "0"], ["--max-batch", "-1"]):
+        r = run(script + bad, timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and f"{bad[0]} {bad[1]}" in r.stderr, r.stderr

@@ -48,8 +48,11 @@ class ParallelLlama(torch.nn.Module):
 
     def _hidden(self, ids: torch.Tensor, step) -> torch.Tensor:
         """The last hidden states [1, R, D] of the packed rows `ids` [R] of a paged step."""
+        return self._blocks(self.model.model.embed_tokens(ids)[None], step)
+
+    def _blocks(self, h: torch.Tensor, step) -> torch.Tensor:
+        """The decoder blocks and the final norm over the embedded rows h [1, R, D] of a paged step."""
         m = self.model.model
-        h = m.embed_tokens(ids)[None]
         for i, (block, attn) in enumerate(zip(m.layers, self.attention)):
             h = h + attn(block.input_layernorm(h), cache=step.view(i))
             h = h + block.mlp(block.post_attention_layernorm(h))
@@ -58,20 +61,30 @@ class ParallelLlama(torch.nn.Module):
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens, max_batch: int = 8, pages: int | None = None,
                  page_size: int = PAGE_SIZE, eos_token_id: int | None = -1, graphs: bool = False,
-                 kv_dtype: str | None = None) -> list[list[int]]:
+                 kv_dtype: str | None = None, prefill_chunk: int | None = None) -> list[list[int]]:
         """Greedy tokens after each prompt (up to max_new_tokens, one number or one per prompt,
         ending early at the end token: eos_token_id, by default the model's), in the prompts' order.
         pages: the pool's size (by default enough for max_batch of the longest sequences).
         graphs: newcomers' prefills in steps of their own, and every decode step of the live
         sequences under a CUDA graph of its batch-size bucket (tpattn.paged.DecodeGraphs; on a GPU).
         kv_dtype: the pool's pages, "fp8" (e4m3, a scale per token and K/V head: about half the bytes of
-        fp16, the attention read from dequantized pages) or None (the model's dtype)."""
+        fp16, the attention read from dequantized pages) or None (the model's dtype).
+        prefill_chunk: the most prompt rows a step takes (chunked prefill; None: a newcomer's whole
+        prompt in its first step). Eagerly, a step packs every live sequence's next token with up to
+        prefill_chunk rows of the prompts still being read, so a long prompt does not hold the others'
+        decoding back for its whole prefill. With graphs, a newcomer's prompt goes in chunks of
+        prefill_chunk rows, each a replay of one CUDA graph (tpattn.paged.ChunkGraphs: the fused
+        backend's paged prefill kernel), its last, shorter chunk eagerly."""
         prompts = _token_lists(prompts, self.model.get_input_embeddings().num_embeddings)
         budget = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
         if (len(budget) != len(prompts) or not all(is_count(n) for n in budget + [max_batch])
                 or (pages is not None and not is_count(pages))):
             raise ConfigError(f"generate needs max_new_tokens a positive int (one, or one per prompt), max_batch and "
                               f"pages positive ints (got {max_new_tokens}, {max_batch}, {pages})")
+        if prefill_chunk is not None and (not is_count(prefill_chunk) or (graphs and prefill_chunk < 2)):
+            what = ("2 or more with graphs=True, a chunk being a graph of several rows" if graphs
+                    else "the most prompt rows a step takes")
+            raise ConfigError(f"generate takes prefill_chunk a positive int ({what}) or None (got {prefill_chunk!r})")
         eos = getattr(self.model.generation_config, "eos_token_id", None) if eos_token_id == -1 else eos_token_id
         ends = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
         longest = max(len(p) + n for p, n in zip(prompts, budget))
@@ -80,36 +93,53 @@ class ParallelLlama(torch.nn.Module):
         pool = PagedKV(list(self.attention), pages=pages, page_size=page_size, max_seqs=max_batch, kv_dtype=kv_dtype)
         device = self.attention[0].wqkv.device
         if graphs:
-            return self._generate_graphed(pool, prompts, budget, ends, longest, max_batch, device)
+            return self._generate_graphed(pool, prompts, budget, ends, longest, max_batch, device, prefill_chunk)
         waiting = list(range(len(prompts)))
         out: list[list[int]] = [[] for _ in prompts]
         live: dict[int, int] = {}  # sequence id -> prompt index
+        fed: dict[int, int] = {}   # sequence id -> its prompt's rows in the cache so far
         while waiting or live:
-            new = _admit(pool, waiting, live, max_batch, prompts, budget)  # newcomers: prefill packed together
-            ids = list(live) + [s for s, _ in new]
-            live.update(new)
-            rows = [1] * (len(ids) - len(new)) + [len(prompts[i]) for _, i in new]
-            toks = [out[live[s]][-1] for s in ids[:len(ids) - len(new)]] + [t for _, i in new for t in prompts[i]]
+            for s, i in _admit(pool, waiting, live, max_batch, prompts, budget):  # newcomers: prefill packed together
+                live[s], fed[s] = i, 0
+            ids, rows, toks = [], [], []
+            room = prefill_chunk if prefill_chunk is not None else sum(len(prompts[i]) for i in live.values())
+            for s, i in live.items():  # decoding sequences first, then the prompts still being read
+                if fed[s] == len(prompts[i]):
+                    ids.append(s), rows.append(1), toks.append(out[i][-1])
+            for s, i in live.items():
+                n = min(len(prompts[i]) - fed[s], room)
+                if fed[s] < len(prompts[i]) and n > 0:
+                    ids.append(s), rows.append(n), toks.extend(prompts[i][fed[s]:fed[s] + n])
+                    fed[s] += n
+                    room -= n
             with pool.step(ids, rows) as step:
                 h = self._hidden(torch.tensor(toks, dtype=torch.long, device=device), step)
-            last = torch.tensor(step.cu[1:], device=device) - 1  # each sequence's last row
-            nxt = self.model.lm_head(h[0, last]).argmax(-1).tolist()
-            for s, t in zip(ids, nxt):
+            ready = [j for j, s in enumerate(ids) if fed[s] == len(prompts[live[s]])]  # (a prompt read to its end)
+            last = torch.tensor([step.cu[j + 1] - 1 for j in ready], device=device)  # those sequences' last rows
+            nxt = self.model.lm_head(h[0, last]).argmax(-1).tolist() if ready else []
+            for j, t in zip(ready, nxt):
+                s = ids[j]
                 out[live[s]].append(t)
                 if len(out[live[s]]) >= budget[live[s]] or t in ends:
-                    del live[s]
+                    del live[s], fed[s]
                     pool.remove(s)
         return out
 
-    def _generate_graphed(self, pool, prompts, budget, ends, longest, max_batch, device):
-        """generate(graphs=True): the same continuous batching, prefills apart, decode steps replayed."""
-        from .paged import BUCKETS, DecodeGraphs
+    def _generate_graphed(self, pool, prompts, budget, ends, longest, max_batch, device, prefill_chunk):
+        """generate(graphs=True): the same continuous batching, prefills apart (in graphed chunks of
+        prefill_chunk rows, when given), decode steps replayed."""
+        from . import paged
 
         def decode(tokens, st):  # the model's step: next token of each row
             return self.model.lm_head(self._hidden(tokens, st)[0]).argmax(-1)
-        buckets = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
-        steps = DecodeGraphs(pool, decode, torch.zeros(max_batch, dtype=torch.long, device=device), max_len=longest,
-                             buckets=buckets)
+        buckets = sorted({b for b in paged.BUCKETS if b < max_batch} | {max_batch})
+        steps = paged.DecodeGraphs(pool, decode, torch.zeros(max_batch, dtype=torch.long, device=device),
+                                   max_len=longest, buckets=buckets)
+        embed = self.model.model.embed_tokens
+        chunks = None
+        if prefill_chunk is not None:
+            like = embed(torch.zeros(1, prefill_chunk, dtype=torch.long, device=device))
+            chunks = paged.ChunkGraphs(pool, self._blocks, like, max_len=longest)
         waiting = list(range(len(prompts)))
         out: list[list[int]] = [[] for _ in prompts]
         live: dict[int, int] = {}
@@ -121,14 +151,19 @@ class ParallelLlama(torch.nn.Module):
                 pool.remove(s)
         while waiting or live:
             new = _admit(pool, waiting, live, max_batch, prompts, budget)
-            if new:  # the newcomers' prefills, packed together
-                ids = [s for s, _ in new]
+            if new:  # the newcomers' prefills: whole chunks replayed, then the rest packed together
                 live.update(new)
-                with pool.step(ids, [len(prompts[i]) for _, i in new]) as step:
-                    h = self._hidden(torch.tensor([t for _, i in new for t in prompts[i]], dtype=torch.long,
-                                                  device=device), step)
+                rest = []
+                for s, i in new:
+                    at = 0
+                    while chunks is not None and len(prompts[i]) - at > chunks.T:  # (a last row stays for the step below)
+                        chunks.step(s, embed(torch.tensor([prompts[i][at:at + chunks.T]], device=device)))
+                        at += chunks.T
+                    rest.append((s, prompts[i][at:]))
+                with pool.step([s for s, _ in rest], [len(r) for _, r in rest]) as step:
+                    h = self._hidden(torch.tensor([t for _, r in rest for t in r], dtype=torch.long, device=device), step)
                 last = torch.tensor(step.cu[1:], device=device) - 1
-                for s, t in zip(ids, self.model.lm_head(h[0, last]).argmax(-1).tolist()):
+                for (s, _), t in zip(rest, self.model.lm_head(h[0, last]).argmax(-1).tolist()):
                     took(s, t)
                 continue
             ids = list(live)
