@@ -135,18 +135,20 @@ def layer_steps(H: int, d: int, rounds: int, steps: int = 40, fp8: bool = False)
             graphs = DecodeGraphs(pool, lambda xs, st: layer(xs, cache=st.view(0)), x,
                                   max_len=max(lens) + (rounds + 1) * steps + 8, buckets=(B,))
             runs[name] = (lambda g=graphs, ids=ids: g.step(ids, x))
-        times = {k: [] for k in runs}
+        times, issue = {k: [] for k in runs}, {k: [] for k in runs}
         for _ in range(rounds + 1):
             for name, fn in runs.items():
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     fn()
+                t1 = time.perf_counter()  # the steps issued (the host's work; the GPU may still be busy)
                 torch.cuda.synchronize()
                 times[name].append((time.perf_counter() - t0) / steps * 1e6)
+                issue[name].append((t1 - t0) / steps * 1e6)
         for name, ts in times.items():
             us = statistics.median(ts[1:])  # the first round warms up (captures)
-            out.append({"B": B, "G": G, "L": L, "step": name, "us": us})
+            out.append({"B": B, "G": G, "L": L, "step": name, "us": us, "host_us": statistics.median(issue[name][1:])})
     return out
 
 
@@ -356,13 +358,14 @@ def main(argv=None) -> int:
     steps = []
     if a.layer:
         steps = layer_steps(H, d, a.rounds, fp8=a.fp8)
-        print("the layer's decode step, CUDA-graphed, wall-clock us per step (median of rounds; host work included):")
+        print("the layer's decode step, CUDA-graphed, wall-clock us per step (median of rounds; host work included), "
+              "[the host's time to issue a step]:")
         for shape in LAYER_SHAPES:
             mine = [r for r in steps if (r["B"], r["G"], r["L"]) == shape]
             base = next(r["us"] for r in mine if r["step"] == "contiguous")
             print(f"  B={shape[0]} G={shape[1]} L={shape[2]}: " + ", ".join(
                 f"{r['step']} {r['us']:.1f}" + ("" if r["step"] == "contiguous" else f" (x{r['us'] / base:.3f})")
-                for r in mine))
+                + f" [{r['host_us']:.1f}]" for r in mine))
     prefills = []
     if a.prefill:
         for backend in a.prefill_backends:
