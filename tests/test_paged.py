@@ -196,6 +196,47 @@ def test_decode_graphs_buckets_pad_and_follow_the_live_set():
         assert (pool.k[0][:pool.pages].abs().sum() > 0) and pool.scratch_page == 40
 
 
+def test_decode_graphs_mirror_only_what_changed():
+    """DecodeGraphs keeps the block tables' device mirror by the pool's version: a steady step sends
+    only the slots whose tables it lengthened (none, mostly), and pages taken outside its steps (an
+    eager step of several rows of a live sequence) are mirrored at the next step; every row against
+    each sequence's whole forward."""
+    from tpattn.paged import DecodeGraphs
+    layer = _layer(2, True)
+    lens, T = [5, 2], 9
+    xs = [torch.randn(1, n + T + 6, 32, dtype=torch.float64) for n in lens]
+    pool = PagedKV(layer, pages=40, page_size=4, max_seqs=2)
+    ids = [pool.add() for _ in lens]
+    graphs = DecodeGraphs(pool, lambda x, st: layer(x, cache=st.view(0)), torch.zeros(2, 1, 32, dtype=torch.float64),
+                          max_len=40, buckets=(2,), capture=False)
+    synced, real = [], graphs._sync_tables
+    graphs._sync_tables = lambda slots: (synced.append(sorted(slots)), real(slots))
+    outs = [[], []]
+    with torch.no_grad():
+        with pool.step(ids, lens) as step:
+            y = layer(torch.cat([xs[i][:, :n] for i, n in enumerate(lens)], 1), cache=step.view())
+        outs[0].append(y[:, :5]), outs[1].append(y[:, 5:])
+        done = list(lens)
+        for t in range(T):
+            if t == 4:  # sequence 1 takes 6 rows eagerly (two new pages) between two graphed steps
+                with pool.step([ids[1]], [6]) as step:
+                    outs[1].append(layer(xs[1][:, done[1]:done[1] + 6], cache=step.view()))
+                done[1] += 6
+            before, n = [len(pool.tables[pool.slots[sid]]) for sid in ids], len(synced)
+            y = graphs.step(ids, torch.cat([xs[i][:, done[i]:done[i] + 1] for i in range(2)], 0))
+            grew = sorted(pool.slots[sid] for sid, k in zip(ids, before) if len(pool.tables[pool.slots[sid]]) > k)
+            if t in (0, 4):  # the first step, and the one after the eager step: every slot
+                assert synced[n:] == [[0, 1]], (t, synced[n:])
+            else:  # a steady step: only the slots it lengthened, if any
+                assert synced[n:] == ([grew] if grew else []), (t, grew, synced[n:])
+            for i in range(2):
+                outs[i].append(y[i:i + 1])
+                done[i] += 1
+        for i in range(2):
+            assert (torch.cat(outs[i], 1) - layer(xs[i][:, :done[i]])).abs().max().item() < 1e-12, i
+    assert len(synced) < T  # steps that lengthened no table sent nothing
+
+
 def test_decode_graphs_refusals():
     from tpattn.paged import DecodeGraphs
     layer = _layer()

@@ -109,6 +109,7 @@ class PagedKV:
         self.tables: list[list[int]] = [[] for _ in range(max_seqs)]  # slot -> its pages, in order
         self.generation = [0] * max_seqs       # slot -> how many sequences it has held (device mirrors' check)
         self.lengths = [0] * max_seqs          # slot -> positions filled
+        self.version = 0                       # one more at every add, remove and page taken (device mirrors' check)
         self._next_id = 0
         self._open = None                      # the step in progress, if any
 
@@ -122,6 +123,7 @@ class PagedKV:
                               f"finished one (pool.remove(id)) or make a pool with a larger max_seqs")
         sid, self._next_id = self._next_id, self._next_id + 1
         self.slots[sid] = self.free_slots.pop()
+        self.version += 1
         return sid
 
     def remove(self, sid: int) -> None:
@@ -131,6 +133,7 @@ class PagedKV:
         self.free_pages.extend(reversed(self.tables[slot]))
         self.tables[slot], self.lengths[slot] = [], 0
         self.generation[slot] += 1
+        self.version += 1
         del self.slots[sid]
         self.free_slots.append(slot)
 
@@ -207,9 +210,13 @@ class PagedKV:
             raise ConfigError(f"the pool has {len(self.free_pages)} free pages of {P} tokens and this step needs "
                               f"{sum(need)} more; remove finished sequences (pool.remove(id)) or make the pool "
                               f"larger (PagedKV(..., pages={self.pages + sum(need) - len(self.free_pages)} or more))")
+        grew = [s for s, n in zip(slots, need) if n]
         for s, n in zip(slots, need):
-            self.tables[s] += [self.free_pages.pop() for _ in range(n)]
+            if n:
+                self.tables[s] += [self.free_pages.pop() for _ in range(n)]
+        self.version += bool(grew)
         self._open = PagedStep(self, seq_ids, slots, rows, [self.lengths[s] for s in slots])
+        self._open.grew = grew
         return self._open
 
     def _close(self, step: "PagedStep", ok: bool) -> None:
@@ -249,6 +256,7 @@ class PagedStep:
         for r in rows:
             self.cu.append(self.cu[-1] + r)
         self._meta = None
+        self.grew: list[int] = []  # the slots whose tables this step lengthened
 
     def _device_meta(self) -> dict:
         """What the step's layers read about its rows and sequences, on the pool's device, made on first
@@ -729,9 +737,22 @@ class DecodeGraphs:
         self.table = torch.full((pool.max_seqs + 1, self.max_pages), pool.scratch_page, dtype=torch.int32,
                                 device=pool.device)
         self._mirrored = [(0, 0)] * pool.max_seqs  # slot -> (generation, pages already on the device)
+        self._seen = -1  # the pool's version the mirror was last brought up to
         for layer in pool.layers:  # the rotary tables a captured step reads, made before any capture
             if layer.rope_theta is not None:
                 pool.rope(layer, self.max_pages * pool.page_size)
+
+    def _sync(self, step) -> None:
+        """The mirror brought up to the pool's tables for the step's sequences: when nothing but this
+        step's own pages changed the tables since the last sync, only the slots it lengthened are looked
+        at (a steady decode step: none, or the few that crossed into a new page); else every slot of
+        the step (a sequence added, removed or stepped elsewhere)."""
+        if self.pool.version == self._seen + bool(step.grew):
+            if step.grew:
+                self._sync_tables(step.grew)
+        else:
+            self._sync_tables(step.slots)
+        self._seen = self.pool.version
 
     def _sync_tables(self, slots) -> None:
         """The pages taken since the last step (and a reused slot's) onto the device: one copy."""
@@ -769,7 +790,7 @@ class DecodeGraphs:
                               f"{self.max_pages * self.pool.page_size} of these graphs; make DecodeGraphs with a "
                               "larger max_len")
         with self.pool.step(seq_ids, [1] * n) as step:
-            self._sync_tables(step.slots)
+            self._sync(step)
             made = self._made.get(b)
             if made is None:
                 xs = torch.zeros((b, *self.x_like.shape[1:]), dtype=self.x_like.dtype, device=self.pool.device)
