@@ -71,9 +71,9 @@
 #           forward, fused and triton backends; the chunks eager and, fused, one graph replay each) with one
 #           profiled call of each prefill, the chunked prefill's host time at chunks of 1024 and 2048
 #           (--host-profile), the decode kernels alone (--graph: graph replays), the serving example's tokens
-#           per second, and compute-sanitizer over scripts/sanitize_decode.py (the decode split at every head
-#           dim, the paged append, the fused prefill after a cache and over a paged pool, the graphed step's
-#           preparation)
+#           per second (decode steps graphed, and the prompts in graphed chunks too), and compute-sanitizer
+#           over scripts/sanitize_decode.py (the decode split at every head dim, the paged append, the fused
+#           prefill after a cache and over a paged pool, the graphed step's preparation)
 #   fp8     the FP8 forward: pytest -m gpu tests/test_gpu_fp8.py, scripts/bench_fp8.py (beside tpattn's fp16
 #           fused forward and SDPA, d = 128 N = 4096 and 16384, causal and not, and d = 256); the FP8 pool:
 #           pytest -m gpu -k fp8 tests/test_gpu_paged.py (its kernels' bits, float64, the pool's steps and
@@ -501,6 +501,10 @@ if want paged; then
   done
   timeout 200 python3 scripts/serve_llama.py --device cuda --dtype fp16 --hidden 1024 --heads 8 --kv-heads 2 --layers 4 \
     --prompts 16 --new-tokens 64 --max-batch 8 --check --graphs 2>&1 | tail -4 || status=1
+  # the prompts in graphed chunks of 32 rows (ChunkGraphs inside generate)
+  timeout 200 python3 scripts/serve_llama.py --device cuda --dtype fp16 --hidden 1024 --heads 8 --kv-heads 2 --layers 4 \
+    --prompts 16 --prompt-lens 40 200 --new-tokens 32 --max-batch 8 --check --graphs --prefill-chunk 32 2>&1 | tail -4 \
+    || status=1
   san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
   for tool in memcheck racecheck; do
     timeout 300 "$san" --tool $tool --error-exitcode 9 python3 scripts/sanitize_decode.py > "$OUT/sanitizer_decode_$tool.log" 2>&1
