@@ -140,14 +140,14 @@ __device__ __forceinline__ tc_u16 dec_round(float x) {
 #define DEC_COMBINE_W 1024
 template <int D, bool BF16>
 __device__ __noinline__ void dec_combine(const float *__restrict__ Op, const float *__restrict__ Lp,
-                                            tc_u16 *__restrict__ O, long long bh0, int group, int S, int SP) {
+                                            tc_u16 *__restrict__ O, long long bh0, int group, int S) {
     __shared__ float wts[DEC_COMBINE_W];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int hc = min(group, DEC_COMBINE_W / S);
     for (int h0 = 0; h0 < group; h0 += hc) {
         const int nh = min(hc, group - h0);
-        const float *lp = Lp + (bh0 + h0) * SP;  // [nh, SP]: the heads of a group are consecutive
-        for (int e = tid; e < nh * S; e += DEC_THREADS) wts[e] = __ldcg(lp + (long long)(e / S) * SP + e % S);
+        const float *lp = Lp + (bh0 + h0) * S;  // [nh, S]: the heads of a group are consecutive
+        for (int e = tid; e < nh * S; e += DEC_THREADS) wts[e] = __ldcg(lp + e);
         __syncthreads();
         for (int i = warp; i < nh; i += DEC_THREADS / 32) {
             float *w = wts + i * S;
@@ -167,7 +167,7 @@ __device__ __noinline__ void dec_combine(const float *__restrict__ Op, const flo
         for (int it = tid; it < nh * (D / 4); it += DEC_THREADS) {
             const int i = it / (D / 4), c4 = it - i * (D / 4);
             const long long bh = bh0 + h0 + i;
-            const float4 *op = (const float4 *)(Op + bh * SP * D) + c4;
+            const float4 *op = (const float4 *)(Op + bh * S * D) + c4;
             const float *w = wts + i * S;
             float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll 8
@@ -212,39 +212,6 @@ __device__ __forceinline__ int dec_len(int b, int Ladd, const long long *__restr
     return Ladd + (Lpos != nullptr ? (int)*Lpos : 0);
 }
 
-// Which keys [k0, k1) of sequence b (length L) block s reads, and how many of the (b, g)'s blocks take
-// part (nb: each writes a partial and takes a ticket; the last combines nb partials; a block past them
-// does nothing). Contiguous: the cache split into S chunks of whole `quant`-key tiles. Paged (lengths
-// of their own): chunks of one size for the launch, mean = ceil(total / (S B)) keys for total the sum
-// of the B lengths (dec_mean_chunk), and at least ceil(L / Sg) so that the grid's Sg >= S blocks hold
-// the longest sequence: every block of a ragged batch reads about as many keys, and a short sequence
-// takes fewer blocks (equal chunks of each sequence would keep a long sequence's blocks running after
-// the short ones' ended). Uniform lengths split as the contiguous cache does.
-template <bool PAGED>
-__device__ __forceinline__ void dec_range(int L, int S, int Sg, int quant, int mean, int s, int &k0, int &k1,
-                                          int &nb) {
-    int chunk = (L + S - 1) / S;
-    if (PAGED) chunk = max(mean, (L + Sg - 1) / Sg);
-    chunk = max(1, (chunk + quant - 1) / quant * quant);
-    nb = PAGED ? max(1, (L + chunk - 1) / chunk) : S;
-    k0 = min(L, s * chunk), k1 = min(L, k0 + chunk);
-}
-
-// ceil(sum of the B sequences' lengths / (S B)) (paged; every thread gets it), for dec_range.
-template <bool PAGED>
-__device__ __forceinline__ int dec_mean_chunk(const int *__restrict__ lens, int B, int S) {
-    if (!PAGED) return 0;
-    __shared__ unsigned long long total;
-    if (threadIdx.x == 0) total = 0ull;
-    __syncthreads();
-    unsigned long long t = 0ull;
-    for (int i = threadIdx.x; i < B; i += DEC_THREADS) t += (unsigned long long)__ldg(lens + i);
-    if (t) atomicAdd(&total, t);
-    __syncthreads();
-    const unsigned long long n = (unsigned long long)S * B;
-    return (int)((total + n - 1) / n);
-}
-
 // KV: tc_u16 (the storage dtype's pages or cache) or unsigned char (an FP8 pool's e4m3 pages, with the
 // scale of each position's row of K and of V, KS and VS [pages, G, page]).
 template <int D, int GQ, bool BF16, bool PAGED, typename KV = tc_u16>
@@ -267,14 +234,12 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const KV
     __shared__ int last;
     const int tid = threadIdx.x, grp = tid / LANES, lane = tid % LANES;
     const bool cols = lane * 8 < D;  // this lane holds columns of the head (all lanes, for a power of two)
-    const int s = blockIdx.x, SP = gridDim.x;  // SP: partials a head (S of them contiguous; paged, up to SP)
-    const int mean = dec_mean_chunk<PAGED>(lens, BG / G, S);
+    const int s = blockIdx.x;
     for (int bg = blockIdx.y; bg < BG; bg += gridDim.y) {
         const int b = bg / G, g = bg - b * G;
         const int L = dec_len<PAGED>(b, Ladd, Lpos, lens);
-        int k0, k1, nb;
-        dec_range<PAGED>(L, S, SP, 1, mean, s, k0, k1, nb);
-        if (s >= nb) continue;  // (the same for every thread of the block)
+        const int chunk = (L + S - 1) / S;
+        const int k0 = min(L, s * chunk), k1 = min(L, k0 + chunk);
         const long long kv = (long long)bg * LMAX * D;
         const long long bh0 = ((long long)b * G + g) * group;  // the group's first query head
         for (int h0 = 0; h0 < group; h0 += GQ) {  // GQ heads of the group at a time
@@ -392,8 +357,8 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const KV
                         acc += so[r][i][c] * w;
                     }
                 const long long bh = bh0 + h0 + i;
-                Op[(bh * SP + s) * D + c] = lsum > 0.0f ? acc / lsum : 0.0f;
-                if (c == 0) Lp[bh * SP + s] = lsum > 0.0f ? mx + tc_log2(lsum) : TC_NEG_INF;
+                Op[(bh * S + s) * D + c] = lsum > 0.0f ? acc / lsum : 0.0f;
+                if (c == 0) Lp[bh * S + s] = lsum > 0.0f ? mx + tc_log2(lsum) : TC_NEG_INF;
             }
             __syncthreads();
         }
@@ -402,13 +367,13 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const KV
         __syncthreads();
         if (tid == 0) {
             const int t = atomicAdd(tickets + bg, 1);
-            last = t == nb - 1;
+            last = t == S - 1;
             if (last) tickets[bg] = 0;
         }
         __syncthreads();
         if (last) {
             __threadfence();
-            dec_combine<D, BF16>(Op, Lp, O, bh0, group, nb, SP);
+            dec_combine<D, BF16>(Op, Lp, O, bh0, group, S);
         }
         __syncthreads();
     }
@@ -454,14 +419,12 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
     __shared__ float so[W][ROWS][D];
     __shared__ int last;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, c = lane & 3;
-    const int s = blockIdx.x, SP = gridDim.x;  // SP: partials a head (S of them contiguous; paged, up to SP)
-    const int mean = dec_mean_chunk<PAGED>(lens, BG / G, S);
+    const int s = blockIdx.x;
     for (int bg = blockIdx.y; bg < BG; bg += gridDim.y) {
         const int b = bg / G, g = bg - b * G;
         const int L = dec_len<PAGED>(b, Ladd, Lpos, lens);
-        int k0, k1, nb;
-        dec_range<PAGED>(L, S, SP, 16 * W, mean, s, k0, k1, nb);  // whole 16-key tiles per warp
-        if (s >= nb) continue;  // (the same for every thread of the block)
+        const int chunk = ((L + S - 1) / S + 16 * W - 1) / (16 * W) * (16 * W);  // whole 16-key tiles per warp
+        const int k0 = min(L, s * chunk), k1 = min(L, k0 + chunk);
         const long long kv = (long long)bg * LMAX * D;
         const long long bh0 = (long long)bg * group;  // the group's first query head
         for (int h0 = 0; h0 < group; h0 += ROWS) {
@@ -733,8 +696,8 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                         acc += so[w][i][col] * f;
                     }
                 const long long bh = bh0 + h0 + i;
-                Op[(bh * SP + s) * D + col] = lsum > 0.0f ? acc / lsum : 0.0f;
-                if (col == 0) Lp[bh * SP + s] = lsum > 0.0f ? mx + tc_log2(lsum) : TC_NEG_INF;
+                Op[(bh * S + s) * D + col] = lsum > 0.0f ? acc / lsum : 0.0f;
+                if (col == 0) Lp[bh * S + s] = lsum > 0.0f ? mx + tc_log2(lsum) : TC_NEG_INF;
             }
             __syncthreads();
         }
@@ -742,13 +705,13 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
         __syncthreads();
         if (tid == 0) {
             const int t = atomicAdd(tickets + bg, 1);
-            last = t == nb - 1;
+            last = t == S - 1;
             if (last) tickets[bg] = 0;
         }
         __syncthreads();
         if (last) {
             __threadfence();
-            dec_combine<D, BF16>(Op, Lp, O, bh0, group, nb, SP);
+            dec_combine<D, BF16>(Op, Lp, O, bh0, group, S);
         }
         __syncthreads();
     }

@@ -165,16 +165,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> to
     return torch.matmul(p.to(acc), v.to(acc).unsqueeze(2)).to(dtype).view(B, h, T, d)
 
 
-DEC_COMBINE_W = 1024  # the most partials a head the kernels' combine takes (kernels/decode_attention.cu)
-RAGGED_SPLITS = 2     # a paged launch's grid: this many times the split count, for sequences longer than the mean
-
-
 def decode_splits(bg: int, length: int, sms: int, per_sm: int = 4) -> int:
     """How many chunks the cache length is split into: about `per_sm` blocks per SM, chunks of at
     least 64 keys, at most 1024 chunks (the combine's weights). Measured on an H200
     (scripts/bench_decode.py's shapes, 1 to 8 blocks an SM): 4 for the CUDA-core split, 2 for the
     tensor-core one (docs/decode.md)."""
-    return max(1, min(-(-per_sm * sms // bg), -(-length // 64), DEC_COMBINE_W))
+    return max(1, min(-(-per_sm * sms // bg), -(-length // 64), 1024))
 
 
 def kernel_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -310,12 +306,9 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     B, h, d = q.shape
     g, page = k_pool.shape[1], k_pool.shape[2]
     source, name, S = _split_kernel(q, B, h, g, d, max(1, longest), page=page, fp8=scales is not None)
-    # grid: up to RAGGED_SPLITS x S blocks a (sequence, K/V head), the kernel's chunks of one size for the
-    # launch (from the mean length): a sequence longer than the mean takes more of them (dec_range)
-    Sg = max(S, min(RAGGED_SPLITS * S, -(-max(1, longest) // 16), DEC_COMBINE_W)) if B > 1 else S
     q = q.contiguous()
-    op = torch.empty(B, h, Sg, d, dtype=torch.float32, device=q.device)
-    lp = torch.empty(B, h, Sg, dtype=torch.float32, device=q.device)
+    op = torch.empty(B, h, S, d, dtype=torch.float32, device=q.device)
+    lp = torch.empty(B, h, S, dtype=torch.float32, device=q.device)
     o = torch.empty_like(q)
     head = (ptr(q), ptr(k_pool), ptr(v_pool), ptr(op), ptr(lp), ptr(o),
             ptr(tickets if tickets is not None else ticket_counters(q.device, B * g)), np.int32(B * g), np.int32(g),
@@ -326,7 +319,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         args = (*head, np.int32(S), *tail, ptr(scales[0]), ptr(scales[1]))
     else:
         args = (*head, np.int32(0), np.uint64(0), np.int32(0), np.int32(S), *tail)
-    launch(source, name, q.device, (Sg, min(B * g, GRID_YZ_MAX), 1), (128, 1, 1), args)
+    launch(source, name, q.device, (S, min(B * g, GRID_YZ_MAX), 1), (128, 1, 1), args)
     return o
 
 
