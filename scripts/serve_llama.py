@@ -49,6 +49,8 @@ def main() -> int:
                     help="the KV cache's pages: the model's dtype, or fp8 (e4m3 with a scale per token and K/V head)")
     ap.add_argument("--prefill-chunk", type=int, metavar="T", help="chunked prefill: at most T prompt rows a step "
                     "(with --graphs: a newcomer's prompt in chunks of T, each a CUDA graph replay; T >= 2)")
+    ap.add_argument("--backend", default="reference", help="the attention layers' backend (default reference; "
+                    "fused: the CUDA kernels, and with --graphs --prefill-chunk the prompts' chunks as graph replays)")
     ap.add_argument("--check", action="store_true", help="compare with the unmodified model's greedy tokens")
     ap.add_argument("--graphs", action="store_true", help="decode steps under CUDA graphs, one per batch-size bucket "
                     "(--device cuda; the first steps of each bucket capture it)")
@@ -60,6 +62,10 @@ def main() -> int:
     small = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in counts if getattr(args, n) < 1]
     if args.prefill_chunk is not None and args.prefill_chunk < (2 if args.graphs else 1):
         small.append(f"--prefill-chunk {args.prefill_chunk}")
+    from tpattn.attention import backend_names
+    if args.backend not in backend_names():
+        print(f"serve_llama.py: --backend {args.backend!r}: choose one of {', '.join(backend_names())}", file=sys.stderr)
+        return 2
     if small:
         print(f"serve_llama.py: {', '.join(small)}: each must be a positive count (--prefill-chunk 2 or more with "
               "--graphs)", file=sys.stderr)
@@ -90,7 +96,7 @@ def main() -> int:
     lo, hi = args.prompt_lens
     lens = torch.randint(lo, hi + 1, (args.prompts,)).tolist()
     prompts = [torch.randint(0, args.vocab, (n,)).tolist() for n in lens]
-    tp = hf.parallelize(model)
+    tp = hf.parallelize(model, backend=args.backend)
     t0 = time.perf_counter()
     kv_dtype = None if args.kv_dtype == "model" else args.kv_dtype
     tokens = tp.generate(prompts, args.new_tokens, max_batch=args.max_batch, page_size=args.page_size,

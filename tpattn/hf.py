@@ -74,7 +74,8 @@ class ParallelLlama(torch.nn.Module):
         prefill_chunk rows of the prompts still being read, so a long prompt does not hold the others'
         decoding back for its whole prefill. With graphs, a newcomer's prompt goes in chunks of
         prefill_chunk rows, each a replay of one CUDA graph (tpattn.paged.ChunkGraphs: the fused
-        backend's paged prefill kernel), its last, shorter chunk eagerly."""
+        backend's paged prefill kernel; eager steps where the layers do not take it:
+        paged.chunk_graph_refusal), its last, shorter chunk eagerly."""
         prompts = _token_lists(prompts, self.model.get_input_embeddings().num_embeddings)
         budget = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
         if (len(budget) != len(prompts) or not all(is_count(n) for n in budget + [max_batch])
@@ -136,8 +137,8 @@ class ParallelLlama(torch.nn.Module):
         steps = paged.DecodeGraphs(pool, decode, torch.zeros(max_batch, dtype=torch.long, device=device),
                                    max_len=longest, buckets=buckets)
         embed = self.model.model.embed_tokens
-        chunks = None
-        if prefill_chunk is not None:
+        chunks = None  # whole chunks as graph replays where the layers take the paged prefill kernel, else eager
+        if prefill_chunk is not None and not any(paged.chunk_graph_refusal(a, pool) for a in pool.layers):
             like = embed(torch.zeros(1, prefill_chunk, dtype=torch.long, device=device))
             chunks = paged.ChunkGraphs(pool, self._blocks, like, max_len=longest)
         waiting = list(range(len(prompts)))
@@ -156,9 +157,14 @@ class ParallelLlama(torch.nn.Module):
                 rest = []
                 for s, i in new:
                     at = 0
-                    while chunks is not None and len(prompts[i]) - at > chunks.T:  # (a last row stays for the step below)
-                        chunks.step(s, embed(torch.tensor([prompts[i][at:at + chunks.T]], device=device)))
-                        at += chunks.T
+                    while prefill_chunk is not None and len(prompts[i]) - at > prefill_chunk:  # (a last row stays
+                        part = torch.tensor(prompts[i][at:at + prefill_chunk], device=device)  # for the step below)
+                        if chunks is not None:
+                            chunks.step(s, embed(part[None]))
+                        else:
+                            with pool.step([s], [prefill_chunk]) as step:
+                                self._hidden(part, step)
+                        at += prefill_chunk
                     rest.append((s, prompts[i][at:]))
                 with pool.step([s for s, _ in rest], [len(r) for _, r in rest]) as step:
                     h = self._hidden(torch.tensor([t for _, r in rest for t in r], dtype=torch.long, device=device), step)
