@@ -100,17 +100,21 @@ class ParallelLlama(torch.nn.Module):
         live: dict[int, int] = {}  # sequence id -> prompt index
         fed: dict[int, int] = {}   # sequence id -> its prompt's rows in the cache so far
         while waiting or live:
-            for s, i in _admit(pool, waiting, live, max_batch, prompts, budget):  # newcomers: prefill packed together
+            for s, i in _admit(pool, waiting, live, max_batch, prompts, budget):  # newcomers
                 live[s], fed[s] = i, 0
             ids, rows, toks = [], [], []
             room = prefill_chunk if prefill_chunk is not None else sum(len(prompts[i]) for i in live.values())
-            for s, i in live.items():  # decoding sequences first, then the prompts still being read
+            for s, i in live.items():  # decoding sequences first: their last token
                 if fed[s] == len(prompts[i]):
-                    ids.append(s), rows.append(1), toks.append(out[i][-1])
-            for s, i in live.items():
+                    ids.append(s)
+                    rows.append(1)
+                    toks.append(out[i][-1])
+            for s, i in live.items():  # then the prompts still being read, as much as the room allows
                 n = min(len(prompts[i]) - fed[s], room)
                 if fed[s] < len(prompts[i]) and n > 0:
-                    ids.append(s), rows.append(n), toks.extend(prompts[i][fed[s]:fed[s] + n])
+                    ids.append(s)
+                    rows.append(n)
+                    toks.extend(prompts[i][fed[s]:fed[s] + n])
                     fed[s] += n
                     room -= n
             with pool.step(ids, rows) as step:
