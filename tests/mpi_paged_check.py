@@ -85,6 +85,28 @@ except ConfigError as exc:
 if "the ranks' paged-cache calls differ" not in said or "every rank must add, step and remove" not in said:
     bad.append(f"a step that differs between ranks: {said}")
 
+# ---- generate's graphed chunks: a rank whose layers would take ChunkGraphs and one whose would not ----
+# (decided alike on every rank, or refused in one line on every rank: no rank left in ChunkGraphs' gather)
+import tpattn.paged as paged_mod  # noqa: E402
+
+
+class _EagerDecode(paged_mod.DecodeGraphs):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **{**kw, "capture": False})
+
+
+real_refusal, real_decode = paged_mod.chunk_graph_refusal, paged_mod.DecodeGraphs
+paged_mod.DecodeGraphs = _EagerDecode
+paged_mod.chunk_graph_refusal = (lambda layer, pool: None) if R == 0 else real_refusal
+try:
+    tp.generate(prompts, budget, max_batch=2, page_size=4, graphs=True, prefill_chunk=3)
+    said = "no error"
+except ConfigError as exc:
+    said = str(exc)
+paged_mod.chunk_graph_refusal, paged_mod.DecodeGraphs = real_refusal, real_decode
+if "the ranks' paged-cache calls differ" not in said or "generate's graphed chunks" not in said:
+    bad.append(f"graphed chunks chosen differently on the ranks: {said}")
+
 # ---- pools built differently on the ranks: refused at construction, on every rank ------------------
 for kw in ({"pages": 8 + (R == W - 1)}, {"kv_dtype": "fp8" if R == 0 else None}):
     try:

@@ -142,9 +142,12 @@ class ParallelLlama(torch.nn.Module):
                                    max_len=longest, buckets=buckets)
         embed = self.model.model.embed_tokens
         chunks = None  # whole chunks as graph replays where the layers take the paged prefill kernel, else eager
-        if prefill_chunk is not None and not any(paged.chunk_graph_refusal(a, pool) for a in pool.layers):
-            like = embed(torch.zeros(1, prefill_chunk, dtype=torch.long, device=device))
-            chunks = paged.ChunkGraphs(pool, self._blocks, like, max_len=longest)
+        if prefill_chunk is not None:
+            why = next(filter(None, (paged.chunk_graph_refusal(a, pool) for a in pool.layers)), None)
+            pool._agree("generate's graphed chunks", (why is None,))  # (the ranks choose alike, or all stop)
+            if why is None:
+                like = embed(torch.zeros(1, prefill_chunk, dtype=torch.long, device=device))
+                chunks = paged.ChunkGraphs(pool, self._blocks, like, max_len=longest)
         waiting = list(range(len(prompts)))
         out: list[list[int]] = [[] for _ in prompts]
         live: dict[int, int] = {}
