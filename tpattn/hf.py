@@ -17,6 +17,7 @@ must be the same everywhere), so the block tables agree.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -103,7 +104,7 @@ class ParallelLlama(torch.nn.Module):
             for s, i in _admit(pool, waiting, live, max_batch, prompts, budget):  # newcomers
                 live[s], fed[s] = i, 0
             ids, rows, toks = [], [], []
-            room = prefill_chunk if prefill_chunk is not None else sum(len(prompts[i]) for i in live.values())
+            room = prefill_chunk if prefill_chunk is not None else math.inf  # prompt rows this step may take
             for s, i in live.items():  # decoding sequences first: their last token
                 if fed[s] == len(prompts[i]):
                     ids.append(s)

@@ -212,11 +212,9 @@ class PagedKV:
                               f"larger (PagedKV(..., pages={self.pages + sum(need) - len(self.free_pages)} or more))")
         grew = [s for s, n in zip(slots, need) if n]
         for s, n in zip(slots, need):
-            if n:
-                self.tables[s] += [self.free_pages.pop() for _ in range(n)]
+            self.tables[s] += [self.free_pages.pop() for _ in range(n)]
         self.version += bool(grew)
-        self._open = PagedStep(self, seq_ids, slots, rows, [self.lengths[s] for s in slots])
-        self._open.grew = grew
+        self._open = PagedStep(self, seq_ids, slots, rows, [self.lengths[s] for s in slots], grew)
         return self._open
 
     def _close(self, step: "PagedStep", ok: bool) -> None:
@@ -250,13 +248,13 @@ class PagedStep:
     """The rows one step appends: per sequence its slot, start position and row count, and for
     every packed row its position and where its K and V go (page, offset), on the pool's device."""
 
-    def __init__(self, pool: PagedKV, seq_ids, slots, rows, starts):
+    def __init__(self, pool: PagedKV, seq_ids, slots, rows, starts, grew=()):
         self.pool, self.seq_ids, self.slots, self.rows, self.starts = pool, seq_ids, slots, rows, starts
+        self.grew = list(grew)  # the slots whose tables this step lengthened
         self.cu = [0]
         for r in rows:
             self.cu.append(self.cu[-1] + r)
         self._meta = None
-        self.grew: list[int] = []  # the slots whose tables this step lengthened
 
     def _device_meta(self) -> dict:
         """What the step's layers read about its rows and sequences, on the pool's device, made on first
