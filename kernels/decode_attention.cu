@@ -253,19 +253,41 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const KV
                 for (int e = 0; e < 8; ++e) o[i][e] = q[i][e] = 0.0f;
                 if (i < nh && cols) dec_load8<BF16>(Q + (bh0 + h0 + i) * D + lane * 8, q[i]);
             }
+            // PAGED: the pages of the keys of the next iteration, looked up one iteration ahead, so that
+            // no load waits on its block-table lookup (pages of a power of two: a shift)
+            const int pshift = PAGED && (page & (page - 1)) == 0 ? __ffs(page) - 1 : -1;
+            int pgn[U];
+            auto pages_of = [&](int base) {
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const int key = base + u * NGRP + grp;
+                    pgn[u] = key < k1 ? __ldg(table + (long long)b * tstride + (pshift >= 0 ? key >> pshift : key / page)) : 0;
+                }
+            };
+            if constexpr (PAGED) pages_of(k0);
             // every lane runs every iteration (the shuffles need the whole warp); a key past the
             // chunk's end loads nothing and adds nothing
             for (int base = k0; base < k1; base += U * NGRP) {
                 float kx[U][8], vx[U][8], ks[U], vs[U];
+                int pg[U];
+                if constexpr (PAGED) {
+#pragma unroll
+                    for (int u = 0; u < U; ++u) pg[u] = pgn[u];
+                    pages_of(base + U * NGRP);
+                }
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     const int key = base + u * NGRP + grp;
                     // FP8: the key's place is found once for its bytes and its row scales, which every lane
                     // of the group reads (they keep the same m and l)
                     const bool in = key < k1;
-                    const long long at = F8 && in ? dec_at<D, PAGED>(b, g, G, key, kv, table, tstride, page) : 0;
+                    long long at = 0;
+                    if constexpr (PAGED) {
+                        const int off = pshift >= 0 ? key & (page - 1) : key % page;
+                        if (in) at = (((long long)pg[u] * G + g) * page + off) * D;
+                    }
                     if (in && cols) {
-                        const long long a = F8 ? at : dec_at<D, PAGED>(b, g, G, key, kv, table, tstride, page);
+                        const long long a = PAGED ? at : dec_at<D, PAGED>(b, g, G, key, kv, table, tstride, page);
                         dec_load8<BF16>(K + a + lane * 8, kx[u]);
                         dec_load8<BF16>(V + a + lane * 8, vx[u]);
                     } else {
@@ -377,7 +399,12 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const KV
 // 2c + 9), so each lane reads the scales of the keys whose V it reads. P V runs in fp16 with P's
 // row scaled by vscale / m_v (m_v the largest vscale of the tile's keys, so that nothing rounds
 // to an fp16 subnormal), and m_v multiplies the tile's product into the accumulators.
-template <int D, bool M16, bool PIPE, bool BF16, bool PAGED, typename KV = tc_u16>
+// PG: 0 the contiguous cache; paged: 1 a block-table lookup a key (any page size), 2 whole 16-key tiles
+// a page (pages of a power of two of 16 tokens or more: one lookup a tile), 3 either, chosen at run
+// time (the FP8 kernels). A kernel built for one of 1 or 2 alone leaves out the other's addressing:
+// with both, the paged _p kernel at d = 128 took 246 registers instead of 168 (two blocks an SM
+// instead of three, and 1.2x the contiguous kernel's time at B = 16, G = 8, measured on an H100).
+template <int D, bool M16, bool PIPE, bool BF16, int PG, typename KV = tc_u16>
 __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *__restrict__ K,
                                         const KV *__restrict__ V, float *__restrict__ Op,
                                         float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets,
@@ -386,7 +413,7 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                                         const int *__restrict__ lens, int tstride, int page,
                                         const float *__restrict__ kscale = nullptr,
                                         const float *__restrict__ vscale = nullptr) {
-    constexpr bool F8 = sizeof(KV) == 1;
+    constexpr bool F8 = sizeof(KV) == 1, PAGED = PG != 0;
     constexpr int E = D / 4, KS = D / 16, NT = D / 8, ROWS = M16 ? 16 : 8, W = DEC_THREADS / 32;
     __shared__ float sm[W][ROWS], sl[W][ROWS];
     __shared__ float so[W][ROWS][D];
@@ -496,9 +523,9 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
             // PAGED: where a tile's keys lie. Pages of a power of two of 16 tokens or more hold whole
             // 16-key tiles (t0 is a multiple of 16): one block-table lookup a tile, issued one load
             // ahead (pg_next: the page of the next tile this warp loads), so that no load waits on a
-            // lookup; smaller pages: a lookup a key (dec_at). FP8 pages without PIPE look the tile's
+            // lookup; other pages (PG 1): a lookup a key (dec_at). FP8 pages without PIPE look the tile's
             // page up as it loads: the register carried between tiles made those kernels spill at D = 64
-            const bool whole = PAGED && page >= 16 && (page & (page - 1)) == 0;
+            const bool whole = PG == 2 || (PG == 3 && page >= 16 && (page & (page - 1)) == 0);
             constexpr bool AHEAD = PIPE || sizeof(KV) == 2;
             auto page_of = [&](int t) -> int {
                 return whole && t < k1 ? __ldg(table + (long long)b * tstride + (t >> (__ffs(page) - 1))) : 0;
@@ -803,17 +830,26 @@ __device__ __forceinline__ void dec_append_pg8(const tc_u16 *__restrict__ QKV, t
 // The contiguous kernels (K, V [B, G, LMAX, D], one length for the batch) and the paged ones (_pg:
 // K, V the pool [pages, G, page, D], a block table [B, tstride] and a length per sequence, lens [B]);
 // the arguments the other layout does not use are passed as 0.
-#define DEC_SPLIT(SUF, BF16, D, GQ, PAGED, PG)                                                          \
-    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_split_##SUF##_d##D##_g##GQ##PG(      \
+// __launch_bounds__ of a kernel: DEC_LB(0) as many registers as ptxas takes, DEC_LB(n) few enough for
+// n blocks an SM
+#define DEC_LB_0 __launch_bounds__(DEC_THREADS)
+#define DEC_LB_3 __launch_bounds__(DEC_THREADS, 3)
+#define DEC_LB_4 __launch_bounds__(DEC_THREADS, 4)
+#define DEC_LB_5 __launch_bounds__(DEC_THREADS, 5)
+#define DEC_LB_6 __launch_bounds__(DEC_THREADS, 6)
+#define DEC_LB_(N) DEC_LB_##N
+#define DEC_LB(N) DEC_LB_(N)
+#define DEC_SPLIT(SUF, BF16, D, GQ, PAGED, PG, MINB)                                                    \
+    extern "C" __global__ void DEC_LB(MINB) dec_split_##SUF##_d##D##_g##GQ##PG(                        \
         const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,      \
         float *__restrict__ Op, float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets, \
         int BG, int G, int group, int Ladd, const long long *__restrict__ Lpos, int LMAX, int S,        \
         float scale_log2, const int *__restrict__ table, const int *__restrict__ lens, int tstride, int page) { \
-        dec_split<D, GQ, BF16, PAGED>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, Lpos, LMAX, S, scale_log2, \
+        dec_split<D, GQ, BF16, (PAGED) != 0>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, Lpos, LMAX, S, scale_log2, \
                                       table, lens, tstride, page);                                      \
     }
-#define DEC_MMA(SUF, BF16, D, M16, ROWS, PIPE, P, PAGED, PG)                                            \
-    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r##ROWS##P##PG(     \
+#define DEC_MMA(SUF, BF16, D, M16, ROWS, PIPE, P, PAGED, PG, MINB)                                      \
+    extern "C" __global__ void DEC_LB(MINB) dec_mma_##SUF##_d##D##_r##ROWS##P##PG(                      \
         const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,      \
         float *__restrict__ Op, float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets, \
         int BG, int G, int group, int Ladd, const long long *__restrict__ Lpos, int LMAX, int S,        \
@@ -829,7 +865,7 @@ __device__ __forceinline__ void dec_append_pg8(const tc_u16 *__restrict__ QKV, t
         int BG, int G, int group, int S, float scale_log2, const int *__restrict__ table,               \
         const int *__restrict__ lens, int tstride, int page, const float *__restrict__ KS,              \
         const float *__restrict__ VS) {                                                                 \
-        dec_mma<D, M16, PIPE, BF16, true, unsigned char>(Q, K, V, Op, Lp, O, tickets, BG, G, group, 0, nullptr, 0, \
+        dec_mma<D, M16, PIPE, BF16, 3, unsigned char>(Q, K, V, Op, Lp, O, tickets, BG, G, group, 0, nullptr, 0, \
                                                          S, scale_log2, table, lens, tstride, page, KS, VS); \
     }
 #define DEC_MMAS8(SUF, BF16, D)                                                                         \
@@ -850,17 +886,24 @@ __device__ __forceinline__ void dec_append_pg8(const tc_u16 *__restrict__ QKV, t
     DEC_SPLIT8(f16, false, D, 1) DEC_SPLIT8(f16, false, D, 2) DEC_SPLIT8(f16, false, D, 4)              \
     DEC_SPLIT8(f16, false, D, 8) DEC_SPLIT8(bf16, true, D, 1) DEC_SPLIT8(bf16, true, D, 2)              \
     DEC_SPLIT8(bf16, true, D, 4) DEC_SPLIT8(bf16, true, D, 8)
-#define DEC_LAYOUT(SUF, BF16, D, PAGED, PG)                                                             \
-    DEC_SPLIT(SUF, BF16, D, 1, PAGED, PG) DEC_SPLIT(SUF, BF16, D, 2, PAGED, PG)                         \
-    DEC_SPLIT(SUF, BF16, D, 4, PAGED, PG) DEC_SPLIT(SUF, BF16, D, 8, PAGED, PG)                         \
-    DEC_MMA(SUF, BF16, D, false, 8, false, , PAGED, PG) DEC_MMA(SUF, BF16, D, true, 16, false, , PAGED, PG) \
-    DEC_MMA(SUF, BF16, D, false, 8, true, _p, PAGED, PG) DEC_MMA(SUF, BF16, D, true, 16, true, _p, PAGED, PG)
-#define DEC_DEFINE(SUF, BF16, D) DEC_LAYOUT(SUF, BF16, D, false, ) DEC_LAYOUT(SUF, BF16, D, true, _pg)
+#define DEC_LAYOUT(SUF, BF16, D, PAGED, PG, MINB1, MINB8P)                                              \
+    DEC_SPLIT(SUF, BF16, D, 1, PAGED, PG, MINB1) DEC_SPLIT(SUF, BF16, D, 2, PAGED, PG, 0)               \
+    DEC_SPLIT(SUF, BF16, D, 4, PAGED, PG, 0) DEC_SPLIT(SUF, BF16, D, 8, PAGED, PG, 0)                   \
+    DEC_MMA(SUF, BF16, D, false, 8, false, , PAGED, PG, 0) DEC_MMA(SUF, BF16, D, true, 16, false, , PAGED, PG, 0) \
+    DEC_MMA(SUF, BF16, D, false, 8, true, _p, PAGED, PG, MINB8P) DEC_MMA(SUF, BF16, D, true, 16, true, _p, PAGED, PG, 0)
+// The paged kernels held to as many blocks an SM as their contiguous twins compile to by themselves,
+// or one fewer: MINB8P, the _p kernel of 8 rows (d = 128: 171 registers, two blocks, without it, 168
+// with a spill of 20 bytes); the split of one head, 5 (118 registers, four blocks, without it; 96 with a
+// spill of 4 bytes; the contiguous one: 80, six blocks)
+#define DEC_DEFINE(SUF, BF16, D, MINB8P)                                                                \
+    DEC_LAYOUT(SUF, BF16, D, 0, , 0, 0) DEC_LAYOUT(SUF, BF16, D, 2, _pg, 5, MINB8P)                     \
+    DEC_MMA(SUF, BF16, D, false, 8, false, , 1, _pgk, 0) DEC_MMA(SUF, BF16, D, true, 16, false, , 1, _pgk, 0) \
+    DEC_MMA(SUF, BF16, D, false, 8, true, _p, 1, _pgk, 0) DEC_MMA(SUF, BF16, D, true, 16, true, _p, 1, _pgk, 0)
 #ifndef DEC_OTHER_DIMS
-DEC_DEFINE(f16, false, 64)
-DEC_DEFINE(bf16, true, 64)
-DEC_DEFINE(f16, false, 128)
-DEC_DEFINE(bf16, true, 128)
+DEC_DEFINE(f16, false, 64, 0)
+DEC_DEFINE(bf16, true, 64, 0)
+DEC_DEFINE(f16, false, 128, 3)
+DEC_DEFINE(bf16, true, 128, 3)
 DEC_SPLITS8(64)
 DEC_SPLITS8(128)
 DEC_MMAS8(f16, false, 64)
@@ -873,8 +916,8 @@ DEC_MMAS8(bf16, true, 128)
 // built from decode_attention_dims.cu (which defines DEC_OTHER_DIMS) so that the common head dims'
 // module compiles as fast as before
 #define DEC_SPLITS(SUF, BF16, D, PAGED, PG)                                                             \
-    DEC_SPLIT(SUF, BF16, D, 1, PAGED, PG) DEC_SPLIT(SUF, BF16, D, 2, PAGED, PG)                         \
-    DEC_SPLIT(SUF, BF16, D, 4, PAGED, PG) DEC_SPLIT(SUF, BF16, D, 8, PAGED, PG)
+    DEC_SPLIT(SUF, BF16, D, 1, PAGED, PG, 0) DEC_SPLIT(SUF, BF16, D, 2, PAGED, PG, 0)                   \
+    DEC_SPLIT(SUF, BF16, D, 4, PAGED, PG, 0) DEC_SPLIT(SUF, BF16, D, 8, PAGED, PG, 0)
 #define DEC_DEFINE_SPLIT(D)                                                                             \
     DEC_SPLITS(f16, false, D, false, ) DEC_SPLITS(f16, false, D, true, _pg)                             \
     DEC_SPLITS(bf16, true, D, false, ) DEC_SPLITS(bf16, true, D, true, _pg) DEC_SPLITS8(D)

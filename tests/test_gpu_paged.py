@@ -69,7 +69,7 @@ def float64_rows(q, pool_k, pool_v, table, lens):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("h,g", [(32, 32), (32, 8), (16, 1)])
-@pytest.mark.parametrize("page", [1, 16, 64])
+@pytest.mark.parametrize("page", [1, 16, 24, 64])
 def test_paged_kernel_against_float64(h, g, d, dtype, page, split_kernel):
     check_paged([1, 17, page, 1000, 4097, 64 * 3 + 1], h, g, d, dtype, page)
 

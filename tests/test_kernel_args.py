@@ -517,6 +517,32 @@ def test_decode_launches_contiguous_and_paged(monkeypatch, h, g):
     assert (paged[7], paged[8], paged[9]) == (B * g, g, h // g)  # (b, g) pairs, K/V heads, group
 
 
+@pytest.mark.parametrize("page,suffix", [(16, "_pg"), (64, "_pg"), (8, "_pgk"), (24, "_pgk"), (48, "_pgk")])
+@pytest.mark.parametrize("h,g", [(8, 8), (8, 2)])
+def test_paged_decode_kernel_per_page_size(monkeypatch, page, suffix, h, g):
+    """The tensor-core split (grouped heads) has a build for pages of a power of two of 16 tokens or
+    more (_pg: a lookup a 16-key tile) and one for other pages (_pgk: a lookup a key); the CUDA-core
+    split (one head a K/V head) takes every page size in its _pg build. Each is a kernel of the file,
+    with the arguments it takes."""
+    from tpattn import cuda as tcuda
+    from tpattn import decode
+    calls = []
+    monkeypatch.setattr(tcuda, "launch", lambda source, name, device, grid, block, args, shared_mem=0:
+                        calls.append((source, name, grid, block, args)))
+    monkeypatch.setattr(decode, "decode_kernel_fits", lambda q: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"multi_processor_count": 132}))
+    q = torch.randn(2, h, 128).half()
+    pool_k, pool_v = (torch.randn(40, g, page, 128).half() for _ in range(2))
+    table = torch.arange(2 * 6, dtype=torch.int32).view(2, 6)
+    lens = torch.tensor([5, 6 * page], dtype=torch.int32)
+    decode.paged_decode_attention(q, pool_k, pool_v, table, lens, 6 * page, tickets=torch.zeros(2 * g, dtype=torch.int32))
+    (source, name, grid, block, args), = calls
+    check_launch(source, name, grid, block, args)
+    assert name.startswith("dec_mma" if h > g else "dec_split")
+    assert name.endswith(suffix if h > g else "_pg"), name
+    assert args[-1] == page
+
+
 @pytest.mark.parametrize("rope", [False, True])
 def test_paged_append_and_prepare_launches(monkeypatch, rope):
     """A paged step's rotation and K/V writes (dec_append_pg: positions and pages per row, the page

@@ -260,18 +260,27 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
     return o
 
 
+def tile_pages(page: int) -> bool:
+    """Whether pages of `page` tokens hold whole 16-key tiles of the tensor-core split: a power of two
+    of 16 or more."""
+    return page >= 16 and page & (page - 1) == 0
+
+
 def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int,
-                  paged: bool = False, fp8: bool = False) -> tuple[str, str, int]:
+                  page: int = 0, fp8: bool = False) -> tuple[str, str, int]:
     """(source, kernel name, chunks S) of kernels/decode_attention.cu (decode_attention_dims.cu for a
     head dim other than 64 and 128: the CUDA-core split there, grouped heads too) for B sequences of
-    h query heads over g K/V heads, the cache split by `length` (the longest it can be). fp8: an FP8
-    pool's pages (the same choice of split, each kernel's _pg8)."""
+    h query heads over g K/V heads, the cache split by `length` (the longest it can be). page: a
+    pool's page size (0: the contiguous cache); the tensor-core split has a build for pages of a
+    power of two of 16 tokens or more (_pg: a block-table lookup a 16-key tile) and one for the
+    others (_pgk: a lookup a key). fp8: an FP8 pool's pages (the same choice of split, each kernel's
+    _pg8)."""
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     mma = d in DEC_HEAD_DIMS and (SPLIT_KERNEL == "mma" or (SPLIT_KERNEL == "auto" and h > g))
     source = dec_source(d)
     suf = "f16" if q.dtype == torch.float16 else "bf16"
     S = decode_splits(B * g, length, sms, 2 if mma else 4)
-    pg = "_pg8" if fp8 else "_pg" if paged else ""
+    pg = "_pg8" if fp8 else "" if not page else "_pg" if not mma or tile_pages(page) else "_pgk"
     if mma:  # tensor cores: the group's heads as the rows of an m16 tile, 8 or 16 at a time; with 3
         # or more chunks, the next tile's loads in flight while one is computed (_p: faster there,
         # slower at large batch, where fewer blocks fit: measured)
@@ -296,7 +305,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     from .cuda import GRID_YZ_MAX, launch, ptr
     B, h, d = q.shape
     g, page = k_pool.shape[1], k_pool.shape[2]
-    source, name, S = _split_kernel(q, B, h, g, d, max(1, longest), paged=True, fp8=scales is not None)
+    source, name, S = _split_kernel(q, B, h, g, d, max(1, longest), page=page, fp8=scales is not None)
     q = q.contiguous()
     op = torch.empty(B, h, S, d, dtype=torch.float32, device=q.device)
     lp = torch.empty(B, h, S, dtype=torch.float32, device=q.device)
