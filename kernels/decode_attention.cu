@@ -830,17 +830,8 @@ __device__ __forceinline__ void dec_append_pg8(const tc_u16 *__restrict__ QKV, t
 // The contiguous kernels (K, V [B, G, LMAX, D], one length for the batch) and the paged ones (_pg:
 // K, V the pool [pages, G, page, D], a block table [B, tstride] and a length per sequence, lens [B]);
 // the arguments the other layout does not use are passed as 0.
-// __launch_bounds__ of a kernel: DEC_LB(0) as many registers as ptxas takes, DEC_LB(n) few enough for
-// n blocks an SM
-#define DEC_LB_0 __launch_bounds__(DEC_THREADS)
-#define DEC_LB_3 __launch_bounds__(DEC_THREADS, 3)
-#define DEC_LB_4 __launch_bounds__(DEC_THREADS, 4)
-#define DEC_LB_5 __launch_bounds__(DEC_THREADS, 5)
-#define DEC_LB_6 __launch_bounds__(DEC_THREADS, 6)
-#define DEC_LB_(N) DEC_LB_##N
-#define DEC_LB(N) DEC_LB_(N)
-#define DEC_SPLIT(SUF, BF16, D, GQ, PAGED, PG, MINB)                                                    \
-    extern "C" __global__ void DEC_LB(MINB) dec_split_##SUF##_d##D##_g##GQ##PG(                        \
+#define DEC_SPLIT(SUF, BF16, D, GQ, PAGED, PG)                                                          \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_split_##SUF##_d##D##_g##GQ##PG(                        \
         const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,      \
         float *__restrict__ Op, float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets, \
         int BG, int G, int group, int Ladd, const long long *__restrict__ Lpos, int LMAX, int S,        \
@@ -848,8 +839,8 @@ __device__ __forceinline__ void dec_append_pg8(const tc_u16 *__restrict__ QKV, t
         dec_split<D, GQ, BF16, (PAGED) != 0>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, Lpos, LMAX, S, scale_log2, \
                                       table, lens, tstride, page);                                      \
     }
-#define DEC_MMA(SUF, BF16, D, M16, ROWS, PIPE, P, PAGED, PG, MINB)                                      \
-    extern "C" __global__ void DEC_LB(MINB) dec_mma_##SUF##_d##D##_r##ROWS##P##PG(                      \
+#define DEC_MMA(SUF, BF16, D, M16, ROWS, PIPE, P, PAGED, PG)                                            \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r##ROWS##P##PG(                      \
         const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,      \
         float *__restrict__ Op, float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets, \
         int BG, int G, int group, int Ladd, const long long *__restrict__ Lpos, int LMAX, int S,        \
@@ -886,24 +877,22 @@ __device__ __forceinline__ void dec_append_pg8(const tc_u16 *__restrict__ QKV, t
     DEC_SPLIT8(f16, false, D, 1) DEC_SPLIT8(f16, false, D, 2) DEC_SPLIT8(f16, false, D, 4)              \
     DEC_SPLIT8(f16, false, D, 8) DEC_SPLIT8(bf16, true, D, 1) DEC_SPLIT8(bf16, true, D, 2)              \
     DEC_SPLIT8(bf16, true, D, 4) DEC_SPLIT8(bf16, true, D, 8)
-#define DEC_LAYOUT(SUF, BF16, D, PAGED, PG, MINB1, MINB8P)                                              \
-    DEC_SPLIT(SUF, BF16, D, 1, PAGED, PG, MINB1) DEC_SPLIT(SUF, BF16, D, 2, PAGED, PG, 0)               \
-    DEC_SPLIT(SUF, BF16, D, 4, PAGED, PG, 0) DEC_SPLIT(SUF, BF16, D, 8, PAGED, PG, 0)                   \
-    DEC_MMA(SUF, BF16, D, false, 8, false, , PAGED, PG, 0) DEC_MMA(SUF, BF16, D, true, 16, false, , PAGED, PG, 0) \
-    DEC_MMA(SUF, BF16, D, false, 8, true, _p, PAGED, PG, MINB8P) DEC_MMA(SUF, BF16, D, true, 16, true, _p, PAGED, PG, 0)
-// The paged kernels held to as many blocks an SM as their contiguous twins compile to by themselves,
-// or one fewer: MINB8P, the _p kernel of 8 rows (d = 128: 171 registers, two blocks, without it, 168
-// with a spill of 20 bytes); the split of one head, 5 (118 registers, four blocks, without it; 96 with a
-// spill of 4 bytes; the contiguous one: 80, six blocks)
-#define DEC_DEFINE(SUF, BF16, D, MINB8P)                                                                \
-    DEC_LAYOUT(SUF, BF16, D, 0, , 0, 0) DEC_LAYOUT(SUF, BF16, D, 2, _pg, 5, MINB8P)                     \
-    DEC_MMA(SUF, BF16, D, false, 8, false, , 1, _pgk, 0) DEC_MMA(SUF, BF16, D, true, 16, false, , 1, _pgk, 0) \
-    DEC_MMA(SUF, BF16, D, false, 8, true, _p, 1, _pgk, 0) DEC_MMA(SUF, BF16, D, true, 16, true, _p, 1, _pgk, 0)
+#define DEC_LAYOUT(SUF, BF16, D, PAGED, PG)                                                             \
+    DEC_SPLIT(SUF, BF16, D, 1, PAGED, PG) DEC_SPLIT(SUF, BF16, D, 2, PAGED, PG)                         \
+    DEC_SPLIT(SUF, BF16, D, 4, PAGED, PG) DEC_SPLIT(SUF, BF16, D, 8, PAGED, PG)                         \
+    DEC_MMA(SUF, BF16, D, false, 8, false, , PAGED, PG) DEC_MMA(SUF, BF16, D, true, 16, false, , PAGED, PG) \
+    DEC_MMA(SUF, BF16, D, false, 8, true, _p, PAGED, PG) DEC_MMA(SUF, BF16, D, true, 16, true, _p, PAGED, PG)
+// contiguous, paged with whole 16-key tiles a page (_pg; the CUDA-core split's only paged build), and
+// paged a lookup a key (_pgk)
+#define DEC_DEFINE(SUF, BF16, D)                                                                        \
+    DEC_LAYOUT(SUF, BF16, D, 0, ) DEC_LAYOUT(SUF, BF16, D, 2, _pg)                                      \
+    DEC_MMA(SUF, BF16, D, false, 8, false, , 1, _pgk) DEC_MMA(SUF, BF16, D, true, 16, false, , 1, _pgk) \
+    DEC_MMA(SUF, BF16, D, false, 8, true, _p, 1, _pgk) DEC_MMA(SUF, BF16, D, true, 16, true, _p, 1, _pgk)
 #ifndef DEC_OTHER_DIMS
-DEC_DEFINE(f16, false, 64, 0)
-DEC_DEFINE(bf16, true, 64, 0)
-DEC_DEFINE(f16, false, 128, 3)
-DEC_DEFINE(bf16, true, 128, 3)
+DEC_DEFINE(f16, false, 64)
+DEC_DEFINE(bf16, true, 64)
+DEC_DEFINE(f16, false, 128)
+DEC_DEFINE(bf16, true, 128)
 DEC_SPLITS8(64)
 DEC_SPLITS8(128)
 DEC_MMAS8(f16, false, 64)
@@ -916,8 +905,8 @@ DEC_MMAS8(bf16, true, 128)
 // built from decode_attention_dims.cu (which defines DEC_OTHER_DIMS) so that the common head dims'
 // module compiles as fast as before
 #define DEC_SPLITS(SUF, BF16, D, PAGED, PG)                                                             \
-    DEC_SPLIT(SUF, BF16, D, 1, PAGED, PG, 0) DEC_SPLIT(SUF, BF16, D, 2, PAGED, PG, 0)                   \
-    DEC_SPLIT(SUF, BF16, D, 4, PAGED, PG, 0) DEC_SPLIT(SUF, BF16, D, 8, PAGED, PG, 0)
+    DEC_SPLIT(SUF, BF16, D, 1, PAGED, PG) DEC_SPLIT(SUF, BF16, D, 2, PAGED, PG)                         \
+    DEC_SPLIT(SUF, BF16, D, 4, PAGED, PG) DEC_SPLIT(SUF, BF16, D, 8, PAGED, PG)
 #define DEC_DEFINE_SPLIT(D)                                                                             \
     DEC_SPLITS(f16, false, D, false, ) DEC_SPLITS(f16, false, D, true, _pg)                             \
     DEC_SPLITS(bf16, true, D, false, ) DEC_SPLITS(bf16, true, D, true, _pg) DEC_SPLITS8(D)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The decode kernels on small shapes, for compute-sanitizer (memcheck, racecheck): the split at
-every head dim it is built for (contiguous and paged, multi-head and grouped, a length that ends
+every head dim it is built for (contiguous and paged with pages of 16 and 24, multi-head and grouped, a length that ends
 inside a chunk), the paged append kernel (rows at their own positions and pages), an FP8 pool's
 append (dec_append_pg8) and split (_pg8) at every head dim, the fused kernel's prefill over rows already
 in a cache (its q and o buffers hold only the rows from the last row tile before the cache's end on) at
@@ -27,11 +27,14 @@ def main() -> int:
                 q = torch.randn(2, h, 1, d, device="cuda", dtype=dtype, generator=g)
                 k, v = (torch.randn(2, kv, 300, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
                 o = decode.decode_attention(q, k, v, 277)
-                pk, pv = (torch.randn(40, kv, 16, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
-                table = torch.randperm(40, device="cuda")[:38].to(torch.int32).view(2, 19)
-                lens = torch.tensor([5, 290], dtype=torch.int32, device="cuda")
-                op = decode.paged_decode_attention(q[:, :, 0], pk, pv, table, lens, 19 * 16)
-                ok = bool(torch.isfinite(o).all() and torch.isfinite(op).all())
+                ok = bool(torch.isfinite(o).all())
+                for page in (16, 24):  # whole tiles of a page (16) and one page per key (24)
+                    n = -(-300 // page)
+                    pk, pv = (torch.randn(2 * n + 2, kv, page, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+                    table = torch.randperm(2 * n + 2, device="cuda")[:2 * n].to(torch.int32).view(2, n)
+                    lens = torch.tensor([5, 290], dtype=torch.int32, device="cuda")
+                    op = decode.paged_decode_attention(q[:, :, 0], pk, pv, table, lens, n * page)
+                    ok = ok and bool(torch.isfinite(op).all())
                 bad += not ok
                 print(f"{dtype} d={d} h={h} g={kv} split, contiguous and paged: {'ok' if ok else 'NOT FINITE'}")
             qkv = torch.randn(5, 4 + 2 * 2, d, device="cuda", dtype=dtype, generator=g)

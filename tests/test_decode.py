@@ -133,3 +133,76 @@ def test_a_cache_brings_its_own_position_and_counters_and_a_graph_needs_the_kern
             layer.graphed(torch.randn(3, 1, 32), cache)
     assert cache.length == 0 and int(cache.pos) == 0
 
+
+
+# (bg, length, per_sm, resident, uniform) -> chunks, on 132 SMs: the shapes of
+# scripts/sweep_decode_splits.py (an H100: the tensor-core split's blocks 3 an SM, the CUDA-core
+# split's 6 contiguous and 4 paged)
+SPLITS = [((512, 4096, 2, 3, True), 3),    # B=64 G=8: 512 blocks overflow 396 slots; 1536 fill 4 waves
+          ((512, 4096, 2, 3, False), 3),
+          ((256, 2048, 2, 3, True), 1),    # B=32 G=8: 1 chunk fits one wave, half the split of 2
+          ((256, 2048, 2, 3, False), 3),   # ragged: never fewer chunks than the split
+          ((32, 4096, 4, 4, True), 16),    # B=1 G=32 paged: 544 blocks, 528 slots
+          ((128, 4096, 4, 4, False), 8),   # B=4 G=32 ragged: 640 blocks -> 1024 of 1056 slots
+          ((512, 4096, 4, 4, False), 2),   # B=16 G=32 ragged: 1024 blocks of 1056 slots already
+          ((8, 32768, 2, 3, True), 33),    # B=1 G=8 L=32768: 264 blocks fit: the split as before
+          ((128, 4096, 2, 3, True), 3)]
+
+
+@pytest.mark.parametrize("args,chunks", SPLITS)
+def test_decode_splits_fill_the_last_wave(args, chunks):
+    from tpattn.decode import decode_splits
+    bg, length, per_sm, resident, uniform = args
+    assert decode_splits(bg, length, 132, per_sm, resident, uniform) == chunks
+
+
+def test_decode_splits_stay_in_bounds():
+    """Whatever the occupancy: at least one chunk, chunks of at least 64 keys (or one), at most the
+    combine's 1024; without an occupancy the split per_sm gives; ragged lengths never fewer chunks."""
+    from tpattn.decode import DEC_COMBINE_W, decode_splits
+    for bg in (1, 3, 8, 32, 100, 128, 512, 4096):
+        for length in (1, 63, 64, 65, 2048, 4096, 32768, 10**6):
+            for per_sm in (2, 4):
+                S0 = decode_splits(bg, length, 132, per_sm)
+                assert S0 == max(1, min(-(-per_sm * 132 // bg), -(-length // 64), DEC_COMBINE_W))
+                for resident in (1, 2, 3, 4, 6, 8):
+                    for uniform in (True, False):
+                        S = decode_splits(bg, length, 132, per_sm, resident, uniform)
+                        assert 1 <= S <= max(1, min(-(-length // 64), DEC_COMBINE_W))
+                        assert uniform or S >= S0
+                        if bg * S0 <= resident * 132:  # every block resident already: unchanged
+                            assert S == S0
+
+
+def test_split_kernel_takes_the_kernels_occupancy(monkeypatch):
+    """_split_kernel asks how many of the kernel's blocks an SM holds and splits by it: B=64 sequences
+    of 8 K/V heads overflow 3 blocks an SM at the split of 1 and launch 3 chunks; with no occupancy
+    known (0: CuPy or the driver cannot say) the split is the one per_sm gives."""
+    from tpattn import cuda as tcuda
+    from tpattn import decode
+    calls = []
+    monkeypatch.setattr(tcuda, "launch", lambda source, name, device, grid, block, args, shared_mem=0:
+                        calls.append((name, grid, block)))
+    monkeypatch.setattr(decode, "decode_kernel_fits", lambda q: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"multi_processor_count": 132}))
+    q = torch.randn(64, 32, 1, 128).half()
+    k, v = (torch.randn(64, 8, 4096, 128).half() for _ in range(2))
+    tickets = torch.zeros(64 * 8, dtype=torch.int32)
+    for resident, chunks in ((3, 3), (0, 1)):
+        asked = []
+        monkeypatch.setattr(tcuda, "resident_blocks", lambda source, name, device, threads, r=resident:
+                            asked.append((name, threads)) or r)
+        calls.clear()
+        decode.decode_attention(q, k, v, 4096, tickets=tickets)
+        (name, grid, block), = calls
+        assert asked == [("dec_mma_f16_d128_r8", decode.DEC_THREADS)] and block[0] == decode.DEC_THREADS
+        assert grid[:2] == (chunks, 64 * 8) and name == f"dec_mma_f16_d128_r8{'_p' if chunks >= 3 else ''}"
+
+
+def test_resident_blocks_is_zero_without_cupy(monkeypatch):
+    import sys
+
+    from tpattn import cuda as tcuda
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
+    monkeypatch.setattr(tcuda, "_resident", {})
+    assert tcuda.resident_blocks("decode_attention.cu", "dec_split_f16_d128_g1", torch.device("cuda", 0), 128) == 0

@@ -271,6 +271,34 @@ def _allow_shared_mem(cupy, fn, key, nbytes: int) -> None:
     _smem_limits[key] = nbytes
 
 
+_resident: dict[tuple[int, str, str, int], int] = {}
+
+
+def resident_blocks(filename: str, name: str, device: torch.device, threads: int) -> int:
+    """How many blocks of `threads` threads of kernel `name` (no dynamic shared memory) one SM holds
+    at once, as the driver computes it from the kernel's registers and shared memory
+    (cuOccupancyMaxActiveBlocksPerMultiprocessor); 0 where it cannot say (or CuPy is missing). Once a
+    kernel."""
+    try:
+        import cupy
+    except ImportError:  # (no kernel launches here either)
+        return 0
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    key = (idx, filename, name, threads)
+    if key not in _resident:
+        fn = get_function(filename, name, idx)
+        handle = getattr(getattr(fn, "kernel", fn), "ptr", None)  # RawModule's RawKernel, or a Function
+        n = ctypes.c_int(0)
+        try:
+            with cupy.cuda.Device(idx):
+                err = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    ctypes.byref(n), ctypes.c_void_p(int(handle)), ctypes.c_int(threads), ctypes.c_size_t(0))
+        except (OSError, AttributeError, TypeError):
+            err = 1
+        _resident[key] = n.value if err == 0 else 0
+    return _resident[key]
+
+
 _streams: dict[tuple[int, int], object] = {}
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 

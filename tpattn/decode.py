@@ -165,12 +165,37 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> to
     return torch.matmul(p.to(acc), v.to(acc).unsqueeze(2)).to(dtype).view(B, h, T, d)
 
 
-def decode_splits(bg: int, length: int, sms: int, per_sm: int = 4) -> int:
-    """How many chunks the cache length is split into: about `per_sm` blocks per SM, chunks of at
-    least 64 keys, at most 1024 chunks (the combine's weights). Measured on an H200
-    (scripts/bench_decode.py's shapes, 1 to 8 blocks an SM): 4 for the CUDA-core split, 2 for the
-    tensor-core one (docs/decode.md)."""
-    return max(1, min(-(-per_sm * sms // bg), -(-length // 64), 1024))
+DEC_COMBINE_W = 1024  # the most partials a head the kernels' combine takes (kernels/decode_attention.cu)
+DEC_THREADS = 128     # a split block's threads
+
+
+def decode_splits(bg: int, length: int, sms: int, per_sm: int = 4, resident: int = 0, uniform: bool = True) -> int:
+    """How many chunks the cache length is split into for bg (sequence, K/V head) pairs: about `per_sm`
+    blocks per SM, chunks of at least 64 keys, at most 1024 chunks (the combine's weights). Measured
+    on an H200 (scripts/bench_decode.py's shapes, 1 to 8 blocks an SM): 4 for the CUDA-core split, 2
+    for the tensor-core one (docs/decode.md).
+
+    resident: how many blocks of the kernel an SM holds at once (0: not known). Where that split's
+    blocks do not all fit on the GPU at once, a last wave of a few blocks would leave most SMs idle
+    (the split is memory-bound): then, for sequences of one length (uniform: a contiguous cache, or
+    one sequence), the most chunks that fit in one wave if that is at least half the split; else the
+    count from the split to twice it whose last wave is fullest (never fewer chunks for ragged
+    lengths: a long sequence's chunks would be its blocks' critical path). Measured on an H100:
+    scripts/sweep_decode_splits.py, docs/decode.md."""
+    most = min(-(-length // 64), DEC_COMBINE_W)
+    S = max(1, min(-(-per_sm * sms // bg), most))
+    slots = resident * sms
+    if not slots or bg * S <= slots:
+        return S
+    one = slots // bg
+    if uniform and 2 * one >= S:
+        return one
+
+    def fill(n: int) -> float:  # the blocks' share of the waves' slots
+        return bg * n / (-(-bg * n // slots) * slots)
+    near = range(max(1, S // 2) if uniform else S, min(2 * S + 2, most) + 1)
+    top = max(fill(n) for n in near)
+    return min((n for n in near if fill(n) >= top - 0.03), key=lambda n: (abs(n - S), n))
 
 
 def kernel_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -252,7 +277,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
     op = torch.empty(B, h, S, d, dtype=torch.float32, device=q.device)
     lp = torch.empty(B, h, S, dtype=torch.float32, device=q.device)
     o = torch.empty_like(q)
-    launch(source, name, q.device, (S, min(B * g, GRID_YZ_MAX), 1), (128, 1, 1),
+    launch(source, name, q.device, (S, min(B * g, GRID_YZ_MAX), 1), (DEC_THREADS, 1, 1),
            (ptr(q), ptr(k), ptr(v), ptr(op), ptr(lp), ptr(o), ptr(tickets if tickets is not None else ticket_counters(q.device, B * g)), np.int32(B * g),
             np.int32(g), np.int32(h // g), np.int32(1 if pos is not None else length),
             np.uint64(0) if pos is None else ptr(pos), np.int32(lmax), np.int32(S),
@@ -275,18 +300,24 @@ def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int,
     power of two of 16 tokens or more (_pg: a block-table lookup a 16-key tile) and one for the
     others (_pgk: a lookup a key). fp8: an FP8 pool's pages (the same choice of split, each kernel's
     _pg8)."""
+    from .cuda import resident_blocks
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     mma = d in DEC_HEAD_DIMS and (SPLIT_KERNEL == "mma" or (SPLIT_KERNEL == "auto" and h > g))
     source = dec_source(d)
     suf = "f16" if q.dtype == torch.float16 else "bf16"
-    S = decode_splits(B * g, length, sms, 2 if mma else 4)
     pg = "_pg8" if fp8 else "" if not page else "_pg" if not mma or tile_pages(page) else "_pgk"
-    if mma:  # tensor cores: the group's heads as the rows of an m16 tile, 8 or 16 at a time; with 3
-        # or more chunks, the next tile's loads in flight while one is computed (_p: faster there,
-        # slower at large batch, where fewer blocks fit: measured)
-        return source, f"dec_mma_{suf}_d{d}_r{16 if h // g > 8 else 8}{'_p' if S >= 3 else ''}{pg}", S
-    # CUDA cores: 1, 2, 4 or 8 query heads at a time
-    return source, f"dec_split_{suf}_d{d}_g{next(n for n in (1, 2, 4, 8) if n >= min(h // g, 8))}{pg}", S
+
+    def name(S: int) -> str:
+        if mma:  # tensor cores: the group's heads as the rows of an m16 tile, 8 or 16 at a time; with 3
+            # or more chunks, the next tile's loads in flight while one is computed (_p: faster there,
+            # slower at large batch, where fewer blocks fit: measured)
+            return f"dec_mma_{suf}_d{d}_r{16 if h // g > 8 else 8}{'_p' if S >= 3 else ''}{pg}"
+        # CUDA cores: 1, 2, 4 or 8 query heads at a time
+        return f"dec_split_{suf}_d{d}_g{next(n for n in (1, 2, 4, 8) if n >= min(h // g, 8))}{pg}"
+    S = decode_splits(B * g, length, sms, 2 if mma else 4)
+    S = decode_splits(B * g, length, sms, 2 if mma else 4, resident_blocks(source, name(S), q.device, DEC_THREADS),
+                      uniform=not page or B == 1)
+    return source, name(S), S
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
@@ -319,7 +350,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         args = (*head, np.int32(S), *tail, ptr(scales[0]), ptr(scales[1]))
     else:
         args = (*head, np.int32(0), np.uint64(0), np.int32(0), np.int32(S), *tail)
-    launch(source, name, q.device, (S, min(B * g, GRID_YZ_MAX), 1), (128, 1, 1), args)
+    launch(source, name, q.device, (S, min(B * g, GRID_YZ_MAX), 1), (DEC_THREADS, 1, 1), args)
     return o
 
 
