@@ -41,6 +41,7 @@ rest, torch math over the dequantized pages.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from dataclasses import dataclass
@@ -193,28 +194,36 @@ class PagedKV:
         """A step that appends rows[i] rows to sequence seq_ids[i] (a prefill: the prompt's length;
         a decode step: 1), packed in that order; its pages are taken now. Use as a context
         manager: the lengths advance when the block ends without an error."""
-        seq_ids, rows = [int(s) for s in seq_ids], [int(r) for r in rows]
-        self._agree("step", (tuple(seq_ids), tuple(rows)))
+        seq_ids, rows = list(map(int, seq_ids)), list(map(int, rows))  # (a decode step of B sequences
+        self._agree("step", (tuple(seq_ids), tuple(rows)))              # issues this loop-free: measured)
         if self._open is not None:
             raise ConfigError("a step of this pool is still open: end it (leave its with block) before the next")
         if len(seq_ids) != len(rows) or not seq_ids:
             raise ConfigError(f"step needs one row count per sequence (got {len(seq_ids)} ids, {len(rows)} counts)")
         if len(set(seq_ids)) != len(seq_ids):
             raise ConfigError(f"step lists a sequence twice ({seq_ids}); give each sequence's rows once")
-        if any(r < 1 for r in rows):
+        if min(rows) < 1:
             raise ConfigError(f"step appends at least one row to each sequence (got {rows})")
-        slots = [self._slot(s) for s in seq_ids]
-        P = self.page_size
-        need = [max(0, -(-(self.lengths[s] + r) // P) - len(self.tables[s])) for s, r in zip(slots, rows)]
-        if sum(need) > len(self.free_pages):
+        try:
+            slots = list(map(self.slots.__getitem__, seq_ids))
+        except KeyError:
+            slots = [self._slot(s) for s in seq_ids]  # (raises, naming the sequence)
+        P, tables = self.page_size, self.tables
+        starts = list(map(self.lengths.__getitem__, slots))
+        need = [max(0, -(-(L + r) // P) - len(tables[s])) for s, L, r in zip(slots, starts, rows)]
+        more = sum(need)
+        if more > len(self.free_pages):
             raise ConfigError(f"the pool has {len(self.free_pages)} free pages of {P} tokens and this step needs "
-                              f"{sum(need)} more; remove finished sequences (pool.remove(id)) or make the pool "
-                              f"larger (PagedKV(..., pages={self.pages + sum(need) - len(self.free_pages)} or more))")
-        grew = [s for s, n in zip(slots, need) if n]
-        for s, n in zip(slots, need):
-            self.tables[s] += [self.free_pages.pop() for _ in range(n)]
+                              f"{more} more; remove finished sequences (pool.remove(id)) or make the pool "
+                              f"larger (PagedKV(..., pages={self.pages + more - len(self.free_pages)} or more))")
+        grew = []
+        if more:
+            for s, n in zip(slots, need):
+                if n:
+                    tables[s] += [self.free_pages.pop() for _ in range(n)]
+                    grew.append(s)
         self.version += bool(grew)
-        self._open = PagedStep(self, seq_ids, slots, rows, [self.lengths[s] for s in slots], grew)
+        self._open = PagedStep(self, seq_ids, slots, rows, starts, grew)
         return self._open
 
     def _close(self, step: "PagedStep", ok: bool) -> None:
@@ -251,9 +260,7 @@ class PagedStep:
     def __init__(self, pool: PagedKV, seq_ids, slots, rows, starts, grew=()):
         self.pool, self.seq_ids, self.slots, self.rows, self.starts = pool, seq_ids, slots, rows, starts
         self.grew = list(grew)  # the slots whose tables this step lengthened
-        self.cu = [0]
-        for r in rows:
-            self.cu.append(self.cu[-1] + r)
+        self.cu = [0, *itertools.accumulate(rows)]
         self._meta = None
 
     def _device_meta(self) -> dict:
@@ -782,7 +789,7 @@ class DecodeGraphs:
         (the graph advanced them), x copied in, then the bucket's graph replayed."""
         n = len(seq_ids)
         b = self.bucket_for(n)
-        longest = max(self.pool.length(s) for s in seq_ids) + 1
+        longest = max(map(self.pool.length, seq_ids)) + 1
         if longest > self.max_pages * self.pool.page_size:
             raise ConfigError(f"a sequence would reach {longest} positions, past max_len="
                               f"{self.max_pages * self.pool.page_size} of these graphs; make DecodeGraphs with a "
@@ -818,7 +825,7 @@ class DecodeGraphs:
                         made["run"] = replayer(self.pool.layers[0].world, graph, res)
                         st.fill(step)  # the warm-up advanced the inputs' lengths: this step's again
                     out = made["run"]()
-                made["next"] = (now[0], tuple(L + 1 for L in now[1]))
+                made["next"] = (now[0], tuple(map((1).__add__, now[1])))
             finally:
                 self.pool._open = step
             return out[:n].clone()
