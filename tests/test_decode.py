@@ -158,13 +158,15 @@ def test_decode_splits_fill_the_last_wave(args, chunks):
 
 def test_decode_splits_stay_in_bounds():
     """Whatever the occupancy: at least one chunk, chunks of at least 64 keys (or one), at most the
-    combine's 1024; without an occupancy the split per_sm gives; ragged lengths never fewer chunks."""
-    from tpattn.decode import DEC_COMBINE_W, decode_splits
-    for bg in (1, 3, 8, 32, 100, 128, 512, 4096):
-        for length in (1, 63, 64, 65, 2048, 4096, 32768, 10**6):
+    combine's 1024; without an occupancy the split per_sm gives, and so for a launch of more waves than
+    measured; ragged lengths never fewer chunks."""
+    from tpattn.decode import DEC_COMBINE_W, WAVES_MEASURED, decode_splits
+    for bg in (1, 3, 8, 32, 100, 128, 512, 2048, 4096):
+        for length in (0, 1, 63, 64, 65, 2048, 4096, 32768, 10**6):
             for per_sm in (2, 4):
                 S0 = decode_splits(bg, length, 132, per_sm)
                 assert S0 == max(1, min(-(-per_sm * 132 // bg), -(-length // 64), DEC_COMBINE_W))
+                assert decode_splits(bg, length, 132, per_sm, 1) == S0 or bg * S0 <= WAVES_MEASURED * 132
                 for resident in (1, 2, 3, 4, 6, 8):
                     for uniform in (True, False):
                         S = decode_splits(bg, length, 132, per_sm, resident, uniform)
@@ -188,15 +190,20 @@ def test_split_kernel_takes_the_kernels_occupancy(monkeypatch):
     q = torch.randn(64, 32, 1, 128).half()
     k, v = (torch.randn(64, 8, 4096, 128).half() for _ in range(2))
     tickets = torch.zeros(64 * 8, dtype=torch.int32)
-    for resident, chunks in ((3, 3), (0, 1)):
+    plain, piped = "dec_mma_f16_d128_r8", "dec_mma_f16_d128_r8_p"
+    # blocks an SM of the kernel without and with _p (3 or more chunks) -> the chunks launched
+    for resident, chunks in (((3, 3), 3), ((0, 0), 1), ((3, 2), 1)):
         asked = []
         monkeypatch.setattr(tcuda, "resident_blocks", lambda source, name, device, threads, r=resident:
-                            asked.append((name, threads)) or r)
+                            asked.append((name, threads)) or r[name == piped])
         calls.clear()
         decode.decode_attention(q, k, v, 4096, tickets=tickets)
         (name, grid, block), = calls
-        assert asked == [("dec_mma_f16_d128_r8", decode.DEC_THREADS)] and block[0] == decode.DEC_THREADS
-        assert grid[:2] == (chunks, 64 * 8) and name == f"dec_mma_f16_d128_r8{'_p' if chunks >= 3 else ''}"
+        assert grid[:2] == (chunks, 64 * 8) and name == (piped if chunks >= 3 else plain) and block[0] == decode.DEC_THREADS
+        # the split of 1 names the plain kernel; 3 chunks for its occupancy name _p, whose own occupancy
+        # is asked: 3 keeps 3 chunks; 2 gives 1 chunk (512 blocks fill 1.94 waves of 264), not the _p
+        # kernel, and the split stays as it was
+        assert asked == [(plain, decode.DEC_THREADS)] + ([(piped, decode.DEC_THREADS)] if resident[0] else [])
 
 
 def test_resident_blocks_is_zero_without_cupy(monkeypatch):
@@ -205,4 +212,5 @@ def test_resident_blocks_is_zero_without_cupy(monkeypatch):
     from tpattn import cuda as tcuda
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
     monkeypatch.setattr(tcuda, "_resident", {})
-    assert tcuda.resident_blocks("decode_attention.cu", "dec_split_f16_d128_g1", torch.device("cuda", 0), 128) == 0
+    # (no device index: a lookup of the current device before CuPy's check would raise on CPU torch)
+    assert tcuda.resident_blocks("decode_attention.cu", "dec_split_f16_d128_g1", torch.device("cuda"), 128) == 0

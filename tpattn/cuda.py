@@ -287,10 +287,10 @@ def resident_blocks(filename: str, name: str, device: torch.device, threads: int
     key = (idx, filename, name, threads)
     if key not in _resident:
         fn = get_function(filename, name, idx)
-        handle = getattr(getattr(fn, "kernel", fn), "ptr", None)  # RawModule's RawKernel, or a Function
         n = ctypes.c_int(0)
         try:
-            with cupy.cuda.Device(idx):
+            with cupy.cuda.Device(idx):  # (a RawKernel's handle is the current device's)
+                handle = getattr(getattr(fn, "kernel", fn), "ptr", None)  # RawModule's RawKernel, or a Function
                 err = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor(
                     ctypes.byref(n), ctypes.c_void_p(int(handle)), ctypes.c_int(threads), ctypes.c_size_t(0))
         except (OSError, AttributeError, TypeError):

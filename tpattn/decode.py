@@ -167,6 +167,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> to
 
 DEC_COMBINE_W = 1024  # the most partials a head the kernels' combine takes (kernels/decode_attention.cu)
 DEC_THREADS = 128     # a split block's threads
+WAVES_MEASURED = 4    # decode_splits follows the occupancy up to launches of this many waves
 
 
 def decode_splits(bg: int, length: int, sms: int, per_sm: int = 4, resident: int = 0, uniform: bool = True) -> int:
@@ -181,11 +182,12 @@ def decode_splits(bg: int, length: int, sms: int, per_sm: int = 4, resident: int
     one sequence), the most chunks that fit in one wave if that is at least half the split; else the
     count from the split to twice it whose last wave is fullest (never fewer chunks for ragged
     lengths: a long sequence's chunks would be its blocks' critical path). Measured on an H100:
-    scripts/sweep_decode_splits.py, docs/decode.md."""
-    most = min(-(-length // 64), DEC_COMBINE_W)
+    scripts/sweep_decode_splits.py, docs/decode.md; launches of more than WAVES_MEASURED waves (a
+    larger batch than measured, where a last wave costs less) keep the split."""
+    most = max(1, min(-(-length // 64), DEC_COMBINE_W))
     S = max(1, min(-(-per_sm * sms // bg), most))
     slots = resident * sms
-    if not slots or bg * S <= slots:
+    if not slots or bg * S <= slots or bg * S > WAVES_MEASURED * slots:
         return S
     one = slots // bg
     if uniform and 2 * one >= S:
@@ -314,9 +316,15 @@ def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int,
             return f"dec_mma_{suf}_d{d}_r{16 if h // g > 8 else 8}{'_p' if S >= 3 else ''}{pg}"
         # CUDA cores: 1, 2, 4 or 8 query heads at a time
         return f"dec_split_{suf}_d{d}_g{next(n for n in (1, 2, 4, 8) if n >= min(h // g, 8))}{pg}"
-    S = decode_splits(B * g, length, sms, 2 if mma else 4)
-    S = decode_splits(B * g, length, sms, 2 if mma else 4, resident_blocks(source, name(S), q.device, DEC_THREADS),
-                      uniform=not page or B == 1)
+
+    def split(kernel: str) -> int:  # the count for that kernel's occupancy
+        return decode_splits(B * g, length, sms, 2 if mma else 4, resident_blocks(source, kernel, q.device, DEC_THREADS),
+                             uniform=not page or B == 1)
+    S0 = decode_splits(B * g, length, sms, 2 if mma else 4)
+    S = split(name(S0))
+    if name(S) != name(S0):  # the count crossed _p's threshold: the count for that kernel's own occupancy,
+        again = split(name(S))  # if it keeps that kernel; else the split as it was
+        S = again if name(again) == name(S) else S0
     return source, name(S), S
 
 
