@@ -831,16 +831,16 @@ __device__ __forceinline__ void dec_append_pg8(const tc_u16 *__restrict__ QKV, t
 // K, V the pool [pages, G, page, D], a block table [B, tstride] and a length per sequence, lens [B]);
 // the arguments the other layout does not use are passed as 0.
 #define DEC_SPLIT(SUF, BF16, D, GQ, PAGED, PG)                                                          \
-    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_split_##SUF##_d##D##_g##GQ##PG(                        \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_split_##SUF##_d##D##_g##GQ##PG(      \
         const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,      \
         float *__restrict__ Op, float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets, \
         int BG, int G, int group, int Ladd, const long long *__restrict__ Lpos, int LMAX, int S,        \
         float scale_log2, const int *__restrict__ table, const int *__restrict__ lens, int tstride, int page) { \
-        dec_split<D, GQ, BF16, (PAGED) != 0>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, Lpos, LMAX, S, scale_log2, \
-                                      table, lens, tstride, page);                                      \
+        dec_split<D, GQ, BF16, (PAGED) != 0>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, Lpos, LMAX, S, \
+                                             scale_log2, table, lens, tstride, page);                   \
     }
 #define DEC_MMA(SUF, BF16, D, M16, ROWS, PIPE, P, PAGED, PG)                                            \
-    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r##ROWS##P##PG(                      \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r##ROWS##P##PG(     \
         const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,      \
         float *__restrict__ Op, float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets, \
         int BG, int G, int group, int Ladd, const long long *__restrict__ Lpos, int LMAX, int S,        \
