@@ -153,3 +153,23 @@ def test_graphed_decode_step_replays_the_eager_steps(rope, d, backend):
         layer(x[:, :128], cache=cache)
         xs.copy_(x[:, 128:129])
         assert torch.equal(step(), want[1])
+
+
+def test_the_split_count_reads_each_kernels_occupancy():
+    """cuda.resident_blocks asks the driver (cuOccupancyMaxActiveBlocksPerMultiprocessor) for the blocks
+    of a decode kernel one SM holds: between 1 and the SM's threads over the block's; and a launch that
+    overflows one wave at the split it started from (B=64, 8 K/V heads) gets the count decode_splits
+    gives for that occupancy."""
+    from tpattn import decode
+    from tpattn.cuda import resident_blocks
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    most = getattr(torch.cuda.get_device_properties(dev), "max_threads_per_multi_processor", 2048) // decode.DEC_THREADS
+    for name in ("dec_mma_f16_d128_r8", "dec_mma_f16_d128_r8_p", "dec_split_f16_d128_g1", "dec_split_f16_d128_g1_pg"):
+        assert 1 <= resident_blocks("decode_attention.cu", name, dev, decode.DEC_THREADS) <= most, name
+    q = torch.zeros(64, 32, 128, device=dev, dtype=torch.float16)
+    source, name, S = decode._split_kernel(q, 64, 32, 8, 128, 4096)
+    n = resident_blocks(source, name, dev, decode.DEC_THREADS)
+    # (or the split it started from, where the _p kernel's own occupancy would not keep _p)
+    assert S in (decode.decode_splits(64 * 8, 4096, sms, 2, n), decode.decode_splits(64 * 8, 4096, sms, 2))
+    assert name.startswith("dec_mma_f16_d128_r8")
