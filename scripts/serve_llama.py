@@ -65,7 +65,7 @@ def main() -> int:
         small.append(f"--prefill-chunk {args.prefill_chunk}")
     from tpattn.attention import backend_names
     if args.backend not in backend_names():
-        print(f"serve_llama.py: --backend {args.backend!r}: choose one of {', '.join(backend_names())}", file=sys.stderr)
+        print(f"serve_llama.py: --backend {args.backend}: choose one of {', '.join(backend_names())}", file=sys.stderr)
         return 2
     if small:
         print(f"serve_llama.py: {', '.join(small)}: each must be a positive count (--prefill-chunk 2 or more with "

@@ -2,10 +2,11 @@
 """The decode split kernels' time at each chunk count S beside the count tpattn picks
 (tpattn.decode.decode_splits): one query row per sequence, H = 32 heads of d = 128, fp16, over a
 contiguous cache, a paged one (pages of 16, every sequence the full length) and a ragged paged one
-(lengths spread from 0.4 L to 1.6 L, capped at L). Each time is one call captured 20 times in a CUDA
-graph and replayed (the GPU's time, not the host's), the median of 7 replays. A line a shape and
-layout: the kernel, how many of its blocks an SM holds (the driver's occupancy), the split before
-the occupancy is known (S0) and the one picked, and the fastest count measured; then every count.
+(lengths spread from 0.4 L to 1.6 L, capped at L). Each time is bench_paged.py's graph_us: one call
+captured in a CUDA graph, replayed 20 times back to back, the best of three captures (the GPU's time,
+not the host's). A line a shape and layout: the kernel, how many of its blocks an SM holds (the
+driver's occupancy), the split before the occupancy is known (S0) and the one picked, and the fastest
+count measured; then every count.
 
     PYTHONPATH=. python scripts/sweep_decode_splits.py [--shapes B,G,L ...]
 """
@@ -17,33 +18,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_paged import graph_us  # noqa: E402
 from tpattn import decode  # noqa: E402
 from tpattn.cuda import resident_blocks  # noqa: E402
 
 SHAPES = ["1,8,32768", "4,8,8192", "16,8,4096", "32,8,2048", "64,8,4096", "1,32,4096", "4,32,4096", "8,32,2048",
           "16,32,4096"]
-
-
-def replay_us(fn, reps: int = 20) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(7):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / reps)
-    return sorted(times)[3]
 
 
 def main() -> int:
@@ -79,9 +60,9 @@ def main() -> int:
             for S in (S for S in counts if S <= min(-(-L // 64), decode.DEC_COMBINE_W)):
                 forced["S"] = S
                 if lens is None:
-                    times[S] = replay_us(lambda: decode.decode_attention(q, k, v, L))
+                    times[S] = graph_us(lambda: decode.decode_attention(q, k, v, L), 20)
                 else:
-                    times[S] = replay_us(lambda: decode.paged_decode_attention(q[:, :, 0], pk, pv, table, lens, L))
+                    times[S] = graph_us(lambda: decode.paged_decode_attention(q[:, :, 0], pk, pv, table, lens, L), 20)
             best = min(times, key=times.get)
             print(f"B={B} G={G} L={L} {layout:10s} {name:26s} {resident_blocks(source, name, dev, decode.DEC_THREADS)} "
                   f"blocks/SM  S0={S0}: {times[S0]:.1f}  picked S={chosen}: {times[chosen]:.1f} "

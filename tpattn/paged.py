@@ -194,8 +194,8 @@ class PagedKV:
         """A step that appends rows[i] rows to sequence seq_ids[i] (a prefill: the prompt's length;
         a decode step: 1), packed in that order; its pages are taken now. Use as a context
         manager: the lengths advance when the block ends without an error."""
-        seq_ids, rows = list(map(int, seq_ids)), list(map(int, rows))  # (a decode step of B sequences
-        self._agree("step", (tuple(seq_ids), tuple(rows)))              # issues this loop-free: measured)
+        seq_ids, rows = list(map(int, seq_ids)), list(map(int, rows))
+        self._agree("step", (tuple(seq_ids), tuple(rows)))
         if self._open is not None:
             raise ConfigError("a step of this pool is still open: end it (leave its with block) before the next")
         if len(seq_ids) != len(rows) or not seq_ids:
@@ -825,7 +825,7 @@ class DecodeGraphs:
                         made["run"] = replayer(self.pool.layers[0].world, graph, res)
                         st.fill(step)  # the warm-up advanced the inputs' lengths: this step's again
                     out = made["run"]()
-                made["next"] = (now[0], tuple(map((1).__add__, now[1])))
+                made["next"] = (now[0], tuple(L + 1 for L in now[1]))
             finally:
                 self.pool._open = step
             return out[:n].clone()
