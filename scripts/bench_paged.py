@@ -14,7 +14,9 @@ CUDA events over 50 back-to-back launches, the median of --rounds rounds, conten
 (host work included: below B = 64 a launch's host work can exceed its kernel); --graph also times
 each kernel alone, one call captured in a CUDA graph and replayed back to back (its GPU time, the
 host out of the way; the best of three captures).
---layer: the layer's whole graphed decode step, contiguous against paged; --prefill: prefills through
+--layer: the layer's whole graphed decode step, contiguous against paged and against the plain
+PyTorch step (GEMM, the row copied into the cache, SDPA cuDNN or flash, GEMM; graphed) given the same
+weights and cache, with rotary positions (--rope-theta; 0: none); --prefill: prefills through
 the layer on the paged cache against its forward over the same rows without a cache, with each of
 --prefill-backends (fused: the fused kernel per sequence over its gathered K/V; triton: every
 sequence in one launch, K/V read through the block table), and with the fused backend the chunks each a
@@ -89,40 +91,90 @@ def fp8_pages(pk, pv):
     return k8.to(torch.float8_e4m3fn), v8.to(torch.float8_e4m3fn), (ks.squeeze(-1), vs.squeeze(-1))
 
 
-def rope_layer(H: int, G: int, d: int, gen: torch.Generator, backend: str = "fused"):
-    """The benchmarks' layer: causal, fp16, rotary positions, the fused backend (or `backend`), weights
-    drawn from gen."""
+def rope_layer(H: int, G: int, d: int, gen: torch.Generator, backend: str = "fused", theta: float | None = 10000.0):
+    """The benchmarks' layer: causal, fp16, rotary positions (theta; None: none), the fused backend (or
+    `backend`), weights drawn from gen."""
     from tpattn import TensorParallelAttention
     D = H * d
     w = {k: (torch.randn(*s, device="cuda", generator=gen) * 0.02).half() for k, s in
          (("wq", (D, D)), ("wk", (D, G * d)), ("wv", (D, G * d)), ("wo", (D, D)))}
     return TensorParallelAttention(**w, heads=H, kv_heads=G, head_dim=d, causal=True, backend=backend,
-                                   rope_theta=10000.0)
+                                   rope_theta=theta)
 
 
-LAYER_SHAPES = [(1, 8, 32768), (16, 8, 4096), (64, 8, 4096)]
+LAYER_SHAPES = [(1, 32, 4096), (1, 8, 32768), (16, 8, 4096), (64, 8, 4096)]
 
 
-def layer_steps(H: int, d: int, rounds: int, steps: int = 40, fp8: bool = False) -> list[dict]:
+def plain_step(layer, cache, x: torch.Tensor, L: int, backend: str):
+    """The same decode step as PyTorch users write it, given the layer's weights and its contiguous
+    cache: the QKV GEMM, rotary positions in torch ops where the layer has them, the row copied into the
+    cache at position L, SDPA (`backend`: cudnn or flash; GQA: enable_gqa) over the first L + 1
+    positions, the output GEMM; captured in a CUDA graph at L (a plain step's shapes follow the
+    length): returns the graph's replay."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tpattn.decode import apply_rope
+    B, D = x.shape[0], x.shape[-1]
+    H, G, d = layer.heads, cache.k.shape[1], cache.k.shape[-1]
+    be = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+    w, bias, wo, bo = (None if t is None else t.detach() for t in (layer.wqkv, layer.bqkv, layer.wo, layer.bo))
+    rot = None if cache.cos is None else tuple(t[L:L + 1] for t in (cache.cos, cache.sin))
+
+    def step():
+        x2 = x.view(B, D)
+        qkv = (torch.mm(x2, w) if bias is None else torch.addmm(bias, x2, w)).view(B, H + 2 * G, 1, d)
+        q, k, v = qkv.split([H, G, G], dim=1)
+        if rot is not None:
+            q, k = (apply_rope(t, *rot) for t in (q, k))
+        cache.k[:, :, L:L + 1].copy_(k)
+        cache.v[:, :, L:L + 1].copy_(v)
+        with sdpa_kernel([be]):
+            o = torch.nn.functional.scaled_dot_product_attention(q, cache.k[:, :, :L + 1], cache.v[:, :, :L + 1],
+                                                                 enable_gqa=G != H)
+        o = o.reshape(B, D)
+        return torch.mm(o, wo) if bo is None else torch.addmm(bo, o, wo)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def layer_steps(H: int, d: int, rounds: int, steps: int = 40, fp8: bool = False, theta: float | None = 10000.0,
+                plain: bool = True) -> list[dict]:
     """The layer's whole decode step (QKV GEMM, rotary positions, the cache write, attention, the
     output GEMM), CUDA-graphed, on the contiguous cache (layer.graphed(x_row, cache)) and on the
-    paged cache (tpattn.paged.DecodeGraphs), uniform and ragged lengths: wall-clock us per step over
-    `steps` steps (host work of each step included: the pool's bookkeeping, the tables' copies).
-    fp8: also the paged step on an FP8 pool (uniform lengths)."""
+    paged cache (tpattn.paged.DecodeGraphs), uniform and ragged lengths, and (plain) the plain PyTorch
+    step given the same weights and cache (plain_step: SDPA cuDNN, SDPA flash): wall-clock us per step
+    over `steps` steps (host work of each step included: the pool's bookkeeping, the tables' copies,
+    each graph's launch). fp8: also the paged step on an FP8 pool (uniform lengths)."""
     import time
 
     from tpattn.paged import DecodeGraphs, PagedKV
     out = []
     for B, G, L in LAYER_SHAPES:
+        if H % G:
+            continue
         D = H * d
         gen = torch.Generator(device="cuda").manual_seed(B)
-        layer = rope_layer(H, G, d, gen)
+        layer = rope_layer(H, G, d, gen, theta=theta)
         x = torch.randn(B, 1, D, device="cuda", generator=gen).half()
         cache = layer.new_cache(B, L + (rounds + 1) * steps + 8)
         cache.length = L
         cache.pos.fill_(L)
         contiguous = layer.graphed(x, cache)
         runs = {"contiguous": contiguous}
+        for be in ("cudnn", "flash") if plain else ():
+            try:
+                runs[f"plain {be}"] = plain_step(layer, cache, x, L, be)
+            except RuntimeError as e:  # (an SDPA backend that does not take the shape: the row says so)
+                print(f"  B={B} G={G} L={L}: plain {be}: not run ({str(e).splitlines()[0][:120]})", flush=True)
         ragged = torch.linspace(0.4 * L, 1.6 * L, B).round().int().tolist() if B > 1 else [L]
         for name, lens in (("paged", [L] * B), ("paged ragged", ragged)) + ((("paged fp8", [L] * B),) if fp8 else ()):
             if name == "paged ragged" and B == 1:
@@ -288,6 +340,9 @@ def main(argv=None) -> int:
                    "against paged (uniform and ragged lengths)")
     p.add_argument("--prefill", action="store_true", help="also prefills on the paged cache (ragged prompts in one "
                    "step, a long prompt in chunks) against the layer's forward over the same rows")
+    p.add_argument("--rope-theta", type=float, default=10000.0, metavar="THETA",
+                   help="--layer's rotary positions (the layer's and, in torch ops, the plain step's; 0: none, as "
+                   "the plain PyTorch layer has none; default 10000)")
     p.add_argument("--no-kernel", action="store_true", help="skip the decode kernel's table")
     p.add_argument("--graph", action="store_true", help="also each kernel's GPU time alone: one call captured in a "
                    "CUDA graph, replayed back to back")
@@ -357,15 +412,23 @@ def main(argv=None) -> int:
             print(line)
     steps = []
     if a.layer:
-        steps = layer_steps(H, d, a.rounds, fp8=a.fp8)
-        print("the layer's decode step, CUDA-graphed, wall-clock us per step (median of rounds; host work included), "
-              "[the host's time to issue a step]:")
+        theta = a.rope_theta or None
+        steps = layer_steps(H, d, a.rounds, fp8=a.fp8, theta=theta)
+        print(f"the layer's decode step (rotary positions: {'theta ' + format(theta, 'g') if theta else 'none'}), "
+              "CUDA-graphed, wall-clock us per step (median of rounds; host work included), [the host's time to "
+              "issue a step], (x the layer's contiguous step); the plain PyTorch step with the same weights and cache:")
         for shape in LAYER_SHAPES:
-            mine = [r for r in steps if (r["B"], r["G"], r["L"]) == shape]
-            base = next(r["us"] for r in mine if r["step"] == "contiguous")
+            mine = {r["step"]: r for r in steps if (r["B"], r["G"], r["L"]) == shape}
+            if not mine:
+                continue
+            base = mine["contiguous"]["us"]
             print(f"  B={shape[0]} G={shape[1]} L={shape[2]}: " + ", ".join(
-                f"{r['step']} {r['us']:.1f}" + ("" if r["step"] == "contiguous" else f" (x{r['us'] / base:.3f})")
-                + f" [{r['host_us']:.1f}]" for r in mine))
+                f"{name} {r['us']:.1f}" + ("" if name == "contiguous" else f" (x{r['us'] / base:.3f})")
+                + f" [{r['host_us']:.1f}]" for name, r in mine.items()))
+            if "plain cudnn" in mine:
+                worst = max(r["us"] for name, r in mine.items() if not name.startswith("plain"))
+                print(f"    against the plain step with cuDNN: contiguous x{base / mine['plain cudnn']['us']:.3f}, "
+                      f"the slowest of the layer's steps x{worst / mine['plain cudnn']['us']:.3f}")
     prefills = []
     if a.prefill:
         for backend in a.prefill_backends:

@@ -53,7 +53,7 @@ def main() -> int:
                               dtype=torch.int32, device=dev).clamp(1, L)
         for layout, lens in (("contiguous", None), ("paged", full), ("ragged", ragged)):
             forced["S"] = None
-            source, name, chosen = decode._split_kernel(q[:, :, 0], B, H, G, d, L, page=0 if lens is None else page)
+            source, name, chosen, smem = decode._split_kernel(q[:, :, 0], B, H, G, d, L, page=0 if lens is None else page)
             S0 = picks(B * G, L, sms, 2 if name.startswith("dec_mma") else 4)
             counts = sorted({chosen, S0} | {max(1, S0 * f // 4) for f in range(1, 13)} | set(range(max(1, S0 - 2), S0 + 3)))
             times = {}
@@ -64,7 +64,7 @@ def main() -> int:
                 else:
                     times[S] = graph_us(lambda: decode.paged_decode_attention(q[:, :, 0], pk, pv, table, lens, L), 20)
             best = min(times, key=times.get)
-            print(f"B={B} G={G} L={L} {layout:10s} {name:26s} {resident_blocks(source, name, dev, decode.DEC_THREADS)} "
+            print(f"B={B} G={G} L={L} {layout:10s} {name:26s} {resident_blocks(source, name, dev, decode.DEC_THREADS, shared_mem=smem)} "
                   f"blocks/SM  S0={S0}: {times[S0]:.1f}  picked S={chosen}: {times[chosen]:.1f} "
                   f"(x{times[chosen] / times[S0]:.3f})  fastest S={best}: {times[best]:.1f}", flush=True)
             print("    " + " ".join(f"{S}:{t:.1f}" for S, t in times.items()), flush=True)

@@ -194,7 +194,7 @@ def test_split_kernel_takes_the_kernels_occupancy(monkeypatch):
     # blocks an SM of the kernel without and with _p (3 or more chunks) -> the chunks launched
     for resident, chunks in (((3, 3), 3), ((0, 0), 1), ((3, 2), 1)):
         asked = []
-        monkeypatch.setattr(tcuda, "resident_blocks", lambda source, name, device, threads, r=resident:
+        monkeypatch.setattr(tcuda, "resident_blocks", lambda source, name, device, threads, shared_mem=0, r=resident:
                             asked.append((name, threads)) or r[name == piped])
         calls.clear()
         decode.decode_attention(q, k, v, 4096, tickets=tickets)

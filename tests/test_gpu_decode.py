@@ -168,8 +168,8 @@ def test_the_split_count_reads_each_kernels_occupancy():
     for name in ("dec_mma_f16_d128_r8", "dec_mma_f16_d128_r8_p", "dec_split_f16_d128_g1", "dec_split_f16_d128_g1_pg"):
         assert 1 <= resident_blocks("decode_attention.cu", name, dev, decode.DEC_THREADS) <= most, name
     q = torch.zeros(64, 32, 128, device=dev, dtype=torch.float16)
-    source, name, S = decode._split_kernel(q, 64, 32, 8, 128, 4096)
-    n = resident_blocks(source, name, dev, decode.DEC_THREADS)
+    source, name, S, smem = decode._split_kernel(q, 64, 32, 8, 128, 4096)
+    n = resident_blocks(source, name, dev, decode.DEC_THREADS, shared_mem=smem)
     # (or the split it started from, where the _p kernel's own occupancy would not keep _p)
     assert S in (decode.decode_splits(64 * 8, 4096, sms, 2, n), decode.decode_splits(64 * 8, 4096, sms, 2))
     assert name.startswith("dec_mma_f16_d128_r8")

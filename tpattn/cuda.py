@@ -240,12 +240,12 @@ def _check_grid(grid) -> None:
 
 def launch(filename: str, name: str, device: torch.device, grid, block, args, shared_mem: int = 0) -> None:
     """Launch kernel `name` of kernels/`filename` on torch's current stream of `device`, with
-    `shared_mem` bytes of dynamic shared memory (above 48 KiB the function's limit is raised once).
+    `shared_mem` bytes of dynamic shared memory (the function's limit raised to it once).
     args: numpy scalars (pointers as uint64); a kernel taking tensor maps goes through Prepared."""
     cupy = _cupy()
     idx = device.index if device.index is not None else torch.cuda.current_device()
     fn = get_function(filename, name, idx)
-    if shared_mem > 48 * 1024:
+    if shared_mem > 0:  # (the 48 KiB a launch may take unasked count the kernel's static shared memory too)
         _allow_shared_mem(cupy, fn, (idx, filename, name), shared_mem)
     _check_grid(grid)
     with cupy.cuda.Device(idx):
@@ -271,28 +271,30 @@ def _allow_shared_mem(cupy, fn, key, nbytes: int) -> None:
     _smem_limits[key] = nbytes
 
 
-_resident: dict[tuple[int, str, str, int], int] = {}
+_resident: dict[tuple[int, str, str, int, int], int] = {}
 
 
-def resident_blocks(filename: str, name: str, device: torch.device, threads: int) -> int:
-    """How many blocks of `threads` threads of kernel `name` (no dynamic shared memory) one SM holds
-    at once, as the driver computes it from the kernel's registers and shared memory
-    (cuOccupancyMaxActiveBlocksPerMultiprocessor); 0 where it cannot say (or CuPy is missing). Once a
-    kernel."""
+def resident_blocks(filename: str, name: str, device: torch.device, threads: int, shared_mem: int = 0) -> int:
+    """How many blocks of `threads` threads of kernel `name` (with `shared_mem` bytes of dynamic shared
+    memory) one SM holds at once, as the driver computes it from the kernel's registers and shared
+    memory (cuOccupancyMaxActiveBlocksPerMultiprocessor); 0 where it cannot say (or CuPy is missing).
+    Once a kernel and size."""
     try:
         import cupy
     except ImportError:  # (no kernel launches here either)
         return 0
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    key = (idx, filename, name, threads)
+    key = (idx, filename, name, threads, shared_mem)
     if key not in _resident:
         fn = get_function(filename, name, idx)
+        if shared_mem > 0:  # (the function's limit raised first, as a launch of that size does)
+            _allow_shared_mem(cupy, fn, (idx, filename, name), shared_mem)
         n = ctypes.c_int(0)
         try:
             with cupy.cuda.Device(idx):  # (a RawKernel's handle is the current device's)
                 handle = getattr(getattr(fn, "kernel", fn), "ptr", None)  # RawModule's RawKernel, or a Function
                 err = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                    ctypes.byref(n), ctypes.c_void_p(int(handle)), ctypes.c_int(threads), ctypes.c_size_t(0))
+                    ctypes.byref(n), ctypes.c_void_p(int(handle)), ctypes.c_int(threads), ctypes.c_size_t(shared_mem))
         except (OSError, AttributeError, TypeError):
             err = 1
         _resident[key] = n.value if err == 0 else 0

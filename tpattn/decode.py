@@ -168,6 +168,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> to
 DEC_COMBINE_W = 1024  # the most partials a head the kernels' combine takes (kernels/decode_attention.cu)
 DEC_THREADS = 128     # a split block's threads
 WAVES_MEASURED = 4    # decode_splits follows the occupancy up to launches of this many waves
+DEC_STAGES = 3        # the staged split's stages a warp (kernels/decode_attention.cu's DEC_STAGES)
+DEC_STAGED = True     # the staged tensor-core split (_b) over the contiguous cache (compute capability 9.0+)
 
 
 def decode_splits(bg: int, length: int, sms: int, per_sm: int = 4, resident: int = 0, uniform: bool = True) -> int:
@@ -274,7 +276,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
 
     from .cuda import GRID_YZ_MAX, launch, ptr
     g, lmax = k.shape[1], k.shape[2]
-    source, name, S = _split_kernel(q, B, h, g, d, lmax if pos is not None else length)
+    source, name, S, smem = _split_kernel(q, B, h, g, d, lmax if pos is not None else length)
     q = q.contiguous()
     op = torch.empty(B, h, S, d, dtype=torch.float32, device=q.device)
     lp = torch.empty(B, h, S, dtype=torch.float32, device=q.device)
@@ -283,7 +285,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
            (ptr(q), ptr(k), ptr(v), ptr(op), ptr(lp), ptr(o), ptr(tickets if tickets is not None else ticket_counters(q.device, B * g)), np.int32(B * g),
             np.int32(g), np.int32(h // g), np.int32(1 if pos is not None else length),
             np.uint64(0) if pos is None else ptr(pos), np.int32(lmax), np.int32(S),
-            np.float32(math.log2(math.e) / math.sqrt(d)), np.uint64(0), np.uint64(0), np.int32(0), np.int32(0)))
+            np.float32(math.log2(math.e) / math.sqrt(d)), np.uint64(0), np.uint64(0), np.int32(0), np.int32(0)),
+           shared_mem=smem)
     return o
 
 
@@ -293,23 +296,36 @@ def tile_pages(page: int) -> bool:
     return page >= 16 and page & (page - 1) == 0
 
 
+def dec_ring_bytes(d: int) -> int:
+    """The staged tensor-core split's (_b) dynamic shared memory: its 4 warps' rings of DEC_STAGES stages
+    of a 16-key K and V tile (kernels/decode_attention.cu)."""
+    return DEC_THREADS // 32 * DEC_STAGES * 2 * 16 * d * 2
+
+
 def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int,
-                  page: int = 0, fp8: bool = False) -> tuple[str, str, int]:
-    """(source, kernel name, chunks S) of kernels/decode_attention.cu (decode_attention_dims.cu for a
-    head dim other than 64 and 128: the CUDA-core split there, grouped heads too) for B sequences of
-    h query heads over g K/V heads, the cache split by `length` (the longest it can be). page: a
-    pool's page size (0: the contiguous cache); the tensor-core split has a build for pages of a
-    power of two of 16 tokens or more (_pg: a block-table lookup a 16-key tile) and one for the
-    others (_pgk: a lookup a key). fp8: an FP8 pool's pages (the same choice of split, each kernel's
-    _pg8)."""
+                  page: int = 0, fp8: bool = False) -> tuple[str, str, int, int]:
+    """(source, kernel name, chunks S, dynamic shared memory bytes) of kernels/decode_attention.cu
+    (decode_attention_dims.cu for a head dim other than 64 and 128: the CUDA-core split there, grouped
+    heads too) for B sequences of h query heads over g K/V heads, the cache split by `length` (the
+    longest it can be). page: a pool's page size (0: the contiguous cache); the tensor-core split has
+    a build for pages of a power of two of 16 tokens or more (_pg: a block-table lookup a 16-key tile)
+    and one for the others (_pgk: a lookup a key). fp8: an FP8 pool's pages (the same choice of split,
+    each kernel's _pg8). On compute capability 9.0 and up (DEC_STAGED) the tensor-core split over the
+    contiguous cache is the staged one (_b: bulk copies through shared memory; measured faster there,
+    slower over pages: kernels/decode_attention.cu)."""
     from .cuda import resident_blocks
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    props = torch.cuda.get_device_properties(q.device)
+    sms = props.multi_processor_count
     mma = d in DEC_HEAD_DIMS and (SPLIT_KERNEL == "mma" or (SPLIT_KERNEL == "auto" and h > g))
+    staged = DEC_STAGED and mma and not page and getattr(props, "major", 0) >= 9
+    smem = dec_ring_bytes(d) if staged else 0
     source = dec_source(d)
     suf = "f16" if q.dtype == torch.float16 else "bf16"
     pg = "_pg8" if fp8 else "" if not page else "_pg" if not mma or tile_pages(page) else "_pgk"
 
     def name(S: int) -> str:
+        if staged:  # tensor cores, K/V tiles staged in shared memory by bulk copies
+            return f"dec_mma_{suf}_d{d}_r{16 if h // g > 8 else 8}_b"
         if mma:  # tensor cores: the group's heads as the rows of an m16 tile, 8 or 16 at a time; with 3
             # or more chunks, the next tile's loads in flight while one is computed (_p: faster there,
             # slower at large batch, where fewer blocks fit: measured)
@@ -318,14 +334,15 @@ def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int,
         return f"dec_split_{suf}_d{d}_g{next(n for n in (1, 2, 4, 8) if n >= min(h // g, 8))}{pg}"
 
     def split(kernel: str) -> int:  # the count for that kernel's occupancy
-        return decode_splits(B * g, length, sms, 2 if mma else 4, resident_blocks(source, kernel, q.device, DEC_THREADS),
+        return decode_splits(B * g, length, sms, 2 if mma else 4, resident_blocks(source, kernel, q.device, DEC_THREADS,
+                                                                                  shared_mem=smem),
                              uniform=not page or B == 1)
     S0 = decode_splits(B * g, length, sms, 2 if mma else 4)
     S = split(name(S0))
     if name(S) != name(S0):  # the count crossed _p's threshold: the count for that kernel's own occupancy,
         again = split(name(S))  # if it keeps that kernel; else the split as it was
         S = again if name(again) == name(S) else S0
-    return source, name(S), S
+    return source, name(S), S, smem
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
@@ -344,7 +361,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     from .cuda import GRID_YZ_MAX, launch, ptr
     B, h, d = q.shape
     g, page = k_pool.shape[1], k_pool.shape[2]
-    source, name, S = _split_kernel(q, B, h, g, d, max(1, longest), page=page, fp8=scales is not None)
+    source, name, S, smem = _split_kernel(q, B, h, g, d, max(1, longest), page=page, fp8=scales is not None)
     q = q.contiguous()
     op = torch.empty(B, h, S, d, dtype=torch.float32, device=q.device)
     lp = torch.empty(B, h, S, dtype=torch.float32, device=q.device)
@@ -358,7 +375,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         args = (*head, np.int32(S), *tail, ptr(scales[0]), ptr(scales[1]))
     else:
         args = (*head, np.int32(0), np.uint64(0), np.int32(0), np.int32(S), *tail)
-    launch(source, name, q.device, (S, min(B * g, GRID_YZ_MAX), 1), (DEC_THREADS, 1, 1), args)
+    launch(source, name, q.device, (S, min(B * g, GRID_YZ_MAX), 1), (DEC_THREADS, 1, 1), args, shared_mem=smem)
     return o
 
 
