@@ -43,7 +43,10 @@
 #           sequence-parallel, fusedh for comparison)
 #   decode  decoding: pytest -m gpu tests/test_gpu_decode.py, scripts/bench_decode.py (the split-K kernel and
 #           the whole step beside SDPA and a plain PyTorch step), scripts/sweep_decode_splits.py (each chunk
-#           count's time beside the one picked), the CLI's --decode eager and with --cuda-graph
+#           count's time beside the one picked), scripts/ab_decode_staged.py (the staged split against the one it
+#           replaces), the layer's graphed step beside the plain PyTorch step (bench_paged.py --layer
+#           --rope-theta 0), scripts/profile_decode_steps.py (each kernel's time in a contiguous and a paged
+#           step), the CLI's --decode eager and with --cuda-graph
 #   oneshot  the one-shot peer all-reduce: pytest -m gpu -k oneshot (ranks sharing the GPU over gloo), and with
 #           2 GPUs scripts/bench_allreduce.py (beside NCCL, 8 KiB - 1 MiB) and the decode step (--cuda-graph) on 1 and 2
 #           GPUs with auto (the one-shot sum) and allreduce (NCCL's)
@@ -402,6 +405,11 @@ if want decode; then
   python3 scripts/bench_decode.py --commit "${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" \
     --out "$OUT/decode_h200" 2>&1 || status=1
   timeout 400 python3 scripts/sweep_decode_splits.py 2>&1 | tee "$OUT/sweep_decode_splits.log" | grep -v "^    " \
+    || status=1
+  timeout 300 python3 scripts/ab_decode_staged.py 2>&1 | tee "$OUT/ab_decode_staged.log" || status=1
+  timeout 300 python3 scripts/bench_paged.py --layer --no-kernel --rounds 3 --pages 16 --rope-theta 0 2>&1 \
+    | tee "$OUT/layer_vs_plain.log" | grep -E "B=|against" || status=1
+  timeout 300 python3 scripts/profile_decode_steps.py 2>&1 | tee "$OUT/profile_decode_steps.log" | grep -v -i warn \
     || status=1
   for graph in "" --cuda-graph; do
     python3 -m tpattn --kernel fused --causal --decode 32 $graph 2>&1 | tee "$OUT/cli_decode${graph}.log" | tail -8 \
