@@ -18,6 +18,8 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 import bench_paged as bp  # noqa: E402
 from tpattn.paged import DecodeGraphs, PagedKV  # noqa: E402
 
+if not torch.cuda.is_available():
+    sys.exit("profile_decode_steps.py profiles the layer's decode steps on a GPU: run it where torch sees one")
 H, d = 32, 128
 for B, G, L, ragged in ((1, 32, 4096, False), (16, 8, 4096, True)):
     gen = torch.Generator(device="cuda").manual_seed(B)

@@ -214,3 +214,14 @@ def test_resident_blocks_is_zero_without_cupy(monkeypatch):
     monkeypatch.setattr(tcuda, "_resident", {})
     # (no device index: a lookup of the current device before CuPy's check would raise on CPU torch)
     assert tcuda.resident_blocks("decode_attention.cu", "dec_split_f16_d128_g1", torch.device("cuda"), 128) == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a GPU")
+@pytest.mark.parametrize("script", ["ab_decode_staged.py", "profile_decode_steps.py", "sweep_decode_splits.py"])
+def test_decode_gpu_scripts_refuse_without_a_gpu(script):
+    """The decode scripts that time or profile kernels say in one line that they need a GPU, and exit
+    non-zero, instead of a traceback."""
+    r = run([sys.executable, str(ROOT / "scripts" / script)], timeout=120)
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and "on a GPU" in lines[0] and "Traceback" not in r.stderr, r.stderr
