@@ -110,7 +110,7 @@ def plain_step(layer, cache, x: torch.Tensor, L: int, backend: str):
     cache: the QKV GEMM, rotary positions in torch ops where the layer has them, the row copied into the
     cache at position L, SDPA (`backend`: cudnn or flash; GQA: enable_gqa) over the first L + 1
     positions, the output GEMM; captured in a CUDA graph at L (a plain step's shapes follow the
-    length): returns the graph's replay."""
+    length; bench_kernels.captured): returns the graph's replay."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from tpattn.decode import apply_rope
@@ -134,15 +134,11 @@ def plain_step(layer, cache, x: torch.Tensor, L: int, backend: str):
         o = o.reshape(B, D)
         return torch.mm(o, wo) if bo is None else torch.addmm(bo, o, wo)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_kernels import captured
+    graph = captured(lambda _timer: step())
+    if graph is None:
+        raise RuntimeError(f"SDPA {backend} could not be captured in a CUDA graph here")
     return graph.replay
 
 

@@ -204,10 +204,7 @@ class PagedKV:
             raise ConfigError(f"step lists a sequence twice ({seq_ids}); give each sequence's rows once")
         if min(rows) < 1:
             raise ConfigError(f"step appends at least one row to each sequence (got {rows})")
-        try:
-            slots = list(map(self.slots.__getitem__, seq_ids))
-        except KeyError:
-            slots = [self._slot(s) for s in seq_ids]  # (raises, naming the sequence)
+        slots = [self._slot(s) for s in seq_ids]
         P, tables = self.page_size, self.tables
         starts = list(map(self.lengths.__getitem__, slots))
         need = [max(0, -(-(L + r) // P) - len(tables[s])) for s, L, r in zip(slots, starts, rows)]
