@@ -48,11 +48,13 @@
 //               scale, each p times its V scale.
 //   dec_mma_..._pg8  the tensor-core split over an FP8 pool (sm_89+; d = 64 and 128, grouped heads):
 //               the same fragments from half the bytes (see dec_mma's comment).
-//   pg_prepare  a graphed paged decode step's rows from its two inputs, slots and lengths before the
-//               step ([2, n], int64, on the device): each row's position and page, its block-table
-//               row (copied from the device's mirror [slots + 1, W]) and its length after the step;
+//   pg_prepare  a graphed paged decode step's rows from its inputs, slots, lengths before the step and
+//               the page it takes, if any ([4, n], int64, on the device): each row's position and
+//               page, its block-table row (the device's mirror [slots + 1, W], the page taken
+//               from the inputs and written into the mirror too) and its length after the step;
 //               then the lengths advanced by one for the next replay (rows of a live slot), so that
-//               steady decoding sends nothing from the host.
+//               a step that continues the last one sends nothing from the host, and one that takes
+//               pages sends only the inputs.
 //
 // Layout: Q [B, H, D] (one row per sequence), K, V [B, G, LMAX, D] contiguous (the cache), the first
 // L positions valid. 16-bit storage (fp16 or bf16), fp32 accumulation, D = 64 or 128 (and, dec_split
@@ -1064,26 +1066,30 @@ DEC_DEFINE_SPLIT(256)
 DEC_APPEND(f16, false)
 DEC_APPEND(bf16, true)
 
-// a graphed paged decode step's rows (see the header): inputs [2, n] (slots, lengths before the step),
-// mirror [nslots + 1, W] (the last row: the padding rows' scratch pages), out: pos, pidx, poff [n]
-// (int64), table [n, W] and lens [n] (int32). Threads over n * W copy the table rows; thread b < n
-// also does row b's scalars and advances its length (the only writer of inputs[1][b]: no race, the
-// table threads read slots only).
+// a graphed paged decode step's rows (see the header): inputs [4, n] (slots, lengths before the step,
+// and a page the step itself puts into the mirror: its column and id, column -1 for none), mirror
+// [nslots + 1, W] (the last row: the padding rows' scratch pages), out: pos, pidx, poff [n] (int64),
+// table [n, W] and lens [n] (int32). Threads over n * W copy the table rows (row b's carried column
+// from the inputs, not the mirror); thread b < n also does row b's scalars, writes its carried page
+// into the mirror and advances its length (the only writer of inputs[1][b] and of that mirror entry,
+// which no other thread reads: rows are distinct slots, and padding rows carry nothing). A carried
+// page stays in the inputs for the steps that continue this one; writing it again changes nothing.
 extern "C" __global__ void __launch_bounds__(256) pg_prepare(long long *__restrict__ inputs,
-                                                            const int *__restrict__ mirror,
+                                                            int *__restrict__ mirror,
                                                             long long *__restrict__ pos, long long *__restrict__ pidx,
                                                             long long *__restrict__ poff, int *__restrict__ table,
                                                             int *__restrict__ lens, int n, int W, int page, int nslots) {
     const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (t < (long long)n * W) {
         const long long b = t / W, j = t % W;
-        table[t] = mirror[inputs[b] * W + j];
+        table[t] = j == inputs[2 * n + b] ? (int)inputs[3 * n + b] : mirror[inputs[b] * W + j];
     }
     if (t < n) {
-        const long long slot = inputs[t], p = inputs[n + t];
+        const long long slot = inputs[t], p = inputs[n + t], col = inputs[2 * n + t];
         const bool live = slot < nslots;
+        if (col >= 0) mirror[slot * W + col] = (int)inputs[3 * n + t];
         pos[t] = p;
-        pidx[t] = mirror[slot * W + p / page];
+        pidx[t] = p / page == col ? inputs[3 * n + t] : mirror[slot * W + p / page];
         poff[t] = p % page;
         lens[t] = live ? (int)(p + 1) : 0;
         inputs[n + t] = live ? p + 1 : p;

@@ -402,8 +402,10 @@ def test_paged_append_kernel_is_the_torch_rotation_and_writes(dtype, rope, d):
 @torch.no_grad()
 def test_graphed_paged_step_prepares_on_the_device_and_advances():
     """pg_prepare: each row's position, page, offset, block-table row and length after the step from
-    (slots, lengths) and the device's table mirror; padding rows (the extra slot) at length 0 and the
-    scratch pages; the inputs' lengths of live rows one more afterwards, the padding rows' unchanged."""
+    (slots, lengths, the page a row takes) and the device's table mirror; a page taken in the row's
+    table and written into the mirror; padding rows (the extra slot) at length 0 and the scratch
+    pages; the inputs' lengths of live rows one more afterwards, the padding rows' unchanged, the
+    pages taken left in place (a step that continues this one writes them again)."""
     from tpattn.paged import PagedKV, _StaticStep
     layer = fused_layer(8, 2, 128)
     P, S, W = 16, 3, 6
@@ -411,15 +413,21 @@ def test_graphed_paged_step_prepares_on_the_device_and_advances():
     mirror = torch.randint(0, 20, (S + 1, W), dtype=torch.int32, device="cuda")
     mirror[S] = pool.scratch_page
     st = _StaticStep(pool, 4, mirror)
-    st.inputs.copy_(torch.tensor([[2, 0, S, S], [40, 15, 0, 0]]))
+    took = [[2, -1, -1, -1], [19, 0, 0, 0]]  # row 0 takes page 19 at column 2 (position 40 is its first)
+    mirror[2, 2] = 5
+    before = mirror.clone()
+    st.inputs.copy_(torch.tensor([[2, 0, S, S], [40, 15, 0, 0], *took]))
     st.prepare()
     torch.cuda.synchronize()
     slots, pos = [2, 0, S, S], [40, 15, 0, 0]
+    after = before.clone()
+    after[2, 2] = 19
+    assert torch.equal(mirror, after)
     assert st.positions.tolist() == pos and st.page_offset.tolist() == [p % P for p in pos]
-    assert st.page_index.tolist() == [mirror[s, p // P].item() for s, p in zip(slots, pos)]
-    assert torch.equal(st.table, mirror[torch.tensor(slots, device="cuda")])
+    assert st.page_index.tolist() == [19] + [after[s, p // P].item() for s, p in zip(slots[1:], pos[1:])]
+    assert torch.equal(st.table, after[torch.tensor(slots, device="cuda")])
     assert st.lens.tolist() == [41, 16, 0, 0]
-    assert st.inputs.tolist() == [slots, [41, 16, 0, 0]]
+    assert st.inputs.tolist() == [slots, [41, 16, 0, 0], *took]
 
 
 # ---- an FP8 pool (PagedKV(kv_dtype="fp8")): dec_append_pg8 and the split's _pg8 -------------------

@@ -14,7 +14,7 @@ import torch
 from conftest import ROOT, mpirun_cmd, run
 from tpattn.errors import ConfigError
 from tpattn.layer import TensorParallelAttention
-from tpattn.paged import PagedKV
+from tpattn.paged import PagedKV, _StaticStep
 
 
 def _layer(kv_heads=4, rope=True, dtype=torch.float64):
@@ -196,11 +196,12 @@ def test_decode_graphs_buckets_pad_and_follow_the_live_set():
         assert (pool.k[0][:pool.pages].abs().sum() > 0) and pool.scratch_page == 40
 
 
-def test_decode_graphs_mirror_only_what_changed():
+def test_decode_graphs_mirror_only_what_changed(monkeypatch):
     """DecodeGraphs keeps the block tables' device mirror by the pool's version: a steady step sends
-    only the slots whose tables it lengthened (none, mostly), and pages taken outside its steps (an
-    eager step of several rows of a live sequence) are mirrored at the next step; every row against
-    each sequence's whole forward."""
+    no table (a page it takes goes with its inputs, and its graph writes it into the mirror), and
+    pages taken outside its steps (an eager step of several rows of a live sequence) are mirrored at
+    the next step; the mirror holds each table after every step, and every row matches each
+    sequence's whole forward."""
     from tpattn.paged import DecodeGraphs
     layer = _layer(2, True)
     lens, T = [5, 2], 9
@@ -211,6 +212,10 @@ def test_decode_graphs_mirror_only_what_changed():
                           max_len=40, buckets=(2,), capture=False)
     synced, real = [], graphs._sync_tables
     graphs._sync_tables = lambda slots: (synced.append(sorted(slots)), real(slots))
+    filled, fill = [], _StaticStep.fill
+    monkeypatch.setattr(_StaticStep, "fill", lambda st, step, carry=None: (filled.append(dict(carry or {})),
+                                                                          fill(st, step, carry)))
+    carried = 0
     outs = [[], []]
     with torch.no_grad():
         with pool.step(ids, lens) as step:
@@ -222,19 +227,59 @@ def test_decode_graphs_mirror_only_what_changed():
                 with pool.step([ids[1]], [6]) as step:
                     outs[1].append(layer(xs[1][:, done[1]:done[1] + 6], cache=step.view()))
                 done[1] += 6
-            before, n = [len(pool.tables[pool.slots[sid]]) for sid in ids], len(synced)
+            before, n, f = [len(pool.tables[pool.slots[sid]]) for sid in ids], len(synced), len(filled)
             y = graphs.step(ids, torch.cat([xs[i][:, done[i]:done[i] + 1] for i in range(2)], 0))
             grew = sorted(pool.slots[sid] for sid, k in zip(ids, before) if len(pool.tables[pool.slots[sid]]) > k)
             if t in (0, 4):  # the first step, and the one after the eager step: every slot
                 assert synced[n:] == [[0, 1]], (t, synced[n:])
-            else:  # a steady step: only the slots it lengthened, if any
-                assert synced[n:] == ([grew] if grew else []), (t, grew, synced[n:])
+            else:  # a steady step: no table sent; the pages it took go with its inputs, else nothing is sent
+                assert synced[n:] == [], (t, grew, synced[n:])
+                got = {s: pool.tables[s][-1] for s in grew}
+                assert [{s: p for s, (_, p) in c.items()} for c in filled[f:]] == ([got] if grew else []), (t, filled[f:])
+                carried += len(grew)
+            for sid in ids:  # the device's mirror holds each table
+                pages = pool.tables[pool.slots[sid]]
+                assert graphs.table[pool.slots[sid], :len(pages)].tolist() == pages, (t, sid)
             for i in range(2):
                 outs[i].append(y[i:i + 1])
                 done[i] += 1
         for i in range(2):
             assert (torch.cat(outs[i], 1) - layer(xs[i][:, :done[i]])).abs().max().item() < 1e-12, i
-    assert len(synced) < T  # steps that lengthened no table sent nothing
+    assert len(synced) == 2 and carried >= 2  # steps that lengthened no table sent nothing
+
+
+def test_decode_graphs_a_reused_slot_takes_no_page_an_earlier_sequence_carried():
+    """A graphed step that took a page leaves it in its bucket's inputs (the steps that continue it
+    write it again). When that sequence is removed and a new one takes its slot at the very length
+    the bucket would continue from, the step sends its inputs anyway: the old page (now another
+    sequence's) does not overwrite the new sequence's block table."""
+    from tpattn.paged import DecodeGraphs
+    layer = _layer(2, True)
+    P = 4
+    xa, xb, xc = (torch.randn(1, 12, 32, dtype=torch.float64) for _ in range(3))
+    pool = PagedKV(layer, pages=8, page_size=P, max_seqs=2)
+    graphs = DecodeGraphs(pool, lambda x, st: layer(x, cache=st.view(0)), torch.zeros(1, 1, 32, dtype=torch.float64),
+                          max_len=12, buckets=(1,), capture=False)
+    with torch.no_grad():
+        a = pool.add()
+        with pool.step([a], [P - 1]) as step:
+            layer(xa[:, :P - 1], cache=step.view())
+        graphs.step([a], xa[:, P - 1:P])
+        graphs.step([a], xa[:, P:P + 1])  # a steady step that takes a's second page: carried by the inputs
+        assert graphs._made[1]["step"].inputs[2:].flatten().tolist() == [1, pool.tables[pool.slots[a]][1]]
+        slot = pool.slots[a]
+        c = pool.add()
+        pool.remove(a)
+        with pool.step([c], [2 * P]) as step:  # c takes a's two pages
+            layer(xc[:, :2 * P], cache=step.view())
+        b = pool.add()
+        assert pool.slots[b] == slot
+        with pool.step([b], [P + 1]) as step:  # b: new pages, at the length a's bucket continues from
+            first = layer(xb[:, :P + 1], cache=step.view())
+        y = graphs.step([b], xb[:, P + 1:P + 2])
+        assert graphs.table[slot, :2].tolist() == pool.tables[slot][:2]
+        whole = layer(xb[:, :P + 2])
+    assert (torch.cat([first, y], 1) - whole).abs().max().item() < 1e-12
 
 
 def test_decode_graphs_refusals():

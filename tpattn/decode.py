@@ -354,7 +354,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     split kernel's paged layout (kernels/decode_attention.cu, _pg), on the GPU. lens: int32 [B] on the
     device (a sequence of length 0 gives a zero row); longest: the most any lens[b] can be, which
     sets the split (under a CUDA graph: the table's capacity, so that one graph serves every step).
-    scales: an FP8 pool's (k_scale, v_scale) [pages, g, page] (fp32), its pages float8_e4m3fn: the
+    tickets: the kernel's counters (int32, at least B x g, zeros; each launch leaves them zero: a
+    pool's own, so that a graph replays no fill of them), else ticket_counters(). scales: an FP8 pool's (k_scale, v_scale) [pages, g, page] (fp32), its pages float8_e4m3fn: the
     split's _pg8 (fp8_pages_fit)."""
     import numpy as np
 
@@ -366,8 +367,9 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     op = torch.empty(B, h, S, d, dtype=torch.float32, device=q.device)
     lp = torch.empty(B, h, S, dtype=torch.float32, device=q.device)
     o = torch.empty_like(q)
-    head = (ptr(q), ptr(k_pool), ptr(v_pool), ptr(op), ptr(lp), ptr(o),
-            ptr(tickets if tickets is not None else ticket_counters(q.device, B * g)), np.int32(B * g), np.int32(g),
+    if tickets is None or tickets.numel() < B * g:
+        tickets = ticket_counters(q.device, B * g)
+    head = (ptr(q), ptr(k_pool), ptr(v_pool), ptr(op), ptr(lp), ptr(o), ptr(tickets), np.int32(B * g), np.int32(g),
             np.int32(h // g))
     tail = (np.float32(math.log2(math.e) / math.sqrt(d)), ptr(table), ptr(lens), np.int32(table.shape[1]),
             np.int32(page))

@@ -104,6 +104,10 @@ class PagedKV:
                                       if self.fp8 else None for _ in range(2))
         self.scratch_page = pages
         self.device = dev
+        # the decode kernel's counters for every step of this pool, eager or graphed (a row a sequence
+        # of a step, a graph's bucket at most max_seqs): zeros, and each launch leaves them zero (the
+        # last block of each sequence and K/V head resets its own), so a graph needs no fill of its own
+        self.tickets = torch.zeros((max_seqs + 1) * g, dtype=torch.int32, device=dev)
         self.free_pages = list(range(pages - 1, -1, -1))  # a stack: the lowest page is taken first
         self.slots: dict[int, int] = {}        # sequence id -> slot
         self.free_slots = list(range(max_seqs - 1, -1, -1))
@@ -409,7 +413,7 @@ def forward_paged(layer, x: torch.Tensor, view: PagedView) -> torch.Tensor:
         table, lens, longest = step.decode_tables()
         with section("attention"):
             if kernels:  # the paged split kernel
-                o = paged_decode_attention(q, kp, vp, table, lens, longest, scales=scales)
+                o = paged_decode_attention(q, kp, vp, table, lens, longest, tickets=pool.tickets, scales=scales)
             else:
                 o = paged_decode_torch(q, kp, vp, table, lens, scales)
         total = OutputSum(layer, plan, x.device)
@@ -638,12 +642,13 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 class _StaticStep:
     """A decode step of up to `bucket` sequences whose every tensor is fixed (a graph reads it).
-    Made per step from two small inputs on the device, the rows' slots and their lengths before the
-    step, and the pool's block tables as the device holds them (DecodeGraphs' mirror): prepare()
-    makes, on the device, each row's position, where its K and V go, its block table row and its
-    length after the step, then advances the inputs' lengths by one. So a step that continues the
-    bucket's last one (the same slots, every length one more) needs no copy from the host; fill()
-    sends the inputs when the live set changes. Padding rows (past the live sequences) take the
+    Made per step from small inputs on the device, the rows' slots, their lengths before the step and
+    the page each row's step takes if any (its column in the block table and its id), and the pool's
+    block tables as the device holds them (DecodeGraphs' mirror): prepare() writes the pages taken
+    into the mirror and makes, on the device, each row's position, where its K and V go, its block
+    table row and its length after the step, then advances the inputs' lengths by one. So a step that
+    continues the bucket's last one (the same slots, every length one more, no page taken) needs no
+    copy from the host; fill() sends the inputs when the live set changes or a row takes a page. Padding rows (past the live sequences) take the
     mirror's extra slot: length 0 (their attention is zero), K and V written into the scratch page."""
 
     def __init__(self, pool: PagedKV, bucket: int, table: torch.Tensor):
@@ -651,7 +656,8 @@ class _StaticStep:
         self.pool, self.bucket, self.dev_table = pool, bucket, table
         self.rows, self.cu = [1] * bucket, list(range(bucket + 1))
         self.seq_ids = [f"row {i} of the bucket" for i in range(bucket)]  # (what a refusal names)
-        self.inputs = torch.zeros(2, bucket, dtype=torch.int64, device=dev)  # slots, lengths before the step
+        # slots, lengths before the step, the column and id of a page the row takes (column -1: none)
+        self.inputs = torch.zeros(4, bucket, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(bucket, dtype=torch.int64, device=dev)
         self.page_index = torch.zeros(bucket, dtype=torch.int64, device=dev)
         self.page_offset = torch.zeros(bucket, dtype=torch.int64, device=dev)
@@ -669,23 +675,28 @@ class _StaticStep:
     def view(self, index: int = 0) -> PagedView:
         return PagedView(self, index)
 
-    def fill(self, step: "PagedStep") -> None:
-        """The step's slots and lengths into the fixed inputs (padding: the extra slot, length 0)."""
+    def fill(self, step: "PagedStep", carry: dict | None = None) -> None:
+        """The step's slots and lengths into the fixed inputs (padding: the extra slot, length 0), and
+        carry's pages ({slot: (column, page)}: pages the step took, which prepare() puts in the mirror)."""
         pad = [self.pool.max_seqs] * (self.bucket - len(step.slots))
+        carry = carry or {}
+        col, page = ([carry[s][i] if s in carry else -1 for s in step.slots] + [-1] * len(pad) for i in (0, 1))
         # a new host tensor each step (pinned: torch's allocator keeps it until the copy has read it)
-        rows = torch.tensor([step.slots + pad, step.starts + [0] * len(pad)], dtype=torch.int64)
+        rows = torch.tensor([step.slots + pad, step.starts + [0] * len(pad), col, page], dtype=torch.int64)
         self.inputs.copy_(_pinned(rows, self.inputs.device), non_blocking=True)
 
     def prepare(self) -> None:
-        """On the device (inside the graph): positions, K/V destinations, table rows, lengths; then
-        the inputs' lengths of live rows one more (the next step's). One kernel on a GPU with CuPy
-        (pg_prepare), else the same in torch ops."""
+        """On the device (inside the graph): the pages the rows take into the mirror; positions, K/V
+        destinations, table rows, lengths; then the inputs' lengths of live rows one more (the next
+        step's). One kernel on a GPU with CuPy (pg_prepare), else the same in torch ops."""
         from .errors import cupy_available
         P, S = self.pool.page_size, self.pool.max_seqs
         if self.inputs.is_cuda and cupy_available():
             return self.prepare_kernel()
-        slots, pos = self.inputs[0], self.inputs[1]
-        live = slots < S
+        slots, pos, col, page = self.inputs
+        live, took = slots < S, col >= 0
+        at = torch.where(took, col, 0)  # (rows without a page write back what the mirror holds)
+        self.dev_table[slots, at] = torch.where(took, page.to(torch.int32), self.dev_table[slots, at])
         self.positions.copy_(pos)
         self.page_index.copy_(self.dev_table[slots, torch.div(pos, P, rounding_mode="floor")].long())
         self.page_offset.copy_(torch.remainder(pos, P))
@@ -744,17 +755,31 @@ class DecodeGraphs:
             if layer.rope_theta is not None:
                 pool.rope(layer, self.max_pages * pool.page_size)
 
-    def _sync(self, step) -> None:
-        """The mirror brought up to the pool's tables for the step's sequences: when nothing but this
-        step's own pages changed the tables since the last sync, only the slots it lengthened are looked
-        at (a steady decode step: none, or the few that crossed into a new page); else every slot of
-        the step (a sequence added, removed or stepped elsewhere)."""
-        if self.pool.version == self._seen + bool(step.grew):
-            if step.grew:
-                self._sync_tables(step.grew)
-        else:
+    def _sync(self, step) -> dict | None:
+        """The mirror brought up to the pool's tables for the step's sequences. When nothing but this
+        step's own pages changed the tables since the last sync (a steady decode step), only the slots
+        it lengthened are looked at: a slot whose mirror lacked only the page it just took gets it
+        through the step's inputs (returned, {slot: (column, page)}: the graph's pg_prepare writes it
+        into the mirror, so no copy or kernel of its own); the others are sent now. Else every slot
+        of the step (a sequence added, removed or stepped elsewhere) is sent now, and None returned
+        (the step's inputs must be sent too: a page carried by an earlier step's inputs is not this
+        slot's once its sequence has changed)."""
+        steady = self.pool.version == self._seen + bool(step.grew)
+        self._seen = -1  # (until the step has run: a step that fails before sends every slot next time)
+        if not steady:
             self._sync_tables(step.slots)
-        self._seen = self.pool.version
+            return None
+        carry, rest = {}, []
+        for s in step.grew:
+            gen, have = self._mirrored[s]
+            pages = self.pool.tables[s]
+            if gen == self.pool.generation[s] and have == len(pages) - 1:
+                carry[s] = (have, pages[-1])
+            else:
+                rest.append(s)
+        if rest:
+            self._sync_tables(rest)
+        return carry
 
     def _sync_tables(self, slots) -> None:
         """The pages taken since the last step (and a reused slot's) onto the device: one copy."""
@@ -783,7 +808,8 @@ class DecodeGraphs:
         """One decode step of seq_ids (x: one row each, [n, ...]); returns fn's output for them [n, ...]
         (a copy). The pool's calls are the usual ones (its pages taken, the ranks' agreement), the
         step's slots and lengths sent to the bucket's fixed inputs unless they continue its last step
-        (the graph advanced them), x copied in, then the bucket's graph replayed."""
+        (the graph advanced them) and take no page (a page taken goes with the inputs), x copied in,
+        then the bucket's graph replayed."""
         n = len(seq_ids)
         b = self.bucket_for(n)
         longest = max(map(self.pool.length, seq_ids)) + 1
@@ -792,7 +818,8 @@ class DecodeGraphs:
                               f"{self.max_pages * self.pool.page_size} of these graphs; make DecodeGraphs with a "
                               "larger max_len")
         with self.pool.step(seq_ids, [1] * n) as step:
-            self._sync(step)
+            carry = self._sync(step)
+            version = self.pool.version
             made = self._made.get(b)
             if made is None:
                 xs = torch.zeros((b, *self.x_like.shape[1:]), dtype=self.x_like.dtype, device=self.pool.device)
@@ -800,8 +827,8 @@ class DecodeGraphs:
                                         "next": None}
             st, xs = made["step"], made["x"]
             now = (tuple(step.slots), tuple(step.starts))
-            if made["next"] != now:  # not the continuation of this bucket's last step: send the inputs
-                st.fill(step)
+            if carry is None or carry or made["next"] != now:  # not the continuation of this bucket's last
+                st.fill(step, carry)                              # step: send the inputs
             made["next"] = None      # (unknown until this step has run)
             xs[:n].copy_(x)          # (padding rows keep earlier rows: fn must treat rows independently, as
                                      # the layers do; their outputs are discarded)
@@ -820,9 +847,12 @@ class DecodeGraphs:
                         for layer in self.pool.layers:  # peer buffers a captured peer sum reads stay put
                             layer.peers.pin()
                         made["run"] = replayer(self.pool.layers[0].world, graph, res)
-                        st.fill(step)  # the warm-up advanced the inputs' lengths: this step's again
+                        st.fill(step, carry)  # the warm-up advanced the inputs' lengths: this step's again
                     out = made["run"]()
                 made["next"] = (now[0], tuple(L + 1 for L in now[1]))
             finally:
                 self.pool._open = step
+            for s, (col, _) in (carry or {}).items():  # the step ran: the pages it carried are in the mirror
+                self._mirrored[s] = (self.pool.generation[s], col + 1)
+            self._seen = version
             return out[:n].clone()
