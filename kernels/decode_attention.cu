@@ -464,7 +464,7 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
     __shared__ int last;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, c = lane & 3;
     const int s = blockIdx.x;
-    static_assert(STG == 0 || (!F8 && PG != 1 && PG != 3), "the staged split: whole 16-key tiles of the storage dtype");
+    static_assert(STG == 0 || (!F8 && !PAGED), "the staged split: the contiguous cache of the storage dtype");
     constexpr int TILE = 16 * D;  // values of a tile's K (or V) rows
     static_assert(STG == 0 || ROWS * D * 4 <= STG * 2 * TILE * 2, "a warp's partial rows fit its ring");
     __shared__ __align__(8) unsigned long long bars[W][STG > 0 ? STG : 1];
@@ -714,8 +714,7 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                 auto issue = [&](int t0) {
                     const int st = n_issue % STG;
                     ++n_issue;
-                    long long at = kv + (long long)t0 * D;
-                    if constexpr (PAGED) at = tile_base(t0);  // (the next issue's page looked up now)
+                    const long long at = kv + (long long)t0 * D;
                     if (lane == 0) {
                         const tc_u32 bytes = (tc_u32)(min(16, k1 - t0) * D * 2), bar = tc_saddr(&bars[warp][st]);
                         dec_bar_expect(bar, 2 * bytes);
@@ -961,18 +960,16 @@ __device__ __forceinline__ void dec_append_pg8(const tc_u16 *__restrict__ QKV, t
 // the staged tensor-core split (_b: sm_90+; launched with DEC_STAGES stages' dynamic shared memory,
 // tpattn/decode.py's dec_ring_bytes)
 #define DEC_STAGES 3
-#define DEC_MMAB(SUF, BF16, D, M16, ROWS, PAGED, PG)                                                   \
-    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r##ROWS##_b##PG(   \
+#define DEC_MMAB(SUF, BF16, D, M16, ROWS)                                                              \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r##ROWS##_b(       \
         const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,      \
         float *__restrict__ Op, float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets, \
         int BG, int G, int group, int Ladd, const long long *__restrict__ Lpos, int LMAX, int S,        \
         float scale_log2, const int *__restrict__ table, const int *__restrict__ lens, int tstride, int page) { \
-        dec_mma<D, M16, false, BF16, PAGED, tc_u16, DEC_STAGES>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, \
+        dec_mma<D, M16, false, BF16, 0, tc_u16, DEC_STAGES>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, \
                                                                 Lpos, LMAX, S, scale_log2, table, lens, tstride, page); \
     }
-#define DEC_MMABS(SUF, BF16, D)                                                                         \
-    DEC_MMAB(SUF, BF16, D, false, 8, 0, ) DEC_MMAB(SUF, BF16, D, true, 16, 0, )                         \
-    DEC_MMAB(SUF, BF16, D, false, 8, 2, _pg) DEC_MMAB(SUF, BF16, D, true, 16, 2, _pg)
+#define DEC_MMABS(SUF, BF16, D) DEC_MMAB(SUF, BF16, D, false, 8) DEC_MMAB(SUF, BF16, D, true, 16)
 // the tensor-core split over an FP8 pool (grouped heads at d = 64 and 128; _pg8)
 #define DEC_MMA8(SUF, BF16, D, M16, ROWS, PIPE, P)                                                     \
     extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r##ROWS##P##_pg8(   \

@@ -1,12 +1,9 @@
 """The staged tensor-core decode split (_b: K/V tiles by bulk copies through shared memory, compute
 capability 9.0+) against the split it replaces (_p, or the plain split below 3 chunks), in one run on
-one GPU, each call's GPU time alone (bench_paged.graph_us: one call captured in a CUDA graph,
-replayed back to back), three rounds alternating, the best of each. The contiguous cache
-(tpattn.decode.DEC_STAGED off and on) and a pool's pages of 16 (DEC_STAGED_PAGED off and on:
-_p_pg or _pg against _b_pg), uniform and ragged lengths (0.4 L to 1.6 L); over pages also the
-staged build with the one-wave chunk count that uniform lengths get ("staged, one wave": the
-kernel cannot know a pool's lengths are one, so it takes the ragged count, at least the split's
-chunks, over several waves if need be). H = 32, d = 128, fp16.
+one GPU: tpattn.decode.DEC_STAGED off and on, alternating, three rounds, the best of each; each
+call's GPU time alone (bench_paged.graph_us: one call captured in a CUDA graph, replayed back to back).
+The contiguous cache, and for reference the paged kernels (which keep their builds: the same kernel
+either way), uniform and ragged lengths (0.4 L to 1.6 L). H = 32, d = 128, fp16, pages of 16.
 
     PYTHONPATH=. python scripts/ab_decode_staged.py
 """
@@ -25,13 +22,6 @@ if not torch.cuda.is_available():
     sys.exit("ab_decode_staged.py times the decode kernels on a GPU: run it where torch sees one")
 H, d = 32, 128
 gen = torch.Generator(device="cuda").manual_seed(0)
-splits = decode.decode_splits
-
-
-def one_wave(*a, **k):
-    return splits(*a, **{**k, "uniform": True})
-
-
 print(torch.cuda.get_device_name(), "us per call (graph replays, the best of 3 rounds)", flush=True)
 for B, G, L in ((1, 8, 32768), (16, 8, 4096), (64, 8, 4096), (8, 8, 4096), (4, 8, 8192)):
     q = torch.randn(B, H, 1, d, device="cuda").half()
@@ -40,22 +30,17 @@ for B, G, L in ((1, 8, 32768), (16, 8, 4096), (64, 8, 4096), (8, 8, 4096), (4, 8
     pk, pv, table, lens = paged([L] * B, G, d, 16, gen)
     ragged = torch.linspace(0.4 * L, 1.6 * L, B).round().int().tolist() if B > 1 else [L]
     rk, rv, rtable, rlens = paged(ragged, G, d, 16, gen)
-    cases = (("contig", lambda: decode.decode_attention(q, k, v, L)),
-             ("paged", lambda: decode.paged_decode_attention(q[:, :, 0], pk, pv, table, lens, L)),
-             ("ragged", lambda: decode.paged_decode_attention(q[:, :, 0], rk, rv, rtable, rlens, max(ragged))))
     res = {}
     for rnd in range(3):
-        for how in ("old", "staged", "one wave"):
-            decode.DEC_STAGED = decode.DEC_STAGED_PAGED = how != "old"
-            decode.decode_splits = one_wave if how == "one wave" else splits
-            for lay, fn in cases:
-                if how != "one wave" or lay != "contig":
-                    res.setdefault((lay, how), []).append(graph_us(fn))
-    decode.DEC_STAGED = decode.DEC_STAGED_PAGED = True
-    decode.decode_splits = splits
+        for staged in (False, True):
+            decode.DEC_STAGED = staged
+            for lay, fn in (("contig", lambda: decode.decode_attention(q, k, v, L)),
+                            ("paged", lambda: decode.paged_decode_attention(q[:, :, 0], pk, pv, table, lens, L)),
+                            ("ragged", lambda: decode.paged_decode_attention(q[:, :, 0], rk, rv, rtable, rlens, max(ragged)))):
+                res.setdefault((lay, staged), []).append(graph_us(fn))
     line = f"B={B} G={G} L={L}:"
-    for lay, _ in cases:
-        a = min(res[(lay, "old")])
-        line += f"  {lay} old {a:.1f}" + "".join(f" {how} {min(res[(lay, how)]):.1f} (x{min(res[(lay, how)]) / a:.3f})"
-                                                  for how in ("staged", "one wave") if (lay, how) in res)
+    for lay in ("contig", "paged", "ragged"):
+        a, b = min(res[(lay, False)]), min(res[(lay, True)])
+        line += f"  {lay} old {a:.1f} staged {b:.1f} (x{b / a:.3f})"
     print(line, flush=True)
+    del q, k, v, pk, pv, rk, rv

@@ -521,10 +521,9 @@ def test_decode_launches_contiguous_and_paged(monkeypatch, h, g):
 @pytest.mark.parametrize("h,g,d", [(8, 2, 128), (32, 2, 64), (8, 8, 128)])
 def test_staged_decode_split_on_hopper(monkeypatch, major, h, g, d):
     """On compute capability 9.0 the tensor-core split over the contiguous cache is the staged build
-    (_b: K/V tiles by bulk copies through shared memory, 8 or 16 heads a pass), and over pages of 16
-    its paged build (_b_pg), each launched with its rings' dynamic shared memory; other GPUs and the
-    CUDA-core split (one head a K/V head) keep their builds, and so do pages when DEC_STAGED_PAGED is
-    off. Each launch is a kernel of the file with the arguments it takes."""
+    (_b: K/V tiles by bulk copies through shared memory, 8 or 16 heads a pass), launched with its rings'
+    dynamic shared memory; pages keep their builds (_pg), and so do other GPUs and the CUDA-core split
+    (one head a K/V head). Each launch is a kernel of the file with the arguments it takes."""
     from tpattn import cuda as tcuda
     from tpattn import decode
     calls = []
@@ -535,19 +534,14 @@ def test_staged_decode_split_on_hopper(monkeypatch, major, h, g, d):
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda dev: type("P", (), {"multi_processor_count": 132, "major": major}))
     decode_both(decode, 3, h, g, d, 300)
-    monkeypatch.setattr(decode, "DEC_STAGED_PAGED", False)
-    decode_both(decode, 3, h, g, d, 300)
-    (cs, cname, *c, csmem), (ps, pname, *p, psmem), _, (_, pname_off, *p_off, psmem_off) = calls
+    (cs, cname, *c, csmem), (ps, pname, *p, psmem) = calls
     check_launch(cs, cname, *c)
     check_launch(ps, pname, *p)
-    check_launch(ps, pname_off, *p_off)
     staged = major >= 9 and h > g
     want = f"dec_mma_f16_d{d}_r{16 if h // g > 8 else 8}_b" if staged else None
-    assert (cname == want) if staged else "_b" not in cname, cname
-    assert (pname == want + "_pg") if staged else ("_b" not in pname and pname.endswith("_pg")), pname
-    ring = decode.dec_ring_bytes(d) if staged else 0
-    assert csmem == psmem == ring == (4 * decode.DEC_STAGES * 2 * 16 * d * 2 if staged else 0)
-    assert "_b" not in pname_off and pname_off.endswith("_pg") and psmem_off == 0
+    assert (cname == want) if staged else not cname.endswith("_b"), cname
+    assert csmem == (4 * decode.DEC_STAGES * 2 * 16 * d * 2 if staged else 0) == (decode.dec_ring_bytes(d) if staged else 0)
+    assert pname.endswith("_pg") and psmem == 0
 
 
 @pytest.mark.parametrize("page,suffix", [(16, "_pg"), (64, "_pg"), (8, "_pgk"), (24, "_pgk"), (48, "_pgk")])

@@ -170,7 +170,6 @@ DEC_THREADS = 128     # a split block's threads
 WAVES_MEASURED = 4    # decode_splits follows the occupancy up to launches of this many waves
 DEC_STAGES = 3        # the staged split's stages a warp (kernels/decode_attention.cu's DEC_STAGES)
 DEC_STAGED = True     # the staged tensor-core split (_b) over the contiguous cache (compute capability 9.0+)
-DEC_STAGED_PAGED = True  # ... and over a pool's pages of a power of two of 16 tokens or more (_b_pg)
 
 
 def decode_splits(bg: int, length: int, sms: int, per_sm: int = 4, resident: int = 0, uniform: bool = True) -> int:
@@ -312,14 +311,13 @@ def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int,
     a build for pages of a power of two of 16 tokens or more (_pg: a block-table lookup a 16-key tile)
     and one for the others (_pgk: a lookup a key). fp8: an FP8 pool's pages (the same choice of split,
     each kernel's _pg8). On compute capability 9.0 and up (DEC_STAGED) the tensor-core split over the
-    contiguous cache is the staged one (_b: bulk copies through shared memory, measured faster:
-    kernels/decode_attention.cu), and (DEC_STAGED_PAGED) over 16-bit pages of whole tiles (_b_pg)."""
+    contiguous cache is the staged one (_b: bulk copies through shared memory; measured faster there,
+    slower over pages: kernels/decode_attention.cu)."""
     from .cuda import resident_blocks
     props = torch.cuda.get_device_properties(q.device)
     sms = props.multi_processor_count
     mma = d in DEC_HEAD_DIMS and (SPLIT_KERNEL == "mma" or (SPLIT_KERNEL == "auto" and h > g))
-    staged = (DEC_STAGED and mma and not fp8 and getattr(props, "major", 0) >= 9
-              and (not page or (DEC_STAGED_PAGED and tile_pages(page))))
+    staged = DEC_STAGED and mma and not page and getattr(props, "major", 0) >= 9
     smem = dec_ring_bytes(d) if staged else 0
     source = dec_source(d)
     suf = "f16" if q.dtype == torch.float16 else "bf16"
@@ -327,7 +325,7 @@ def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int,
 
     def name(S: int) -> str:
         if staged:  # tensor cores, K/V tiles staged in shared memory by bulk copies
-            return f"dec_mma_{suf}_d{d}_r{16 if h // g > 8 else 8}_b{pg}"
+            return f"dec_mma_{suf}_d{d}_r{16 if h // g > 8 else 8}_b"
         if mma:  # tensor cores: the group's heads as the rows of an m16 tile, 8 or 16 at a time; with 3
             # or more chunks, the next tile's loads in flight while one is computed (_p: faster there,
             # slower at large batch, where fewer blocks fit: measured)
