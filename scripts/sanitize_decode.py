@@ -88,7 +88,8 @@ def main() -> int:
     pool = PagedKV(layer, pages=20, page_size=16, max_seqs=3)
     mirror = torch.randint(0, 20, (4, 6), dtype=torch.int32, device="cuda")
     st = _StaticStep(pool, 8, mirror)
-    st.inputs.copy_(torch.tensor([[2, 0, 1, 3, 3, 3, 3, 3], [40, 15, 0, 0, 0, 0, 0, 0]]))
+    st.inputs.copy_(torch.tensor([[2, 0, 1, 3, 3, 3, 3, 3], [40, 15, 0, 0, 0, 0, 0, 0],  # slots, lengths,
+                                  [-1, -1, 0, -1, -1, -1, -1, -1], [0, 0, 11, 0, 0, 0, 0, 0]]))  # a page taken
     st.prepare()
     torch.cuda.synchronize()
     print(f"pg_prepare: lens {st.lens.tolist()}")

@@ -165,31 +165,44 @@ def serve_steps(layer, pool) -> list:
 @torch.no_grad()
 def test_decode_graphs_replay_the_eager_steps():
     """DecodeGraphs on the GPU: the captured buckets' replays give the same rows as the same fixed-
-    tensor steps run eagerly, through a live set that shrinks and grows (buckets 4 and 2)."""
+    tensor steps run eagerly, through a live set that shrinks and grows (buckets 4 and 2), and
+    within fp16 rounding of the pool's plain steps (another chunk count); every sequence takes a
+    page in a steady step (the page goes with the step's inputs into the device's table mirror)."""
     from tpattn.paged import DecodeGraphs, PagedKV
     torch.manual_seed(0)
     H, G, d = 8, 2, 128
     D = H * d
     layer = fused_layer(H, G, d)
     rows = {}
-    for capture in (True, False):
+    for mode in ("graphs", "fixed", "plain"):
         gen = torch.Generator().manual_seed(3)
         pool = PagedKV(layer, pages=64, page_size=16, max_seqs=4)
         ids = [pool.add() for _ in range(3)]
-        for sid, n in zip(ids, (50, 7, 130)):
+        for sid, n in zip(ids, (46, 14, 126)):  # each takes a page at its third step (positions 48, 16, 128)
             with pool.step([sid], [n]) as st:
                 layer(torch.randn(1, n, D, generator=gen).half().cuda(), cache=st.view(0))
         graphs = DecodeGraphs(pool, lambda x, st: layer(x, cache=st.view(0)), torch.zeros(4, 1, D).half().cuda(),
-                              max_len=256, buckets=(2, 4), capture=capture)
+                              max_len=256, buckets=(2, 4), capture=mode == "graphs")
         got = []
         for t in range(6):
             if t == 3:
                 pool.remove(ids.pop(0))
-            got.append(graphs.step(ids, torch.randn(len(ids), 1, D, generator=gen).half().cuda()))
-        rows[capture] = got
+            x = torch.randn(len(ids), 1, D, generator=gen).half().cuda()
+            if mode == "plain":
+                with pool.step(ids, [1] * len(ids)) as st:
+                    got.append(layer(x, cache=st.view(0)))
+            else:
+                got.append(graphs.step(ids, x))
+        rows[mode] = got
+        if mode == "plain":
+            continue
         assert sorted(graphs._made) == [2, 4]
-    for a, b in zip(rows[True], rows[False]):
+        for sid in ids:  # the device's mirror holds each table
+            slot = pool.slots[sid]
+            assert graphs.table[slot, :len(pool.tables[slot])].tolist() == pool.tables[slot]
+    for a, b, c in zip(rows["graphs"], rows["fixed"], rows["plain"]):
         assert torch.equal(a, b)
+        assert (a.float() - c.float()).abs().max().item() <= 2e-3
 
 
 @pytest.mark.parametrize("g", [8, 2])
