@@ -448,6 +448,23 @@ __device__ __forceinline__ void dec_bulk(tc_u32 dst, const void *src, tc_u32 byt
 // instead of a load a lane and row: 0.90-0.99x the time of _p or the plain split on an H100 (B = 1-64,
 // G = 8). Over pages it was 5-12 % slower at B = 16 and 64 (the ragged count's two waves of its two
 // blocks an SM), so the paged builds stay as they were.
+#ifdef DEC_TRACE
+// scripts/trace_decode_blocks.py compiles this file with DEC_TRACE defined: each block of dec_mma's
+// first (b, g) pair records, by the global timer (ns), when it started, when its warp 0 had its first
+// tile (the staged build; else 0), when its partial rows were written, when it was done (after the combine, if it was the last),
+// and its SM and whether it combined. Not in the kernels tpattn launches.
+__device__ unsigned long long dec_trace[8 * 65536];
+__device__ __forceinline__ unsigned long long dec_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ unsigned dec_smid() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(r));
+    return r;
+}
+#endif
 template <int D, bool M16, bool PIPE, bool BF16, int PG, typename KV = tc_u16, int STG = 0>
 __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *__restrict__ K,
                                         const KV *__restrict__ V, float *__restrict__ Op,
@@ -464,6 +481,10 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
     __shared__ int last;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, c = lane & 3;
     const int s = blockIdx.x;
+#ifdef DEC_TRACE
+    const unsigned long long tr_start = dec_now();
+    unsigned long long tr_first = 0;
+#endif
     static_assert(STG == 0 || (!F8 && !PAGED), "the staged split: the contiguous cache of the storage dtype");
     constexpr int TILE = 16 * D;  // values of a tile's K (or V) rows
     static_assert(STG == 0 || ROWS * D * 4 <= STG * 2 * TILE * 2, "a warp's partial rows fit its ring");
@@ -734,6 +755,9 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                     }
                     const int st = n_use % STG;
                     dec_bar_wait(tc_saddr(&bars[warp][st]), (n_use / STG) & 1);
+#ifdef DEC_TRACE
+                    if (tr_first == 0) tr_first = dec_now();
+#endif
                     ++n_use;
                     const tc_u16 *ks = ring + st * 2 * TILE, *vs = ks + TILE;
 #pragma unroll
@@ -810,6 +834,9 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
             }
             __syncthreads();
         }
+#ifdef DEC_TRACE
+        const unsigned long long tr_rows = dec_now();
+#endif
         __threadfence();
         __syncthreads();
         if (tid == 0) {
@@ -823,6 +850,12 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
             dec_combine<D, BF16>(Op, Lp, O, bh0, group, S);
         }
         __syncthreads();
+#ifdef DEC_TRACE
+        if (tid == 0 && bg == (int)blockIdx.y) {
+            unsigned long long *e = dec_trace + 8 * ((long long)blockIdx.y * gridDim.x + blockIdx.x);
+            e[0] = tr_start, e[1] = tr_first, e[2] = tr_rows, e[3] = dec_now(), e[4] = dec_smid(), e[5] = last;
+        }
+#endif
     }
 }
 

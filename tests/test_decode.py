@@ -217,7 +217,8 @@ def test_resident_blocks_is_zero_without_cupy(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a GPU")
-@pytest.mark.parametrize("script", ["ab_decode_staged.py", "profile_decode_steps.py", "sweep_decode_splits.py"])
+@pytest.mark.parametrize("script", ["ab_decode_staged.py", "profile_decode_steps.py", "sweep_decode_splits.py",
+                                    "trace_decode_blocks.py"])
 def test_decode_gpu_scripts_refuse_without_a_gpu(script):
     """The decode scripts that time or profile kernels say in one line that they need a GPU, and exit
     non-zero, instead of a traceback."""
@@ -225,3 +226,25 @@ def test_decode_gpu_scripts_refuse_without_a_gpu(script):
     assert r.returncode != 0
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and "on a GPU" in lines[0] and "Traceback" not in r.stderr, r.stderr
+
+
+def test_block_trace_summary():
+    """scripts/trace_decode_blocks.py's reading of a trace (ns): the launch's span, the starts' spread,
+    the first tile's wait, each block's loop, the last blocks' combine, the tail after the median
+    block's end, and the share of the SMs' block slots busy."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("trace_decode_blocks", ROOT / "scripts" / "trace_decode_blocks.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    import numpy as np
+    # start, first tile, rows written, done, SM, combined: 4 blocks on 2 SMs of 2 slots
+    trace = np.array([[1000, 3000, 11000, 11000, 0, 0],
+                      [1000, 3000, 13000, 13000, 0, 0],
+                      [2000, 4000, 12000, 17000, 1, 1],
+                      [3000, 5000, 20000, 21000, 1, 1]], dtype=np.uint64)
+    trace = np.concatenate([trace, np.zeros((4, 2), dtype=np.uint64)], axis=1)
+    s = mod.summary(trace, resident=2, sms=2)
+    assert s["span"] == 20.0 and s["start spread"] == 2.0 and s["first tile"] == 2.0
+    assert s["loop min/med/max"] == (10.0, 11.0, 17.0)
+    assert s["combine med/max"] == (3.0, 5.0) and s["tail"] == 6.0
+    assert s["busy slots"] == (10 + 12 + 15 + 18) / 80 and s["SMs used"] == 2
