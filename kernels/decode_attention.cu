@@ -359,12 +359,19 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const KV
                         acc += so[r][i][c] * w;
                     }
                 const long long bh = bh0 + h0 + i;
-                Op[(bh * S + s) * D + c] = lsum > 0.0f ? acc / lsum : 0.0f;
+                const float y = lsum > 0.0f ? acc / lsum : 0.0f;
+                if (S == 1) {  // one chunk: its rows are the output (what the combine of one partial writes)
+                    O[bh * D + c] = dec_round<BF16>(y);
+                    continue;
+                }
+                Op[(bh * S + s) * D + c] = y;
                 if (c == 0) Lp[bh * S + s] = lsum > 0.0f ? mx + tc_log2(lsum) : TC_NEG_INF;
             }
             __syncthreads();
         }
-        // this block's partials are written: take a ticket; the S-th combines (and resets the count)
+        // this block's partials are written: take a ticket; the S-th combines (and resets the count).
+        // One chunk (S = 1): no partials, no ticket (the counters stay zero)
+        if (S == 1) continue;
         __threadfence();
         __syncthreads();
         if (tid == 0) {
@@ -829,14 +836,24 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                         acc += so(w)[i][col] * f;
                     }
                 const long long bh = bh0 + h0 + i;
-                Op[(bh * S + s) * D + col] = lsum > 0.0f ? acc / lsum : 0.0f;
+                const float y = lsum > 0.0f ? acc / lsum : 0.0f;
+                if (S == 1) {  // one chunk: its rows are the output (what the combine of one partial writes)
+                    O[bh * D + col] = dec_round<BF16>(y);
+                    continue;
+                }
+                Op[(bh * S + s) * D + col] = y;
                 if (col == 0) Lp[bh * S + s] = lsum > 0.0f ? mx + tc_log2(lsum) : TC_NEG_INF;
             }
             __syncthreads();
         }
 #ifdef DEC_TRACE
         const unsigned long long tr_rows = dec_now();
+        if (S == 1 && tid == 0 && bg == (int)blockIdx.y) {
+            unsigned long long *e = dec_trace + 8 * ((long long)blockIdx.y * gridDim.x + blockIdx.x);
+            e[0] = tr_start, e[1] = tr_first, e[2] = tr_rows, e[3] = dec_now(), e[4] = dec_smid(), e[5] = 0;
+        }
 #endif
+        if (S == 1) continue;  // (as in dec_split)
         __threadfence();
         __syncthreads();
         if (tid == 0) {

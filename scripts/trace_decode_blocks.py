@@ -110,7 +110,7 @@ def main(argv=None) -> int:
             us, trace = got["run"]
             s = summary(trace, got["resident"], sms)
             print(f"B={B} G={G} L={L} {got['name']} grid {tuple(got['grid'][:2])}, {got['resident']} blocks an SM: "
-                  f"{us:.1f} us by events ({mb / us:.0f} GB/s of K and V); span {s['span']:.1f}, starts spread over "
+                  f"{us:.1f} us by events; span {s['span']:.1f} ({mb * 1e3 / s['span']:.0f} GB/s of K and V), starts spread over "
                   f"{s['start spread']:.1f}, first tile after {s['first tile']:.1f}, loop "
                   f"{'/'.join(f'{x:.1f}' for x in s['loop min/med/max'])}, combine "
                   f"{'/'.join(f'{x:.1f}' for x in s['combine med/max'])}, tail {s['tail']:.1f} after the median "

@@ -43,6 +43,24 @@ def test_decode_kernel_against_float64(b, h, g, length, d, dtype, split_kernel):
     assert torch.isfinite(got).all() and err <= tol, (err, tol)
 
 
+@pytest.mark.parametrize("b,h,g,length", [(64, 32, 8, 300), (80, 8, 8, 300), (2, 32, 8, 40), (3, 8, 8, 64)])
+def test_one_chunk_writes_the_output_and_takes_no_ticket(b, h, g, length, split_kernel):
+    """Where the split is one chunk (a large batch, a short cache), each block writes its rows as the
+    output (no partials, no ticket, no combine): the rows against float64, and counters that hold
+    something else (a ticket taken would change them, and no block would combine) unchanged."""
+    import tpattn.decode as dec
+    gen = torch.Generator(device="cuda").manual_seed(b + length)
+    q = torch.randn(b, h, 1, 128, device="cuda", generator=gen).half()
+    k, v = (torch.randn(b, g, length + 3, 128, device="cuda", generator=gen).half() for _ in range(2))
+    assert dec._split_kernel(q, b, h, g, 128, length)[2] == 1
+    tickets = torch.full((b * g,), 7, dtype=torch.int32, device="cuda")
+    tickets_before = tickets.clone()
+    got = decode_attention(q, k, v, length, tickets=tickets)
+    want = float64(q, k, v, length)
+    assert (got.double() - want).abs().max().item() <= 4e-3 * max(1.0, want.abs().max().item())
+    assert torch.equal(tickets, tickets_before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [32, 80, 96, 160, 192, 256])
 @pytest.mark.parametrize("b,h,g", [(1, 16, 16), (3, 16, 4), (2, 8, 1), (2, 40, 2)])
