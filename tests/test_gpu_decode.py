@@ -43,12 +43,15 @@ def test_decode_kernel_against_float64(b, h, g, length, d, dtype, split_kernel):
     assert torch.isfinite(got).all() and err <= tol, (err, tol)
 
 
-@pytest.mark.parametrize("b,h,g,length", [(64, 32, 8, 300), (80, 8, 8, 300), (2, 32, 8, 40), (3, 8, 8, 64)])
-def test_one_chunk_writes_the_output_and_takes_no_ticket(b, h, g, length, split_kernel):
+@pytest.mark.parametrize("split,b,h,g,length", [("mma", 64, 32, 8, 300), ("cores", 160, 32, 32, 300),
+                                                 ("mma", 2, 32, 8, 40), ("cores", 2, 32, 8, 40),
+                                                 ("mma", 3, 8, 8, 64), ("cores", 3, 8, 8, 64)])
+def test_one_chunk_writes_the_output_and_takes_no_ticket(split, b, h, g, length, monkeypatch):
     """Where the split is one chunk (a large batch, a short cache), each block writes its rows as the
     output (no partials, no ticket, no combine): the rows against float64, and counters that hold
     something else (a ticket taken would change them, and no block would combine) unchanged."""
     import tpattn.decode as dec
+    monkeypatch.setattr(dec, "SPLIT_KERNEL", split)
     gen = torch.Generator(device="cuda").manual_seed(b + length)
     q = torch.randn(b, h, 1, 128, device="cuda", generator=gen).half()
     k, v = (torch.randn(b, g, length + 3, 128, device="cuda", generator=gen).half() for _ in range(2))
