@@ -46,7 +46,9 @@
 #           count's time beside the one picked), scripts/ab_decode_staged.py (the staged split against the one it
 #           replaces), the layer's graphed step beside the plain PyTorch step (bench_paged.py --layer
 #           --rope-theta 0), scripts/profile_decode_steps.py (each kernel's time in a contiguous and a paged
-#           step), the CLI's --decode eager and with --cuda-graph
+#           step), scripts/trace_decode_blocks.py (each block of a split launch by the global timer),
+#           scripts/time_decode_splits.py (launches of one chunk or a few), the CLI's --decode eager and with
+#           --cuda-graph
 #   oneshot  the one-shot peer all-reduce: pytest -m gpu -k oneshot (ranks sharing the GPU over gloo), and with
 #           2 GPUs scripts/bench_allreduce.py (beside NCCL, 8 KiB - 1 MiB) and the decode step (--cuda-graph) on 1 and 2
 #           GPUs with auto (the one-shot sum) and allreduce (NCCL's)
@@ -411,6 +413,8 @@ if want decode; then
     | tee "$OUT/layer_vs_plain.log" | grep -E "B=|against" || status=1
   timeout 300 python3 scripts/profile_decode_steps.py 2>&1 | tee "$OUT/profile_decode_steps.log" | grep -v -i warn \
     || status=1
+  timeout 300 python3 scripts/trace_decode_blocks.py 2>&1 | tee "$OUT/trace_decode_blocks.log" || status=1
+  timeout 300 python3 scripts/time_decode_splits.py 2>&1 | tee "$OUT/time_decode_splits.log" || status=1
   for graph in "" --cuda-graph; do
     python3 -m tpattn --kernel fused --causal --decode 32 $graph 2>&1 | tee "$OUT/cli_decode${graph}.log" | tail -8 \
       || status=1

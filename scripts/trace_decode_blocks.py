@@ -6,7 +6,9 @@ tpattn.decode.decode_attention gives the kernel it picks, on the contiguous cach
 shape and build: the launch's span; how far apart the blocks started; the first tile's wait; each
 block's loop (start to partial rows); the combine of the last blocks; the tail from the median
 block's end to the last one's; and the share of the SMs' block slots busy over the span. The
-kernels tpattn launches are built without DEC_TRACE (the same code otherwise).
+kernels tpattn launches are built without DEC_TRACE (the same code otherwise). The traced build may
+take more registers and so hold fewer blocks an SM than the launched one (the `_p` kernel does);
+the staged build's blocks an SM are set by its shared memory, so its trace stands for the launch.
 
     PYTHONPATH=. python scripts/trace_decode_blocks.py [--shapes B,G,L ...] [--reps 20]
 """

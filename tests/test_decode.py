@@ -218,7 +218,7 @@ def test_resident_blocks_is_zero_without_cupy(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a GPU")
 @pytest.mark.parametrize("script", ["ab_decode_staged.py", "profile_decode_steps.py", "sweep_decode_splits.py",
-                                    "trace_decode_blocks.py"])
+                                    "trace_decode_blocks.py", "time_decode_splits.py"])
 def test_decode_gpu_scripts_refuse_without_a_gpu(script):
     """The decode scripts that time or profile kernels say in one line that they need a GPU, and exit
     non-zero, instead of a traceback."""
