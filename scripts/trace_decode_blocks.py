@@ -37,6 +37,9 @@ def traced(module, source: str, name: str, grid, block, args, shared_mem: int, r
     if shared_mem:
         fn.max_dynamic_shared_size_bytes = shared_mem
     blocks = grid[0] * grid[1] * grid[2]
+    if blocks > 65536:  # (dec_trace's room)
+        raise SystemExit(f"trace_decode_blocks.py traces at most 65536 blocks (this launch has {blocks}); "
+                         "pass a smaller --shapes")
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):

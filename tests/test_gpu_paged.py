@@ -74,6 +74,23 @@ def test_paged_kernel_against_float64(h, g, d, dtype, page, split_kernel):
     check_paged([1, 17, page, 1000, 4097, 64 * 3 + 1], h, g, d, dtype, page)
 
 
+@pytest.mark.parametrize("page", [1, 16, 24])
+@pytest.mark.parametrize("h,g", [(32, 32), (32, 8)])
+def test_paged_kernel_of_one_chunk(h, g, page, split_kernel):
+    """Every sequence of 64 keys or fewer: the split is one chunk, and each block writes its rows as
+    the output (no partials, no ticket, no combine) through every paged build: against float64,
+    zero-length rows zero, and counters that hold something else unchanged."""
+    from tpattn import decode as dec
+    lens = [0, 1, 17, 64, 40]
+    q, pk, pv, table, L = paged_inputs(lens, h, g, 128, page, torch.float16, seed=page + h)
+    assert dec._split_kernel(q, len(lens), h, g, 128, max(lens), page=page)[2] == 1
+    tickets = torch.full((len(lens) * g,), 7, dtype=torch.int32, device="cuda")
+    got = paged_decode_attention(q, pk, pv, table, L, max(lens), tickets=tickets)
+    want = float64_rows(q, pk, pv, table, L)
+    assert (got[0] == 0).all() and (got.double() - want).abs().max().item() <= 4e-3
+    assert (tickets == 7).all()
+
+
 def check_paged(lens, h, g, d, dtype, page):
     """The paged kernel over ragged lengths through a shuffled table, against float64."""
     q, pk, pv, table, L = paged_inputs(lens, h, g, d, page, dtype, seed=page + h + d)

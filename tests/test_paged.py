@@ -282,6 +282,59 @@ def test_decode_graphs_a_reused_slot_takes_no_page_an_earlier_sequence_carried()
     assert (torch.cat([first, y], 1) - whole).abs().max().item() < 1e-12
 
 
+def test_decode_graphs_a_step_after_a_change_sends_what_other_sequences_and_buckets_lack():
+    """A step after a change of the live set brings every live sequence's table up to date, not
+    only its own, and makes every bucket send its inputs again. (1) A sequence prefilled while others
+    step in a graph, then joining them in a steady step, reads its own pages. (2) A slot reused
+    while another bucket's step takes in the change: the reused slot's next step in its old bucket
+    does not write the page that bucket's inputs carried (now another sequence's) into its table."""
+    from tpattn.paged import DecodeGraphs
+    layer = _layer(2, True)
+    P = 4
+    with torch.no_grad():
+        pool = PagedKV(layer, pages=32, page_size=P, max_seqs=4)
+        graphs = DecodeGraphs(pool, lambda x, st: layer(x, cache=st.view(0)), torch.zeros(1, 1, 32, dtype=torch.float64),
+                              max_len=32, buckets=(1, 2, 4), capture=False)
+        xs = [torch.randn(1, 20, 32, dtype=torch.float64) for _ in range(3)]
+        z, w = pool.add(), pool.add()
+        with pool.step([z, w], [5, 5]) as step:
+            layer(torch.cat([xs[0][:, :5], xs[1][:, :5]], 1), cache=step.view())
+        y = pool.add()
+        with pool.step([y], [6]) as step:  # prefilled eagerly
+            layer(xs[2][:, :6], cache=step.view())
+        graphs.step([z, w], torch.cat([xs[0][:, 5:6], xs[1][:, 5:6]], 0))  # takes in the change
+        out = graphs.step([z, w, y], torch.cat([x[:, 6:7] for x in xs], 0))  # steady: y joins
+        slot = pool.slots[y]
+        assert graphs.table[slot, :2].tolist() == pool.tables[slot]
+        assert (out[2:3] - layer(xs[2][:, :7])[:, 6:7]).abs().max().item() < 1e-12
+
+        pool = PagedKV(layer, pages=16, page_size=P, max_seqs=3)
+        graphs = DecodeGraphs(pool, lambda x, st: layer(x, cache=st.view(0)), torch.zeros(1, 1, 32, dtype=torch.float64),
+                              max_len=12, buckets=(1, 2), capture=False)
+        xa, xb, xc, xz = (torch.randn(1, 12, 32, dtype=torch.float64) for _ in range(4))
+        a = pool.add()
+        with pool.step([a], [P - 1]) as step:
+            layer(xa[:, :P - 1], cache=step.view())
+        graphs.step([a], xa[:, P - 1:P])
+        graphs.step([a], xa[:, P:P + 1])  # a steady step that takes a's second page: carried by bucket 1's inputs
+        slot = pool.slots[a]
+        c = pool.add()
+        pool.remove(a)
+        with pool.step([c], [2 * P]) as step:  # c takes a's two pages
+            layer(xc[:, :2 * P], cache=step.view())
+        b = pool.add()
+        assert pool.slots[b] == slot
+        with pool.step([b], [P + 1]) as step:  # b: at the length bucket 1 would continue from
+            first = layer(xb[:, :P + 1], cache=step.view())
+        zz = pool.add()
+        with pool.step([zz], [2]) as step:
+            layer(xz[:, :2], cache=step.view())
+        graphs.step([c, zz], torch.cat([xc[:, 2 * P:2 * P + 1], xz[:, 2:3]], 0))  # bucket 2 takes in the change
+        y = graphs.step([b], xb[:, P + 1:P + 2])  # bucket 1 again: its inputs are sent
+        assert graphs.table[slot, :2].tolist() == pool.tables[slot][:2]
+        assert (torch.cat([first, y], 1) - layer(xb[:, :P + 2])).abs().max().item() < 1e-12
+
+
 def test_decode_graphs_refusals():
     from tpattn.paged import DecodeGraphs
     layer = _layer()

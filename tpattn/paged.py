@@ -760,14 +760,17 @@ class DecodeGraphs:
         step's own pages changed the tables since the last sync (a steady decode step), only the slots
         it lengthened are looked at: a slot whose mirror lacked only the page it just took gets it
         through the step's inputs (returned, {slot: (column, page)}: the graph's pg_prepare writes it
-        into the mirror, so no copy or kernel of its own); the others are sent now. Else every slot
-        of the step (a sequence added, removed or stepped elsewhere) is sent now, and None returned
-        (the step's inputs must be sent too: a page carried by an earlier step's inputs is not this
-        slot's once its sequence has changed)."""
+        into the mirror, so no copy or kernel of its own); the others are sent now. Else (a sequence
+        added, removed or stepped elsewhere, or a step that failed) what every live sequence's
+        table lacks is sent now, not only this step's (a later steady step may take in a sequence
+        this one left out), every bucket's inputs are marked to be sent again (a page an earlier
+        step's inputs carry may be another sequence's now), and None is returned."""
         steady = self.pool.version == self._seen + bool(step.grew)
         self._seen = -1  # (until the step has run: a step that fails before sends every slot next time)
         if not steady:
-            self._sync_tables(step.slots)
+            self._sync_tables(sorted(self.pool.slots.values()))
+            for made in self._made.values():
+                made["next"] = None
             return None
         carry, rest = {}, []
         for s in step.grew:
