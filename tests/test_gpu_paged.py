@@ -184,7 +184,8 @@ def test_decode_graphs_replay_the_eager_steps():
     """DecodeGraphs on the GPU: the captured buckets' replays give the same rows as the same fixed-
     tensor steps run eagerly, through a live set that shrinks and grows (buckets 4 and 2), and
     within fp16 rounding of the pool's plain steps (another chunk count); every sequence takes a
-    page in a steady step (the page goes with the step's inputs into the device's table mirror)."""
+    page in a steady step (the page goes with the step's inputs into the device's table mirror),
+    and two steps continue that one (the graph writes the carried pages again)."""
     from tpattn.paged import DecodeGraphs, PagedKV
     torch.manual_seed(0)
     H, G, d = 8, 2, 128
@@ -201,8 +202,8 @@ def test_decode_graphs_replay_the_eager_steps():
         graphs = DecodeGraphs(pool, lambda x, st: layer(x, cache=st.view(0)), torch.zeros(4, 1, D).half().cuda(),
                               max_len=256, buckets=(2, 4), capture=mode == "graphs")
         got = []
-        for t in range(6):
-            if t == 3:
+        for t in range(8):  # (steps 3 and 4 continue the one that carried the pages)
+            if t == 5:
                 pool.remove(ids.pop(0))
             x = torch.randn(len(ids), 1, D, generator=gen).half().cuda()
             if mode == "plain":
