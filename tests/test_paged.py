@@ -634,16 +634,19 @@ def test_fp8_generate_and_refusals():
         PagedKV(_layer(), pages=4, kv_dtype="int8")
 
 
-@pytest.mark.parametrize("kv", ["fp16", "fp8"])
+@pytest.mark.parametrize("kv", ["fp16", "fp8", "bf16 model"])
 def test_serve_llama_checks_the_fp8_cache(kv):
-    """scripts/serve_llama.py --kv-dtype fp8 --check: the bytes a token, and the teacher-forced check."""
-    args = ["--prompts", "4", "--new-tokens", "6", "--check"] + (["--kv-dtype", "fp8"] if kv == "fp8" else [])
+    """scripts/serve_llama.py --check: the bytes a token, and the check: identical tokens for the fp32
+    model's own pages, each token teacher-forced among the unmodified model's first five for an FP8
+    cache or a 16-bit model (whose roundings move near ties)."""
+    args = ["--prompts", "4", "--new-tokens", "6", "--check"] + {"fp16": [], "fp8": ["--kv-dtype", "fp8"],
+                                                               "bf16 model": ["--dtype", "bf16"]}[kv]
     r = run([sys.executable, str(ROOT / "scripts" / "serve_llama.py"), *args], timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
-    per = {"fp16": "1024 bytes a token on rank 0 (fp32 pages", "fp8": "320 bytes a token on rank 0 (fp8 pages"}[kv]
+    per = {"fp16": "1024 bytes a token on rank 0 (fp32 pages", "fp8": "320 bytes a token on rank 0 (fp8 pages",
+           "bf16 model": "512 bytes a token on rank 0 (bf16 pages"}[kv]
     assert per in r.stdout and "PASS" in r.stdout, r.stdout
-    if kv == "fp8":
-        assert "every token within its top 5 (teacher-forced): PASS" in r.stdout
+    assert ("every token within its top 5 (teacher-forced): PASS" in r.stdout) == (kv != "fp16"), r.stdout
 
 
 def test_serve_llama_in_prefill_chunks_and_its_refusals():
