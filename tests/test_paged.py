@@ -248,6 +248,28 @@ def test_decode_graphs_mirror_only_what_changed(monkeypatch):
     assert len(synced) == 2 and carried >= 2  # steps that lengthened no table sent nothing
 
 
+def _reuse_a_slot_whose_bucket_carried_a_page(layer, pool, graphs, P, xa, xb, xc):
+    """Sequence a takes its second page in a steady step of bucket 1 (carried by that bucket's
+    inputs), then leaves; c takes a's pages, and b takes a's slot and new pages, prefilled to the
+    length bucket 1 would continue from. Returns (the slot, c, b, b's prefill rows)."""
+    a = pool.add()
+    with pool.step([a], [P - 1]) as step:
+        layer(xa[:, :P - 1], cache=step.view())
+    graphs.step([a], xa[:, P - 1:P])
+    graphs.step([a], xa[:, P:P + 1])  # a steady step that takes a's second page: carried by the inputs
+    assert graphs._made[1]["step"].inputs[2:].flatten().tolist() == [1, pool.tables[pool.slots[a]][1]]
+    slot = pool.slots[a]
+    c = pool.add()
+    pool.remove(a)
+    with pool.step([c], [2 * P]) as step:  # c takes a's two pages
+        layer(xc[:, :2 * P], cache=step.view())
+    b = pool.add()
+    assert pool.slots[b] == slot
+    with pool.step([b], [P + 1]) as step:  # b: new pages, at the length a's bucket continues from
+        first = layer(xb[:, :P + 1], cache=step.view())
+    return slot, c, b, first
+
+
 def test_decode_graphs_a_reused_slot_takes_no_page_an_earlier_sequence_carried():
     """A graphed step that took a page leaves it in its bucket's inputs (the steps that continue it
     write it again). When that sequence is removed and a new one takes its slot at the very length
@@ -261,21 +283,7 @@ def test_decode_graphs_a_reused_slot_takes_no_page_an_earlier_sequence_carried()
     graphs = DecodeGraphs(pool, lambda x, st: layer(x, cache=st.view(0)), torch.zeros(1, 1, 32, dtype=torch.float64),
                           max_len=12, buckets=(1,), capture=False)
     with torch.no_grad():
-        a = pool.add()
-        with pool.step([a], [P - 1]) as step:
-            layer(xa[:, :P - 1], cache=step.view())
-        graphs.step([a], xa[:, P - 1:P])
-        graphs.step([a], xa[:, P:P + 1])  # a steady step that takes a's second page: carried by the inputs
-        assert graphs._made[1]["step"].inputs[2:].flatten().tolist() == [1, pool.tables[pool.slots[a]][1]]
-        slot = pool.slots[a]
-        c = pool.add()
-        pool.remove(a)
-        with pool.step([c], [2 * P]) as step:  # c takes a's two pages
-            layer(xc[:, :2 * P], cache=step.view())
-        b = pool.add()
-        assert pool.slots[b] == slot
-        with pool.step([b], [P + 1]) as step:  # b: new pages, at the length a's bucket continues from
-            first = layer(xb[:, :P + 1], cache=step.view())
+        slot, _, b, first = _reuse_a_slot_whose_bucket_carried_a_page(layer, pool, graphs, P, xa, xb, xc)
         y = graphs.step([b], xb[:, P + 1:P + 2])
         assert graphs.table[slot, :2].tolist() == pool.tables[slot][:2]
         whole = layer(xb[:, :P + 2])
@@ -312,20 +320,7 @@ def test_decode_graphs_a_step_after_a_change_sends_what_other_sequences_and_buck
         graphs = DecodeGraphs(pool, lambda x, st: layer(x, cache=st.view(0)), torch.zeros(1, 1, 32, dtype=torch.float64),
                               max_len=12, buckets=(1, 2), capture=False)
         xa, xb, xc, xz = (torch.randn(1, 12, 32, dtype=torch.float64) for _ in range(4))
-        a = pool.add()
-        with pool.step([a], [P - 1]) as step:
-            layer(xa[:, :P - 1], cache=step.view())
-        graphs.step([a], xa[:, P - 1:P])
-        graphs.step([a], xa[:, P:P + 1])  # a steady step that takes a's second page: carried by bucket 1's inputs
-        slot = pool.slots[a]
-        c = pool.add()
-        pool.remove(a)
-        with pool.step([c], [2 * P]) as step:  # c takes a's two pages
-            layer(xc[:, :2 * P], cache=step.view())
-        b = pool.add()
-        assert pool.slots[b] == slot
-        with pool.step([b], [P + 1]) as step:  # b: at the length bucket 1 would continue from
-            first = layer(xb[:, :P + 1], cache=step.view())
+        slot, c, b, first = _reuse_a_slot_whose_bucket_carried_a_page(layer, pool, graphs, P, xa, xb, xc)
         zz = pool.add()
         with pool.step([zz], [2]) as step:
             layer(xz[:, :2], cache=step.view())
