@@ -466,10 +466,13 @@ __device__ __forceinline__ unsigned long long dec_now() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
-__device__ __forceinline__ unsigned dec_smid() {
+// block (blockIdx.x, blockIdx.y)'s record (by its thread 0)
+__device__ __forceinline__ void dec_trace_block(unsigned long long start, unsigned long long first,
+                                                unsigned long long rows, bool combined) {
     unsigned r;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(r));
-    return r;
+    unsigned long long *e = dec_trace + 8 * ((long long)blockIdx.y * gridDim.x + blockIdx.x);
+    e[0] = start, e[1] = first, e[2] = rows, e[3] = dec_now(), e[4] = r, e[5] = combined;
 }
 #endif
 template <int D, bool M16, bool PIPE, bool BF16, int PG, typename KV = tc_u16, int STG = 0>
@@ -848,10 +851,7 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
         }
 #ifdef DEC_TRACE
         const unsigned long long tr_rows = dec_now();
-        if (S == 1 && tid == 0 && bg == (int)blockIdx.y) {
-            unsigned long long *e = dec_trace + 8 * ((long long)blockIdx.y * gridDim.x + blockIdx.x);
-            e[0] = tr_start, e[1] = tr_first, e[2] = tr_rows, e[3] = dec_now(), e[4] = dec_smid(), e[5] = 0;
-        }
+        if (S == 1 && tid == 0 && bg == (int)blockIdx.y) dec_trace_block(tr_start, tr_first, tr_rows, false);
 #endif
         if (S == 1) continue;  // (as in dec_split)
         __threadfence();
@@ -868,10 +868,7 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
         }
         __syncthreads();
 #ifdef DEC_TRACE
-        if (tid == 0 && bg == (int)blockIdx.y) {
-            unsigned long long *e = dec_trace + 8 * ((long long)blockIdx.y * gridDim.x + blockIdx.x);
-            e[0] = tr_start, e[1] = tr_first, e[2] = tr_rows, e[3] = dec_now(), e[4] = dec_smid(), e[5] = last;
-        }
+        if (tid == 0 && bg == (int)blockIdx.y) dec_trace_block(tr_start, tr_first, tr_rows, last);
 #endif
     }
 }

@@ -186,7 +186,7 @@ def test_split_kernel_takes_the_kernels_occupancy(monkeypatch):
     monkeypatch.setattr(tcuda, "launch", lambda source, name, device, grid, block, args, shared_mem=0:
                         calls.append((name, grid, block)))
     monkeypatch.setattr(decode, "decode_kernel_fits", lambda q: True)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"multi_processor_count": 132}))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"multi_processor_count": 132, "major": 8}))
     q = torch.randn(64, 32, 1, 128).half()
     k, v = (torch.randn(64, 8, 4096, 128).half() for _ in range(2))
     tickets = torch.zeros(64 * 8, dtype=torch.int32)

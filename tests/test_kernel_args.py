@@ -504,7 +504,7 @@ def test_decode_launches_contiguous_and_paged(monkeypatch, h, g):
     monkeypatch.setattr(tcuda, "launch", lambda source, name, device, grid, block, args, shared_mem=0:
                         calls.append((source, name, grid, block, args)))
     monkeypatch.setattr(decode, "decode_kernel_fits", lambda q: True)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"multi_processor_count": 132}))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"multi_processor_count": 132, "major": 8}))
     B, d, L = 3, 128, 300
     table, lens = decode_both(decode, B, h, g, d, L)[2:]
     assert [c[1].endswith("_pg") for c in calls] == [False, True]
@@ -557,7 +557,7 @@ def test_paged_decode_kernel_per_page_size(monkeypatch, page, suffix, h, g):
     monkeypatch.setattr(tcuda, "launch", lambda source, name, device, grid, block, args, shared_mem=0:
                         calls.append((source, name, grid, block, args)))
     monkeypatch.setattr(decode, "decode_kernel_fits", lambda q: True)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"multi_processor_count": 132}))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"multi_processor_count": 132, "major": 8}))
     q = torch.randn(2, h, 128).half()
     pool_k, pool_v = (torch.randn(40, g, page, 128).half() for _ in range(2))
     table = torch.arange(2 * 6, dtype=torch.int32).view(2, 6)
@@ -631,7 +631,7 @@ def test_decode_launches_at_every_head_dim(monkeypatch, d, h, g, split):
     calls = []
     monkeypatch.setattr(tcuda, "launch", lambda source, name, device, grid, block, args, shared_mem=0:
                         calls.append((source, name, grid, block, args)))
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"multi_processor_count": 132}))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"multi_processor_count": 132, "major": 8}))
     # the kernels' test of the head dim, as on a GPU with CuPy
     monkeypatch.setattr(decode, "decode_kernel_fits", lambda q: decode.kernel_takes(torch.device("cuda"), q.dtype,
                                                                                    q.shape[-1]))
@@ -664,7 +664,7 @@ def test_fp8_pool_launches(monkeypatch, d, h, g):
     calls = []
     monkeypatch.setattr(tcuda, "launch", lambda source, name, device, grid, block, args, shared_mem=0:
                         calls.append((source, name, grid, block, args)))
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"multi_processor_count": 132}))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"multi_processor_count": 132, "major": 8}))
     R, P = 3, 16
     qkv = torch.randn(R, h + 2 * g, d).half()
     pool_k, pool_v = (torch.zeros(9, g, P, d, dtype=torch.float8_e4m3fn) for _ in range(2))

@@ -317,7 +317,7 @@ def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int,
     props = torch.cuda.get_device_properties(q.device)
     sms = props.multi_processor_count
     mma = d in DEC_HEAD_DIMS and (SPLIT_KERNEL == "mma" or (SPLIT_KERNEL == "auto" and h > g))
-    staged = DEC_STAGED and mma and not page and getattr(props, "major", 0) >= 9
+    staged = DEC_STAGED and mma and not page and props.major >= 9
     smem = dec_ring_bytes(d) if staged else 0
     source = dec_source(d)
     suf = "f16" if q.dtype == torch.float16 else "bf16"
@@ -355,8 +355,9 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     device (a sequence of length 0 gives a zero row); longest: the most any lens[b] can be, which
     sets the split (under a CUDA graph: the table's capacity, so that one graph serves every step).
     tickets: the kernel's counters (int32, at least B x g, zeros; each launch leaves them zero: a
-    pool's own, so that a graph replays no fill of them), else ticket_counters(). scales: an FP8 pool's (k_scale, v_scale) [pages, g, page] (fp32), its pages float8_e4m3fn: the
-    split's _pg8 (fp8_pages_fit)."""
+    pool's own, so that a graph replays no fill of them), else ticket_counters(). scales: an FP8
+    pool's (k_scale, v_scale) [pages, g, page] (fp32), its pages float8_e4m3fn: the split's _pg8
+    (fp8_pages_fit)."""
     import numpy as np
 
     from .cuda import GRID_YZ_MAX, launch, ptr

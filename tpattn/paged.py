@@ -648,8 +648,9 @@ class _StaticStep:
     into the mirror and makes, on the device, each row's position, where its K and V go, its block
     table row and its length after the step, then advances the inputs' lengths by one. So a step that
     continues the bucket's last one (the same slots, every length one more, no page taken) needs no
-    copy from the host; fill() sends the inputs when the live set changes or a row takes a page. Padding rows (past the live sequences) take the
-    mirror's extra slot: length 0 (their attention is zero), K and V written into the scratch page."""
+    copy from the host; fill() sends the inputs when the live set changes or a row takes a page.
+    Padding rows (past the live sequences) take the mirror's extra slot: length 0 (their attention is
+    zero), K and V written into the scratch page."""
 
     def __init__(self, pool: PagedKV, bucket: int, table: torch.Tensor):
         dev = pool.device
