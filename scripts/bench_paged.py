@@ -149,7 +149,9 @@ def layer_steps(H: int, d: int, rounds: int, steps: int = 40, fp8: bool = False,
     paged cache (tpattn.paged.DecodeGraphs), uniform and ragged lengths, and (plain) the plain PyTorch
     step given the same weights and cache (plain_step: SDPA cuDNN, SDPA flash): wall-clock us per step
     over `steps` steps (host work of each step included: the pool's bookkeeping, the tables' copies,
-    each graph's launch). fp8: also the paged step on an FP8 pool (uniform lengths)."""
+    each graph's launch). Every graphed step takes its row in place and returns its graph's own
+    output (DecodeGraphs.input and step(copy=False), as layer.graphed). fp8: also the paged step on
+    an FP8 pool (uniform lengths)."""
     import time
 
     from tpattn.paged import DecodeGraphs, PagedKV
@@ -182,7 +184,9 @@ def layer_steps(H: int, d: int, rounds: int, steps: int = 40, fp8: bool = False,
                 pass
             graphs = DecodeGraphs(pool, lambda xs, st: layer(xs, cache=st.view(0)), x,
                                   max_len=max(lens) + (rounds + 1) * steps + 8, buckets=(B,))
-            runs[name] = (lambda g=graphs, ids=ids: g.step(ids, x))
+            xin = graphs.input(B)  # the row written in place, the output not copied: layer.graphed's contract
+            xin.copy_(x)
+            runs[name] = (lambda g=graphs, ids=ids, xin=xin: g.step(ids, xin, copy=False))
         times, issue = {k: [] for k in runs}, {k: [] for k in runs}
         for _ in range(rounds + 1):
             for name, fn in runs.items():

@@ -1,11 +1,15 @@
-"""Where a graphed decode step's time goes, contiguous against paged: torch.profiler over ten steps of
-the layer's graphed step on the contiguous cache (layer.graphed) and of DecodeGraphs on a paged pool
-(pages of 16; ragged lengths 0.4 L to 1.6 L where said), no rotary positions, H = 32, d = 128, fp16:
-each GPU kernel's time a step, then the host's (self CPU time a step) for the most costly entries.
-B = 1 with 32 K/V heads at L = 4096, and B = 16 with 8 K/V heads, ragged, mean L = 4096.
+"""Where a graphed decode step's time goes, contiguous against paged and against the plain PyTorch
+step: torch.profiler over ten steps of the layer's graphed step on the contiguous cache
+(layer.graphed), of DecodeGraphs on a paged pool (pages of 16; ragged lengths 0.4 L to 1.6 L for a
+batch of more than one), and of the plain step with SDPA cuDNN (bench_paged.plain_step: the same
+weights and cache), no rotary positions, H = 32, d = 128, fp16: each GPU kernel's time a step, then
+the host's (self CPU time a step) for the most costly entries. By default B = 1 with 32 K/V heads at
+L = 4096 and B = 16 with 8 K/V heads, mean L = 4096; --shapes B,G,L ... (e.g. the layer rows of
+bench_paged.py: 1,32,4096 1,8,32768 16,8,4096 64,8,4096).
 
-    PYTHONPATH=. python scripts/profile_decode_steps.py
+    PYTHONPATH=. python scripts/profile_decode_steps.py [--shapes B,G,L ...]
 """
+import argparse
 import sys
 from pathlib import Path
 
@@ -18,10 +22,26 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 import bench_paged as bp  # noqa: E402
 from tpattn.paged import DecodeGraphs, PagedKV  # noqa: E402
 
+
+def shape(text: str) -> tuple[int, int, int]:
+    try:
+        B, G, L = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a shape is B,G,L (three integers), e.g. 16,8,4096")
+    if min(B, G, L) < 1 or 32 % G:
+        raise argparse.ArgumentTypeError(f"{text!r}: B, L at least 1 and G a divisor of the 32 heads")
+    return B, G, L
+
+
+p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("--shapes", nargs="+", type=shape, default=[(1, 32, 4096), (16, 8, 4096)], metavar="B,G,L",
+               help="batch, K/V heads, cache length (ragged lengths of that mean for B > 1)")
+args = p.parse_args()
 if not torch.cuda.is_available():
     sys.exit("profile_decode_steps.py profiles the layer's decode steps on a GPU: run it where torch sees one")
 H, d = 32, 128
-for B, G, L, ragged in ((1, 32, 4096, False), (16, 8, 4096, True)):
+for B, G, L in args.shapes:
+    ragged = B > 1
     gen = torch.Generator(device="cuda").manual_seed(B)
     layer = bp.rope_layer(H, G, d, gen, theta=None)
     x = torch.randn(B, 1, H * d, device="cuda", generator=gen).half()
@@ -34,7 +54,11 @@ for B, G, L, ragged in ((1, 32, 4096, False), (16, 8, 4096, True)):
     with pool.step(ids, lens):
         pass
     graphs = DecodeGraphs(pool, lambda xs, st: layer(xs, cache=st.view(0)), x, max_len=max(lens) + 200, buckets=(B,))
-    for name, fn in (("contiguous", contiguous), ("paged", lambda: graphs.step(ids, x))):
+    xin = graphs.input(B)  # (in place, the output not copied: as layer.graphed)
+    xin.copy_(x)
+    runs = [("contiguous", contiguous), ("paged", lambda: graphs.step(ids, xin, copy=False)),
+            ("plain cudnn", bp.plain_step(layer, cache, x, L, "cudnn"))]
+    for name, fn in runs:
         for _ in range(3): fn()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:

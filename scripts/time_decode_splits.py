@@ -1,12 +1,14 @@
-"""Each decode split launch's GPU time alone at shapes where the split is one chunk or a few (large
-batches, H = 32, d = 128, fp16, the contiguous cache): the kernel and chunk count tpattn.decode
-picks, and the best of three times from bench_paged.graph_us (one call captured in a CUDA graph,
-replayed back to back). tpattn comes from PYTHONPATH, so that two trees can be timed one after the
-other on one machine:
+"""Each decode split launch's GPU time alone (d = 128, fp16, the contiguous cache): the kernel and
+chunk count tpattn.decode picks, and the best of three times from bench_paged.graph_us (one call
+captured in a CUDA graph, replayed back to back). By default at shapes where the split is one chunk
+or a few (large batches, H = 32); --shapes B,H,G,L ... times others (e.g. 1,32,8,32768: 33 chunks,
+the combine of 33 partials). tpattn comes from PYTHONPATH, so that two trees can be timed one after
+the other on one machine:
 
     PYTHONPATH=path/to/other/tree python scripts/time_decode_splits.py
-    PYTHONPATH=. python scripts/time_decode_splits.py
+    PYTHONPATH=. python scripts/time_decode_splits.py [--shapes 1,32,8,32768 16,32,8,4096]
 """
+import argparse
 import sys
 from pathlib import Path
 
@@ -18,11 +20,27 @@ import tpattn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_paged import graph_us  # noqa: E402
 
+
+def shape(text: str) -> tuple[int, int, int, int]:
+    try:
+        B, H, G, L = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a shape is B,H,G,L (four integers), e.g. 1,32,8,32768")
+    if min(B, H, G, L) < 1 or H % G:
+        raise argparse.ArgumentTypeError(f"{text!r}: B, H, G, L at least 1 and H a multiple of G")
+    return B, H, G, L
+
+
+p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("--shapes", nargs="+", type=shape, metavar="B,H,G,L",
+               default=[(64, 32, 8, 4096), (48, 32, 8, 4096), (128, 32, 8, 1024), (64, 32, 32, 2048), (256, 32, 8, 512)],
+               help="the shapes to time (default: five of one chunk or a few)")
+args = p.parse_args()
 if not torch.cuda.is_available():
     sys.exit("time_decode_splits.py times the decode kernels on a GPU: run it where torch sees one")
 print(tpattn.__file__, flush=True)
 d = 128
-for B, H, G, L in ((64, 32, 8, 4096), (48, 32, 8, 4096), (128, 32, 8, 1024), (64, 32, 32, 2048), (256, 32, 8, 512)):
+for B, H, G, L in args.shapes:
     q = torch.randn(B, H, 1, d, device="cuda").half()
     k = torch.randn(B, G, L, d, device="cuda").half()
     v = torch.randn_like(k)

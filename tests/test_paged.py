@@ -196,6 +196,49 @@ def test_decode_graphs_buckets_pad_and_follow_the_live_set():
         assert (pool.k[0][:pool.pages].abs().sum() > 0) and pool.scratch_page == 40
 
 
+def test_decode_graphs_step_in_place(monkeypatch):
+    """DecodeGraphs' in-place step, as layer.graphed's: rows written into input(n) are stepped without
+    a copy in (no copy_ into the fixed input), copy=False gives fn's output rows themselves, and the
+    rows match the copying step's on a twin pool and each sequence's whole forward."""
+    from tpattn.paged import DecodeGraphs
+    layer = _layer(2, True)
+    lens, T = [5, 2], 6
+    xs = [torch.randn(1, n + T, 32, dtype=torch.float64) for n in lens]
+    runs = []
+    for in_place in (False, True):
+        pool = PagedKV(layer, pages=20, page_size=4, max_seqs=2)
+        ids = [pool.add() for _ in lens]
+        graphs = DecodeGraphs(pool, lambda x, st: layer(x, cache=st.view(0)), torch.zeros(2, 1, 32, dtype=torch.float64),
+                              max_len=16, buckets=(2,), capture=False)
+        outs = []
+        with torch.no_grad():
+            with pool.step(ids, lens) as st:
+                layer(torch.cat([x[:, :n] for x, n in zip(xs, lens)], 1), cache=st.view())
+            for t in range(T):
+                rows = torch.cat([x[:, n + t:n + t + 1] for x, n in zip(xs, lens)], 0)
+                if in_place:
+                    fixed = graphs.input(2)
+                    assert fixed.data_ptr() == graphs.input(2).data_ptr() and fixed.shape == (2, 1, 32)
+                    fixed.copy_(rows)
+                    copied = []
+                    real = torch.Tensor.copy_
+
+                    def spy(dst, src, *a, **k):
+                        copied.append(dst.data_ptr() == fixed.data_ptr())
+                        return real(dst, src, *a, **k)
+                    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+                    y = graphs.step(ids, fixed, copy=False)
+                    monkeypatch.setattr(torch.Tensor, "copy_", real)
+                    assert not any(copied)
+                else:
+                    y = graphs.step(ids, rows)
+                outs.append(y.clone())
+        runs.append(torch.cat(outs, 1))
+    assert torch.equal(runs[0], runs[1])
+    for j, (x, n) in enumerate(zip(xs, lens)):
+        assert (runs[1][j] - layer(x)[0, n:]).abs().max().item() < 1e-12
+
+
 def test_decode_graphs_mirror_only_what_changed(monkeypatch):
     """DecodeGraphs keeps the block tables' device mirror by the pool's version: a steady step sends
     no table (a page it takes goes with its inputs, and its graph writes it into the mirror), and

@@ -808,12 +808,27 @@ class DecodeGraphs:
         raise ConfigError(f"{n} live sequences: the largest bucket is {self.buckets[-1]}; pass larger buckets= "
                           f"(at most max_seqs={self.pool.max_seqs})")
 
-    def step(self, seq_ids, x: torch.Tensor) -> torch.Tensor:
-        """One decode step of seq_ids (x: one row each, [n, ...]); returns fn's output for them [n, ...]
-        (a copy). The pool's calls are the usual ones (its pages taken, the ranks' agreement), the
-        step's slots and lengths sent to the bucket's fixed inputs unless they continue its last step
-        (the graph advanced them) and take no page (a page taken goes with the inputs), x copied in,
-        then the bucket's graph replayed."""
+    def _bucket(self, b: int) -> dict:
+        """Bucket b's fixed step and input (made on first use) and its replay (captured by its first step)."""
+        made = self._made.get(b)
+        if made is None:
+            xs = torch.zeros((b, *self.x_like.shape[1:]), dtype=self.x_like.dtype, device=self.pool.device)
+            made = self._made[b] = {"step": _StaticStep(self.pool, b, self.table), "x": xs, "run": None, "next": None}
+        return made
+
+    def input(self, n: int) -> torch.Tensor:
+        """The fixed input rows of a step of n sequences ([n, ...], its bucket's): write a step's rows
+        into it in place and pass it to step() as x, and step() copies nothing in (as layer.graphed's
+        x)."""
+        return self._bucket(self.bucket_for(n))["x"][:n]
+
+    def step(self, seq_ids, x: torch.Tensor, copy: bool = True) -> torch.Tensor:
+        """One decode step of seq_ids (x: one row each, [n, ...]); returns fn's output for them [n, ...]:
+        a copy, or (copy=False) the graph's own output rows, which the bucket's next step overwrites
+        (as layer.graphed's output). The pool's calls are the usual ones (its pages taken, the ranks'
+        agreement), the step's slots and lengths sent to the bucket's fixed inputs unless they
+        continue its last step (the graph advanced them) and take no page (a page taken goes with the
+        inputs), x copied in (unless x is input(n) itself), then the bucket's graph replayed."""
         n = len(seq_ids)
         b = self.bucket_for(n)
         longest = max(map(self.pool.length, seq_ids)) + 1
@@ -824,17 +839,14 @@ class DecodeGraphs:
         with self.pool.step(seq_ids, [1] * n) as step:
             carry = self._sync(step)
             version = self.pool.version
-            made = self._made.get(b)
-            if made is None:
-                xs = torch.zeros((b, *self.x_like.shape[1:]), dtype=self.x_like.dtype, device=self.pool.device)
-                made = self._made[b] = {"step": _StaticStep(self.pool, b, self.table), "x": xs, "run": None,
-                                        "next": None}
+            made = self._bucket(b)
             st, xs = made["step"], made["x"]
             now = (tuple(step.slots), tuple(step.starts))
             if carry is None or carry or made["next"] != now:  # not the continuation of this bucket's last
                 st.fill(step, carry)                              # step: send the inputs
             made["next"] = None      # (unknown until this step has run)
-            xs[:n].copy_(x)          # (padding rows keep earlier rows: fn must treat rows independently, as
+            if not (x.data_ptr() == xs.data_ptr() and x.shape == xs[:n].shape and x.stride() == xs[:n].stride()):
+                xs[:n].copy_(x)      # (padding rows keep earlier rows: fn must treat rows independently, as
                                      # the layers do; their outputs are discarded)
 
             def body():
@@ -859,4 +871,4 @@ class DecodeGraphs:
             for s, (col, _) in (carry or {}).items():  # the step ran: the pages it carried are in the mirror
                 self._mirrored[s] = (self.pool.generation[s], col + 1)
             self._seen = version
-            return out[:n].clone()
+            return out[:n].clone() if copy else out[:n]
