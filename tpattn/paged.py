@@ -659,12 +659,31 @@ class _StaticStep:
         self.seq_ids = [f"row {i} of the bucket" for i in range(bucket)]  # (what a refusal names)
         # slots, lengths before the step, the column and id of a page the row takes (column -1: none)
         self.inputs = torch.zeros(4, bucket, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(bucket, dtype=torch.int64, device=dev)
-        self.page_index = torch.zeros(bucket, dtype=torch.int64, device=dev)
-        self.page_offset = torch.zeros(bucket, dtype=torch.int64, device=dev)
-        self.table = torch.zeros(bucket, table.shape[1], dtype=torch.int32, device=dev)
-        self.lens = torch.zeros(bucket, dtype=torch.int32, device=dev)
+        # what prepare() makes: positions, page_index, page_offset, table, lens (read through the
+        # properties below, which first join prepare()'s side stream when it ran on one)
+        self._out = {"positions": torch.zeros(bucket, dtype=torch.int64, device=dev),
+                     "page_index": torch.zeros(bucket, dtype=torch.int64, device=dev),
+                     "page_offset": torch.zeros(bucket, dtype=torch.int64, device=dev),
+                     "table": torch.zeros(bucket, table.shape[1], dtype=torch.int32, device=dev),
+                     "lens": torch.zeros(bucket, dtype=torch.int32, device=dev)}
+        self._ready = None  # the event of prepare() on a side stream, until a reader's stream waits for it
         self.longest = self.upto = table.shape[1] * pool.page_size
+
+    def _get(self, name: str) -> torch.Tensor:
+        self.join()
+        return self._out[name]
+
+    positions = property(lambda self: self._get("positions"))
+    page_index = property(lambda self: self._get("page_index"))
+    page_offset = property(lambda self: self._get("page_offset"))
+    table = property(lambda self: self._get("table"))
+    lens = property(lambda self: self._get("lens"))
+
+    def join(self) -> None:
+        """The current stream waits for prepare() if it ran on a side stream (once)."""
+        if self._ready is not None:
+            torch.cuda.current_stream(self.inputs.device).wait_event(self._ready)
+            self._ready = None
 
     @property
     def total_rows(self) -> int:
@@ -686,23 +705,33 @@ class _StaticStep:
         rows = torch.tensor([step.slots + pad, step.starts + [0] * len(pad), col, page], dtype=torch.int64)
         self.inputs.copy_(_pinned(rows, self.inputs.device), non_blocking=True)
 
-    def prepare(self) -> None:
+    def prepare(self, side=None) -> None:
         """On the device (inside the graph): the pages the rows take into the mirror; positions, K/V
         destinations, table rows, lengths; then the inputs' lengths of live rows one more (the next
-        step's). One kernel on a GPU with CuPy (pg_prepare), else the same in torch ops."""
+        step's). One kernel on a GPU with CuPy (pg_prepare), else the same in torch ops. side (a CUDA
+        stream): the kernel runs there, beside the step's first work (the QKV GEMM), and the first
+        read of what it makes waits for it (join)."""
         from .errors import cupy_available
         P, S = self.pool.page_size, self.pool.max_seqs
         if self.inputs.is_cuda and cupy_available():
-            return self.prepare_kernel()
+            if side is None:
+                return self.prepare_kernel()
+            side.wait_stream(torch.cuda.current_stream(self.inputs.device))
+            with torch.cuda.stream(side):
+                self.prepare_kernel()
+                self._ready = torch.cuda.Event()
+                self._ready.record(side)
+            return
         slots, pos, col, page = self.inputs
         live, took = slots < S, col >= 0
         at = torch.where(took, col, 0)  # (rows without a page write back what the mirror holds)
         self.dev_table[slots, at] = torch.where(took, page.to(torch.int32), self.dev_table[slots, at])
-        self.positions.copy_(pos)
-        self.page_index.copy_(self.dev_table[slots, torch.div(pos, P, rounding_mode="floor")].long())
-        self.page_offset.copy_(torch.remainder(pos, P))
-        self.table.copy_(self.dev_table.index_select(0, slots))
-        self.lens.copy_(((pos + 1) * live).to(torch.int32))
+        out = self._out
+        out["positions"].copy_(pos)
+        out["page_index"].copy_(self.dev_table[slots, torch.div(pos, P, rounding_mode="floor")].long())
+        out["page_offset"].copy_(torch.remainder(pos, P))
+        out["table"].copy_(self.dev_table.index_select(0, slots))
+        out["lens"].copy_(((pos + 1) * live).to(torch.int32))
         pos += live
 
 
@@ -712,10 +741,11 @@ class _StaticStep:
 
         from .cuda import launch, ptr
         from .decode import dec_source
-        b, W = self.bucket, self.table.shape[1]
+        b, W = self.bucket, self._out["table"].shape[1]
         launch(dec_source(self.pool.layers[0].head_dim), "pg_prepare", self.inputs.device, (-(-b * W // 256), 1, 1), (256, 1, 1),
-               (ptr(self.inputs), ptr(self.dev_table), ptr(self.positions), ptr(self.page_index),
-                ptr(self.page_offset), ptr(self.table), ptr(self.lens), np.int32(b), np.int32(W),
+               (ptr(self.inputs), ptr(self.dev_table), *(ptr(self._out[k]) for k in
+                                                          ("positions", "page_index", "page_offset", "table", "lens")),
+                np.int32(b), np.int32(W),
                 np.int32(self.pool.page_size), np.int32(self.pool.max_seqs)))
 
 
@@ -744,6 +774,7 @@ class DecodeGraphs:
                 if why:
                     raise ConfigError(why)
         self.pool, self.fn, self.buckets, self.capture = pool, fn, buckets, capture
+        self._side = torch.cuda.Stream(pool.device) if capture else None  # prepare()'s stream
         self.max_pages = -(-int(max_len) // pool.page_size)
         self.x_like = x_like
         self._made: dict[int, dict] = {}  # bucket -> its fixed step, input and replay
@@ -850,8 +881,10 @@ class DecodeGraphs:
                                      # the layers do; their outputs are discarded)
 
             def body():
-                st.prepare()
-                return self.fn(xs, st)
+                st.prepare(self._side)  # (on a GPU: beside fn's first work, which does not read it)
+                y = self.fn(xs, st)
+                st.join()  # (an fn that read none of it: the graph ends joined)
+                return y
             self.pool._open = st  # what the layers check their view against
             try:
                 if not self.capture:
