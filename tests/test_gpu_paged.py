@@ -430,13 +430,15 @@ def test_paged_append_kernel_is_the_torch_rotation_and_writes(dtype, rope, d):
     assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
 
 
+@pytest.mark.parametrize("side", [False, True])
 @torch.no_grad()
-def test_graphed_paged_step_prepares_on_the_device_and_advances():
+def test_graphed_paged_step_prepares_on_the_device_and_advances(side):
     """pg_prepare: each row's position, page, offset, block-table row and length after the step from
     (slots, lengths, the page a row takes) and the device's table mirror; a page taken in the row's
     table and written into the mirror; padding rows (the extra slot) at length 0 and the scratch
     pages; the inputs' lengths of live rows one more afterwards, the padding rows' unchanged, the
-    pages taken left in place (a step that continues this one writes them again)."""
+    pages taken left in place (a step that continues this one writes them again). side: on a side
+    stream held back by a sleep, read through the properties (which join it) with no synchronize."""
     from tpattn.paged import PagedKV, _StaticStep
     layer = fused_layer(8, 2, 128)
     P, S, W = 16, 3, 6
@@ -448,8 +450,17 @@ def test_graphed_paged_step_prepares_on_the_device_and_advances():
     mirror[2, 2] = 5
     before = mirror.clone()
     st.inputs.copy_(torch.tensor([[2, 0, S, S], [40, 15, 0, 0], *took]))
-    st.prepare()
-    torch.cuda.synchronize()
+    if side:
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(200_000_000)  # (~0.1 s: a read that did not wait would see zeros)
+        st.prepare(stream)
+        assert st._ready is not None
+        st.positions  # the join: the current stream waits for the side stream from here on
+        assert st._ready is None
+    else:
+        st.prepare()
+        torch.cuda.synchronize()
     slots, pos = [2, 0, S, S], [40, 15, 0, 0]
     after = before.clone()
     after[2, 2] = 19

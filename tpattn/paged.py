@@ -876,15 +876,17 @@ class DecodeGraphs:
             if carry is None or carry or made["next"] != now:  # not the continuation of this bucket's last
                 st.fill(step, carry)                              # step: send the inputs
             made["next"] = None      # (unknown until this step has run)
-            if not (x.data_ptr() == xs.data_ptr() and x.shape == xs[:n].shape and x.stride() == xs[:n].stride()):
+            if not (x.data_ptr() == xs.data_ptr() and x.dtype == xs.dtype and x.device == xs.device
+                    and x.shape == xs[:n].shape and x.stride() == xs[:n].stride()):
                 xs[:n].copy_(x)      # (padding rows keep earlier rows: fn must treat rows independently, as
                                      # the layers do; their outputs are discarded)
 
             def body():
                 st.prepare(self._side)  # (on a GPU: beside fn's first work, which does not read it)
-                y = self.fn(xs, st)
-                st.join()  # (an fn that read none of it: the graph ends joined)
-                return y
+                try:
+                    return self.fn(xs, st)
+                finally:
+                    st.join()  # (an fn that read none of it, or raised: the step ends joined)
             self.pool._open = st  # what the layers check their view against
             try:
                 if not self.capture:
