@@ -136,18 +136,10 @@ __device__ __forceinline__ tc_u16 dec_round(float x) {
 // (a head at a time would cost a few round trips to L2 per head: ~80 us for 32 heads, measured).
 // The weights 2^(L_s - max) / sum go to shared memory (DEC_COMBINE_W of them at a time: as many
 // heads as fit; the host keeps S <= DEC_COMBINE_W), a warp a head; then a thread per 4 columns of a
-// head sums its S partials, the loads of several partials in flight. Before the weights, the block
-// asks for all of those heads' partials in L1 (prefetch.global.L1: nothing held in registers), so
-// that their round trip to L2 overlaps the weights' and the sums read L1 (the loads after the fence
-// that follows the ticket see the other blocks' partials, as any load there does). Not inlined:
-// inlined, it changed how the split's main loop was compiled and slowed the tensor-core split by a
-// fifth at B = 64, G = 8 (measured), though it runs once, after that loop. For the same reason it
-// holds few registers: the caller's values live across the call sit above the ones it uses, so a
-// combine of many loads in flight raised every split kernel's registers to 200-255 (ptxas -v).
+// head sums its S partials, the loads of several partials in flight. Not inlined: inlined, it
+// changed how the split's main loop was compiled and slowed the tensor-core split by a fifth at
+// B = 64, G = 8 (measured), though it runs once, after that loop.
 #define DEC_COMBINE_W 1024
-__device__ __forceinline__ void dec_prefetch_l1(const void *p) {
-    asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));
-}
 template <int D, bool BF16>
 __device__ __noinline__ void dec_combine(const float *__restrict__ Op, const float *__restrict__ Lp,
                                             tc_u16 *__restrict__ O, long long bh0, int group, int S) {
@@ -157,8 +149,6 @@ __device__ __noinline__ void dec_combine(const float *__restrict__ Op, const flo
     for (int h0 = 0; h0 < group; h0 += hc) {
         const int nh = min(hc, group - h0);
         const float *lp = Lp + (bh0 + h0) * S;  // [nh, S]: the heads of a group are consecutive
-        const char *op0 = (const char *)(Op + (bh0 + h0) * S * D);  // [nh, S, D], likewise
-        for (long long e = tid; e < ((long long)nh * S * D * 4 + 127) / 128; e += DEC_THREADS) dec_prefetch_l1(op0 + e * 128);
         for (int e = tid; e < nh * S; e += DEC_THREADS) wts[e] = __ldcg(lp + e);
         __syncthreads();
         for (int i = warp; i < nh; i += DEC_THREADS / 32) {
@@ -184,7 +174,7 @@ __device__ __noinline__ void dec_combine(const float *__restrict__ Op, const flo
             float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll 8
             for (int s = 0; s < S; ++s) {
-                const float4 v = __ldca(op + (long long)s * (D / 4));
+                const float4 v = __ldcg(op + (long long)s * (D / 4));
                 acc.x = fmaf(w[s], v.x, acc.x), acc.y = fmaf(w[s], v.y, acc.y);
                 acc.z = fmaf(w[s], v.z, acc.z), acc.w = fmaf(w[s], v.w, acc.w);
             }
