@@ -45,8 +45,8 @@
 #           the whole step beside SDPA and a plain PyTorch step), scripts/sweep_decode_splits.py (each chunk
 #           count's time beside the one picked), scripts/ab_decode_staged.py (the staged split against the one it
 #           replaces), the layer's graphed step beside the plain PyTorch step (bench_paged.py --layer
-#           --rope-theta 0), scripts/profile_decode_steps.py (each kernel's time in a contiguous and a paged
-#           step), scripts/trace_decode_blocks.py (each block of a split launch by the global timer),
+#           --rope-theta 0), scripts/profile_decode_steps.py (each kernel's time in a contiguous, a paged
+#           and a plain cuDNN step, at the layer rows), scripts/trace_decode_blocks.py (each block of a split launch by the global timer),
 #           scripts/time_decode_splits.py (launches of one chunk or a few), the CLI's --decode eager and with
 #           --cuda-graph
 #   oneshot  the one-shot peer all-reduce: pytest -m gpu -k oneshot (ranks sharing the GPU over gloo), and with
@@ -411,7 +411,8 @@ if want decode; then
   timeout 300 python3 scripts/ab_decode_staged.py 2>&1 | tee "$OUT/ab_decode_staged.log" || status=1
   timeout 300 python3 scripts/bench_paged.py --layer --no-kernel --rounds 3 --pages 16 --rope-theta 0 2>&1 \
     | tee "$OUT/layer_vs_plain.log" | grep -E "B=|against" || status=1
-  timeout 300 python3 scripts/profile_decode_steps.py 2>&1 | tee "$OUT/profile_decode_steps.log" | grep -v -i warn \
+  timeout 300 python3 scripts/profile_decode_steps.py --shapes 1,32,4096 1,8,32768 16,8,4096 64,8,4096 2>&1 \
+    | tee "$OUT/profile_decode_steps.log" | grep -v -i warn \
     || status=1
   timeout 300 python3 scripts/trace_decode_blocks.py 2>&1 | tee "$OUT/trace_decode_blocks.log" || status=1
   timeout 300 python3 scripts/time_decode_splits.py 2>&1 | tee "$OUT/time_decode_splits.log" || status=1
