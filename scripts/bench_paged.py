@@ -44,6 +44,26 @@ from tpattn.decode import decode_attention, paged_decode_attention  # noqa: E402
 SHAPES = [(1, 8, 32768), (16, 8, 4096), (64, 8, 4096), (1, 32, 4096), (16, 32, 4096)]
 
 
+def decode_shape(fields: str, example: str):
+    """An argparse type for the decode scripts' --shapes: comma-separated positive integers named by
+    `fields` ("B,G,L", H = 32 query heads; or "B,H,G,L"), G dividing H; else argparse's one-line error."""
+    names = fields.split(",")
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            vals = tuple(int(v) for v in text.split(","))
+        except ValueError:
+            vals = ()
+        if len(vals) != len(names):
+            raise argparse.ArgumentTypeError(f"{text!r}: a shape is {fields} ({len(names)} integers), e.g. {example}")
+        f = dict(zip(names, vals))
+        heads = f.get("H", 32)
+        if min(vals) < 1 or heads % f["G"]:
+            raise argparse.ArgumentTypeError(f"{text!r}: every field at least 1, and G a divisor of H = {heads}")
+        return vals
+    return parse
+
+
 def timed(fn, reps=50) -> float:
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     fn()

@@ -22,20 +22,9 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 import bench_paged as bp  # noqa: E402
 from tpattn.paged import DecodeGraphs, PagedKV  # noqa: E402
 
-
-def shape(text: str) -> tuple[int, int, int]:
-    try:
-        B, G, L = (int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: a shape is B,G,L (three integers), e.g. 16,8,4096")
-    if min(B, G, L) < 1 or 32 % G:
-        raise argparse.ArgumentTypeError(f"{text!r}: B, L at least 1 and G a divisor of the 32 heads")
-    return B, G, L
-
-
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("--shapes", nargs="+", type=shape, default=[(1, 32, 4096), (16, 8, 4096)], metavar="B,G,L",
-               help="batch, K/V heads, cache length (ragged lengths of that mean for B > 1)")
+p.add_argument("--shapes", nargs="+", type=bp.decode_shape("B,G,L", "16,8,4096"), default=[(1, 32, 4096), (16, 8, 4096)],
+               metavar="B,G,L",               help="batch, K/V heads, cache length (ragged lengths of that mean for B > 1)")
 args = p.parse_args()
 if not torch.cuda.is_available():
     sys.exit("profile_decode_steps.py profiles the layer's decode steps on a GPU: run it where torch sees one")

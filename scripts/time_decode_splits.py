@@ -18,21 +18,10 @@ from tpattn import decode  # (before bench_paged, which puts this tree's root fi
 import tpattn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_paged import graph_us  # noqa: E402
-
-
-def shape(text: str) -> tuple[int, int, int, int]:
-    try:
-        B, H, G, L = (int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: a shape is B,H,G,L (four integers), e.g. 1,32,8,32768")
-    if min(B, H, G, L) < 1 or H % G:
-        raise argparse.ArgumentTypeError(f"{text!r}: B, H, G, L at least 1 and H a multiple of G")
-    return B, H, G, L
-
+from bench_paged import decode_shape, graph_us  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("--shapes", nargs="+", type=shape, metavar="B,H,G,L",
+p.add_argument("--shapes", nargs="+", type=decode_shape("B,H,G,L", "1,32,8,32768"), metavar="B,H,G,L",
                default=[(64, 32, 8, 4096), (48, 32, 8, 4096), (128, 32, 8, 1024), (64, 32, 32, 2048), (256, 32, 8, 512)],
                help="the shapes to time (default: five of one chunk or a few)")
 args = p.parse_args()

@@ -25,6 +25,9 @@ import torch  # noqa: E402
 from tpattn import cuda as tcuda  # noqa: E402
 from tpattn import decode  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_paged import decode_shape  # noqa: E402
+
 FIELDS = 8  # dec_trace's values a block: start, first tile, rows written, done, SM, combined
 
 
@@ -78,8 +81,9 @@ def summary(trace: np.ndarray, resident: int, sms: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", nargs="+", default=["1,8,32768", "16,8,4096", "64,8,4096"],
-                   help="B,G,L triples (H = 32 query heads, d = 128, fp16)")
+    p.add_argument("--shapes", nargs="+", type=decode_shape("B,G,L", "16,8,4096"),
+                   default=[(1, 8, 32768), (16, 8, 4096), (64, 8, 4096)], metavar="B,G,L",
+                   help="batch, K/V heads, cache length (H = 32 query heads, d = 128, fp16)")
     p.add_argument("--reps", type=int, default=20)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -91,8 +95,7 @@ def main(argv=None) -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(torch.cuda.get_device_name(), f"({sms} SMs); H=32 d=128 fp16, the contiguous cache; times in us", flush=True)
     H, d = 32, 128
-    for shape in a.shapes:
-        B, G, L = map(int, shape.split(","))
+    for B, G, L in a.shapes:
         q = torch.randn(B, H, 1, d, device="cuda").half()
         k = torch.randn(B, G, L, d, device="cuda").half()
         v = torch.randn_like(k)

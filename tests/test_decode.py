@@ -228,6 +228,16 @@ def test_decode_gpu_scripts_refuse_without_a_gpu(script):
     assert len(lines) == 1 and "on a GPU" in lines[0] and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("script,bad", [("trace_decode_blocks.py", "16,8"), ("profile_decode_steps.py", "16,3,4096"),
+                                        ("time_decode_splits.py", "1,32,8,x")])
+def test_decode_scripts_refuse_a_bad_shape(script, bad):
+    """The decode scripts' --shapes (bench_paged.decode_shape): a malformed shape, or K/V heads that do
+    not divide the query heads, is argparse's error naming the shape and the form, exit 2, no traceback."""
+    r = run([sys.executable, str(ROOT / "scripts" / script), "--shapes", bad], timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"'{bad}'" in r.stderr and ("a shape is" in r.stderr or "a divisor of H" in r.stderr), r.stderr
+
+
 def test_block_trace_summary():
     """scripts/trace_decode_blocks.py's reading of a trace (ns): the launch's span, the starts' spread,
     the first tile's wait, each block's loop, the last blocks' combine, the tail after the median

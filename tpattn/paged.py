@@ -876,9 +876,10 @@ class DecodeGraphs:
             if carry is None or carry or made["next"] != now:  # not the continuation of this bucket's last
                 st.fill(step, carry)                              # step: send the inputs
             made["next"] = None      # (unknown until this step has run)
-            if not (x.data_ptr() == xs.data_ptr() and x.dtype == xs.dtype and x.device == xs.device
-                    and x.shape == xs[:n].shape and x.stride() == xs[:n].stride()):
-                xs[:n].copy_(x)      # (padding rows keep earlier rows: fn must treat rows independently, as
+            rows = xs[:n]
+            if not (x.data_ptr() == rows.data_ptr() and (x.dtype, x.device, x.shape, x.stride())
+                    == (rows.dtype, rows.device, rows.shape, rows.stride())):  # (x is not input(n) itself)
+                rows.copy_(x)        # (padding rows keep earlier rows: fn must treat rows independently, as
                                      # the layers do; their outputs are discarded)
 
             def body():
