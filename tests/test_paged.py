@@ -208,8 +208,13 @@ def test_decode_graphs_step_in_place(monkeypatch):
     for in_place in (False, True):
         pool = PagedKV(layer, pages=20, page_size=4, max_seqs=2)
         ids = [pool.add() for _ in lens]
-        graphs = DecodeGraphs(pool, lambda x, st: layer(x, cache=st.view(0)), torch.zeros(2, 1, 32, dtype=torch.float64),
-                              max_len=16, buckets=(2,), capture=False)
+        made = []  # fn's outputs
+
+        def fn(x, st):
+            made.append(layer(x, cache=st.view(0)))
+            return made[-1]
+        graphs = DecodeGraphs(pool, fn, torch.zeros(2, 1, 32, dtype=torch.float64), max_len=16, buckets=(2,),
+                              capture=False)
         outs = []
         with torch.no_grad():
             with pool.step(ids, lens) as st:
@@ -229,9 +234,10 @@ def test_decode_graphs_step_in_place(monkeypatch):
                     monkeypatch.setattr(torch.Tensor, "copy_", spy)
                     y = graphs.step(ids, fixed, copy=False)
                     monkeypatch.setattr(torch.Tensor, "copy_", real)
-                    assert not any(copied)
+                    assert not any(copied) and y.data_ptr() == made[-1].data_ptr()  # fn's rows, not a copy
                 else:
                     y = graphs.step(ids, rows)
+                    assert y.data_ptr() != made[-1].data_ptr()
                 outs.append(y.clone())
         runs.append(torch.cat(outs, 1))
     assert torch.equal(runs[0], runs[1])
