@@ -352,6 +352,9 @@ def host_profile_prefills(H: int, d: int, top: int, backend: str = "fused", chun
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python scripts/bench_paged.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--pages", type=int, nargs="+", default=[16, 64, 256], metavar="P")
+    p.add_argument("--shapes", type=decode_shape("B,G,L", "16,8,4096"), nargs="+", default=SHAPES, metavar="B,G,L",
+                   help="the decode kernel's shapes (H = --heads query heads; default: "
+                        + " ".join(",".join(map(str, s)) for s in SHAPES) + ")")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--rounds", type=int, default=5)
@@ -387,7 +390,7 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}: H={H} d={d} fp16; copy rate {rate:.0f} GB/s; us per step (median of "
           f"{a.rounds} rounds), GB/s of K and V read, % of the copy rate")
     rows = []
-    for B, G, L in [] if a.no_kernel else SHAPES:
+    for B, G, L in [] if a.no_kernel else a.shapes:
         gen = torch.Generator(device="cuda").manual_seed(B + G + L)
         q = torch.randn(B, H, 1, d, device="cuda", generator=gen).half()
         k, v = (torch.randn(B, G, L, d, device="cuda", generator=gen).half() for _ in range(2))

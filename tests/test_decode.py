@@ -20,7 +20,7 @@ pytest.importorskip("transformers", reason="the decode tests need transformers (
 def test_llama_attention_prefill_and_decode_match_transformers(world, ran):
     r = run(mpirun_cmd(world) + [sys.executable, str(ROOT / "tests" / "mpi_decode_check.py")], timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count(f"DECODE PASS") == world and f"ran {ran}:" in r.stdout, r.stdout + r.stderr
+    assert r.stdout.count("DECODE PASS") == world and f"ran {ran}:" in r.stdout, r.stdout + r.stderr
 
 
 def test_rope_conventions():
@@ -229,7 +229,7 @@ def test_decode_gpu_scripts_refuse_without_a_gpu(script):
 
 
 @pytest.mark.parametrize("script,bad", [("trace_decode_blocks.py", "16,8"), ("profile_decode_steps.py", "16,3,4096"),
-                                        ("time_decode_splits.py", "1,32,8,x")])
+                                        ("time_decode_splits.py", "1,32,8,x"), ("bench_paged.py", "16,8,0")])
 def test_decode_scripts_refuse_a_bad_shape(script, bad):
     """The decode scripts' --shapes (bench_paged.decode_shape): a malformed shape, or K/V heads that do
     not divide the query heads, is argparse's error naming the shape and the form, exit 2, no traceback."""
