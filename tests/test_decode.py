@@ -206,6 +206,33 @@ def test_split_kernel_takes_the_kernels_occupancy(monkeypatch):
         assert asked == [(plain, decode.DEC_THREADS)] + ([(piped, decode.DEC_THREADS)] if resident[0] else [])
 
 
+@pytest.mark.parametrize("B,G,L,chunks", [(1, 8, 32768, 16), (4, 8, 8192, 4), (16, 8, 4096, 1), (8, 8, 4096, 2),
+                                          (2, 8, 100, 2), (1, 1, 64, 1), (64, 8, 4096, None)])
+def test_staged_split_takes_one_block_an_sm(monkeypatch, B, G, L, chunks):
+    """On compute capability 9.0 the staged split over the contiguous cache (_b) takes as many chunks as
+    give each (sequence, K/V head) pair's chunks an SM each, where the pairs fit on the SMs (no more
+    chunks than 64-key pieces of the cache); a larger batch keeps decode_splits' count for the kernel's occupancy; a pool's
+    launch (B = 16 here) and compute capability 8 keep decode_splits' count too."""
+    from tpattn import cuda as tcuda
+    from tpattn import decode
+    major = {"v": 9}
+    monkeypatch.setattr(tcuda, "resident_blocks", lambda *a, **k: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda dev: type("P", (), {"multi_processor_count": 132, "major": major["v"]}))
+    q = torch.zeros(B, 32, 128).half()
+    _, name, S, smem = decode._split_kernel(q, B, 32, G, 128, L)
+    assert name.endswith("_b") and smem == decode.dec_ring_bytes(128)
+    if chunks is None:
+        assert B * G > 132 and S == decode.decode_splits(B * G, L, 132, 2, 2)
+    else:
+        assert S == chunks and B * G * S <= 132 and S <= -(-L // 64)
+    if B == 16:
+        assert decode._split_kernel(q, B, 32, G, 128, L, page=16)[2] == decode.decode_splits(B * G, L, 132, 2, 2, False) > 1
+        major["v"] = 8
+        _, name, S, _ = decode._split_kernel(q, B, 32, G, 128, L)
+        assert not name.endswith("_b") and S == decode.decode_splits(B * G, L, 132, 2, 2) > 1
+
+
 def test_resident_blocks_is_zero_without_cupy(monkeypatch):
     import sys
 

@@ -202,6 +202,16 @@ def decode_splits(bg: int, length: int, sms: int, per_sm: int = 4, resident: int
     return min((n for n in near if fill(n) >= top - 0.03), key=lambda n: (abs(n - S), n))
 
 
+def one_block_an_sm(bg: int, length: int, sms: int) -> int:
+    """The staged split's chunks (_b, the contiguous cache) where its bg (sequence, K/V head) pairs are
+    no more than the SMs: as many chunks as give every pair's chunks one SM each (bg x S <= sms), each
+    of at least 64 keys, at most DEC_COMBINE_W. Measured on one H100 (scripts/sweep_decode_splits.py,
+    8 K/V heads, docs/decode.md): faster than the two blocks an SM its shared memory allows, at B = 1,
+    L = 32768 (16 chunks: 53.7 us against 56.4 at 33), B = 4, L = 8192 (4: 53.7 against 54.6 at 8) and
+    B = 16, L = 4096 (1: 92.9 against 98.3 at 2)."""
+    return max(1, min(sms // bg, -(-length // 64), DEC_COMBINE_W))
+
+
 def kernel_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether kernels/decode_attention.cu runs for tensors of this device, dtype and head dim."""
     return (device.type == "cuda" and head_dim in DEC_HEAD_DIMS + DEC_SPLIT_HEAD_DIMS
@@ -312,7 +322,8 @@ def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int,
     and one for the others (_pgk: a lookup a key). fp8: an FP8 pool's pages (the same choice of split,
     each kernel's _pg8). On compute capability 9.0 and up (DEC_STAGED) the tensor-core split over the
     contiguous cache is the staged one (_b: bulk copies through shared memory; measured faster there,
-    slower over pages: kernels/decode_attention.cu)."""
+    slower over pages: kernels/decode_attention.cu), split one block an SM where its pairs fit
+    (one_block_an_sm)."""
     from .cuda import resident_blocks
     props = torch.cuda.get_device_properties(q.device)
     sms = props.multi_processor_count
@@ -334,6 +345,8 @@ def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int,
         return f"dec_split_{suf}_d{d}_g{next(n for n in (1, 2, 4, 8) if n >= min(h // g, 8))}{pg}"
 
     def split(kernel: str) -> int:  # the count for that kernel's occupancy
+        if staged and B * g <= sms:  # one block an SM: see one_block_an_sm
+            return one_block_an_sm(B * g, length, sms)
         return decode_splits(B * g, length, sms, 2 if mma else 4, resident_blocks(source, kernel, q.device, DEC_THREADS,
                                                                                   shared_mem=smem),
                              uniform=not page or B == 1)
