@@ -2,6 +2,8 @@
 capability 9.0+) against the split it replaces (_p, or the plain split below 3 chunks), in one run on
 one GPU: tpattn.decode.DEC_STAGED off and on, alternating, three rounds, the best of each; each
 call's GPU time alone (bench_paged.graph_us: one call captured in a CUDA graph, replayed back to back).
+The staged split also takes its own chunk count where its pairs fit on the SMs
+(decode.one_block_an_sm), so "on" is that kernel at that count, against the other at its own.
 The contiguous cache, and for reference the paged kernels (which keep their builds: the same kernel
 either way), uniform and ragged lengths (0.4 L to 1.6 L). H = 32, d = 128, fp16, pages of 16.
 

@@ -36,9 +36,10 @@ def main() -> int:
         return 2
     dev, H, d, dt, page = torch.device("cuda"), 32, 128, torch.float16, 16
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    picks = decode.decode_splits
-    forced = {"S": None}
+    picks, one_block = decode.decode_splits, decode.one_block_an_sm
+    forced = {"S": None}  # a count forced on every rule _split_kernel takes its count from
     decode.decode_splits = lambda *a, **k: forced["S"] or picks(*a, **k)
+    decode.one_block_an_sm = lambda *a, **k: forced["S"] or one_block(*a, **k)
     print(f"{torch.cuda.get_device_name(dev)}: H={H} d={d} fp16, us per call (graph replays)")
     g = torch.Generator(device=dev).manual_seed(0)
     for shape in args.shapes:

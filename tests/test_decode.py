@@ -207,7 +207,8 @@ def test_split_kernel_takes_the_kernels_occupancy(monkeypatch):
 
 
 @pytest.mark.parametrize("B,G,L,chunks", [(1, 8, 32768, 16), (4, 8, 8192, 4), (16, 8, 4096, 1), (8, 8, 4096, 2),
-                                          (2, 8, 100, 2), (1, 1, 64, 1), (64, 8, 4096, None)])
+                                          (2, 8, 100, 2), (1, 1, 64, 1), (33, 4, 4096, 1), (17, 8, 4096, None),
+                                          (64, 8, 4096, None)])
 def test_staged_split_takes_one_block_an_sm(monkeypatch, B, G, L, chunks):
     """On compute capability 9.0 the staged split over the contiguous cache (_b) takes as many chunks as
     give each (sequence, K/V head) pair's chunks an SM each, where the pairs fit on the SMs (no more
