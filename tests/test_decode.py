@@ -207,13 +207,14 @@ def test_split_kernel_takes_the_kernels_occupancy(monkeypatch):
 
 
 @pytest.mark.parametrize("B,G,L,chunks", [(1, 8, 32768, 16), (4, 8, 8192, 4), (16, 8, 4096, 1), (8, 8, 4096, 2),
-                                          (2, 8, 100, 2), (1, 1, 64, 1), (33, 4, 4096, 1), (17, 8, 4096, None),
-                                          (64, 8, 4096, None)])
+                                          (2, 8, 100, 2), (33, 4, 4096, 1), (17, 8, 4096, None),
+                                          (64, 8, 4096, None), (1, 1, 32768, None), (4, 2, 4096, None)])
 def test_staged_split_takes_one_block_an_sm(monkeypatch, B, G, L, chunks):
     """On compute capability 9.0 the staged split over the contiguous cache (_b) takes as many chunks as
     give each (sequence, K/V head) pair's chunks an SM each, where the pairs fit on the SMs (no more
-    chunks than 64-key pieces of the cache); a larger batch keeps decode_splits' count for the kernel's occupancy; a pool's
-    launch (B = 16 here) and compute capability 8 keep decode_splits' count too."""
+    chunks than 64-key pieces of the cache) and a K/V head serves up to 8 query heads (H = 32 here: G
+    of 4 or more); a larger batch, or a larger group (G = 1 or 2, the r16 build), keeps decode_splits'
+    count for the kernel's occupancy; so do a pool's launch (B = 16 here) and compute capability 8."""
     from tpattn import cuda as tcuda
     from tpattn import decode
     major = {"v": 9}
@@ -222,9 +223,9 @@ def test_staged_split_takes_one_block_an_sm(monkeypatch, B, G, L, chunks):
                         lambda dev: type("P", (), {"multi_processor_count": 132, "major": major["v"]}))
     q = torch.zeros(B, 32, 128).half()
     _, name, S, smem = decode._split_kernel(q, B, 32, G, 128, L)
-    assert name.endswith("_b") and smem == decode.dec_ring_bytes(128)
+    assert name == f"dec_mma_f16_d128_r{8 if 32 // G <= 8 else 16}_b" and smem == decode.dec_ring_bytes(128)
     if chunks is None:
-        assert B * G > 132 and S == decode.decode_splits(B * G, L, 132, 2, 2)
+        assert (B * G > 132 or 32 // G > 8) and S == decode.decode_splits(B * G, L, 132, 2, 2)
     else:
         assert S == chunks and B * G * S <= 132 and S <= -(-L // 64)
     if B == 16:

@@ -204,11 +204,13 @@ def decode_splits(bg: int, length: int, sms: int, per_sm: int = 4, resident: int
 
 def one_block_an_sm(bg: int, length: int, sms: int) -> int:
     """The staged split's chunks (_b, the contiguous cache) where its bg (sequence, K/V head) pairs are
-    no more than the SMs: as many chunks as give every pair's chunks one SM each (bg x S <= sms), each
-    of at least 64 keys, at most DEC_COMBINE_W. Measured on one H100 (scripts/sweep_decode_splits.py,
-    8 K/V heads, docs/decode.md): faster than the two blocks an SM its shared memory allows, at B = 1,
-    L = 32768 (16 chunks: 53.7 us against 56.4 at 33), B = 4, L = 8192 (4: 53.7 against 54.6 at 8) and
-    B = 16, L = 4096 (1: 92.9 against 98.3 at 2)."""
+    no more than the SMs: as many chunks as give every pair's chunks one SM each (bg x S <= sms), no
+    more than the cache's 64-key pieces, at most DEC_COMBINE_W. Measured on one H100
+    (scripts/sweep_decode_splits.py, 8 K/V heads of 4 query heads each, docs/decode.md): faster than the
+    two blocks an SM its shared memory allows, at B = 1, L = 32768 (16 chunks: 53.7 us against 56.4 at
+    33), B = 4, L = 8192 (4: 53.7 against 54.6 at 8) and B = 16, L = 4096 (1: 92.9 against 98.3 at 2).
+    _split_kernel takes it for groups of up to 8 query heads a K/V head (the r8 build); larger groups
+    run the r16 build (16 heads a pass, two passes over a chunk for 32) and were not measured."""
     return max(1, min(sms // bg, -(-length // 64), DEC_COMBINE_W))
 
 
@@ -345,7 +347,7 @@ def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int,
         return f"dec_split_{suf}_d{d}_g{next(n for n in (1, 2, 4, 8) if n >= min(h // g, 8))}{pg}"
 
     def split(kernel: str) -> int:  # the count for that kernel's occupancy
-        if staged and B * g <= sms:  # one block an SM: see one_block_an_sm
+        if staged and B * g <= sms and h // g <= 8:  # one block an SM: see one_block_an_sm
             return one_block_an_sm(B * g, length, sms)
         return decode_splits(B * g, length, sms, 2 if mma else 4, resident_blocks(source, kernel, q.device, DEC_THREADS,
                                                                                   shared_mem=smem),
