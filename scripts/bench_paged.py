@@ -353,7 +353,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python scripts/bench_paged.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--pages", type=int, nargs="+", default=[16, 64, 256], metavar="P")
     p.add_argument("--shapes", type=decode_shape("B,G,L", "16,8,4096"), nargs="+", default=SHAPES, metavar="B,G,L",
-                   help="the decode kernel's shapes (H = --heads query heads; default: "
+                   help="the decode kernel's shapes (--heads query heads; G is checked against the default 32; default: "
                         + " ".join(",".join(map(str, s)) for s in SHAPES) + ")")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)

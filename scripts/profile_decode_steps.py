@@ -24,7 +24,7 @@ from tpattn.paged import DecodeGraphs, PagedKV  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--shapes", nargs="+", type=bp.decode_shape("B,G,L", "16,8,4096"), default=[(1, 32, 4096), (16, 8, 4096)],
-               metavar="B,G,L",               help="batch, K/V heads, cache length (ragged lengths of that mean for B > 1)")
+               metavar="B,G,L", help="batch, K/V heads, cache length (ragged lengths of that mean for B > 1)")
 args = p.parse_args()
 if not torch.cuda.is_available():
     sys.exit("profile_decode_steps.py profiles the layer's decode steps on a GPU: run it where torch sees one")

@@ -2,8 +2,8 @@
 chunk count tpattn.decode picks, and the best of three times from bench_paged.graph_us (one call
 captured in a CUDA graph, replayed back to back). By default at shapes where the split is one chunk
 or a few (large batches, H = 32); --shapes B,H,G,L ... times others (e.g. 1,32,8,32768: on an H100
-16 chunks, the staged split at one block an SM, and the combine of 16 partials). tpattn comes from PYTHONPATH, so that two trees can be timed one after
-the other on one machine:
+16 chunks, the staged split at one block an SM, and the combine of 16 partials). tpattn comes from
+PYTHONPATH, so that two trees can be timed one after the other on one machine:
 
     PYTHONPATH=path/to/other/tree python scripts/time_decode_splits.py
     PYTHONPATH=. python scripts/time_decode_splits.py [--shapes 1,32,8,32768 16,32,8,4096]
