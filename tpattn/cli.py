@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         if watch.claim():  # else the watch is printing another rank's reason and ends the job
             said = getattr(exc, "cli_message", exc)  # a ConfigError in the CLI's flags
             _say(proc, f"error: {said}")
+            getattr(exc, "before_exit", lambda: None)()  # the no-MPI-library case: see dist.discover
             watch.end_job(f"{type(exc).__name__}: {said}", code)  # no watch before the process group
         else:
             watch.wait_for_end()

@@ -148,6 +148,58 @@ def _slurm_tasks_on_node(spec: str, node: int) -> int:
     return counts[node] if node < len(counts) else counts[-1]
 
 
+class _NoMpiRendezvous:
+    """The ranks of one node meeting without MPI: a file each in a folder named after the
+    launcher's process on this node (its pid and start time: a pid used again later is another
+    folder). wait(step) marks this rank at `step` and returns when every local rank is there, or
+    after RENDEZVOUS_S (a rank that never comes does not hold the others)."""
+
+    RENDEZVOUS_S = 10.0
+
+    def __init__(self, rank: str, local: int | None):
+        self.local, self.here = local or 1, None
+        self.name = rank if rank != "?" else str(os.getpid())
+        if self.local > 1:
+            import tempfile
+            launcher = str(os.getppid())
+            try:
+                with open(f"/proc/{launcher}/stat") as f:
+                    launcher += "-" + f.read().rsplit(")", 1)[1].split()[19]
+            except (OSError, IndexError):
+                pass
+            self.here = os.path.join(tempfile.gettempdir(), f"tpattn-nompi-{os.getuid()}-{launcher}")
+
+    def wait(self, step: str) -> None:
+        if self.here is None:
+            return
+        folder = os.path.join(self.here, step)
+        deadline = time.monotonic() + self.RENDEZVOUS_S
+        try:
+            os.makedirs(folder, exist_ok=True)
+            open(os.path.join(folder, self.name), "w").close()
+            while len(os.listdir(folder)) < self.local and time.monotonic() < deadline:
+                time.sleep(0.01)
+        except OSError:
+            pass
+
+
+def _refusal_without_mpi(message: str) -> ConfigError:
+    """The error of a rank that has no MPI to abort the job with (no library, or another MPI's, which
+    makes it a world of 1). The launcher ends the job, with SIGKILL, when the first rank exits, and
+    what a rank had not yet written is lost (a rank that printed its line 50 ms after another had
+    exited lost it): so every rank must print before any exits. A rank here ignores the launcher's
+    SIGTERM, waits until the other ranks of its node are here too, and, once its line is out (the
+    error's before_exit, which the CLI calls), until they have printed theirs."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    env = os.environ
+    rank = env.get("OMPI_COMM_WORLD_RANK") or env.get("PMI_RANK") or env.get("PMIX_RANK") or "?"
+    meet = _NoMpiRendezvous(rank, _env_int("OMPI_COMM_WORLD_LOCAL_SIZE", _env_int("MPI_LOCALNRANKS")))
+    meet.wait("here")
+    exc = ConfigError(message)
+    exc.before_exit = lambda: meet.wait("said")
+    return exc
+
+
 def discover() -> Proc:
     """Rank, world and local rank from MPI, then srun, then torchrun, else a single process."""
     env = os.environ
@@ -188,7 +240,7 @@ def discover() -> Proc:
                     lib += f" ({', '.join(sorted(libs))})" if libs else ""
                 except Exception:  # noqa: BLE001 - only for the message
                     lib = lib if "lib" in locals() else "an MPI library"
-                raise ConfigError(f"the launcher started {launched} ranks ({size_var}={launched}) but MPI says this "
+                raise _refusal_without_mpi(f"the launcher started {launched} ranks ({size_var}={launched}) but MPI says this "
                                   f"process is rank {rank} of {world}: mpi4py loaded {lib}, which does not belong "
                                   f"to this launcher; use the launcher of that MPI, or {fix}")
             local_rank = local_world = None  # Open MPI's, then MPICH's / Intel MPI's, else a shared-memory split
@@ -205,30 +257,7 @@ def discover() -> Proc:
         if problem and "SLURM_PROCID" not in env:
             rank = env.get("OMPI_COMM_WORLD_RANK") or env.get("PMI_RANK") or env.get("PMIX_RANK") or "?"
             where = f"rank {rank}" + (f" of {env[size_var]}" if size_var else "")
-            # No MPI to abort with, and the launcher ends the job when the first rank exits: every rank
-            # must print its line before any exits. So a rank here survives the launcher's SIGTERM, and
-            # waits (10 s at most) until the other ranks of its node are here too (a file each, in a
-            # folder named after the launcher's process on this node).
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            local = _env_int("OMPI_COMM_WORLD_LOCAL_SIZE", _env_int("MPI_LOCALNRANKS"))
-            if local and local > 1:
-                import tempfile
-                launcher = str(os.getppid())
-                try:  # the launcher's start time too: a pid used again later is another folder
-                    with open(f"/proc/{launcher}/stat") as f:
-                        launcher += "-" + f.read().rsplit(")", 1)[1].split()[19]
-                except (OSError, IndexError):
-                    pass
-                here = os.path.join(tempfile.gettempdir(), f"tpattn-nompi-{os.getuid()}-{launcher}")
-                deadline = time.monotonic() + 10
-                try:
-                    os.makedirs(here, exist_ok=True)
-                    open(os.path.join(here, rank if rank != "?" else str(os.getpid())), "w").close()
-                    while len(os.listdir(here)) < local and time.monotonic() < deadline:
-                        time.sleep(0.01)
-                except OSError:
-                    pass
-            raise ConfigError(f"launched under MPI ({where}) but {problem}: {fix}")
+            raise _refusal_without_mpi(f"launched under MPI ({where}) but {problem}: {fix}")
     if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env and "SLURM_STEP_ID" in env:
         world = _env_int("SLURM_STEP_NUM_TASKS")
         node = _env_int("SLURM_NODEID", 0)
