@@ -8,6 +8,7 @@ only the layer uses (one all-reduce).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -61,8 +62,7 @@ class Proc:
 
     def abort(self, code: int) -> None:
         """End this process and, under MPI, the whole job."""
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _last_words()
         if self.comm is not None and self.world > 1:
             self.comm.Abort(code)
         os._exit(code)
@@ -84,14 +84,28 @@ def exit_now(code: int) -> None:
     leaves last, most often; "BAD TERMINATION ... EXIT CODE: 9" after RESULT: PASS). exit()
     runs the C handlers and destructors, as any program's exit after MPI_Finalize does, but
     not Python's finalization, which is what this function avoids."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    _last_words()
     MPI = sys.modules.get("mpi4py.MPI")
     if MPI is not None and MPI.Is_initialized():
         if not MPI.Is_finalized():
             MPI.Finalize()
         _c_exit(code)
     os._exit(code)
+
+
+_BEFORE_EXIT: list = []  # what a rank must do once its output is out and before it exits
+
+
+def _last_words() -> None:
+    """stdout and stderr flushed, then _BEFORE_EXIT's waits, once: from exit_now and Proc.abort
+    (which skip Python's atexit), and from atexit (a script that returns, or ends by a traceback)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    while _BEFORE_EXIT:
+        _BEFORE_EXIT.pop()()
+
+
+atexit.register(_last_words)
 
 
 def _c_exit(code: int) -> None:
@@ -188,16 +202,16 @@ def _refusal_without_mpi(message: str) -> ConfigError:
     makes it a world of 1). The launcher ends the job, with SIGKILL, when the first rank exits, and
     what a rank had not yet written is lost (a rank that printed its line 50 ms after another had
     exited lost it): so every rank must print before any exits. A rank here ignores the launcher's
-    SIGTERM, waits until the other ranks of its node are here too, and, once its line is out (the
-    error's before_exit, which the CLI calls), until they have printed theirs."""
+    SIGTERM, waits until the other ranks of its node are here too, and, once its line is out (on its
+    way out of the process, whichever way the caller ends it: _last_words), until they have printed
+    theirs."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     env = os.environ
     rank = env.get("OMPI_COMM_WORLD_RANK") or env.get("PMI_RANK") or env.get("PMIX_RANK") or "?"
     meet = _NoMpiRendezvous(rank, _env_int("OMPI_COMM_WORLD_LOCAL_SIZE", _env_int("MPI_LOCALNRANKS")))
     meet.wait("here")
-    exc = ConfigError(message)
-    exc.before_exit = lambda: meet.wait("said")
-    return exc
+    _BEFORE_EXIT.append(lambda: meet.wait("said"))
+    return ConfigError(message)
 
 
 def discover() -> Proc:
