@@ -8,10 +8,13 @@ tokens are compared with the unmodified model's greedy ones (transformers' gener
 a time; in fp16/bf16 a near tie can round the other way); with --kv-dtype fp8 (e4m3 pages) every
 token must be among the unmodified model's first five at its position, the model fed the same
 tokens. One process, or every rank of mpirun / srun (the prompts are the same on every rank), on CPU
-or (--device cuda) the GPU, over gloo.
+or (--device cuda) the GPU, over gloo. Bad arguments, ranks given different ones, a world size that
+does not divide the heads (--uneven-heads lays them out anyway) and a pool too small for a prompt
+(--pages) are refused in one line on every rank, exit 2.
 
     python scripts/serve_llama.py --prompts 6 --new-tokens 8 --check
     mpirun -n 2 python scripts/serve_llama.py --prompts 6 --new-tokens 8 --check
+    mpirun -n 3 python scripts/serve_llama.py --prompts 6 --new-tokens 8 --check --uneven-heads
     python scripts/serve_llama.py --prompts 6 --new-tokens 8 --check --kv-dtype fp8
     python scripts/serve_llama.py --prompts 6 --new-tokens 8 --check --prefill-chunk 16
 """
@@ -19,6 +22,7 @@ or (--device cuda) the GPU, over gloo.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -27,23 +31,27 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tpattn.dist import exit_now, init_distributed  # noqa: E402
 
 
-def main() -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     ap.add_argument("--hidden", type=int, default=128, help="model dim (default 128)")
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
+    ap.add_argument("--kv-heads", type=int, default=4, help="K/V heads (default 4; a divisor of --heads)")
+    ap.add_argument("--vocab", type=int, default=512, help="vocabulary size (default 512)")
     ap.add_argument("--prompts", type=int, default=8, help="how many prompts (default 8)")
     ap.add_argument("--prompt-lens", type=int, nargs=2, default=[4, 64], metavar=("MIN", "MAX"),
                     help="prompt lengths, uniform in [MIN, MAX] (default 4 64)")
     ap.add_argument("--new-tokens", type=int, default=16, help="tokens generated per prompt (default 16)")
     ap.add_argument("--max-batch", type=int, default=4, help="sequences live at once (default 4)")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--dtype", choices=("fp32", "fp64", "fp16", "bf16"), default="fp32")
+    ap.add_argument("--page-size", type=int, default=16, help="tokens a page of the KV cache (default 16)")
+    ap.add_argument("--pages", type=int, help="pages in each layer's pool (default: enough for --max-batch of the "
+                    "longest sequences; fewer makes sequences wait for pages, too few is refused)")
+    ap.add_argument("--uneven-heads", action="store_true", help="let the ranks hold different numbers of heads "
+                    "(a world size that does not divide --kv-heads)")
+    ap.add_argument("--dtype", choices=("fp32", "fp64", "fp16", "bf16"), default="fp32",
+                    help="the model's dtype (default fp32)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where the model runs (cuda: ranks share this node's GPUs, one each where there are enough)")
     ap.add_argument("--kv-dtype", choices=("model", "fp8"), default="model",
@@ -57,38 +65,81 @@ def main() -> int:
                     "unmodified model's first 5 at its position (teacher-forced), since rounding moves near ties")
     ap.add_argument("--graphs", action="store_true", help="decode steps under CUDA graphs, one per batch-size bucket "
                     "(--device cuda; the first steps of each bucket capture it)")
-    args = ap.parse_args()
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds a rank waits for the others (default 300)")
+    return ap.parse_args(argv)
+
+
+def refusal(args) -> str | None:
+    """What is wrong with the arguments, in one line naming the fix, or None."""
     if args.graphs and args.device != "cuda":
-        print("serve_llama.py: --graphs captures CUDA graphs: add --device cuda", file=sys.stderr)
-        return 2
-    counts = ("layers", "hidden", "heads", "kv_heads", "vocab", "prompts", "new_tokens", "max_batch", "page_size")
-    small = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in counts if getattr(args, n) < 1]
+        return "--graphs captures CUDA graphs: add --device cuda"
+    counts = ("layers", "hidden", "heads", "kv_heads", "vocab", "prompts", "new_tokens", "max_batch", "page_size",
+              "pages")
+    small = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in counts
+             if getattr(args, n) is not None and getattr(args, n) < 1]
     if args.prefill_chunk is not None and args.prefill_chunk < (2 if args.graphs else 1):
         small.append(f"--prefill-chunk {args.prefill_chunk}")
     from tpattn.attention import backend_names
     if args.backend not in backend_names():
-        print(f"serve_llama.py: --backend {args.backend}: choose one of {', '.join(backend_names())}", file=sys.stderr)
-        return 2
+        return f"--backend {args.backend}: choose one of {', '.join(backend_names())}"
     if small:
-        print(f"serve_llama.py: {', '.join(small)}: each must be a positive count (--prefill-chunk 2 or more with "
-              "--graphs)", file=sys.stderr)
-        return 2
+        return f"{', '.join(small)}: each must be a positive count (--prefill-chunk 2 or more with --graphs)"
     if args.hidden % args.heads or args.heads % args.kv_heads or args.prompt_lens[0] < 1 \
             or args.prompt_lens[0] > args.prompt_lens[1]:
-        print("serve_llama.py: --hidden must divide by --heads, --heads by --kv-heads, and 1 <= MIN <= MAX in "
-              "--prompt-lens", file=sys.stderr)
+        return "--hidden must divide by --heads, --heads by --kv-heads, and 1 <= MIN <= MAX in --prompt-lens"
+    if args.timeout <= 0:
+        return f"--timeout {args.timeout:g}: give a positive number of seconds"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return "--device cuda needs a CUDA GPU (none is visible to torch); use --device cpu"
+    return None
+
+
+def main(argv=None) -> int:
+    """Every refusal is one line on every rank and exit 2: the arguments' (the same on every rank,
+    checked together before any collective) and the layers' and the pool's (a world size that does
+    not divide the heads, a pool too small for a prompt)."""
+    args = parse_args(argv)
+    from tpattn import dist as tdist
+    from tpattn.errors import ConfigError
+    try:
+        proc = tdist.discover()
+    except ConfigError as exc:  # (discover makes every rank print its line before any exits)
+        print(f"serve_llama.py: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    who = f"serve_llama.py: rank {proc.rank}: " if proc.distributed else "serve_llama.py: "
+    try:
+        tdist.rendezvous(proc, args.timeout)
+    except tdist.LaunchError as exc:
+        print(f"{who}error: {exc}", file=sys.stderr, flush=True)
+        tdist.exit_now(1)
+    error, _ = tdist.agree(proc, vars(args), refusal(args), {}, args.timeout)
+    code = 2
+    if error is None:
+        device = tdist.pick_device(proc, args.device)
+        proc.device = device
+        if proc.distributed:
+            tdist.init_process_group(proc, "gloo", device, args.timeout)
+        try:
+            code = serve(args, proc, device)
+        except ConfigError as exc:  # the layers' and the pool's refusals, raised on every rank alike: in flags
+            error = re.sub(r"generate\(pages=(\d+)\)", r"--pages \1", getattr(exc, "cli_message", str(exc)))
+        finally:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+    if error is not None:
+        print(f"{who}error: {error}", file=sys.stderr, flush=True)
+    tdist.leave(proc, args.timeout, code)  # no rank exits before every rank has printed its line
+    tdist.exit_now(code)
+    return code
+
+
+def serve(args, proc, device) -> int:
+    """Build the model, parallelize it, serve the prompts (timed), and --check. Returns the exit status."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tpattn.paged import PagedKV
 
     import tpattn.hf as hf
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("serve_llama.py: --device cuda needs a CUDA GPU (none is visible to torch); use --device cpu",
-              file=sys.stderr)
-        return 2
-    proc = init_distributed(backend="gloo")
-    device = proc.device if args.device == "cuda" else torch.device("cpu")
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
@@ -99,20 +150,20 @@ def main() -> int:
     lo, hi = args.prompt_lens
     lens = torch.randint(lo, hi + 1, (args.prompts,)).tolist()
     prompts = [torch.randint(0, args.vocab, (n,)).tolist() for n in lens]
-    tp = hf.parallelize(model, backend=args.backend)
+    tp = hf.parallelize(model, backend=args.backend, **({"uneven_heads": True} if args.uneven_heads else {}))
     kv_dtype = None if args.kv_dtype == "model" else args.kv_dtype
 
-    def serve(prompts, new_tokens):
-        return tp.generate(prompts, new_tokens, max_batch=args.max_batch, page_size=args.page_size,
+    def run(prompts, new_tokens):
+        return tp.generate(prompts, new_tokens, max_batch=args.max_batch, pages=args.pages, page_size=args.page_size,
                            graphs=args.graphs, kv_dtype=kv_dtype, prefill_chunk=args.prefill_chunk)
     if device.type == "cuda":  # untimed: the first use of each kernel file compiles it (NVRTC, tens of
         t0 = time.perf_counter()  # seconds on a fresh cache), which is not serving
-        serve(prompts, 2)
+        run(prompts, 2)
         if proc.rank == 0:
             print(f"warm-up (the kernels compiled or loaded from CuPy's cache, 2 tokens a prompt): "
                   f"{time.perf_counter() - t0:.2f} s, not timed below", flush=True)
     t0 = time.perf_counter()
-    tokens = serve(prompts, args.new_tokens)
+    tokens = run(prompts, args.new_tokens)
     dt = time.perf_counter() - t0
     n = sum(len(t) for t in tokens)
     if proc.rank == 0:
@@ -141,8 +192,7 @@ def main() -> int:
         elif proc.rank == 0:
             print(f"check: {same} of {len(prompts)} prompts' tokens identical to the unmodified model's "
                   f"{'PASS' if ok else 'FAIL'}", flush=True)
-    exit_now(0 if ok else 1)
-    return 0
+    return 0 if ok else 1
 
 
 TOP = 5  # --check with --kv-dtype fp8 or a 16-bit --dtype: every token among the unmodified model's first TOP

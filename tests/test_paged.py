@@ -6,12 +6,13 @@ tests/mpi_paged_check.py."""
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, mpirun_cmd, run
+from conftest import ROOT, mpirun_cmd, rank_lines, run
 from tpattn.errors import ConfigError
 from tpattn.layer import TensorParallelAttention
 from tpattn.paged import PagedKV, _StaticStep
@@ -149,6 +150,29 @@ def test_paged_serving_on_two_and_four_ranks():
         r = run(mpirun_cmd(n) + [sys.executable, str(ROOT / "tests" / "mpi_paged_check.py")], timeout=240)
         assert r.returncode == 0, r.stdout + r.stderr
         assert r.stdout.count("PAGED PASS") == n, r.stdout + r.stderr
+
+
+@pytest.mark.mpi
+def test_serve_llama_on_three_ranks_and_its_refusals_on_every_rank():
+    """scripts/serve_llama.py under mpirun -n 3: 8 heads on 3 ranks refused in one line on every
+    rank naming --uneven-heads (exit 2, no traceback); with --uneven-heads, the unmodified model's
+    tokens; ranks given different arguments, and a pool too small for a prompt (naming --pages),
+    refused the same way."""
+    script = [sys.executable, str(ROOT / "scripts" / "serve_llama.py"), "--prompts", "3", "--new-tokens", "4"]
+    tag = re.compile(r"serve_llama\.py: rank \d: error: ")
+    cases = [(mpirun_cmd(3) + script, "--heads 8 is not divisible by world size 3; with --kv-heads 4 run with a "
+              "world size in {1, 2, 4, 8} or change --kv-heads, or pass --uneven-heads", 3),
+             (mpirun_cmd(1) + script + [":", "-n", "1"] + script + ["--max-batch", "1"],
+              "arguments differ between ranks (max_batch: rank 0 has 4, rank 1 has 1)", 2),
+             (mpirun_cmd(2) + script + ["--pages", "2"], "need 3 pages of 16 tokens, more than the pool's 2; pass --pages 3 or more", 2)]
+    for cmd, needle, n in cases:
+        r = run(cmd, timeout=240)
+        lines = rank_lines(r.stderr, tag)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stdout + r.stderr
+        assert len(lines) == n and all(needle in ln for ln in lines), r.stderr
+    r = run(mpirun_cmd(3) + script + ["--uneven-heads", "--check"], timeout=240)
+    assert r.returncode == 0 and "(3 rank(s)" in r.stdout and "check: 3 of 3 prompts' tokens identical" in r.stdout \
+        and "PASS" in r.stdout, r.stdout + r.stderr
 
 
 def test_decode_graphs_buckets_pad_and_follow_the_live_set():

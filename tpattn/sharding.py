@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ConfigError, spell
+from .errors import ConfigError
 
 
 def divisors(n: int) -> list[int]:
@@ -177,11 +177,11 @@ class Shard:
 
     @classmethod
     def of(cls, heads: int, kv_heads: int, world: int, rank: int, uneven: bool = False) -> "Shard":
-        """Raises ValueError (one line that names the fix, in the Python API's names: the layer's
-        constructor asks) when the heads cannot be laid out."""
+        """Raises ConfigError (a ValueError: one line that names the fix, in the Python API's names,
+        and in the CLI's flags as its cli_message) when the heads cannot be laid out."""
         err = check_kv_heads(heads, kv_heads, world, uneven)
         if err:
-            raise ValueError(spell(err))
+            raise ConfigError(err)
         return cls(rank, world, heads, kv_heads, uneven, head_range(heads, world, rank, uneven, kv_heads),
                    kv_head_range(heads, kv_heads, world, rank, uneven))
 
