@@ -14,7 +14,7 @@ does not divide the heads (--uneven-heads lays them out anyway) and a pool too s
 
     python scripts/serve_llama.py --prompts 6 --new-tokens 8 --check
     mpirun -n 2 python scripts/serve_llama.py --prompts 6 --new-tokens 8 --check
-    mpirun -n 3 python scripts/serve_llama.py --prompts 6 --new-tokens 8 --check --uneven-heads
+    mpirun --oversubscribe -n 3 python scripts/serve_llama.py --prompts 6 --new-tokens 8 --check --uneven-heads
     python scripts/serve_llama.py --prompts 6 --new-tokens 8 --check --kv-dtype fp8
     python scripts/serve_llama.py --prompts 6 --new-tokens 8 --check --prefill-chunk 16
 """
