@@ -3,7 +3,7 @@
 at 4 ranks, as rings of 2 beside heads split over 2 ranks, against the single-process layer in
 float64: the output of this rank's rows, x's gradient and every weight's
 (summed over the ring), causal and not, multi-head and grouped-query, with and without rotary
-positions; gather_context; a cache refused. Prints 'RING PASS rank R' and exits 0, or what failed.
+positions; gather_context; a cache, an FP8 backend, overlap and graphed() refused. Prints 'RING PASS rank R' and exits 0, or what failed.
 Argument: the device (default cpu; cuda: the ranks share GPU 0 over gloo, tests/test_gpu_ring.py)."""
 
 import sys
@@ -106,6 +106,28 @@ except ConfigError as exc:
     said = str(exc)
 if "a KV cache decodes head-parallel" not in said:
     bad.append(f"a cache with context parallelism: {said}")
+
+# refused on every rank, not run otherwise: an FP8 backend (the ring's pieces would be 16-bit torch
+# math), overlap (the ring overlaps its own passes), a CUDA graph of the ring
+from tpattn.attention.fp8 import Fp8Backend  # noqa: E402
+
+w16 = {k: v.float() for k, v in full.items() if k in ("wq", "wk", "wv", "wo")}
+for kw, says in (({"backend": Fp8Backend()}, f"context_parallel={C} with an FP8 backend: the ring merges 16-bit"),
+                 ({"overlap": 2}, f"context_parallel={C} with overlap=2: the ring overlaps its own passes")):
+    try:
+        TensorParallelAttention.from_full(**w16, heads=H, kv_heads=G, context_parallel=C, **kw)
+        said = "no error"
+    except ConfigError as exc:
+        said = str(exc)
+    if says not in said:
+        bad.append(f"{kw}: {said}")
+try:
+    ring.graphed(ring.shard_context(x))
+    said = "no error"
+except ConfigError as exc:
+    said = str(exc)
+if f"graphed() with context_parallel={cp}: the ring's passes are not captured" not in said:
+    bad.append(f"graphed() with a ring: {said}")
 
 for b in bad:
     print(f"rank {R}: FAIL {b}", flush=True)

@@ -263,7 +263,7 @@ def _four(E=32):
                                                     heads=4, group=None), ValueError, r"wo has shape \(33, 32\)"),
     (lambda w: TensorParallelAttention.from_full(*w, heads=0, group=None), ValueError, "heads must be a positive int"),
     (lambda w: TensorParallelAttention.from_full(*w, heads=4, group=None, context_parallel=0), ValueError,
-     "context_parallel must be at least 1"),
+     "context_parallel must be a positive int"),
     (lambda w: TensorParallelAttention.from_full(*w, heads=4, group=None, backend=None), TypeError,
      "backend must be a name"),
     (lambda w: TensorParallelAttention.from_full(*w, heads=4, group=None, head_chunk=-1), ValueError,

@@ -241,8 +241,13 @@ def test_context_parallel_refusals():
     w = [torch.randn(16, 16) for _ in range(4)]
     with pytest.raises(ConfigError, match=r"context_parallel=2 does not divide the group's 1 ranks .* use context_parallel in \{1\}"):
         TensorParallelAttention(*w, heads=2, head_dim=8, group=None, context_parallel=2)
-    with pytest.raises(ConfigError, match="context_parallel must be at least 1"):
-        TensorParallelAttention(*w, heads=2, head_dim=8, group=None, context_parallel=0)
+    for bad in (0, True, None, 1.5, "2"):  # a count, not something int() would round or turn into one
+        with pytest.raises(ConfigError, match=rf"context_parallel must be a positive int \(got {bad!r}\); 1 turns"):
+            TensorParallelAttention(*w, heads=2, head_dim=8, group=None, context_parallel=bad)
+        with pytest.raises(ConfigError, match=rf"context_parallel must be a positive int \(got {bad!r}\)"):
+            TensorParallelAttention.from_full(*w, heads=2, group=None, context_parallel=bad)
+    with pytest.raises(ConfigError, match=r"overlap must be at least 1 chunk \(got 1.5\), a whole number"):
+        TensorParallelAttention(*w, heads=2, head_dim=8, group=None, overlap=1.5)
     layer = TensorParallelAttention(*w, heads=2, head_dim=8, group=None)
     assert layer.context_parallel == 1 and layer.ring is None
     with pytest.raises(AttributeError, match="layer.context_parallel is fixed"):

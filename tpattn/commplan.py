@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from .errors import ConfigError, is_count
 from .sharding import row_chunks, rows_split
 
 OUTPUT_COLLECTIVES = ("auto", "allreduce", "split", "p2p", "oneshot")  # head-parallel: how the partials are summed
@@ -44,8 +44,8 @@ def check_style(seq_len: int | None, world: int, sequence_parallel: bool, output
     """The style and collective rules that need only the shape: raise ConfigError (one line that
     names the fix) for the first broken one. Every rank gets the same answer. seq_len None: only
     the rules that hold for every length (the layer's constructor)."""
-    if overlap < 1:
-        raise ConfigError(f"--overlap must be at least 1 chunk (got {overlap}); 1 turns it off")
+    if not is_count(overlap):
+        raise ConfigError(f"--overlap must be at least 1 chunk (got {overlap!r}), a whole number; 1 turns it off")
     if output_collective not in OUTPUT_COLLECTIVES:
         raise ConfigError(f"unknown --output-collective {output_collective!r}; choose one of "
                           f"{', '.join(OUTPUT_COLLECTIVES)}")

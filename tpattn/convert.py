@@ -26,7 +26,7 @@ def from_full(cls, wq, wk, wv, wo, bq=None, bk=None, bv=None, bo=None, *, heads:
         head_dim, kv_heads = check_full(full, heads)
         # rank r: heads as rank r // C of W / C, rows of ring rank r % C
         C = check_context(kw.get("context_parallel", 1), world, kw.get("sequence_parallel", False),
-                          kw.get("output_collective", "auto"))
+                          kw.get("output_collective", "auto"), kw.get("overlap", 1))
         rank, world = rank // C, max(1, world // C)
         if kw.get("kv_heads") not in (None, kv_heads):
             raise ValueError(f"kv_heads={kw['kv_heads']} but wk and wv have {kv_heads} heads of dim {head_dim}")

@@ -23,6 +23,9 @@ from .errors import ConfigError
 
 def refusal(layer, x: torch.Tensor) -> str | None:
     """Why layer(x) cannot be captured at all, or None."""
+    if getattr(layer, "context_parallel", 1) > 1:
+        return (f"graphed() with context_parallel={layer.context_parallel}: the ring's passes are not captured in "
+                "a graph; call the layer eagerly")
     if x.device.type != "cuda":
         return (f"graphed() captures CUDA work, and x is on {x.device.type}; call the layer eagerly there "
                 "(or move the layer and x to a GPU)")

@@ -111,7 +111,7 @@ class TensorParallelAttention(LayerPlan, LayerModule):
         if not isinstance(backend, (str, Backend)) and not callable(getattr(backend, "forward", None)):
             raise TypeError(f"backend must be a name ('reference', 'naive', 'tiled', 'fused', 'triton') or a Backend "
                             f"instance (got {type(backend).__name__})")
-        self.context_parallel = check_context(context_parallel, world, sequence_parallel, output_collective)
+        self.context_parallel = check_context(context_parallel, world, sequence_parallel, output_collective, overlap)
         rank, world = rank // self.context_parallel, world // self.context_parallel  # the heads' ranks
         self.shard = Shard.of(heads, heads if kv_heads is None else kv_heads, world, rank, uneven_heads)
         self.heads, self.head_dim = heads, head_dim
@@ -138,6 +138,10 @@ class TensorParallelAttention(LayerPlan, LayerModule):
             raise ValueError(f"rope_theta={rope_theta} with head_dim={head_dim}: rotary positions need a positive, "
                              "finite theta and an even head dim")
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        if self.context_parallel > 1 and getattr(self.backend, "name", None) == "fp8":
+            raise ConfigError(f"context_parallel={self.context_parallel} with an FP8 backend: the ring merges 16-bit "
+                              "pieces with their logsumexp (FP8 attention would run as 16-bit torch math); use a "
+                              "16-bit backend ('fused', 'triton' or 'reference')")
         custom_ops.BACKENDS.setdefault(self.backend.name, self.backend)  # a backend given as an instance
         self.causal, self.reduce_dtype = causal, reduce_dtype
         self.head_chunk = head_chunk or self.local_heads

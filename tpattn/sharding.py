@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from .errors import ConfigError, is_count
 
 
 def divisors(n: int) -> list[int]:
@@ -191,11 +191,12 @@ class Shard:
                 f"K/V heads {k.start}-{k.stop - 1} of {self.kv_heads}")
 
 
-def check_context(context_parallel: int, world: int, sequence_parallel: bool, output_collective: str = "auto") -> int:
+def check_context(context_parallel: int, world: int, sequence_parallel: bool, output_collective: str = "auto",
+                  overlap: int = 1) -> int:
     """context_parallel (C ranks in the ring), or one line naming the fix."""
+    if not is_count(context_parallel):
+        raise ConfigError(f"context_parallel must be a positive int (got {context_parallel!r}); 1 turns it off")
     C = int(context_parallel)
-    if C < 1:
-        raise ConfigError(f"context_parallel must be at least 1 (got {context_parallel}); 1 turns it off")
     if world % C:
         ok = ", ".join(str(c) for c in range(1, world + 1) if world % c == 0)
         raise ConfigError(f"context_parallel={C} does not divide the group's {world} ranks (rings of C ranks, the heads "
@@ -205,4 +206,7 @@ def check_context(context_parallel: int, world: int, sequence_parallel: bool, ou
     if C > 1 and output_collective in ("p2p", "oneshot"):
         raise ConfigError(f"context_parallel sums the heads' partial outputs with NCCL or gloo collectives, not "
                           f"output_collective={output_collective!r}; use 'auto', 'allreduce' or 'split'")
+    if C > 1 and overlap != 1:
+        raise ConfigError(f"context_parallel={C} with overlap={overlap!r}: the ring overlaps its own passes with the "
+                          "blocks' attention; drop overlap (1)")
     return C
