@@ -137,6 +137,14 @@ def test_plan_cli_ring_table_and_crossover(toy):
     (["--kernel", "fused", "--context-parallel", "3", "--world-sizes", "4", "--crossover"], "does not divide 4 ranks"),
     (["--kernel", "fused", "--context-parallel", "2", "--seq-len", "4098", "--world-sizes", "2", "--crossover"],
      "must divide by 4"),
+    # what the CLI and the layer refuse beside a ring is refused here too, in the same words
+    (["--kernel", "fused", "--context-parallel", "2", "--overlap", "2"], "--context-parallel with --overlap: the ring "
+                                                                       "overlaps its own passes"),
+    (["--kernel", "fused", "--context-parallel", "2", "--cuda-graph"], "--context-parallel with --cuda-graph"),
+    (["--kernel", "fused", "--context-parallel", "2", "--output-collective", "p2p"], "--context-parallel with "
+                                                                                     "--output-collective p2p"),
+    (["--kernel", "fused", "--context-parallel", "2", "--sequence-parallel"], "--context-parallel with "
+                                                                              "--sequence-parallel"),
 ])
 def test_plan_cli_ring_refusals(toy, capsys, argv, says):
     assert cli.main(["--machine", str(toy), *argv]) == 2, argv

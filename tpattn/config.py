@@ -263,6 +263,24 @@ def check_parallel_style(cfg: Config, world: int) -> None:
                               "drop --cuda-graph or use one GPU per rank with nccl")
 
 
+def context_conflict(sequence_parallel: bool = False, decode: bool = False, cuda_graph: bool = False,
+                     overlap: int = 1, output_collective: str = "auto") -> str | None:
+    """The first flag that --context-parallel cannot go with, as its one-line refusal, or None (the
+    CLI's and the cost model's, tpattn.plan)."""
+    for flag, on, why in (
+            ("--sequence-parallel", sequence_parallel, "both split the sequence: choose one"),
+            ("--decode", decode, "decoding is not a ring workload (one new row a step, the cache read where it "
+                                 "is): a KV cache decodes head-parallel; drop --context-parallel"),
+            ("--cuda-graph", cuda_graph, "the ring's passes are not captured in a graph; drop one of them"),
+            ("--overlap", overlap > 1, "the ring overlaps its own passes with the blocks' attention; drop --overlap"),
+            ("--output-collective " + output_collective, output_collective in ("p2p", "oneshot"),
+             "the heads' partial outputs are summed by NCCL or gloo; use --output-collective auto, allreduce or "
+             "split")):
+        if on:
+            return f"--context-parallel with {flag}: {why}"
+    return None
+
+
 def check_context_flag(cfg: Config, world: int) -> int:
     """--context-parallel C: what it needs of the world, the shape and the other flags; returns C."""
     C = cfg.context_parallel
@@ -274,17 +292,10 @@ def check_context_flag(cfg: Config, world: int) -> int:
         ok = ", ".join(str(c) for c in range(1, world + 1) if world % c == 0)
         raise FlagError(f"--context-parallel {C} does not divide the world size {world} (rings of {C} ranks, the "
                         f"heads split over world / {C}); use --context-parallel in {{{ok}}}")
-    for flag, on, why in (
-            ("--sequence-parallel", cfg.sequence_parallel, "both split the sequence: choose one"),
-            ("--decode", cfg.decode, "decoding is not a ring workload (one new row a step, the cache read where it "
-                                     "is): a KV cache decodes head-parallel; drop --context-parallel"),
-            ("--cuda-graph", cfg.cuda_graph, "the ring's passes are not captured in a graph; drop one of them"),
-            ("--overlap", cfg.overlap > 1, "the ring overlaps its own passes with the blocks' attention; drop --overlap"),
-            ("--output-collective " + cfg.output_collective, cfg.output_collective in ("p2p", "oneshot"),
-             "the heads' partial outputs are summed by NCCL or gloo; use --output-collective auto, allreduce or "
-             "split")):
-        if on:
-            raise FlagError(f"--context-parallel with {flag}: {why}")
+    conflict = context_conflict(sequence_parallel=cfg.sequence_parallel, decode=bool(cfg.decode),
+                                cuda_graph=cfg.cuda_graph, overlap=cfg.overlap, output_collective=cfg.output_collective)
+    if conflict:
+        raise FlagError(conflict)
     if cfg.seq_len % (2 * C):
         lo = cfg.seq_len // (2 * C) * 2 * C
         raise FlagError(f"--context-parallel {C} gives each rank two chunks of the sequence (an early and a late "

@@ -164,6 +164,12 @@ def shape_from(a) -> Shape:
               context_parallel=getattr(a, "context_parallel", 1))
     if s.context_parallel < 1:
         raise PlanError(f"--context-parallel must be at least 1 (got {s.context_parallel}); 1 turns it off")
+    if s.context_parallel > 1:
+        from ..config import context_conflict
+        conflict = context_conflict(sequence_parallel=s.sequence_parallel, cuda_graph=s.cuda_graph, overlap=s.overlap,
+                                    output_collective=s.output_collective)
+        if conflict:
+            raise PlanError(conflict)
     if s.context_parallel > 1 and kernel != "fused":
         raise PlanError(f"--context-parallel: the cost model prices the ring's pieces as the fused kernel; add --kernel "
                         f"fused (with --kernel {kernel} the ring runs them as torch math)")
