@@ -15,6 +15,15 @@ def test_no_overlap_hides_nothing():
     assert "32.072 ms of it launches and waits" in line
 
 
+def test_the_ring_says_its_passes_travel_behind_the_attention():
+    """--context-parallel posts each ring pass before its block's attention: the line must not say
+    that nothing is hidden."""
+    e = {"collectives_ms": 18.1, "exposed_ms": 21.9, "hidden_share": 0.0}
+    line = exposure_line(e, overlap=1, context_parallel=2)
+    assert "the ring's passes travel behind the blocks' attention" in line and "none hidden" not in line, line
+    assert "3.800 ms of it launches and waits" in line
+
+
 def test_overlap_reports_the_hidden_share():
     e = {"collectives_ms": 10.0, "exposed_ms": 4.0, "hidden_share": 0.6}
     assert "about 60% of the collectives hidden" in exposure_line(e, overlap=4)

@@ -305,3 +305,6 @@ def test_cli_context_parallel_training_step_passes_and_reports_the_ring(ranks, C
     assert colls["bwd_ring_grads"]["bytes"] == C * 2 * n * g * d * 4
     assert rep["memory"]["K_V_bytes_per_rank"] == 2 * g * n * d * 2
     assert rep["passes"]["ring"]["median"] > 0 and rep["passes"]["attention"]["median"] > 0
+    # the text: the ring's passes are no transfer times, and they are not said to run in line
+    assert "ring pass (K/V blocks)" in r.stdout and "no bandwidth from it" in r.stdout, r.stdout
+    assert "the ring's passes travel behind the blocks' attention" in r.stdout and "none hidden" not in r.stdout

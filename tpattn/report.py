@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from .commplan import COLLECTIVES
+from .commplan import COLLECTIVES, RING_PASSES
 from .errors import __version__
 from .memory import estimate, heads_per_rank, kv_bytes, kv_heads_per_rank, scores_bytes
 from .sharding import describe_blocks, kv_replicated
@@ -108,14 +108,19 @@ def exposure(rank_reports: list[dict]) -> dict | None:
     return {"exposed_ms": e, "collectives_ms": c, "hidden_share": max(0.0, min(1.0, 1 - e / c)) if c else 0.0}
 
 
-def exposure_line(e: dict, overlap: int) -> str:
-    """What the call waits for beyond its compute passes. Only --overlap K > 1 can hide a collective
-    behind compute; without it the collectives run in line and what is outside the compute passes
-    is the collectives plus the host's launches and waits between passes."""
+def exposure_line(e: dict, overlap: int, context_parallel: int = 1) -> str:
+    """What the call waits for beyond its compute passes. Only --overlap K > 1 can hide a head-parallel
+    collective behind compute; without it the collectives run in line and what is outside the
+    compute passes is the collectives plus the host's launches and waits between passes. The ring
+    (--context-parallel) posts each pass before its block's attention: its timed passes are the
+    posting and the wait the compute left, not the transfer."""
     c, x = e["collectives_ms"], e["exposed_ms"]
     head = f"communication: {c:.3f} ms of collectives; the call spends {x:.3f} ms outside its compute passes"
     if overlap <= 1:
         rest = f"; {x - c:.3f} ms of it launches and waits" if x > c else ""
+        if context_parallel > 1:
+            return (f"{head} (the ring's passes travel behind the blocks' attention, their times the posting and "
+                    f"the wait left after it; the other collectives run in line{rest})")
         return f"{head} (no --overlap: the collectives run in line, none hidden{rest})"
     if x >= c:
         return f"{head} (--overlap {overlap}: none of the collectives hidden behind compute)"
@@ -279,19 +284,26 @@ def text(rep: dict) -> str:
                      f"pre-flight estimate {_gib(m['estimate_bytes_per_rank'])} on rank 0")
     if w["size"] == 1:
         lines.append(f"per pass, ms over {rep['iterations']['timed']} iterations ({rep['iterations']['warmup']} warm-up):")
-        lines.append(f"  {'pass':<10}{'median':>10}{'min':>10}{'max':>10}")
+        w = max(10, *(len(p) + 1 for p in rep["rank0_passes"]))
+        lines.append(f"  {'pass':<{w}}{'median':>10}{'min':>10}{'max':>10}")
         for p, s in rep["rank0_passes"].items():
-            lines.append(f"  {p:<10}{s['median']:>10.3f}{s['min']:>10.3f}{s['max']:>10.3f}")
+            lines.append(f"  {p:<{w}}{s['median']:>10.3f}{s['min']:>10.3f}{s['max']:>10.3f}")
     else:
         lines.append(f"per pass, ms: each rank's median over {rep['iterations']['timed']} iterations, "
                      "then min / median / max over ranks:")
-        lines.append(f"  {'pass':<10}{'min':>10}{'median':>10}{'max':>10}")
+        w = max(10, *(len(p) + 1 for p in rep["passes"]))
+        lines.append(f"  {'pass':<{w}}{'min':>10}{'median':>10}{'max':>10}")
         for p, s in rep["passes"].items():
-            lines.append(f"  {p:<10}{s['min']:>10.3f}{s['median']:>10.3f}{s['max']:>10.3f}")
+            lines.append(f"  {p:<{w}}{s['min']:>10.3f}{s['median']:>10.3f}{s['max']:>10.3f}")
         for name, a in rep.get("collectives", {}).items():
             if not a["median_ms"]:  # a CUDA graph: no per-pass times
                 continue
             among = f" among {a['ranks']} ranks" if a.get("ranks", rep["world"]["size"]) != rep["world"]["size"] else ""
+            if name in RING_PASSES:  # posted before the block's attention: its time is no transfer's
+                lines.append(f"{COLLECTIVES[name]}{among}: {_mib(a['bytes'])} of {a['dtype']} a call, {a['median_ms']:.3f} "
+                             "ms median over ranks posting the passes and waiting for what the attention did not "
+                             "hide (no bandwidth from it: the transfers run behind the compute)")
+                continue
             lines.append(f"{COLLECTIVES[name]}{among}: {_mib(a['bytes'])} of {a['dtype']}, {a['median_ms']:.3f} ms median over "
                          f"ranks (busbw {a['busbw_GBps']:.1f} GB/s); {a['last_rank_ms']:.3f} ms on the last rank to "
                          f"arrive{', call by call' if a.get('last_rank_from') == 'calls' else ''} (busbw "
@@ -303,7 +315,7 @@ def text(rep: dict) -> str:
                          f"(heads max/mean {bal['heads_max_over_mean']:.3f})")
         e = rep.get("exposure")
         if e:
-            lines.append(exposure_line(e, rep["config"].get("overlap", 1)))
+            lines.append(exposure_line(e, rep["config"].get("overlap", 1), rep["config"].get("context_parallel", 1)))
     for name, ch in rep["checks"].items():
         err = (f"rms err {ch['rel_err'] * ch['rms_ref']:.3g} = {ch['rel_err']:.3g} x rms (max err {ch['max_abs_err']:.3g})"
                if ch.get("metric") == "rms" else f"max err {ch['max_abs_err']:.3g} = {ch['rel_err']:.3g} x rms")
