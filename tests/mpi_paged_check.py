@@ -1,5 +1,11 @@
-"""Run under mpirun -n 2 or 4 by tests/test_paged.py (CPU, gloo): serving through the paged KV
-cache over several ranks. Prints 'PAGED PASS rank R' and exits 0, or what failed and exits 1.
+"""Run under mpirun -n 2, 3 or 4 by tests/test_paged.py (CPU, gloo): serving through the paged KV
+cache over several ranks (at 3, the heads split unevenly: uneven_heads=True). Prints 'PAGED PASS
+rank R' and exits 0, or what failed and exits 1.
+
+- Every row of a ragged prefill (three prompts of their own lengths in one packed call) and of the
+  decode steps after it (sequences leaving as their budgets end), through pages of 4 tokens, against
+  each sequence's whole forward in one process, float64, with rotary positions and without, for
+  G = H, a grouped G and G = 1.
 
 - A transformers Llama model (random weights, float64) with its attention split over the ranks
   (tpattn.hf.parallelize): greedy tokens for prompts of different lengths and budgets, at most 2
@@ -26,7 +32,44 @@ bad = []
 prompts = [[3, 5, 7, 11, 2, 9], [4, 4], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [8], [50, 60, 70]]
 budget = [9, 4, 6, 12, 5]
 
-for G in (4, 1):
+UNEVEN = W == 3  # 4 query heads over 3 ranks: whole K/V groups per rank (G = 4 only: one group can't be split)
+
+# ---- every row, ragged and paged, against one process's whole forward (float64) --------------------
+from tpattn.layer import TensorParallelAttention  # noqa: E402
+
+E, H = 48, 6 if W < 4 else 8
+for G in ((H, 3, 1) if W < 4 else (H, 4, 2)):
+    for theta in (1e4, None):
+        torch.manual_seed(0)
+        d = E // H
+        full = {k: (torch.randn(E, n * d) / E ** 0.5).double() for k, n in (("wq", H), ("wk", G), ("wv", G))}
+        full["wo"] = (torch.randn(H * d, E) / E ** 0.5).double()
+        kw = dict(heads=H, kv_heads=G, causal=True, rope_theta=theta)
+        layer = TensorParallelAttention.from_full(**full, uneven_heads=UNEVEN or G % W != 0, **kw)
+        one = TensorParallelAttention.from_full(**full, group=None, **kw)
+        pool = PagedKV(layer, pages=32, page_size=4, max_seqs=4)
+        lens, extra = [5, 9, 2], [3, 1, 4]  # prompt lengths, then decode steps each
+        xs = [torch.randn(1, n + e, E, dtype=torch.float64) for n, e in zip(lens, extra)]
+        ids = [pool.add() for _ in lens]
+        out = [[] for _ in lens]
+        with torch.no_grad():
+            with pool.step(ids, lens) as st:
+                y = layer(torch.cat([x[:, :n] for x, n in zip(xs, lens)], 1), cache=st.view(0))
+            for i, c in enumerate([0, 5, 14]):
+                out[i].append(y[:, c:c + lens[i]])
+            pos = list(lens)
+            for t in range(max(extra)):
+                live = [i for i in range(3) if t < extra[i]]
+                with pool.step([ids[i] for i in live], [1] * len(live)) as st:
+                    y = layer(torch.cat([xs[i][:, pos[i]:pos[i] + 1] for i in live], 0), cache=st.view(0))
+                for j, i in enumerate(live):
+                    out[i].append(y[j:j + 1])
+                    pos[i] += 1
+            err = max((torch.cat(o, 1) - one(x)).abs().max().item() for o, x in zip(out, xs))
+        if not err < 1e-12:
+            bad.append(f"H={H} G={G} rope={theta}: paged rows off the whole forward by {err:.3g}")
+
+for G in ((4,) if UNEVEN else (4, 1)):
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=G, max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
@@ -34,7 +77,7 @@ for G in (4, 1):
     model = LlamaForCausalLM(cfg).double().eval()
     want = [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):].tolist()
             for p, n in zip(prompts, budget)]
-    tp = hf.parallelize(model)
+    tp = hf.parallelize(model, **({"uneven_heads": True} if UNEVEN else {}))
     got = tp.generate(prompts, budget, max_batch=2, page_size=4)
     if got != want:
         bad.append(f"G={G}: tokens {got} differ from the unmodified model's {want}")
@@ -47,7 +90,7 @@ for G in (4, 1):
     split = tp.generate(prompts, budget, max_batch=2, page_size=4, kv_dtype="fp8")
     if split != one:
         bad.append(f"G={G}: FP8-cache tokens {split} differ from one process's {one}")
-    if tp.attention[0].local_heads != 4 // W:
+    if tp.attention[0].local_heads != (2 if UNEVEN and R == 0 else 4 // W if not UNEVEN else 1):
         bad.append(f"G={G}: rank {R} holds {tp.attention[0].local_heads} query heads")
 
 # ---- a prompt in chunks through ChunkGraphs' fixed tensors (run eagerly: capture=False) ------------

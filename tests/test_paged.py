@@ -143,10 +143,11 @@ def test_llama_generate_gives_the_unmodified_models_tokens():
 
 
 @pytest.mark.mpi
-def test_paged_serving_on_two_and_four_ranks():
-    """tests/mpi_paged_check.py on 2 and 4 ranks: the tokens of the unmodified model, and calls
-    that differ between ranks refused in one line on every rank."""
-    for n in (2, 4):
+def test_paged_serving_on_two_three_and_four_ranks():
+    """tests/mpi_paged_check.py on 2, 3 (heads split unevenly) and 4 ranks: every ragged, paged row
+    against one process's float64 forward, the tokens of the unmodified model, and calls that differ
+    between ranks refused in one line on every rank."""
+    for n in (2, 3, 4):
         r = run(mpirun_cmd(n) + [sys.executable, str(ROOT / "tests" / "mpi_paged_check.py")], timeout=240)
         assert r.returncode == 0, r.stdout + r.stderr
         assert r.stdout.count("PAGED PASS") == n, r.stdout + r.stderr
