@@ -10,6 +10,8 @@ For the default shape at 1 and 2 ranks' worth of heads (h = 32, 16).
 from __future__ import annotations
 
 import argparse
+import sys
+
 import torch
 
 from tpattn.attention import get_backend
@@ -20,13 +22,17 @@ def timed(fn, iters: int) -> float:
     return events_ms(fn, 3, iters)  # the planner's calibration times its passes the same way
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq-len", type=int, default=4096)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--seq-len", type=int, default=4096, help="rows N (default 4096)")
+    ap.add_argument("--heads", type=int, default=32, help="query heads H (default 32)")
+    ap.add_argument("--head-dim", type=int, default=128, help="head dim d (default 128)")
+    ap.add_argument("--iters", type=int, default=30, help="timed calls, the median printed (default 30)")
     a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_layer_parts.py: needs a CUDA GPU (none is visible to torch); run it on a GPU machine",
+              file=sys.stderr)
+        return 2
     N, H, d = a.seq_len, a.heads, a.head_dim
     D = H * d
     f16 = dict(device="cuda", dtype=torch.float16)
@@ -72,7 +78,8 @@ def main() -> None:
         print(f"h = {h} heads ({'1 rank' if h == H else '2 ranks'}):")
         for name, fn in res.items():
             print(f"  {name:<42}{timed(fn, a.iters):8.3f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

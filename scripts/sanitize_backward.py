@@ -20,6 +20,9 @@ from tpattn.attention import attention, get_backend  # noqa: E402
 
 
 def main() -> int:
+    if not torch.cuda.is_available():
+        print("sanitize_backward.py: needs a CUDA GPU (none is visible to torch); run it on a GPU machine", file=sys.stderr)
+        return 2
     bad = 0
     for dtype in (torch.float16, torch.bfloat16):
         for d in (64, 128):

@@ -19,6 +19,9 @@ from tpattn import decode  # noqa: E402
 
 
 def main() -> int:
+    if not torch.cuda.is_available():
+        print("sanitize_decode.py: needs a CUDA GPU (none is visible to torch); run it on a GPU machine", file=sys.stderr)
+        return 2
     bad = 0
     g = torch.Generator(device="cuda").manual_seed(0)
     for dtype in (torch.float16, torch.bfloat16):

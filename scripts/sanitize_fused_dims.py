@@ -5,13 +5,19 @@ last tile of 64 and of 128 keys), grouped K/V (4 query heads on 2), the logsumex
     PYTHONPATH=. compute-sanitizer --tool memcheck --error-exitcode 9 python scripts/sanitize_fused_dims.py
 """
 
+import sys
+
 import torch
 
 from tpattn.attention import get_backend
 from tpattn.attention.fused import OTHER_HEAD_DIMS
 
 
-def main() -> None:
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("sanitize_fused_dims.py: needs a CUDA GPU (none is visible to torch); run it on a GPU machine",
+              file=sys.stderr)
+        return 2
     fused = get_backend("fused")
     for d in OTHER_HEAD_DIMS:
         for dtype in (torch.float16, torch.bfloat16):
@@ -23,7 +29,8 @@ def main() -> None:
                     fused.forward(q, k, v, causal, lse=lse)
     torch.cuda.synchronize()
     print("ok")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

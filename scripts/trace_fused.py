@@ -147,8 +147,8 @@ def main() -> int:
     ap.add_argument("--commit", help="the commit to record (a copy of the tree without .git)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        print("trace_fused: needs a CUDA GPU (compute capability 9.0)", file=sys.stderr)
-        return 1
+        print("trace_fused: needs a CUDA GPU (compute capability 9.0); run it on a GPU machine", file=sys.stderr)
+        return 2
     res = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,32 @@
+"""Every script of scripts/ that measures a GPU, run on a machine where torch sees none (here
+CUDA_VISIBLE_DEVICES is empty, so the test means the same on a GPU machine): one line on stderr that
+says it needs a GPU, exit 2, no traceback. The scripts that run on a CPU too (training, serving, the
+FP8 accuracy table, the scaling and peer runs, the Triton register count) and those that read files
+are left out."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from conftest import ROOT, run
+
+ON_CPU_TOO = {"train.py", "serve_llama.py", "fp8_accuracy.py", "scaling.py", "peer_tp.py",  # they run here
+              "triton_regs.py",  # compiles the Triton kernels for a GPU it does not need
+              "layer_table.py", "plots.py", "ring_trace.py"}  # they read reports or traces
+ARGS = {"ab_fused.py": ["--against", "HEAD"]}  # (without what to compare it says so first)
+GPU_SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py") if p.name not in ON_CPU_TOO)
+
+
+def test_the_list_is_not_empty():
+    assert len(GPU_SCRIPTS) >= 20, GPU_SCRIPTS
+
+
+@pytest.mark.parametrize("script", GPU_SCRIPTS)
+def test_a_gpu_script_without_a_gpu_says_so_in_one_line(script):
+    r = run([sys.executable, str(ROOT / "scripts" / script), *ARGS.get(script, [])], timeout=120,
+            CUDA_VISIBLE_DEVICES="")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, (r.returncode, r.stderr)
+    assert "GPU" in lines[0], lines[0]
