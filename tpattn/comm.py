@@ -22,11 +22,15 @@ linear map: a sum over ranks transposes to a copy to every rank, a gather to a s
     ring_attention   K/V blocks passed to the   the ring again: K/V blocks passed on, dK and dV
                      next rank C - 1 times      travelling with their block, one more hop home
                      (context parallelism)      (and the replicated weights' gradients summed)
+    gather_context   the ring's rows -> whole   this rank's rows of dy (every rank holds all of
+                     sequence, in order         dy: the backward of an all-gather whose output
+                     (all_gather + reorder)     is used alike on every rank)
 
 Each op owns its stream handling (a side stream with overlap, `record_stream` of what it reads
 there), the collective watch (tpattn/watch.py), fault injection (tpattn/faults.py) and its timing
-label (tpattn/timing.section). Under autograd the pairs are torch.autograd.Functions: at the end
-of this file copy_to_ranks (with the QKV GEMM that reads x), gather_sequence and sum_of_copies;
+label (tpattn/timing.section). Under autograd the pairs are torch.autograd.Functions: here
+copy_to_ranks (with the QKV GEMM that reads x), gather_sequence, sum_of_copies, ring_attention and
+gather_context;
 in tpattn/outputsum.py the output sum and sequence parallel's gather and scatter, whose Functions
 call the methods here.
 """
