@@ -433,19 +433,20 @@ def markdown(res: dict, target: float) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
-    p.add_argument("--heads", type=int, nargs="+", default=[1, 32])
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192],
+                   help="sequence lengths (default 1024 2048 4096 8192)")
+    p.add_argument("--heads", type=int, nargs="+", default=[1, 32], help="head counts (default 1 32)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
+    p.add_argument("--batch", type=int, default=1, help="batch (default 1)")
     p.add_argument("--kv-heads", type=int, default=None, help="K/V heads (grouped-query attention; default --heads)")
     p.add_argument("--shapes", choices=sorted(SHAPE_SETS), default=None,
                    help="a named set of shapes instead of --heads x --seq-lens (users: ViT, d=64, GQA bf16, long "
                         "causal, short sequences in large batches, the default shape); the .md adds the fused "
                         "kernel's graph time against SDPA cuDNN's and flash's")
-    p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"], help="default fp16")
+    p.add_argument("--causal", action="store_true", help="causal attention")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls first (default 2)")
+    p.add_argument("--iters", type=int, default=10, help="timed calls, the median kept (default 10)")
     p.add_argument("--steady", type=float, default=0.0, metavar="S",
                    help="also time fused and SDPA in the power-capped steady state: each graph replayed for S "
                         "seconds before --steady-window seconds of timed replays (the .md's steady columns; "

@@ -99,18 +99,19 @@ def graphed(fn):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python scripts/bench_ring.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq-len", type=int, default=16384)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
-    p.add_argument("--contexts", type=int, nargs="+", default=[2, 4, 8], metavar="C")
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--seq-len", type=int, default=16384, help="the whole sequence N (default 16384)")
+    p.add_argument("--heads", type=int, default=32, help="query heads (default 32)")
+    p.add_argument("--kv-heads", type=int, help="K/V heads (default: --heads)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
+    p.add_argument("--batch", type=int, default=1, help="batch (default 1)")
+    p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"], help="default fp16")
+    p.add_argument("--contexts", type=int, nargs="+", default=[2, 4, 8], metavar="C",
+                   help="ring sizes C to time, every rank of each on this one GPU (default 2 4 8)")
+    p.add_argument("--causal", action="store_true", help="causal attention")
+    p.add_argument("--rounds", type=int, default=5, help="rounds, the contenders alternating in each (default 5)")
     p.add_argument("--eager", action="store_true", help="time the launches as they are made (host gaps included) "
                    "instead of CUDA graphs' replays (the GPU's compute alone, the default)")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", help="also write the results there as JSON")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_ring: error: needs a CUDA GPU (the fused kernels); run it on a GPU machine", file=sys.stderr)

@@ -88,13 +88,14 @@ def decode_rows(B: int, H: int, G: int, L: int, d: int, page: int, outliers: flo
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python scripts/fp8_accuracy.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=2048, help="rows N (default 2048)")
+    p.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
     p.add_argument("--kv-heads", type=int, default=None, help="K/V heads (default: the heads)")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--causal", action="store_true")
+    p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
+    p.add_argument("--causal", action="store_true", help="causal attention")
     p.add_argument("--decode-len", type=int, default=4096, help="the paged cache's length for the decode rows")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "fp8_accuracy_cpu"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "fp8_accuracy_cpu"),
+                   help="file stem of the .json and .md written")
     a = p.parse_args(argv)
     B, H, N, d = 1, a.heads, a.seq_len, a.head_dim
     G = a.kv_heads or H
