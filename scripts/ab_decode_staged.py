@@ -21,7 +21,8 @@ from bench_paged import graph_us, paged  # noqa: E402
 from tpattn import decode  # noqa: E402
 
 if not torch.cuda.is_available():
-    print("ab_decode_staged.py times the decode kernels on a GPU: none is visible to torch; run it on a GPU machine", file=sys.stderr)
+    print("ab_decode_staged.py times the decode kernels on a GPU: none is visible to torch; run it on a GPU machine",
+          file=sys.stderr)
     sys.exit(2)
 H, d = 32, 128
 gen = torch.Generator(device="cuda").manual_seed(0)

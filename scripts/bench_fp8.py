@@ -82,15 +82,18 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python scripts/bench_fp8.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=4, help="batch (default 4)")
     p.add_argument("--heads", type=int, default=32, help="heads (default 32)")
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384], help="sequence lengths (default 4096 16384)")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384],
+                   help="sequence lengths (default 4096 16384)")
     p.add_argument("--head-dim", type=int, default=128, choices=fp8.KERNEL_HEAD_DIMS, help="head dim (default 128)")
     p.add_argument("--causal", action="store_true", help="causal attention")
     p.add_argument("--scaling", choices=("tensor", "head", "block"), default="head",
-                   help="the e4m3 scales: one a tensor, one a head, or one a kernel tile of 128 rows or keys (default head)")
+                   help="the e4m3 scales: one a tensor, one a head, or one a kernel tile of 128 rows or keys "
+                        "(default head)")
     p.add_argument("--rotate", action="store_true", help="Hadamard rotation of Q and K before quantizing")
     p.add_argument("--rounds", type=int, default=5, help="rounds, the contenders alternating in each (default 5)")
     p.add_argument("--commit", help="the commit, where the tree is a copy without its .git")
-    p.add_argument("--out", default=str(ROOT / "results" / "fp8"), help="PREFIX of the .json and .md written (default results/fp8)")
+    p.add_argument("--out", default=str(ROOT / "results" / "fp8"),
+                   help="PREFIX of the .json and .md written (default results/fp8)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_fp8: error: needs a CUDA GPU; run it on a GPU machine", file=sys.stderr)
