@@ -27,7 +27,8 @@ p.add_argument("--shapes", nargs="+", type=bp.decode_shape("B,G,L", "16,8,4096")
                metavar="B,G,L", help="batch, K/V heads, cache length (ragged lengths of that mean for B > 1)")
 args = p.parse_args()
 if not torch.cuda.is_available():
-    print("profile_decode_steps.py profiles the layer's decode steps on a GPU: none is visible to torch; run it on a GPU machine", file=sys.stderr)
+    print("profile_decode_steps.py profiles the layer's decode steps on a GPU: none is visible to torch; run it on a GPU machine",
+          file=sys.stderr)
     sys.exit(2)
 H, d = 32, 128
 for B, G, L in args.shapes:

@@ -26,7 +26,8 @@ p.add_argument("--shapes", nargs="+", type=decode_shape("B,H,G,L", "1,32,8,32768
                help="the shapes to time (default: five of one chunk or a few)")
 args = p.parse_args()
 if not torch.cuda.is_available():
-    print("time_decode_splits.py times the decode kernels on a GPU: none is visible to torch; run it on a GPU machine", file=sys.stderr)
+    print("time_decode_splits.py times the decode kernels on a GPU: none is visible to torch; run it on a GPU machine",
+          file=sys.stderr)
     sys.exit(2)
 print(tpattn.__file__, flush=True)
 d = 128
