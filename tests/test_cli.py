@@ -81,7 +81,7 @@ def test_no_check_is_not_a_pass():
     (["--seq-len", "99999999999999999999"], "is past 2147483647, the most any kernel here indexes"),
     (["--timeout", "inf"], "--timeout must be a finite, positive number of seconds"),
     (["--dtype", "fp8", "--deterministic"], "--dtype fp8 runs the forward only: drop --deterministic"),
-    (["--decode", "2", "--causal", "--profile", "p.json"], "--profile traces one call of the layer's forward"),
+    (["--decode", "2", "--causal", "--profile", "p.json"], "--profile traces one call of the layer (or one training step)"),
     (["--json", "/nonexistent-dir/r.json"], "does not exist"),
     (["--device", "cpu", "--kernel", "naive"], "does not run on cpu"),
     (["--device", "cpu", "--dist-backend", "nccl"], "needs --device cuda"),

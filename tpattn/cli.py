@@ -144,8 +144,9 @@ def parser() -> argparse.ArgumentParser:
                    "(with --cuda-graph: each step a replay of one graph; not with --sequence-parallel, --backward, "
                    "--load, --context-parallel, --profile or --dtype fp8)")
     m.add_argument("--json", metavar="PATH", help="also write the report as JSON (rank 0)")
-    m.add_argument("--profile", metavar="PATH", help="write a torch.profiler trace of one more forward call "
-                   "(chrome trace JSON; rank r > 0 writes PATH.rank<r>; not with --decode)")
+    m.add_argument("--profile", metavar="PATH", help="write a torch.profiler trace of one more forward call, "
+                   "with --backward of one more training step (chrome trace JSON; rank r > 0 writes PATH.rank<r>; "
+                   "not with --decode)")
     return p
 
 
@@ -326,8 +327,8 @@ def _run(cfg: Config, proc, device, infos, argv, loaded: dict | None) -> int:
         grads = {"x": gather(step.x_grad), **layer.full_grads()}
     if cfg.check:
         y = gather(y)  # the whole output, for the checks (sequence or context parallel: every rank joins)
-    if cfg.profile:
-        _profile(cfg, proc, layer, x_in)
+    if cfg.profile:  # one more call, eager (with --backward a training step: forward and backward)
+        _profile(cfg, proc, (_TrainStep(layer, x_in, shard(dy)) if cfg.backward else lambda: layer(x_in)), x_in)
 
     def checks() -> dict:
         out = _checks(cfg, proc, layer, w, x, y, device, loaded)
@@ -552,16 +553,17 @@ def _sha256(path: str) -> str:
     return h.hexdigest()[:16]
 
 
-def _profile(cfg: Config, proc, layer, x) -> None:
+def _profile(cfg: Config, proc, call, x) -> None:
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if x.is_cuda else [])
     with profile(activities=acts, record_shapes=True) as prof, recording(Timer(x.device)):
-        layer(x)
+        call()
         if x.is_cuda:
             torch.cuda.synchronize(x.device)
     path = profile_path(cfg.profile, proc.rank)
     prof.export_chrome_trace(path)
-    print(f"rank {proc.rank}: wrote the torch.profiler trace of one call to {os.path.abspath(path)} "
+    what = "training step (forward and backward)" if cfg.backward else "call"
+    print(f"rank {proc.rank}: wrote the torch.profiler trace of one {what} to {os.path.abspath(path)} "
           "(open it in chrome://tracing or https://ui.perfetto.dev)", flush=True)
 
 

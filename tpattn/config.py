@@ -243,7 +243,7 @@ def check_parallel_style(cfg: Config, world: int) -> None:
         if not cfg.causal:
             raise FlagError("--decode decodes causally: add --causal")
         if cfg.profile:
-            raise FlagError("--profile traces one call of the layer's forward; --decode times its prefill and steps "
+            raise FlagError("--profile traces one call of the layer (or one training step); --decode times its prefill and steps "
                             "itself: drop one of them")
         from .decode import DEC_HEAD_DIMS, DEC_SPLIT_HEAD_DIMS
         dims = sorted(DEC_HEAD_DIMS + DEC_SPLIT_HEAD_DIMS)
