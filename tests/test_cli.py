@@ -198,10 +198,10 @@ def test_kernel_head_dim_limit_comes_from_the_backend(monkeypatch):
 @pytest.mark.parametrize("kernel,dtype,d,needle", [
     ("fused", "fp32", 64, "--kernel fused does not support --dtype fp32; use one of fp16, bf16"),
     ("fused", "fp16", 88, "--kernel fused supports head dims 32, 64, 80, 96, 128, 160, 192 and 256 (got 88; all but "
-                          "64 and 128 need compute capability 9.0); use --kernel triton (every multiple of 8 up to "
-                          "256), tiled or naive"),
+                          "64 and 128 need compute capability 9.0); use --head-dim 80 or 96, or --kernel triton "
+                          "(every multiple of 8 up to 256), tiled or naive"),
     ("fused", "fp16", 100, "--kernel fused supports head dims 32, 64, 80, 96, 128, 160, 192 and 256 (got 100; all "
-                           "but 64 and 128 need compute capability 9.0); use --kernel naive"),
+                           "but 64 and 128 need compute capability 9.0); use --head-dim 96 or 128, or --kernel naive"),
     ("triton", "fp16", 100, "--kernel triton supports head dims that are multiples of 8 up to 256 (got 100); use "
                             "--head-dim 96 or 104"),
     ("triton", "bf16", 264, "--head-dim must be between 1 and 256 for --kernel triton (got 264)"),

@@ -217,3 +217,20 @@ def test_cli_fp8_on_two_ranks_matches_one():
     r = tpattn(["--dtype", "fp8", "--check", "--seq-len", "256", "--heads", "4", "--head-dim", "64", "--causal"], ranks=2)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "check vs_single_process" in r.stdout and "RESULT: PASS" in r.stdout
+
+
+def test_a_layer_refuses_a_head_dim_its_backend_cannot_run_at_construction():
+    """The backend's head dims checked when the layer is built, in the CLI's line (API names), not at
+    its first call: FP8's rotation needs a power of two; tiled takes multiples of 8."""
+    from tpattn.errors import ConfigError
+    from tpattn.layer import TensorParallelAttention
+    w = [torch.randn(96, 96).half() for _ in range(4)]
+    with pytest.raises(ConfigError, match=r"^dtype fp8 rotates Q and K by a Hadamard matrix: head_dim must be a "
+                                          r"power of two, at least 8 \(got 48\); use 32 or 64$"):
+        TensorParallelAttention.from_full(*w, heads=2, group=None, backend=fp8.Fp8Backend())
+    with pytest.raises(ConfigError, match=r"^backend='tiled' supports head dims that are multiples of 8 up to 256 "
+                                          r"\(got 12\)"):
+        TensorParallelAttention.from_full(*w, heads=8, group=None, backend="tiled")
+    assert fp8.kernel_head_dim_error(128) is None and "takes --head-dim 64, 128 or 256 (got 96)" in \
+        fp8.kernel_head_dim_error(96)
+    assert TensorParallelAttention.from_full(*w, heads=3, group=None, backend=fp8.Fp8Backend()).head_dim == 32

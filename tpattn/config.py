@@ -188,19 +188,19 @@ def check_fp8(cfg: Config) -> None:
     """--dtype fp8: what the FP8 attention (tpattn.attention.fp8.Fp8Backend) takes: torch math
     (--kernel reference) or the Triton kernel (--kernel triton: a GPU of compute capability 8.9+,
     head dims 64, 128, 256)."""
+    from .attention import fp8
     if cfg.kernel not in ("reference", "triton"):
         raise FlagError(f"--dtype fp8 runs the FP8 arithmetic in torch (--kernel reference) or in Triton's FP8 kernel "
                         f"(--kernel triton); --kernel {cfg.kernel} has no FP8 kernel: use one of those")
     if cfg.kernel == "triton":
-        from .attention import fp8
         from .attention.triton_fused import interpreting
         fits = cfg.device == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability() >= fp8.CC
         if not (fits or (interpreting() and cfg.device == "cpu")):
             raise FlagError("--dtype fp8 --kernel triton needs FP8 tensor cores (a GPU of compute capability 8.9 or "
                             "later, --device cuda); use --kernel reference (torch math) here")
-        if cfg.head_dim not in fp8.KERNEL_HEAD_DIMS:
-            raise FlagError(f"--dtype fp8 --kernel triton takes --head-dim 64, 128 or 256 (got {cfg.head_dim}); "
-                            "use one of those, or --kernel reference")
+        why = fp8.kernel_head_dim_error(cfg.head_dim)
+        if why:
+            raise FlagError(why)
     for flag, on, why in (("--backward", cfg.backward, "FP8 attention is forward only (as FlashAttention-3's): "
                                                        "train with --dtype fp16 or bf16"),
                           ("--decode", cfg.decode, "the KV cache decodes in 16-bit here (an FP8 cache: "
@@ -211,10 +211,9 @@ def check_fp8(cfg: Config) -> None:
                                                            "and scales are made as it runs); drop --cuda-graph")):
         if on:
             raise FlagError(f"--dtype fp8 with {flag}: {why}")
-    if cfg.head_dim & (cfg.head_dim - 1) or cfg.head_dim < 8:
-        p = 1 << max(3, cfg.head_dim.bit_length() - 1)
-        raise FlagError(f"--dtype fp8 rotates Q and K by a Hadamard matrix: --head-dim must be a power of two, at "
-                        f"least 8 (got {cfg.head_dim}); use {p}" + (f" or {2 * p}" if p < cfg.head_dim else ""))
+    why = fp8.head_dim_error(cfg.head_dim)
+    if why:
+        raise FlagError(why)
 
 
 def check_parallel_style(cfg: Config, world: int) -> None:

@@ -138,6 +138,9 @@ class TensorParallelAttention(LayerPlan, LayerModule):
             raise ValueError(f"rope_theta={rope_theta} with head_dim={head_dim}: rotary positions need a positive, "
                              "finite theta and an even head dim")
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        why = self.backend.head_dim_error(head_dim) if callable(getattr(self.backend, "head_dim_error", None)) else None
+        if why:  # at construction, not at the first call (the CLI's line, in the API's names)
+            raise ConfigError(why)
         if self.context_parallel > 1 and getattr(self.backend, "name", None) == "fp8":
             raise ConfigError(f"context_parallel={self.context_parallel} with an FP8 backend: the ring merges 16-bit "
                               "pieces with their logsumexp (FP8 attention would run as 16-bit torch math); use a "

@@ -195,6 +195,24 @@ def inputs(B: int, h: int, g: int, N: int, d: int, outliers: float = 0.0, outlie
     return tuple(out)
 
 
+def head_dim_error(d: int) -> str | None:
+    """None for a head dim the FP8 path takes, else the one-line refusal: its Hadamard rotation needs
+    a power of two, at least 8."""
+    if d >= 8 and not d & (d - 1):
+        return None
+    p = 1 << max(3, d.bit_length() - 1)
+    return (f"--dtype fp8 rotates Q and K by a Hadamard matrix: --head-dim must be a power of two, at least 8 (got "
+            f"{d}); use {p}" + (f" or {2 * p}" if p < d else ""))
+
+
+def kernel_head_dim_error(d: int) -> str | None:
+    """The same for the Triton FP8 kernel (triton_fp8.Fp8TritonBackend): KERNEL_HEAD_DIMS only."""
+    if d in KERNEL_HEAD_DIMS:
+        return None
+    return (f"--dtype fp8 --kernel triton takes --head-dim 64, 128 or 256 (got {d}); use one of those, or "
+            "--kernel reference")
+
+
 class Fp8Backend(Backend):
     """The layer's attention in e4m3 (attention_fp8, SCALING and ROTATE): q, k, v arrive in the layer's
     fp16 or bf16 and o leaves in it; a chunk of whole head groups at a time (each chunk's fp32 scores
@@ -203,6 +221,9 @@ class Fp8Backend(Backend):
     FlashAttention-3's FP8."""
     name = "fp8"
     dtypes = ("fp16", "bf16")
+
+    def head_dim_error(self, d: int) -> str | None:
+        return head_dim_error(d)
 
     def forward(self, q, k, v, causal: bool, out=None):
         b, h, n, d = q.shape

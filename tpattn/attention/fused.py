@@ -68,9 +68,15 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def unsupported_head_dim(d: int) -> str:
+    if d > HEAD_DIMS[-1]:
+        return (f"--kernel fused supports head dims up to {HEAD_DIMS[-1]} (got {d}), as every kernel here does; use "
+                f"--head-dim {HEAD_DIMS[-1]} or less")
     others = ("--kernel triton (every multiple of 8 up to 256), tiled or naive" if d % 8 == 0 else "--kernel naive")
+    near = [x for x in (max((h for h in HEAD_DIMS if h < d), default=None), min((h for h in HEAD_DIMS if h > d),
+                                                                                default=None)) if x is not None]
     return (f"--kernel fused supports head dims {', '.join(map(str, HEAD_DIMS[:-1]))} and {HEAD_DIMS[-1]} (got {d}; "
-            f"all but 64 and 128 need compute capability 9.0); use {others} for other head dims")
+            f"all but 64 and 128 need compute capability 9.0); use --head-dim {' or '.join(map(str, near))}, or "
+            f"{others} for other head dims")
 
 
 def hopper_only(d: int, cc: tuple[int, int]) -> str | None:

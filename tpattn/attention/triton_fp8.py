@@ -297,6 +297,9 @@ class Fp8TritonBackend(fp8.Fp8Backend):
     """The layer's FP8 attention (fp8.Fp8Backend's scaling and rotation) through this module's kernel,
     all heads in one launch: python -m tpattn --dtype fp8 --kernel triton (compute capability 8.9+)."""
 
+    def head_dim_error(self, d: int) -> str | None:
+        return fp8.kernel_head_dim_error(d)
+
     def forward(self, q, k, v, causal: bool, out=None):
         o = out if out is not None else torch.empty_like(q)
         with section("fp8"):
