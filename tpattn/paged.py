@@ -53,7 +53,7 @@ from .attention import fp8
 from .attention.triton_fused import paged_prefill_fits as triton_prefill_fits  # (tests swap it here)
 from .errors import ConfigError
 
-PAGE_SIZE = 16  # tokens per page (FlashInfer reads pages of 1-16 tokens as fast as contiguous K/V)
+PAGE_SIZE = 16  # tokens per page: as fast as 64 and 256 on an H200 (docs/serving.md), and the least waste
 KV_DTYPES = (None, "fp8")  # the pages' dtype: the layers' own, or e4m3 with a scale per token and K/V head
 
 
