@@ -56,7 +56,8 @@ def top_level(events: list[dict], names: tuple[str, ...]) -> list[dict]:
     """The host's ranges named in `names`, in time order, without those inside another of them."""
     host = sorted((e for e in events if e.get("cat") == "user_annotation" and e.get("name") in names),
                   key=lambda e: e["ts"])
-    inside = lambda a, b: b["ts"] <= a["ts"] and a["ts"] + a.get("dur", 0.0) <= b["ts"] + b.get("dur", 0.0)  # noqa: E731
+    def inside(a, b) -> bool:
+        return b["ts"] <= a["ts"] and a["ts"] + a.get("dur", 0.0) <= b["ts"] + b.get("dur", 0.0)
     return [e for i, e in enumerate(host) if not any(j != i and inside(e, o) and (o["ts"], -o.get("dur", 0.0)) <
                                                     (e["ts"], -e.get("dur", 0.0)) for j, o in enumerate(host))]
 
@@ -86,9 +87,12 @@ def check_backward(events: list[dict]) -> tuple[list[str], bool]:
         lines.append(f"  backward: {len(found)} {what}es")
         for i, st in enumerate(found):
             if st["start"] is None:
-                lines.append(f"    {what} {i}: no compute after it to travel under (the sums' last hop home); "
-                             f"waited {st['wait_us']:.0f} us for it on the host")
-                ok &= name == "bwd_ring_grads" and i == len(found) - 1
+                home = name == "bwd_ring_grads" and i == len(found) - 1
+                ok &= home
+                why = ("(the sums' last hop home)" if home else
+                       "(AFTER: not overlapped, no compute between its posting and its wait)")
+                lines.append(f"    {what} {i}: no compute after it to travel under {why}; waited {st['wait_us']:.0f} "
+                             "us for it on the host")
                 continue
             lead = st["start"] - st["post_end"]
             ok &= lead >= 0

@@ -22,6 +22,7 @@ does not divide the heads (--uneven-heads lays them out anyway) and a pool too s
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 import time
@@ -87,7 +88,7 @@ def refusal(args) -> str | None:
     if args.hidden % args.heads or args.heads % args.kv_heads or args.prompt_lens[0] < 1 \
             or args.prompt_lens[0] > args.prompt_lens[1]:
         return "--hidden must divide by --heads, --heads by --kv-heads, and 1 <= MIN <= MAX in --prompt-lens"
-    if args.timeout <= 0:
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
         return f"--timeout {args.timeout:g}: give a positive number of seconds"
     if args.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda needs a CUDA GPU (none is visible to torch); use --device cpu"
@@ -107,30 +108,40 @@ def main(argv=None) -> int:
         print(f"serve_llama.py: error: {exc}", file=sys.stderr, flush=True)
         return 2
     who = f"serve_llama.py: rank {proc.rank}: " if proc.distributed else "serve_llama.py: "
+    # the ranks meet within the default time when --timeout is not a time (refusal() says so, on every rank)
+    wait = args.timeout if math.isfinite(args.timeout) and args.timeout > 0 else 300.0
     try:
-        tdist.rendezvous(proc, args.timeout)
+        tdist.rendezvous(proc, wait)
     except tdist.LaunchError as exc:
         print(f"{who}error: {exc}", file=sys.stderr, flush=True)
         tdist.exit_now(1)
-    error, _ = tdist.agree(proc, vars(args), refusal(args), {}, args.timeout)
+    error, _ = tdist.agree(proc, vars(args), refusal(args), {}, wait)
     code = 2
     if error is None:
         device = tdist.pick_device(proc, args.device)
         proc.device = device
         if proc.distributed:
-            tdist.init_process_group(proc, "gloo", device, args.timeout)
+            tdist.init_process_group(proc, "gloo", device, wait)
         try:
             code = serve(args, proc, device)
         except ConfigError as exc:  # the layers' and the pool's refusals, raised on every rank alike: in flags
-            error = re.sub(r"generate\(pages=(\d+)\)", r"--pages \1", getattr(exc, "cli_message", str(exc)))
+            error = in_flags(getattr(exc, "cli_message", str(exc)))
         finally:
             if torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
     if error is not None:
         print(f"{who}error: {error}", file=sys.stderr, flush=True)
-    tdist.leave(proc, args.timeout, code)  # no rank exits before every rank has printed its line
+    tdist.leave(proc, wait, code)  # no rank exits before every rank has printed its line
     tdist.exit_now(code)
     return code
+
+
+def in_flags(message: str) -> str:
+    """A refusal in tpattn's CLI flags or API arguments, in this script's flags: --kernel is --backend,
+    the head dim is --hidden / --heads, generate(pages=N) is --pages N."""
+    message = re.sub(r"generate\(pages=(\d+)\)", r"--pages \1", message)
+    message = re.sub(r"--kernel (\w+)", r"--backend \1", message)
+    return re.sub(r"--head-dim\b", "a head dim (--hidden / --heads) of", message)
 
 
 def serve(args, proc, device) -> int:

@@ -37,8 +37,10 @@ UNEVEN = W == 3  # 4 query heads over 3 ranks: whole K/V groups per rank (G = 4 
 # ---- every row, ragged and paged, against one process's whole forward (float64) --------------------
 from tpattn.layer import TensorParallelAttention  # noqa: E402
 
-E, H = 48, 6 if W < 4 else 8
-for G in ((H, 3, 1) if W < 4 else (H, 4, 2)):
+# query heads on ranks 0, 1, ...: W = 2: 3, 3 (G = 6 and 1) and 4, 2 (G = 3: whole groups); W = 3: 3, 3, 2 and
+# 4, 2, 2 (whole groups); W = 4: 2 each, the K/V heads split (G = 8, 4) or held as copies (G = 2)
+E, H = (48, 6) if W == 2 else (64, 8)
+for G in {2: (6, 3, 1), 3: (8, 4), 4: (8, 4, 2)}[W]:
     for theta in (1e4, None):
         torch.manual_seed(0)
         d = E // H
@@ -46,6 +48,8 @@ for G in ((H, 3, 1) if W < 4 else (H, 4, 2)):
         full["wo"] = (torch.randn(H * d, E) / E ** 0.5).double()
         kw = dict(heads=H, kv_heads=G, causal=True, rope_theta=theta)
         layer = TensorParallelAttention.from_full(**full, uneven_heads=UNEVEN or G % W != 0, **kw)
+        if W == 3 and layer.local_heads != [4 if G == 4 else 3, 2 if G == 4 else 3, 2][R]:
+            bad.append(f"H={H} G={G}: rank {R} holds {layer.local_heads} query heads, not the uneven split")
         one = TensorParallelAttention.from_full(**full, group=None, **kw)
         pool = PagedKV(layer, pages=32, page_size=4, max_seqs=4)
         lens, extra = [5, 9, 2], [3, 1, 4]  # prompt lengths, then decode steps each

@@ -85,6 +85,28 @@ def test_cli_decode_matches_the_full_recompute(tmp_path):
     assert "decode: 6 steps after a prompt of 40" in r.stdout
 
 
+@pytest.mark.parametrize("ranks", [None, pytest.param(2, marks=pytest.mark.mpi)])
+def test_cli_decode_with_an_fp8_cache(ranks, tmp_path):
+    """--kv-dtype fp8: the cache in e4m3 pages (tpattn.paged.PagedKV), B sequences packed in the
+    prefill; every decoded row within FP8's RMS error of the full 16-bit forward and of float64 (and
+    more than fp16's: the pages are e4m3), the cache's MiB that of a byte a value plus a scale."""
+    import json
+
+    from conftest import tpattn
+    out = tmp_path / "r.json"
+    r = tpattn(["--decode", "4", "--causal", "--kv-dtype", "fp8", "--seq-len", "64", "--heads", "4", "--kv-heads", "2",
+                "--head-dim", "16", "--batch", "3", "--device", "cpu", "--iters", "1", "--warmup", "1", "--json",
+                str(out)], ranks=ranks, timeout=240)
+    assert r.returncode == 0 and "RESULT: PASS" in r.stdout, r.stdout + r.stderr
+    rep = json.loads(out.read_text())
+    full, f64 = rep["checks"]["vs_full_recompute"], rep["checks"]["vs_float64"]
+    assert full["pass"] and f64["pass"] and 5e-3 < full["rel_err"] < 0.1 and 5e-3 < f64["rel_err"] < 0.1, rep["checks"]
+    g = 2 // (ranks or 1)
+    assert rep["decode"]["kv_dtype"] == "fp8"
+    assert rep["decode"]["cache_MiB_per_rank"] == pytest.approx(3 * 68 * 2 * g * (16 + 4) / 2**20)
+    assert "(e4m3 pages with a scale per token and K/V head)" in r.stdout
+
+
 @pytest.mark.mpi
 def test_cli_decode_over_two_ranks():
     from conftest import tpattn
@@ -97,11 +119,20 @@ def test_cli_decode_over_two_ranks():
                                         (["--causal", "--sequence-parallel"], "--decode with --sequence-parallel"),
                                         (["--causal", "--cuda-graph"], "--decode with --cuda-graph needs the decode "
                                          "kernel (--dtype fp16 or bf16, --head-dim 32, 64, 80, 96, 128, 160, 192, 256; "
-                                         "got fp16, 16)")])
+                                         "got fp16, 16)"),
+                                        (["--causal", "--kv-dtype", "fp8", "--cuda-graph"], "--kv-dtype fp8 with "
+                                         "--cuda-graph: the CLI graphs the contiguous cache's step only")])
 def test_cli_decode_refusals(extra, says):
     from conftest import tpattn
     r = tpattn(["--decode", "4", "--seq-len", "32", "--heads", "4", "--head-dim", "16", "--device", "cpu", *extra])
     assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_cli_fp8_cache_without_decode_is_refused():
+    from conftest import tpattn
+    r = tpattn(["--kv-dtype", "fp8", "--seq-len", "32", "--heads", "4", "--head-dim", "16", "--device", "cpu"])
+    assert r.returncode == 2 and r.stderr.strip() == ("tpattn: error: --kv-dtype fp8 is the KV cache's dtype: add "
+                                                      "--decode T (a prompt, then T steps through the cache)"), r.stderr
 
 
 @pytest.mark.parametrize("d", [32, 96, 256])

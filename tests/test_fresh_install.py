@@ -225,11 +225,16 @@ def test_no_mpi_library_is_one_line_on_every_rank(which, request):
     n = 4 if which == "openmpi" else 3
     launcher = ["mpirun", "--oversubscribe"] if which == "openmpi" else ["mpiexec"]
     so = "libmpi.so.40" if which == "openmpi" else "libmpi.so.12"
+    import glob
+    import tempfile
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "tpattn-nompi-*")))
     for cmd in (["-m", "tpattn"], ["-c", LATE_RANK_1]):
         r = in_venv(clone, [*launcher, "-n", str(n), "python", *cmd], timeout=120, MPI4PY_LIBMPI=f"/nonexistent/{so}")
         lines = assert_one_line_per_rank(r, n, "but mpi4py finds no MPI library to load")
         assert sorted(int(re.search(r"\(rank (\d+) of", ln).group(1)) for ln in lines) == list(range(n)), lines
         assert all(f"/nonexistent/{so}: cannot open shared object file" in ln for ln in lines)
+    # the ranks' meeting folder is gone with the last of them
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "tpattn-nompi-*"))) <= before
 
 
 def test_launcher_of_another_mpi_is_refused(openmpi_clone, mpich_clone):

@@ -1,4 +1,4 @@
-"""Every script of scripts/ that measures a GPU, run on a machine where torch sees none (here
+"""Every script at the top of scripts/ that measures a GPU, run on a machine where torch sees none (here
 CUDA_VISIBLE_DEVICES is empty, so the test means the same on a GPU machine): one line on stderr that
 says it needs a GPU, exit 2, no traceback. The scripts that run on a CPU too (training, serving, the
 FP8 accuracy table, the scaling and peer runs, the Triton register count) and those that read files

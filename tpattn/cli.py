@@ -143,6 +143,10 @@ def parser() -> argparse.ArgumentParser:
                    "latency and tokens/s; every decoded row checked against the full forward and float64 "
                    "(with --cuda-graph: each step a replay of one graph; not with --sequence-parallel, --backward, "
                    "--load, --context-parallel, --profile or --dtype fp8)")
+    m.add_argument("--kv-dtype", default="model", choices=["model", "fp8"], help="with --decode: the KV cache's "
+                   "dtype, the layer's (model, default) or fp8: e4m3 pages with an fp32 scale per token and K/V head "
+                   "(tpattn.paged.PagedKV; about half fp16's bytes), the error against the full forward and float64 "
+                   "printed (not with --cuda-graph)")
     m.add_argument("--json", metavar="PATH", help="also write the report as JSON (rank 0)")
     m.add_argument("--profile", metavar="PATH", help="write a torch.profiler trace of one more forward call, "
                    "with --backward of one more training step (chrome trace JSON; rank r > 0 writes PATH.rank<r>; "
@@ -160,7 +164,7 @@ def parse(argv: list[str]) -> Config:
                   sequence_parallel=a.sequence_parallel, context_parallel=a.context_parallel, overlap=a.overlap,
                   output_collective=a.output_collective, cuda_graph=a.cuda_graph,
                   timeout=a.timeout, profile=a.profile, load=a.load, backward=a.backward, decode=a.decode,
-                  deterministic=a.deterministic)
+                  kv_dtype=a.kv_dtype, deterministic=a.deterministic)
 
 
 def _say(proc, msg: str, stream=sys.stderr) -> None:
@@ -183,7 +187,6 @@ def main(argv: list[str] | None = None) -> int:
         if watch.claim():  # else the watch is printing another rank's reason and ends the job
             said = getattr(exc, "cli_message", exc)  # a ConfigError in the CLI's flags
             _say(proc, f"error: {said}")
-            getattr(exc, "before_exit", lambda: None)()  # the no-MPI-library case: see dist.discover
             watch.end_job(f"{type(exc).__name__}: {said}", code)  # no watch before the process group
         else:
             watch.wait_for_end()
@@ -373,21 +376,24 @@ def _run_decode(cfg: Config, proc, device, infos, argv, layer, w, loaded) -> int
     """--decode T: a prompt of N = --seq-len rows through a KV cache, then T decode steps of one
     row each (--cuda-graph: replays of one graph of a step); every iteration the same cache, emptied.
     Times the prefill and each step; checks every decoded
-    row against the full forward over all N + T rows and float64 on sampled rows."""
+    row against the full forward over all N + T rows and float64 on sampled rows. --kv-dtype fp8:
+    the cache is a pool of e4m3 pages (tpattn.paged.PagedKV) holding the B sequences, the prefill
+    their N rows packed in one call, each step one row of each; the checks by FP8's RMS error."""
+    from .paged import PagedKV
     B, N, T, D = cfg.batch, cfg.seq_len, cfg.decode, cfg.model_dim
     xa = layer_input(B, N + T, D, cfg.seed, cfg.torch_dtype, device)
     timer = Timer(device)
     samples: dict[str, list[float]] = {}
     y_full = layer(xa)  # the full recompute (every rank joins its collective); first, as the largest call:
     # with --output-collective p2p the graph below fixes the peer buffers at the size they have then
-    cache = layer.new_cache(B, N + T)
+    cache = _PagedCache(layer, B, N + T) if cfg.kv_dtype == "fp8" else layer.new_cache(B, N + T)
     x_step = xa[:, N:N + 1].clone()  # --cuda-graph: the graph's input row, each step's row copied in
     replay = layer.graphed(x_step, cache) if cfg.cuda_graph else None
 
     def session(record: bool) -> torch.Tensor:
         cache.reset()
         with timer.section("prefill"):
-            ys = [layer(xa[:, :N], cache=cache)]
+            ys = [cache.prefill(xa[:, :N]) if cfg.kv_dtype == "fp8" else layer(xa[:, :N], cache=cache)]
         got = timer.collect()
         if record:
             samples.setdefault("prefill", []).append(got["prefill"])
@@ -395,7 +401,8 @@ def _run_decode(cfg: Config, proc, device, infos, argv, layer, w, loaded) -> int
             if replay is not None:
                 x_step.copy_(xa[:, t:t + 1])
             with timer.section("step"):
-                y = replay() if replay is not None else layer(xa[:, t:t + 1], cache=cache)
+                y = replay() if replay is not None else cache.step(xa[:, t:t + 1]) if cfg.kv_dtype == "fp8" else \
+                    layer(xa[:, t:t + 1], cache=cache)
             ys.append(y.clone() if replay is not None else y)  # a replay writes the same buffer each step
             got = timer.collect()
             if record:
@@ -406,24 +413,55 @@ def _run_decode(cfg: Config, proc, device, infos, argv, layer, w, loaded) -> int
     for _ in range(cfg.iters):
         y = session(True)
 
+    fp8 = cfg.kv_dtype == "fp8"  # e4m3 K and V: FP8's RMS error, against the 16-bit forward and float64
+
     def checks() -> dict:
-        out = {"vs_full_recompute": {**compare(y, y_full.double(), TOL_BASELINE[cfg.dtype], ulp_of=cfg.torch_dtype),
-                                     "what": f"all {N + T} rows: prefill {N}, then {T} decode steps"}}
+        base = dict(tol=TOL_FP8_RMS, rms_metric=True) if fp8 else dict(tol=TOL_BASELINE[cfg.dtype], ulp_of=cfg.torch_dtype)
+        out = {"vs_full_recompute": {**compare(y, y_full.double(), **base),
+                                     "what": f"all {N + T} rows: prefill {N}, then {T} decode steps"
+                                             + (", the cache in e4m3 against the layer's own forward" if fp8 else "")}}
         full = w if proc.world == 1 else _weights(cfg, range(cfg.heads), range(cfg.kv_heads), device, loaded)
         rows = sample_rows(N + T)
         out["vs_float64"] = {**compare(y[:, rows.to(y.device)], layer_float64(xa, full, cfg.heads, True, rows),
-                                       TOL_FLOAT64[cfg.dtype]), "what": f"{len(rows)} of {N + T} rows, all heads"}
+                                       TOL_FP8_RMS if fp8 else TOL_FLOAT64[cfg.dtype], rms_metric=fp8),
+                             "what": f"{len(rows)} of {N + T} rows, all heads"}
         return out
 
     def extra(rep) -> tuple[dict, str]:
         step = rep["passes"]["step"]["max"]  # the slowest rank's median step
         tps = B * 1e3 / step
-        cache_mib = 2 * B * layer.local_kv_heads * (N + T) * cfg.head_dim * xa.element_size() / 2**20
+        cache_mib = B * (N + T) * PagedKV.bytes_per_token(layer, "fp8" if fp8 else None) / 2**20
+        kind = "e4m3 pages with a scale per token and K/V head" if fp8 else cfg.storage
         return ({"decode": {"prompt": N, "steps": T, "step_ms": step, "tokens_per_s": tps,
-                            "cache_MiB_per_rank": cache_mib}},
+                            "cache_MiB_per_rank": cache_mib, "kv_dtype": cfg.kv_dtype}},
                 f"decode: {T} steps after a prompt of {N}: {step:.3f} ms a step (the slowest rank's median), "
-                f"{tps:.0f} tokens/s for {B} sequence(s); KV cache {cache_mib:.1f} MiB per rank")
+                f"{tps:.0f} tokens/s for {B} sequence(s); KV cache {cache_mib:.3g} MiB per rank ({kind})")
     return _finish(cfg, proc, device, infos, argv, samples, checks, layer.collective_nbytes(B, 1), extra)
+
+
+class _PagedCache:
+    """--decode's cache with --kv-dtype fp8: B sequences of up to `rows` rows in a pool of e4m3 pages
+    (tpattn.paged.PagedKV), emptied by reset(); prefill(x [B, N, D]) packs the N rows of each in one
+    call, step(x [B, 1, D]) takes one row of each."""
+
+    def __init__(self, layer, batch: int, rows: int):
+        from .paged import PAGE_SIZE, PagedKV
+        self.layer, self.batch, self.ids = layer, batch, []
+        self.pool = PagedKV(layer, pages=batch * -(-rows // PAGE_SIZE), max_seqs=batch, kv_dtype="fp8")
+
+    def reset(self) -> None:
+        for sid in self.ids:
+            self.pool.remove(sid)
+        self.ids = [self.pool.add() for _ in range(self.batch)]
+
+    def prefill(self, x: torch.Tensor) -> torch.Tensor:
+        B, n, D = x.shape
+        with self.pool.step(self.ids, [n] * B) as st:
+            return self.layer(x.reshape(1, B * n, D), cache=st.view(0)).view(B, n, D)
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        with self.pool.step(self.ids, [1] * x.shape[0]) as st:
+            return self.layer(x, cache=st.view(0))
 
 
 def _backend(cfg: Config):

@@ -20,6 +20,7 @@ INT_MAX = 2**31 - 1
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 FP8 = "fp8"  # --dtype fp8: attention in e4m3 (tpattn.attention.fp8.Fp8Backend), weights and projections in fp16
 REDUCE_DTYPES = ("fp32", "model")
+KV_DTYPES = ("model", "fp8")  # --kv-dtype: --decode's cache in the layer's dtype, or e4m3 pages (tpattn.paged)
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 DEVICES = ("auto", "cuda", "cpu")
 
@@ -55,6 +56,7 @@ class Config:
     backward: bool = False             # time and check a training step (forward + backward) instead
     deterministic: bool = False        # with backward: the attention backward gives the same bits every run
     decode: int = 0                    # T > 0: a prompt of seq_len rows through a KV cache, then T decode steps
+    kv_dtype: str = "model"            # with decode: the cache's dtype, the layer's or fp8 (an e4m3 paged pool)
     timeout: float = 300.0
     profile: str | None = None
     load: str | None = None            # full weights (and optionally x) from a torch.save'd dict
@@ -203,8 +205,8 @@ def check_fp8(cfg: Config) -> None:
             raise FlagError(why)
     for flag, on, why in (("--backward", cfg.backward, "FP8 attention is forward only (as FlashAttention-3's): "
                                                        "train with --dtype fp16 or bf16"),
-                          ("--decode", cfg.decode, "the KV cache decodes in 16-bit here (an FP8 cache: "
-                                                   "tpattn.paged.PagedKV(kv_dtype='fp8')); use --dtype fp16 or bf16"),
+                          ("--decode", cfg.decode, "the KV cache decodes in 16-bit here; for an FP8 cache use "
+                                                   "--dtype fp16 or bf16 with --kv-dtype fp8"),
                           ("--context-parallel", cfg.context_parallel > 1, "the ring merges 16-bit pieces with "
                                                                            "their logsumexp; use --dtype fp16 or bf16"),
                           ("--cuda-graph", cfg.cuda_graph, "the FP8 path is not captured in a graph (its rotation "
@@ -233,6 +235,14 @@ def check_parallel_style(cfg: Config, world: int) -> None:
                           "use auto, allreduce or split here")
     if cfg.decode < 0:
         raise FlagError(f"--decode must be at least 1 step (got {cfg.decode}); 0 turns it off")
+    if cfg.kv_dtype not in KV_DTYPES:
+        raise FlagError(f"--kv-dtype {cfg.kv_dtype}: choose one of {', '.join(KV_DTYPES)}")
+    if cfg.kv_dtype == "fp8" and not cfg.decode:
+        raise FlagError("--kv-dtype fp8 is the KV cache's dtype: add --decode T (a prompt, then T steps through the "
+                        "cache)")
+    if cfg.kv_dtype == "fp8" and cfg.cuda_graph:
+        raise FlagError("--kv-dtype fp8 with --cuda-graph: the CLI graphs the contiguous cache's step only (an FP8 "
+                        "pool's steps graph through tpattn.paged.DecodeGraphs); drop --cuda-graph")
     if cfg.decode:
         other = next((flag for flag, on in (("--sequence-parallel", cfg.sequence_parallel),
                                            ("--backward", cfg.backward), ("--load", cfg.load)) if on), None)

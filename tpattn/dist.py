@@ -165,8 +165,10 @@ def _slurm_tasks_on_node(spec: str, node: int) -> int:
 class _NoMpiRendezvous:
     """The ranks of one node meeting without MPI: a file each in a folder named after the
     launcher's process on this node (its pid and start time: a pid used again later is another
-    folder). wait(step) marks this rank at `step` and returns when every local rank is there, or
-    after RENDEZVOUS_S (a rank that never comes does not hold the others)."""
+    folder) and the job's PMIx namespace where the launcher sets one (a daemon that outlives one
+    job, PRRTE's DVM, starts others). wait(step) marks this rank at `step` and returns when every
+    local rank is there, or after RENDEZVOUS_S (a rank that never comes does not hold the others);
+    leave() after the last step: the last rank to leave removes the folder."""
 
     RENDEZVOUS_S = 10.0
 
@@ -181,7 +183,9 @@ class _NoMpiRendezvous:
                     launcher += "-" + f.read().rsplit(")", 1)[1].split()[19]
             except (OSError, IndexError):
                 pass
-            self.here = os.path.join(tempfile.gettempdir(), f"tpattn-nompi-{os.getuid()}-{launcher}")
+            job = "".join(c if c.isalnum() else "_" for c in os.environ.get("PMIX_NAMESPACE", ""))
+            self.here = os.path.join(tempfile.gettempdir(), f"tpattn-nompi-{os.getuid()}-{launcher}"
+                                                            + (f"-{job}" if job else ""))
 
     def wait(self, step: str) -> None:
         if self.here is None:
@@ -193,6 +197,19 @@ class _NoMpiRendezvous:
             open(os.path.join(folder, self.name), "w").close()
             while len(os.listdir(folder)) < self.local and time.monotonic() < deadline:
                 time.sleep(0.01)
+        except OSError:
+            pass
+
+    def leave(self) -> None:
+        if self.here is None:
+            return
+        import shutil
+        try:
+            folder = os.path.join(self.here, "gone")
+            os.makedirs(folder, exist_ok=True)
+            open(os.path.join(folder, self.name), "w").close()
+            if len(os.listdir(folder)) >= self.local:  # every rank is past its waits: nobody reads the folder
+                shutil.rmtree(self.here, ignore_errors=True)
         except OSError:
             pass
 
@@ -210,7 +227,7 @@ def _refusal_without_mpi(message: str) -> ConfigError:
     rank = env.get("OMPI_COMM_WORLD_RANK") or env.get("PMI_RANK") or env.get("PMIX_RANK") or "?"
     meet = _NoMpiRendezvous(rank, _env_int("OMPI_COMM_WORLD_LOCAL_SIZE", _env_int("MPI_LOCALNRANKS")))
     meet.wait("here")
-    _BEFORE_EXIT.append(lambda: meet.wait("said"))
+    _BEFORE_EXIT.append(lambda: (meet.wait("said"), meet.leave()))
     return ConfigError(message)
 
 

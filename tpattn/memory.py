@@ -53,6 +53,10 @@ def coefficients(cfg: Config, world: int, rank: int) -> tuple[float, float, floa
     # x, y, the QKV GEMM's output and its q/k/v copies ((h + 2g) d each), o, partials
     b = B * (D * el * 2 + (3 * h + 4 * g) * d * el + D * red * 2)
     c = 2 * D * (h + g) * d * el                               # W_q, W_o (h heads), W_k, W_v (g heads), in el
+    if cfg.decode:  # the KV cache of N + T rows: K and V of this rank's K/V heads (e4m3: a byte and an fp32 scale)
+        per_token = 2 * g * (d + 4 if cfg.kv_dtype == "fp8" else d * el)
+        b += B * per_token
+        c += B * cfg.decode * per_token
     C = cfg.context_parallel
     if C > 1:  # N / C rows each; the ring's two K/V blocks in flight and the fp32 output it merges into
         acc = max(4, el)

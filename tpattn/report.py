@@ -284,17 +284,17 @@ def text(rep: dict) -> str:
                      f"pre-flight estimate {_gib(m['estimate_bytes_per_rank'])} on rank 0")
     if w["size"] == 1:
         lines.append(f"per pass, ms over {rep['iterations']['timed']} iterations ({rep['iterations']['warmup']} warm-up):")
-        w = max(10, *(len(p) + 1 for p in rep["rank0_passes"]))
-        lines.append(f"  {'pass':<{w}}{'median':>10}{'min':>10}{'max':>10}")
+        col = max(10, *(len(p) + 1 for p in rep["rank0_passes"]))
+        lines.append(f"  {'pass':<{col}}{'median':>10}{'min':>10}{'max':>10}")
         for p, s in rep["rank0_passes"].items():
-            lines.append(f"  {p:<{w}}{s['median']:>10.3f}{s['min']:>10.3f}{s['max']:>10.3f}")
+            lines.append(f"  {p:<{col}}{s['median']:>10.3f}{s['min']:>10.3f}{s['max']:>10.3f}")
     else:
         lines.append(f"per pass, ms: each rank's median over {rep['iterations']['timed']} iterations, "
                      "then min / median / max over ranks:")
-        w = max(10, *(len(p) + 1 for p in rep["passes"]))
-        lines.append(f"  {'pass':<{w}}{'min':>10}{'median':>10}{'max':>10}")
+        col = max(10, *(len(p) + 1 for p in rep["passes"]))
+        lines.append(f"  {'pass':<{col}}{'min':>10}{'median':>10}{'max':>10}")
         for p, s in rep["passes"].items():
-            lines.append(f"  {p:<{w}}{s['min']:>10.3f}{s['median']:>10.3f}{s['max']:>10.3f}")
+            lines.append(f"  {p:<{col}}{s['min']:>10.3f}{s['median']:>10.3f}{s['max']:>10.3f}")
         for name, a in rep.get("collectives", {}).items():
             if not a["median_ms"]:  # a CUDA graph: no per-pass times
                 continue

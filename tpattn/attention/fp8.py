@@ -209,8 +209,8 @@ def kernel_head_dim_error(d: int) -> str | None:
     """The same for the Triton FP8 kernel (triton_fp8.Fp8TritonBackend): KERNEL_HEAD_DIMS only."""
     if d in KERNEL_HEAD_DIMS:
         return None
-    return (f"--dtype fp8 --kernel triton takes --head-dim 64, 128 or 256 (got {d}); use one of those, or "
-            "--kernel reference")
+    return (f"--dtype fp8 --kernel triton takes --head-dim 64, 128 or 256 (got {d}); use one of those, or FP8 in "
+            "torch math (Fp8Backend(); with the CLI, --kernel reference)")
 
 
 class Fp8Backend(Backend):

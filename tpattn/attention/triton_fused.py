@@ -152,6 +152,9 @@ class TritonBackend(Backend):
     strided = True               # q, k, v, o (and the backward's do) may be strided [B, h, N, d] views, rows
                                  # contiguous: their strides go to the kernels
 
+    def head_dim_error(self, d: int) -> str | None:
+        return unsupported_head_dim(d)
+
     def check_supported(self, cfg) -> None:
         if not (interpreting() and cfg.device == "cpu"):  # the interpreter runs on CPU tensors
             super().check_supported(cfg)
