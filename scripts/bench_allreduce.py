@@ -78,7 +78,12 @@ def main() -> int:
         print("bench_allreduce: needs CUDA GPUs (this machine has none); run it under mpirun on a GPU node",
               file=sys.stderr)
         return 2
-    proc = init_distributed(backend="gloo" if torch.cuda.device_count() < _world() else "nccl", timeout=300)
+    from tpattn.errors import ConfigError
+    try:  # (discover makes every rank print its line before any exits)
+        proc = init_distributed(backend="gloo" if torch.cuda.device_count() < _world() else "nccl", timeout=300)
+    except ConfigError as exc:
+        print(f"bench_allreduce: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     W, R, dev = proc.world, proc.rank, proc.device
     if W < 2:
         print("bench_allreduce: run it with 2 or more ranks (mpirun -n 2 ...)", file=sys.stderr)

@@ -149,7 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     if {"-h", "--help"} & set(argv):
         print(__doc__)
         return 0
-    proc = tpdist.discover()
+    try:  # (discover makes every rank print its line before any exits)
+        proc = tpdist.discover()
+    except ConfigError as exc:
+        print(f"peer_tp: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     try:
         cfg = resolve(parse(argv))
         validate(cfg, proc.world, proc.local_world, check_json=proc.rank == 0)
