@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tpattn.commplan import RING_PASSES  # noqa: E402
 
 PASSES = ("qkv_proj", "fused", "qk", "softmax", "pv", "out_proj", "allreduce", "allgather", "reducescatter")
 
@@ -23,7 +27,8 @@ def row(rep: dict) -> dict:
     return {"world": rep["world"]["size"], "args": cmd, "verdict": rep["verdict"],
             "total": p["total"]["max"], "host": p.get("host", {}).get("median"),
             **{k: p[k]["median"] for k in PASSES if k in p},
-            "busbw": ", ".join(f"{k} {v['busbw_last_rank_GBps']:.0f}" for k, v in colls.items()),
+            # (the ring's passes travel behind the compute: their time is no transfer's, so no bandwidth)
+            "busbw": ", ".join(f"{k} {v['busbw_last_rank_GBps']:.0f}" for k, v in colls.items() if k not in RING_PASSES),
             "exposed": e.get("exposed_ms"), "hidden": e.get("hidden_share"), "kernel": c["kernel"]}
 
 
