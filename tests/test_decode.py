@@ -318,3 +318,16 @@ def test_block_trace_summary():
     assert s["loop min/med/max"] == (10.0, 11.0, 17.0)
     assert s["combine med/max"] == (3.0, 5.0) and s["tail"] == 6.0
     assert s["busy slots"] == (10 + 12 + 15 + 18) / 80 and s["SMs used"] == 2
+
+
+def test_the_preflight_counts_the_decode_cache_and_its_fp8_pages():
+    """--decode T: the estimate holds the cache of N + T rows of this rank's K/V heads, d values a
+    row each of K and V in the model's dtype, or with --kv-dtype fp8 d bytes and an fp32 scale."""
+    from tpattn.config import Config
+    from tpattn.memory import estimate
+    base = dict(seq_len=256, heads=8, kv_heads=4, head_dim=64, batch=3, kernel="reference", causal=True, check=False)
+    none = estimate(Config(**base), 2, 0)
+    fp16 = estimate(Config(**base, decode=16), 2, 0)
+    fp8 = estimate(Config(**base, decode=16, kv_dtype="fp8"), 2, 0)
+    rows, g = 3 * (256 + 16), 2  # B (N + T) rows, 4 K/V heads over 2 ranks
+    assert fp16 - none == rows * 2 * g * 64 * 2 and fp8 - none == rows * 2 * g * (64 + 4)
