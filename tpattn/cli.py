@@ -17,8 +17,8 @@ from . import dist as tpdist
 from . import faults, watch
 from .attention import backend_names
 from .check import TOL_BASELINE, TOL_FLOAT64, TOL_FP8_RMS, compare, grads_float64, layer_float64, sample_rows
-from .config import (DEVICES, DIST_BACKENDS, DTYPES, FP8, OUTPUT_COLLECTIVES, REDUCE_DTYPES, Config, ConfigError,
-                     check_writable, profile_path, resolve, validate)
+from .config import (DEVICES, DIST_BACKENDS, DTYPES, FP8, KV_DTYPES, OUTPUT_COLLECTIVES, REDUCE_DTYPES, Config,
+                     ConfigError, check_writable, profile_path, resolve, validate)
 from .layer import WORLD, TensorParallelAttention
 from .memory import heads_world, host_available, preflight
 from .report import COLLECTIVES, build, text
@@ -143,7 +143,7 @@ def parser() -> argparse.ArgumentParser:
                    "latency and tokens/s; every decoded row checked against the full forward and float64 "
                    "(with --cuda-graph: each step a replay of one graph; not with --sequence-parallel, --backward, "
                    "--load, --context-parallel, --profile or --dtype fp8)")
-    m.add_argument("--kv-dtype", default="model", choices=["model", "fp8"], help="with --decode: the KV cache's "
+    m.add_argument("--kv-dtype", default="model", choices=list(KV_DTYPES), help="with --decode: the KV cache's "
                    "dtype, the layer's (model, default) or fp8: e4m3 pages with an fp32 scale per token and K/V head "
                    "(tpattn.paged.PagedKV; about half fp16's bytes), the error against the full forward and float64 "
                    "printed (not with --cuda-graph)")
@@ -416,7 +416,8 @@ def _run_decode(cfg: Config, proc, device, infos, argv, layer, w, loaded) -> int
     fp8 = cfg.kv_dtype == "fp8"  # e4m3 K and V: FP8's RMS error, against the 16-bit forward and float64
 
     def checks() -> dict:
-        base = dict(tol=TOL_FP8_RMS, rms_metric=True) if fp8 else dict(tol=TOL_BASELINE[cfg.dtype], ulp_of=cfg.torch_dtype)
+        base = dict(tol=TOL_FP8_RMS, rms_metric=True) if fp8 else \
+            dict(tol=TOL_BASELINE[cfg.dtype], ulp_of=cfg.torch_dtype)
         out = {"vs_full_recompute": {**compare(y, y_full.double(), **base),
                                      "what": f"all {N + T} rows: prefill {N}, then {T} decode steps"
                                              + (", the cache in e4m3 against the layer's own forward" if fp8 else "")}}

@@ -252,8 +252,8 @@ def check_parallel_style(cfg: Config, world: int) -> None:
         if not cfg.causal:
             raise FlagError("--decode decodes causally: add --causal")
         if cfg.profile:
-            raise FlagError("--profile traces one call of the layer (or one training step); --decode times its prefill and steps "
-                            "itself: drop one of them")
+            raise FlagError("--profile traces one call of the layer (or one training step); --decode times its "
+                            "prefill and steps itself: drop one of them")
         from .decode import DEC_HEAD_DIMS, DEC_SPLIT_HEAD_DIMS
         dims = sorted(DEC_HEAD_DIMS + DEC_SPLIT_HEAD_DIMS)
         if cfg.cuda_graph and (cfg.dtype == "fp32" or cfg.head_dim not in dims):
