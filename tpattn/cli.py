@@ -20,6 +20,7 @@ from .check import TOL_BASELINE, TOL_FLOAT64, TOL_FP8_RMS, compare, grads_float6
 from .config import (DEVICES, DIST_BACKENDS, DTYPES, FP8, KV_DTYPES, OUTPUT_COLLECTIVES, REDUCE_DTYPES, Config,
                      ConfigError, check_writable, profile_path, resolve, validate)
 from .layer import WORLD, TensorParallelAttention
+from .paged import PAGE_SIZE, PagedKV
 from .memory import heads_world, host_available, preflight
 from .report import COLLECTIVES, build, text
 from .sharding import head_range, heads_by_rank, kv_head_range
@@ -379,21 +380,22 @@ def _run_decode(cfg: Config, proc, device, infos, argv, layer, w, loaded) -> int
     row against the full forward over all N + T rows and float64 on sampled rows. --kv-dtype fp8:
     the cache is a pool of e4m3 pages (tpattn.paged.PagedKV) holding the B sequences, the prefill
     their N rows packed in one call, each step one row of each; the checks by FP8's RMS error."""
-    from .paged import PagedKV
     B, N, T, D = cfg.batch, cfg.seq_len, cfg.decode, cfg.model_dim
+    fp8 = cfg.kv_dtype == "fp8"  # e4m3 K and V: FP8's RMS error, against the 16-bit forward and float64
     xa = layer_input(B, N + T, D, cfg.seed, cfg.torch_dtype, device)
     timer = Timer(device)
     samples: dict[str, list[float]] = {}
     y_full = layer(xa)  # the full recompute (every rank joins its collective); first, as the largest call:
     # with --output-collective p2p the graph below fixes the peer buffers at the size they have then
-    cache = _PagedCache(layer, B, N + T) if cfg.kv_dtype == "fp8" else layer.new_cache(B, N + T)
+    cache = _PagedCache(layer, B, N + T) if fp8 else layer.new_cache(B, N + T)
+    prefill, step = (cache.prefill, cache.step) if fp8 else (lambda x: layer(x, cache=cache),) * 2
     x_step = xa[:, N:N + 1].clone()  # --cuda-graph: the graph's input row, each step's row copied in
     replay = layer.graphed(x_step, cache) if cfg.cuda_graph else None
 
     def session(record: bool) -> torch.Tensor:
         cache.reset()
         with timer.section("prefill"):
-            ys = [cache.prefill(xa[:, :N]) if cfg.kv_dtype == "fp8" else layer(xa[:, :N], cache=cache)]
+            ys = [prefill(xa[:, :N])]
         got = timer.collect()
         if record:
             samples.setdefault("prefill", []).append(got["prefill"])
@@ -401,8 +403,7 @@ def _run_decode(cfg: Config, proc, device, infos, argv, layer, w, loaded) -> int
             if replay is not None:
                 x_step.copy_(xa[:, t:t + 1])
             with timer.section("step"):
-                y = replay() if replay is not None else cache.step(xa[:, t:t + 1]) if cfg.kv_dtype == "fp8" else \
-                    layer(xa[:, t:t + 1], cache=cache)
+                y = replay() if replay is not None else step(xa[:, t:t + 1])
             ys.append(y.clone() if replay is not None else y)  # a replay writes the same buffer each step
             got = timer.collect()
             if record:
@@ -412,8 +413,6 @@ def _run_decode(cfg: Config, proc, device, infos, argv, layer, w, loaded) -> int
         session(False)
     for _ in range(cfg.iters):
         y = session(True)
-
-    fp8 = cfg.kv_dtype == "fp8"  # e4m3 K and V: FP8's RMS error, against the 16-bit forward and float64
 
     def checks() -> dict:
         base = dict(tol=TOL_FP8_RMS, rms_metric=True) if fp8 else \
@@ -446,7 +445,6 @@ class _PagedCache:
     call, step(x [B, 1, D]) takes one row of each."""
 
     def __init__(self, layer, batch: int, rows: int):
-        from .paged import PAGE_SIZE, PagedKV
         self.layer, self.batch, self.ids = layer, batch, []
         self.pool = PagedKV(layer, pages=batch * -(-rows // PAGE_SIZE), max_seqs=batch, kv_dtype="fp8")
 

@@ -214,6 +214,12 @@ class _NoMpiRendezvous:
             pass
 
 
+def _launcher_rank() -> str:
+    """This process's rank as the MPI launcher's variables say it (no MPI needed), or '?'."""
+    env = os.environ
+    return env.get("OMPI_COMM_WORLD_RANK") or env.get("PMI_RANK") or env.get("PMIX_RANK") or "?"
+
+
 def _refusal_without_mpi(message: str) -> ConfigError:
     """The error of a rank that has no MPI to abort the job with (no library, or another MPI's, which
     makes it a world of 1). The launcher ends the job, with SIGKILL, when the first rank exits, and
@@ -223,9 +229,7 @@ def _refusal_without_mpi(message: str) -> ConfigError:
     way out of the process, whichever way the caller ends it: _last_words), until they have printed
     theirs."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    env = os.environ
-    rank = env.get("OMPI_COMM_WORLD_RANK") or env.get("PMI_RANK") or env.get("PMIX_RANK") or "?"
-    meet = _NoMpiRendezvous(rank, _env_int("OMPI_COMM_WORLD_LOCAL_SIZE", _env_int("MPI_LOCALNRANKS")))
+    meet = _NoMpiRendezvous(_launcher_rank(), _env_int("OMPI_COMM_WORLD_LOCAL_SIZE", _env_int("MPI_LOCALNRANKS")))
     meet.wait("here")
     _BEFORE_EXIT.append(lambda: (meet.wait("said"), meet.leave()))
     return ConfigError(message)
@@ -286,8 +290,7 @@ def discover() -> Proc:
                 node.Free()
             return Proc("mpi", rank, world, local_rank, local_world, comm=comm)
         if problem and "SLURM_PROCID" not in env:
-            rank = env.get("OMPI_COMM_WORLD_RANK") or env.get("PMI_RANK") or env.get("PMIX_RANK") or "?"
-            where = f"rank {rank}" + (f" of {env[size_var]}" if size_var else "")
+            where = f"rank {_launcher_rank()}" + (f" of {env[size_var]}" if size_var else "")
             raise _refusal_without_mpi(f"launched under MPI ({where}) but {problem}: {fix}")
     if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env and "SLURM_STEP_ID" in env:
         world = _env_int("SLURM_STEP_NUM_TASKS")

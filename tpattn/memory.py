@@ -40,6 +40,12 @@ def kv_bytes(cfg: Config, world: int, rank: int = 0) -> int:
     return 2 * cfg.batch * kv_heads_per_rank(cfg, world, rank) * rows * cfg.head_dim * cfg.elem_size
 
 
+def kv_token_bytes(kv_heads: int, head_dim: int, elem_size: int, fp8: bool = False) -> int:
+    """A cached token's K and V over `kv_heads` heads: d values each in the model's dtype, or (an FP8
+    cache, tpattn.paged) d bytes and an fp32 scale."""
+    return 2 * kv_heads * (head_dim + 4 if fp8 else head_dim * elem_size)
+
+
 def coefficients(cfg: Config, world: int, rank: int) -> tuple[float, float, float]:
     """Bytes as a*N^2 + b*N + c for this rank."""
     el, B, H, d = cfg.elem_size, cfg.batch, cfg.heads, cfg.head_dim
@@ -54,7 +60,7 @@ def coefficients(cfg: Config, world: int, rank: int) -> tuple[float, float, floa
     b = B * (D * el * 2 + (3 * h + 4 * g) * d * el + D * red * 2)
     c = 2 * D * (h + g) * d * el                               # W_q, W_o (h heads), W_k, W_v (g heads), in el
     if cfg.decode:  # the KV cache of N + T rows: K and V of this rank's K/V heads (e4m3: a byte and an fp32 scale)
-        per_token = 2 * g * (d + 4 if cfg.kv_dtype == "fp8" else d * el)
+        per_token = kv_token_bytes(g, d, el, cfg.kv_dtype == "fp8")
         b += B * per_token
         c += B * cfg.decode * per_token
     C = cfg.context_parallel

@@ -52,6 +52,7 @@ import torch
 from .attention import fp8
 from .attention.triton_fused import paged_prefill_fits as triton_prefill_fits  # (tests swap it here)
 from .errors import ConfigError
+from .memory import kv_token_bytes
 
 PAGE_SIZE = 16  # tokens per page: as fast as 64 and 256 on an H200 (docs/serving.md), and the least waste
 KV_DTYPES = (None, "fp8")  # the pages' dtype: the layers' own, or e4m3 with a scale per token and K/V head
@@ -165,8 +166,7 @@ class PagedKV:
         """The pool's bytes per token of a sequence on this rank, over `layers` (a layer or a list): K
         and V of the local K/V heads, and with kv_dtype="fp8" one byte a value plus the row's fp32 scale."""
         layers = [layers] if isinstance(layers, torch.nn.Module) else list(layers)
-        fp8 = kv_dtype == "fp8"
-        return sum(2 * L.local_kv_heads * (L.head_dim + 4 if fp8 else L.head_dim * L.dtype.itemsize) for L in layers)
+        return sum(kv_token_bytes(L.local_kv_heads, L.head_dim, L.dtype.itemsize, kv_dtype == "fp8") for L in layers)
 
     def rope(self, layer, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [>= upto, d/2] of layer's rotary angles at positions 0, 1, ... (decode.rope_rows: the
