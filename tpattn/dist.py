@@ -168,7 +168,7 @@ class _NoMpiRendezvous:
     folder) and the job's PMIx namespace where the launcher sets one (a daemon that outlives one
     job, PRRTE's DVM, starts others). wait(step) marks this rank at `step` and returns when every
     local rank is there, or after RENDEZVOUS_S (a rank that never comes does not hold the others);
-    leave() after the last step: the last rank to leave removes the folder."""
+    leave() after the last step removes the folder."""
 
     RENDEZVOUS_S = 10.0
 
@@ -201,17 +201,14 @@ class _NoMpiRendezvous:
             pass
 
     def leave(self) -> None:
+        """One more step, "gone", then the folder removed: every rank is past its waits by then (a
+        rank that removed it after only its own step could be killed first: the launcher ends the
+        others when one exits)."""
         if self.here is None:
             return
         import shutil
-        try:
-            folder = os.path.join(self.here, "gone")
-            os.makedirs(folder, exist_ok=True)
-            open(os.path.join(folder, self.name), "w").close()
-            if len(os.listdir(folder)) >= self.local:  # every rank is past its waits: nobody reads the folder
-                shutil.rmtree(self.here, ignore_errors=True)
-        except OSError:
-            pass
+        self.wait("gone")  # (a rank still polling when another has removed the folder stops at its OSError)
+        shutil.rmtree(self.here, ignore_errors=True)
 
 
 def _launcher_rank() -> str:
