@@ -3,7 +3,9 @@
 beside them) through tpattn.attention.attention(...).backward(do), beside torch SDPA's flash, cuDNN
 and memory-efficient backends, forward and backward, in one run on one GPU.
 
-Per shape and kernel (all times in milliseconds, median over --iters after --warmup, CUDA events):
+Per shape and kernel (all times in milliseconds, median over --iters after --warmup, CUDA events; with
+--rounds R every row is timed R times, the kernels taking turns in each round so that a power cap's
+clock drop lands on each of them, and the median of the R rounds is reported):
   fwd ms        o = attention(q, k, v) with q, k, v requiring grad (what training runs: it saves
                 what the backward needs)
   bwd ms        o.backward(do) alone: the start event is recorded after the forward call, so the
@@ -42,7 +44,8 @@ Writes PREFIX.json and PREFIX.md (--out, default benchmarks/backward_h200): GPU,
 command, date (UTC), git commit and a table per shape.
 
     PYTHONPATH=. python scripts/bench_backward.py [--seq-lens 4096 16384] [--heads 32] [--kv-heads 8]
-        [--causal | --non-causal | --both-causal] [--kernels fused triton sdpa_flash sdpa_cudnn] [--out PREFIX]
+        [--causal | --non-causal | --both-causal] [--kernels fused triton sdpa_flash sdpa_cudnn] [--rounds 3]
+        [--out PREFIX]
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ import argparse
 import json
 import math
 import shlex
+import statistics
 import sys
 import time
 import warnings
@@ -74,6 +78,7 @@ FIRST_CALL = ("triton",)  # rungs whose first call compiles and autotunes: timed
 MATERIALIZED = ("naive", "tiled", "reference")  # write N x N scores and their gradients
 SDPA = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")  # the names bench_kernels.sdpa_backends() gives
 TOL = {"fp16": 1e-2, "bf16": 5e-2}  # grad err beyond which a row is CHECK FAILED
+PARTS = ("fwd", "bwd", "fwd+bwd")  # the timed intervals of a row
 BWD_FLOPS = 2.5  # backward FLOPs per forward FLOP (the usual count: dV, dP, dQ, dK matmuls + recomputed S)
 
 
@@ -148,8 +153,18 @@ def first_call(fwd, q, k, v, do) -> float:
     return time.perf_counter() - t0
 
 
-def measure(name, fwd, q, k, v, do, args, flops: float, ref) -> dict:
-    """One kernel's row: peak memory, timed fwd / bwd / fwd+bwd, grad check, graph times."""
+def with_times(row: dict, ms: dict, flops: float) -> dict:
+    """The row's fwd / bwd / fwd+bwd milliseconds and the TFLOP/s they give."""
+    row.update(fwd_ms=ms["fwd"], bwd_ms=ms["bwd"], fwdbwd_ms=ms["fwd+bwd"],
+               fwd_tflops=flops / (ms["fwd"] * 1e-3) / 1e12,
+               bwd_tflops=BWD_FLOPS * flops / (ms["bwd"] * 1e-3) / 1e12,
+               fwdbwd_tflops=(1 + BWD_FLOPS) * flops / (ms["fwd+bwd"] * 1e-3) / 1e12)
+    return row
+
+
+def measure(name, fwd, q, k, v, do, args, flops: float, ref) -> tuple[dict, object]:
+    """One kernel's row (peak memory, timed fwd / bwd / fwd+bwd, grad check, graph times) and a callable
+    that times fwd / bwd / fwd+bwd again, for the later rounds."""
     def clear():
         q.grad = k.grad = v.grad = None
 
@@ -171,16 +186,34 @@ def measure(name, fwd, q, k, v, do, args, flops: float, ref) -> dict:
         gf = graph_ms(lambda _t: fwd(), args.iters)
         gfb = graph_ms(step, args.iters)
     clear()
-    ms = {p: t[p] for p in ("fwd", "bwd", "fwd+bwd")}
     ok = err <= TOL[args.dtype]
-    return {"status": "ok" if ok else "CHECK FAILED", "reason": "" if ok else f"grad err {err:.2e} > {TOL[args.dtype]}",
-            "fwd_ms": ms["fwd"], "bwd_ms": ms["bwd"], "fwdbwd_ms": ms["fwd+bwd"],
-            "fwd_tflops": flops / (ms["fwd"] * 1e-3) / 1e12,
-            "bwd_tflops": BWD_FLOPS * flops / (ms["bwd"] * 1e-3) / 1e12,
-            "fwdbwd_tflops": (1 + BWD_FLOPS) * flops / (ms["fwd+bwd"] * 1e-3) / 1e12,
-            "passes_ms": {p: x for p, x in t.items() if p not in ("fwd", "bwd", "fwd+bwd", "total")},
-            "graph_fwd_ms": gf, "graph_fwdbwd_ms": gfb, "graph_bwd_ms": gfb - gf if gf and gfb else None,
-            "peak_bytes": mem, "grad_err": err, "first_call_s": first}
+    row = {"status": "ok" if ok else "CHECK FAILED",
+           "reason": "" if ok else f"grad err {err:.2e} > {TOL[args.dtype]}",
+           "rounds_ms": {p: [t[p]] for p in PARTS},
+           "passes_ms": {p: x for p, x in t.items() if p not in (*PARTS, "total")},
+           "graph_fwd_ms": gf, "graph_fwdbwd_ms": gfb, "graph_bwd_ms": gfb - gf if gf and gfb else None,
+           "peak_bytes": mem, "grad_err": err, "first_call_s": first}
+
+    def again() -> dict:
+        t = timed(step, args.warmup, args.iters)
+        clear()
+        return t
+    return with_times(row, {p: t[p] for p in PARTS}, flops), again
+
+
+def later_rounds(rows: list, timers: dict, args, flops: float) -> None:
+    """Rounds 2..R: every ok row's kernel timed again, the kernels taking turns in each round (so that a
+    power cap's clock drop lands on each of them); a row's times become the median of its rounds'."""
+    ok = [r for r in rows if r["status"] == "ok" and r["kernel"] in timers]
+    for _ in range(args.rounds - 1):
+        for r in ok:
+            with warnings.catch_warnings(), env_set(RUNG_ENV.get(r["kernel"], {})):
+                warnings.simplefilter("ignore")
+                t = timers[r["kernel"]]()
+            for p in PARTS:
+                r["rounds_ms"][p].append(t[p])
+    for r in ok:
+        with_times(r, {p: statistics.median(r["rounds_ms"][p]) for p in PARTS}, flops)
 
 
 def run(args) -> dict:
@@ -211,7 +244,7 @@ def run(args) -> dict:
                                                                                        deterministic=det)
                 for name, backend in sdpa.items():
                     kernels[name] = lambda backend=backend: sdpa_forward(backend, q, k, v, causal, args.sdpa_gqa)
-                shape_rows = []
+                shape_rows, timers = [], {}
                 for name, fwd in kernels.items():
                     if name not in wanted:
                         continue
@@ -224,7 +257,8 @@ def run(args) -> dict:
                         try:
                             with warnings.catch_warnings(record=True) as caught, env_set(RUNG_ENV.get(name, {})):
                                 warnings.simplefilter("always")
-                                row.update(measure(name, fwd, q, k, v, do, args, flops, ref))
+                                got, timers[name] = measure(name, fwd, q, k, v, do, args, flops, ref)
+                                row.update(got)
                         except ConfigError as exc:
                             line = str(exc).splitlines()[0]
                             row.update(status="no backward" if "no backward" in line else "skipped", reason=line)
@@ -240,6 +274,16 @@ def run(args) -> dict:
                     print("  " + row_line(row), flush=True)
                     if broken:
                         break
+                if not broken and args.rounds > 1:
+                    try:
+                        later_rounds(shape_rows, timers, args, flops)
+                    except Exception as exc:  # noqa: BLE001 - the first round's rows stand; the table says why
+                        broken = f"stopped in a later round: {refusal(exc, [])}"
+                    for r in shape_rows:
+                        if r["status"] == "ok":
+                            print(f"  {r['kernel']:<16} bwd ms over {args.rounds} rounds: "
+                                  f"{', '.join(f'{x:.3f}' for x in r['rounds_ms']['bwd'])}", flush=True)
+                timers.clear()
                 base = {s: r["bwd_ms"] for r in shape_rows for s in ("sdpa_flash", "sdpa_cudnn")
                         if r["kernel"] == s and r["status"] == "ok"}
                 for r in shape_rows:
@@ -263,6 +307,7 @@ def results(args, rows: list, broken: str | None) -> dict:
     return {"gpu": gpu_info(), "versions": versions(), "command": "python " + shlex.join(sys.argv),
             "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(args.commit),
             "sdpa_gqa": args.sdpa_gqa, "max_materialized_n": args.max_materialized_n, "iters": args.iters,
+            "rounds": args.rounds,
             "warmup": args.warmup, "deterministic": args.deterministic, "stopped": broken, "rows": rows}
 
 
@@ -289,7 +334,9 @@ def markdown(res: dict) -> str:
              f"python {v.get('python')}, tpattn {v.get('tpattn')}",
              f"- Command: `{res['command']}`",
              f"- Date: {res['date_utc']}; commit: {res['commit']}",
-             f"- Median over {res['iters']} iterations after {res['warmup']} warm-up ones, CUDA events; "
+             f"- Median over {res['iters']} iterations after {res['warmup']} warm-up ones, CUDA events"
+             + (f", then the median of {res['rounds']} such rounds, the kernels taking turns in each "
+                "(`bwd rounds ms`)" if res.get("rounds", 1) > 1 else "") + "; "
              f"deterministic={res['deterministic']} (tpattn kernels only)", "",
              *([f"**Incomplete: {res['stopped']}.**", ""] if res.get("stopped") else []),
              "`fwd`: attention(q, k, v) with inputs requiring grad. `bwd`: o.backward(do) alone, started after the "
@@ -319,21 +366,22 @@ def markdown(res: dict) -> str:
         b, h, g, n, d, dt, causal = key
         lines += [f"## B={b}, H={h}, G={g}, N={n}, d={d}, {dt}, {'causal' if causal else 'non-causal'}", "",
                   "| kernel | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s | bwd TFLOP/s | fwd+bwd TFLOP/s | bwd / flash "
-                  "| bwd / cudnn | graph fwd / bwd ms | peak MiB | grad err | first call s | status |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| bwd / cudnn | graph fwd / bwd ms | peak MiB | grad err | first call s | bwd rounds ms | status |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["rows"]:
             if (r["batch"], r["heads"], r["kv_heads"], r["seq_len"], r["head_dim"], r["dtype"], r["causal"]) != key:
                 continue
             status = r["status"] + (f": {r['reason']}" if r.get("reason") else "")
             if r["status"] != "ok":
                 err = fmt(r.get("grad_err"), ".1e")
-                lines.append(f"| {r['kernel']} | - | - | - | - | - | - | - | - | - | - | {err} | - | {status} |")
+                lines.append(f"| {r['kernel']} | - | - | - | - | - | - | - | - | - | - | {err} | - | - | {status} |")
                 continue
             graph = f"{fmt(r['graph_fwd_ms'], '.3f')} / {fmt(r['graph_bwd_ms'], '.3f')}"
             lines.append(f"| {r['kernel']} | {r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} "
                          f"| {r['fwd_tflops']:.1f} | {r['bwd_tflops']:.1f} | {r['fwdbwd_tflops']:.1f} "
                          f"| {fmt(r['bwd_x_flash'], '.2f')} | {fmt(r['bwd_x_cudnn'], '.2f')} | {graph} "
-                         f"| {r['peak_bytes'] / 2**20:.1f} | {r['grad_err']:.1e} | {fmt(r.get('first_call_s'), '.2f')} | ok |")
+                         f"| {r['peak_bytes'] / 2**20:.1f} | {r['grad_err']:.1e} | {fmt(r.get('first_call_s'), '.2f')} "
+                         f"| {', '.join(f'{x:.3f}' for x in r.get('rounds_ms', {}).get('bwd', []))} | ok |")
         lines.append("")
     return "\n".join(lines)
 
@@ -356,6 +404,9 @@ def main() -> int:
     p.set_defaults(causal_mode="both")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations first (default 3)")
     p.add_argument("--iters", type=int, default=10, help="timed iterations, the median reported (default 10)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="times every row R times, the kernels taking turns in each round, and reports the median "
+                        "of the rounds (default 1)")
     p.add_argument("--kernels", nargs="+", default=None, choices=[*RUNGS, *SDPA], metavar="KERNEL",
                    help=f"rows to run (default all): {' '.join([*RUNGS, *SDPA])}")
     p.add_argument("--max-materialized-n", type=int, default=4096,
@@ -373,6 +424,9 @@ def main() -> int:
     args = p.parse_args()
     # autograd's device thread says this once when it first calls cuBLAS; it sets the context itself
     warnings.filterwarnings("ignore", message="Attempting to run cuBLAS, but there was no current CUDA context")
+    if args.rounds < 1 or args.iters < 1 or args.warmup < 0:
+        print("bench_backward: --rounds and --iters must be at least 1, --warmup at least 0", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench_backward: needs a CUDA GPU; nothing to measure on this machine", file=sys.stderr)
         return 2
