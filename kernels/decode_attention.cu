@@ -142,7 +142,7 @@ __device__ __forceinline__ tc_u16 dec_round(float x) {
 #define DEC_COMBINE_W 1024
 template <int D, bool BF16>
 __device__ __noinline__ void dec_combine(const float *__restrict__ Op, const float *__restrict__ Lp,
-                                            tc_u16 *__restrict__ O, long long bh0, int group, int S) {
+                                            tc_u16 *__restrict__ O, long long bh0, int group, int S, int n) {
     __shared__ float wts[DEC_COMBINE_W];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int hc = min(group, DEC_COMBINE_W / S);
@@ -154,16 +154,16 @@ __device__ __noinline__ void dec_combine(const float *__restrict__ Op, const flo
         for (int i = warp; i < nh; i += DEC_THREADS / 32) {
             float *w = wts + i * S;
             float mx = TC_NEG_INF, sum = 0.0f;
-            for (int s = lane; s < S; s += 32) mx = fmaxf(mx, w[s]);
+            for (int s = lane; s < n; s += 32) mx = fmaxf(mx, w[s]);
             mx = tc_warp_max(mx);
             const float ref = mx == TC_NEG_INF ? 0.0f : mx;
-            for (int s = lane; s < S; s += 32) {  // empty partials: 2^-inf = 0 (and their o_s = 0)
+            for (int s = lane; s < n; s += 32) {  // empty partials: 2^-inf = 0 (and their o_s = 0)
                 w[s] = tc_exp2(w[s] - ref);
                 sum += w[s];
             }
             sum = tc_warp_sum(sum);
             const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-            for (int s = lane; s < S; s += 32) w[s] *= inv;
+            for (int s = lane; s < n; s += 32) w[s] *= inv;
         }
         __syncthreads();
         for (int it = tid; it < nh * (D / 4); it += DEC_THREADS) {
@@ -173,7 +173,7 @@ __device__ __noinline__ void dec_combine(const float *__restrict__ Op, const flo
             const float *w = wts + i * S;
             float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll 8
-            for (int s = 0; s < S; ++s) {
+            for (int s = 0; s < n; ++s) {
                 const float4 v = __ldcg(op + (long long)s * (D / 4));
                 acc.x = fmaf(w[s], v.x, acc.x), acc.y = fmaf(w[s], v.y, acc.y);
                 acc.z = fmaf(w[s], v.z, acc.z), acc.w = fmaf(w[s], v.w, acc.w);
@@ -382,7 +382,7 @@ __device__ __forceinline__ void dec_split(const tc_u16 *__restrict__ Q, const KV
         __syncthreads();
         if (last) {
             __threadfence();
-            dec_combine<D, BF16>(Op, Lp, O, bh0, group, S);
+            dec_combine<D, BF16>(Op, Lp, O, bh0, group, S, S);
         }
         __syncthreads();
     }
@@ -495,7 +495,40 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
     const unsigned long long tr_start = dec_now();
     unsigned long long tr_first = 0;
 #endif
-    static_assert(STG == 0 || (!F8 && !PAGED), "the staged split: the contiguous cache of the storage dtype");
+    static_assert(STG == 0 || (!F8 && (PG == 0 || PG == 2)),
+                  "the staged split: the contiguous cache or whole-tile pages, of the storage dtype");
+    // EQ (the staged split over pages): chunks of equal work across the batch's sequences. The chunk C
+    // is the batch's keys over the LMAX blocks asked for (LMAX: the target count of non-empty blocks;
+    // a pool has no LMAX), at least the longest sequence over the S chunks the grid has, in whole
+    // 16-key tiles a warp; sequence b takes Sb = ceil(L / C) chunks (1 for L = 0), the grid's other
+    // blocks of it leave at once, and its combine waits for Sb partials (stored at stride S)
+    constexpr bool EQ = PAGED && STG > 0;
+    int C = 0;
+    if constexpr (EQ) {
+        __shared__ long long tot_s[W];
+        __shared__ int top_s[W];
+        const int B = BG / G;
+        long long tot = 0;
+        int top = 0;
+        for (int i = tid; i < B; i += DEC_THREADS) {
+            const int l = __ldg(lens + i);
+            tot += l;
+            top = max(top, l);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            tot += __shfl_xor_sync(0xffffffffu, tot, o);
+            top = max(top, __shfl_xor_sync(0xffffffffu, top, o));
+        }
+        if (lane == 0) tot_s[warp] = tot, top_s[warp] = top;
+        __syncthreads();
+        tot = 0, top = 0;
+#pragma unroll
+        for (int w = 0; w < W; ++w) tot += tot_s[w], top = max(top, top_s[w]);
+        const long long want = max(1, LMAX);
+        const long long c = max((tot * G + want - 1) / want, (long long)(top + S - 1) / S);
+        C = (int)((max(c, 1LL) + 16 * W - 1) / (16 * W) * (16 * W));
+    }
     constexpr int TILE = 16 * D;  // values of a tile's K (or V) rows
     static_assert(STG == 0 || ROWS * D * 4 <= STG * 2 * TILE * 2, "a warp's partial rows fit its ring");
     __shared__ __align__(8) unsigned long long bars[W][STG > 0 ? STG : 1];
@@ -517,7 +550,10 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
     for (int bg = blockIdx.y; bg < BG; bg += gridDim.y) {
         const int b = bg / G, g = bg - b * G;
         const int L = dec_len<PAGED>(b, Ladd, Lpos, lens);
-        const int chunk = ((L + S - 1) / S + 16 * W - 1) / (16 * W) * (16 * W);  // whole 16-key tiles per warp
+        // whole 16-key tiles per warp; Sn: the chunks of this sequence (EQ: its own count)
+        const int chunk = EQ ? C : ((L + S - 1) / S + 16 * W - 1) / (16 * W) * (16 * W);
+        const int Sn = EQ ? max(1, (L + C - 1) / C) : S;
+        if (EQ && s >= Sn) continue;  // (block-uniform: s and bg are the block's)
         const int k0 = min(L, s * chunk), k1 = min(L, k0 + chunk);
         const long long kv = (long long)bg * LMAX * D;
         const long long bh0 = (long long)bg * group;  // the group's first query head
@@ -742,10 +778,11 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
             } else if constexpr (STG > 0) {
                 tc_u16 *ring = (tc_u16 *)dec_ring + (long long)warp * STG * 2 * TILE;
                 // tile t0's K and V rows (keys t0 .. min(t0 + 16, k1) - 1) into the next stage, by lane 0
-                auto issue = [&](int t0) {
+                auto issue = [&](int t0) {  // (PAGED: tiles in order, each one's page looked up a tile ahead)
                     const int st = n_issue % STG;
                     ++n_issue;
-                    const long long at = kv + (long long)t0 * D;
+                    long long at = kv + (long long)t0 * D;
+                    if constexpr (PAGED) at = tile_base(t0);
                     if (lane == 0) {
                         const tc_u32 bytes = (tc_u32)(min(16, k1 - t0) * D * 2), bar = tc_saddr(&bars[warp][st]);
                         dec_bar_expect(bar, 2 * bytes);
@@ -840,7 +877,7 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                     }
                 const long long bh = bh0 + h0 + i;
                 const float y = lsum > 0.0f ? acc / lsum : 0.0f;
-                if (S == 1) {  // one chunk: its rows are the output (what the combine of one partial writes)
+                if (Sn == 1) {  // one chunk: its rows are the output (what the combine of one partial writes)
                     O[bh * D + col] = dec_round<BF16>(y);
                     continue;
                 }
@@ -851,20 +888,20 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
         }
 #ifdef DEC_TRACE
         const unsigned long long tr_rows = dec_now();
-        if (S == 1 && tid == 0 && bg == (int)blockIdx.y) dec_trace_block(tr_start, tr_first, tr_rows, false);
+        if (Sn == 1 && tid == 0 && bg == (int)blockIdx.y) dec_trace_block(tr_start, tr_first, tr_rows, false);
 #endif
-        if (S == 1) continue;  // (as in dec_split)
+        if (Sn == 1) continue;  // (as in dec_split)
         __threadfence();
         __syncthreads();
         if (tid == 0) {
             const int t = atomicAdd(tickets + bg, 1);
-            last = t == S - 1;
+            last = t == Sn - 1;
             if (last) tickets[bg] = 0;
         }
         __syncthreads();
         if (last) {
             __threadfence();
-            dec_combine<D, BF16>(Op, Lp, O, bh0, group, S);
+            dec_combine<D, BF16>(Op, Lp, O, bh0, group, S, Sn);
         }
         __syncthreads();
 #ifdef DEC_TRACE
@@ -1016,7 +1053,20 @@ __device__ __forceinline__ void dec_append_pg8(const tc_u16 *__restrict__ QKV, t
         dec_mma<D, M16, false, BF16, 0, tc_u16, DEC_STAGES>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, \
                                                                 Lpos, LMAX, S, scale_log2, table, lens, tstride, page); \
     }
-#define DEC_MMABS(SUF, BF16, D) DEC_MMAB(SUF, BF16, D, false, 8) DEC_MMAB(SUF, BF16, D, true, 16)
+// the staged split over a pool of whole-tile pages (_pgb: PG 2, equal-work chunks; LMAX carries the
+// target count of non-empty blocks, tpattn/decode.py's eq_blocks)
+#define DEC_MMAPB(SUF, BF16, D, M16, ROWS)                                                             \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r##ROWS##_pgb(     \
+        const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,      \
+        float *__restrict__ Op, float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets, \
+        int BG, int G, int group, int Ladd, const long long *__restrict__ Lpos, int LMAX, int S,        \
+        float scale_log2, const int *__restrict__ table, const int *__restrict__ lens, int tstride, int page) { \
+        dec_mma<D, M16, false, BF16, 2, tc_u16, DEC_STAGES>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, \
+                                                                Lpos, LMAX, S, scale_log2, table, lens, tstride, page); \
+    }
+#define DEC_MMABS(SUF, BF16, D)                                                                         \
+    DEC_MMAB(SUF, BF16, D, false, 8) DEC_MMAB(SUF, BF16, D, true, 16)                                   \
+    DEC_MMAPB(SUF, BF16, D, false, 8) DEC_MMAPB(SUF, BF16, D, true, 16)
 // the tensor-core split over an FP8 pool (grouped heads at d = 64 and 128; _pg8)
 #define DEC_MMA8(SUF, BF16, D, M16, ROWS, PIPE, P)                                                     \
     extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r##ROWS##P##_pg8(   \

@@ -111,6 +111,32 @@ def test_paged_kernel_at_other_head_dims(h, g, d, dtype, page):
     check_paged([1, 17, page, 1000, 4097], h, g, d, dtype, page)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[32768], [0, 5000, 1, 64, 12288], [8000] + [1] * 15, [4096] * 16,
+                                  [2048, 8192, 3000, 5100] * 4])
+def test_staged_pages_in_equal_work_chunks(lens, dtype):
+    """On compute capability 9.0 a pool of 16-token pages with grouped heads runs the staged split of
+    equal-work chunks (_pgb): one sequence split 16 ways, ragged batches, a sequence longer than
+    EQ_SPREAD times the mean (the chunks grow), zero-length rows, 128 pairs on the SMs; against
+    float64, and every ticket back at zero (each combine waited for its own sequence's partials)."""
+    from tpattn import decode as dec
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the staged builds need compute capability 9.0")
+    h, g = 32, 8
+    q, pk, pv, table, L = paged_inputs(lens, h, g, 128, 16, dtype, seed=len(lens))
+    cap = 16 * table.shape[1]
+    name = dec._split_kernel(q, len(lens), h, g, 128, cap, page=16)[1]
+    assert name.endswith("_r8_pgb"), name
+    tickets = torch.zeros(len(lens) * g, dtype=torch.int32, device="cuda")
+    for _ in range(2):  # a second launch reads the tickets the first one left
+        got = paged_decode_attention(q, pk, pv, table, L, cap, tickets=tickets)
+    want = float64_rows(q, pk, pv, table, L)
+    tol = (4e-3 if dtype == torch.float16 else 3e-2) * max(1.0, want.abs().max().item())
+    assert torch.isfinite(got).all() and (got.double() - want).abs().max().item() <= tol
+    assert (tickets == 0).all()
+    assert all((got[b] == 0).all() for b, n in enumerate(lens) if n == 0)
+
+
 def test_zero_length_rows_are_zero_and_the_split_follows_longest(split_kernel):
     q, pk, pv, table, L = paged_inputs([0, 300, 0, 5], 8, 2, 128, 16, torch.float16)
     got = paged_decode_attention(q, pk, pv, table, L, 16 * table.shape[1])  # split for the table's capacity

@@ -522,8 +522,10 @@ def test_decode_launches_contiguous_and_paged(monkeypatch, h, g):
 def test_staged_decode_split_on_hopper(monkeypatch, major, h, g, d):
     """On compute capability 9.0 the tensor-core split over the contiguous cache is the staged build
     (_b: K/V tiles by bulk copies through shared memory, 8 or 16 heads a pass), launched with its rings'
-    dynamic shared memory; pages keep their builds (_pg), and so do other GPUs and the CUDA-core split
-    (one head a K/V head). Each launch is a kernel of the file with the arguments it takes."""
+    dynamic shared memory; over pages of 16 tokens it is the staged build of equal-work chunks (_pgb,
+    up to 8 heads a K/V head: the target count of blocks, one an SM, where the contiguous cache's
+    LMAX goes); larger groups keep the pages' build (_pg), and so do other GPUs and the CUDA-core
+    split (one head a K/V head). Each launch is a kernel of the file with the arguments it takes."""
     from tpattn import cuda as tcuda
     from tpattn import decode
     calls = []
@@ -541,7 +543,12 @@ def test_staged_decode_split_on_hopper(monkeypatch, major, h, g, d):
     want = f"dec_mma_f16_d{d}_r{16 if h // g > 8 else 8}_b" if staged else None
     assert (cname == want) if staged else not cname.endswith("_b"), cname
     assert csmem == (4 * decode.DEC_STAGES * 2 * 16 * d * 2 if staged else 0) == (decode.dec_ring_bytes(d) if staged else 0)
-    assert pname.endswith("_pg") and psmem == 0
+    if staged and h // g <= 8:
+        assert pname == f"dec_mma_f16_d{d}_r8_pgb" and psmem == decode.dec_ring_bytes(d), pname
+        grid, args = p[0], p[2]
+        assert args[12] == 132 and grid[0] == decode.equal_work_chunks(3 * g, 192, 132) == 3  # 192 keys: 3 pieces
+    else:
+        assert pname.endswith("_pg") and psmem == 0 and p[2][12] == 0
 
 
 @pytest.mark.parametrize("page,suffix", [(16, "_pg"), (64, "_pg"), (8, "_pgk"), (24, "_pgk"), (48, "_pgk")])

@@ -170,6 +170,9 @@ DEC_THREADS = 128     # a split block's threads
 WAVES_MEASURED = 4    # decode_splits follows the occupancy up to launches of this many waves
 DEC_STAGES = 3        # the staged split's stages a warp (kernels/decode_attention.cu's DEC_STAGES)
 DEC_STAGED = True     # the staged tensor-core split (_b) over the contiguous cache (compute capability 9.0+)
+DEC_STAGED_PAGED = True  # ... and over a pool of whole-tile pages, in chunks of equal work (_pgb)
+EQ_SPREAD = 4         # _pgb: the grid's chunks a pair, over one_block_an_sm's: room for a sequence this many
+                      # times the batch's mean length to take its share of chunks
 
 
 def decode_splits(bg: int, length: int, sms: int, per_sm: int = 4, resident: int = 0, uniform: bool = True) -> int:
@@ -212,6 +215,21 @@ def one_block_an_sm(bg: int, length: int, sms: int) -> int:
     _split_kernel takes it for groups of up to 8 query heads a K/V head (the r8 build); larger groups
     run the r16 build (16 heads a pass, two passes over a chunk for 32) and were not measured."""
     return max(1, min(sms // bg, -(-length // 64), DEC_COMBINE_W))
+
+
+def equal_work_chunks(bg: int, longest: int, sms: int) -> int:
+    """The grid's chunks a (sequence, K/V head) pair for the staged split over pages (_pgb), bg pairs
+    no more than the SMs. The kernel cuts the batch's keys into chunks of equal work, about one an SM
+    (eq_blocks), from the lengths on the device, so one CUDA graph serves every mix of lengths; a
+    sequence then takes chunks in proportion to its length, up to the grid's: EQ_SPREAD times
+    one_block_an_sm's count, no more than the longest's 64-key pieces or DEC_COMBINE_W. A sequence
+    longer than EQ_SPREAD times the mean makes the chunks longer (the longest over this count)."""
+    return max(1, min(EQ_SPREAD * max(1, sms // bg), -(-longest // 64), DEC_COMBINE_W))
+
+
+def eq_blocks(sms: int) -> int:
+    """The non-empty blocks the staged split over pages (_pgb) aims at: one an SM (see one_block_an_sm)."""
+    return sms
 
 
 def kernel_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -323,18 +341,24 @@ def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int,
     a build for pages of a power of two of 16 tokens or more (_pg: a block-table lookup a 16-key tile)
     and one for the others (_pgk: a lookup a key). fp8: an FP8 pool's pages (the same choice of split,
     each kernel's _pg8). On compute capability 9.0 and up (DEC_STAGED) the tensor-core split over the
-    contiguous cache is the staged one (_b: bulk copies through shared memory; measured faster there,
-    slower over pages: kernels/decode_attention.cu), split one block an SM where its pairs fit
-    (one_block_an_sm)."""
+    contiguous cache is the staged one (_b: bulk copies through shared memory), split one block an SM
+    where its pairs fit (one_block_an_sm); over whole-tile pages of the storage dtype where the pairs
+    fit (DEC_STAGED_PAGED), the staged build _pgb, whose chunks the kernel sizes for equal work across
+    the sequences (equal_work_chunks: here S is the grid's chunks a pair, the most a sequence takes)."""
     from .cuda import resident_blocks
     props = torch.cuda.get_device_properties(q.device)
     sms = props.multi_processor_count
     mma = d in DEC_HEAD_DIMS and (SPLIT_KERNEL == "mma" or (SPLIT_KERNEL == "auto" and h > g))
     staged = DEC_STAGED and mma and not page and props.major >= 9
-    smem = dec_ring_bytes(d) if staged else 0
+    eq = (DEC_STAGED_PAGED and mma and page and tile_pages(page) and not fp8 and props.major >= 9
+          and B * g <= sms and h // g <= 8)
+    smem = dec_ring_bytes(d) if staged or eq else 0
     source = dec_source(d)
     suf = "f16" if q.dtype == torch.float16 else "bf16"
     pg = "_pg8" if fp8 else "" if not page else "_pg" if not mma or tile_pages(page) else "_pgk"
+
+    if eq:
+        return source, f"dec_mma_{suf}_d{d}_r8_pgb", equal_work_chunks(B * g, length, sms), smem
 
     def name(S: int) -> str:
         if staged:  # tensor cores, K/V tiles staged in shared memory by bulk copies
@@ -391,8 +415,9 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
             np.int32(page))
     if scales is not None:  # (no contiguous-cache arguments: Ladd, Lpos, LMAX)
         args = (*head, np.int32(S), *tail, ptr(scales[0]), ptr(scales[1]))
-    else:
-        args = (*head, np.int32(0), np.uint64(0), np.int32(0), np.int32(S), *tail)
+    else:  # (_pgb: LMAX carries the blocks its equal-work chunks aim at)
+        want = eq_blocks(torch.cuda.get_device_properties(q.device).multi_processor_count)
+        args = (*head, np.int32(0), np.uint64(0), np.int32(want if name.endswith("_pgb") else 0), np.int32(S), *tail)
     launch(source, name, q.device, (S, min(B * g, GRID_YZ_MAX), 1), (DEC_THREADS, 1, 1), args, shared_mem=smem)
     return o
 
