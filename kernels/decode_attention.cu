@@ -453,8 +453,9 @@ __device__ __forceinline__ void dec_bulk(tc_u32 dst, const void *src, tc_u32 byt
 // each stage's mbarrier counting their bytes; the lanes read their fragments from the stage as they
 // would from global memory. More bytes in flight a warp than PIPE's registers hold, and a load a tile
 // instead of a load a lane and row: 0.90-0.99x the time of _p or the plain split on an H100 (B = 1-64,
-// G = 8). Over pages it was 5-12 % slower at B = 16 and 64 (the ragged count's two waves of its two
-// blocks an SM), so the paged builds stay as they were.
+// G = 8). Over pages, at a pool's usual count, it was 5-12 % slower at B = 16 and 64 (the ragged
+// count's two waves of its two blocks an SM); the paged staged build (_pgb) instead sizes its chunks
+// from the lengths on the device (EQ, in dec_mma), where the (sequence, K/V head) pairs fit on the SMs.
 #ifdef DEC_TRACE
 // scripts/trace_decode_blocks.py compiles this file with DEC_TRACE defined: each block of dec_mma's
 // first (b, g) pair records, by the global timer (ns), when it started, when its warp 0 had its first
@@ -497,11 +498,13 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
 #endif
     static_assert(STG == 0 || (!F8 && (PG == 0 || PG == 2)),
                   "the staged split: the contiguous cache or whole-tile pages, of the storage dtype");
-    // EQ (the staged split over pages): chunks of equal work across the batch's sequences. The chunk C
-    // is the batch's keys over the LMAX blocks asked for (LMAX: the target count of non-empty blocks;
-    // a pool has no LMAX), at least the longest sequence over the S chunks the grid has, in whole
-    // 16-key tiles a warp; sequence b takes Sb = ceil(L / C) chunks (1 for L = 0), the grid's other
-    // blocks of it leave at once, and its combine waits for Sb partials (stored at stride S)
+    // EQ (the staged split over pages): chunks of about equal work across the batch's sequences. The
+    // work a chunk C is the batch's keys over the LMAX blocks asked for (LMAX: the target count of
+    // non-empty blocks; a pool has no LMAX), at least the longest sequence over the S chunks the grid
+    // has; sequence b takes Sn = L / C chunks rounded to the nearest (at least 1, at most S: no sliver
+    // of a last chunk, which would cost a second block and a combine), each ceil(L / Sn) keys in whole
+    // 16-key tiles a warp; the grid's other blocks of it leave at once, and its combine waits for its
+    // Sn partials (stored at stride S)
     constexpr bool EQ = PAGED && STG > 0;
     int C = 0;
     if constexpr (EQ) {
@@ -550,9 +553,9 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
     for (int bg = blockIdx.y; bg < BG; bg += gridDim.y) {
         const int b = bg / G, g = bg - b * G;
         const int L = dec_len<PAGED>(b, Ladd, Lpos, lens);
-        // whole 16-key tiles per warp; Sn: the chunks of this sequence (EQ: its own count)
-        const int chunk = EQ ? C : ((L + S - 1) / S + 16 * W - 1) / (16 * W) * (16 * W);
-        const int Sn = EQ ? max(1, (L + C - 1) / C) : S;
+        // Sn: the chunks of this sequence (EQ: its own count); whole 16-key tiles per warp
+        const int Sn = EQ ? max(1, min(S, (L + C / 2) / C)) : S;
+        const int chunk = ((L + Sn - 1) / Sn + 16 * W - 1) / (16 * W) * (16 * W);
         if (EQ && s >= Sn) continue;  // (block-uniform: s and bg are the block's)
         const int k0 = min(L, s * chunk), k1 = min(L, k0 + chunk);
         const long long kv = (long long)bg * LMAX * D;
@@ -1065,8 +1068,7 @@ __device__ __forceinline__ void dec_append_pg8(const tc_u16 *__restrict__ QKV, t
                                                                 Lpos, LMAX, S, scale_log2, table, lens, tstride, page); \
     }
 #define DEC_MMABS(SUF, BF16, D)                                                                         \
-    DEC_MMAB(SUF, BF16, D, false, 8) DEC_MMAB(SUF, BF16, D, true, 16)                                   \
-    DEC_MMAPB(SUF, BF16, D, false, 8) DEC_MMAPB(SUF, BF16, D, true, 16)
+    DEC_MMAB(SUF, BF16, D, false, 8) DEC_MMAB(SUF, BF16, D, true, 16) DEC_MMAPB(SUF, BF16, D, false, 8)
 // the tensor-core split over an FP8 pool (grouped heads at d = 64 and 128; _pg8)
 #define DEC_MMA8(SUF, BF16, D, M16, ROWS, PIPE, P)                                                     \
     extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r##ROWS##P##_pg8(   \

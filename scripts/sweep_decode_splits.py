@@ -6,7 +6,9 @@ contiguous cache, a paged one (pages of 16, every sequence the full length) and 
 captured in a CUDA graph, replayed 20 times back to back, the best of three captures (the GPU's time,
 not the host's). A line a shape and layout: the kernel, how many of its blocks an SM holds (the
 driver's occupancy), the split before the occupancy is known (S0) and the one picked, and the fastest
-count measured; then every count.
+count measured; then every count. The paged layouts run the builds whose count the host picks
+(tpattn.decode.DEC_STAGED_PAGED off: the staged paged build sizes its chunks from the lengths on the
+device, so a forced count would not change its work).
 
     PYTHONPATH=. python scripts/sweep_decode_splits.py [--shapes B,G,L ...]
 """
@@ -37,6 +39,7 @@ def main() -> int:
     dev, H, d, dt, page = torch.device("cuda"), 32, 128, torch.float16, 16
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     picks, one_block = decode.decode_splits, decode.one_block_an_sm
+    decode.DEC_STAGED_PAGED = False
     forced = {"S": None}  # a count forced on every rule _split_kernel takes its count from
     decode.decode_splits = lambda *a, **k: forced["S"] or picks(*a, **k)
     decode.one_block_an_sm = lambda *a, **k: forced["S"] or one_block(*a, **k)
