@@ -491,7 +491,7 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
     __shared__ float so_own[STG > 0 ? 1 : W][ROWS][D];  // STG: each warp's rows at the start of its own ring
     __shared__ int last;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, c = lane & 3;
-    const int s = blockIdx.x;
+    const int s = PG == 2 && STG > 0 ? blockIdx.y : blockIdx.x;  // (EQ: the grid is (pairs, chunks), see below)
 #ifdef DEC_TRACE
     const unsigned long long tr_start = dec_now();
     unsigned long long tr_first = 0;
@@ -550,7 +550,9 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
         dec_bar_fence_init();
         __syncwarp();
     }
-    for (int bg = blockIdx.y; bg < BG; bg += gridDim.y) {
+    // EQ's grid is (pairs, chunks): the blocks are dispatched pairs first, so a batch's non-empty chunks
+    // come before the empty ones (a one-length batch's all of them), spread over the SMs
+    for (int bg = EQ ? blockIdx.x : blockIdx.y; bg < BG; bg += EQ ? gridDim.x : gridDim.y) {
         const int b = bg / G, g = bg - b * G;
         const int L = dec_len<PAGED>(b, Ladd, Lpos, lens);
         // Sn: the chunks of this sequence (EQ: its own count); whole 16-key tiles per warp

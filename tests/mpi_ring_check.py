@@ -112,6 +112,7 @@ if "a KV cache decodes head-parallel" not in said:
 from tpattn.attention.fp8 import Fp8Backend  # noqa: E402
 
 w16 = {k: v.float() for k, v in full.items() if k in ("wq", "wk", "wv", "wo")}
+G = w16["wk"].shape[1] // d  # the last case's K/V heads (on cuda the fused cases above took G for their own)
 for kw, says in (({"backend": Fp8Backend()}, f"context_parallel={C} with an FP8 backend: the ring merges 16-bit"),
                  ({"overlap": 2}, f"context_parallel={C} with overlap=2: the ring overlaps its own passes")):
     try:

@@ -546,7 +546,7 @@ def test_staged_decode_split_on_hopper(monkeypatch, major, h, g, d):
     if staged and h // g <= 8:
         assert pname == f"dec_mma_f16_d{d}_r8_pgb" and psmem == decode.dec_ring_bytes(d), pname
         grid, args = p[0], p[2]
-        assert args[12] == 132 and grid[0] == decode.equal_work_chunks(3 * g, 192, 132) == 3  # 192 keys: 3 pieces
+        assert args[12] == 132 and grid[:2] == (3 * g, decode.equal_work_chunks(3 * g, 192, 132)) == (3 * g, 3)  # pairs first
     else:
         assert pname.endswith("_pg") and psmem == 0 and p[2][12] == 0
 

@@ -418,7 +418,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     else:  # (_pgb: LMAX carries the blocks its equal-work chunks aim at)
         want = eq_blocks(torch.cuda.get_device_properties(q.device).multi_processor_count)
         args = (*head, np.int32(0), np.uint64(0), np.int32(want if name.endswith("_pgb") else 0), np.int32(S), *tail)
-    launch(source, name, q.device, (S, min(B * g, GRID_YZ_MAX), 1), (DEC_THREADS, 1, 1), args, shared_mem=smem)
+    grid = (B * g, S, 1) if name.endswith("_pgb") else (S, min(B * g, GRID_YZ_MAX), 1)  # _pgb: pairs first
+    launch(source, name, q.device, grid, (DEC_THREADS, 1, 1), args, shared_mem=smem)
     return o
 
 
