@@ -3,7 +3,7 @@ copy rate.
 
     python scripts/bench_paged.py [--pages 16 64 256] [--rounds 5] [--layer] [--prefill] [--no-kernel]
                                    [--prefill-backends fused triton] [--prefill-chunk T] [--profile-prefill K]
-                                   [--host-profile K] [--fp8] [--graph] [--both-builds | --plain-pages]
+                                   [--host-profile K] [--fp8] [--graph] [--both-builds | --staged-pages]
                                    [--json PATH]
 
 For each shape (B sequences, G K/V heads, H = 32 query heads, d = 128, fp16): the split kernel
@@ -25,10 +25,10 @@ CUDA graph replay too (tpattn.paged.ChunkGraphs); --prefill-chunk: the long prom
 to issue a call beside its wall time, and cProfile's functions with the most host time. --fp8: also
 an FP8 pool (PagedKV(kv_dtype="fp8"): e4m3 pages and a scale a row, the split's _pg8) beside the fp16
 pages of each page size, and with --layer its graphed step; its GB/s count the bytes it reads (d + 4
-a row where fp16 reads 2d). On compute capability 9.0 a pool of whole-tile pages whose (sequence, K/V
-head) pairs fit on the SMs runs the staged build of equal-work chunks (_pgb); --both-builds adds each
-paged row again with the build before it (_pg, "... plain"); --plain-pages runs that build throughout
-(tpattn.decode.DEC_STAGED_PAGED = False), the layer's steps too.
+a row where fp16 reads 2d). On compute capability 9.0 the staged build of equal-work chunks (_pgb, off
+by default: tpattn.decode.DEC_STAGED_PAGED) can run a pool of whole-tile pages whose (sequence, K/V
+head) pairs fit on the SMs: --both-builds adds each paged row again with it ("... staged");
+--staged-pages runs it throughout, the layer's steps too.
 """
 
 from __future__ import annotations
@@ -354,10 +354,10 @@ def host_profile_prefills(H: int, d: int, top: int, backend: str = "fused", chun
             print(out.getvalue().split("\n\n", 1)[-1].rstrip())
 
 
-def plain_build(fn):
-    """fn() with the paged kernels' build before the staged one (_pg)."""
+def staged_build(fn):
+    """fn() with the staged paged build (_pgb) where it applies."""
     was = decode.DEC_STAGED_PAGED
-    decode.DEC_STAGED_PAGED = False
+    decode.DEC_STAGED_PAGED = True
     try:
         return fn()
     finally:
@@ -375,9 +375,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     builds = p.add_mutually_exclusive_group()
     builds.add_argument("--both-builds", action="store_true", help="each paged row of the kernel table again with "
-                        "the build before the staged one (_pg)")
-    builds.add_argument("--plain-pages", action="store_true", help="the paged kernels' build before the staged one "
-                        "throughout, the layer's steps too (DEC_STAGED_PAGED off)")
+                        "the staged build of equal-work chunks (_pgb)")
+    builds.add_argument("--staged-pages", action="store_true", help="the staged paged build throughout, the layer's "
+                        "steps too (DEC_STAGED_PAGED on)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--layer", action="store_true", help="also the layer's whole graphed decode step, contiguous "
                    "against paged (uniform and ragged lengths)")
@@ -406,8 +406,8 @@ def main(argv=None) -> int:
         print("bench_paged: error: needs a CUDA GPU; run it on a GPU machine", file=sys.stderr)
         return 2
     H, d = a.heads, a.head_dim
-    if a.plain_pages:
-        decode.DEC_STAGED_PAGED = False
+    if a.staged_pages:
+        decode.DEC_STAGED_PAGED = True
     rate = copy_rate()
     print(f"{torch.cuda.get_device_name()}: H={H} d={d} fp16; copy rate {rate:.0f} GB/s; us per step (median of "
           f"{a.rounds} rounds), GB/s of K and V read, % of the copy rate")
@@ -432,10 +432,10 @@ def main(argv=None) -> int:
                 cont[f"paged {P} ragged"] = ((lambda pk=rk, pv=rv, t=rt, n=rn: paged_decode_attention(q[:, :, 0], pk, pv, t, n,
                                                                                                max(ragged))), sum(ragged),
                                              row16)
-        if a.both_builds:  # each paged row again with the build before the staged one
+        if a.both_builds:  # each paged row again with the staged build
             for name in [n for n in cont if n.startswith("paged") and "fp8" not in n]:
                 fn, tokens, nbytes = cont[name]
-                cont[f"{name} plain"] = (lambda fn=fn: plain_build(fn), tokens, nbytes)
+                cont[f"{name} staged"] = (lambda fn=fn: staged_build(fn), tokens, nbytes)
         times = {k: [] for k in cont}
         for _ in range(a.rounds):
             for name, (fn, _, _) in cont.items():

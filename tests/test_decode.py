@@ -245,10 +245,10 @@ def test_staged_split_takes_one_block_an_sm(monkeypatch, B, G, L, chunks):
     give each (sequence, K/V head) pair's chunks an SM each, where the pairs fit on the SMs (no more
     chunks than 64-key pieces of the cache) and a K/V head serves up to 8 query heads (H = 32 here: G
     of 4 or more); a larger batch, or a larger group (G = 1 or 2, the r16 build), keeps decode_splits'
-    count for the kernel's occupancy; so does compute capability 8. A pool's launch (B = 16 here) runs
-    the staged build of equal-work chunks (_pgb) where the pairs fit and the group is up to 8 heads,
-    with EQ_SPREAD times the one-block count as its grid's chunks a pair (the kernel picks the chunks
-    from the lengths); else a pool keeps decode_splits' ragged count."""
+    count for the kernel's occupancy; so does compute capability 8. A pool's launch (B = 16 here) keeps
+    decode_splits' ragged count by default; with DEC_STAGED_PAGED it runs the staged build of
+    equal-work chunks (_pgb) where the pairs fit and the group is up to 8 heads, with EQ_SPREAD times
+    the one-block count as its grid's chunks a pair (the kernel picks the chunks from the lengths)."""
     from tpattn import cuda as tcuda
     from tpattn import decode
     major = {"v": 9}
@@ -262,6 +262,8 @@ def test_staged_split_takes_one_block_an_sm(monkeypatch, B, G, L, chunks):
         assert (B * G > 132 or 32 // G > 8) and S == decode.decode_splits(B * G, L, 132, 2, 2)
     else:
         assert S == chunks and B * G * S <= 132 and S <= -(-L // 64)
+    assert decode._split_kernel(q, B, 32, G, 128, L, page=16)[1].endswith("_pg")  # (DEC_STAGED_PAGED off)
+    monkeypatch.setattr(decode, "DEC_STAGED_PAGED", True)
     _, pname, pS, psmem = decode._split_kernel(q, B, 32, G, 128, L, page=16)
     if B * G <= 132 and 32 // G <= 8:
         assert pname == "dec_mma_f16_d128_r8_pgb" and psmem == decode.dec_ring_bytes(128)

@@ -114,14 +114,15 @@ def test_paged_kernel_at_other_head_dims(h, g, d, dtype, page):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("lens", [[32768], [0, 5000, 1, 64, 12288], [8000] + [1] * 15, [4096] * 16,
                                   [2048, 8192, 3000, 5100] * 4])
-def test_staged_pages_in_equal_work_chunks(lens, dtype):
-    """On compute capability 9.0 a pool of 16-token pages with grouped heads runs the staged split of
-    equal-work chunks (_pgb): one sequence split 16 ways, ragged batches, a sequence longer than
+def test_staged_pages_in_equal_work_chunks(lens, dtype, monkeypatch):
+    """On compute capability 9.0, with DEC_STAGED_PAGED, a pool of 16-token pages with grouped heads runs
+    the staged split of equal-work chunks (_pgb): one sequence split 16 ways, ragged batches, a sequence longer than
     EQ_SPREAD times the mean (the chunks grow), zero-length rows, 128 pairs on the SMs; against
     float64, and every ticket back at zero (each combine waited for its own sequence's partials)."""
     from tpattn import decode as dec
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the staged builds need compute capability 9.0")
+    monkeypatch.setattr(dec, "DEC_STAGED_PAGED", True)
     h, g = 32, 8
     q, pk, pv, table, L = paged_inputs(lens, h, g, 128, 16, dtype, seed=len(lens))
     cap = 16 * table.shape[1]

@@ -519,13 +519,15 @@ def test_decode_launches_contiguous_and_paged(monkeypatch, h, g):
 
 @pytest.mark.parametrize("major", [8, 9])
 @pytest.mark.parametrize("h,g,d", [(8, 2, 128), (32, 2, 64), (8, 8, 128)])
-def test_staged_decode_split_on_hopper(monkeypatch, major, h, g, d):
+@pytest.mark.parametrize("staged_pages", [False, True])
+def test_staged_decode_split_on_hopper(monkeypatch, major, h, g, d, staged_pages):
     """On compute capability 9.0 the tensor-core split over the contiguous cache is the staged build
     (_b: K/V tiles by bulk copies through shared memory, 8 or 16 heads a pass), launched with its rings'
-    dynamic shared memory; over pages of 16 tokens it is the staged build of equal-work chunks (_pgb,
-    up to 8 heads a K/V head: the target count of blocks, one an SM, where the contiguous cache's
-    LMAX goes); larger groups keep the pages' build (_pg), and so do other GPUs and the CUDA-core
-    split (one head a K/V head). Each launch is a kernel of the file with the arguments it takes."""
+    dynamic shared memory; over pages of 16 tokens, with DEC_STAGED_PAGED (off by default), it is the
+    staged build of equal-work chunks (_pgb, up to 8 heads a K/V head: the target count of blocks, one
+    an SM, where the contiguous cache's LMAX goes); else, and for larger groups, other GPUs and the
+    CUDA-core split (one head a K/V head), the pages' build (_pg). Each launch is a kernel of the file
+    with the arguments it takes."""
     from tpattn import cuda as tcuda
     from tpattn import decode
     calls = []
@@ -533,6 +535,7 @@ def test_staged_decode_split_on_hopper(monkeypatch, major, h, g, d):
                         calls.append((source, name, grid, block, args, shared_mem)))
     monkeypatch.setattr(tcuda, "resident_blocks", lambda *a, **k: 0)
     monkeypatch.setattr(decode, "decode_kernel_fits", lambda q: True)
+    monkeypatch.setattr(decode, "DEC_STAGED_PAGED", staged_pages)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda dev: type("P", (), {"multi_processor_count": 132, "major": major}))
     decode_both(decode, 3, h, g, d, 300)
@@ -543,7 +546,7 @@ def test_staged_decode_split_on_hopper(monkeypatch, major, h, g, d):
     want = f"dec_mma_f16_d{d}_r{16 if h // g > 8 else 8}_b" if staged else None
     assert (cname == want) if staged else not cname.endswith("_b"), cname
     assert csmem == (4 * decode.DEC_STAGES * 2 * 16 * d * 2 if staged else 0) == (decode.dec_ring_bytes(d) if staged else 0)
-    if staged and h // g <= 8:
+    if staged and staged_pages and h // g <= 8:
         assert pname == f"dec_mma_f16_d{d}_r8_pgb" and psmem == decode.dec_ring_bytes(d), pname
         grid, args = p[0], p[2]
         assert args[12] == 132 and grid[:2] == (3 * g, decode.equal_work_chunks(3 * g, 192, 132)) == (3 * g, 3)  # pairs first

@@ -170,7 +170,8 @@ DEC_THREADS = 128     # a split block's threads
 WAVES_MEASURED = 4    # decode_splits follows the occupancy up to launches of this many waves
 DEC_STAGES = 3        # the staged split's stages a warp (kernels/decode_attention.cu's DEC_STAGES)
 DEC_STAGED = True     # the staged tensor-core split (_b) over the contiguous cache (compute capability 9.0+)
-DEC_STAGED_PAGED = True  # ... and over a pool of whole-tile pages, in chunks of equal work (_pgb)
+DEC_STAGED_PAGED = False  # ... and over a pool of whole-tile pages, in chunks of equal work (_pgb): off, slower
+                          # than _p_pg on one H100 with its first grid (docs/decode.md); for A/B runs
 EQ_SPREAD = 4         # _pgb: the grid's chunks a pair, over one_block_an_sm's: room for a sequence this many
                       # times the batch's mean length to take its share of chunks
 
