@@ -1047,30 +1047,21 @@ __device__ __forceinline__ void dec_append_pg8(const tc_u16 *__restrict__ QKV, t
                                            scale_log2, table, lens, tstride, page);                     \
     }
 // the staged tensor-core split (_b: sm_90+; launched with DEC_STAGES stages' dynamic shared memory,
-// tpattn/decode.py's dec_ring_bytes)
+// tpattn/decode.py's dec_ring_bytes), and the same over a pool of whole-tile pages (_pgb: PG 2,
+// equal-work chunks; LMAX carries the target count of non-empty blocks, tpattn/decode.py's eq_blocks)
 #define DEC_STAGES 3
-#define DEC_MMAB(SUF, BF16, D, M16, ROWS)                                                              \
-    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r##ROWS##_b(       \
+#define DEC_MMAB(SUF, BF16, D, M16, ROWS, PG, PSUF)                                                    \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r##ROWS##PSUF(     \
         const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,      \
         float *__restrict__ Op, float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets, \
         int BG, int G, int group, int Ladd, const long long *__restrict__ Lpos, int LMAX, int S,        \
         float scale_log2, const int *__restrict__ table, const int *__restrict__ lens, int tstride, int page) { \
-        dec_mma<D, M16, false, BF16, 0, tc_u16, DEC_STAGES>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, \
-                                                                Lpos, LMAX, S, scale_log2, table, lens, tstride, page); \
-    }
-// the staged split over a pool of whole-tile pages (_pgb: PG 2, equal-work chunks; LMAX carries the
-// target count of non-empty blocks, tpattn/decode.py's eq_blocks)
-#define DEC_MMAPB(SUF, BF16, D, M16, ROWS)                                                             \
-    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r##ROWS##_pgb(     \
-        const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,      \
-        float *__restrict__ Op, float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets, \
-        int BG, int G, int group, int Ladd, const long long *__restrict__ Lpos, int LMAX, int S,        \
-        float scale_log2, const int *__restrict__ table, const int *__restrict__ lens, int tstride, int page) { \
-        dec_mma<D, M16, false, BF16, 2, tc_u16, DEC_STAGES>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, \
-                                                                Lpos, LMAX, S, scale_log2, table, lens, tstride, page); \
+        dec_mma<D, M16, false, BF16, PG, tc_u16, DEC_STAGES>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, \
+                                                                 Lpos, LMAX, S, scale_log2, table, lens, tstride, page); \
     }
 #define DEC_MMABS(SUF, BF16, D)                                                                         \
-    DEC_MMAB(SUF, BF16, D, false, 8) DEC_MMAB(SUF, BF16, D, true, 16) DEC_MMAPB(SUF, BF16, D, false, 8)
+    DEC_MMAB(SUF, BF16, D, false, 8, 0, _b) DEC_MMAB(SUF, BF16, D, true, 16, 0, _b)                     \
+    DEC_MMAB(SUF, BF16, D, false, 8, 2, _pgb)
 // the tensor-core split over an FP8 pool (grouped heads at d = 64 and 128; _pg8)
 #define DEC_MMA8(SUF, BF16, D, M16, ROWS, PIPE, P)                                                     \
     extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r##ROWS##P##_pg8(   \
