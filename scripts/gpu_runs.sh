@@ -355,7 +355,7 @@ if want gqa || want gqabench; then
   done
 fi
 if want uneven; then
-  # Uneven heads (#17): 3 heads on 2 GPUs over NCCL (rank 0 owns 2, rank 1 one), naive and fused, causal
+  # Uneven heads: 3 heads on 2 GPUs over NCCL (rank 0 owns 2, rank 1 one), naive and fused, causal
   # and not, sequence-parallel and CUDA graph (pytest -k uneven), then one CLI run at d = 128 (D = 384).
   note "uneven heads: pytest -m gpu -k uneven, then mpirun -n 2 python -m tpattn --heads 3 --uneven-heads"
   mkdir -p "$OUT/uneven"

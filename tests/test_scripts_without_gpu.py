@@ -1,8 +1,8 @@
-"""Every script at the top of scripts/ that measures a GPU, run on a machine where torch sees none (here
+"""Every script of scripts/ and scripts/model/ that measures a GPU, run on a machine where torch sees none (here
 CUDA_VISIBLE_DEVICES is empty, so the test means the same on a GPU machine): one line on stderr that
 says it needs a GPU, exit 2, no traceback. The scripts that run on a CPU too (training, serving, the
-FP8 accuracy table, the scaling and peer runs, the Triton register count) and those that read files
-are left out. And the scripts launched under mpirun, where mpi4py finds no MPI library: one line
+FP8 accuracy table, the scaling and peer runs, the Triton register count, the cost model's tables)
+and those that read files are left out. And the scripts launched under mpirun, where mpi4py finds no MPI library: one line
 on every rank."""
 
 from __future__ import annotations
@@ -17,12 +17,16 @@ from conftest import ROOT, mpirun_cmd, rank_lines, run
 ON_CPU_TOO = {"train.py", "serve_llama.py", "fp8_accuracy.py", "scaling.py", "peer_tp.py",  # they run here
               "triton_regs.py",  # compiles the Triton kernels for a GPU it does not need
               "layer_table.py", "plots.py", "ring_trace.py"}  # they read reports or traces
-ARGS = {"ab_fused.py": ["--against", "HEAD"]}  # (without what to compare it says so first)
-GPU_SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py") if p.name not in ON_CPU_TOO)
+ON_CPU_TOO |= {"model/refresh_predictions.py"}  # rewrites the predictions' tables from the machine files
+ARGS = {"ab_fused.py": ["--against", "HEAD"],  # (without what to compare it says so first)
+        "model/validate_model.py": ["--machine", "h200x2"]}  # (without a machine file it says so first)
+GPU_SCRIPTS = sorted(str(p.relative_to(ROOT / "scripts")) for p in [*(ROOT / "scripts").glob("*.py"),
+                                                                      *(ROOT / "scripts" / "model").glob("*.py")]
+                     if str(p.relative_to(ROOT / "scripts")) not in ON_CPU_TOO)
 
 
 def test_the_list_is_not_empty():
-    assert len(GPU_SCRIPTS) >= 20, GPU_SCRIPTS
+    assert len(GPU_SCRIPTS) >= 25 and "model/bench_comm.py" in GPU_SCRIPTS, GPU_SCRIPTS
 
 
 @pytest.mark.parametrize("script", GPU_SCRIPTS)

@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -62,12 +63,18 @@ def main(argv=None) -> int:
     a = parse(argv)
     rank, world = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", 0))), \
         int(os.environ.get("WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", 1)))
+    if a.rows < 1 or a.rows % world:  # (every rank decides the same, before any collective)
+        print(f"bench_comm: error: --rows {a.rows} must be a positive multiple of the world size {world}",
+              file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print(f"bench_comm: error: {Path(__file__).name} needs a CUDA GPU a rank and torch sees none; run it on the "
+              "GPU machine", file=sys.stderr)
+        return 2
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(dev)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
     R, D = a.rows, a.dim
-    if R % world:
-        raise SystemExit(f"--rows {R} must divide by the world size {world}")
     m = R // world
     mine = slice(rank * m, (rank + 1) * m)
     gen = torch.Generator(device="cpu").manual_seed(1234 + rank)

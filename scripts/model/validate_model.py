@@ -22,11 +22,11 @@ timed by the very function --calibrate fits its alpha-beta numbers on (tpattn.mo
 same sizes, warm-up, barrier and statistic). The layer is measured in --rounds rounds (each every
 kernel, N and world size once, one round after another) and each number is the median over the
 rounds (a collective: over the calls of every round): the host's speed drifts over seconds on the
-lent machine (scripts/model/host_probe.py), and a host-bound call's end to end moves with it.
+GPU machines measured (scripts/model/host_probe.py), and a host-bound call's end to end moves with it.
 The model (tpattn.model.costmodel) predicts the same call from each --machine file; the first is the
 one the targets are judged on. Error = (predicted - measured) / measured.
 
-Targets (issue #15): end to end within 15 %, each pass within 25 %, the all-reduce within 20 % at
+Targets: end to end within 15 %, each pass within 25 %, the all-reduce within 20 % at
 8-256 MiB. The table says for each prediction whether the machine file was calibrated at that very
 shape (then per-pass agreement is expected by construction; the end to end, the collectives and the
 2-GPU rows are predictions all the same).
