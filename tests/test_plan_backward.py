@@ -1,6 +1,7 @@
 """The cost model's training step (`python -m tpattn.plan --kernel fused --backward`): the backward's
-passes counted by hand, its collective (copy_to_ranks's dual), the refusals, the calibrated
-"fused.bwd" pass of the shipped H200 machine, and the CLI."""
+passes counted by hand, its collective (copy_to_ranks's dual), the ring's backward (its pieces, what
+travels, what of it is exposed), the refusals, the calibrated "fused.bwd" pass of the shipped H200
+machine, and the CLI."""
 
 import json
 import sys
@@ -45,8 +46,7 @@ def test_backward_steps_gemms_and_collective():
 
 
 @pytest.mark.parametrize("kw,what", [(dict(kernel="naive"), "--kernel fused only"),
-                                     (dict(sequence_parallel=True), "head parallelism only"),
-                                     (dict(context_parallel=2), "head parallelism only")])
+                                     (dict(sequence_parallel=True), "not --sequence-parallel")])
 def test_backward_refusals(kw, what):
     with pytest.raises(ModelError, match=what):
         st.backward_steps(shape(**kw), 2)
@@ -72,3 +72,61 @@ def test_cli_backward_table_and_refusal(tmp_path):
     assert [r["world"] for r in doc["training"]] == [1, 2]
     bad = plan_cli(["--kernel", "naive", "--backward"])
     assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1 and "--kernel fused" in bad.stderr
+
+
+@pytest.mark.parametrize("C,causal", [(2, False), (4, False), (2, True), (4, True)])
+def test_ring_backward_is_the_ring_forwards_pieces_five_products_each(C, causal):
+    """The ring's backward runs, step by step, the backward of the forward's pieces (2.5x their FLOPs);
+    non-causal, together 1/C of the whole backward; each step adds this rank's dK, dV into the block's
+    fp32 sums; C - 1 K/V passes and C passes of the sums travel (GQA: the rank's K/V heads only)."""
+    s = shape(seq_len=2 * C * 512, heads=8, kv_heads=2, head_dim=64, context_parallel=C, causal=causal)
+    fwd, bwd = st.ring_plan(s, C), st.ring_backward_plan(s, C)
+    assert len(bwd) == C
+    for f, b in zip(fwd, bwd):
+        fl = sum(x.flops for x in f["compute"] if x.key == "fused.fused")
+        assert sum(x.flops for x in b["compute"] if x.key == "fused.bwd") == pytest.approx(2.5 * fl, rel=1e-12)
+        (sums,) = [x for x in b["compute"] if x.key == "epilogue"]
+        n = s.seq_len // C
+        assert b["sums_bytes"] == 2 * 2 * n * 64 * 4 and sums.bytes == st.SUM_PASSES * b["sums_bytes"]
+        assert b["send_bytes"] == f["send_bytes"]  # the same K/V blocks travel again
+    if not causal:
+        whole = st.attention_backward_step("fused", 1, 8, s.seq_len, 64, "fp16", False, 2).flops
+        assert sum(x.flops for b in bwd for x in b["compute"] if x.key == "fused.bwd") == pytest.approx(whole / C)
+    steps, colls = st.backward_steps(s, 2 * C)  # T = 2: heads over 2 rings' worth of ranks, rows over C
+    gemm = next(x for x in steps if x.name == "bwd_qkv_proj")
+    assert gemm.flops == 2.0 * (s.seq_len // C) * (4 + 2 * 1) * 64 * s.model_dim
+    assert colls == {"allreduce": (s.seq_len // C) * s.model_dim * 2}
+
+
+def test_ring_backward_exposes_the_sums_last_hop_and_what_outlasts_its_step(tmp_path):
+    import test_plan as tp
+    toy = tp.toy_machine()
+    pt = {"B": 1, "h": 2, "N": 128, "d": 64, "dtype": "fp16", "causal": False}  # the backward at half its roofline too
+    bare = mc.Machine("toy", {"peaks": tp.PEAKS}, "-")
+    toy["passes"]["fused.bwd"] = [{**pt, "ms": mc.roofline_ms(bare, mc._point_step("fused.bwd", {**pt, "ms": 1}))[0] / 0.5}]
+    path = tmp_path / "toy.json"
+    path.write_text(json.dumps(toy))
+    m = mc.load_machine(str(path))
+    s = shape(seq_len=16384, heads=8, head_dim=64, context_parallel=2)
+    r = cm.ring_backward_ms(m, s, 2)
+    plan = st.ring_backward_plan(s, 2)
+    hop = cm.ring_pass_ms(m, plan[-1]["sums_bytes"], 2)["ms"]
+    kv = cm.ring_pass_ms(m, plan[0]["send_bytes"], 2)["ms"]
+    assert r["passes"] == 3 and r["transfer_ms"] == pytest.approx(kv + 2 * hop)
+    assert r["ms"] == pytest.approx(hop)  # a fast link: everything hidden but the last hop home
+    toy["links"]["nvlink"]["busbw_GBps"] = 0.01  # so slow that every pass outlasts its step's compute
+    path.write_text(json.dumps(toy))
+    slow = mc.load_machine(str(path))
+    r = cm.ring_backward_ms(slow, s, 2)
+    comp = [sum(cm.step_ms(slow, x)["ms"] for x in p["compute"]) for p in plan]
+    assert r["ms"] == pytest.approx(r["transfer_ms"] - sum(comp), rel=1e-9)
+    t = cm.predict_training(m, s, 4)
+    assert set(t["backward_collectives"]) == {"bwd_ring", "bwd_allreduce"}
+    assert t["backward_ms"] == pytest.approx(sum(t["backward_passes"].values()) + sum(t["backward_collectives"].values()))
+
+
+def test_cli_backward_with_the_ring():
+    out = plan_cli(["--kernel", "fused", "--causal", "--backward", "--context-parallel", "2", "--seq-len", "65536",
+                    "--world-sizes", "2", "4"])
+    assert out.returncode == 0, out.stderr
+    assert "bwd_ring" in out.stdout and "attn_bwd" in out.stdout and "step (GPU)" in out.stdout

@@ -251,6 +251,30 @@ def ring_ms(m: Machine, shape: Shape, world: int, gpus_per_node: int | None = No
                          f"each under a ring step's compute"}
 
 
+def ring_backward_ms(m: Machine, shape: Shape, world: int, gpus_per_node: int | None = None) -> dict:
+    """The ring's backward transfers at world size W (steps.ring_backward_plan): in step s the next K/V
+    block and the previous step's dK, dV sums travel together under step s's compute, so each step
+    adds max(0, their time - that compute); the last sums' hop home has no compute to travel under
+    and adds all of its time ("ms", the exposed time; "transfer_ms" every pass's)."""
+    from .steps import ring_backward_plan
+    C = shape.context_parallel
+    exposed = transfer = before = 0.0
+    link = "-"
+    plan = ring_backward_plan(shape, world)
+    for st in plan:
+        kv = ring_pass_ms(m, st["send_bytes"], C, gpus_per_node)["ms"] if st["send_bytes"] else 0.0
+        comp = sum(step_ms(m, s)["ms"] for s in st["compute"])
+        exposed += max(0.0, kv + before - comp)
+        one = ring_pass_ms(m, st["sums_bytes"], C, gpus_per_node)
+        before, link = one["ms"], one["link"]
+        transfer += kv + before
+    exposed += before
+    return {"ms": exposed, "transfer_ms": transfer, "passes": 2 * C - 1,
+            "bytes": sum(st["send_bytes"] + st["sums_bytes"] for st in plan),
+            "algorithm": f"{C - 1} K/V pass(es) and {C} of the dK, dV sums to the next rank of a ring of {C} "
+                         f"({link}), each under a ring step's compute but the sums' last hop home"}
+
+
 def fit_alpha_beta(points: list[tuple[int, float]], kind: str, world: int, step_us: float) -> dict:
     """{base_us, busbw_GBps} of  t = base + steps*alpha + share*bytes/busbw  from measured
     (bytes, ms) points at one world size, alpha (step_us) given: least squares on the relative
@@ -385,7 +409,8 @@ def predict(m: Machine, shape: Shape, world: int, gpus_per_node: int | None = No
 def predict_training(m: Machine, shape: Shape, world: int, gpus_per_node: int | None = None) -> dict:
     """A training step (the call and its backward) at world size W, GPU time per pass: the forward's
     prediction, the backward's passes (backward_steps) and its collective, the all-reduce of dX
-    (with nothing on the link before it: the forward's sum ran a whole attention backward earlier).
+    (with nothing on the link before it: the forward's sum ran a whole attention backward earlier);
+    with --context-parallel, the ring's backward passes' exposed time too (ring_backward_ms).
     The host is not a model number here (the backward's was not calibrated): "gpu_ms" is what a
     CUDA-graphed step takes, and an eager step is no faster than it."""
     fwd = predict(m, dataclasses.replace(shape, cuda_graph=True), world, gpus_per_node)
@@ -395,8 +420,11 @@ def predict_training(m: Machine, shape: Shape, world: int, gpus_per_node: int | 
     for s in detail:
         passes[s["pass"]] = passes.get(s["pass"], 0.0) + s["ms"]
     g = gpus_per_node or m.gpus_per_node
-    t = shape.heads_world(world)
-    coll = {f"bwd_{k}": collective_ms(m, k, n, t, g, in_layer=True) for k, n in colls.items()}
+    C = shape.context_parallel
+    t, g_heads = shape.heads_world(world), max(1, g // C)  # a heads' group: every C-th rank (as predict's)
+    coll = {f"bwd_{k}": collective_ms(m, k, n, t, g_heads, in_layer=True) for k, n in colls.items()}
+    if C > 1:
+        coll = {"bwd_ring": ring_backward_ms(m, shape, world, g), **coll}
     bwd = sum(passes.values()) + sum(c["ms"] for c in coll.values())
     return {"world": world, "forward_ms": fwd["gpu_ms"], "forward_passes": fwd["passes"],
             "forward_collectives": {k: c["ms"] for k, c in fwd["collectives"].items()},

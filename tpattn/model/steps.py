@@ -178,19 +178,25 @@ def backward_steps(shape: Shape, world: int) -> tuple[list[Step], dict[str, int]
     GEMM's two (dA = dY W_o^T, dW_o = A^T dY), the attention backward (which writes dq, dk and dv
     into the QKV gradient's rows itself: the layer's packed path, attention_packed), the QKV GEMM's
     two (dX = dQKV W^T, dW = X^T dQKV) and copy_to_ranks's dual, the all-reduce of dX
-    (tpattn/comm.py). Head parallelism only, --kernel fused."""
+    (tpattn/comm.py) over the heads' ranks. --context-parallel C: this rank's N / C rows, and the
+    attention backward is the ring's (ring_backward_plan: its steps' compute here, its passes priced
+    by the cost model's ring_backward_ms). --kernel fused; not --sequence-parallel."""
     err = _layout_error(shape, world)
     if err:
         raise ModelError(err)
-    if shape.sequence_parallel or shape.context_parallel > 1:
-        raise ModelError("the cost model prices the backward of head parallelism only (no --sequence-parallel, "
-                         "--context-parallel)")
+    if shape.sequence_parallel:
+        raise ModelError("the cost model prices the backward of head parallelism and of the ring (not "
+                         "--sequence-parallel)")
     B, N, D, d, dt = shape.batch, shape.seq_len, shape.model_dim, shape.head_dim, shape.dtype
     h, g = shape.heads_per_rank(world), shape.kv_per_rank(world)
-    rows, cols, e = B * N, (h + 2 * g) * d, shape.elem
+    rows, cols, e = B * N // shape.context_parallel, (h + 2 * g) * d, shape.elem
+    if shape.context_parallel > 1:
+        attn = [x for step in ring_backward_plan(shape, world) for x in step["compute"]]
+    else:
+        attn = [attention_backward_step(shape.kernel, B, h, N, d, dt, shape.causal, g)]
     steps = [gemm_step("bwd_out_proj", "out_proj", rows, D, h * d, dt, dt, "dA = dY W_o^T"),
              gemm_step("bwd_out_proj", "out_proj", h * d, rows, D, dt, dt, "dW_o = A^T dY"),
-             attention_backward_step(shape.kernel, B, h, N, d, dt, shape.causal, g),
+             *attn,
              gemm_step("bwd_qkv_proj", "qkv_proj", rows, cols, D, dt, dt, "dX = dQKV W^T"),
              gemm_step("bwd_qkv_proj", "qkv_proj", D, rows, cols, dt, dt, "dW = X^T dQKV")]
     colls = {"allreduce": rows * D * e} if shape.heads_world(world) > 1 else {}
@@ -284,6 +290,8 @@ def layer_steps(shape: Shape, world: int) -> tuple[list[Step], dict[str, int]]:
 
 
 MERGE_PASSES = 2.5  # fp32 passes over a piece's output in kernels/ring_merge.cu: o read and written, o_b (16-bit) read
+SUM_PASSES = 2.5    # fp32 passes over a block's dK and dV sums a ring step (ring.block_sums): sums read and
+                    # written, the pieces' parts (16-bit) read
 
 
 def ring_plan(shape: Shape, world: int) -> list[dict]:
@@ -309,4 +317,30 @@ def ring_plan(shape: Shape, world: int) -> list[dict]:
             compute.append(copy_step("fused", "epilogue", MERGE_PASSES * 4 * B * h * nq * d,
                                      f"ring step {s}: merge {nq} rows into the fp32 output by their logsumexp"))
         out.append({"compute": compute, "send_bytes": block if s < C - 1 else 0})
+    return out
+
+
+def ring_backward_plan(shape: Shape, world: int) -> list[dict]:
+    """The ring's backward on one rank (tpattn/comm.py's ring pair; rank 0 of its ring, as ring_plan):
+    C steps of {"compute": the pieces' five-product backward (each piece's dQ added into the rank's
+    fp32 sum) and the block's dK, dV sums (block_sums), "send_bytes": the next K/V block, posted
+    before that compute (0 on the last step), "sums_bytes": the block's fp32 dK, dV sums, posted
+    after it to travel under the next step's compute (the last step's: the hop home, under none)}."""
+    from ..attention.ring import pieces
+    B, d, dt, C = shape.batch, shape.head_dim, shape.dtype, shape.context_parallel
+    h, g = shape.heads_per_rank(world), shape.kv_per_rank(world)
+    n = shape.seq_len // C
+    block = 2 * B * g * n * d * shape.elem
+    sums = 2 * B * g * n * d * 4
+    out = []
+    for s in range(C):
+        compute = []
+        for q0, q1, k0, k1, diag in pieces(0, (0 - s) % C, n, shape.causal):
+            nq, nk = q1 - q0, k1 - k0
+            st = attention_backward_step("fused", B, h * (nq // nk), nk, d, dt, diag, g)
+            st.what = f"ring step {s} backward: {nq} query rows x {nk} keys" + (" (diagonal)" if diag else "")
+            compute.append(st)
+        compute.append(copy_step("attn_bwd", "epilogue", SUM_PASSES * sums,
+                                 f"ring step {s}: this rank's dK, dV added into the block's fp32 sums"))
+        out.append({"compute": compute, "send_bytes": block if s < C - 1 else 0, "sums_bytes": sums})
     return out
