@@ -201,12 +201,10 @@ def check_context(context_parallel: int, world: int, sequence_parallel: bool, ou
         ok = ", ".join(str(c) for c in range(1, world + 1) if world % c == 0)
         raise ConfigError(f"context_parallel={C} does not divide the group's {world} ranks (rings of C ranks, the heads "
                           f"split over the W/C rings); use context_parallel in {{{ok}}}")
-    if C > 1 and sequence_parallel:
-        raise ConfigError("context_parallel and sequence_parallel both split the sequence: choose one")
-    if C > 1 and output_collective in ("p2p", "oneshot"):
-        raise ConfigError(f"context_parallel sums the heads' partial outputs with NCCL or gloo collectives, not "
-                          f"output_collective={output_collective!r}; use 'auto', 'allreduce' or 'split'")
-    if C > 1 and overlap != 1:
-        raise ConfigError(f"context_parallel={C} with overlap={overlap!r}: the ring overlaps its own passes with the "
-                          "blocks' attention; drop overlap (1)")
+    if C > 1:
+        from .config import context_conflict
+        conflict = context_conflict(sequence_parallel=sequence_parallel, overlap=overlap,
+                                    output_collective=output_collective, api=C)
+        if conflict:
+            raise ConfigError(conflict)
     return C
