@@ -137,19 +137,38 @@ def parse_args(argv=None):
         p.error(f"--pairs {args.pairs} needs as many distinct keys: --vocab must be >= {args.pairs}")
     if args.queries > args.pairs:
         p.error(f"--queries {args.queries} asks for distinct keys of the {args.pairs} pairs: at most --pairs")
-    if not args.lr > 0:
-        p.error(f"--lr must be > 0 (got {args.lr})")
+    if not 0 < args.lr <= 1e6:
+        p.error(f"--lr must be finite, > 0 and at most 1e6 (got {args.lr})")
+    if not 0 <= args.weight_decay <= 1e6:
+        p.error(f"--weight-decay must be finite, >= 0 and at most 1e6 (got {args.weight_decay})")
+    if not 0 < args.emb_std <= 1e6:
+        p.error(f"--emb-std must be finite, > 0 and at most 1e6 (got {args.emb_std})")
+    if not 0 < args.timeout <= 1e6:
+        p.error(f"--timeout must be finite, > 0 and at most 1e6 seconds (got {args.timeout})")
+    if not 0 <= args.seed < 2 ** 63:
+        p.error(f"--seed must be in 0 .. 2^63 - 1 (got {args.seed})")
     for name in ("warmup", "check_every", "log_every"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(args, name)})")
-    if args.threads is not None and args.threads < 1:
-        p.error(f"--threads must be >= 1 (got {args.threads})")
+    cores = os.cpu_count() or 1
+    if args.threads is not None and not 1 <= args.threads <= cores:
+        p.error(f"--threads must be 1 .. {cores}, the cores here (got {args.threads})")
     if args.device == "auto":
         args.device = "cpu" if args.kernel == "reference" else "cuda"
     if args.dtype is None:
         args.dtype = "fp32" if args.device == "cpu" else "bf16"
     if args.device == "cpu" and args.dtype != "fp32":
         p.error(f"--dtype {args.dtype} is for the GPU kernels; on CPU use --dtype fp32")
+    if args.device == "cpu" and args.dist_backend == "nccl":
+        p.error("--dist-backend nccl needs --device cuda (a GPU a rank); use --dist-backend gloo on CPU")
+    for flag, path in (("--out", f"{args.out}.json" if args.out else None), ("--plot", args.plot)):
+        if path:
+            from tpattn.config import check_writable
+            from tpattn.errors import ConfigError
+            try:
+                check_writable(path, flag)
+            except ConfigError as exc:
+                p.error(str(exc))
     if args.kv_heads is None:
         args.kv_heads = args.heads
     if args.heads % args.kv_heads:
@@ -366,8 +385,8 @@ def train(args, proc) -> int:
         from tpattn.sharding import Shard
         Shard.of(args.heads, args.kv_heads, world, rank, args.uneven_heads)
         model = build_model(args, device, layer_dtype)
-    except (ConfigError, ValueError) as exc:
-        raise Refusal(str(exc).splitlines()[0]) from None
+    except (ConfigError, ValueError) as exc:  # (a ConfigError's cli_message: in the flags, which train.py shares)
+        raise Refusal(getattr(exc, "cli_message", str(exc)).splitlines()[0]) from None
 
     layer = model.attn
     # fp32 master weights for a bf16/fp16 attention layer (AdamW updates them; the layer gets them rounded)
@@ -529,6 +548,10 @@ def main(argv=None) -> int:
     except LaunchError as exc:
         print(f"train.py: rank {proc.rank}: error: {exc}", file=sys.stderr, flush=True)
         tdist.exit_now(1)
+    # every rank's arguments and refusal compared before any collective: the lowest rank's refusal, or the
+    # arguments that differ, on every rank
+    agreed, _ = tdist.agree(proc, {} if args is None else vars(args), refused, {}, timeout)
+    refused = refused or agreed
     who = f"rank {proc.rank}: " if proc.world > 1 else ""
     code = 0
     if refused is None:

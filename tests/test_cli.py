@@ -83,6 +83,8 @@ def test_no_check_is_not_a_pass():
     (["--dtype", "fp8", "--deterministic"], "--dtype fp8 runs the forward only: drop --deterministic"),
     (["--decode", "2", "--causal", "--profile", "p.json"], "--profile traces one call of the layer (or one training step)"),
     (["--json", "/nonexistent-dir/r.json"], "does not exist"),
+    (["--json", "/proc/tpattn-r.json"], "--json /proc/tpattn-r.json"),  # refused before the run (root may write /proc)
+    (["--profile", "/proc/tpattn-p.json"], "--profile /proc/tpattn-p.json"),
     (["--device", "cpu", "--kernel", "naive"], "does not run on cpu"),
     (["--device", "cpu", "--dist-backend", "nccl"], "needs --device cuda"),
     (["--overlap", "0"], "--overlap must be at least 1 chunk"),

@@ -123,3 +123,31 @@ def test_bad_world_size_refused_on_every_rank():
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if "train.py: rank" in ln]
     assert sorted(ln.split(":")[1] for ln in lines) == [" rank 0", " rank 1"], r.stdout + r.stderr
     assert "Traceback" not in r.stdout + r.stderr
+    assert all("--uneven-heads" in ln and "uneven_heads=True" not in ln for ln in lines), lines  # in the flags
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--threads", "100000"], "--threads must be 1 .. "),
+    (["--timeout", "0"], "--timeout must be finite"), (["--timeout", "1e300"], "--timeout must be finite"),
+    (["--lr", "1e300"], "--lr must be finite"), (["--lr", "inf"], "--lr must be finite"),
+    (["--weight-decay", "nan"], "--weight-decay must be finite"), (["--emb-std", "-1"], "--emb-std must be finite"),
+    (["--seed", "99999999999999999999999"], "--seed must be in"),
+    (["--out", "/proc/tpattn-no/x"], "--out /proc/tpattn-no/x.json"), (["--dist-backend", "nccl"], "use --dist-backend gloo")])
+def test_values_that_used_to_crash_or_hang_are_refused(args, says):
+    """Values that crashed or hung the run (a thread count past the cores, a timeout of 0 or 1e300, a learning
+    rate AdamW overflows on, NaN decay, a negative init std, an out-of-range seed, an output path only
+    writing would have found bad, NCCL on CPU): one line, exit 2, before any training."""
+    r = run([sys.executable, SCRIPT, "--steps", "1", "--log-every", "0", *args], timeout=60)
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and says in lines[0], lines
+
+
+def test_ranks_given_different_arguments_refuse_on_every_rank():
+    """mpirun's two apps with different --steps: the ranks compare their arguments before any collective
+    and each prints the difference (it used to run on and time out in a collective)."""
+    cmd = mpirun_cmd(1)
+    r = run(cmd + [sys.executable, SCRIPT, "--steps", "1", "--timeout", "20", ":", "-n", "1", sys.executable, SCRIPT,
+                   "--steps", "2", "--timeout", "20"], timeout=120)
+    lines = [ln for ln in r.stderr.splitlines() if "train.py: rank" in ln]
+    assert r.returncode == 2 and len(lines) == 2 and "Traceback" not in r.stderr, r.stderr
+    assert all("arguments differ between ranks (steps: rank 0 has 1, rank 1 has 2)" in ln for ln in lines), lines

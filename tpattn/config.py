@@ -332,3 +332,14 @@ def check_writable(path: str, flag: str) -> None:
         raise FlagError(f"{flag} {path}: directory {parent} does not exist; create it or choose another path")
     if not os.access(parent, os.W_OK):
         raise FlagError(f"{flag} {path}: directory {parent} is not writable; choose another path")
+    existed = os.path.exists(path)
+    try:  # the file itself (a path the directory's mode allows can still refuse it: /proc, a read-only file)
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise FlagError(f"{flag} {path} cannot be written ({exc.strerror or exc}); choose another path") from None
+    if not existed:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
