@@ -162,11 +162,14 @@ def parse_args(argv=None):
     if args.device == "cpu" and args.dist_backend == "nccl":
         p.error("--dist-backend nccl needs --device cuda (a GPU a rank); use --dist-backend gloo on CPU")
     for flag, path in (("--out", f"{args.out}.json" if args.out else None), ("--plot", args.plot)):
-        if path:
+        if path:  # its directory made now, as the run would at the end, and the file opened
             from tpattn.config import check_writable
             from tpattn.errors import ConfigError
             try:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
                 check_writable(path, flag)
+            except OSError as exc:
+                p.error(f"{flag} {path}: its directory cannot be made ({exc.strerror or exc}); choose another path")
             except ConfigError as exc:
                 p.error(str(exc))
     if args.kv_heads is None:

@@ -79,6 +79,9 @@ def test_no_check_is_not_a_pass():
     (["--timeout", "nan"], "--timeout must be a finite, positive number of seconds"),
     (["--seq-len", "10000000"], "(S and P alone) but"),  # the CPU run's pre-flight: not the allocator's error
     (["--seq-len", "99999999999999999999"], "is past 2147483647, the most any kernel here indexes"),
+    (["--heads", "4096", "--head-dim", "256", "--seq-len", "1"], "GiB of weights on rank 0"),  # (was killed for memory)
+    (["--decode", "3000000000", "--causal"], "the largest --decode that fits is about"),  # (was a failed allocation)
+    (["--decode", "50000000", "--causal", "--no-check"], "the largest --decode that fits is about"),
     (["--timeout", "inf"], "--timeout must be a finite, positive number of seconds"),
     (["--dtype", "fp8", "--deterministic"], "--dtype fp8 runs the forward only: drop --deterministic"),
     (["--decode", "2", "--causal", "--profile", "p.json"], "--profile traces one call of the layer (or one training step)"),

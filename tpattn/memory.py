@@ -12,6 +12,8 @@ from .config import Config, ConfigError
 from .sharding import head_range, kv_head_range
 
 HEADROOM = 0.92  # leave room for the CUDA context, cuBLAS workspaces and fragmentation
+STEP_OBJECT_BYTES = 1024  # a --decode step's own host objects (its output tensor kept until the concatenation, its
+                          # timings): what a CPU run of tens of millions of steps runs out of first
 
 
 def heads_world(cfg: Config, world: int, rank: int = 0) -> tuple[int, int]:
@@ -118,6 +120,47 @@ def host_available() -> int | None:
     return None
 
 
+def held_for_certain(cfg: Config, world: int, rank: int, free: int, sharing: int = 1) -> None:
+    """A CPU run's check of what it holds whatever the allocator does: this rank's weights (W_q, W_o of
+    its heads, W_k, W_v of its K/V heads) and, with --decode T, its K/V cache of N + T rows, the N + T
+    rows in and out, their rotary tables, and the check's forward over all of them (its S and P, where
+    the kernel writes them); refused in one line naming the fix when they do not fit `free` bytes
+    (HEADROOM of them)."""
+    import dataclasses
+    el, d, D, B, N = cfg.elem_size, cfg.head_dim, cfg.model_dim, cfg.batch, cfg.seq_len
+    h, g = heads_per_rank(cfg, world, rank), kv_heads_per_rank(cfg, world, rank)
+    weights = 2 * D * (h + g) * d * el
+    budget = free * HEADROOM
+    where = (f"but {free / 2**30:.1f} GiB of memory is available"
+             + (f" (its share of this node's, {sharing} ranks)" if sharing > 1 else " on this node"))
+    if weights > budget:
+        raise ConfigError(f"--heads {cfg.heads} --head-dim {d} need {weights / 2**30:.1f} GiB of weights on rank "
+                          f"{rank} (model dim {D}) {where}; use fewer --heads or a smaller --head-dim"
+                          + (", or more ranks" if h > 1 else ""))
+    if not cfg.decode:
+        return
+    per_token = kv_token_bytes(g, d, el, cfg.kv_dtype == "fp8")
+
+    def need(T: int) -> int:
+        # the cache of N + T rows; x, the steps' y and their concatenation, and the rotary tables of as many
+        # rows; the check's forward over them all (its S and P, where its kernel writes them)
+        rows = N + T
+        full = 2 * scores_bytes(dataclasses.replace(cfg, seq_len=rows, decode=0), world, rank) if cfg.check else 0
+        return weights + B * rows * (per_token + 3 * D * el) + rows * 2 * d * 4 + T * STEP_OBJECT_BYTES + full
+    if need(cfg.decode) <= budget:
+        return
+    lo, hi = 0, cfg.decode  # the largest T that fits: need() grows with T
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if need(mid) <= budget else (lo, mid - 1)
+    fix = f"the largest --decode that fits is about {lo}" if lo >= 1 else "use a smaller --batch or --seq-len"
+    if cfg.check and scores_bytes(cfg, world, rank):
+        fix += " (the check's forward writes the scores of all N + T rows; --no-check drops it)"
+    what = "its K/V cache, rows" + (" and check" if cfg.check else "")
+    raise ConfigError(f"--decode {cfg.decode} needs about {need(cfg.decode) / 2**30:.1f} GiB on rank {rank} ({what} "
+                      f"over --seq-len + --decode rows) {where}; {fix}")
+
+
 def preflight(cfg: Config, world: int, rank: int, free: int, sharing: int = 1, host: bool = False) -> None:
     """Refuse, in one line, a run whose estimate does not fit `free` bytes (with `sharing` ranks on
     one GPU, this rank's share of its free memory; host: a CPU run, `free` its share of the host's
@@ -125,6 +168,7 @@ def preflight(cfg: Config, world: int, rank: int, free: int, sharing: int = 1, h
     there only S and P, which the run certainly holds, are checked)."""
     sp_bytes = 2 * scores_bytes(cfg, world, rank)
     if host:
+        held_for_certain(cfg, world, rank, free, sharing)
         if sp_bytes > free * HEADROOM:
             fit = int(math.sqrt(free * HEADROOM / (sp_bytes / cfg.seq_len ** 2)))
             raise ConfigError(f"--seq-len {cfg.seq_len} needs more than {sp_bytes / 2**30:.1f} GiB on rank {rank} (S "
