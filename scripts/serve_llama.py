@@ -92,7 +92,37 @@ def refusal(args) -> str | None:
         return f"--timeout {args.timeout:g}: give a positive number of seconds"
     if args.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda needs a CUDA GPU (none is visible to torch); use --device cpu"
-    return None
+    return memory_refusal(args)
+
+
+def memory_refusal(args) -> str | None:
+    """The model and its KV pools against the memory there is (the host's available memory, or the GPU's),
+    before anything is allocated: one line naming what to make smaller, or None. The model: its weights
+    built in fp32 and cast (the unmodified copy too, with --check); the pools: --pages of --page-size
+    tokens, or by default --max-batch sequences of the longest prompt and --new-tokens; every K/V head
+    on this rank (the most a rank holds), in every layer."""
+    from tpattn.memory import HEADROOM, host_available
+    el = {"fp32": 4, "fp64": 8, "fp16": 2, "bf16": 2}[args.dtype]
+    h, d = args.hidden, args.hidden // args.heads
+    params = 2 * args.vocab * h + args.layers * (2 * h * h + 2 * h * args.kv_heads * d + 6 * h * h)
+    weights = params * (4 + el) * (2 if args.check else 1)
+    tokens = (args.pages * args.page_size if args.pages is not None
+              else args.max_batch * (args.prompt_lens[1] + args.new_tokens + args.page_size))
+    per_token = 2 * args.kv_heads * (d + 4 if args.kv_dtype == "fp8" else d * el) * args.layers
+    pools = tokens * per_token
+    if args.device == "cuda":
+        there = torch.cuda.get_device_properties(0).total_memory
+    else:
+        there = host_available()
+        if there is None:
+            return None
+    if weights + pools <= there * HEADROOM:
+        return None
+    what = ("--pages / --page-size, or --max-batch / --new-tokens" if pools > weights
+            else "--hidden, --layers or --vocab")
+    return (f"the model and its KV pools need about {(weights + pools) / 2**30:.1f} GiB (weights "
+            f"{weights / 2**30:.1f}, pools {pools / 2**30:.1f}) but {there / 2**30:.1f} GiB is available on "
+            f"{'the GPU' if args.device == 'cuda' else 'this node'}; make {what} smaller")
 
 
 def main(argv=None) -> int:

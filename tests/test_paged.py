@@ -165,7 +165,11 @@ def test_serve_llama_on_three_ranks_and_its_refusals_on_every_rank():
               "world size in {1, 2, 4, 8} or change --kv-heads, or pass --uneven-heads", 3),
              (mpirun_cmd(1) + script + [":", "-n", "1"] + script + ["--max-batch", "1"],
               "arguments differ between ranks (max_batch: rank 0 has 4, rank 1 has 1)", 2),
-             (mpirun_cmd(2) + script + ["--pages", "2"], "need 3 pages of 16 tokens, more than the pool's 2; pass --pages 3 or more", 2)]
+             (mpirun_cmd(2) + script + ["--pages", "2"], "need 3 pages of 16 tokens, more than the pool's 2; pass --pages 3 or more", 2),
+             # more memory than there is (it ended in an allocator's traceback on every rank, and SIGABRT)
+             (mpirun_cmd(2) + script + ["--pages", "100000000000"], "make --pages / --page-size, or --max-batch / "
+              "--new-tokens smaller", 2),
+             (mpirun_cmd(2) + script + ["--hidden", "1000000"], "make --hidden, --layers or --vocab smaller", 2)]
     for cmd, needle, n in cases:
         r = run(cmd, timeout=240)
         lines = rank_lines(r.stderr, tag)
