@@ -15,6 +15,7 @@ import torch
 
 from .commplan import OUTPUT_COLLECTIVES, make_plan  # noqa: F401 (OUTPUT_COLLECTIVES re-exported)
 from .errors import ConfigError, FlagError, cupy_available, cupy_missing_message  # noqa: F401 (re-exported)
+from .sharding import context_conflict  # noqa: F401 (the CLI's and tpattn.plan's, re-exported)
 
 INT_MAX = 2**31 - 1
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -270,30 +271,6 @@ def check_parallel_style(cfg: Config, world: int) -> None:
         if world > 1 and cfg.dist_backend != "nccl":
             raise FlagError("--cuda-graph needs --dist-backend nccl (gloo collectives cannot be captured); "
                               "drop --cuda-graph or use one GPU per rank with nccl")
-
-
-def context_conflict(sequence_parallel: bool = False, decode: bool = False, cuda_graph: bool = False,
-                     overlap: int = 1, output_collective: str = "auto", api: int = 0) -> str | None:
-    """The first setting that context parallelism cannot go with, as its one-line refusal, or None: in
-    the CLI's flags (the CLI's and the cost model's, tpattn.plan), or with api=C in the layer's
-    keyword arguments (sharding.check_context; a cache and graphed() are refused where they are
-    used)."""
-    ctx = f"context_parallel={api}" if api else "--context-parallel"
-    for flag, kw, on, why in (
-            ("--sequence-parallel", "sequence_parallel=True", sequence_parallel,
-             "both split the sequence: choose one"),
-            ("--decode", "", decode, "decoding is not a ring workload (one new row a step, the cache read where it "
-                                     "is): a KV cache decodes head-parallel; drop --context-parallel"),
-            ("--cuda-graph", "", cuda_graph, "the ring's passes are not captured in a graph; drop one of them"),
-            ("--overlap", f"overlap={overlap!r}", overlap != 1 if api else overlap > 1,
-             "the ring overlaps its own passes with the blocks' attention; drop " + ("overlap (1)" if api else "--overlap")),
-            ("--output-collective " + output_collective, f"output_collective={output_collective!r}",
-             output_collective in ("p2p", "oneshot"),
-             "the heads' partial outputs are summed by NCCL or gloo; use " +
-             ("output_collective 'auto', 'allreduce' or 'split'" if api else "--output-collective auto, allreduce or split"))):
-        if on:
-            return f"{ctx} with {kw if api else flag}: {why}"
-    return None
 
 
 def check_context_flag(cfg: Config, world: int) -> int:

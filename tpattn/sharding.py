@@ -191,6 +191,30 @@ class Shard:
                 f"K/V heads {k.start}-{k.stop - 1} of {self.kv_heads}")
 
 
+def context_conflict(sequence_parallel: bool = False, decode: bool = False, cuda_graph: bool = False,
+                     overlap: int = 1, output_collective: str = "auto", api: int = 0) -> str | None:
+    """The first setting that context parallelism cannot go with, as its one-line refusal, or None: in
+    the CLI's flags (the CLI's and the cost model's, tpattn.plan), or with api=C in the layer's
+    keyword arguments (sharding.check_context; a cache and graphed() are refused where they are
+    used)."""
+    ctx = f"context_parallel={api}" if api else "--context-parallel"
+    for flag, kw, on, why in (
+            ("--sequence-parallel", "sequence_parallel=True", sequence_parallel,
+             "both split the sequence: choose one"),
+            ("--decode", "", decode, "decoding is not a ring workload (one new row a step, the cache read where it "
+                                     "is): a KV cache decodes head-parallel; drop --context-parallel"),
+            ("--cuda-graph", "", cuda_graph, "the ring's passes are not captured in a graph; drop one of them"),
+            ("--overlap", f"overlap={overlap!r}", overlap != 1 if api else overlap > 1,
+             "the ring overlaps its own passes with the blocks' attention; drop " + ("overlap (1)" if api else "--overlap")),
+            ("--output-collective " + output_collective, f"output_collective={output_collective!r}",
+             output_collective in ("p2p", "oneshot"),
+             "the heads' partial outputs are summed by NCCL or gloo; use " +
+             ("output_collective 'auto', 'allreduce' or 'split'" if api else "--output-collective auto, allreduce or split"))):
+        if on:
+            return f"{ctx} with {kw if api else flag}: {why}"
+    return None
+
+
 def check_context(context_parallel: int, world: int, sequence_parallel: bool, output_collective: str = "auto",
                   overlap: int = 1) -> int:
     """context_parallel (C ranks in the ring), or one line naming the fix."""
@@ -202,7 +226,6 @@ def check_context(context_parallel: int, world: int, sequence_parallel: bool, ou
         raise ConfigError(f"context_parallel={C} does not divide the group's {world} ranks (rings of C ranks, the heads "
                           f"split over the W/C rings); use context_parallel in {{{ok}}}")
     if C > 1:
-        from .config import context_conflict
         conflict = context_conflict(sequence_parallel=sequence_parallel, overlap=overlap,
                                     output_collective=output_collective, api=C)
         if conflict:

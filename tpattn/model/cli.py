@@ -165,7 +165,7 @@ def shape_from(a) -> Shape:
     if s.context_parallel < 1:
         raise PlanError(f"--context-parallel must be at least 1 (got {s.context_parallel}); 1 turns it off")
     if s.context_parallel > 1:
-        from ..config import context_conflict
+        from ..sharding import context_conflict
         conflict = context_conflict(sequence_parallel=s.sequence_parallel, cuda_graph=s.cuda_graph, overlap=s.overlap,
                                     output_collective=s.output_collective)
         if conflict:
