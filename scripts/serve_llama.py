@@ -101,14 +101,14 @@ def memory_refusal(args) -> str | None:
     built in fp32 and cast (the unmodified copy too, with --check); the pools: --pages of --page-size
     tokens, or by default --max-batch sequences of the longest prompt and --new-tokens; every K/V head
     on this rank (the most a rank holds), in every layer."""
-    from tpattn.memory import HEADROOM, host_available
+    from tpattn.memory import HEADROOM, host_available, kv_token_bytes
     el = {"fp32": 4, "fp64": 8, "fp16": 2, "bf16": 2}[args.dtype]
     h, d = args.hidden, args.hidden // args.heads
     params = 2 * args.vocab * h + args.layers * (2 * h * h + 2 * h * args.kv_heads * d + 6 * h * h)
     weights = params * (4 + el) * (2 if args.check else 1)
     tokens = (args.pages * args.page_size if args.pages is not None
               else args.max_batch * (args.prompt_lens[1] + args.new_tokens + args.page_size))
-    per_token = 2 * args.kv_heads * (d + 4 if args.kv_dtype == "fp8" else d * el) * args.layers
+    per_token = kv_token_bytes(args.kv_heads, d, el, args.kv_dtype == "fp8") * args.layers
     pools = tokens * per_token
     if args.device == "cuda":
         there = torch.cuda.get_device_properties(0).total_memory

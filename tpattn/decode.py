@@ -417,8 +417,9 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if scales is not None:  # (no contiguous-cache arguments: Ladd, Lpos, LMAX)
         args = (*head, np.int32(S), *tail, ptr(scales[0]), ptr(scales[1]))
     else:  # (_pgb: LMAX carries the blocks its equal-work chunks aim at)
-        want = eq_blocks(torch.cuda.get_device_properties(q.device).multi_processor_count)
-        args = (*head, np.int32(0), np.uint64(0), np.int32(want if name.endswith("_pgb") else 0), np.int32(S), *tail)
+        want = eq_blocks(torch.cuda.get_device_properties(q.device).multi_processor_count) if name.endswith("_pgb") \
+            else 0  # (asked only for that build: this runs every decode step)
+        args = (*head, np.int32(0), np.uint64(0), np.int32(want), np.int32(S), *tail)
     grid = (B * g, S, 1) if name.endswith("_pgb") else (S, min(B * g, GRID_YZ_MAX), 1)  # _pgb: pairs first
     launch(source, name, q.device, grid, (DEC_THREADS, 1, 1), args, shared_mem=smem)
     return o

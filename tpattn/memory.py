@@ -48,6 +48,12 @@ def kv_token_bytes(kv_heads: int, head_dim: int, elem_size: int, fp8: bool = Fal
     return 2 * kv_heads * (head_dim + 4 if fp8 else head_dim * elem_size)
 
 
+def weight_bytes(cfg: Config, world: int, rank: int) -> int:
+    """This rank's weights: W_q, W_o of its h heads and W_k, W_v of its g K/V heads, in the model's dtype."""
+    return 2 * cfg.model_dim * (heads_per_rank(cfg, world, rank) + kv_heads_per_rank(cfg, world, rank)) \
+        * cfg.head_dim * cfg.elem_size
+
+
 def coefficients(cfg: Config, world: int, rank: int) -> tuple[float, float, float]:
     """Bytes as a*N^2 + b*N + c for this rank."""
     el, B, H, d = cfg.elem_size, cfg.batch, cfg.heads, cfg.head_dim
@@ -60,7 +66,7 @@ def coefficients(cfg: Config, world: int, rank: int) -> tuple[float, float, floa
         a = 0                                                  # fused: S and P stay on chip, O(N) memory
     # x, y, the QKV GEMM's output and its q/k/v copies ((h + 2g) d each), o, partials
     b = B * (D * el * 2 + (3 * h + 4 * g) * d * el + D * red * 2)
-    c = 2 * D * (h + g) * d * el                               # W_q, W_o (h heads), W_k, W_v (g heads), in el
+    c = weight_bytes(cfg, world, rank)
     if cfg.decode:  # the KV cache of N + T rows: K and V of this rank's K/V heads (e4m3: a byte and an fp32 scale)
         per_token = kv_token_bytes(g, d, el, cfg.kv_dtype == "fp8")
         b += B * per_token
@@ -129,7 +135,7 @@ def held_for_certain(cfg: Config, world: int, rank: int, free: int, sharing: int
     import dataclasses
     el, d, D, B, N = cfg.elem_size, cfg.head_dim, cfg.model_dim, cfg.batch, cfg.seq_len
     h, g = heads_per_rank(cfg, world, rank), kv_heads_per_rank(cfg, world, rank)
-    weights = 2 * D * (h + g) * d * el
+    weights = weight_bytes(cfg, world, rank)
     budget = free * HEADROOM
     where = (f"but {free / 2**30:.1f} GiB of memory is available"
              + (f" (its share of this node's, {sharing} ranks)" if sharing > 1 else " on this node"))
