@@ -175,20 +175,33 @@ __device__ __forceinline__ tw_tile tw_tile_of(long long t, int nq, int row_begin
 
 // PG (fused_ws_paged.cu): K and V are read through a block table, not from [B, G, N, D] tensors (see the
 // paged kernels' comment at the end of the file); table and pshift are that table and log2 of the page size.
-// qoff: Q's map and O hold the rows from qoff on (row r at their row r - qoff)
-template <int D, bool BF16, int NC, int DS = D, bool PG = false>
+// qoff: Q's map and O hold the rows from qoff on (row r at their row r - qoff).
+// F8 (fused_ws_fp8.cu): Q, K and V in e4m3 (one byte a value) with scales, O in fp16 or bf16 (BF16), at
+// D = 128 with NC = 2 only; see the FP8 kernels' comment at the end of the file. f8s: the scales
+// (SQ [B H nblk], SK and SV [B G nblk], fp32), then nblk and kvb in f8n: blocks of 128 rows a head in
+// the scale arrays, and 1 where they are per block (0: one scale a head, index 0 for every tile)
+struct tw_f8s {
+    const float *sq, *sk, *sv;
+    int nblk, kvb;
+};
+template <int D, bool BF16, int NC, int DS = D, bool PG = false, bool F8 = false>
 __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, const tw_tmap *vm,
                                          tc_u16 *__restrict__ O, float *__restrict__ Lse, int BH, int N,
                                          float scale_log2, int causal,
                                          int row_begin, int row_end, int H, int group, long long o_sb, long long o_sh,
                                          int o_ld, int hg, int *__restrict__ sched,
-                                         const int *__restrict__ table = nullptr, int pshift = 0, int qoff = 0) {
+                                         const int *__restrict__ table = nullptr, int pshift = 0, int qoff = 0,
+                                         tw_f8s f8 = {}) {
     // key tiles of BC keys: 128, or 64 above D = 128 (S and P of 64 keys beside a 64 x D accumulator)
-    constexpr int BR = 64 * NC, BC = D > 128 ? 64 : 128, PANELS = D / 64;
+    constexpr int BR = 64 * NC, BC = D > 128 ? 64 : 128, EL = F8 ? 1 : 2, PANELS = D * EL / 128;
+    static_assert(!F8 || (D == 128 && NC == 2 && !PG), "the FP8 kernel: D = 128, two consumers, contiguous K/V");
     // Q stages: two, one at D = 256; K/V stages: two, four at D = 64. Shared memory: 2 Q + 4 K/V tiles of
     // 128 rows = 192 KB at D = 128; at D = 192 2 Q + 4 K/V tiles of 64 rows, 192 KB; at D = 256 1 + 4, 192 KB
-    constexpr int QS = D == 256 ? 1 : 2, KVS = D == 64 ? 4 : 2;
-    constexpr tc_u32 QB = BR * D * 2, KB = BC * D * 2;  // bytes of one Q tile and of one K or V tile
+    // F8: K and V tiles of half the bytes, four stages; a Q stage keeps the bytes of a 16-bit tile, where
+    // the consumers stage O (QX: the bytes of the Q tile the TMA loads into it)
+    constexpr int QS = D == 256 ? 1 : 2, KVS = D == 64 || F8 ? 4 : 2;
+    constexpr tc_u32 QB = BR * D * 2, KB = BC * D * EL;  // bytes of one Q stage and of one K or V tile
+    constexpr tc_u32 QX = BR * D * EL;
     constexpr int TURN = 1;  // named barrier ids: turns 1 .. NC
     const tc_u32 sQ = hw_smem_base(), sK = sQ + QS * QB, sV = sK + KVS * KB, bars = sV + KVS * KB;
     // mbarriers, 8 bytes each: Q full [QS], Q empty [QS], K full [KVS], K empty [KVS], V full [KVS],
@@ -270,20 +283,25 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                         break;
                     }
                 }
-                tw_bar_expect(q_full(qs), QB);
+                tw_bar_expect(q_full(qs), QX);
                 // the next tile, asked for now so that the atomic's round trip hides behind the loads
                 const long long next = sched ? gridDim.x + (long long)atomicAdd(sched, 1) : t + gridDim.x;
                 if constexpr (!EARLY) coords(t);
 #pragma unroll
                 for (int p = 0; p < PANELS; ++p)
-                    tw_tma(sQ + qs * QB + p * BR * 128, qm, 64 * p, q0 - qoff, hh, b, q_full(qs));
+                    tw_tma(sQ + qs * QB + p * BR * 128, qm, 128 / EL * p, q0 - qoff, hh, b, q_full(qs));
                 const int nk = n_kt, bb = b, hv = hk;  // this tile's, while coords() moves on to the next
                 // key tile j of K or V into the stage at dst. PG: in boxes of PB = min(page, BC) keys, each
                 // from its page table[key / page] at offset key % page (the map is over the pool
                 // [pages, G, page, D]); keys past the sequence read its last page (finite values the
                 // mask drops, as it drops the zeros a contiguous map reads there)
-                auto kv_tile = [&](tc_u32 dst, const tw_tmap *map, int j, tc_u32 bar) {
-                    if constexpr (PG) {
+                auto kv_tile = [&](tc_u32 dst, const tw_tmap *map, int j, tc_u32 bar, bool vt = false) {
+                    if constexpr (F8) {  // K [B, G, N, D]: keys are rows; V^T [B, G, D, N']: keys are columns
+                        if (vt)
+                            tw_tma(dst, map, j * BC, 0, hv, bb, bar);
+                        else
+                            tw_tma(dst, map, 0, j * BC, hv, bb, bar);
+                    } else if constexpr (PG) {
                         const int P = 1 << pshift, PB = P < BC ? P : BC;
                         for (int k = 0; k < BC; k += PB) {
                             const int key = j * BC + k;
@@ -307,7 +325,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                     tw_bar_wait(v_empty(s), parity(kt) ^ 1);
                     TW_MARK(0, 23);
                     tw_bar_expect(v_full(s), KB);
-                    kv_tile(sV + s * KB, vm, j, v_full(s));
+                    kv_tile(sV + s * KB, vm, j, v_full(s), true);
                 }
                 t = next;
             }
@@ -387,6 +405,22 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
 #pragma unroll
         for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
         float m[2] = {TC_NEG_INF, TC_NEG_INF}, l[2] = {0.0f, 0.0f}, alpha[2];
+        // F8: key tile j's scores scale (its exponent's factor in log2 units: the query tile's and the key
+        // block's scales, 1/sqrt(d), log2(e); at least 2^-126, so that a masked -inf times it stays -inf)
+        // and its V block's scale; O is held in units of sv_run, the V scale of the last key tile (a tile
+        // of another block rescales it through alpha: sv_run / sv, correctly rounded, 1 exactly where equal)
+        float qsc = 0.0f, sv_run = 1.0f;
+        long long kvs = 0;
+        if constexpr (F8) {
+            const int b = x.bh / H, hk = (x.bh - b * H) / group;
+            qsc = __ldg(f8.sq + (long long)x.bh * f8.nblk + (q0 >> 7) * f8.kvb) * scale_log2;
+            kvs = ((long long)b * (H / group) + hk) * f8.nblk;
+        }
+        auto f8_c = [&](int j) {
+            return fmaxf(qsc * __ldg(f8.sk + kvs + j * f8.kvb), 1.17549435e-38f);
+        };
+        auto f8_v = [&](int j) { return __ldg(f8.sv + kvs + j * f8.kvb); };
+        constexpr int KP = F8 ? 4 : BC / 16;  // the A fragments of P of a whole key tile (k32 or k16 steps)
 
         // fusedw3: this warpgroup's key tiles. None where its 64 rows start at or past row_end (the last
         // tile of a head: N = 4096 is 21 1/3 tiles of 192 rows); with causal nk, up to the key tile of its
@@ -417,7 +451,10 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 TW_CMARK(4);
                 hw_keep_first<BC / 2>(s);
                 hw_wg_fence();
-                hw_qk<D, BR, BF16, W, BC>(s, sq, sK + stage(kt) * KB);
+                if constexpr (F8)
+                    hw_qk8<D>(s, sq, sK + stage(kt) * KB);
+                else
+                    hw_qk<D, BR, BF16, W, BC>(s, sq, sK + stage(kt) * KB);
                 hw_wg_commit();
                 your_turn();
                 hw_wg_wait<0>();
@@ -425,7 +462,12 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 hw_keep_first<BC / 2>(s);
                 release(k_empty(stage(kt)));
                 hw_mask<W>(s, 0, N, causal, wr0, r0, lane);
-                hw_softmax<W>(s, m, l, alpha, scale_log2);
+                if constexpr (F8) {
+                    hw_softmax<W>(s, m, l, alpha, f8_c(0));
+                    sv_run = f8_v(0);
+                } else {
+                    hw_softmax<W>(s, m, l, alpha, scale_log2);
+                }
                 TW_CMARK(6));
         };
         // iteration j (1 <= j < n_kt): S_j = Q K_j^T (W keys) and O += P_{j-1} V_{j-1} (128 keys)
@@ -437,20 +479,29 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 tw_bar_wait(v_full(stage(vj)), parity(vj));
                 TW_CMARK(8);
                 tc_u32 pa[8][4];
-                hw_pack_p<BF16, 8, BC / 16>(pa, s);
+                if constexpr (F8)
+                    hw_pack_p8(pa, s);
+                else
+                    hw_pack_p<BF16, 8, BC / 16>(pa, s);
                 my_turn();
                 TW_CMARK(9);
                 hw_keep(o);
-                hw_keep_first<BC / 16>(pa);
+                hw_keep_first<KP>(pa);
                 hw_wg_fence();
-                hw_qk<D, BR, BF16, W, BC>(s, sq, sK + stage(kj) * KB);
+                if constexpr (F8)
+                    hw_qk8<D>(s, sq, sK + stage(kj) * KB);
+                else
+                    hw_qk<D, BR, BF16, W, BC>(s, sq, sK + stage(kj) * KB);
                 hw_wg_commit();
                 if constexpr (D >= 128) {  // O rescaled by the last softmax's factors while S_j runs
                     rescale();
                     hw_keep(o);
                     hw_wg_fence();
                 }
-                hw_pv<D, BF16, BC / 16, BC>(o, pa, sV + stage(vj) * KB);
+                if constexpr (F8)
+                    hw_pv8(o, pa, sV + stage(vj) * KB);
+                else
+                    hw_pv<D, BF16, BC / 16, BC>(o, pa, sV + stage(vj) * KB);
                 hw_wg_commit();
                 your_turn();
                 hw_wg_wait<1>();  // S_j is done; the PV product may still run
@@ -458,12 +509,22 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 hw_keep_first<BC / 2>(s);
                 release(k_empty(stage(kj)));
                 hw_mask<W>(s, j * BC, N, causal, wr0, r0, lane);
-                hw_softmax<W>(s, m, l, alpha, scale_log2);
+                if constexpr (F8) {
+                    hw_softmax<W>(s, m, l, alpha, f8_c(j));
+                    if (f8.kvb) {  // V of another scale block: O into its units
+                        const float sv = f8_v(j), r = __fdiv_rn(sv_run, sv);
+                        alpha[0] *= r;
+                        alpha[1] *= r;
+                        sv_run = sv;
+                    }
+                } else {
+                    hw_softmax<W>(s, m, l, alpha, scale_log2);
+                }
                 TW_CMARK(11);
                 hw_wg_wait<0>();
                 TW_CMARK(12);
                 hw_keep(o);
-                hw_keep_first<BC / 16>(pa);
+                hw_keep_first<KP>(pa);
                 release(v_empty(stage(vj)));
                 if constexpr (D == 64) rescale());
         };
@@ -475,20 +536,26 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 tw_bar_wait(v_full(stage(vj)), parity(vj));
                 TW_CMARK(14);
                 tc_u32 pa[8][4];
-                hw_pack_p<BF16, 8, W / 16>(pa, s);
+                if constexpr (F8)
+                    hw_pack_p8(pa, s);
+                else
+                    hw_pack_p<BF16, 8, W / 16>(pa, s);
                 if constexpr (D >= 128) rescale();
                 my_turn();
                 TW_CMARK(15);
                 hw_keep(o);
-                hw_keep_first<BC / 16>(pa);
+                hw_keep_first<KP>(pa);
                 hw_wg_fence();
-                hw_pv<D, BF16, W / 16, BC>(o, pa, sV + stage(vj) * KB);
+                if constexpr (F8)
+                    hw_pv8(o, pa, sV + stage(vj) * KB);
+                else
+                    hw_pv<D, BF16, W / 16, BC>(o, pa, sV + stage(vj) * KB);
                 hw_wg_commit();
                 your_turn();
                 hw_wg_wait<0>();
                 TW_CMARK(16);
                 hw_keep(o);
-                hw_keep_first<BC / 16>(pa);
+                hw_keep_first<KP>(pa);
                 release(v_empty(stage(vj))));
         };
         // a key tile this warpgroup does not compute: its turn passed on at once (every consumer takes
@@ -528,6 +595,10 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         if (rows_here) {
             hw_write_lse(Lse, (long long)x.bh * N, r0, row_end, m, l, lane);
             hw_finish_l<true>(l);  // by the approximate reciprocal
+            if constexpr (F8) {    // O's units: the last V scale
+                l[0] *= sv_run;
+                l[1] *= sv_run;
+            }
             // by stmatrix, chunks j and j + 1 of the warp's 16 rows at a time: lane L gives the address of
             // row L & 7 of matrix L >> 3, the matrices (rows 0-7, j), (8-15, j), (0-7, j + 1), (8-15, j + 1)
             const int srow = c * 64 + warp * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
@@ -578,11 +649,32 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         tw_fused<D, BF16, NC, D, true>(&qm, &km, &vm, O, nullptr, BH, L0 + T, scale_log2, 1, L0, L0 + T, H, \
                                        group, o_sb, o_sh, o_ld, hg, sched, table, pshift, L0);          \
     }
+// fused_ws_fp8.cu: the FP8 forward (tpattn/attention/fp8_ws.py) at D = 128. Q [B, H, N, 128] and K
+// [B, G, N, 128] in e4m3 (maps of a box of 128 columns, 128 bytes, by BR or BC rows); V transposed,
+// [B, G, 128, N'] (N' >= N a multiple of 16, zeros past N), each 16 keys stored in the order of P's
+// fragments (hw_pack_p8), under a map of a box of 128 keys by 128 rows; O [B, H, N, 128] in fp16 (f16)
+// or bf16 (bf16). Scores, softmax and O accumulate in fp32; P is rounded to e4m3 for the PV product.
+// Scales (fp32): sq [B, H, nblk], sk and sv [B, G, nblk], nblk blocks of 128 rows a head where kvb = 1,
+// one a head (nblk = 1) where kvb = 0. scale_log2: log2(e) / sqrt(128). The rows of every head from 0 to N.
+#define TW_DEFINE_F8(SUF, BF16)                                                                           \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                                \
+        fusedw8_##SUF##_d128(const __grid_constant__ tw_tmap qm, const __grid_constant__ tw_tmap km,   \
+                             const __grid_constant__ tw_tmap vm, tc_u16 *__restrict__ O, int BH, int N, \
+                             float scale_log2, int causal, int H, int group, long long o_sb, long long o_sh, \
+                             int o_ld, int hg, int *__restrict__ sched, const float *__restrict__ sq,  \
+                             const float *__restrict__ sk, const float *__restrict__ sv, int nblk, int kvb) { \
+        tw_fused<128, BF16, 2, 128, false, true>(&qm, &km, &vm, O, nullptr, BH, N, scale_log2, causal, 0, N, H, \
+                                                 group, o_sb, o_sh, o_ld, hg, sched, nullptr, 0, 0,     \
+                                                 tw_f8s{sq, sk, sv, nblk, kvb});                         \
+    }
 #if defined(TW_PAGED)
 TW_DEFINE_PG(fusedw, f16, false, 64, 2)
 TW_DEFINE_PG(fusedw, bf16, true, 64, 2)
 TW_DEFINE_PG(fusedw, f16, false, 128, 2)
 TW_DEFINE_PG(fusedw, bf16, true, 128, 2)
+#elif defined(TW_FP8)
+TW_DEFINE_F8(f16, false)
+TW_DEFINE_F8(bf16, true)
 #elif !defined(TW_OTHER_DIMS)
 TW_DEFINE(fusedw, f16, false, 64, 2)
 TW_DEFINE(fusedw, bf16, true, 64, 2)

@@ -329,6 +329,65 @@ __device__ __forceinline__ void hw_pack_p(tc_u32 (&pa)[KS][4], const float (&s)[
     }
 }
 
+// FP8 (e4m3) products, wgmma m64n128k32: 32 e4m3 values (32 bytes) of the reduced dimension a step,
+// both operands K-major (the only layout wgmma takes for 8-bit types; there is no transpose bit).
+// A from a shared-memory descriptor ("ss") or from 4 x b32 registers a thread ("rs", four e4m3 a
+// register), B a descriptor; fp32 accumulators as the 16-bit ones. The descriptors are the 16-bit
+// tiles' byte for byte: 128-byte rows, 128-byte swizzle, 8-row groups 1024 bytes apart.
+#define HW_SS8(OPS, DA, DB, SC) "{\n.reg .pred p;\nsetp.ne.b32 p, " SC ", 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" OPS "}, " DA ", " DB ", p, 1, 1;\n}\n"
+#define HW_RS8(OPS, A0, A1, A2, A3, DB, SC) "{\n.reg .pred p;\nsetp.ne.b32 p, " SC ", 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" OPS "}, {" A0 ", " A1 ", " A2 ", " A3 "}, " DB ", p, 1, 1;\n}\n"
+__device__ __forceinline__ void hw_mma8_ss_n128(float (&d)[64], tc_u64 da, tc_u64 db, int scale_d) {
+    asm volatile(HW_SS8(HW_OPS64, "%64", "%65", "%66") : HW_F64(d) : "l"(da), "l"(db), "r"(scale_d));
+}
+__device__ __forceinline__ void hw_mma8_rs_n128(float (&d)[64], const tc_u32 (&a)[4], tc_u64 db, int scale_d) {
+    asm volatile(HW_RS8(HW_OPS64, "%64", "%65", "%66", "%67", "%68", "%69") : HW_F64(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+
+// S (64 x 128) = Q K^T over D e4m3 columns (D bytes, one 128-byte panel at D = 128): sq the warpgroup's
+// first Q row, sk the first row of a K tile; D / 32 wgmma m64n128k32
+template <int D>
+__device__ __forceinline__ void hw_qk8(float (&s)[64], tc_u32 sq, tc_u32 sk) {
+    static_assert(D == 128, "the FP8 tiles: one 128-byte panel");
+    const tc_u64 da0 = hw_desc(sq, 16, 1024), db0 = hw_desc(sk, 16, 1024);
+#pragma unroll
+    for (int kk = 0; kk < D / 32; ++kk) hw_mma8_ss_n128(s, hw_desc_add(da0, kk * 32), hw_desc_add(db0, kk * 32), kk > 0);
+}
+
+// O (64 x 128) += P V over 128 keys: P as 4 k32 fragments (hw_pack_p8), sv the first row of a V^T tile
+// (128 rows of d, each 128 keys in the order hw_pack_p8 gives, K-major)
+__device__ __forceinline__ void hw_pv8(float (&o)[64], const tc_u32 (&pa)[8][4], tc_u32 sv) {
+    const tc_u64 db0 = hw_desc(sv, 16, 1024);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) hw_mma8_rs_n128(o, pa[kk], hw_desc_add(db0, kk * 32), 1);
+}
+
+// two fp32 values to e4m3 (round to nearest even, saturating at +-448), x0 in the low byte
+__device__ __forceinline__ tc_u32 hw_e4m3x2(float x0, float x1) {
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(x1), "f"(x0));
+    return r;
+}
+
+// P (the S accumulators of 128 keys) to the four k32 A fragments of O += P V in e4m3. A thread holds
+// keys 8 j + 2 t + {0, 1} of n8 block j (t = lane % 4) and an m64k32 e4m3 fragment wants positions
+// 4 t + {0..3} and 16 + 4 t + {0..3} of the step's 32: position 4 t + e of each 16 takes key
+// 2 t + (e & 1) + 8 (e >> 1), with no shuffle between lanes, and V^T's keys are stored in that order
+// (the host permutes each 16 keys: tpattn/attention/fp8_ws.py, KEY_ORDER)
+__device__ __forceinline__ void hw_pack_p8(tc_u32 (&pa)[8][4], const float (&s)[64]) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)      // keys 16 h .. 16 h + 15 of the step: n8 blocks 4 kk + 2 h, + 1
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {  // row r0 + 8 i
+                const float *b = s + 16 * kk + 8 * h + 2 * i;
+                pa[kk][2 * h + i] = hw_e4m3x2(b[0], b[1]) | (hw_e4m3x2(b[4], b[5]) << 16);
+            }
+}
+
 // -inf in S (this thread's rows r0 and r0 + 8 of a warpgroup whose first row is wr0, keys k0 ..
 // k0 + 127; the first NC of them held) where a key is past N or (causal) after the row; only tiles
 // that cross either are touched

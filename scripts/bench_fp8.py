@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The FP8 (e4m3) attention forward (tpattn/attention/triton_fp8.py) beside tpattn's fp16 fused forward
+"""The FP8 (e4m3) attention forward (the Triton kernel, tpattn/attention/triton_fp8.py, and at d = 128 on
+compute capability 9.0 the CUDA one, tpattn/attention/fp8_ws.py) beside tpattn's fp16 fused forward
 and SDPA's cuDNN and flash backends, in one run on one GPU, and its error against float64 beside
 fp16's.
 
@@ -46,7 +47,7 @@ def timed(fn, reps: int = 20) -> float:
 def contenders(B: int, H: int, N: int, d: int, causal: bool, scaling: str, rotate: bool) -> dict:
     from torch.nn.attention import sdpa_kernel
 
-    from tpattn.attention import get_backend, triton_fp8
+    from tpattn.attention import fp8_ws, get_backend, triton_fp8
     gen = torch.Generator(device="cuda").manual_seed(N)
     q, k, v = (torch.randn(B, H, N, d, device="cuda", generator=gen).half() for _ in range(3))
     ops = triton_fp8.prepare(q, k, v, scaling, rotate)
@@ -54,8 +55,12 @@ def contenders(B: int, H: int, N: int, d: int, causal: bool, scaling: str, rotat
     sblk = triton_fp8.BLOCK if scaling == "block" else N
     fused = get_backend("fused")
     run = {"fp8 kernel": lambda: triton_fp8.launch(*ops, causal, o, sblk),
-           "fp8 whole call": lambda: triton_fp8.attention(q, k, v, causal, scaling, rotate),
-           "tpattn fused fp16": lambda: fused.forward(q, k, v, causal)}
+           "fp8 whole call": lambda: triton_fp8.attention(q, k, v, causal, scaling, rotate)}
+    if fp8_ws.supported(q) is None:  # the CUDA kernel (fusedw8): d = 128 on compute capability 9.0
+        ops_ws = (*ops[:2], fp8_ws.vt_for_kernel(ops[2]), *ops[3:])
+        run["fp8 CUDA kernel"] = lambda: fp8_ws.launch(*ops_ws, causal, o, scaling == "block")
+        run["fp8 CUDA whole call"] = lambda: fp8_ws.attention(q, k, v, causal, scaling, rotate)
+    run["tpattn fused fp16"] = lambda: fused.forward(q, k, v, causal)
     if scaling == "block":  # the quantization alone: fp8_quant's three launches, and the same in torch
         run["fp8 quantization (fp8_quant)"] = lambda: triton_fp8.prepare(q, k, v, scaling, rotate)
         run["fp8 quantization (torch)"] = lambda: triton_fp8.prepare_torch(q, k, v, scaling, rotate)
@@ -69,12 +74,14 @@ def contenders(B: int, H: int, N: int, d: int, causal: bool, scaling: str, rotat
 
 
 def error_rows(H: int, N: int, d: int, causal: bool, scaling: str, rotate: bool) -> dict:
-    from tpattn.attention import get_backend, triton_fp8
+    from tpattn.attention import fp8_ws, get_backend, triton_fp8
     q, k, v = fp8.inputs(1, H, H, min(N, 4096), d, outliers=1e-3, seed=1)
     ref = fp8.attention_float64(q, k, v, causal)
     q16, k16, v16 = (t.half().cuda() for t in (q, k, v))
-    return {"fp8 kernel": fp8.rmse(triton_fp8.attention(q16, k16, v16, causal, scaling, rotate).cpu(), ref),
-            "fp8 emulation (torch)": fp8.rmse(fp8.attention_fp8(q, k, v, causal, scaling, rotate), ref),
+    rows = {"fp8 kernel": fp8.rmse(triton_fp8.attention(q16, k16, v16, causal, scaling, rotate).cpu(), ref)}
+    if fp8_ws.supported(q16) is None:
+        rows["fp8 CUDA kernel"] = fp8.rmse(fp8_ws.attention(q16, k16, v16, causal, scaling, rotate).cpu(), ref)
+    return {**rows, "fp8 emulation (torch)": fp8.rmse(fp8.attention_fp8(q, k, v, causal, scaling, rotate), ref),
             "tpattn fused fp16": fp8.rmse(get_backend("fused").forward(q16, k16, v16, causal).cpu(), ref)}
 
 

@@ -21,7 +21,7 @@ _modules: dict[tuple[int, str], object] = {}
 # Kernel files written for one GPU generation's own instructions: file -> (compute capability it
 # runs on, the NVRTC architecture it is compiled for). The others compile for whatever GPU runs them.
 ARCH_SPECIFIC = {"fused_hopper_attention.cu": ((9, 0), "sm_90a"), "fused_ws_attention.cu": ((9, 0), "sm_90a"),
-                 "fused_ws_dims.cu": ((9, 0), "sm_90a"), "fused_ws_paged.cu": ((9, 0), "sm_90a"),
+                 "fused_ws_dims.cu": ((9, 0), "sm_90a"), "fused_ws_paged.cu": ((9, 0), "sm_90a"), "fused_ws_fp8.cu": ((9, 0), "sm_90a"),
                  "tiled_hopper_attention.cu": ((9, 0), "sm_90a"), "fused_hopper_backward.cu": ((9, 0), "sm_90a")}
 _functions: dict[tuple[int, str, str], object] = {}
 GRID_YZ_MAX = 65535
@@ -119,8 +119,8 @@ def ptr(t: torch.Tensor, rows_before: int = 0) -> np.uint64:
 
 
 class TensorMap:
-    """A TMA tensor map (CUtensorMap, 128 bytes) over a 16-bit [B, H, N, D] tensor or strided view whose
-    rows are contiguous: dimensions (D, N, H, B) innermost first, the byte strides of rows, heads and
+    """A TMA tensor map (CUtensorMap, 128 bytes) over a 16-bit (or e4m3: bytes) [B, H, N, D] tensor or
+    strided view whose rows are contiguous: dimensions (D, N, H, B) innermost first, the byte strides of rows, heads and
     batches, a box of `box` = (columns, rows), 128-byte swizzle (the layout wgmma reads), zeros where the
     box reaches past N. A kernel parameter `const __grid_constant__ tw_tmap`; encoded by the driver
     (cuTensorMapEncodeTiled) when launched, once per distinct tensor."""
@@ -130,8 +130,8 @@ class TensorMap:
     def __init__(self, t: torch.Tensor, box: tuple[int, int] = (64, 128), rows_before: int = 0):
         b, h, n, d = t.shape
         el = t.element_size()
-        if el != 2 or t.stride(3) != 1:
-            raise ValueError(f"a tensor map needs 16-bit values in contiguous rows (dtype {t.dtype}, strides {t.stride()})")
+        if t.dtype not in _DTYPE_CODE or t.stride(3) != 1:
+            raise ValueError(f"a tensor map needs 16-bit or e4m3 values in contiguous rows (dtype {t.dtype}, strides {t.stride()})")
         # rows_before: t holds rows [rows_before, rows_before + n) of the map's rows, which start that many
         # rows before t (a kernel given rows from rows_before on never reads those)
         self.address = t.data_ptr() - rows_before * t.stride(2) * el
@@ -152,7 +152,8 @@ class TensorMap:
 
 _tmaps: dict[tuple, ctypes.Array] = {}
 _encode_tiled = None  # libcuda's cuTensorMapEncodeTiled, looked up on first use
-_DTYPE_CODE = {torch.float16: 6, torch.bfloat16: 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16
+# CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16, _UINT8 (e4m3 bytes: the map only moves them)
+_DTYPE_CODE = {torch.float16: 6, torch.bfloat16: 9, torch.float8_e4m3fn: 0}
 
 
 def _encode(tm: TensorMap) -> ctypes.Array:
