@@ -201,7 +201,9 @@ def test_cli_fp8_checks_against_the_fp16_layer_and_float64(args):
     (["--backward"], "--dtype fp8 with --backward: FP8 attention is forward only"),
     (["--decode", "2", "--causal"], "--dtype fp8 with --decode: the KV cache decodes in 16-bit here; for an FP8 "
                                     "cache use --dtype fp16 or bf16 with --kv-dtype fp8"),
-    (["--kernel", "fused", "--device", "cpu"], "--dtype fp8 runs the FP8 arithmetic in torch (--kernel reference)"),
+    (["--kernel", "tiled", "--device", "cpu"], "--dtype fp8 runs the FP8 arithmetic in torch (--kernel reference)"),
+    (["--kernel", "fused", "--device", "cpu"], "--dtype fp8 --kernel fused is the CUDA FP8 kernel: --head-dim 128 on "
+                                               "a GPU of compute capability 9.0"),
     (["--head-dim", "96"], "--head-dim must be a power of two, at least 8 (got 96); use 64 or 128"),
     (["--head-dim", "4"], "--head-dim must be a power of two, at least 8 (got 4); use 8"),
     (["--context-parallel", "2"], "--dtype fp8 with --context-parallel"),

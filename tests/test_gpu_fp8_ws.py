@@ -75,3 +75,13 @@ def test_fp8_cuda_graph_replay_is_the_eager_output():
         g.replay()
     torch.cuda.synchronize()
     assert torch.equal(o1, o2)
+
+
+@pytest.mark.parametrize("args", [[], ["--causal", "--kv-heads", "8"]])
+def test_cli_fp8_through_the_cuda_kernel(args):
+    """python -m tpattn --dtype fp8 --kernel fused --check on the GPU: both RMS checks pass."""
+    from conftest import tpattn
+    r = tpattn(["--dtype", "fp8", "--kernel", "fused", "--check", "--device", "cuda", "--head-dim", "128", *args],
+               timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("(tol 0.1) PASS") == 2 and "RESULT: PASS" in r.stdout, r.stdout

@@ -470,6 +470,9 @@ def _backend(cfg: Config):
     if cfg.kernel == "triton":
         from .attention.triton_fp8 import Fp8TritonBackend
         return Fp8TritonBackend()
+    if cfg.kernel == "fused":
+        from .attention.fp8_ws import Fp8FusedBackend
+        return Fp8FusedBackend()
     from .attention.fp8 import Fp8Backend
     return Fp8Backend()
 

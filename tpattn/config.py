@@ -189,12 +189,19 @@ def validate(cfg: Config, world: int = 1, local_world: int = 1, gpus_on_node: in
 
 def check_fp8(cfg: Config) -> None:
     """--dtype fp8: what the FP8 attention (tpattn.attention.fp8.Fp8Backend) takes: torch math
-    (--kernel reference) or the Triton kernel (--kernel triton: a GPU of compute capability 8.9+,
-    head dims 64, 128, 256)."""
+    (--kernel reference), the Triton kernel (--kernel triton: a GPU of compute capability 8.9+,
+    head dims 64, 128, 256) or the CUDA one (--kernel fused: compute capability 9.0, head dim 128)."""
     from .attention import fp8
-    if cfg.kernel not in ("reference", "triton"):
-        raise FlagError(f"--dtype fp8 runs the FP8 arithmetic in torch (--kernel reference) or in Triton's FP8 kernel "
-                        f"(--kernel triton); --kernel {cfg.kernel} has no FP8 kernel: use one of those")
+    if cfg.kernel not in ("reference", "triton", "fused"):
+        raise FlagError(f"--dtype fp8 runs the FP8 arithmetic in torch (--kernel reference), in Triton's FP8 kernel "
+                        f"(--kernel triton) or in the CUDA one (--kernel fused); --kernel {cfg.kernel} has no FP8 "
+                        "kernel: use one of those")
+    if cfg.kernel == "fused":
+        fits = cfg.device == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+        if not fits or cfg.head_dim != 128:
+            raise FlagError("--dtype fp8 --kernel fused is the CUDA FP8 kernel: --head-dim 128 on a GPU of compute "
+                            f"capability 9.0 (H100, H200), --device cuda (got --head-dim {cfg.head_dim}"
+                            f"{'' if fits else ', no such GPU'}); use --kernel triton or reference")
     if cfg.kernel == "triton":
         from .attention.triton_fused import interpreting
         fits = cfg.device == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability() >= fp8.CC

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..cuda import Prepared, TensorMap, ptr
+from ..timing import section
 from . import fp8
 
 SOURCE = "fused_ws_fp8.cu"
@@ -122,3 +123,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     ops = prepare(q, k, v, scaling, rotate)
     o = out if out is not None else torch.empty(q.shape, dtype=out_dtype, device=q.device)
     return launch(*ops, causal, o, scaling == "block")
+
+
+class Fp8FusedBackend(fp8.Fp8Backend):
+    """The layer's FP8 attention (fp8.Fp8Backend's scaling and rotation) through this module's kernel,
+    all heads in one launch: python -m tpattn --dtype fp8 --kernel fused (head dim 128, compute
+    capability 9.0)."""
+
+    def head_dim_error(self, d: int) -> str | None:
+        if d in HEAD_DIMS:
+            return None
+        return (f"--dtype fp8 --kernel fused takes --head-dim 128 (got {d}); use --kernel triton (64, 128, 256) or "
+                "reference")
+
+    def forward(self, q, k, v, causal: bool, out=None):
+        o = out if out is not None else torch.empty_like(q)
+        with section("fp8"):
+            return attention(q, k, v, causal, fp8.SCALING, fp8.ROTATE, out=o)
