@@ -30,8 +30,11 @@ def recorded(tmp_path) -> list[str]:
     for name in ("nvidia-smi", "mpirun", "python3"):
         (bin_ / name).write_text(STAND_IN)
         (bin_ / name).chmod(0o755)
-    (bin_ / "sleep").write_text("#!/bin/sh\nexit 0\n")  # nccl_faults.sh's pauses and watchdog: nothing runs here
-    (bin_ / "sleep").chmod(0o755)
+    # nccl_faults.sh's pauses and its watchdog (sleep, then pkill of the run's command line): nothing runs here.
+    # With sleep returning at once a real pkill could kill a stand-in mpirun before it had logged its call
+    for name in ("sleep", "pkill"):
+        (bin_ / name).write_text("#!/bin/sh\nexit 0\n")
+        (bin_ / name).chmod(0o755)
     log = tmp_path / "calls.log"
     env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "LOG": str(log), "OUT": str(tmp_path / "out"),
            "COMMIT": "abc1234"}
