@@ -177,9 +177,9 @@ __device__ __forceinline__ tw_tile tw_tile_of(long long t, int nq, int row_begin
 // paged kernels' comment at the end of the file); table and pshift are that table and log2 of the page size.
 // qoff: Q's map and O hold the rows from qoff on (row r at their row r - qoff).
 // F8 (fused_ws_fp8.cu): Q, K and V in e4m3 (one byte a value) with scales, O in fp16 or bf16 (BF16), at
-// D = 128 with NC = 2 only; see the FP8 kernels' comment at the end of the file. f8s: the scales
-// (SQ [B H nblk], SK and SV [B G nblk], fp32), then nblk and kvb in f8n: blocks of 128 rows a head in
-// the scale arrays, and 1 where they are per block (0: one scale a head, index 0 for every tile)
+// D = 128 with NC = 2 only; see the FP8 kernels' comment at the end of the file. f8: the scales
+// (sq [B, H, nblk], sk and sv [B, G, nblk], fp32), nblk (their blocks of 128 rows a head) and kvb (1
+// where they are per block; 0: one scale a head, index 0 for every tile)
 struct tw_f8s {
     const float *sq, *sk, *sv;
     int nblk, kvb;
