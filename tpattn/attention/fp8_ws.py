@@ -55,9 +55,10 @@ def vt_for_kernel(vt8: torch.Tensor) -> torch.Tensor:
     raw = vt8.view(torch.uint8)
     if n16 != N:
         raw = torch.nn.functional.pad(raw, (0, n16 - N))
-    order = torch.tensor(KEY_ORDER, device=vt8.device)
-    out = raw.reshape(B, g, d, n16 // 16, 16).index_select(4, order).reshape(B, g, d, n16)
-    return out.contiguous().view(torch.float8_e4m3fn)
+    # key 8 e1 + 2 t + e0 goes to position 4 t + 2 e1 + e0: the pairs (e0) stay together, so as 16-bit
+    # values each 16 keys are a 2 x 4 matrix (e1, t) stored transposed, (t, e1): one strided copy
+    pairs = raw.contiguous().view(torch.int16).view(B, g, d, n16 // 16, 2, 4)
+    return pairs.transpose(-1, -2).contiguous().view(torch.uint8).view(B, g, d, n16).view(torch.float8_e4m3fn)
 
 
 def prepare(q, k, v, scaling: str = "head", rotate: bool = False):
