@@ -106,7 +106,15 @@ def test_fusedw_shared_memory_matches_its_stages(monkeypatch):
     monkeypatch.delenv("TPATTN_FUSED_CFG", raising=False)
     src = kernel_source("fused_ws_attention.cu")
     assert "BC = D > 128 ? 64 : 128" in src and WS_KEY_TILE == {64: 128, 128: 128, 192: 64, 256: 64}
-    assert "QS = D == 256 ? 1 : 2, KVS = D == 64 ? 4 : 2" in src
+    assert "QS = D == 256 ? 1 : 2, KVS = D == 64 || F8 ? 4 : 2" in src
+    # the FP8 build (fused_ws_fp8.cu): 16-bit-sized Q stages (O is staged there), four K and four V stages
+    # of 128 x 128 bytes; the host's launch asks for exactly that
+    from tpattn.attention import fp8_ws
+    assert "#define TW_FP8" in kernel_source(fp8_ws.SOURCE) and ARCH_SPECIFIC[fp8_ws.SOURCE] == ((9, 0), "sm_90a")
+    assert "QB = BR * D * 2, KB = BC * D * EL" in src
+    assert fp8_ws.SHARED == (2 * 128 * 128 * 2 + 2 * 4 * 128 * 128) + 1280 <= 232448
+    for suf, bf in (("f16", "false"), ("bf16", "true")):
+        assert f"TW_DEFINE_F8({suf}, {bf})" in src.split("#elif defined(TW_FP8)")[1].split("#elif")[0]
     assert WS_Q_STAGES == {64: 2, 128: 2, 192: 2, 256: 1} and WS_KV_STAGES == {64: 4, 128: 2, 192: 2, 256: 2}
     paged, rest = src.split("#if defined(TW_PAGED)")[1].split("#elif !defined(TW_OTHER_DIMS)")
     main, dims = rest.split("#else")
