@@ -697,3 +697,44 @@ def test_fp8_pool_launches(monkeypatch, d, h, g):
     assert calls[0][2][0] * 8 >= R * (h + 2 * g)  # a warp per row and head, 8 warps a block
     assert (split[-2], split[-1]) == (ks.data_ptr(), vs.data_ptr()) and (split[-4], split[-3]) == (3, P)
     assert (split[7], split[8], split[9]) == (R * g, g, h // g)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("block_scales", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp8_ws_launch(monkeypatch, causal, block_scales, dtype):
+    """The CUDA FP8 forward (fp8_ws.launch): every argument of the kernel's signature with its type; byte
+    tensor maps of Q and K over (128, N, heads, B) and of V^T over (N', 128, g, B), boxes of 128 x 128;
+    the scales' blocks a head (and kvb) as given; persistent, the counter for causal tiles only."""
+    from tpattn.attention import fp8_ws
+    calls = []
+
+    class Prepared:
+        def __init__(self, source, name, device, grid, block, args, shared_mem=0):
+            calls.append((source, name, grid, block, args, shared_mem))
+
+        def __call__(self):
+            pass
+    monkeypatch.setattr(fp8_ws, "Prepared", Prepared)
+    monkeypatch.setattr(fp8_ws, "_prepared", {})
+    monkeypatch.setattr(fp8_ws, "_sms", lambda dev: 40)
+    b, h, g, n = 2, 8, 2, 1000
+    f8 = torch.float8_e4m3fn
+    q8, k8 = torch.zeros(b, h, n, 128, dtype=f8), torch.zeros(b, g, n, 128, dtype=f8)
+    vtk8 = fp8_ws.vt_for_kernel(torch.zeros(b, g, 128, n, dtype=f8))
+    nblk = 8 if block_scales else 1
+    sq, sk, sv = torch.ones(b, h, nblk), torch.ones(b, g, nblk), torch.ones(b, g, nblk)
+    o = torch.empty(b, h, n, 128, dtype=dtype)
+    fp8_ws.launch(q8, k8, vtk8, sq, sk, sv, causal, o, block_scales)
+    (source, name, grid, block, args, shared), = calls
+    check_launch(source, name, grid, block, args)
+    assert name == f"fusedw8_{'bf16' if dtype == torch.bfloat16 else 'f16'}_d128" and block == (384, 1, 1)
+    assert grid == (40, 1, 1) and shared == fp8_ws.SHARED
+    qm, km, vm = args[:3]
+    assert qm.dims == (128, n, h, b) and km.dims == (128, n, g, b) and vm.dims == (1008, 128, g, b)
+    assert qm.box == km.box == vm.box == (128, 128) and qm.strides[0] == 128 and vm.strides[0] == 1008
+    assert int(args[5]) == n and int(args[8]) == h and int(args[9]) == h // g
+    assert (int(args[-2]), int(args[-1])) == (nblk, int(block_scales))
+    assert (int(args[14]) != 0) == causal  # the tile counter
+    fp8_ws.launch(q8, k8, vtk8, sq, sk, sv, causal, o, block_scales)
+    assert len(calls) == 1  # packed once per set of tensors
