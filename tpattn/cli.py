@@ -68,7 +68,8 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--dtype", default="fp16", choices=[*DTYPES, FP8], help="storage dtype of weights, Q, K, V, S, "
                    "P, O (accumulation is always fp32; default fp16). fp8: the attention in e4m3 (scales per 128-row "
                    "block, Q and K rotated by a Hadamard matrix, P in e4m3 for the PV product; torch math, or with "
-                   "--kernel triton the Triton FP8 kernel on compute capability 8.9+; forward only), weights and projections in fp16; --check adds its error against the fp16 layer")
+                   "--kernel triton the Triton FP8 kernel on compute capability 8.9+, with --kernel fused the CUDA one on 9.0 at "
+                   "head dim 128; forward only), weights and projections in fp16; --check adds its error against the fp16 layer")
     k.add_argument("--kernel", choices=backend_names(), help="local attention backend: naive (the seed's three "
                    "CUDA kernels via CuPy), reference (torch, same passes and rounding, CPU or GPU), tiled (three "
                    "passes on tensor cores, wgmma on compute capability 9.0), fused (one online-softmax kernel, S and P never "
