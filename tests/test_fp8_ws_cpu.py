@@ -18,7 +18,7 @@ def test_key_order_maps_the_accumulators_onto_the_e4m3_fragments():
     assert sorted(fp8_ws.KEY_ORDER) == list(range(16))
     for t in range(4):
         for h in range(2):
-            held = [16 * h + 8 * 0 + 2 * t, 16 * h + 2 * t + 1, 16 * h + 8 + 2 * t, 16 * h + 8 + 2 * t + 1]
+            held = [16 * h + 2 * t, 16 * h + 2 * t + 1, 16 * h + 8 + 2 * t, 16 * h + 8 + 2 * t + 1]
             for e in range(4):
                 pos = 16 * h + 4 * t + e
                 assert 16 * h + fp8_ws.KEY_ORDER[pos % 16] == held[e]

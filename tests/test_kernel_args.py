@@ -717,7 +717,8 @@ def test_fp8_ws_launch(monkeypatch, causal, block_scales, dtype):
             pass
     monkeypatch.setattr(fp8_ws, "Prepared", Prepared)
     monkeypatch.setattr(fp8_ws, "_prepared", {})
-    monkeypatch.setattr(fp8_ws, "_sms", lambda dev: 40)
+    monkeypatch.setattr(fused, "_device_info", lambda dev: (40, (9, 0)))
+    monkeypatch.delenv("TPATTN_FUSED_GRID", raising=False)
     b, h, g, n = 2, 8, 2, 1000
     f8 = torch.float8_e4m3fn
     q8, k8 = torch.zeros(b, h, n, 128, dtype=f8), torch.zeros(b, g, n, 128, dtype=f8)

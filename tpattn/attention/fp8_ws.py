@@ -68,16 +68,11 @@ def prepare(q, k, v, scaling: str = "head", rotate: bool = False):
     return q8, k8, vt_for_kernel(vt8), sq, sk, sv
 
 
-def _sms(device) -> int:
-    from .fused import _device_info
-    return _device_info(device)[0]
-
-
 def launch(q8, k8, vtk8, sq, sk, sv, causal: bool, o: torch.Tensor, block_scales: bool) -> torch.Tensor:
     """The kernel over prepared operands (prepare's), writing o [B, h, N, 128] (fp16 or bf16, rows
     contiguous). block_scales: the scales are per 128-row block (sq [B, h, ceil(N / 128)]), else one a
     (batch, head) (their last dimension 1)."""
-    from .fused import GROUP_TILES, _cdiv, _counter
+    from .fused import _cdiv, _device_info, grid_mode, ws_schedule
     B, h, N, d = q8.shape
     g = k8.shape[1]
     if B * h * N == 0:
@@ -87,17 +82,14 @@ def launch(q8, k8, vtk8, sq, sk, sv, causal: bool, o: torch.Tensor, block_scales
     nblk = sq.shape[2]
     assert nblk == (_cdiv(N, BLOCK) if block_scales else 1) and sk.shape[2] == sv.shape[2] == nblk
     sq, sk, sv = (t.float().contiguous() for t in (sq, sk, sv))
-    key = (causal, block_scales, q8.device.index, tuple(q8.shape), tuple(k8.shape), o.dtype,
+    mode = grid_mode()
+    key = (causal, block_scales, mode, q8.device.index, tuple(q8.shape), tuple(k8.shape), o.dtype,
            *((t.data_ptr(), t.stride()) for t in (q8, k8, vtk8, o, sq, sk, sv)))
     prep = _prepared.get(key)
     if prep is None:
-        sms = _sms(q8.device)
         bh = B * h
-        nq = _cdiv(N, BLOCK)
-        tiles = nq * bh
-        grid = (min(tiles, sms), 1, 1)
-        counter = _counter(q8.device, sms) if causal and tiles > grid[0] else 0
-        hg = min(bh, _cdiv(GROUP_TILES * sms, nq)) if causal and GROUP_TILES else 1
+        # fusedw's schedule: persistent, causal tiles handed out by a counter
+        grid, counter, hg = ws_schedule(q8.device, _device_info(q8.device)[0], _cdiv(N, BLOCK), bh, causal, causal, mode)
         suf = "bf16" if o.dtype == torch.bfloat16 else "f16"
         args = (TensorMap(q8, box=(128, BLOCK)), TensorMap(k8, box=(128, BLOCK)), TensorMap(vtk8, box=(128, 128)),
                 ptr(o), np.int32(bh), np.int32(N), np.float32(math.log2(math.e) / math.sqrt(d)), np.int32(causal),

@@ -205,6 +205,20 @@ def paged_fits(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
             and _device_info(q.device)[1] == HOPPER_CC)
 
 
+def ws_schedule(device, sms: int, nq: int, bh: int, causal: bool, uneven: bool, mode: str = "sms") -> tuple:
+    """(grid, counter, hg) of a fusedw-design launch (fusedw, and fp8_ws's fusedw8) over nq query tiles
+    of each of bh heads on a GPU of `sms` SMs, in grid_mode `mode`: persistent ("sms", "static": a
+    block per SM walking the tiles) or a block per tile ("tiles"). Where the tiles differ in work
+    (uneven) a persistent block asks a counter for its next tile (_counter's address) instead of taking
+    every grid-th one; otherwise the static order is even (the counter measured 1 % slower), counter 0.
+    hg: causal, heads in groups of about GROUP_TILES tiles per SM, each group's longest tiles first."""
+    tiles = nq * bh
+    grid = (min(tiles, GRID_X_MAX if mode == "tiles" else sms), 1, 1)
+    counter = _counter(device, sms) if uneven and mode == "sms" and tiles > grid[0] else 0
+    hg = min(bh, _cdiv(GROUP_TILES * sms, nq)) if causal and GROUP_TILES else 1
+    return grid, counter, hg
+
+
 def _ws_launch(ch: Choice, q, k, v, o, lse_ptr, n: int, causal: bool, r0: int, r1: int, h: int, group: int,
                row_base: int, sms: int, kv_maps, paged: tuple | None = None) -> None:
     """Launch fusedw kernel ch over q's rows [r0, r1) of n (q and o from row row_base on): one grid
@@ -218,18 +232,11 @@ def _ws_launch(ch: Choice, q, k, v, o, lse_ptr, n: int, causal: bool, r0: int, r
            *((t.data_ptr(), t.stride()) for t in (q, k, v, o)), paged and (paged[0].data_ptr(), paged[1].data_ptr()))
     prep = _prepared.get(key)
     if prep is None:
-        nq = _cdiv(r1 - r0, ch.rows)  # query tiles of ch.rows rows a head
-        tiles = nq * bh
-        grid = (min(tiles, GRID_X_MAX if mode == "tiles" else sms), 1, 1)
         # causal tiles differ in work (1 to N / 128 key tiles), and so do fusedw3's without
         # causal where a head's last 192-row tile leaves a warpgroup without rows (N = 257:
-        # 65 rows; with two tiles a head and an even grid every other block drew only those):
-        # a persistent block asks a counter for its next tile instead of taking every
-        # grid-th one. Otherwise the static order is even (the counter measured 1 % slower)
+        # 65 rows; with two tiles a head and an even grid every other block drew only those)
         uneven = causal or (ch.rows == 192 and 0 < (r1 - r0) % 192 <= 128)
-        counter = _counter(q.device, sms) if uneven and mode == "sms" and tiles > grid[0] else 0
-        # causal: heads in groups of about GROUP_TILES tiles per SM, each group's longest tiles first
-        hg = min(bh, _cdiv(GROUP_TILES * sms, nq)) if causal and GROUP_TILES else 1
+        grid, counter, hg = ws_schedule(q.device, sms, _cdiv(r1 - r0, ch.rows), bh, causal, uneven, mode)
         scale_log2 = np.float32(math.log2(math.e) / math.sqrt(q.shape[-1]))
         o_strides = (np.int64(o.stride(0)), np.int64(o.stride(1)), np.int32(o.stride(2)))
         if paged is None:
