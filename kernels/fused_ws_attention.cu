@@ -180,6 +180,11 @@ __device__ __forceinline__ tw_tile tw_tile_of(long long t, int nq, int row_begin
 // D = 128 with NC = 2 only; see the FP8 kernels' comment at the end of the file. f8: the scales
 // (sq [B, H, nblk], sk and sv [B, G, nblk], fp32), nblk (their blocks of 128 rows a head) and kvb (1
 // where they are per block; 0: one scale a head, index 0 for every tile)
+// TW_F8_FMA: of a thread's 16 pairs of scores a row, how many the FP8 kernel exponentiates on the FMA
+// pipes (hw_exp2_fma) rather than the MUFU
+#ifndef TW_F8_FMA
+#define TW_F8_FMA 0
+#endif
 struct tw_f8s {
     const float *sq, *sk, *sv;
     int nblk, kvb;
@@ -463,7 +468,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 release(k_empty(stage(kt)));
                 hw_mask<W>(s, 0, N, causal, wr0, r0, lane);
                 if constexpr (F8) {
-                    hw_softmax<W>(s, m, l, alpha, f8_c(0));
+                    hw_softmax<W, TW_F8_FMA>(s, m, l, alpha, f8_c(0));
                     sv_run = f8_v(0);
                 } else {
                     hw_softmax<W>(s, m, l, alpha, scale_log2);
@@ -510,7 +515,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 release(k_empty(stage(kj)));
                 hw_mask<W>(s, j * BC, N, causal, wr0, r0, lane);
                 if constexpr (F8) {
-                    hw_softmax<W>(s, m, l, alpha, f8_c(j));
+                    hw_softmax<W, TW_F8_FMA>(s, m, l, alpha, f8_c(j));
                     if (f8.kvb) {  // V of another scale block: O into its units
                         const float sv = f8_v(j), r = __fdiv_rn(sv_run, sv);
                         alpha[0] *= r;

@@ -405,10 +405,26 @@ __device__ __forceinline__ void hw_mask(float (&s)[64], int k0, int N, int causa
     }
 }
 
+// 2^x for x <= 0 on the FMA and integer pipes instead of the MUFU (ex2.approx's unit, 16 results a
+// clock an SM: at e4m3 rates one 64 x 128 tile's exponentials take as long as its two products). x is
+// clamped to -126 (a masked -inf gives about 2^-126, nothing once P is rounded to e4m3); x = n + f, n the
+// nearest integer (the 1.5 * 2^23 rounding add), f in [-1/2, 1/2]; 2^f by a degree-3 polynomial fitted
+// for relative error (at most 7.5e-5, against e4m3's 2^-4 steps); n added to its exponent field.
+__device__ __forceinline__ float hw_exp2_fma(float x) {
+    x = fmaxf(x, -126.0f);
+    const float y = x + 12582912.0f;  // 0x1.8p23: n in the low mantissa bits
+    const float f = x - (y - 12582912.0f);
+    float p = fmaf(0.05517132207751274f, f, 0.24261054396629333f);
+    p = fmaf(p, f, 0.6932609677314758f);
+    p = fmaf(p, f, 0.9999281167984009f);
+    return __int_as_float(__float_as_int(p) + (__float_as_int(y) << 23));
+}
+
 // online softmax of S in place (S becomes P, relative to the new running max m, in log2 units);
 // l the running sums, alpha the factor the accumulators of each of the two rows are rescaled by.
 // Only the first NC columns of S (NC / 8 groups of 8) are read and written: a key tile of NC keys.
-template <int NC = 128>
+// FMA: of each row's NC / 8 pairs of a thread, the last FMA take hw_exp2_fma instead of the MUFU
+template <int NC = 128, int FMA = 0>
 __device__ __forceinline__ void hw_softmax(float (&s)[64], float (&m)[2], float (&l)[2], float (&alpha)[2],
                                            float scale_log2) {
 #pragma unroll
@@ -425,8 +441,11 @@ __device__ __forceinline__ void hw_softmax(float (&s)[64], float (&m)[2], float 
         float sum = 0.0f;
 #pragma unroll
         for (int j = 0; j < NC / 8; ++j) {
-            const float p0 = tc_exp2(fmaf(s[4 * j + 2 * i], scale_log2, -ms));
-            const float p1 = tc_exp2(fmaf(s[4 * j + 2 * i + 1], scale_log2, -ms));
+            const bool fma = j >= NC / 8 - FMA;
+            const float x0 = fmaf(s[4 * j + 2 * i], scale_log2, -ms);
+            const float p0 = fma ? hw_exp2_fma(x0) : tc_exp2(x0);
+            const float x1 = fmaf(s[4 * j + 2 * i + 1], scale_log2, -ms);
+            const float p1 = fma ? hw_exp2_fma(x1) : tc_exp2(x1);
             s[4 * j + 2 * i] = p0;
             s[4 * j + 2 * i + 1] = p1;
             sum += p0 + p1;

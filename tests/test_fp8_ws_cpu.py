@@ -3,6 +3,9 @@ bridges, vt_for_kernel's padding and order, and the refusals (tests/test_gpu_fp8
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 import torch
 
@@ -42,3 +45,33 @@ def test_the_cuda_fp8_kernel_refuses_cpu_tensors_in_one_line():
     assert "GPU" in fp8_ws.supported(q)
     with pytest.raises(ValueError, match="runs on a GPU"):
         fp8_ws.attention(q, q, q)
+
+
+def _exp2_fma_numpy(x: np.ndarray) -> np.ndarray:
+    """hopper_common.cuh's hw_exp2_fma step by step in float32, its constants read from the header."""
+    from tpattn.cuda import kernel_dir
+    src = (kernel_dir() / "hopper_common.cuh").read_text()
+    body = src.split("float hw_exp2_fma(float x) {")[1].split("\n}")[0]
+    c = [np.float32(float(v)) for v in re.findall(r"fmaf\([^;]*?([0-9.]+)f\)", body)]
+    c3 = np.float32(float(re.search(r"fmaf\(([0-9.]+)f, f,", body).group(1)))
+    assert len(c) == 3 and "12582912.0f" in body and "<< 23" in body
+    x = np.maximum(x.astype(np.float32), np.float32(-126.0))
+    y = (x + np.float32(12582912.0)).astype(np.float32)
+    f = (x - (y - np.float32(12582912.0))).astype(np.float32)
+    p = (c3 * f + c[0]).astype(np.float32)
+    p = (p * f + c[1]).astype(np.float32)
+    p = (p * f + c[2]).astype(np.float32)
+    bits = p.view(np.int32).astype(np.int64) + ((y.view(np.int32).astype(np.int64) << 23) & 0xFFFFFFFF)
+    bits = ((bits + 2**31) % 2**32 - 2**31).astype(np.int32)
+    return bits.view(np.float32)
+
+
+def test_the_fma_pipe_exp2_is_within_1e4_of_2_to_the_x():
+    # the FP8 kernel's exponentials off the MUFU (hw_exp2_fma): relative error under 1e-4 wherever the
+    # result is a normal float, and a masked -inf (or anything under -126) at most 2^-125, never negative
+    x = np.concatenate([np.linspace(-125.0, 0.0, 400001, dtype=np.float32), np.float32([-0.5, 0.5 - 1e-7, 0.0])])
+    got = _exp2_fma_numpy(x).astype(np.float64)
+    want = np.exp2(x.astype(np.float64))
+    assert np.abs(got / want - 1).max() < 1e-4
+    low = _exp2_fma_numpy(np.float32([-126.0, -126.5, -200.0, -np.inf]))
+    assert np.all(low >= 0) and np.all(low <= 2.0**-125)
