@@ -10,8 +10,8 @@ fp16's.
 Times: the kernel alone (the FP8 operands, their scales and V's transpose prepared once, outside the
 timing, as a model whose K/V already sit in FP8 would hold them), CUDA events over 20 back-to-back
 calls, the median of --rounds rounds with the contenders alternating. TFLOP/s: 4 B H N^2 d (halved
-causal) over the time. Also the whole call (quantizing q, k, v and transposing V included) and, with
---scaling block, the quantization alone (fp8_quant's launches beside the same in torch). Error:
+causal) over the time. Also the whole call (quantizing q, k, v and transposing V included) and the
+quantization alone (fp8_quant's launches beside the same in torch). Error:
 RMSE against float64 on B=1 of the same shape (N capped at 4096) with 0.1 % outliers of std 10, as
 the accuracy table (benchmarks/fp8_accuracy_cpu.md) measures it. Writes PREFIX.json and PREFIX.md
 (default results/fp8) with the GPU, command, date and commit.
@@ -61,9 +61,9 @@ def contenders(B: int, H: int, N: int, d: int, causal: bool, scaling: str, rotat
         run["fp8 CUDA kernel"] = lambda: fp8_ws.launch(*ops_ws, causal, o, scaling == "block")
         run["fp8 CUDA whole call"] = lambda: fp8_ws.attention(q, k, v, causal, scaling, rotate)
     run["tpattn fused fp16"] = lambda: fused.forward(q, k, v, causal)
-    if scaling == "block":  # the quantization alone: fp8_quant's three launches, and the same in torch
-        run["fp8 quantization (fp8_quant)"] = lambda: triton_fp8.prepare(q, k, v, scaling, rotate)
-        run["fp8 quantization (torch)"] = lambda: triton_fp8.prepare_torch(q, k, v, scaling, rotate)
+    # the quantization alone: fp8_quant's launches (one a tensor for block scales, two for a head's), and torch's
+    run["fp8 quantization (fp8_quant)"] = lambda: triton_fp8.prepare(q, k, v, scaling, rotate)
+    run["fp8 quantization (torch)"] = lambda: triton_fp8.prepare_torch(q, k, v, scaling, rotate)
     for name, backend in sdpa_backends().items():
         if name in ("sdpa_cudnn", "sdpa_flash"):
             def call(backend=backend):

@@ -100,11 +100,13 @@ def test_layer_fp8_backend_through_the_triton_kernel():
 
 
 @interp
+@pytest.mark.parametrize("scaling", ["block", "head", "tensor"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 128])
-def test_block_quantization_kernel_gives_torchs_bytes(d, dtype):
-    """fp8_quant (triton_fp8.quantize_blocks: one launch a tensor) against prepare_torch's block
-    scaling, N = 300 (a partial last block), blocks of different sizes, 0.1 % outliers: without the
+def test_quantization_kernel_gives_torchs_bytes(d, dtype, scaling):
+    """fp8_quant (triton_fp8.quantize: one launch a tensor for block scales, two for a head's or the
+    tensor's) against prepare_torch, N = 300 (a partial last block), blocks of different sizes (so
+    that a head's scale is not its first block's), 0.1 % outliers, two batches and GQA: without the
     rotation the same scales and e4m3 bytes, rows and transposed (V^T); with it (fp32 products summed
     in another order than torch's matmul) the scales within 1e-6 and at most 1 % of the bytes one e4m3
     step apart. A wrong scale or a missing rotation fails it (the cast's rounding is torch's here:
@@ -112,12 +114,13 @@ def test_block_quantization_kernel_gives_torchs_bytes(d, dtype):
     from tpattn.attention import triton_fp8
     _patch_interpreter_fp8_casts()
     _patch_interpreter_bf16_dot()
-    q, k, v = fp8.inputs(1, 2, 1, 300, d, outliers=1e-3, seed=5)
+    q, k, v = fp8.inputs(2, 2, 1, 300, d, outliers=1e-3, seed=5)
     blocks = 2.0 ** (torch.arange(300) // 128 * 3 - 3).double()
     q, k, v = (t.to(dtype) for t in (q * blocks[:, None], k, v * blocks[:, None]))
+    q[1] *= 4  # the second batch's heads larger: a tensor's scale is not its first head's
     for rotate in (False, True):
-        want = triton_fp8.prepare_torch(q, k, v, "block", rotate)
-        got = triton_fp8.prepare(q, k, v, "block", rotate)
+        want = triton_fp8.prepare_torch(q, k, v, scaling, rotate)
+        got = triton_fp8.prepare(q, k, v, scaling, rotate)
         for name, a, b in zip(("q8", "k8", "vt8", "sq", "sk", "sv"), got, want):
             assert a.shape == b.shape and a.dtype == b.dtype, name
             if not rotate or name in ("vt8", "sv"):  # V is never rotated
@@ -128,3 +131,21 @@ def test_block_quantization_kernel_gives_torchs_bytes(d, dtype):
                 x, y = a.float(), b.float()
                 assert (x != y).float().mean().item() <= 0.01, name
                 assert ((x - y).abs() <= torch.maximum(x.abs(), y.abs()) / 8 + 2.0 ** -9).all(), name
+
+
+@interp
+@pytest.mark.parametrize("N", [1, 16, 300])
+@pytest.mark.parametrize("scaling", ["block", "head"])
+def test_quantization_kernel_writes_the_cuda_kernels_v_layout(scaling, N):
+    """key_order=True (fp8_ws.prepare's V^T): fp8_quant stores each 16 keys in fp8_ws.KEY_ORDER and
+    zeros up to the next multiple of 16, the bytes fp8_ws.vt_for_kernel makes from the plain V^T."""
+    from tpattn.attention import fp8_ws, triton_fp8
+    _patch_interpreter_fp8_casts()
+    q, k, v = (t.to(torch.float16) for t in fp8.inputs(1, 2, 2, N, 128, outliers=1e-3, seed=7))
+    plain = triton_fp8.prepare(q, k, v, scaling)
+    ordered = triton_fp8.prepare(q, k, v, scaling, key_order=True)
+    want = fp8_ws.vt_for_kernel(plain[2])
+    assert ordered[2].shape == want.shape == (1, 2, 128, -(-N // 16) * 16)
+    assert torch.equal(ordered[2].view(torch.uint8), want.view(torch.uint8))
+    for a, b in zip(plain[3:], ordered[3:]):
+        assert torch.equal(a, b)

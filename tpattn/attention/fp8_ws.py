@@ -62,10 +62,10 @@ def vt_for_kernel(vt8: torch.Tensor) -> torch.Tensor:
 
 
 def prepare(q, k, v, scaling: str = "head", rotate: bool = False):
-    """(q8, k8, vtk8, sq, sk, sv): triton_fp8.prepare's operands, V^T as vt_for_kernel lays it out."""
+    """(q8, k8, vtk8, sq, sk, sv): triton_fp8.prepare's operands, V^T as vt_for_kernel lays it out
+    (written in that order by the quantizing kernel itself)."""
     from . import triton_fp8
-    q8, k8, vt8, sq, sk, sv = triton_fp8.prepare(q, k, v, scaling, rotate)
-    return q8, k8, vt_for_kernel(vt8), sq, sk, sv
+    return triton_fp8.prepare(q, k, v, scaling, rotate, key_order=True)
 
 
 def launch(q8, k8, vtk8, sq, sk, sv, causal: bool, o: torch.Tensor, block_scales: bool) -> torch.Tensor:

@@ -4,9 +4,9 @@ runs: it imports triton).
 The arithmetic of tpattn/attention/fp8.py (FlashAttention-3's rounding points), tile by tile:
 
     Q, K, V   e4m3 with scales per (batch, head) or per 128-row block (fp8.quantize; Q and K rotated
-              by the Hadamard matrix first when asked), made before the launch: per block by
-              fp8_quant (one pass over each input: rotation, amax, scale and e4m3 bytes), per head
-              or tensor in torch; V stored transposed, [B, g, d, N], so that the PV product's
+              by the Hadamard matrix first when asked), made before the launch by fp8_quant (per
+              block one pass over each input: rotation, amax, scale and e4m3 bytes; per head or
+              tensor two: the amax, then the bytes); V stored transposed, [B, g, d, N], so that the PV product's
               second operand is K-major as Hopper's FP8 tensor cores need it
     S         tl.dot(Q8 tile, K8 tile^T) in fp32, times the tile's query and key scales and 1/sqrt(d)
               (tiles of 64 or 128 rows lie in one 128-row scale block: two numbers a tile)
@@ -155,16 +155,20 @@ def _quant_slice(x, R, cols, j0, rscale, BJ: tl.constexpr, HEAD_DIM: tl.constexp
 
 
 @triton.jit
-def fp8_quant(X, X8, S, R, N, H, nblk, sxb, sxh, sxn, s8b, s8h, s8n, s8d, rscale,
+def fp8_quant(X, X8, S, R, N, NPAD, H, nblk, sxb, sxh, sxn, s8b, s8h, s8n, s8d, ssh, rscale,
               HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, BJ: tl.constexpr,
-              ROTATE: tl.constexpr):
+              ROTATE: tl.constexpr, MODE: tl.constexpr, KEY_ORDER: tl.constexpr):
     """Block `program_id(0)` (BLOCK rows) of head `program_id(1)` (batch x head) of X [B, H, N, d]
-    (16-bit, or fp32 without the rotation): rotated when ROTATE (x @ R * rscale, R the +-1 Hadamard
-    matrix in X's dtype), s = amax * (1/448) of the block (1 for zeros) into S [B, H, nblk], and
-    e4m3(x / s) (IEEE division, nearest even, saturating) into X8 through its strides (s8n, s8d):
-    [.., N, d] for Q and K, [.., d, N] for V^T. The bits of fp8.quantize(scaling="block") up to the
-    rotation's fp32 rounding (torch's matmul sums in another order). Two passes over the block's
-    SUB-row slices (amax, then the bytes), the rotation recomputed BJ columns at a time, not held."""
+    (16-bit, or fp32 without the rotation), rotated when ROTATE (x @ R * rscale, R the +-1 Hadamard
+    matrix in X's dtype). MODE 0 (block scales): s = amax * (1/448) of the block (1 for zeros) into
+    S [B, H, nblk], then e4m3(x / s) (IEEE division, nearest even, saturating) into X8 through its
+    strides (s8n, s8d): [.., N, d] for Q and K, [.., d, NPAD] for V^T. MODE 1: amax * (1/448) of the
+    block only, into S (zeros kept: the caller takes the head's or the tensor's largest). MODE 2: the
+    bytes only, by the scale S[bh * ssh] (a head's: ssh 1; the tensor's: 0). Rows N .. NPAD - 1 of X8
+    get zeros. KEY_ORDER (V^T for the CUDA kernel, fp8_ws.KEY_ORDER): each 16 keys' columns permuted,
+    key 8 e1 + 2 t + e0 at position 4 t + 2 e1 + e0. The bits of fp8.quantize up to the rotation's fp32
+    rounding (torch's matmul sums in another order). The passes go over the block's SUB-row slices
+    (amax, then the bytes), the rotation recomputed BJ columns at a time, not held."""
     blk = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -172,68 +176,106 @@ def fp8_quant(X, X8, S, R, N, H, nblk, sxb, sxh, sxn, s8b, s8h, s8n, s8d, rscale
     cols = tl.arange(0, HEAD_DIM)
     x_base = X + b.to(tl.int64) * sxb + hh.to(tl.int64) * sxh
     o_base = X8 + b.to(tl.int64) * s8b + hh.to(tl.int64) * s8h
-    amax = tl.zeros([SUB], dtype=tl.float32)
-    for r0 in range(0, BLOCK, SUB):
-        rows = blk * BLOCK + r0 + tl.arange(0, SUB)
-        x = tl.load(x_base + rows[:, None].to(tl.int64) * sxn + cols[None, :], mask=(rows < N)[:, None], other=0.0)
-        if ROTATE:
-            for j0 in range(0, HEAD_DIM, BJ):
-                amax = tl.maximum(amax, tl.max(tl.abs(_quant_slice(x, R, cols, j0, rscale, BJ, HEAD_DIM)), axis=1))
-        else:
-            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-    sc = tl.max(amax, axis=0) * (1.0 / 448.0)
-    sc = tl.where(sc > 0.0, sc, 1.0)
-    tl.store(S + bh.to(tl.int64) * nblk + blk, sc)
-    for r0 in range(0, BLOCK, SUB):
-        rows = blk * BLOCK + r0 + tl.arange(0, SUB)
-        ok = (rows < N)[:, None]
-        x = tl.load(x_base + rows[:, None].to(tl.int64) * sxn + cols[None, :], mask=ok, other=0.0)
-        if ROTATE:
-            for j0 in range(0, HEAD_DIM, BJ):
-                y = tl.minimum(tl.maximum(tl.math.div_rn(_quant_slice(x, R, cols, j0, rscale, BJ, HEAD_DIM), sc),
-                                          -448.0), 448.0)
-                jc = j0 + tl.arange(0, BJ)
-                tl.store(o_base + rows[:, None].to(tl.int64) * s8n + jc[None, :].to(tl.int64) * s8d,
+    if MODE == 2:
+        sc = tl.load(S + bh.to(tl.int64) * ssh)
+    else:
+        amax = tl.zeros([SUB], dtype=tl.float32)
+        for r0 in range(0, BLOCK, SUB):
+            rows = blk * BLOCK + r0 + tl.arange(0, SUB)
+            x = tl.load(x_base + rows[:, None].to(tl.int64) * sxn + cols[None, :], mask=(rows < N)[:, None],
+                        other=0.0)
+            if ROTATE:
+                for j0 in range(0, HEAD_DIM, BJ):
+                    amax = tl.maximum(amax, tl.max(tl.abs(_quant_slice(x, R, cols, j0, rscale, BJ, HEAD_DIM)), axis=1))
+            else:
+                amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+        sc = tl.max(amax, axis=0) * (1.0 / 448.0)
+        if MODE == 0:
+            sc = tl.where(sc > 0.0, sc, 1.0)
+        tl.store(S + bh.to(tl.int64) * nblk + blk, sc)
+    if MODE != 1:
+        for r0 in range(0, BLOCK, SUB):
+            rows = blk * BLOCK + r0 + tl.arange(0, SUB)
+            x = tl.load(x_base + rows[:, None].to(tl.int64) * sxn + cols[None, :], mask=(rows < N)[:, None],
+                        other=0.0)
+            ok = (rows < NPAD)[:, None]
+            if KEY_ORDER:
+                at = (rows & ~15) + 4 * ((rows >> 1) & 3) + 2 * ((rows >> 3) & 1) + (rows & 1)
+            else:
+                at = rows
+            if ROTATE:
+                for j0 in range(0, HEAD_DIM, BJ):
+                    y = tl.minimum(tl.maximum(tl.math.div_rn(_quant_slice(x, R, cols, j0, rscale, BJ, HEAD_DIM), sc),
+                                              -448.0), 448.0)
+                    jc = j0 + tl.arange(0, BJ)
+                    tl.store(o_base + at[:, None].to(tl.int64) * s8n + jc[None, :].to(tl.int64) * s8d,
+                             y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=ok)
+            else:
+                y = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), sc), -448.0), 448.0)
+                tl.store(o_base + at[:, None].to(tl.int64) * s8n + cols[None, :].to(tl.int64) * s8d,
                          y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=ok)
-        else:
-            y = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), sc), -448.0), 448.0)
-            tl.store(o_base + rows[:, None].to(tl.int64) * s8n + cols[None, :].to(tl.int64) * s8d,
-                     y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=ok)
 
 
 QUANT_SUB, QUANT_BJ = 32, 32  # fp8_quant's slices: rows of a block, columns of the rotation at a time
 
 
-def quantize_blocks(x: torch.Tensor, rotate: bool, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x8, s) of x [B, h, N, d] (rows contiguous) in one launch of fp8_quant: x8 in torch.float8_e4m3fn,
-    [B, h, N, d] (or, transpose, [B, h, d, N]), and the scales [B, h, blocks] (fp32) of its 128-row
-    blocks, after the Hadamard rotation when rotate: prepare's operands with scaling="block"."""
+def quantize(x: torch.Tensor, scaling: str, rotate: bool, transpose: bool = False,
+             key_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x8, s) of x [B, h, N, d] (rows contiguous) by fp8_quant: x8 in torch.float8_e4m3fn, [B, h, N, d]
+    (or, transpose, [B, h, d, N]; with key_order, [B, h, d, N rounded up to 16] in fp8_ws.KEY_ORDER,
+    the CUDA kernel's V^T), and the scales [B, h, blocks] (fp32), after the Hadamard rotation when
+    rotate: prepare's operands. Block scales: one launch; a head's or the tensor's: the blocks' amax
+    (one launch), its largest (torch), then the bytes (a second launch)."""
     B, h, N, d = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
     nblk = triton.cdiv(N, BLOCK)
-    x8 = torch.empty((B, h, d, N) if transpose else (B, h, N, d), dtype=torch.float8_e4m3fn, device=x.device)
+    npad = -(-N // 16) * 16 if key_order else N
+    x8 = torch.empty((B, h, d, npad) if transpose or key_order else (B, h, N, d), dtype=torch.float8_e4m3fn,
+                     device=x.device)
     s = torch.empty(B, h, nblk, dtype=torch.float32, device=x.device)
     if B * h * N == 0:
-        return x8, s
+        return x8, s if scaling == "block" else torch.ones(B, h, 1, dtype=torch.float32, device=x.device)
     signs = (fp8.hadamard(d) * math.sqrt(d)).round().to(device=x.device, dtype=x.dtype).contiguous() if rotate else s
-    s8n, s8d = (x8.stride(3), x8.stride(2)) if transpose else (x8.stride(2), x8.stride(3))
-    fp8_quant[(nblk, B * h)](x, x8, s, signs, N, h, nblk, *x.stride()[:3], x8.stride(0), x8.stride(1), s8n, s8d,
-                             1.0 / math.sqrt(d), HEAD_DIM=d, BLOCK=BLOCK, SUB=QUANT_SUB, BJ=QUANT_BJ,
-                             ROTATE=rotate, num_warps=4)
+    s8n, s8d = (x8.stride(3), x8.stride(2)) if transpose or key_order else (x8.stride(2), x8.stride(3))
+
+    def launch(scales, mode, ssh=0):
+        fp8_quant[(nblk, B * h)](x, x8, scales, signs, N, npad, h, nblk, *x.stride()[:3], x8.stride(0), x8.stride(1),
+                                 s8n, s8d, ssh, 1.0 / math.sqrt(d), HEAD_DIM=d, BLOCK=BLOCK, SUB=QUANT_SUB,
+                                 BJ=QUANT_BJ, ROTATE=rotate, MODE=mode, KEY_ORDER=key_order, num_warps=4)
+
+    if scaling == "block":
+        launch(s, 0)
+        return x8, s
+    if scaling not in ("head", "tensor"):
+        raise ValueError(f"scaling {scaling!r}: use one of {', '.join(fp8.SCALINGS)}")
+    launch(s, 1)  # each block's amax / 448: the largest is the head's (the tensor's) amax / 448
+    s = s.amax(-1, keepdim=True) if scaling == "head" else s.amax().reshape(1, 1, 1).expand(B, h, 1)
+    s = torch.where(s > 0, s, torch.ones_like(s)).contiguous()
+    launch(s, 2, 1)
     return x8, s
 
 
-def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: str = "head", rotate: bool = False):
+def quantize_blocks(x: torch.Tensor, rotate: bool, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize(x, "block", rotate, transpose): one launch of fp8_quant."""
+    return quantize(x, "block", rotate, transpose)
+
+
+def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: str = "head", rotate: bool = False,
+            key_order: bool = False):
     """The kernel's operands from 16-bit (or fp32) q [B, h, N, d], k, v [B, g, N, d]: q8, k8 [.., N, d]
-    and vt8 [B, g, d, N] in torch.float8_e4m3fn, and their scales [B, heads, blocks] (fp32), as
-    fp8.attention_fp8 quantizes them (its rotation of q and k first when rotate). Block scales: three
-    launches of fp8_quant (16-bit inputs where rotated); per head or tensor (whose amax spans the
-    whole head) and fp32 inputs with the rotation: torch (prepare_torch)."""
-    if scaling != "block" or (rotate and q.dtype not in (torch.float16, torch.bfloat16)):
-        return prepare_torch(q, k, v, scaling, rotate)
-    (q8, sq), (k8, sk) = (quantize_blocks(t, rotate) for t in (q, k))
-    vt8, sv = quantize_blocks(v, False, transpose=True)
+    and vt8 [B, g, d, N] in torch.float8_e4m3fn (key_order: the CUDA kernel's V^T, quantize's), and
+    their scales [B, heads, blocks] (fp32), as fp8.attention_fp8 quantizes them (its rotation of q and
+    k first when rotate): fp8_quant's launches (quantize), or torch (prepare_torch) for fp32 inputs
+    with the rotation."""
+    if rotate and q.dtype not in (torch.float16, torch.bfloat16):
+        ops = prepare_torch(q, k, v, scaling, rotate)
+        if key_order:
+            from .fp8_ws import vt_for_kernel
+            ops = (*ops[:2], vt_for_kernel(ops[2]), *ops[3:])
+        return ops
+    (q8, sq), (k8, sk) = (quantize(t, scaling, rotate) for t in (q, k))
+    vt8, sv = quantize(v, scaling, False, transpose=True, key_order=key_order)
     return q8, k8, vt8, sq, sk, sv
 
 
