@@ -34,19 +34,23 @@ def test_fp8_forward_against_float64(N, d, causal, scaling, rotate):
     assert kernel < 1.15 * emulated, (kernel, emulated)
 
 
+@pytest.mark.parametrize("scaling", ["block", "head"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_block_quantization_kernel_gives_torchs_bytes(d, dtype):
-    """fp8_quant (the block scaling's quantization, one launch a tensor) against the same in torch on
+def test_quantization_kernel_gives_torchs_bytes(d, dtype, scaling):
+    """fp8_quant (one launch a tensor for block scales, two for a head's) against the same in torch on
     the GPU, N = 1000 (a partial last block): V's bytes (rows transposed, no rotation) and scales
     equal bit for bit, so the kernel's division and e4m3 rounding are torch's (nearest even); Q and K
     after the rotation (fp32 products summed in another order, on the tensor cores) within 4e-6 and one
-    e4m3 step."""
+    e4m3 step; at d = 128 V^T in the CUDA kernel's key order (key_order=True) is vt_for_kernel's bytes."""
     pytest.importorskip("triton")
-    from tpattn.attention import triton_fp8
+    from tpattn.attention import fp8_ws, triton_fp8
     q, k, v = (t.to(dtype).cuda() for t in fp8.inputs(1, 4, 2, 1000, d, outliers=1e-3, seed=d))
-    got = triton_fp8.prepare(q, k, v, "block", True)
-    want = triton_fp8.prepare_torch(q, k, v, "block", True)
+    got = triton_fp8.prepare(q, k, v, scaling, True)
+    want = triton_fp8.prepare_torch(q, k, v, scaling, True)
+    if d == 128:
+        vtk = triton_fp8.prepare(q, k, v, scaling, True, key_order=True)[2]
+        assert torch.equal(vtk.view(torch.uint8), fp8_ws.vt_for_kernel(want[2]).view(torch.uint8))
     for name, a, b in zip(("q8", "k8", "vt8", "sq", "sk", "sv"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         x, y = a.float(), b.float()
