@@ -185,6 +185,11 @@ __device__ __forceinline__ tw_tile tw_tile_of(long long t, int nq, int row_begin
 #ifndef TW_F8_FMA
 #define TW_F8_FMA 0
 #endif
+// TW_F8_LAZY: the FP8 kernel's running max moves only by more than this many powers of 2 (hw_softmax's
+// LAZY; at most 8: P, up to 2^LAZY, stays under e4m3's 448), and O is rescaled only when it moved
+#ifndef TW_F8_LAZY
+#define TW_F8_LAZY 0
+#endif
 struct tw_f8s {
     const float *sq, *sk, *sv;
     int nblk, kvb;
@@ -410,6 +415,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
 #pragma unroll
         for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
         float m[2] = {TC_NEG_INF, TC_NEG_INF}, l[2] = {0.0f, 0.0f}, alpha[2];
+        bool moved = true;  // F8 with TW_F8_LAZY: whether the last softmax moved a max of the warp's rows
         // F8: key tile j's scores scale (its exponent's factor in log2 units: the query tile's and the key
         // block's scales, 1/sqrt(d), log2(e); at least 2^-126, so that a masked -inf times it stays -inf)
         // and its V block's scale; O is held in units of sv_run, the V scale of the last key tile (a tile
@@ -444,6 +450,9 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
         // and of P V, so that it runs while S_j does: with the per-warp copy of O below 1.2-2.3 % faster
         // measured, alone within 1 %; at D = 64 it was 2-7 % slower there)
         auto rescale = [&]() {
+            if constexpr (F8 && TW_F8_LAZY > 0) {
+                if (!moved) return;
+            }
 #pragma unroll
             for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
         };
@@ -468,7 +477,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 release(k_empty(stage(kt)));
                 hw_mask<W>(s, 0, N, causal, wr0, r0, lane);
                 if constexpr (F8) {
-                    hw_softmax<W, TW_F8_FMA>(s, m, l, alpha, f8_c(0));
+                    moved = hw_softmax<W, TW_F8_FMA, TW_F8_LAZY>(s, m, l, alpha, f8_c(0));
                     sv_run = f8_v(0);
                 } else {
                     hw_softmax<W>(s, m, l, alpha, scale_log2);
@@ -515,12 +524,13 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 release(k_empty(stage(kj)));
                 hw_mask<W>(s, j * BC, N, causal, wr0, r0, lane);
                 if constexpr (F8) {
-                    hw_softmax<W, TW_F8_FMA>(s, m, l, alpha, f8_c(j));
+                    moved = hw_softmax<W, TW_F8_FMA, TW_F8_LAZY>(s, m, l, alpha, f8_c(j));
                     if (f8.kvb) {  // V of another scale block: O into its units
                         const float sv = f8_v(j), r = __fdiv_rn(sv_run, sv);
                         alpha[0] *= r;
                         alpha[1] *= r;
                         sv_run = sv;
+                        moved = true;
                     }
                 } else {
                     hw_softmax<W>(s, m, l, alpha, scale_log2);

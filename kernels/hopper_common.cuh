@@ -423,10 +423,14 @@ __device__ __forceinline__ float hw_exp2_fma(float x) {
 // online softmax of S in place (S becomes P, relative to the new running max m, in log2 units);
 // l the running sums, alpha the factor the accumulators of each of the two rows are rescaled by.
 // Only the first NC columns of S (NC / 8 groups of 8) are read and written: a key tile of NC keys.
-// FMA: of each row's NC / 8 pairs of a thread, the last FMA take hw_exp2_fma instead of the MUFU
-template <int NC = 128, int FMA = 0>
-__device__ __forceinline__ void hw_softmax(float (&s)[64], float (&m)[2], float (&l)[2], float (&alpha)[2],
+// FMA: of each row's NC / 8 pairs of a thread, the last FMA take hw_exp2_fma instead of the MUFU.
+// LAZY > 0: a row's running max m stays where the tile's max exceeds it by at most LAZY (log2 units),
+// unless another row of the warp must move, so P may reach 2^LAZY (P, l and O all relative to the same
+// m: the same quotient); returns whether any row of the warp moved (alpha not all 1: O to be rescaled).
+template <int NC = 128, int FMA = 0, int LAZY = 0>
+__device__ __forceinline__ bool hw_softmax(float (&s)[64], float (&m)[2], float (&l)[2], float (&alpha)[2],
                                            float scale_log2) {
+    bool moved = false;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         float mx = TC_NEG_INF;
@@ -434,7 +438,13 @@ __device__ __forceinline__ void hw_softmax(float (&s)[64], float (&m)[2], float 
         for (int j = 0; j < NC / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
         mx = fmaxf(mx, tc_shfl_xor(mx, 1));
         mx = fmaxf(mx, tc_shfl_xor(mx, 2));
-        const float mn = fmaxf(m[i], mx * scale_log2);
+        float mn = fmaxf(m[i], mx * scale_log2);
+        if constexpr (LAZY > 0) {
+            if (__any_sync(0xffffffffu, !(mn - m[i] <= (float)LAZY)))  // (m = -inf: it moves)
+                moved = true;
+            else
+                mn = m[i];
+        }
         const float ms = mn == TC_NEG_INF ? 0.0f : mn;  // a row with nothing seen yet
         alpha[i] = tc_exp2(m[i] - ms);
         m[i] = mn;
@@ -452,6 +462,7 @@ __device__ __forceinline__ void hw_softmax(float (&s)[64], float (&m)[2], float 
         }
         l[i] = l[i] * alpha[i] + sum;
     }
+    return moved;
 }
 
 // The backward's L of this thread's two rows r0 and r0 + 8 (before hw_finish_l: l holds the thread's
