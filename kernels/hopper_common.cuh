@@ -405,7 +405,7 @@ __device__ __forceinline__ void hw_mask(float (&s)[64], int k0, int N, int causa
     }
 }
 
-// 2^x for x <= 0 on the FMA and integer pipes instead of the MUFU (ex2.approx's unit, 16 results a
+// 2^x for x <= 127 (P <= 1, or <= 2^LAZY in hw_softmax) on the FMA and integer pipes instead of the MUFU (ex2.approx's unit, 16 results a
 // clock an SM: at e4m3 rates one 64 x 128 tile's exponentials take as long as its two products). x is
 // clamped to -126 (a masked -inf gives about 2^-126, nothing once P is rounded to e4m3); x = n + f, n the
 // nearest integer (the 1.5 * 2^23 rounding add), f in [-1/2, 1/2]; 2^f by a degree-3 polynomial fitted
