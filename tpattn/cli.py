@@ -74,7 +74,7 @@ def parser() -> argparse.ArgumentParser:
                    "CUDA kernels via CuPy), reference (torch, same passes and rounding, CPU or GPU), tiled (three "
                    "passes on tensor cores, wgmma on compute capability 9.0), fused (one online-softmax kernel, S and P never "
                    "stored; on compute capability 9.0 warp-specialized: TMA loads, wgmma, a persistent grid; head dim 64 "
-                   "or 128) or triton (the fused algorithm in Triton, every head dim that is a multiple of 8 up to 256; "
+                   "or 128, on 9.0 also 32, 80, 96, 160, 192, 256) or triton (the fused algorithm in Triton, every head dim that is a multiple of 8 up to 256; "
                    "needs triton on a GPU); default naive on a GPU with CuPy, else reference")
     k.add_argument("--device", default="auto", choices=list(DEVICES), help="auto picks cuda when a GPU (and CuPy "
                    "for naive) is there, else cpu, and says why (default auto)")
