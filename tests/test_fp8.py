@@ -237,3 +237,48 @@ def test_a_layer_refuses_a_head_dim_its_backend_cannot_run_at_construction():
     assert fp8.kernel_head_dim_error(128) is None and "takes --head-dim 64, 128 or 256 (got 96)" in \
         fp8.kernel_head_dim_error(96)
     assert TensorParallelAttention.from_full(*w, heads=3, group=None, backend=fp8.Fp8Backend()).head_dim == 32
+
+
+def test_fp8_backends_by_name_each_its_own_and_a_pickled_layer_keeps_its_backend():
+    """The FP8 forwards have names of their own ('fp8', 'fp8_triton', 'fp8_fused'): the API takes them
+    as backend= strings (not --kernel choices: --dtype fp8 picks them), the custom ops find each by its
+    name (one name each, so one layer's FP8 kernel is never another's), and a pickled FP8 layer comes
+    back with its backend. A backend whose name another class already holds is refused in one line."""
+    import copy
+    import io
+
+    from tpattn.attention import Backend, backend_names, get_backend, register
+    from tpattn.attention.reference import ReferenceBackend
+    from tpattn.errors import ConfigError
+    from tpattn.layer import TensorParallelAttention
+    names = {get_backend(n).name for n in ("fp8", "fp8_fused")}
+    assert names == {"fp8", "fp8_fused"} and not {"fp8", "fp8_triton", "fp8_fused"} & set(backend_names())
+    torch.manual_seed(0)
+    w = [torch.randn(64, 64) / 8 for _ in range(4)]
+    layer = TensorParallelAttention.from_full(*w, heads=4, group=None, backend="fp8", causal=True).half()
+    x = torch.randn(1, 40, 64).half()
+    with torch.no_grad():
+        y = layer(x)
+        twin = copy.deepcopy(layer)
+        buf = io.BytesIO()
+        torch.save(layer, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        assert loaded.backend.name == twin.backend.name == "fp8"
+        assert torch.equal(loaded(x), y) and torch.equal(twin(x), y)
+
+    class Clash(ReferenceBackend):
+        name = "fused"  # the fused backend's name
+
+    class Nameless(Backend):
+        pass
+
+    with pytest.raises(ConfigError, match=r"^backend Clash is named 'fused', the name of FusedBackend already in "
+                                          r"use: give Clash a name of its own \(its `name` attribute\)$"):
+        get_backend("fused")
+        TensorParallelAttention.from_full(*w, heads=4, group=None, backend=Clash())
+    with pytest.raises(ConfigError, match="^backend Nameless needs a name of its own"):
+        register(Nameless())
+    with pytest.raises(ConfigError, match="^unknown backend 'fp9'; choose one of reference, naive, tiled, fused, triton "
+                                          r"\(or, FP8 forwards, fp8, fp8_triton, fp8_fused\)$"):
+        get_backend("fp9")

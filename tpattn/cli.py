@@ -468,14 +468,7 @@ def _backend(cfg: Config):
     """The layer's attention backend: --kernel's, or with --dtype fp8 the FP8 arithmetic."""
     if cfg.dtype != FP8:
         return cfg.kernel
-    if cfg.kernel == "triton":
-        from .attention.triton_fp8 import Fp8TritonBackend
-        return Fp8TritonBackend()
-    if cfg.kernel == "fused":
-        from .attention.fp8_ws import Fp8FusedBackend
-        return Fp8FusedBackend()
-    from .attention.fp8 import Fp8Backend
-    return Fp8Backend()
+    return {"triton": "fp8_triton", "fused": "fp8_fused"}.get(cfg.kernel, "fp8")
 
 
 def _checks(cfg: Config, proc, layer, w, x, y, device, loaded) -> dict:

@@ -38,7 +38,7 @@ import math
 import torch
 
 from . import convert, decode, faults, paged
-from .attention import Backend, custom_ops, get_backend, head_chunks
+from .attention import Backend, get_backend, head_chunks, register
 from .comm import copy_to_ranks, sum_of_copies
 from .commplan import CommPlan, check_style
 from .errors import ConfigError, check_counts
@@ -141,11 +141,11 @@ class TensorParallelAttention(LayerPlan, LayerModule):
         why = self.backend.head_dim_error(head_dim) if callable(getattr(self.backend, "head_dim_error", None)) else None
         if why:  # at construction, not at the first call (the CLI's line, in the API's names)
             raise ConfigError(why)
-        if self.context_parallel > 1 and getattr(self.backend, "name", None) == "fp8":
+        if self.context_parallel > 1 and str(getattr(self.backend, "name", "")).startswith("fp8"):
             raise ConfigError(f"context_parallel={self.context_parallel} with an FP8 backend: the ring merges 16-bit "
                               "pieces with their logsumexp (FP8 attention would run as 16-bit torch math); use a "
                               "16-bit backend ('fused', 'triton' or 'reference')")
-        custom_ops.BACKENDS.setdefault(self.backend.name, self.backend)  # a backend given as an instance
+        register(self.backend)  # a backend given as an instance: where the custom ops find it by its name
         self.causal, self.reduce_dtype = causal, reduce_dtype
         self.head_chunk = head_chunk or self.local_heads
         self.sequence_parallel, self.overlap, self.output_collective = sequence_parallel, overlap, output_collective

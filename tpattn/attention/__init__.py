@@ -24,6 +24,13 @@ _BACKENDS = {
     "fused": "tpattn.attention.fused:FusedBackend",
     "triton": "tpattn.attention.triton_fused:TritonBackend",
 }
+# the FP8 forwards (--dtype fp8 with --kernel reference, triton or fused), by name for the API and for
+# unpickling a layer; not --kernel choices
+_FP8_BACKENDS = {
+    "fp8": "tpattn.attention.fp8:Fp8Backend",
+    "fp8_triton": "tpattn.attention.triton_fp8:Fp8TritonBackend",
+    "fp8_fused": "tpattn.attention.fp8_ws:Fp8FusedBackend",
+}
 
 
 class Backend:
@@ -146,13 +153,29 @@ _instances: dict[str, Backend] = {}
 
 
 def get_backend(name: str) -> Backend:
-    if name not in _BACKENDS:
-        raise ConfigError(f"unknown --kernel {name!r}; choose one of {', '.join(_BACKENDS)}")
+    where = _BACKENDS.get(name) or _FP8_BACKENDS.get(name)
+    if where is None:
+        raise ConfigError(f"unknown backend {name!r}; choose one of {', '.join(_BACKENDS)} (or, FP8 forwards, "
+                          f"{', '.join(_FP8_BACKENDS)})")
     if name not in _instances:
-        mod, cls = _BACKENDS[name].split(":")
-        _instances[name] = getattr(importlib.import_module(mod), cls)()
-        custom_ops.BACKENDS[name] = _instances[name]  # the custom ops find the backend by its name
+        mod, cls = where.split(":")
+        register(getattr(importlib.import_module(mod), cls)())
+        _instances[name] = custom_ops.BACKENDS[name]
     return _instances[name]
+
+
+def register(backend: Backend) -> Backend:
+    """backend where the custom ops find it, by its name (they are handed the name, not the object). A
+    name taken by a backend of another class is refused in one line: the ops would run that one."""
+    name = getattr(backend, "name", None)
+    if not isinstance(name, str) or name in ("", "?"):
+        raise ConfigError(f"backend {type(backend).__name__} needs a name of its own (a `name` class attribute): "
+                          "the custom ops find a backend by its name")
+    have = custom_ops.BACKENDS.setdefault(name, backend)
+    if type(have) is not type(backend):
+        raise ConfigError(f"backend {type(backend).__name__} is named {name!r}, the name of {type(have).__name__} "
+                          f"already in use: give {type(backend).__name__} a name of its own (its `name` attribute)")
+    return have
 
 
 def attention(q, k, v, causal: bool = False, backend: str | Backend = "reference", deterministic: bool = False):

@@ -122,6 +122,7 @@ class Fp8FusedBackend(fp8.Fp8Backend):
     """The layer's FP8 attention (fp8.Fp8Backend's scaling and rotation) through this module's kernel,
     all heads in one launch: python -m tpattn --dtype fp8 --kernel fused (head dim 128, compute
     capability 9.0)."""
+    name = "fp8_fused"
 
     def head_dim_error(self, d: int) -> str | None:
         if d in HEAD_DIMS:

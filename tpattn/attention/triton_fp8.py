@@ -338,6 +338,7 @@ def launch(q8, k8, vt8, sq, sk, sv, causal: bool, o: torch.Tensor, sblk: int, ti
 class Fp8TritonBackend(fp8.Fp8Backend):
     """The layer's FP8 attention (fp8.Fp8Backend's scaling and rotation) through this module's kernel,
     all heads in one launch: python -m tpattn --dtype fp8 --kernel triton (compute capability 8.9+)."""
+    name = "fp8_triton"
 
     def head_dim_error(self, d: int) -> str | None:
         return fp8.kernel_head_dim_error(d)
