@@ -308,3 +308,6 @@ def test_cli_context_parallel_training_step_passes_and_reports_the_ring(ranks, C
     # the text: the ring's passes are no transfer times, and they are not said to run in line
     assert "ring pass (K/V blocks)" in r.stdout and "no bandwidth from it" in r.stdout, r.stdout
     assert "the ring's passes travel behind the blocks' attention" in r.stdout and "none hidden" not in r.stdout
+    # K/V heads over the heads' ranks (W / C), each ring rank holding N / C of their rows
+    assert (f"K/V heads: 2 for 4 query heads (2 each), split over {ranks // C} rank(s) (each of the {C} ranks of a "
+            f"ring holds {96 // C} of its 96 rows)") in r.stdout, r.stdout

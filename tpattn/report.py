@@ -11,7 +11,7 @@ import torch
 
 from .commplan import COLLECTIVES, RING_PASSES
 from .errors import __version__
-from .memory import estimate, heads_per_rank, kv_bytes, kv_heads_per_rank, scores_bytes
+from .memory import estimate, heads_per_rank, heads_world, kv_bytes, kv_heads_per_rank, scores_bytes
 from .sharding import describe_blocks, kv_replicated
 
 COMPUTE = ("qkv_proj", "qk", "softmax", "pv", "fused", "out_proj")  # fused: --kernel fused's one pass
@@ -176,7 +176,8 @@ def build(cfg, proc, device, rank_reports: list[dict], collective_bytes: dict, c
     heads = [heads_per_rank(cfg, world, r) for r in range(world)]  # rank 0 holds the most
     h = heads[0]
     g = kv_heads_per_rank(cfg, world)
-    kv_layout = "one per query head" if G == cfg.heads else ("replicated" if kv_replicated(cfg.heads, G, world)
+    T = heads_world(cfg, world)[0]  # the ranks the heads split over (W / C with a ring)
+    kv_layout = "one per query head" if G == cfg.heads else ("replicated" if kv_replicated(cfg.heads, G, T)
                                                              else "split")
     sp = scores_bytes(cfg, world)
     kvb = kv_bytes(cfg, world)
@@ -256,10 +257,14 @@ def text(rep: dict) -> str:
             what = describe_blocks(by_rank, "heads")
         lines.append(f"uneven heads: {what}; the layer waits at the collective for the slowest rank (heads max/mean "
                      f"{max(by_rank) / (sum(by_rank) / len(by_rank)):.3f})")
-    if gqa:
+    if gqa:  # over the heads' ranks: the world, or with a ring of C its W / C (each holding N / C rows)
+        C = c.get("context_parallel", 1)
+        T = w["size"] // C
         lines.append(f"K/V heads: {G} for {c['heads']} query heads ({c['heads'] // G} each), {c['kv_layout']} over "
-                     f"{w['size']} rank(s)" + (f": each K/V head held by {w['size'] // G} ranks"
-                                               if c["kv_layout"] == "replicated" else ""))
+                     f"{T} rank(s)" + (f": each K/V head held by {T // G} ranks" if c["kv_layout"] == "replicated"
+                                       else "")
+                     + (f" (each of the {C} ranks of a ring holds {c['seq_len'] // C} of its {c['seq_len']} rows)"
+                        if C > 1 else ""))
     lines.append(f"style: {c['style']}, overlap {c['overlap']} chunk(s)"
                  + (", CUDA graph (total time only)" if c["cuda_graph"] else ""))
     bal = rep.get("balance")
