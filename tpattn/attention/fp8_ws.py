@@ -65,6 +65,9 @@ def prepare(q, k, v, scaling: str = "head", rotate: bool = False):
     """(q8, k8, vtk8, sq, sk, sv): triton_fp8.prepare's operands, V^T as vt_for_kernel lays it out
     (written in that order by the quantizing kernel itself)."""
     from . import triton_fp8
+    if rotate and q.dtype not in (torch.float16, torch.bfloat16):  # fp32 rotated: torch's quantization
+        q8, k8, vt8, sq, sk, sv = triton_fp8.prepare_torch(q, k, v, scaling, rotate)
+        return q8, k8, vt_for_kernel(vt8), sq, sk, sv
     return triton_fp8.prepare(q, k, v, scaling, rotate, key_order=True)
 
 

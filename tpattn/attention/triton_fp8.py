@@ -269,11 +269,9 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: str = "h
     k first when rotate): fp8_quant's launches (quantize), or torch (prepare_torch) for fp32 inputs
     with the rotation."""
     if rotate and q.dtype not in (torch.float16, torch.bfloat16):
-        ops = prepare_torch(q, k, v, scaling, rotate)
         if key_order:
-            from .fp8_ws import vt_for_kernel
-            ops = (*ops[:2], vt_for_kernel(ops[2]), *ops[3:])
-        return ops
+            raise ValueError("key_order is fp8_quant's: 16-bit inputs where rotated (fp8_ws.prepare orders torch's V^T)")
+        return prepare_torch(q, k, v, scaling, rotate)
     (q8, sq), (k8, sk) = (quantize(t, scaling, rotate) for t in (q, k))
     vt8, sv = quantize(v, scaling, False, transpose=True, key_order=key_order)
     return q8, k8, vt8, sq, sk, sv
