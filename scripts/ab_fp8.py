@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Builds of the CUDA FP8 forward (kernels/fused_ws_fp8.cu, fusedw8) with its softmax knobs side by
+side in one process, each a FMA:LAZY pair:
+
+    FMA   of a thread's 16 pairs of scores a row, how many are exponentiated on the FMA and integer
+          pipes (hopper_common.cuh's hw_exp2_fma, a degree-3 polynomial) instead of the MUFU, whose
+          16 results a clock an SM take, at e4m3's tensor rate, as long as a tile's two products
+          (TW_F8_FMA, 0 to 16)
+    LAZY  the running row max moves only by more than LAZY powers of 2 (a warp vote), and O is rescaled
+          only where one moved (TW_F8_LAZY, 0 to 8: P stays under e4m3's 448)
+
+Every build is compiled under its own name and timed in the same rounds (CUDA events over --calls
+calls, the builds alternating, the median of --rounds), on the same prepared operands (a scale per
+head), with its RMSE against float64 on two heads of the first 2048 rows. The first build is the
+baseline of the ratio column; 0:0 is the kernel as tpattn builds it by default.
+
+    PYTHONPATH=. python scripts/ab_fp8.py [--builds 0:0 4:0 0:8 4:8] [--seq-len 16384] [--causal]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+KERNEL = "fused_ws_fp8.cu"
+
+
+def parse_build(text: str) -> tuple[int, int]:
+    """(FMA, LAZY) of 'FMA:LAZY', or a ValueError that says what is wrong in one line."""
+    m = re.fullmatch(r"(\d+):(\d+)", text)
+    if not m:
+        raise ValueError(f"--builds {text!r}: give FMA:LAZY pairs such as 4:8")
+    fma, lazy = int(m.group(1)), int(m.group(2))
+    if fma > 16:
+        raise ValueError(f"--builds {text!r}: FMA counts pairs of a row's 16, at most 16")
+    if lazy > 8:
+        raise ValueError(f"--builds {text!r}: LAZY is at most 8 (P up to 2^LAZY must stay under e4m3's 448)")
+    return fma, lazy
+
+
+def build_source(fma: int, lazy: int) -> str:
+    """fused_ws_fp8.cu with its headers inlined, TW_F8_FMA and TW_F8_LAZY defined first."""
+    from tpattn.cuda import kernel_source
+    return f"#define TW_F8_FMA {fma}\n#define TW_F8_LAZY {lazy}\n" + kernel_source(KERNEL)
+
+
+def build(name: str, src: str) -> None:
+    """Compile src as the module of a file called name on the current device, where tpattn's launcher
+    looks for it (tpattn.cuda keeps one module per device and file name)."""
+    import cupy
+    import tpattn.cuda as tc
+    tc.ARCH_SPECIFIC[name] = tc.ARCH_SPECIFIC[KERNEL]
+    dev = torch.cuda.current_device()
+    with cupy.cuda.Device(dev):
+        tc._modules[(dev, name)] = tc._compile(cupy, KERNEL, src)
+
+
+def run(args, builds: list[tuple[int, int]]) -> list[dict]:
+    from tpattn.attention import fp8, fp8_ws
+    B, H, N, d = args.batch, args.heads, args.seq_len, 128
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.float16) for _ in range(3))
+    ops = fp8_ws.prepare(q, k, v, "head", False)
+    n0 = min(N, 2048)
+    small = [t[:1, :2, :n0].contiguous() for t in (q, k, v)]
+    ref = fp8.attention_float64(*(t.double().cpu() for t in small), args.causal)
+    small_ops = fp8_ws.prepare(*small, "head", False)
+    rmse, out = {}, torch.empty_like(q)
+    for fma, lazy in builds:
+        build(f"ab_fp8_fma{fma}_lazy{lazy}.cu", build_source(fma, lazy))
+        use(fma, lazy)
+        o_small = torch.empty_like(small[0])
+        fp8_ws.launch(*small_ops, args.causal, o_small, False)
+        rmse[(fma, lazy)] = fp8.rmse(o_small.cpu(), ref)
+    times = {b: [] for b in builds}
+    for _ in range(args.rounds):
+        for b in builds:
+            use(*b)
+            fp8_ws.launch(*ops, args.causal, out, False)  # packs this build's launch once
+            torch.cuda.synchronize()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(args.calls):
+                fp8_ws.launch(*ops, args.causal, out, False)
+            e1.record()
+            torch.cuda.synchronize()
+            times[b].append(e0.elapsed_time(e1) / args.calls)
+    use(None, None)
+    flops = 4 * B * H * N * N * d / (2 if args.causal else 1)
+    med = {b: statistics.median(t) for b, t in times.items()}
+    return [{"fma": f, "lazy": z, "ms": med[(f, z)], "rounds": times[(f, z)], "tflops": flops / med[(f, z)] / 1e9,
+             "speedup": med[builds[0]] / med[(f, z)], "rmse": rmse[(f, z)]} for f, z in builds]
+
+
+def use(fma: int | None, lazy: int | None) -> None:
+    """fp8_ws's next launches from the build (fma, lazy) (None: the default module again)."""
+    from tpattn.attention import fp8_ws
+    fp8_ws.SOURCE = KERNEL if fma is None else f"ab_fp8_fma{fma}_lazy{lazy}.cu"
+    fp8_ws._prepared.clear()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--builds", nargs="+", default=["0:0", "4:0", "0:8", "4:8"], metavar="FMA:LAZY",
+                   help="builds to time, the first the ratio's baseline (default 0:0 4:0 0:8 4:8)")
+    p.add_argument("--seq-len", type=int, default=16384, help="N (default 16384)")
+    p.add_argument("--batch", type=int, default=4, help="B (default 4)")
+    p.add_argument("--heads", type=int, default=32, help="H (default 32)")
+    p.add_argument("--causal", action="store_true", help="causal attention")
+    p.add_argument("--rounds", type=int, default=5, help="rounds, the builds alternating (default 5)")
+    p.add_argument("--calls", type=int, default=10, help="calls a build's time is taken over (default 10)")
+    args = p.parse_args()
+    try:
+        builds = [parse_build(b) for b in args.builds]
+    except ValueError as exc:
+        print(f"ab_fp8: {exc}", file=sys.stderr)
+        return 2
+    if len(set(builds)) != len(builds):
+        print("ab_fp8: --builds names a build twice", file=sys.stderr)
+        return 2
+    for name, value in (("--seq-len", args.seq_len), ("--batch", args.batch), ("--heads", args.heads),
+                        ("--rounds", args.rounds), ("--calls", args.calls)):
+        if value < 1:
+            print(f"ab_fp8: {name} must be at least 1 (got {value})", file=sys.stderr)
+            return 2
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        print("ab_fp8: needs a GPU of compute capability 9.0 (fusedw8 is sm_90a) and CuPy; nothing to measure here",
+              file=sys.stderr)
+        return 2
+    rows = run(args, builds)
+    print(f"{torch.cuda.get_device_name()}: fusedw8, B={args.batch} H={args.heads} N={args.seq_len} d=128 "
+          f"causal={args.causal}, a scale per head; median of {args.rounds} rounds of {args.calls} calls")
+    print("| FMA:LAZY | ms | TFLOP/s | x first | RMSE vs float64 |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['fma']}:{r['lazy']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['speedup']:.3f} | {r['rmse']:.3e} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
