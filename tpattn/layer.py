@@ -109,7 +109,8 @@ class TensorParallelAttention(LayerPlan, LayerModule):
         process in the layer's group)."""
         check_counts(heads=heads, head_dim=head_dim, kv_heads=kv_heads, head_chunk=head_chunk)
         if not isinstance(backend, (str, Backend)) and not callable(getattr(backend, "forward", None)):
-            raise TypeError(f"backend must be a name ('reference', 'naive', 'tiled', 'fused', 'triton') or a Backend "
+            raise TypeError(f"backend must be a name ('reference', 'naive', 'tiled', 'fused', 'triton'; FP8 forwards "
+                            f"'fp8', 'fp8_triton', 'fp8_fused') or a Backend "
                             f"instance (got {type(backend).__name__})")
         self.context_parallel = check_context(context_parallel, world, sequence_parallel, output_collective, overlap)
         rank, world = rank // self.context_parallel, world // self.context_parallel  # the heads' ranks
