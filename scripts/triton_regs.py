@@ -48,7 +48,7 @@ def compile_one(K, which: str, d: int, causal: bool, cfg, dtype: str, arch: int,
     bm, bn, warps, stages = cfg
     const = {"HEAD_DIM": d, "CAUSAL": causal, "BLOCK_D": K.block_d(d), "PAD_D": K.block_d(d) != d,
              "BLOCK_M": bm, "BLOCK_N": bn, "STORE_LSE": True, "F8": fp8, "D_TUNED": d,
-             "BLOCK": 128, "SUB": bm, "BJ": bn, "ROTATE": causal}
+             "BLOCK": 128, "SUB": bm, "BJ": bn, "ROTATE": causal, "MODE": 0, "KEY_ORDER": False}
     sig, attrs = {}, {}
     for i, name in enumerate(names):
         if name in const:
