@@ -29,6 +29,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+from ab_fused import build  # noqa: E402  (a build compiled under its own module name)
 
 KERNEL = "fused_ws_fp8.cu"
 
@@ -52,17 +54,6 @@ def build_source(fma: int, lazy: int) -> str:
     return f"#define TW_F8_FMA {fma}\n#define TW_F8_LAZY {lazy}\n" + kernel_source(KERNEL)
 
 
-def build(name: str, src: str) -> None:
-    """Compile src as the module of a file called name on the current device, where tpattn's launcher
-    looks for it (tpattn.cuda keeps one module per device and file name)."""
-    import cupy
-    import tpattn.cuda as tc
-    tc.ARCH_SPECIFIC[name] = tc.ARCH_SPECIFIC[KERNEL]
-    dev = torch.cuda.current_device()
-    with cupy.cuda.Device(dev):
-        tc._modules[(dev, name)] = tc._compile(cupy, KERNEL, src)
-
-
 def run(args, builds: list[tuple[int, int]]) -> list[dict]:
     from tpattn.attention import fp8, fp8_ws
     B, H, N, d = args.batch, args.heads, args.seq_len, 128
@@ -75,7 +66,7 @@ def run(args, builds: list[tuple[int, int]]) -> list[dict]:
     small_ops = fp8_ws.prepare(*small, "head", False)
     rmse, out = {}, torch.empty_like(q)
     for fma, lazy in builds:
-        build(f"ab_fp8_fma{fma}_lazy{lazy}.cu", build_source(fma, lazy))
+        build(f"ab_fp8_fma{fma}_lazy{lazy}.cu", build_source(fma, lazy), KERNEL)
         use(fma, lazy)
         o_small = torch.empty_like(small[0])
         fp8_ws.launch(*small_ops, args.causal, o_small, False)

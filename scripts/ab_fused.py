@@ -74,15 +74,15 @@ def label_of(rev: str) -> str:
     return Path(rev).stem if rev.endswith(".cu") else rev
 
 
-def build(name: str, src: str) -> None:
-    """Compile `src` as the module of a file called `name` on the current device, where tpattn's
-    launcher looks for it (tpattn.cuda keeps one module per device and file name)."""
+def build(name: str, src: str, kernel: str = KERNEL) -> None:
+    """Compile `src` (a build of kernels/`kernel`) as the module of a file called `name` on the current
+    device, where tpattn's launcher looks for it (tpattn.cuda keeps one module per device and file name)."""
     import cupy
     import tpattn.cuda as tc
-    tc.ARCH_SPECIFIC[name] = tc.ARCH_SPECIFIC[KERNEL]
+    tc.ARCH_SPECIFIC[name] = tc.ARCH_SPECIFIC[kernel]
     dev = torch.cuda.current_device()
     with cupy.cuda.Device(dev):
-        tc._modules[(dev, name)] = tc._compile(cupy, KERNEL, src)
+        tc._modules[(dev, name)] = tc._compile(cupy, kernel, src)
 
 
 def use(name: str) -> None:

@@ -273,9 +273,9 @@ def test_fp8_backends_by_name_each_its_own_and_a_pickled_layer_keeps_its_backend
     class Nameless(Backend):
         pass
 
+    get_backend("fused")  # the name taken by its class
     with pytest.raises(ConfigError, match=r"^backend Clash is named 'fused', the name of FusedBackend already in "
                                           r"use: give Clash a name of its own \(its `name` attribute\)$"):
-        get_backend("fused")
         TensorParallelAttention.from_full(*w, heads=4, group=None, backend=Clash())
     with pytest.raises(ConfigError, match="^backend Nameless needs a name of its own"):
         register(Nameless())
