@@ -130,3 +130,48 @@ def test_cli_backward_with_the_ring():
                     "--world-sizes", "2", "4"])
     assert out.returncode == 0, out.stderr
     assert "bwd_ring" in out.stdout and "attn_bwd" in out.stdout and "step (GPU)" in out.stdout
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_backward_is_seven_products(causal):
+    """--deterministic prices the seven-product pair: 3.5x the forward's FLOPs, no fp32 dQ sum, and its
+    own calibrated pass; a ring's deterministic piece adds its dQ into the rank's fp32 sum by a pass."""
+    fwd = next(s for s in st.attention_steps("fused", 2, 8, 1000, 64, "bf16", causal, 2) if s.key == "fused.fused")
+    det = st.attention_backward_step("fused", 2, 8, 1000, 64, "bf16", causal, 2, deterministic=True)
+    assert det.key == "fused.bwd_det" and det.causal == causal and (det.bh, det.n) == (16, 1000)
+    assert det.flops == pytest.approx(3.5 * fwd.flops)
+    q, kv = 16 * 1000 * 64 * 2, 2 * 2 * 1000 * 64 * 2
+    assert det.bytes == 7 * q + 6 * kv
+    steps, _ = st.backward_steps(shape(deterministic=True), 1)
+    assert [x.key for x in steps if x.name == "attn_bwd"] == ["fused.bwd_det"]
+    s = shape(seq_len=4096, heads=8, kv_heads=2, head_dim=64, context_parallel=2, causal=causal, deterministic=True)
+    for b in st.ring_backward_plan(s, 2):
+        keys = [x.key for x in b["compute"]]
+        assert "fused.bwd" not in keys and keys.count("epilogue") == keys.count("fused.bwd_det") + 1
+
+
+def test_deterministic_needs_its_calibration_and_costs_more(tmp_path):
+    import test_plan as tp
+    m = mc.load_machine("h200")
+    with pytest.raises(ModelError, match="calibrate_backward.py --deterministic"):
+        cm.predict_training(m, shape(deterministic=True), 1)
+    toy = tp.toy_machine()
+    pt = {"B": 1, "h": 2, "N": 128, "d": 64, "dtype": "fp16", "causal": False}
+    bare = mc.Machine("toy", {"peaks": tp.PEAKS}, "-")
+    for key in ("fused.bwd", "fused.bwd_det"):  # both at half their roofline
+        toy["passes"][key] = [{**pt, "ms": mc.roofline_ms(bare, mc._point_step(key, {**pt, "ms": 1}))[0] / 0.5}]
+    path = tmp_path / "toy.json"
+    path.write_text(json.dumps(toy))
+    m = mc.load_machine(str(path))
+    five, seven = (cm.predict_training(m, shape(deterministic=d), 1)["backward_passes"]["attn_bwd"] for d in (False, True))
+    assert seven == pytest.approx(1.4 * five, rel=0.02)  # compute-bound: 7 products against 5
+    out = plan_cli(["--kernel", "fused", "--backward", "--deterministic", "--machine", str(path), "--world-sizes", "1"])
+    assert out.returncode == 0, out.stderr
+    assert "attn_bwd" in out.stdout
+
+
+@pytest.mark.parametrize("args,what", [(["--deterministic"], "add --backward"),
+                                       (["--backward", "--deterministic"], "calibrate_backward.py --deterministic")])
+def test_cli_deterministic_refusals(args, what):
+    out = plan_cli(["--kernel", "fused", "--world-sizes", "1", *args])
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and what in out.stderr, out.stderr

@@ -27,7 +27,8 @@ from .steps import COLLECTIVE_NAMES, COMPUTE_ORDER, ELEM, KERNELS, Shape, _layou
 
 # the shape and style options, taken from python -m tpattn's own parser (same names, choices, help)
 SHAPE_OPTIONS = ("seq_len", "heads", "head_dim", "kv_heads", "batch", "causal", "dtype", "kernel", "reduce_dtype",
-                 "sequence_parallel", "output_collective", "overlap", "cuda_graph", "uneven_heads", "context_parallel")
+                 "sequence_parallel", "output_collective", "overlap", "cuda_graph", "uneven_heads", "context_parallel",
+                 "deterministic")
 EPILOG = """\
 machine files: a path, or a shipped name: {names}
   (tpattn/model/machines/*.json; fields in docs/plan.md). --calibrate writes one for the machine it runs on.
@@ -143,6 +144,8 @@ def _shape_options(group) -> None:
                                                    "heads: ceil/floor(H/W) per rank, rank 0's predicted")),
         "context_parallel": (("--context-parallel",), dict(type=int, default=1, metavar="C",
                                                            help="ring attention over rings of C ranks (default 1)")),
+        "deterministic": (("--deterministic",), dict(action="store_true", help="with --backward: the seven-product "
+                                                     "backward (the same bits every run)")),
     }
     for dest, (flags, kw) in own.items():
         if dest not in taken:
@@ -161,7 +164,8 @@ def shape_from(a) -> Shape:
               causal=a.causal, reduce_dtype=a.reduce_dtype, sequence_parallel=a.sequence_parallel,
               overlap=a.overlap, cuda_graph=a.cuda_graph, output_collective=getattr(a, "output_collective", "auto"),
               kv_heads=getattr(a, "kv_heads", None), uneven_heads=bool(getattr(a, "uneven_heads", False)),
-              context_parallel=getattr(a, "context_parallel", 1))
+              context_parallel=getattr(a, "context_parallel", 1),
+              deterministic=bool(getattr(a, "deterministic", False)))
     if s.context_parallel < 1:
         raise PlanError(f"--context-parallel must be at least 1 (got {s.context_parallel}); 1 turns it off")
     if s.context_parallel > 1:
@@ -175,6 +179,8 @@ def shape_from(a) -> Shape:
                         f"fused (with --kernel {kernel} the ring runs them as torch math)")
     if getattr(a, "backward", False) and kernel != "fused":
         raise PlanError("--backward: the cost model prices the backward of --kernel fused only; add --kernel fused")
+    if s.deterministic and not getattr(a, "backward", False):
+        raise PlanError("--deterministic changes the backward only: add --backward (or drop --deterministic)")
     if getattr(a, "crossover", False) and s.context_parallel == 1:
         raise PlanError("--crossover compares the ring with head parallelism alone: add --context-parallel C (C > 1)")
     for flag, v in (("--seq-len", s.seq_len), ("--heads", s.heads), ("--head-dim", s.head_dim),

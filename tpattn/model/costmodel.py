@@ -76,8 +76,11 @@ def efficiency(m: Machine, step: Step, roof_ms: float) -> float:
     full = m.curves.get(key)
     curve = (m.curves.get(key + ":causal") if step.causal else None) or full
     if not curve:
-        raise ModelError(f"machine {m.name} has no calibration for the pass {key}; run python -m tpattn.plan "
-                         "--calibrate on that machine, or use a machine file that has it")
+        how = ("PYTHONPATH=. python scripts/model/calibrate_backward.py" + (" --deterministic" if key == "fused.bwd_det"
+                                                                           else "")
+               if key.startswith("fused.bwd") else "python -m tpattn.plan --calibrate")
+        raise ModelError(f"machine {m.name} has no calibration for the pass {key}; run {how} on that machine, or "
+                         "use a machine file that has it")
     if isinstance(curve, dict):
         x = math.log(max(step.n, 1))
         along = sorted((math.log(hb), _causal_past(pts, x, full, hb) if curve is not full else _interp(pts, x))

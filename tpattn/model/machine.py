@@ -24,7 +24,7 @@ PEAKS = ("tensor_tflops", "fp32_tflops", "mem_GBps")
 LINK_FIELDS = ("busbw_GBps", "step_us", "base_us")
 WAKE_FIELDS = ("wake_us", "idle_ms")   # optional, both or neither: the link's wake-up after an idle time
 PASS_KEYS = ("qkv_proj", "out_proj", "relayout", "epilogue", "naive.qk", "naive.softmax", "naive.pv",
-             "tiled.qk", "tiled.softmax", "tiled.pv", "fused.fused", "fused.bwd")
+             "tiled.qk", "tiled.softmax", "tiled.pv", "fused.fused", "fused.bwd", "fused.bwd_det")
 
 
 @dataclass
@@ -315,9 +315,9 @@ def _point_step(key: str, pt: dict) -> Step:
             raise ValueError(f"{f} must be at least 1")
     if key.endswith(":causal") != bool(pt["causal"]):
         raise ValueError("causal must be true exactly in the :causal passes")
-    if k == "fused.bwd":
+    if k in ("fused.bwd", "fused.bwd_det"):
         return attention_backward_step(kernel, int(pt["B"]), int(pt["h"]), int(pt["N"]), int(pt["d"]), pt["dtype"],
-                                       bool(pt["causal"]))
+                                       bool(pt["causal"]), deterministic=k == "fused.bwd_det")
     steps = attention_steps(kernel, int(pt["B"]), int(pt["h"]), int(pt["N"]), int(pt["d"]), pt["dtype"],
                             bool(pt["causal"]))
     return next(s for s in steps if s.key == k)

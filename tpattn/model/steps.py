@@ -39,6 +39,7 @@ class Shape:
     kv_heads: int | None = None       # GQA: K/V heads (None: as many as query heads)
     uneven_heads: bool = False        # --uneven-heads: W need not divide H (nor G): ceil/floor blocks per rank
     context_parallel: int = 1         # --context-parallel C: rings of C ranks over the sequence, heads over W / C
+    deterministic: bool = False       # --deterministic: the seven-product backward (no atomics), "fused.bwd_det"
 
     @property
     def model_dim(self) -> int:
@@ -157,10 +158,13 @@ def _attention_steps(kernel, bh, n, d, e, causal, flops_mm, tri, tri_t, qkv_io, 
 
 
 def attention_backward_step(kernel: str, b: int, h: int, n: int, d: int, dtype: str, causal: bool,
-                            kv_h: int | None = None) -> Step:
-    """The fused attention backward of h query heads (the five-product kernels: hbwd_pre, hbwd5_kv,
-    hbwd_dq_out) as one pass: five N x N products (S, dP, dV, dK, dQ), 2.5x the forward's FLOPs;
-    reads Q, K, V, O, dO, writes dQ, dK, dV, and the fp32 dQ sum zeroed, then read back."""
+                            kv_h: int | None = None, deterministic: bool = False) -> Step:
+    """The fused attention backward of h query heads as one pass. The default, five products (hbwd_pre,
+    hbwd5_kv, hbwd_dq_out): S, dP, dV, dK and dQ += dS K, 2.5x the forward's FLOPs; reads Q, K, V, O,
+    dO, writes dQ, dK, dV, and the fp32 dQ sum zeroed, then read back ("fused.bwd"). deterministic:
+    seven products and no atomics (hbwd_pre, the dK/dV kernel's S^T, dP^T, dV, dK, the dQ kernel's S,
+    dP, dQ), 3.5x the forward's FLOPs; O and dO read by the pre-pass, Q and dO by both kernels, K and V
+    by both, dK, dV and dQ written ("fused.bwd_det", calibrated apart)."""
     if kernel != "fused":
         raise ModelError(f"the cost model prices the backward of --kernel fused only (not {kernel})")
     e = ELEM[dtype]
@@ -168,6 +172,10 @@ def attention_backward_step(kernel: str, b: int, h: int, n: int, d: int, dtype: 
     tiles = -(-n // TILE)
     tri_t = (tiles + 1) / (2 * tiles) if causal else 1.0
     q_io, kv_io = bh * n * d * e, b * (kv_h or h) * n * d * e
+    if deterministic:
+        return Step("attn_bwd", "fused.bwd_det", flops=7 * 2.0 * bh * n * n * d * tri_t,
+                    bytes=7 * q_io + 6 * kv_io, unit="tensor", causal=causal, bh=bh, n=n,
+                    what="seven products, no atomics: a key block's S^T, dP^T, dV, dK, then a query block's S, dP, dQ")
     return Step("attn_bwd", "fused.bwd", flops=5 * 2.0 * bh * n * n * d * tri_t,
                 bytes=5 * q_io + 4 * kv_io + 2 * bh * n * d * 4, unit="tensor", causal=causal, bh=bh, n=n,
                 what="five products a key block (S, dP, dV, dK, dQ += dS K into an fp32 sum)")
@@ -193,7 +201,7 @@ def backward_steps(shape: Shape, world: int) -> tuple[list[Step], dict[str, int]
     if shape.context_parallel > 1:
         attn = [x for step in ring_backward_plan(shape, world) for x in step["compute"]]
     else:
-        attn = [attention_backward_step(shape.kernel, B, h, N, d, dt, shape.causal, g)]
+        attn = [attention_backward_step(shape.kernel, B, h, N, d, dt, shape.causal, g, shape.deterministic)]
     steps = [gemm_step("bwd_out_proj", "out_proj", rows, D, h * d, dt, dt, "dA = dY W_o^T"),
              gemm_step("bwd_out_proj", "out_proj", h * d, rows, D, dt, dt, "dW_o = A^T dY"),
              *attn,
@@ -323,7 +331,8 @@ def ring_plan(shape: Shape, world: int) -> list[dict]:
 def ring_backward_plan(shape: Shape, world: int) -> list[dict]:
     """The ring's backward on one rank (tpattn/comm.py's ring pair; rank 0 of its ring, as ring_plan):
     C steps of {"compute": the pieces' five-product backward (each piece's dQ added into the rank's
-    fp32 sum) and the block's dK, dV sums (block_sums), "send_bytes": the next K/V block, posted
+    fp32 sum; --deterministic: seven products, then a pass that adds the piece's dQ into that sum) and
+    the block's dK, dV sums (block_sums), "send_bytes": the next K/V block, posted
     before that compute (0 on the last step), "sums_bytes": the block's fp32 dK, dV sums, posted
     after it to travel under the next step's compute (the last step's: the hop home, under none)}."""
     from ..attention.ring import pieces
@@ -337,9 +346,12 @@ def ring_backward_plan(shape: Shape, world: int) -> list[dict]:
         compute = []
         for q0, q1, k0, k1, diag in pieces(0, (0 - s) % C, n, shape.causal):
             nq, nk = q1 - q0, k1 - k0
-            st = attention_backward_step("fused", B, h * (nq // nk), nk, d, dt, diag, g)
+            st = attention_backward_step("fused", B, h * (nq // nk), nk, d, dt, diag, g, shape.deterministic)
             st.what = f"ring step {s} backward: {nq} query rows x {nk} keys" + (" (diagonal)" if diag else "")
             compute.append(st)
+            if shape.deterministic:  # the piece's dQ (16-bit) added into the rank's fp32 sum (ring.RowsDq)
+                compute.append(copy_step("attn_bwd", "epilogue", B * h * nq * d * (shape.elem + 8),
+                                         f"ring step {s}: the piece's dQ added into the rank's fp32 dQ sum"))
         compute.append(copy_step("attn_bwd", "epilogue", SUM_PASSES * sums,
                                  f"ring step {s}: this rank's dK, dV added into the block's fp32 sums"))
         out.append({"compute": compute, "send_bytes": block if s < C - 1 else 0, "sums_bytes": sums})
