@@ -7,9 +7,11 @@ consumer's tile (over the tiles of the traced blocks, the first tile of each blo
 early the producer freed each tile's Q stage, and writes them to OUT/NAME.json (with --events the raw
 events too). The marks cost a few instructions
 each and move what ptxas makes of the consumer: read the steps against each other, not as the
-untraced kernel's time.
+untraced kernel's time. --fp8 traces the FP8 kernel (fused_ws_fp8.cu, fusedw8) instead, at B=4 H=32
+N=16384 d=128, a scale per head, non-causal and causal, built with --fp8-build's softmax knobs.
 
     PYTHONPATH=. python scripts/trace_fused.py [--only "batch short" default] [--out DIR] [--name trace] [--events]
+    PYTHONPATH=. python scripts/trace_fused.py --fp8 [--fp8-build FMA:LAZY] [--seq-len N]
 """
 
 from __future__ import annotations
@@ -92,19 +94,37 @@ def summary(trace) -> dict:
             "steps": {k: {"mean": statistics.mean(v), "count": len(v)} for k, v in gaps.items()}}
 
 
-def run(args) -> dict:
-    import cupy
-    import tpattn.cuda as tc
+def _fp8_cases(args):
+    """The traced module's name and [(shape row, traced call)] of the FP8 kernel: its build from
+    --fp8-build, the operands prepared once (fp8_ws.prepare, a scale per head)."""
+    from ab_fp8 import build_source, parse_build
+    from tpattn.attention import fp8_ws
+    fma, lazy = parse_build(args.fp8_build)
+    name = f"trace_fp8_fma{fma}_lazy{lazy}.cu"
+    build(name, "#define TW_TRACE\n" + build_source(fma, lazy), "fused_ws_fp8.cu")
+    fp8_ws.SOURCE = name
+    fp8_ws._prepared.clear()
+    B, H, N = 4, 32, args.seq_len
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, H, N, 128, device="cuda", dtype=torch.float16, generator=gen) for _ in range(3))
+    ops = fp8_ws.prepare(q, k, v, "head", False)
+    o = torch.empty_like(q)
+    rows = [{"name": f"fp8 {fma}:{lazy}" + (" causal" if c else ""), "batch": B, "heads": H, "kv_heads": H,
+             "seq_len": N, "head_dim": 128, "dtype": "e4m3", "causal": c} for c in (False, True)]
+    return name, [(r, (lambda c=r["causal"]: fp8_ws.launch(*ops, c, o, False))) for r in rows]
+
+
+def _fp16_cases(args):
+    """The traced module's name and [(users shape, traced call)] of fusedw (the shapes' operands made as
+    each is traced)."""
     from tpattn.attention import get_backend
     name = "trace_fused_ws_attention.cu"
     build(name, "#define TW_TRACE\n" + kernel_source(KERNEL))
     use(name)
-    mod = tc._modules[(torch.cuda.current_device(), name)]
-    ptr = mod.get_global_var("tw_trace")
-    ptr = ptr[0] if isinstance(ptr, tuple) else ptr
-    nbytes = BLOCKS * ROLES * LEN * 8
-    fused = get_backend("fused")
-    rows = []
+    return name, _fp16_calls(args, get_backend("fused"))
+
+
+def _fp16_calls(args, fused):
     for s in SHAPE_SETS["users"]:
         if args.only and s["name"] not in args.only:
             continue
@@ -114,11 +134,24 @@ def run(args) -> dict:
         q = torch.randn(b, h, n, d, device="cuda", dtype=dtype, generator=gen)
         k, v = (torch.randn(b, g, n, d, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
         o = torch.empty_like(q)
+        yield s, (lambda q=q, k=k, v=v, o=o, c=s["causal"]: fused.forward(q, k, v, c, out=o))
+
+
+def run(args) -> dict:
+    import cupy
+    import tpattn.cuda as tc
+    nbytes = BLOCKS * ROLES * LEN * 8
+    name, cases = _fp8_cases(args) if args.fp8 else _fp16_cases(args)
+    ptr = tc._modules[(torch.cuda.current_device(), name)].get_global_var("tw_trace")
+    ptr = ptr[0] if isinstance(ptr, tuple) else ptr
+    rows = []
+    for s, call in cases:
+        b, h, g, n, d = s["batch"], s["heads"], s["kv_heads"], s["seq_len"], s["head_dim"]
         for _ in range(args.warmup):
-            fused.forward(q, k, v, s["causal"], out=o)
+            call()
         torch.cuda.synchronize()
         cupy.cuda.runtime.memset(ptr, 0, nbytes)
-        fused.forward(q, k, v, s["causal"], out=o)
+        call()
         torch.cuda.synchronize()
         raw = np.zeros(BLOCKS * ROLES * LEN, dtype=np.uint64)
         cupy.cuda.runtime.memcpy(raw.ctypes.data, ptr, nbytes, cupy.cuda.runtime.memcpyDeviceToHost)
@@ -145,6 +178,10 @@ def main() -> int:
     ap.add_argument("--events", action="store_true", help="the raw events in the JSON too ([block][role] -> "
                     "[(code, clock)], role 0 the producer; a few MB)")
     ap.add_argument("--commit", help="the commit to record (a copy of the tree without .git)")
+    ap.add_argument("--fp8", action="store_true", help="trace the FP8 kernel (fusedw8) instead of the users shapes")
+    ap.add_argument("--fp8-build", default="0:0", metavar="FMA:LAZY", help="with --fp8: its softmax knobs, as "
+                    "scripts/ab_fp8.py's --builds (default 0:0, the kernel as tpattn builds it)")
+    ap.add_argument("--seq-len", type=int, default=16384, help="with --fp8: N (default 16384)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("trace_fused: needs a CUDA GPU (compute capability 9.0); run it on a GPU machine", file=sys.stderr)

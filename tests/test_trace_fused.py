@@ -47,14 +47,15 @@ def test_summary_leaves_out_each_blocks_first_tile():
 def test_help_answers():
     r = subprocess.run([sys.executable, "scripts/trace_fused.py", "--help"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
-    assert r.returncode == 0 and "--events" in r.stdout and "TW_TRACE" in r.stdout
+    assert r.returncode == 0 and "--events" in r.stdout and "TW_TRACE" in r.stdout and "--fp8-build" in r.stdout
 
 
 @pytest.mark.skipif(NVCC is None, reason="no CUDA compiler here (.ci/run installs one in CI)")
-def test_the_traced_kernel_compiles(tmp_path):
+@pytest.mark.parametrize("kernel", ["fused_ws_attention.cu", "fused_ws_fp8.cu"])
+def test_the_traced_kernel_compiles(tmp_path, kernel):
     from tpattn.cuda import kernel_source
     src = tmp_path / "traced.cu"
-    src.write_text("#define TW_TRACE\n" + kernel_source("fused_ws_attention.cu"))
+    src.write_text("#define TW_TRACE\n" + kernel_source(kernel))
     r = subprocess.run([NVCC, "-gencode", "arch=compute_90a,code=sm_90a", "-Werror", "all-warnings", "-Xptxas", "-v",
                         "-c", str(src), "-o", str(tmp_path / "k.o")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
