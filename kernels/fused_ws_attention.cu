@@ -190,6 +190,11 @@ __device__ __forceinline__ tw_tile tw_tile_of(long long t, int nq, int row_begin
 #ifndef TW_F8_LAZY
 #define TW_F8_LAZY 0
 #endif
+// TW_F8_TREE: the FP8 kernel's row maxima over this many running maxima each (hw_softmax's TREE; 1: one
+// chain of fmaxf over the row's 16 pairs; 2, 4, 8, 16: shorter chains, the same bits)
+#ifndef TW_F8_TREE
+#define TW_F8_TREE 1
+#endif
 struct tw_f8s {
     const float *sq, *sk, *sv;
     int nblk, kvb;
@@ -477,7 +482,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 release(k_empty(stage(kt)));
                 hw_mask<W>(s, 0, N, causal, wr0, r0, lane);
                 if constexpr (F8) {
-                    moved = hw_softmax<W, TW_F8_FMA, TW_F8_LAZY>(s, m, l, alpha, f8_c(0));
+                    moved = hw_softmax<W, TW_F8_FMA, TW_F8_LAZY, TW_F8_TREE>(s, m, l, alpha, f8_c(0));
                     sv_run = f8_v(0);
                 } else {
                     hw_softmax<W>(s, m, l, alpha, scale_log2);
@@ -524,7 +529,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 release(k_empty(stage(kj)));
                 hw_mask<W>(s, j * BC, N, causal, wr0, r0, lane);
                 if constexpr (F8) {
-                    moved = hw_softmax<W, TW_F8_FMA, TW_F8_LAZY>(s, m, l, alpha, f8_c(j));
+                    moved = hw_softmax<W, TW_F8_FMA, TW_F8_LAZY, TW_F8_TREE>(s, m, l, alpha, f8_c(j));
                     if (f8.kvb) {  // V of another scale block: O into its units
                         const float sv = f8_v(j), r = __fdiv_rn(sv_run, sv);
                         alpha[0] *= r;

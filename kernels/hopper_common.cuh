@@ -427,15 +427,32 @@ __device__ __forceinline__ float hw_exp2_fma(float x) {
 // LAZY > 0: a row's running max m stays where the tile's max exceeds it by at most LAZY (log2 units),
 // unless another row of the warp must move, so P may reach 2^LAZY (P, l and O all relative to the same
 // m: the same quotient); returns whether any row of the warp moved (alpha not all 1: O to be rescaled).
-template <int NC = 128, int FMA = 0, int LAZY = 0>
+// TREE > 1: each row's max over TREE running maxima (every TREE-th pair each) combined at the end, so
+// the dependent chain of fmaxf is NC / (8 TREE) long, not NC / 8 (a max is exact: the same bits).
+template <int NC = 128, int FMA = 0, int LAZY = 0, int TREE = 1>
 __device__ __forceinline__ bool hw_softmax(float (&s)[64], float (&m)[2], float (&l)[2], float (&alpha)[2],
                                            float scale_log2) {
+    static_assert(TREE >= 1 && (NC / 8) % TREE == 0, "TREE divides a row's pairs");
     bool moved = false;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         float mx = TC_NEG_INF;
+        if constexpr (TREE == 1) {
 #pragma unroll
-        for (int j = 0; j < NC / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
+            for (int j = 0; j < NC / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
+        } else {
+            float part[TREE];
+#pragma unroll
+            for (int t = 0; t < TREE; ++t) part[t] = TC_NEG_INF;
+#pragma unroll
+            for (int j = 0; j < NC / 8; ++j)
+                part[j % TREE] = fmaxf(part[j % TREE], fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
+#pragma unroll
+            for (int w = 1; w < TREE; w *= 2)
+#pragma unroll
+                for (int t = 0; t + w < TREE; t += 2 * w) part[t] = fmaxf(part[t], part[t + w]);
+            mx = part[0];
+        }
         mx = fmaxf(mx, tc_shfl_xor(mx, 1));
         mx = fmaxf(mx, tc_shfl_xor(mx, 2));
         float mn = fmaxf(m[i], mx * scale_log2);

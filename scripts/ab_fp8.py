@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Builds of the CUDA FP8 forward (kernels/fused_ws_fp8.cu, fusedw8) with its softmax knobs side by
-side in one process, each a FMA:LAZY pair:
+side in one process, each FMA:LAZY or FMA:LAZY:TREE:
 
     FMA   of a thread's 16 pairs of scores a row, how many are exponentiated on the FMA and integer
           pipes (hopper_common.cuh's hw_exp2_fma, a degree-3 polynomial) instead of the MUFU, whose
@@ -8,13 +8,15 @@ side in one process, each a FMA:LAZY pair:
           (TW_F8_FMA, 0 to 16)
     LAZY  the running row max moves only by more than LAZY powers of 2 (a warp vote), and O is rescaled
           only where one moved (TW_F8_LAZY, 0 to 8: P stays under e4m3's 448)
+    TREE  each row's max over TREE running maxima, so the dependent chain of fmaxf is 16 / TREE long
+          (TW_F8_TREE: 1, 2, 4, 8 or 16; default 1, one chain; the same bits at every TREE)
 
 Every build is compiled under its own name and timed in the same rounds (CUDA events over --calls
 calls, the builds alternating, the median of --rounds), on the same prepared operands (a scale per
 head), with its RMSE against float64 on two heads of the first 2048 rows. The first build is the
-baseline of the ratio column; 0:0 is the kernel as tpattn builds it by default.
+baseline of the ratio column; 0:0 (0:0:1) is the kernel as tpattn builds it by default.
 
-    PYTHONPATH=. python scripts/ab_fp8.py [--builds 0:0 4:0 0:8 4:8] [--seq-len 16384] [--causal]
+    PYTHONPATH=. python scripts/ab_fp8.py [--builds 0:0 4:0 0:8 4:8 0:0:4] [--seq-len 16384] [--causal]
 """
 
 from __future__ import annotations
@@ -35,23 +37,31 @@ from ab_fused import build  # noqa: E402  (a build compiled under its own module
 KERNEL = "fused_ws_fp8.cu"
 
 
-def parse_build(text: str) -> tuple[int, int]:
-    """(FMA, LAZY) of 'FMA:LAZY', or a ValueError that says what is wrong in one line."""
-    m = re.fullmatch(r"(\d+):(\d+)", text)
+def parse_build(text: str) -> tuple[int, int, int]:
+    """(FMA, LAZY, TREE) of 'FMA:LAZY' (TREE 1) or 'FMA:LAZY:TREE', or a ValueError that says what is wrong
+    in one line."""
+    m = re.fullmatch(r"(\d+):(\d+)(?::(\d+))?", text)
     if not m:
-        raise ValueError(f"--builds {text!r}: give FMA:LAZY pairs such as 4:8")
-    fma, lazy = int(m.group(1)), int(m.group(2))
+        raise ValueError(f"--builds {text!r}: give FMA:LAZY or FMA:LAZY:TREE, such as 4:8 or 0:0:4")
+    fma, lazy, tree = int(m.group(1)), int(m.group(2)), int(m.group(3) or 1)
     if fma > 16:
         raise ValueError(f"--builds {text!r}: FMA counts pairs of a row's 16, at most 16")
     if lazy > 8:
         raise ValueError(f"--builds {text!r}: LAZY is at most 8 (P up to 2^LAZY must stay under e4m3's 448)")
-    return fma, lazy
+    if tree not in (1, 2, 4, 8, 16):
+        raise ValueError(f"--builds {text!r}: TREE is 1, 2, 4, 8 or 16 (it divides a row's 16 pairs)")
+    return fma, lazy, tree
 
 
-def build_source(fma: int, lazy: int) -> str:
-    """fused_ws_fp8.cu with its headers inlined, TW_F8_FMA and TW_F8_LAZY defined first."""
+def build_source(fma: int, lazy: int, tree: int = 1) -> str:
+    """fused_ws_fp8.cu with its headers inlined, TW_F8_FMA, TW_F8_LAZY and TW_F8_TREE defined first."""
     from tpattn.cuda import kernel_source
-    return f"#define TW_F8_FMA {fma}\n#define TW_F8_LAZY {lazy}\n" + kernel_source(KERNEL)
+    return f"#define TW_F8_FMA {fma}\n#define TW_F8_LAZY {lazy}\n#define TW_F8_TREE {tree}\n" + kernel_source(KERNEL)
+
+
+def label(b: tuple[int, int, int]) -> str:
+    """A build as --builds names it: FMA:LAZY, with :TREE where it is not 1."""
+    return ":".join(map(str, b if b[2] != 1 else b[:2]))
 
 
 def run(args, builds: list[tuple[int, int]]) -> list[dict]:
@@ -65,16 +75,16 @@ def run(args, builds: list[tuple[int, int]]) -> list[dict]:
     ref = fp8.attention_float64(*(t.double().cpu() for t in small), args.causal)
     small_ops = fp8_ws.prepare(*small, "head", False)
     rmse, out = {}, torch.empty_like(q)
-    for fma, lazy in builds:
-        build(f"ab_fp8_fma{fma}_lazy{lazy}.cu", build_source(fma, lazy), KERNEL)
-        use(fma, lazy)
+    for b in builds:
+        build(source_name(b), build_source(*b), KERNEL)
+        use(b)
         o_small = torch.empty_like(small[0])
         fp8_ws.launch(*small_ops, args.causal, o_small, False)
-        rmse[(fma, lazy)] = fp8.rmse(o_small.cpu(), ref)
+        rmse[b] = fp8.rmse(o_small.cpu(), ref)
     times = {b: [] for b in builds}
     for _ in range(args.rounds):
         for b in builds:
-            use(*b)
+            use(b)
             fp8_ws.launch(*ops, args.causal, out, False)  # packs this build's launch once
             torch.cuda.synchronize()
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -84,24 +94,28 @@ def run(args, builds: list[tuple[int, int]]) -> list[dict]:
             e1.record()
             torch.cuda.synchronize()
             times[b].append(e0.elapsed_time(e1) / args.calls)
-    use(None, None)
+    use(None)
     flops = 4 * B * H * N * N * d / (2 if args.causal else 1)
     med = {b: statistics.median(t) for b, t in times.items()}
-    return [{"fma": f, "lazy": z, "ms": med[(f, z)], "rounds": times[(f, z)], "tflops": flops / med[(f, z)] / 1e9,
-             "speedup": med[builds[0]] / med[(f, z)], "rmse": rmse[(f, z)]} for f, z in builds]
+    return [{"build": label(b), "fma": b[0], "lazy": b[1], "tree": b[2], "ms": med[b], "rounds": times[b],
+             "tflops": flops / med[b] / 1e9, "speedup": med[builds[0]] / med[b], "rmse": rmse[b]} for b in builds]
 
 
-def use(fma: int | None, lazy: int | None) -> None:
-    """fp8_ws's next launches from the build (fma, lazy) (None: the default module again)."""
+def source_name(b: tuple[int, int, int]) -> str:
+    return "ab_fp8_fma{}_lazy{}_tree{}.cu".format(*b)
+
+
+def use(b: tuple[int, int, int] | None) -> None:
+    """fp8_ws's next launches from the build b (None: the default module again)."""
     from tpattn.attention import fp8_ws
-    fp8_ws.SOURCE = KERNEL if fma is None else f"ab_fp8_fma{fma}_lazy{lazy}.cu"
+    fp8_ws.SOURCE = KERNEL if b is None else source_name(b)
     fp8_ws._prepared.clear()
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--builds", nargs="+", default=["0:0", "4:0", "0:8", "4:8"], metavar="FMA:LAZY",
-                   help="builds to time, the first the ratio's baseline (default 0:0 4:0 0:8 4:8)")
+    p.add_argument("--builds", nargs="+", default=["0:0", "4:0", "0:8", "4:8", "0:0:4"], metavar="FMA:LAZY[:TREE]",
+                   help="builds to time, the first the ratio's baseline (default 0:0 4:0 0:8 4:8 0:0:4)")
     p.add_argument("--seq-len", type=int, default=16384, help="N (default 16384)")
     p.add_argument("--batch", type=int, default=4, help="B (default 4)")
     p.add_argument("--heads", type=int, default=32, help="H (default 32)")
@@ -129,10 +143,10 @@ def main() -> int:
     rows = run(args, builds)
     print(f"{torch.cuda.get_device_name()}: fusedw8, B={args.batch} H={args.heads} N={args.seq_len} d=128 "
           f"causal={args.causal}, a scale per head; median of {args.rounds} rounds of {args.calls} calls")
-    print("| FMA:LAZY | ms | TFLOP/s | x first | RMSE vs float64 |")
+    print("| FMA:LAZY[:TREE] | ms | TFLOP/s | x first | RMSE vs float64 |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['fma']}:{r['lazy']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['speedup']:.3f} | {r['rmse']:.3e} |")
+        print(f"| {r['build']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['speedup']:.3f} | {r['rmse']:.3e} |")
     return 0
 
 

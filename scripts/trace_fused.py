@@ -99,9 +99,9 @@ def _fp8_cases(args):
     --fp8-build, the operands prepared once (fp8_ws.prepare, a scale per head)."""
     from ab_fp8 import build_source, parse_build
     from tpattn.attention import fp8_ws
-    fma, lazy = parse_build(args.fp8_build)
-    name = f"trace_fp8_fma{fma}_lazy{lazy}.cu"
-    build(name, "#define TW_TRACE\n" + build_source(fma, lazy), "fused_ws_fp8.cu")
+    b = parse_build(args.fp8_build)
+    name = "trace_fp8_fma{}_lazy{}_tree{}.cu".format(*b)
+    build(name, "#define TW_TRACE\n" + build_source(*b), "fused_ws_fp8.cu")
     fp8_ws.SOURCE = name
     fp8_ws._prepared.clear()
     B, H, N = 4, 32, args.seq_len
@@ -109,7 +109,7 @@ def _fp8_cases(args):
     q, k, v = (torch.randn(B, H, N, 128, device="cuda", dtype=torch.float16, generator=gen) for _ in range(3))
     ops = fp8_ws.prepare(q, k, v, "head", False)
     o = torch.empty_like(q)
-    rows = [{"name": f"fp8 {fma}:{lazy}" + (" causal" if c else ""), "batch": B, "heads": H, "kv_heads": H,
+    rows = [{"name": f"fp8 {args.fp8_build}" + (" causal" if c else ""), "batch": B, "heads": H, "kv_heads": H,
              "seq_len": N, "head_dim": 128, "dtype": "e4m3", "causal": c} for c in (False, True)]
     return name, [(r, (lambda c=r["causal"]: fp8_ws.launch(*ops, c, o, False))) for r in rows]
 
@@ -179,7 +179,7 @@ def main() -> int:
                     "[(code, clock)], role 0 the producer; a few MB)")
     ap.add_argument("--commit", help="the commit to record (a copy of the tree without .git)")
     ap.add_argument("--fp8", action="store_true", help="trace the FP8 kernel (fusedw8) instead of the users shapes")
-    ap.add_argument("--fp8-build", default="0:0", metavar="FMA:LAZY", help="with --fp8: its softmax knobs, as "
+    ap.add_argument("--fp8-build", default="0:0", metavar="FMA:LAZY[:TREE]", help="with --fp8: its softmax knobs, as "
                     "scripts/ab_fp8.py's --builds (default 0:0, the kernel as tpattn builds it)")
     ap.add_argument("--seq-len", type=int, default=16384, help="with --fp8: N (default 16384)")
     args = ap.parse_args()
