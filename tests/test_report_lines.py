@@ -39,3 +39,15 @@ def test_profile_says_where_the_trace_went(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert path.is_file()
     assert f"wrote the torch.profiler trace of one call to {path}" in out.stdout
+
+
+def test_profile_writes_through_a_link_and_leaves_it_a_link(tmp_path):
+    """torch's trace export replaces what is at its path; --profile writes the bytes to the path instead, so
+    a symlink stays a symlink (its target holds the trace) and a device such as /dev/null stays a device."""
+    target, link = tmp_path / "real.json", tmp_path / "link.json"
+    link.symlink_to(target)  # dangling until the trace is written
+    out = subprocess.run([sys.executable, "-m", "tpattn", "--seq-len", "64", "--heads", "2", "--head-dim", "16",
+                          "--iters", "1", "--warmup", "0", "--profile", str(link)], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert link.is_symlink() and target.is_file() and target.read_text().lstrip().startswith("{")

@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 import torch
@@ -595,7 +597,16 @@ def _profile(cfg: Config, proc, call, x) -> None:
         if x.is_cuda:
             torch.cuda.synchronize(x.device)
     path = profile_path(cfg.profile, proc.rank)
-    prof.export_chrome_trace(path)
+    # torch's export replaces whatever is at its path (a symlink, a device such as /dev/null): it writes
+    # a file of its own here, whose bytes then go to the path as an ordinary write would put them
+    fd, tmp = tempfile.mkstemp(prefix="tpattn-trace-", suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(tmp)
+        with open(tmp, "rb") as src, open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    finally:
+        os.remove(tmp)
     what = "training step (forward and backward)" if cfg.backward else "call"
     print(f"rank {proc.rank}: wrote the torch.profiler trace of one {what} to {os.path.abspath(path)} "
           "(open it in chrome://tracing or https://ui.perfetto.dev)", flush=True)

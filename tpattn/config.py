@@ -316,7 +316,7 @@ def check_writable(path: str, flag: str) -> None:
         raise FlagError(f"{flag} {path}: directory {parent} does not exist; create it or choose another path")
     if not os.access(parent, os.W_OK):
         raise FlagError(f"{flag} {path}: directory {parent} is not writable; choose another path")
-    existed = os.path.exists(path)
+    existed = os.path.lexists(path)  # a dangling symlink too: the link stays, its target is written
     try:  # the file itself (a path the directory's mode allows can still refuse it: /proc, a read-only file)
         with open(path, "a"):
             pass
