@@ -688,5 +688,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _exit_on_signal(signum, frame):
+    """SIGTERM or SIGHUP (a batch system's time limit, a closed terminal, `timeout`): leave as an exception
+    would, so that the running mpirun and its ranks are ended and the scratch folder removed."""
+    raise SystemExit(128 + signum)
+
+
 if __name__ == "__main__":
+    for _sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(_sig, _exit_on_signal)
     raise SystemExit(main())

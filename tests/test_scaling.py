@@ -4,12 +4,15 @@ on their own at world sizes 1 and 2; failures and hangs recorded, not hidden; th
 --profile's chrome trace."""
 
 import json
+import os
 import re
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
-from conftest import mpirun_cmd, run, tpattn
+from conftest import ROOT, mpirun_cmd, run, tpattn
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SMALL = ["--seq-len", "256", "--heads", "4", "--head-dim", "32"]
@@ -219,6 +222,32 @@ def test_sweep_ends_a_hung_run(tmp_path):
     assert row["verify"] == "TIMEOUT (8 s)" and row["peer"] is None
     ps = run(["ps", "-eo", "args"]).stdout
     assert not re.search(r"tpattn_scaling_\w+/tpattn_w2\.json", ps), ps
+
+
+@pytest.mark.mpi
+def test_a_terminated_sweep_ends_its_run(tmp_path):
+    """SIGTERM to the sweep (a batch limit, `timeout`) while a run hangs: it exits 143, the run's mpirun and
+    ranks are ended and its scratch folder is gone."""
+    import signal
+    import subprocess
+    import time
+    env = {**os.environ, "TPATTN_DEBUG_INJECT_FAULT": "1:forward:hang"}
+    p = subprocess.Popen([sys.executable, "scripts/scaling.py", "--world-sizes", "2", "--seq-len", "64", "--heads", "2",
+                          "--head-dim", "16", "--no-peer", "--timeout", "120", "--heartbeat", "2",
+                          "--out", str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    out = ""
+    deadline = time.monotonic() + 90
+    while "still running" not in out and time.monotonic() < deadline:  # the hung run is under way
+        out += p.stdout.readline()
+    assert "still running" in out, out
+    scratch = re.search(r"(tpattn_scaling_\w+)", run(["ps", "-eo", "args"]).stdout)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) == 128 + signal.SIGTERM
+    ps = run(["ps", "-eo", "args"]).stdout
+    assert not re.search(r"tpattn_scaling_\w+/tpattn_w2\.json", ps), ps
+    if scratch:
+        assert not (Path(tempfile.gettempdir()) / scratch.group(1)).exists()
 
 
 def test_bad_arguments_exit_2(tmp_path):
