@@ -176,9 +176,14 @@ def test_uneven_heads_cli_table(toy, tmp_path):
     # without the flag: the default sizes are the divisors; an asked-for 8 is not predicted, the line names the flag
     out = plan_cli([*args])
     assert out.returncode == 0 and "4 or 3" not in out.stdout
-    out = plan_cli([*args, "--world-sizes", "8"])
+    out = plan_cli([*args, "--world-sizes", "4", "8"])
+    assert out.returncode == 0
     assert any(ln.startswith("W=8: not predicted: --heads 28 is not divisible by world size 8") and "--uneven-heads" in ln
                for ln in out.stdout.splitlines()), out.stdout
+    # nothing predicted at all: one line and exit 2, not an empty table
+    out = plan_cli([*args, "--world-sizes", "8"])
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "no world size could be predicted (W=8: --heads 28 is not divisible by world size 8" in out.stderr
 
 
 def test_layer_collectives_follow_the_layer():
@@ -1069,3 +1074,12 @@ def test_committed_predictions_match_the_shipped_machine_files(tmp_path):
     stale.write_text(text.replace(row, row.replace("| 8 | 1 | 4 |", "| 8 | 1 | 4 | 9.999 |"), 1))
     assert rp.main(["--check", "--file", str(stale)]) == 1
     assert rp.main(["--file", str(stale)]) == 0 and stale.read_text() == text   # rewritten: as committed
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--kernel", "fused", "--context-parallel", "3"], "none of the default world sizes (1, 2, 4, 8, 16) suits this layout"),
+    (["--gpus-per-node", "0"], "--gpus-per-node 0: machine h200 has 8 GPU(s) per node; use 1 to 8"),
+])
+def test_nothing_to_predict_is_one_line_and_exit_2(args, says):
+    out = plan_cli(args)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and says in out.stderr, out.stderr

@@ -210,8 +210,13 @@ def world_sizes(a, shape: Shape, g: int) -> list[int]:
         return list(a.world_sizes)
     if shape.uneven_heads or shape.context_parallel > 1:  # any W the layout takes (W <= H; with K/V groups, W <= G
         sizes = (1, 2, 4, 8, 16) if shape.context_parallel > 1 else (1, 2, 4, 8)  # or an even layout; C divides W)
-        return [w for w in sizes if _layout_error(shape, w) is None]
-    return [w for w in (1, 2, 4, 8) if shape.heads % w == 0]
+    else:
+        sizes = (1, 2, 4, 8)
+    worlds = [w for w in sizes if _layout_error(shape, w) is None]
+    if not worlds:
+        raise PlanError(f"none of the default world sizes ({', '.join(map(str, sizes))}) suits this layout (W={sizes[-1]}: "
+                        f"{_layout_error(shape, sizes[-1])}); give --world-sizes")
+    return worlds
 
 
 # ---- the table ---------------------------------------------------------------------------------------
@@ -386,7 +391,7 @@ def run_plan(a, argv: list[str]) -> int:
         m = load_machine(a.machine)
     except MachineError as exc:
         raise PlanError(str(exc)) from None
-    g = a.gpus_per_node or m.gpus_per_node
+    g = m.gpus_per_node if a.gpus_per_node is None else a.gpus_per_node
     if g < 1 or g > m.gpus_per_node:
         raise PlanError(f"--gpus-per-node {g}: machine {m.name} has {m.gpus_per_node} GPU(s) per node; use 1 to "
                         f"{m.gpus_per_node}")
@@ -396,6 +401,9 @@ def run_plan(a, argv: list[str]) -> int:
     if a.backward:
         return run_backward(a, argv, m, shape, worlds, g)
     rows = cm.plan(m, shape, worlds, g)
+    if all("error" in r for r in rows):
+        first = rows[0]
+        raise PlanError(f"no world size could be predicted (W={first['world']}: {first['error']})")
     if a.plot:
         plot(a.plot, m, shape, rows)
     doc = as_json(m, shape, rows, g, argv)
