@@ -86,9 +86,10 @@ def machine_names() -> list[str]:
     return sorted(p.stem for p in MACHINE_DIR.glob("*.json"))
 
 
-def _resolve(name_or_path: str, relative_to: Path | None = None) -> Path:
+def _resolve(name_or_path: str, relative_to: Path | None = None, named_by: str = "--machine") -> Path:
     """A machine file: a path (absolute, or relative to the cwd or to the file that names it), or the
-    name of a shipped one (tpattn/model/machines/NAME.json)."""
+    name of a shipped one (tpattn/model/machines/NAME.json). named_by: who named it, for the error
+    (the flag, or a field of another machine file)."""
     p = Path(name_or_path)
     cands = []
     if p.suffix == ".json" or "/" in name_or_path:
@@ -101,9 +102,9 @@ def _resolve(name_or_path: str, relative_to: Path | None = None) -> Path:
             return c
     shipped = machine_names()
     if not shipped:
-        raise MachineError(f"--machine {name_or_path}: no such file, and no machine files were installed with tpattn "
+        raise MachineError(f"{named_by} {name_or_path}: no such file, and no machine files were installed with tpattn "
                            f"({MACHINE_DIR}/*.json is missing); give the path of a machine file")
-    raise MachineError(f"--machine {name_or_path}: no such file and no shipped machine of that name; "
+    raise MachineError(f"{named_by} {name_or_path}: no such file and no shipped machine of that name; "
                        f"give a JSON file or one of {', '.join(shipped)}")
 
 
@@ -142,7 +143,7 @@ def _read_merged(path: Path, seen: tuple) -> dict:
     if "base" in data:
         if not isinstance(data["base"], str):
             raise MachineError(f"{what}: \"base\" must be the name or path of another machine file")
-        base = _read_merged(_resolve(data["base"], path.parent), (*seen, str(path)))
+        base = _read_merged(_resolve(data["base"], path.parent, f'{what}: "base"'), (*seen, str(path)))
         data = _merge(base, {k: v for k, v in data.items() if k != "base"})
     return data
 
@@ -159,7 +160,7 @@ def load_machine(name_or_path: str, _seen: tuple = ()) -> Machine:
     m = Machine(name=data["name"], data=data, path=str(path))
     src = data.get("passes_from")
     if src:
-        other = load_machine(str(_resolve(src, path.parent)), (*_seen, str(path)))
+        other = load_machine(str(_resolve(src, path.parent, f'{what}: "passes_from"')), (*_seen, str(path)))
         m.curves = dict(other.curves)
         if "layer" not in data and "layer" in other.data:
             data["layer"] = copy.deepcopy(other.data["layer"])
@@ -247,7 +248,7 @@ def validate_machine(data: dict, what: str = "machine file") -> None:
                 raise MachineError(f"{what}: \"passes.{key}[{i}]\" needs a positive \"ms\" (the measured time)")
             try:
                 _point_step(key, pt)
-            except (KeyError, TypeError, ValueError, StopIteration) as exc:
+            except (KeyError, TypeError, ValueError, OverflowError, StopIteration) as exc:
                 raise MachineError(f"{what}: \"passes.{key}[{i}]\" lacks a field or has a bad value ({exc}); "
                                    f"{_POINT_FIELDS[_family(key)]}") from None
     if data.get("passes_from") is not None and not isinstance(data["passes_from"], str):
