@@ -157,6 +157,8 @@ def validate(cfg: Config, world: int = 1, local_world: int = 1, gpus_on_node: in
             raise FlagError(f"{name} {value} is past {INT_MAX}, the most any kernel here indexes")
     if not 0 < cfg.timeout <= 86400 * 365:  # (NaN fails it too; the collectives' timedelta takes no infinity)
         raise FlagError(f"--timeout must be a finite, positive number of seconds (got {cfg.timeout})")
+    if cfg.timeout < 1:  # the ranks' rendezvous alone takes longer: a healthy run would be reported as a hang
+        raise FlagError(f"--timeout {cfg.timeout:g} is under a second, less than the ranks take to meet; give at least 1")
     if cfg.reduce_dtype not in REDUCE_DTYPES:
         raise FlagError(f"unknown --reduce-dtype {cfg.reduce_dtype!r}; choose fp32 or model")
     if cfg.dtype == FP8:
@@ -259,6 +261,9 @@ def check_parallel_style(cfg: Config, world: int) -> None:
                               f"generated inputs for now; drop one of them")
         if not cfg.causal:
             raise FlagError("--decode decodes causally: add --causal")
+        if cfg.overlap > 1:
+            raise FlagError(f"--decode with --overlap {cfg.overlap}: a decode step is one row a sequence, which cannot be "
+                            "cut into row chunks; drop --overlap")
         if cfg.profile:
             raise FlagError("--profile traces one call of the layer (or one training step); --decode times its "
                             "prefill and steps itself: drop one of them")

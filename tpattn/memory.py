@@ -5,6 +5,7 @@ which also runs the checks, holds the most), and the per-rank figures of the rep
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from .check import MAX_ROWS
@@ -167,6 +168,28 @@ def held_for_certain(cfg: Config, world: int, rank: int, free: int, sharing: int
                       f"over --seq-len + --decode rows) {where}; {fix}")
 
 
+def _largest_batch(cfg: Config, fits) -> int:
+    """The largest batch up to cfg.batch for which fits(cfg at that batch) holds (0: not even one)."""
+    lo, hi = 0, cfg.batch
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(dataclasses.replace(cfg, batch=mid)):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _at_batch(cfg: Config) -> str:
+    return f" at --batch {cfg.batch}" if cfg.batch > 1 else ""
+
+
+def _or_batch(cfg: Config, fit_b: int) -> str:
+    """The batch that would fit at this --seq-len, where a smaller batch is the fix (the batch scales S, P
+    and the activations)."""
+    return f", or at this --seq-len the largest --batch that fits is about {fit_b}" if cfg.batch > 1 and fit_b else ""
+
+
 def preflight(cfg: Config, world: int, rank: int, free: int, sharing: int = 1, host: bool = False) -> None:
     """Refuse, in one line, a run whose estimate does not fit `free` bytes (with `sharing` ranks on
     one GPU, this rank's share of its free memory; host: a CPU run, `free` its share of the host's
@@ -177,10 +200,11 @@ def preflight(cfg: Config, world: int, rank: int, free: int, sharing: int = 1, h
         held_for_certain(cfg, world, rank, free, sharing)
         if sp_bytes > free * HEADROOM:
             fit = int(math.sqrt(free * HEADROOM / (sp_bytes / cfg.seq_len ** 2)))
-            raise ConfigError(f"--seq-len {cfg.seq_len} needs more than {sp_bytes / 2**30:.1f} GiB on rank {rank} (S "
-                              f"and P alone) but {free / 2**30:.1f} GiB of memory is available"
+            fit_b = _largest_batch(cfg, lambda c: 2 * scores_bytes(c, world, rank) <= free * HEADROOM)
+            raise ConfigError(f"--seq-len {cfg.seq_len}{_at_batch(cfg)} needs more than {sp_bytes / 2**30:.1f} GiB on "
+                              f"rank {rank} (S and P alone) but {free / 2**30:.1f} GiB of memory is available"
                               + (f" (its share of this node's, {sharing} ranks)" if sharing > 1 else " on this node")
-                              + f"; the largest --seq-len that could fit is about {fit}"
+                              + f"; the largest --seq-len that could fit is about {fit}" + _or_batch(cfg, fit_b)
                               + (" (or use more ranks)" if heads_per_rank(cfg, world, rank) > 1 else ""))
         return
     need = estimate(cfg, world, rank)
@@ -195,6 +219,7 @@ def preflight(cfg: Config, world: int, rank: int, free: int, sharing: int = 1, h
                 and not cfg.sequence_parallel):
             hints.append("--context-parallel, which divides the sequence")
         more = f" (or {', or '.join(hints)})" if hints else ""
-        raise ConfigError(f"--seq-len {cfg.seq_len} needs about {need / 2**30:.1f} GiB on rank {rank} {sp}"
-                          f"but {free / 2**30:.1f} GiB is free{share}; the largest --seq-len that fits is about {fit}"
-                          + more)
+        fit_b = _largest_batch(cfg, lambda c: estimate(c, world, rank) <= free * HEADROOM)
+        raise ConfigError(f"--seq-len {cfg.seq_len}{_at_batch(cfg)} needs about {need / 2**30:.1f} GiB on rank {rank} "
+                          f"{sp}but {free / 2**30:.1f} GiB is free{share}; the largest --seq-len that fits is about {fit}"
+                          + _or_batch(cfg, fit_b) + more)
