@@ -9,6 +9,7 @@ either way), uniform and ragged lengths (0.4 L to 1.6 L). H = 32, d = 128, fp16,
 
     PYTHONPATH=. python scripts/ab_decode_staged.py
 """
+import argparse
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from bench_paged import graph_us, paged  # noqa: E402
 
 from tpattn import decode  # noqa: E402
 
+argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
 if not torch.cuda.is_available():
     print("ab_decode_staged.py times the decode kernels on a GPU: none is visible to torch; run it on a GPU machine",
           file=sys.stderr)

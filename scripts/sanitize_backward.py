@@ -9,6 +9,7 @@ into the one dQ sum at its rows: ring.RowsDq). Exits non-zero if a gradient is n
     compute-sanitizer --tool racecheck --error-exitcode 9 python scripts/sanitize_backward.py
 """
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from tpattn.attention import attention, get_backend  # noqa: E402
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     if not torch.cuda.is_available():
         print("sanitize_backward.py: needs a CUDA GPU (none is visible to torch); run it on a GPU machine", file=sys.stderr)
         return 2

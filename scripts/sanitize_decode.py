@@ -9,6 +9,7 @@ every head dim it takes here, and over a paged pool through the block table (fus
     compute-sanitizer --tool memcheck --error-exitcode 9 python scripts/sanitize_decode.py
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from tpattn import decode  # noqa: E402
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     if not torch.cuda.is_available():
         print("sanitize_decode.py: needs a CUDA GPU (none is visible to torch); run it on a GPU machine", file=sys.stderr)
         return 2

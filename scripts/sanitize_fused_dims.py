@@ -5,6 +5,7 @@ last tile of 64 and of 128 keys), grouped K/V (4 query heads on 2), the logsumex
     PYTHONPATH=. compute-sanitizer --tool memcheck --error-exitcode 9 python scripts/sanitize_fused_dims.py
 """
 
+import argparse
 import sys
 
 import torch
@@ -14,6 +15,7 @@ from tpattn.attention.fused import OTHER_HEAD_DIMS
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     if not torch.cuda.is_available():
         print("sanitize_fused_dims.py: needs a CUDA GPU (none is visible to torch); run it on a GPU machine",
               file=sys.stderr)

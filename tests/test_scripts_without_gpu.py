@@ -48,3 +48,14 @@ def test_a_launched_script_without_an_mpi_library_says_so_on_every_rank(script):
     lines = rank_lines(r.stderr, re.compile(r"\w+(\.py)?: error: "))
     assert r.returncode == 2 and "Traceback" not in r.stderr, (r.returncode, r.stderr)
     assert len(lines) == 2 and all("mpi4py finds no MPI library to load" in ln for ln in lines), r.stderr
+
+
+ALL_SCRIPTS = sorted(str(p.relative_to(ROOT / "scripts")) for p in [*(ROOT / "scripts").glob("*.py"),
+                                                                      *(ROOT / "scripts" / "model").glob("*.py")])
+
+
+@pytest.mark.parametrize("script", ALL_SCRIPTS)
+def test_help_answers_without_a_gpu(script):
+    """--help before anything else: a script's help needs no GPU, no MPI and no input files."""
+    r = run([sys.executable, str(ROOT / "scripts" / script), "--help"], timeout=120, CUDA_VISIBLE_DEVICES="")
+    assert r.returncode == 0 and r.stdout.strip() and "Traceback" not in r.stderr, (r.returncode, r.stderr[-500:])
