@@ -99,8 +99,15 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     B, H, N, d = 1, a.heads, a.seq_len, a.head_dim
     G = a.kv_heads or H
+    for flag, v in (("--seq-len", N), ("--heads", H), ("--kv-heads", G), ("--head-dim", d), ("--decode-len", a.decode_len)):
+        if v < 1:
+            p.error(f"{flag} must be at least 1 (got {v})")
+    if H % G:
+        p.error(f"--kv-heads {G} must divide --heads {H}")
     if d & (d - 1):
         p.error(f"--head-dim {d}: the Hadamard rotation needs a power of two (64, 128, 256)")
+    if not Path(a.out).resolve().parent.is_dir():
+        p.error(f"--out {a.out}: its folder does not exist; create it or choose another path")
     res = {"command": shlex.join(["python", *sys.argv]), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "commit": git_commit(None), "torch": torch.__version__,
            "shape": {"B": B, "H": H, "G": G, "N": N, "d": d, "causal": a.causal}, "forward": {}, "decode": {}}

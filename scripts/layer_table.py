@@ -36,12 +36,33 @@ def fmt(v, spec="{:.3f}"):
     return "" if v is None else spec.format(v)
 
 
+def fail(msg: str):
+    print(msg, file=sys.stderr)
+    raise SystemExit(2)
+
+
+def read(path: str) -> dict:
+    """A report's row, or SystemExit with one line that says what is wrong with the file."""
+    try:
+        rep = json.loads(Path(path).read_text())
+    except OSError as exc:
+        fail(f"layer_table: error: {path}: {exc.strerror or exc}")
+    except ValueError:
+        fail(f"layer_table: error: {path} is not JSON; give the --json report of python -m tpattn")
+    try:
+        return row(rep)
+    except (KeyError, TypeError, IndexError) as exc:
+        fail(f"layer_table: error: {path} is not a --json report of python -m tpattn (no {exc})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("reports", nargs="+")
     ap.add_argument("--md", help="also write the table as markdown here")
     a = ap.parse_args()
-    rows = [row(json.loads(Path(f).read_text())) for f in a.reports]
+    if a.md and not Path(a.md).resolve().parent.is_dir():
+        fail(f"layer_table: error: --md {a.md}: its folder does not exist; create it or choose another path")
+    rows = [read(f) for f in a.reports]
     head = ["W", "python -m tpattn ...", "total ms (max over ranks)", "host ms", *PASSES,
             "busbw GB/s (last rank)", "exposed ms", "hidden", "check"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -97,7 +97,9 @@ def read_details(path: Path) -> list[dict]:
     kernels: dict[str, dict] = {}
     with open(path, newline="") as f:
         rows = [r for r in csv.reader(f) if r]
-    head = next(i for i, r in enumerate(rows) if "Metric Name" in r and "Kernel Name" in r)
+    head = next((i for i, r in enumerate(rows) if "Metric Name" in r and "Kernel Name" in r), None)
+    if head is None:  # not a details page (another page, or not ncu's CSV): no kernels
+        return []
     cols = {c: i for i, c in enumerate(rows[head])}
     for r in rows[head + 1:]:
         if len(r) < len(cols):
@@ -123,7 +125,11 @@ def stalls(k: dict, top: int = 5) -> list[str]:
 
 
 def report(path: Path) -> int:
-    kernels = read_details(path)
+    try:
+        kernels = read_details(path)
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        print(f"ncu_backward: error: cannot read {path} ({exc})", file=sys.stderr)
+        return 2
     if not kernels:
         print(f"ncu_backward: error: no kernels in {path}; export it with --page details --csv", file=sys.stderr)
         return 2

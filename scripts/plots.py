@@ -205,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"plots: cannot read {src}: {exc}", file=sys.stderr)
         return 2
+    want = {"kernels": ("rows", "scripts/bench_kernels.py's"), "scaling": ("rows", "scripts/scaling.py's")}[a.what]
+    if not isinstance(data, dict) or want[0] not in data or "config" in data and "passes" in data:
+        print(f"plots: {src} is not {want[1]} JSON (a python -m tpattn --json report is one run, not a table); "
+              f"give e.g. {'benchmarks/kernels.json' if a.what == 'kernels' else 'benchmarks/scaling_h200.json'}",
+              file=sys.stderr)
+        return 2
     if a.what == "kernels":
         print(kernels(data, a.out or src.with_suffix(".png")))
     else:

@@ -77,7 +77,11 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table is out of date")
     a = p.parse_args(argv)
     path = Path(a.file)
-    old = path.read_text()
+    try:
+        old = path.read_text()
+    except OSError as exc:
+        print(f"refresh_predictions: error: --file {path}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     new = refresh(old)
     if a.check:
         stale = [ln for ln in new.splitlines() if ln.startswith("|") and ln not in old.splitlines()]
