@@ -84,6 +84,7 @@ def test_no_check_is_not_a_pass():
     (["--decode", "50000000", "--causal", "--no-check"], "the largest --decode that fits is about"),
     (["--timeout", "inf"], "--timeout must be a finite, positive number of seconds"),
     (["--timeout", "0.001"], "--timeout 0.001 is under a second"),
+    (["--json", ""], "--json needs a file path (got an empty one)"),
     (["--decode", "2", "--causal", "--overlap", "2"], "--decode with --overlap 2: a decode step is one row a sequence"),
     (["--batch", "1000000"], "the largest --batch that fits is about"),
     (["--dtype", "fp8", "--deterministic"], "--dtype fp8 runs the forward only: drop --deterministic"),

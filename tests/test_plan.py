@@ -1082,6 +1082,10 @@ def test_committed_predictions_match_the_shipped_machine_files(tmp_path):
 @pytest.mark.parametrize("args,says", [
     (["--kernel", "fused", "--context-parallel", "3"], "none of the default world sizes (1, 2, 4, 8, 16) suits this layout"),
     (["--gpus-per-node", "0"], "--gpus-per-node 0: machine h200 has 8 GPU(s) per node; use 1 to 8"),
+    (["--quick"], "--quick is an option of --calibrate; add --calibrate"),
+    (["--kernels", "fused"], "--kernels is an option of --calibrate; add --calibrate"),
+    (["--markdown", "--json"], "give --json a path, or drop one of them"),
+    (["--seq-len", "99999999999"], "--seq-len 99999999999 is past 2147483647"),
 ])
 def test_nothing_to_predict_is_one_line_and_exit_2(args, says):
     out = plan_cli(args)

@@ -183,6 +183,9 @@ def validate(cfg: Config, world: int = 1, local_world: int = 1, gpus_on_node: in
         if world > 1 and local_world > n:
             raise FlagError(f"{local_world} ranks on this node but {n} GPU(s): NCCL needs one GPU per rank; "
                               f"launch at most {n} ranks per node, or use --dist-backend gloo to share GPUs")
+    for flag, path in (("--json", cfg.json), ("--profile", cfg.profile)):
+        if path is not None and not path.strip():
+            raise FlagError(f"{flag} needs a file path (got an empty one)")
     if check_json and cfg.json:
         check_writable(cfg.json, "--json")
     if check_json and cfg.profile:  # rank 0's path; the others' in the CLI (profile_path)

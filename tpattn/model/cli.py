@@ -18,6 +18,7 @@ import json
 import re
 import sys
 
+from ..config import INT_MAX
 from ..sharding import describe_blocks
 from . import costmodel as cm
 from .calibrate import calibrate
@@ -187,6 +188,8 @@ def shape_from(a) -> Shape:
                     ("--batch", s.batch), ("--overlap", s.overlap)):
         if v < 1:
             raise PlanError(f"{flag} must be at least 1 (got {v})")
+        if v > INT_MAX:  # as python -m tpattn: the kernels index rows, heads and batches with 32-bit ints
+            raise PlanError(f"{flag} {v} is past {INT_MAX}, the most any kernel here indexes")
     if s.kv_heads is not None and (s.kv_heads < 1 or s.heads % s.kv_heads):
         raise PlanError(f"--kv-heads {s.kv_heads} must divide --heads {s.heads}")
     from ..attention import get_backend
@@ -540,6 +543,13 @@ def main(argv: list[str] | None = None) -> int:
             return calibrate(a, argv)
         if a.out:
             raise PlanError("--out is where --calibrate writes; add --calibrate (or use --json for a prediction)")
+        only = [f for f, on in (("--name", a.name), ("--quick", a.quick),
+                                ("--kernels", a.kernels != list(KERNELS))) if on]
+        if only:
+            raise PlanError(f"{only[0]} is an option of --calibrate; add --calibrate (or drop {only[0]})")
+        if a.markdown and a.json == "-":
+            raise PlanError("--markdown formats the table, and --json without a path prints JSON instead of it: "
+                            "give --json a path, or drop one of them")
         return run_plan(a, argv)
     except (PlanError, MachineError) as exc:
         print(f"tpattn.plan: error: {exc}", file=sys.stderr, flush=True)
