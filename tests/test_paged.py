@@ -133,6 +133,12 @@ def test_llama_generate_gives_the_unmodified_models_tokens():
     # pages (none runs out mid-way), and the tokens are the same
     assert tp.generate(PROMPTS, BUDGET, max_batch=4, pages=5, page_size=4) == want
     assert tp.generate(torch.tensor([PROMPTS[4]]), BUDGET[4]) == [want[4]]  # a [B, T] tensor of prompts
+    # its parameters: the attention shards and the parts generate() runs, not the original attention's
+    # full weights (they would go to an optimizer and never get a gradient); the model is left as it was
+    names = [n for n, _ in tp.named_parameters()]
+    assert not any("self_attn" in n for n in names) and any(n.startswith("attention.0.") for n in names)
+    assert {id(p) for p in tp.parameters()} >= {id(p) for n, p in model.named_parameters() if "self_attn" not in n}
+    assert all(hasattr(b, "self_attn") for b in model.model.layers)
     for bad, says in (([[3, 97]], r"prompt 0 holds 97, not a token id of this model \(0 \.\. 96\)"),
                       ([[-1]], "prompt 0 holds -1"), ([[2.5]], "prompt 0 holds 2.5"), ([], "a list of token-id lists"),
                       ([[1], []], "at least one prompt of at least one token")):

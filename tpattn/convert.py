@@ -91,6 +91,13 @@ def from_multihead_attention(cls, mha: torch.nn.MultiheadAttention, **kw):
         raise ValueError("from_multihead_attention needs kdim == vdim == embed_dim")
     if mha.bias_k is not None or mha.add_zero_attn:
         raise ValueError("add_bias_kv and add_zero_attn are not supported")
+    if not mha.batch_first:  # the layer reads [B, N, D]; an MHA of the default layout is fed [N, B, D]
+        raise ValueError("from_multihead_attention: the MultiheadAttention has batch_first=False (inputs [N, B, D]); "
+                         "the layer reads [B, N, D]: build it with batch_first=True (the same weights) and give the "
+                         "layer batch-first inputs")
+    if mha.dropout:
+        raise ValueError(f"from_multihead_attention: the MultiheadAttention has dropout={mha.dropout}, and the layer "
+                         "has no attention dropout; set its dropout to 0 first (mha.dropout = 0.0)")
     w = mha.in_proj_weight.detach()
     e = mha.embed_dim
     bias = mha.in_proj_bias.detach() if mha.in_proj_bias is not None else None

@@ -81,6 +81,14 @@ def is_count(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1
 
 
+def check_flags(**given) -> None:
+    """Each given switch a real bool (or numpy bool), or one line naming it: a string such as "False" is
+    truthy, and would silently turn the switch on."""
+    for name, v in given.items():
+        if not isinstance(v, bool) and type(v).__name__ != "bool_":
+            raise TypeError(f"{name} must be True or False (got {v!r})")
+
+
 def check_counts(**given) -> None:
     """Each given count a positive int (None: not given), or one line naming it."""
     for name, v in given.items():

@@ -45,7 +45,17 @@ class ParallelLlama(torch.nn.Module):
 
     def __init__(self, model, attention: list):
         super().__init__()
-        self.model, self.attention = model, torch.nn.ModuleList(attention)
+        # the model itself is held, not registered: its LlamaAttention layers are not this module's (their
+        # full weights would count among its parameters, its state_dict and an optimizer's, and never get a
+        # gradient); the parts generate() runs are registered instead, the same module objects
+        object.__setattr__(self, "model", model)
+        m = model.model
+        self.attention = torch.nn.ModuleList(attention)
+        self.parts = torch.nn.ModuleDict({
+            "embed_tokens": m.embed_tokens, "norm": m.norm, "lm_head": model.lm_head,
+            "blocks": torch.nn.ModuleList(torch.nn.ModuleDict({"input_layernorm": b.input_layernorm, "mlp": b.mlp,
+                                                               "post_attention_layernorm": b.post_attention_layernorm})
+                                          for b in m.layers)})
 
     def _hidden(self, ids: torch.Tensor, step) -> torch.Tensor:
         """The last hidden states [1, R, D] of the packed rows `ids` [R] of a paged step."""

@@ -34,6 +34,7 @@ built: assigning a setting raises, replace(**changes) builds another layer with 
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -41,7 +42,7 @@ from . import convert, decode, faults, paged
 from .attention import Backend, get_backend, head_chunks, register
 from .comm import copy_to_ranks, sum_of_copies
 from .commplan import CommPlan, check_style
-from .errors import ConfigError, check_counts
+from .errors import ConfigError, check_counts, check_flags
 from .module import WORLD, LayerModule, make_comms, resolve_group
 from .ops import mm
 from .outputsum import head_parallel_out, sequence_parallel_out, sequence_parallel_qkv
@@ -108,6 +109,10 @@ class TensorParallelAttention(LayerPlan, LayerModule):
         """The constructor's checks and this rank's state, before the ranks agree (rank and world: this
         process in the layer's group)."""
         check_counts(heads=heads, head_dim=head_dim, kv_heads=kv_heads, head_chunk=head_chunk)
+        check_flags(causal=causal, sequence_parallel=sequence_parallel, uneven_heads=uneven_heads,
+                    rope_interleaved=rope_interleaved, deterministic=deterministic)
+        if rope_theta is not None and (not isinstance(rope_theta, numbers.Real) or isinstance(rope_theta, bool)):
+            raise TypeError(f"rope_theta must be a number or None (got {rope_theta!r})")
         if not isinstance(backend, (str, Backend)) and not callable(getattr(backend, "forward", None)):
             raise TypeError(f"backend must be a name ('reference', 'naive', 'tiled', 'fused', 'triton'; FP8 forwards "
                             f"'fp8', 'fp8_triton', 'fp8_fused') or a Backend "
@@ -147,10 +152,10 @@ class TensorParallelAttention(LayerPlan, LayerModule):
                               "pieces with their logsumexp (FP8 attention would run as 16-bit torch math); use a "
                               "16-bit backend ('fused', 'triton' or 'reference')")
         register(self.backend)  # a backend given as an instance: where the custom ops find it by its name
-        self.causal, self.reduce_dtype = causal, reduce_dtype
+        self.causal, self.reduce_dtype = bool(causal), reduce_dtype
         self.head_chunk = head_chunk or self.local_heads
-        self.sequence_parallel, self.overlap, self.output_collective = sequence_parallel, overlap, output_collective
-        self.rope_theta, self.rope_interleaved, self.deterministic = rope_theta, rope_interleaved, bool(deterministic)
+        self.sequence_parallel, self.overlap, self.output_collective = bool(sequence_parallel), overlap, output_collective
+        self.rope_theta, self.rope_interleaved, self.deterministic = rope_theta, bool(rope_interleaved), bool(deterministic)
         # Q, K and V columns packed once, so the projection is one GEMM (bias fused into it). Copies:
         # training this layer never writes into the caller's tensors.
         param = (lambda t: None if t is None else torch.nn.Parameter(t.detach().clone()))  # noqa: E731

@@ -186,5 +186,17 @@ def attention(q, k, v, causal: bool = False, backend: str | Backend = "reference
     backend, a q whose rows hold every head ([B, N, h, d] seen as [B, h, N, d]) gives an o laid out
     the same way (o.transpose(1, 2) is contiguous), as SDPA's kernels do: call .contiguous() for a
     contiguous [B, h, N, d]."""
+    from ..errors import check_flags
+    check_flags(causal=causal, deterministic=deterministic)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (got {type(t).__name__})")
+    if not q.is_floating_point() or {k.dtype, v.dtype} != {q.dtype}:
+        raise TypeError(f"q, k and v must share one floating-point dtype (got {q.dtype}, {k.dtype}, {v.dtype}); "
+                        "convert them with .to(dtype)")
+    if q.dim() == 4 and q.shape[-1] < 1:
+        raise ValueError(f"q {tuple(q.shape)}: the head dim must be at least 1")
+    if not isinstance(backend, (str, Backend)) and not callable(getattr(backend, "attention", None)):
+        raise TypeError(f"backend must be a backend's name or a Backend instance (got {type(backend).__name__})")
     b = get_backend(backend) if isinstance(backend, str) else backend
     return b.attention(q, k, v, causal, deterministic)
