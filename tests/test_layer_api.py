@@ -262,6 +262,17 @@ def _four(E=32):
     (lambda w: TensorParallelAttention.from_linears(*(torch.nn.Linear(32, 32) for _ in range(3)), torch.nn.Linear(33, 32),
                                                     heads=4, group=None), ValueError, r"wo has shape \(33, 32\)"),
     (lambda w: TensorParallelAttention.from_full(*w, heads=0, group=None), ValueError, "heads must be a positive int"),
+    (lambda w: TensorParallelAttention.from_full(*w, heads=4, group=None, causal="False"), TypeError,
+     "causal must be True or False"),
+    (lambda w: TensorParallelAttention.from_full(*w, heads=4, group=None, rope_theta=1e4, rope_interleaved="no"),
+     TypeError, "rope_interleaved must be True or False"),
+    (lambda w: TensorParallelAttention.from_full(*w, heads=4, group=None, rope_theta="1e4"), TypeError,
+     "rope_theta must be a number or None"),
+    (lambda w: TensorParallelAttention.from_multihead_attention(torch.nn.MultiheadAttention(32, 4), group=None),
+     ValueError, "batch_first=False"),
+    (lambda w: TensorParallelAttention.from_multihead_attention(torch.nn.MultiheadAttention(32, 4, dropout=0.5,
+                                                                                            batch_first=True),
+                                                                group=None), ValueError, "dropout=0.5"),
     (lambda w: TensorParallelAttention.from_full(*w, heads=4, group=None, context_parallel=0), ValueError,
      "context_parallel must be a positive int"),
     (lambda w: TensorParallelAttention.from_full(*w, heads=4, group=None, backend=None), TypeError,
@@ -305,3 +316,18 @@ def test_paged_cache_misuse_is_one_line():
             with pytest.raises(ConfigError, match=r"this pool holds float32 pages on cpu, made before the layer became "
                                                   "float16"):
                 layer(torch.randn(1, 3, 32).half(), cache=st.view(0))
+
+
+@pytest.mark.parametrize("args,kind,says", [
+    ((torch.ones(1, 2, 4, 8, dtype=torch.int64),) * 3, TypeError, "one floating-point dtype"),
+    ((torch.ones(1, 2, 4, 8), torch.ones(1, 2, 4, 8, dtype=torch.float64), torch.ones(1, 2, 4, 8)), TypeError,
+     "one floating-point dtype"),
+    ((torch.ones(1, 2, 4, 8),) * 3 + ("False",), TypeError, "causal must be True or False"),
+])
+def test_attention_refuses_at_its_boundary(args, kind, says):
+    """tpattn.attention.attention: integer or mixed dtypes (int64 gave zeros), a string for causal."""
+    from tpattn.attention import attention
+    with pytest.raises(kind, match=says):
+        attention(*args)
+    with pytest.raises(TypeError, match="backend must be"):
+        attention(*(torch.ones(1, 2, 4, 8),) * 3, backend=None)
