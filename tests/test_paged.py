@@ -139,6 +139,9 @@ def test_llama_generate_gives_the_unmodified_models_tokens():
     assert not any("self_attn" in n for n in names) and any(n.startswith("attention.0.") for n in names)
     assert {id(p) for p in tp.parameters()} >= {id(p) for n, p in model.named_parameters() if "self_attn" not in n}
     assert all(hasattr(b, "self_attn") for b in model.model.layers)
+    for bad in (0, -1, 2.5):  # (0 was a ZeroDivisionError, -1 and 2.5 blamed pages)
+        with pytest.raises(ConfigError, match=rf"generate takes page_size a positive int.*\(got {bad}\)"):
+            tp.generate(PROMPTS, BUDGET, page_size=bad)
     for bad, says in (([[3, 97]], r"prompt 0 holds 97, not a token id of this model \(0 \.\. 96\)"),
                       ([[-1]], "prompt 0 holds -1"), ([[2.5]], "prompt 0 holds 2.5"), ([], "a list of token-id lists"),
                       ([[1], []], "at least one prompt of at least one token")):

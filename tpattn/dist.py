@@ -492,6 +492,13 @@ def init_process_group(proc: Proc, backend: str, device: torch.device, timeout: 
 def init_distributed(backend: str = "auto", timeout: float = 300.0) -> Proc:
     """For API users: discover the launcher, pick this rank's device, rendezvous and create the
     default process group (nccl on a GPU, gloo otherwise). Returns the Proc (rank, world, ...)."""
+    if backend not in ("auto", "nccl", "gloo"):
+        raise ValueError(f"init_distributed: backend must be 'auto', 'nccl' or 'gloo' (got {backend!r})")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("init_distributed: backend 'nccl' needs a CUDA GPU, and torch sees none here; use 'gloo' "
+                         "(or 'auto')")
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= 86400 * 365:
+        raise ValueError(f"init_distributed: timeout must be a positive number of seconds (got {timeout!r})")
     proc = discover()
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"

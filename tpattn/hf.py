@@ -93,6 +93,10 @@ class ParallelLlama(torch.nn.Module):
                 or (pages is not None and not is_count(pages))):
             raise ConfigError(f"generate needs max_new_tokens a positive int (one, or one per prompt), max_batch and "
                               f"pages positive ints (got {max_new_tokens}, {max_batch}, {pages})")
+        if not is_count(page_size):
+            raise ConfigError(f"generate takes page_size a positive int, the tokens a page holds (got {page_size!r})")
+        if not isinstance(graphs, bool):
+            raise ConfigError(f"generate takes graphs True or False (got {graphs!r})")
         if prefill_chunk is not None and (not is_count(prefill_chunk) or (graphs and prefill_chunk < 2)):
             what = ("2 or more with graphs=True, a chunk being a graph of several rows" if graphs
                     else "the most prompt rows a step takes")
