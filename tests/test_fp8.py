@@ -180,7 +180,12 @@ def test_fp8_backend_is_the_emulation_a_head_group_at_a_time(monkeypatch):
     monkeypatch.setitem(reference.CHUNK_BYTES, "cpu", 1)  # one head group per chunk
     monkeypatch.setattr(fp8, "CHUNK_BYTES", reference.CHUNK_BYTES)
     assert torch.equal(fp8.Fp8Backend().forward(q, k, v, True), want)
-    with pytest.raises(Exception, match="FP8 attention is forward only"):
+    # the public attention(): the forward where no gradient is asked for, else one line saying how
+    from tpattn.attention import attention
+    assert torch.equal(attention(q, k, v, True, backend="fp8"), want)
+    with torch.no_grad():
+        assert torch.equal(attention(q.clone().requires_grad_(), k, v, True, backend="fp8"), want)
+    with pytest.raises(Exception, match=r"FP8 attention is forward only .*under torch.no_grad\(\)"):
         fp8.Fp8Backend().attention(q.requires_grad_(), k, v, True)
 
 

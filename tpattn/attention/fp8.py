@@ -237,11 +237,19 @@ class Fp8Backend(Backend):
                 o[:, h0:h1] = attention_fp8(q[:, h0:h1], k[:, kv], v[:, kv], causal, SCALING, ROTATE, out_dtype=q.dtype)
         return o
 
+    def attention(self, q, k, v, causal: bool, deterministic: bool = False):
+        """The forward alone where no gradient is asked for (torch.no_grad(), or no input that requires
+        one); else the one-line refusal, which says how to run it for inference."""
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise ConfigError(FORWARD_ONLY_API)
+        return self.forward(q, k, v, causal)
+
     def forward_for_backward(self, q, k, v, causal: bool):
-        raise ConfigError(FORWARD_ONLY)
+        raise ConfigError(FORWARD_ONLY_API)
 
     def backward(self, q, k, v, o, saved, do, causal: bool, deterministic: bool = False):
-        raise ConfigError(FORWARD_ONLY)
+        raise ConfigError(FORWARD_ONLY_API)
 
 
-FORWARD_ONLY = "FP8 attention is forward only (as FlashAttention-3's): train with --dtype fp16 or bf16"
+FORWARD_ONLY_API = ("FP8 attention is forward only (as FlashAttention-3's): for inference call it under torch.no_grad() "
+                    "(or layer.requires_grad_(False)); to train, use a 16-bit backend ('fused', 'triton' or 'reference')")
