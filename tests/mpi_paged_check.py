@@ -164,6 +164,16 @@ for kw in ({"pages": 8 + (R == W - 1)}, {"kv_dtype": "fp8" if R == 0 else None})
     if "the ranks' paged-cache calls differ (rank 0: PagedKV(" not in said or "in a pool built alike" not in said:
         bad.append(f"a pool built differently ({kw}): {said}")
 
+# ---- a pool that one rank refuses (its own check): the same refusal on every rank, none left waiting -----
+try:
+    PagedKV(list(tp.attention), pages=0 if R == W - 1 else 8, page_size=4, max_seqs=2)
+    said = "no error"
+except ConfigError as exc:
+    said = str(exc)
+if "needs pages, page_size and max_seqs >= 1 (got 0, 4, 2)" not in said or \
+        (R != W - 1 and f"rank {W - 1} refused this paged cache" not in said):
+    bad.append(f"a pool one rank refuses: {said}")
+
 for b in bad:
     print(f"rank {R}: FAIL {b}", flush=True)
 if not bad:

@@ -73,22 +73,29 @@ class PagedKV:
         if layers is None or not all(hasattr(L, "local_kv_heads") and hasattr(L, "wqkv") for L in layers):
             raise ConfigError("PagedKV takes a tpattn TensorParallelAttention layer or a list of them (the layers whose "
                               "K and V it holds)")
-        for name, v in (("pages", pages), ("page_size", page_size), ("max_seqs", max_seqs)):
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-                raise ConfigError(f"PagedKV {name} must be an int (got {v!r})")
-        if kv_dtype not in KV_DTYPES:
-            raise ConfigError(f"PagedKV kv_dtype={kv_dtype!r}: use 'fp8' (e4m3 pages, a scale per token and K/V head) "
-                              "or None (the layers' dtype)")
-        if not layers:
-            raise ConfigError("PagedKV needs at least one layer")
-        if pages < 1 or page_size < 1 or max_seqs < 1:
-            raise ConfigError(f"PagedKV needs pages, page_size and max_seqs >= 1 (got {pages}, {page_size}, {max_seqs})")
-        first = layers[0]
-        for i, L in enumerate(layers):
-            if (L.local_kv_heads, L.head_dim, L.dtype, L.wqkv.device, L.rank, L.world) != \
-                    (first.local_kv_heads, first.head_dim, first.dtype, first.wqkv.device, first.rank, first.world):
-                raise ConfigError(f"PagedKV's layers must share K/V heads per rank, head dim, dtype, device and group "
-                                  f"(layer {i} differs from layer 0); make one pool per kind of layer")
+        error = None
+        try:  # this rank's checks: a refusal here is said on every rank (else the others would wait)
+            for name, v in (("pages", pages), ("page_size", page_size), ("max_seqs", max_seqs)):
+                if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                    raise ConfigError(f"PagedKV {name} must be an int (got {v!r})")
+            if kv_dtype not in KV_DTYPES:
+                raise ConfigError(f"PagedKV kv_dtype={kv_dtype!r}: use 'fp8' (e4m3 pages, a scale per token and "
+                                  "K/V head) or None (the layers' dtype)")
+            if not layers:
+                raise ConfigError("PagedKV needs at least one layer")
+            if pages < 1 or page_size < 1 or max_seqs < 1:
+                raise ConfigError(f"PagedKV needs pages, page_size and max_seqs >= 1 (got {pages}, {page_size}, "
+                                  f"{max_seqs})")
+            first = layers[0]
+            for i, L in enumerate(layers):
+                if (L.local_kv_heads, L.head_dim, L.dtype, L.wqkv.device, L.rank, L.world) != \
+                        (first.local_kv_heads, first.head_dim, first.dtype, first.wqkv.device, first.rank, first.world):
+                    raise ConfigError(f"PagedKV's layers must share K/V heads per rank, head dim, dtype, device and "
+                                      f"group (layer {i} differs from layer 0); make one pool per kind of layer")
+        except ConfigError as exc:
+            error = exc
+        from .comm import agree_build
+        agree_build(layers[0].comm.group if layers else None, {}, error, what="paged cache")
         self.layers, self.pages, self.page_size, self.max_seqs = layers, pages, page_size, max_seqs
         # the same pool on every rank (a step that runs out of pages on one rank only would leave the
         # others waiting in the layer's collective)
