@@ -232,6 +232,19 @@ def test_decode_graphs_buckets_pad_and_follow_the_live_set():
             assert (torch.cat(outs[i], 1) - layer(xs[i][:, :n])).abs().max().item() < 1e-12, i
         assert [b for b in graphs._made] == [4, 2]
         assert (pool.k[0][:pool.pages].abs().sum() > 0) and pool.scratch_page == 40
+        # a step's input that is not one row a sequence of x_like's shape and dtype: refused before the step
+        # (a [1, 1, D] row was broadcast to every sequence, an fp32 one cast), the lengths left as they were
+        ids = list(seqs)
+        before = [pool.length(s) for s in ids]
+        for bad in (torch.zeros(1, 1, 32, dtype=torch.float64), torch.zeros(len(ids), 1, 32),
+                    torch.zeros(len(ids), 1, 31, dtype=torch.float64)):
+            with pytest.raises(ConfigError, match="DecodeGraphs.step takes x of one row per sequence"):
+                graphs.step(ids, bad)
+        assert [pool.length(s) for s in ids] == before
+        with pytest.raises(ConfigError, match="needs at least one sequence id"):
+            graphs.step([], torch.zeros(0, 1, 32, dtype=torch.float64))
+        with pytest.raises(ValueError, match="max_len must be a positive int"):
+            DecodeGraphs(pool, lambda x, st: x, torch.zeros(1, 1, 32), max_len=-5, capture=False)
 
 
 def test_decode_graphs_step_in_place(monkeypatch):

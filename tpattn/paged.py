@@ -51,7 +51,7 @@ import torch
 
 from .attention import fp8
 from .attention.triton_fused import paged_prefill_fits as triton_prefill_fits  # (tests swap it here)
-from .errors import ConfigError
+from .errors import ConfigError, check_counts
 from .memory import kv_token_bytes
 
 PAGE_SIZE = 16  # tokens per page: as fast as 64 and 256 on an H200 (docs/serving.md), and the least waste
@@ -771,6 +771,10 @@ class DecodeGraphs:
         if capture and pool.device.type != "cuda":
             raise ConfigError("DecodeGraphs(capture=True) captures CUDA graphs: the pool must be on a GPU (or pass "
                               "capture=False to run the same steps eagerly)")
+        if not isinstance(x_like, torch.Tensor) or x_like.dim() < 1:
+            raise ConfigError(f"DecodeGraphs takes x_like a tensor of one row per sequence, [n, ...] (got "
+                              f"{type(x_like).__name__})")
+        check_counts(max_len=max_len)
         buckets = sorted(set(int(b) for b in buckets))
         if not buckets or buckets[0] < 1 or buckets[-1] > pool.max_seqs:
             raise ConfigError(f"DecodeGraphs buckets must be 1..max_seqs={pool.max_seqs} sequences (got {buckets})")
@@ -867,7 +871,15 @@ class DecodeGraphs:
         agreement), the step's slots and lengths sent to the bucket's fixed inputs unless they
         continue its last step (the graph advanced them) and take no page (a page taken goes with the
         inputs), x copied in (unless x is input(n) itself), then the bucket's graph replayed."""
+        seq_ids = list(seq_ids)
         n = len(seq_ids)
+        if not n:
+            raise ConfigError("DecodeGraphs.step needs at least one sequence id")
+        want = (n, *self.x_like.shape[1:])
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != want or x.dtype != self.x_like.dtype:
+            got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ConfigError(f"DecodeGraphs.step takes x of one row per sequence, {want} {self.x_like.dtype} like "
+                              f"x_like (got {got}); nothing was stepped")
         b = self.bucket_for(n)
         longest = max(map(self.pool.length, seq_ids)) + 1
         if longest > self.max_pages * self.pool.page_size:
