@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -755,3 +756,23 @@ def test_serve_llama_in_prefill_chunks_and_its_refusals():
         r = run(script + bad, timeout=120)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and f"{bad[0]} {bad[1]}" in r.stderr, r.stderr
+
+
+def test_sizes_and_ids_are_ints():
+    """new_cache's sizes and a step's ids and row counts: ints (Python, numpy or integer tensors); a float
+    (2.7 rows were truncated to 2), a bool or a string is refused in one line naming the call."""
+    layer = _layer(1, True)
+    for bad in ((2.0, 16), (True, 16), ("2", 16)):
+        with pytest.raises(ConfigError, match="new_cache needs batch and max_len positive ints"):
+            layer.new_cache(*bad)
+    pool = PagedKV(layer, pages=8, page_size=4, max_seqs=2)
+    a = pool.add()
+    with pytest.raises(ConfigError, match="step takes a list of sequence ids and a list of row counts"):
+        pool.step(a, 3)
+    for rows in ([2.7], [True]):
+        with pytest.raises(ConfigError, match="step takes int sequence ids and row counts"):
+            pool.step([a], rows)
+    assert pool.length(a) == 0
+    with torch.no_grad(), pool.step(torch.tensor([a]), np.array([3])) as st:
+        layer(torch.randn(1, 3, 32, dtype=torch.float64), cache=st.view())
+    assert pool.length(a) == 3

@@ -500,8 +500,9 @@ def append_paged_kernel(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
 def new_cache(layer, batch: int, max_len: int) -> KVCache:
     """A KV cache for `batch` sequences of up to `max_len` positions: K and V of the layer's K/V heads
     on this rank, [B, g, max_len, d] each, on the layer's device and dtype."""
-    if batch < 1 or max_len < 1:
-        raise ConfigError(f"new_cache needs batch >= 1 and max_len >= 1 (got {batch}, {max_len})")
+    from .errors import is_count
+    if not is_count(batch) or not is_count(max_len):
+        raise ConfigError(f"new_cache needs batch and max_len positive ints (got {batch!r}, {max_len!r})")
     shape = (batch, layer.local_kv_heads, max_len, layer.head_dim)
     dev, dt = layer.wqkv.device, layer.dtype
     cos = sin = None

@@ -44,6 +44,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -205,7 +206,17 @@ class PagedKV:
         """A step that appends rows[i] rows to sequence seq_ids[i] (a prefill: the prompt's length;
         a decode step: 1), packed in that order; its pages are taken now. Use as a context
         manager: the lengths advance when the block ends without an error."""
-        seq_ids, rows = list(map(int, seq_ids)), list(map(int, rows))
+        try:
+            seq_ids, rows = list(seq_ids), list(rows)
+        except TypeError:
+            raise ConfigError(f"step takes a list of sequence ids and a list of row counts, one per sequence (got "
+                              f"{type(seq_ids).__name__}, {type(rows).__name__})") from None
+        try:  # ints (Python, numpy or integer tensors); a float such as 2.7 is not truncated
+            if any(isinstance(v, bool) for v in seq_ids + rows):
+                raise TypeError
+            seq_ids, rows = [operator.index(v) for v in seq_ids], [operator.index(v) for v in rows]
+        except TypeError:
+            raise ConfigError(f"step takes int sequence ids and row counts (got {seq_ids}, {rows})") from None
         self._agree("step", (tuple(seq_ids), tuple(rows)))
         if self._open is not None:
             raise ConfigError("a step of this pool is still open: end it (leave its with block) before the next")
