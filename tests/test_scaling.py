@@ -241,13 +241,14 @@ def test_a_terminated_sweep_ends_its_run(tmp_path):
     while "still running" not in out and time.monotonic() < deadline:  # the hung run is under way
         out += p.stdout.readline()
     assert "still running" in out, out
-    scratch = re.search(r"(tpattn_scaling_\w+)", run(["ps", "-eo", "args"]).stdout)
+    ps = run(["ps", "-eo", "args"]).stdout
+    scratch = re.search(r"(tpattn_scaling_\w+)", ps)
+    assert scratch, ps  # the run's command line names its scratch folder
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=60) == 128 + signal.SIGTERM
     ps = run(["ps", "-eo", "args"]).stdout
     assert not re.search(r"tpattn_scaling_\w+/tpattn_w2\.json", ps), ps
-    if scratch:
-        assert not (Path(tempfile.gettempdir()) / scratch.group(1)).exists()
+    assert not (Path(tempfile.gettempdir()) / scratch.group(1)).exists()
 
 
 def test_bad_arguments_exit_2(tmp_path):

@@ -570,7 +570,7 @@ def same_everywhere(obj, group=None) -> bool:
     return all(torch.equal(t, everyone[0]) for t in everyone)
 
 
-def agree_build(group, mine: dict | None, error: Exception | None, what: str = "layer") -> None:
+def agree_build(group, mine: dict | None, error: Exception | None) -> None:
     """A layer's construction agreed by the ranks of `group` (TensorParallelAttention._agree_build):
     mine, this rank's settings, or its error. One gather of a digest; when the digests differ, every
     rank gathers the settings (or errors) to say what differs. Raises this rank's error, else the first
@@ -589,7 +589,7 @@ def agree_build(group, mine: dict | None, error: Exception | None, what: str = "
         return
     failed = [(r, theirs["error"]) for r, theirs in enumerate(said) if "error" in theirs]
     if failed:
-        raise ConfigError(f"rank {failed[0][0]} refused this {what}: {failed[0][1]} (a {what} is built on every rank "
+        raise ConfigError(f"rank {failed[0][0]} refused this layer: {failed[0][1]} (a layer is built on every rank "
                           "of its group together)")
     for r, theirs in enumerate(said):
         diff = [k for k in mine if theirs[k] != said[0][k]]

@@ -95,12 +95,12 @@ class PagedKV:
                                       f"group (layer {i} differs from layer 0); make one pool per kind of layer")
         except ConfigError as exc:
             error = exc
-        from .comm import agree_build
-        agree_build(layers[0].comm.group if layers else None, {}, error, what="paged cache")
+        if error is not None and not layers:  # (no layer, no group to tell)
+            raise error
         self.layers, self.pages, self.page_size, self.max_seqs = layers, pages, page_size, max_seqs
         # the same pool on every rank (a step that runs out of pages on one rank only would leave the
-        # others waiting in the layer's collective)
-        self._agree("PagedKV", (pages, page_size, max_seqs, kv_dtype))
+        # others waiting in the layer's collective), or this rank's refusal said on every rank
+        self._agree("PagedKV", (pages, page_size, max_seqs, kv_dtype), error)
         self.kv_dtype = kv_dtype
         g, d, dev, dt = first.local_kv_heads, first.head_dim, first.wqkv.device, first.dtype
         # one page more than asked for: page `pages`, never handed out, where a graphed step's padding
@@ -187,13 +187,23 @@ class PagedKV:
             raise ConfigError(f"no sequence {sid} in this pool (live: {self.live or 'none'}); add it with pool.add()")
         return self.slots[sid]
 
-    def _agree(self, what: str, args: tuple) -> None:
+    def _agree(self, what: str, args: tuple, error: Exception | None = None) -> None:
         """Every rank makes the same call (block tables and lengths must be the same on every rank);
-        one line on every rank if not."""
+        one line on every rank if not. error: this rank's own refusal of the call, raised here on this
+        rank and said on the others (which would otherwise wait for it in the next collective)."""
         comm = self.layers[0].comm
-        if comm.world == 1 or comm.group is None or comm.same_everywhere((what, args), "pagedagree"):
+        mine = ("error", str(error)) if error is not None else (what, args)
+        if comm.world == 1 or comm.group is None or comm.same_everywhere(mine, "pagedagree"):
+            if error is not None:
+                raise error
             return
-        said = comm.all_gather_object((what, args), "pagedagree")  # (only to say what differs)
+        said = comm.all_gather_object(mine, "pagedagree")  # (only to say what differs)
+        if error is not None:
+            raise error
+        failed = [(r, a) for r, (w, a) in enumerate(said) if w == "error"]
+        if failed:
+            raise ConfigError(f"rank {failed[0][0]} refused this paged cache: {failed[0][1]} (a pool is built on "
+                              "every rank of its layers' group together)")
         if len(set(map(repr, said))) > 1:
             shown = "; ".join(f"rank {r}: {w}{a}" for r, (w, a) in enumerate(said[:4]))
             raise ConfigError(f"the ranks' paged-cache calls differ ({shown}); every rank must add, step and "

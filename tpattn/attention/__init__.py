@@ -13,7 +13,7 @@ import importlib
 
 import torch
 
-from ..errors import ConfigError, FlagError, cupy_available, cupy_missing_message
+from ..errors import ConfigError, FlagError, check_flags, cupy_available, cupy_missing_message
 from . import custom_ops
 from .autograd import _Attention, _AttentionPacked, split_packed
 
@@ -186,7 +186,6 @@ def attention(q, k, v, causal: bool = False, backend: str | Backend = "reference
     backend, a q whose rows hold every head ([B, N, h, d] seen as [B, h, N, d]) gives an o laid out
     the same way (o.transpose(1, 2) is contiguous), as SDPA's kernels do: call .contiguous() for a
     contiguous [B, h, N, d]."""
-    from ..errors import check_flags
     check_flags(causal=causal, deterministic=deterministic)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):

@@ -76,9 +76,11 @@ def efficiency(m: Machine, step: Step, roof_ms: float) -> float:
     full = m.curves.get(key)
     curve = (m.curves.get(key + ":causal") if step.causal else None) or full
     if not curve:
-        how = ("PYTHONPATH=. python scripts/model/calibrate_backward.py" + (" --deterministic" if key == "fused.bwd_det"
-                                                                           else "")
-               if key.startswith("fused.bwd") else "python -m tpattn.plan --calibrate")
+        how = "python -m tpattn.plan --calibrate"
+        if key.startswith("fused.bwd"):  # the backward's passes: their own script
+            how = "PYTHONPATH=. python scripts/model/calibrate_backward.py"
+            if key == "fused.bwd_det":
+                how += " --deterministic"
         raise ModelError(f"machine {m.name} has no calibration for the pass {key}; run {how} on that machine, or "
                          "use a machine file that has it")
     if isinstance(curve, dict):
