@@ -720,8 +720,24 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                         const bool in = key < k1;
                         const long long at = in ? dec_key<D, PAGED>(whole, tb, t0, b, g, G, key, kv, table, tstride, page) : 0;
                         dec_words8<NT / 4>((const unsigned char *)V + at + r * NT, in, x.v[k]);
-                        x.ks[k] = in ? __ldg(kscale + at / D) : 0.0f;
-                        x.vs[k] = in ? __ldg(vscale + at / D) : 0.0f;
+                        if constexpr (PG != 2) {
+                            x.ks[k] = in ? __ldg(kscale + at / D) : 0.0f;
+                            x.vs[k] = in ? __ldg(vscale + at / D) : 0.0f;
+                        }
+                    }
+                    if constexpr (PG == 2) {  // (_pgt8) the tile's 16 scales are contiguous: keys 2c, 2c + 1
+                        // (and 2c + 8, 2c + 9) in one 8-byte load each of K's and V's, in the page wherever
+                        // the first key is (keys past k1 take 0, whatever the page holds there)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const int key = t0 + 8 * h + 2 * c;
+                            const long long at = tb / D + 8 * h + 2 * c;
+                            const float2 kp = key < k1 ? __ldg((const float2 *)(kscale + at)) : make_float2(0.0f, 0.0f);
+                            const float2 vp = key < k1 ? __ldg((const float2 *)(vscale + at)) : make_float2(0.0f, 0.0f);
+                            x.ks[2 * h] = kp.x, x.vs[2 * h] = vp.x;
+                            x.ks[2 * h + 1] = key + 1 < k1 ? kp.y : 0.0f;
+                            x.vs[2 * h + 1] = key + 1 < k1 ? vp.y : 0.0f;
+                        }
                     }
                 };
                 auto compute8 = [&](const Tile8 &x, int t0) {
@@ -1063,19 +1079,22 @@ __device__ __forceinline__ void dec_append_pg8(const tc_u16 *__restrict__ QKV, t
     DEC_MMAB(SUF, BF16, D, false, 8, 0, _b) DEC_MMAB(SUF, BF16, D, true, 16, 0, _b)                     \
     DEC_MMAB(SUF, BF16, D, false, 8, 2, _pgb)
 // the tensor-core split over an FP8 pool (grouped heads at d = 64 and 128; _pg8)
-#define DEC_MMA8(SUF, BF16, D, M16, ROWS, PIPE, P)                                                     \
-    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r##ROWS##P##_pg8(   \
+#define DEC_MMA8(SUF, BF16, D, M16, ROWS, PIPE, P, PG, PSUF)                                           \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r##ROWS##P##PSUF(   \
         const tc_u16 *__restrict__ Q, const unsigned char *__restrict__ K, const unsigned char *__restrict__ V, \
         float *__restrict__ Op, float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets, \
         int BG, int G, int group, int S, float scale_log2, const int *__restrict__ table,               \
         const int *__restrict__ lens, int tstride, int page, const float *__restrict__ KS,              \
         const float *__restrict__ VS) {                                                                 \
-        dec_mma<D, M16, PIPE, BF16, 3, unsigned char>(Q, K, V, Op, Lp, O, tickets, BG, G, group, 0, nullptr, 0, \
+        dec_mma<D, M16, PIPE, BF16, PG, unsigned char>(Q, K, V, Op, Lp, O, tickets, BG, G, group, 0, nullptr, 0, \
                                                          S, scale_log2, table, lens, tstride, page, KS, VS); \
     }
-#define DEC_MMAS8(SUF, BF16, D)                                                                         \
-    DEC_MMA8(SUF, BF16, D, false, 8, false, ) DEC_MMA8(SUF, BF16, D, true, 16, false, )                 \
-    DEC_MMA8(SUF, BF16, D, false, 8, true, _p) DEC_MMA8(SUF, BF16, D, true, 16, true, _p)
+#define DEC_MMAS8P(SUF, BF16, D, PG, PSUF)                                                              \
+    DEC_MMA8(SUF, BF16, D, false, 8, false, , PG, PSUF) DEC_MMA8(SUF, BF16, D, true, 16, false, , PG, PSUF) \
+    DEC_MMA8(SUF, BF16, D, false, 8, true, _p, PG, PSUF) DEC_MMA8(SUF, BF16, D, true, 16, true, _p, PG, PSUF)
+// _pg8: any page size (PG 3, whole tiles or a lookup a key chosen at run time); _pgt8: pages of whole
+// 16-key tiles alone (PG 2: no run-time choice, no division, a tile's scales in paired loads)
+#define DEC_MMAS8(SUF, BF16, D) DEC_MMAS8P(SUF, BF16, D, 3, _pg8) DEC_MMAS8P(SUF, BF16, D, 2, _pgt8)
 // the CUDA-core split over an FP8 pool (_pg8): e4m3 pages and their row scales KS, VS
 #define DEC_SPLIT8(SUF, BF16, D, GQ)                                                                    \
     extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_split_##SUF##_d##D##_g##GQ##_pg8(    \

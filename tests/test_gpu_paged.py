@@ -536,12 +536,29 @@ def test_fp8_append_kernel_gives_quantize_rows_bits(dtype, rope, d):
     assert vs[pages[4], 0, pos[4] % P] == 0  # a row of zeros keeps scale 0
 
 
+@pytest.fixture(params=[False, True], ids=["pg8", "pgt8"])
+def f8_tile(request, monkeypatch):
+    """Both builds of the tensor-core split over FP8 pages: _pg8 (any page) and, over whole-tile
+    pages, _pgt8 (DEC_F8_TILE_PAGES)."""
+    import tpattn.decode as dec
+    monkeypatch.setattr(dec, "DEC_F8_TILE_PAGES", request.param)
+    return request.param
+
+
+def fp8_pool(pool_k, pool_v, k_gain=1.0):
+    """An FP8 pool of 16-bit pages: e4m3 pages and their row scales [pages, g, page]."""
+    from tpattn.attention import fp8
+    pk8, ks = fp8.quantize_rows(pool_k.float() * k_gain)
+    pv8, vs = fp8.quantize_rows(pool_v.float())
+    return pk8.to(torch.float8_e4m3fn), pv8.to(torch.float8_e4m3fn), ks.squeeze(-1), vs.squeeze(-1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("h,g", [(32, 32), (32, 8), (16, 1)])
 @pytest.mark.parametrize("page", [1, 16, 64])
-def test_fp8_paged_kernel_against_float64(h, g, d, dtype, page):
-    """The split's _pg8 over e4m3 pages with row scales, ragged lengths (0 to 1100) through a
+def test_fp8_paged_kernel_against_float64(h, g, d, dtype, page, f8_tile):
+    """The split's _pg8 (and _pgt8) over e4m3 pages with row scales, ragged lengths (0 to 1100) through a
     shuffled block table: against float64 over the dequantized pages (the kernel's only roundings
     are fp32 sums and the output's), and a zero-length row is zero."""
     from tpattn.attention import fp8
@@ -560,7 +577,7 @@ def test_fp8_paged_kernel_against_float64(h, g, d, dtype, page):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 128])
-def test_fp8_paged_kernel_keeps_small_rows_beside_zero_rows(d, dtype):
+def test_fp8_paged_kernel_keeps_small_rows_beside_zero_rows(d, dtype, f8_tile):
     """The tensor-core split over e4m3 pages scales P by each key's V scale over the tile's largest
     before its fp16 product: V rows of size 1e-3 with a zero row in every 16-key tile (whose scale is
     0, not 1: a 1 would push the other keys' P into fp16 subnormals, 8 % off), grouped heads, against
@@ -578,6 +595,38 @@ def test_fp8_paged_kernel_keeps_small_rows_beside_zero_rows(d, dtype):
     want = float64_rows(q, fp8.dequantize(pk8, ks), fp8.dequantize(pv8, vs), table, lens_t)
     tol = 4e-3 if dtype == torch.float16 else 3e-2
     assert (o.double() - want).abs().max().item() <= tol * want.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("h,g", [(32, 8), (32, 2)])
+@pytest.mark.parametrize("page", [16, 64])
+def test_fp8_tile_build_gives_the_any_page_builds_bits_and_reads_nothing_past_a_length(h, g, d, dtype, page,
+                                                                                        monkeypatch):
+    """Over whole-tile pages, _pgt8 (paired scale loads, no run-time addressing) writes _pg8's bits,
+    lengths ending inside a tile. Every page row past a sequence's length (its last page's rest, and the
+    spare pages) holds NaN bytes and NaN scales: neither build reads them into the output."""
+    import tpattn.decode as dec
+    from tpattn.attention import fp8
+    lens = [1, 37, 300, 1100, 16, 15]
+    q, pool_k, pool_v, table, lens_t = paged_inputs(lens, h, g, d, page, dtype, seed=8)
+    pk8, pv8, ks, vs = fp8_pool(pool_k, pool_v)
+    want = float64_rows(q, fp8.dequantize(pk8, ks), fp8.dequantize(pv8, vs), table, lens_t)
+    live = torch.zeros(pk8.shape[0], page, dtype=torch.bool, device="cuda")
+    for b, n in enumerate(lens):
+        for i in range(-(-n // page)):
+            live[table[b, i].long(), :min(page, n - i * page)] = True
+    dead = ~live[:, None, :].expand(-1, g, -1)
+    for t in (pk8, pv8):
+        t.view(torch.uint8)[dead] = 0x7F  # e4m3 NaN
+    ks[dead], vs[dead] = float("nan"), float("nan")
+    outs = {}
+    for tile in (False, True):
+        monkeypatch.setattr(dec, "DEC_F8_TILE_PAGES", tile)
+        outs[tile] = paged_decode_attention(q, pk8, pv8, table, lens_t, max(lens), scales=(ks, vs))
+    assert torch.isfinite(outs[True]).all() and torch.equal(outs[True], outs[False])
+    tol = 4e-3 if dtype == torch.float16 else 3e-2
+    assert (outs[True].double() - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
 
 
 @pytest.mark.parametrize("g", [8, 2])

@@ -663,14 +663,17 @@ def test_decode_launches_at_every_head_dim(monkeypatch, d, h, g, split):
         check_launch(*c)
 
 
+@pytest.mark.parametrize("tile", [False, True])
 @pytest.mark.parametrize("d,h,g", [(128, 8, 8), (128, 8, 2), (64, 32, 8), (96, 8, 2), (256, 4, 4), (32, 8, 8)])
-def test_fp8_pool_launches(monkeypatch, d, h, g):
+def test_fp8_pool_launches(monkeypatch, d, h, g, tile):
     """An FP8 pool's kernels: dec_append_pg8 (a warp per row and head: both pools, both scale
     tensors, then the tables as dec_append_pg's) and the split's _pg8 (the tensor-core one for grouped
     heads at d = 64 and 128, else the CUDA-core one; no contiguous-cache arguments; the K and V
-    scales last), each with its kernel's arguments."""
+    scales last), each with its kernel's arguments; with DEC_F8_TILE_PAGES the tensor-core split's
+    _pgt8 over these 16-token pages, with the same arguments."""
     from tpattn import cuda as tcuda
     from tpattn import decode
+    monkeypatch.setattr(decode, "DEC_F8_TILE_PAGES", tile)
     calls = []
     monkeypatch.setattr(tcuda, "launch", lambda source, name, device, grid, block, args, shared_mem=0:
                         calls.append((source, name, grid, block, args)))
@@ -685,9 +688,10 @@ def test_fp8_pool_launches(monkeypatch, d, h, g):
     lens = torch.tensor([4, 18, 41], dtype=torch.int32)
     decode.paged_decode_attention(q, pool_k, pool_v, table, lens, 48, tickets=torch.zeros(R * g, dtype=torch.int32),
                                   scales=(ks, vs))
-    split = "dec_mma_f16" if h > g and d in decode.DEC_HEAD_DIMS else "dec_split_f16"
+    mma = h > g and d in decode.DEC_HEAD_DIMS
+    split = "dec_mma_f16" if mma else "dec_split_f16"
     assert calls[0][1] == "dec_append_pg8_f16" and calls[1][1].startswith(f"{split}_d{d}_") \
-        and calls[1][1].endswith("_pg8"), [c[1] for c in calls]
+        and calls[1][1].endswith("_pgt8" if tile and mma else "_pg8"), [c[1] for c in calls]
     assert [c[0] for c in calls] == [decode.dec_source(d)] * 2  # both from the head dim's own module
     for c in calls:
         check_launch(*c)
@@ -739,3 +743,17 @@ def test_fp8_ws_launch(monkeypatch, causal, block_scales, dtype):
     assert (int(args[14]) != 0) == causal  # the tile counter
     fp8_ws.launch(q8, k8, vtk8, sq, sk, sv, causal, o, block_scales)
     assert len(calls) == 1  # packed once per set of tensors
+
+
+@pytest.mark.parametrize("page,suffix", [(16, "_pgt8"), (64, "_pgt8"), (8, "_pg8"), (24, "_pg8"), (1, "_pg8")])
+def test_fp8_tile_build_only_over_whole_tile_pages(monkeypatch, page, suffix):
+    """With DEC_F8_TILE_PAGES, an FP8 pool's tensor-core split runs _pgt8 (PG 2: whole 16-key tiles
+    a page, no run-time addressing choice) only for pages of a power of two of 16 tokens or more;
+    other page sizes keep _pg8, which takes any page."""
+    from tpattn import decode
+    monkeypatch.setattr(decode, "DEC_F8_TILE_PAGES", True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"multi_processor_count": 132, "major": 9}))
+    monkeypatch.setattr("tpattn.cuda.resident_blocks", lambda *a, **k: 2)
+    q = torch.zeros(4, 32, 128).half()
+    _, name, _, _ = decode._split_kernel(q, 4, 32, 8, 128, 4096, page=page, fp8=True)
+    assert name.startswith("dec_mma_f16_d128_r8") and name.endswith(suffix), name

@@ -172,6 +172,9 @@ DEC_STAGES = 3        # the staged split's stages a warp (kernels/decode_attenti
 DEC_STAGED = True     # the staged tensor-core split (_b) over the contiguous cache (compute capability 9.0+)
 DEC_STAGED_PAGED = False  # ... and over a pool of whole-tile pages, in chunks of equal work (_pgb): off, slower
                           # than _p_pg on one H100 with its first grid (docs/decode.md); for A/B runs
+DEC_F8_TILE_PAGES = False  # an FP8 pool of whole-tile pages through the tensor-core split's _pgt8 build (PG 2: no
+                           # run-time choice of addressing, a tile's scales in paired loads) instead of _pg8 (any
+                           # page size): the same bits; off until measured (scripts/bench_paged.py --fp8 --fp8-tile)
 EQ_SPREAD = 4         # _pgb: the grid's chunks a pair, over one_block_an_sm's: room for a sequence this many
                       # times the batch's mean length to take its share of chunks
 
@@ -341,7 +344,8 @@ def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int,
     longest it can be). page: a pool's page size (0: the contiguous cache); the tensor-core split has
     a build for pages of a power of two of 16 tokens or more (_pg: a block-table lookup a 16-key tile)
     and one for the others (_pgk: a lookup a key). fp8: an FP8 pool's pages (the same choice of split,
-    each kernel's _pg8). On compute capability 9.0 and up (DEC_STAGED) the tensor-core split over the
+    each kernel's _pg8; the tensor-core split's _pgt8 over whole-tile pages where DEC_F8_TILE_PAGES). On
+    compute capability 9.0 and up (DEC_STAGED) the tensor-core split over the
     contiguous cache is the staged one (_b: bulk copies through shared memory), split one block an SM
     where its pairs fit (one_block_an_sm); over whole-tile pages of the storage dtype where the pairs
     fit (DEC_STAGED_PAGED), the staged build _pgb, whose chunks the kernel sizes for equal work across
@@ -357,6 +361,7 @@ def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int,
     source = dec_source(d)
     suf = "f16" if q.dtype == torch.float16 else "bf16"
     pg = "_pg8" if fp8 else "" if not page else "_pg" if not mma or tile_pages(page) else "_pgk"
+    mma_pg = "_pgt8" if fp8 and DEC_F8_TILE_PAGES and tile_pages(page) else pg
 
     if eq:
         return source, f"dec_mma_{suf}_d{d}_r8_pgb", equal_work_chunks(B * g, length, sms), smem
@@ -367,7 +372,7 @@ def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int,
         if mma:  # tensor cores: the group's heads as the rows of an m16 tile, 8 or 16 at a time; with 3
             # or more chunks, the next tile's loads in flight while one is computed (_p: faster there,
             # slower at large batch, where fewer blocks fit: measured)
-            return f"dec_mma_{suf}_d{d}_r{16 if h // g > 8 else 8}{'_p' if S >= 3 else ''}{pg}"
+            return f"dec_mma_{suf}_d{d}_r{16 if h // g > 8 else 8}{'_p' if S >= 3 else ''}{mma_pg}"
         # CUDA cores: 1, 2, 4 or 8 query heads at a time
         return f"dec_split_{suf}_d{d}_g{next(n for n in (1, 2, 4, 8) if n >= min(h // g, 8))}{pg}"
 
