@@ -95,13 +95,18 @@ __device__ __forceinline__ void dec_load8(const unsigned char *p, float (&x)[8])
 #endif
 }
 
-// two e4m3 values (the low and high byte of `two`) -> f16x2, or (BF16) bf16x2: exact either way
-// (e4m3's 3 mantissa bits and exponents 2^-9 .. 2^8 fit both). sm_89+ only (see dec_load8).
-template <bool BF16>
-__device__ __forceinline__ tc_u32 dec_e4m3x2(tc_u32 two) {
+// two e4m3 values (the low and high byte of half HI of the word `four`) -> f16x2, or (BF16) bf16x2:
+// exact either way (e4m3's 3 mantissa bits and exponents 2^-9 .. 2^8 fit both). The half is taken by
+// a 16-bit move of the word, which ptxas folds into the conversion's operand (F2FP ... R.H1), not a
+// shift. sm_89+ only (see dec_load8).
+template <bool BF16, int HI = 0>
+__device__ __forceinline__ tc_u32 dec_e4m3x2(tc_u32 four) {
     tc_u32 h = 0u;
 #if __CUDA_ARCH__ >= 890
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)(two & 0xffffu)));
+    if (HI)
+        asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}" : "=r"(h) : "r"(four));
+    else
+        asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(h) : "r"(four));
 #endif
     if (BF16) {
         float lo, hi;
@@ -708,35 +713,57 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                 };
                 auto load8 = [&](int t0, Tile8 &x) {
                     const long long tb = tile_base(t0);
+                    if constexpr (PG == 2) {
+                        // (_pgt8) whole 16-key tiles a page: the tile's K (and V) rows are 16 D contiguous
+                        // bytes and its 16 scales contiguous floats, at an address that is valid for any t0
+                        // (past k1 tile_base gives page 0). Every load goes unpredicated from one base a
+                        // lane (its offsets in the tile are fixed): keys 2c, 2c + 1 (and 2c + 8, 2c + 9) of
+                        // the scales in one 8-byte load. The last tile's keys past k1 are zeroed after
+                        // (mask8): what a page holds there may be anything, NaN too
+                        const unsigned char *kp = (const unsigned char *)K + tb + r * D + c * E;
+                        const unsigned char *vp = (const unsigned char *)V + tb + 2 * c * D + r * NT;
 #pragma unroll
-                    for (int t = 0; t < 2; ++t) {
-                        const int key = t0 + 8 * t + r;
-                        const long long at = key < k1 ? dec_key<D, PAGED>(whole, tb, t0, b, g, G, key, kv, table, tstride, page) : 0;
-                        dec_words8<E / 4>((const unsigned char *)K + at + c * E, key < k1, x.k[t]);
-                    }
+                        for (int t = 0; t < 2; ++t) dec_words8<E / 4>(kp + 8 * t * D, true, x.k[t]);
 #pragma unroll
-                    for (int k = 0; k < 4; ++k) {
-                        const int key = t0 + (k >> 1) * 8 + 2 * c + (k & 1);
-                        const bool in = key < k1;
-                        const long long at = in ? dec_key<D, PAGED>(whole, tb, t0, b, g, G, key, kv, table, tstride, page) : 0;
-                        dec_words8<NT / 4>((const unsigned char *)V + at + r * NT, in, x.v[k]);
-                        if constexpr (PG != 2) {
+                        for (int k = 0; k < 4; ++k) dec_words8<NT / 4>(vp + ((k >> 1) * 8 + (k & 1)) * D, true, x.v[k]);
+                        const long long sb = tb / D + 2 * c;
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const float2 kq = __ldg((const float2 *)(kscale + sb + 8 * h));
+                            const float2 vq = __ldg((const float2 *)(vscale + sb + 8 * h));
+                            x.ks[2 * h] = kq.x, x.ks[2 * h + 1] = kq.y, x.vs[2 * h] = vq.x, x.vs[2 * h + 1] = vq.y;
+                        }
+                    } else {
+#pragma unroll
+                        for (int t = 0; t < 2; ++t) {
+                            const int key = t0 + 8 * t + r;
+                            const long long at = key < k1 ? dec_key<D, PAGED>(whole, tb, t0, b, g, G, key, kv, table, tstride, page) : 0;
+                            dec_words8<E / 4>((const unsigned char *)K + at + c * E, key < k1, x.k[t]);
+                        }
+#pragma unroll
+                        for (int k = 0; k < 4; ++k) {
+                            const int key = t0 + (k >> 1) * 8 + 2 * c + (k & 1);
+                            const bool in = key < k1;
+                            const long long at = in ? dec_key<D, PAGED>(whole, tb, t0, b, g, G, key, kv, table, tstride, page) : 0;
+                            dec_words8<NT / 4>((const unsigned char *)V + at + r * NT, in, x.v[k]);
                             x.ks[k] = in ? __ldg(kscale + at / D) : 0.0f;
                             x.vs[k] = in ? __ldg(vscale + at / D) : 0.0f;
                         }
                     }
-                    if constexpr (PG == 2) {  // (_pgt8) the tile's 16 scales are contiguous: keys 2c, 2c + 1
-                        // (and 2c + 8, 2c + 9) in one 8-byte load each of K's and V's, in the page wherever
-                        // the first key is (keys past k1 take 0, whatever the page holds there)
+                };
+                // (_pgt8) a tile that ends past k1: its keys there get zero V bytes and scales (their scores
+                // are masked by the softmax; a K byte there is never used, whatever it is)
+                auto mask8 = [&](Tile8 &x, int t0) {
+                    if constexpr (PG == 2) {
+                        if (t0 + 16 > k1) {  // (warp-uniform: the last tile of the chunk)
 #pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const int key = t0 + 8 * h + 2 * c;
-                            const long long at = tb / D + 8 * h + 2 * c;
-                            const float2 kp = key < k1 ? __ldg((const float2 *)(kscale + at)) : make_float2(0.0f, 0.0f);
-                            const float2 vp = key < k1 ? __ldg((const float2 *)(vscale + at)) : make_float2(0.0f, 0.0f);
-                            x.ks[2 * h] = kp.x, x.vs[2 * h] = vp.x;
-                            x.ks[2 * h + 1] = key + 1 < k1 ? kp.y : 0.0f;
-                            x.vs[2 * h + 1] = key + 1 < k1 ? vp.y : 0.0f;
+                            for (int k = 0; k < 4; ++k) {
+                                const bool in = t0 + (k >> 1) * 8 + 2 * c + (k & 1) < k1;
+#pragma unroll
+                                for (int i = 0; i < NT / 4; ++i) x.v[k][i] = in ? x.v[k][i] : 0u;
+                                x.ks[k] = in ? x.ks[k] : 0.0f;
+                                x.vs[k] = in ? x.vs[k] : 0.0f;
+                            }
                         }
                     }
                 };
@@ -748,7 +775,7 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
 #pragma unroll
                         for (int j = 0; j < KS; ++j) {  // word j: columns 4j .. 4j + 3 of the lane's E
                             const tc_u32 a[4] = {qa[2 * j], M16 ? qb[2 * j] : 0u, qa[2 * j + 1], M16 ? qb[2 * j + 1] : 0u};
-                            tc_mma<BF16>(sc[t], a, dec_e4m3x2<BF16>(x.k[t][j]), dec_e4m3x2<BF16>(x.k[t][j] >> 16));
+                            tc_mma<BF16>(sc[t], a, dec_e4m3x2<BF16>(x.k[t][j]), dec_e4m3x2<BF16, 1>(x.k[t][j]));
                         }
 #pragma unroll
                         for (int e = 0; e < 4; ++e) sc[t][e] *= x.ks[2 * t + (e & 1)];
@@ -771,7 +798,7 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                     for (int k = 0; k < 4; ++k)
 #pragma unroll
                         for (int i = 0; i < NT / 4; ++i)
-                            vf[k][2 * i] = dec_e4m3x2<false>(x.v[k][i]), vf[k][2 * i + 1] = dec_e4m3x2<false>(x.v[k][i] >> 16);
+                            vf[k][2 * i] = dec_e4m3x2<false>(x.v[k][i]), vf[k][2 * i + 1] = dec_e4m3x2<false, 1>(x.v[k][i]);
 #pragma unroll
                     for (int u = 0; u < NT; ++u) {
                         const unsigned sel = (u & 1) ? 0x7632u : 0x5410u;
@@ -783,17 +810,24 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                         if (M16) o[u][2] = fmaf(o[u][2], a1, mv * pv[2]), o[u][3] = fmaf(o[u][3], a1, mv * pv[3]);
                     }
                 };
-                Tile8 cur;
-                if (PIPE) load8(k0 + 16 * warp, cur);
-                for (int t0 = k0 + 16 * warp; t0 < k1; t0 += 16 * W) {
-                    if (PIPE) {  // the next tile's loads in flight while this one is computed
-                        Tile8 nxt;
-                        load8(t0 + 16 * W, nxt);
-                        compute8(cur, t0);
-                        cur = nxt;
-                    } else {
-                        load8(t0, cur);
-                        compute8(cur, t0);
+                Tile8 x0, x1;
+                if (PIPE) {  // the next tile's loads in flight while this one is computed, two tiles an
+                    // iteration into two buffers in turn (no copy of a tile's registers from one to the other)
+                    load8(k0 + 16 * warp, x0);
+                    for (int t0 = k0 + 16 * warp; t0 < k1; t0 += 32 * W) {
+                        load8(t0 + 16 * W, x1);
+                        mask8(x0, t0);
+                        compute8(x0, t0);
+                        if (t0 + 16 * W >= k1) break;
+                        load8(t0 + 32 * W, x0);
+                        mask8(x1, t0 + 16 * W);
+                        compute8(x1, t0 + 16 * W);
+                    }
+                } else {
+                    for (int t0 = k0 + 16 * warp; t0 < k1; t0 += 16 * W) {
+                        load8(t0, x0);
+                        mask8(x0, t0);
+                        compute8(x0, t0);
                     }
                 }
             } else if constexpr (STG > 0) {
