@@ -172,7 +172,7 @@ DEC_STAGES = 3        # the staged split's stages a warp (kernels/decode_attenti
 DEC_STAGED = True     # the staged tensor-core split (_b) over the contiguous cache (compute capability 9.0+)
 DEC_STAGED_PAGED = False  # ... and over a pool of whole-tile pages, in chunks of equal work (_pgb): off, slower
                           # than _p_pg on one H100 with its first grid (docs/decode.md); for A/B runs
-DEC_F8_TILE_PAGES = False  # an FP8 pool of whole-tile pages through the tensor-core split's _pgt8 build (PG 2: no
+DEC_F8_TILE_PAGES = True   # an FP8 pool of whole-tile pages through the tensor-core split's _pgt8 build (PG 2: no
                            # run-time choice of addressing, a tile's scales in paired loads) instead of _pg8 (any
                            # page size): the same bits; off until measured (scripts/bench_paged.py --fp8 --fp8-tile)
 EQ_SPREAD = 4         # _pgb: the grid's chunks a pair, over one_block_an_sm's: room for a sequence this many
