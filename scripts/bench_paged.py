@@ -3,7 +3,7 @@ copy rate.
 
     python scripts/bench_paged.py [--pages 16 64 256] [--rounds 5] [--layer] [--prefill] [--no-kernel]
                                    [--prefill-backends fused triton] [--prefill-chunk T] [--profile-prefill K]
-                                   [--host-profile K] [--fp8 [--fp8-tile]] [--graph]
+                                   [--host-profile K] [--fp8 [--fp8-other-build]] [--graph]
                                    [--both-builds | --staged-pages]
                                    [--json PATH]
 
@@ -26,8 +26,9 @@ CUDA graph replay too (tpattn.paged.ChunkGraphs); --prefill-chunk: the long prom
 to issue a call beside its wall time, and cProfile's functions with the most host time. --fp8: also
 an FP8 pool (PagedKV(kv_dtype="fp8"): e4m3 pages and a scale a row, the split's _pg8) beside the fp16
 pages of each page size, and with --layer its graphed step; its GB/s count the bytes it reads (d + 4
-a row where fp16 reads 2d); --fp8-tile adds each FP8 row of whole-tile pages again through the
-tensor-core split's _pgt8 build (tpattn.decode.DEC_F8_TILE_PAGES: "... fp8 tile"). On compute capability 9.0 the staged build of equal-work chunks (_pgb, off
+a row where fp16 reads 2d); --fp8-other-build adds each FP8 row of whole-tile pages again through
+the tensor-core split's other build (tpattn.decode.DEC_F8_TILE_PAGES flipped: "... fp8 _pg8", the
+build of any page size, where tpattn runs _pgt8). On compute capability 9.0 the staged build of equal-work chunks (_pgb, off
 by default: tpattn.decode.DEC_STAGED_PAGED) can run a pool of whole-tile pages whose (sequence, K/V
 head) pairs fit on the SMs: --both-builds adds each paged row again with it ("... staged");
 --staged-pages runs it throughout, the layer's steps too.
@@ -356,11 +357,12 @@ def host_profile_prefills(H: int, d: int, top: int, backend: str = "fused", chun
             print(out.getvalue().split("\n\n", 1)[-1].rstrip())
 
 
-def switched(switch: str, fn):
-    """fn() with tpattn.decode's switch on: DEC_STAGED_PAGED (the staged paged build _pgb where it
-    applies) or DEC_F8_TILE_PAGES (an FP8 pool's tensor-core split through _pgt8 over whole-tile pages)."""
+def switched(switch: str, fn, value: bool = True):
+    """fn() with tpattn.decode's switch set to value: DEC_STAGED_PAGED (the staged paged build _pgb where
+    it applies) or DEC_F8_TILE_PAGES (an FP8 pool's tensor-core split through _pgt8 over whole-tile
+    pages, else _pg8)."""
     was = getattr(decode, switch)
-    setattr(decode, switch, True)
+    setattr(decode, switch, value)
     try:
         return fn()
     finally:
@@ -400,14 +402,14 @@ def main(argv=None) -> int:
                    "beside its wall time, and the K Python functions with the most host time (cProfile)")
     p.add_argument("--fp8", action="store_true", help="also an FP8 pool (e4m3 pages, a scale a row) beside each "
                    "page size's fp16 pages, and with --layer its graphed step")
-    p.add_argument("--fp8-tile", action="store_true", help="with --fp8: each FP8 row of whole-tile pages (16, 32, "
-                   "64, ... tokens) again through the tensor-core split's _pgt8 build (DEC_F8_TILE_PAGES), the same "
-                   "bits as _pg8")
+    p.add_argument("--fp8-other-build", action="store_true", help="with --fp8: each FP8 row of whole-tile pages "
+                   "(16, 32, 64, ... tokens) again through the tensor-core split's other build (DEC_F8_TILE_PAGES "
+                   "flipped: _pg8 where tpattn runs _pgt8; the same bits)")
     p.add_argument("--profile-prefill", type=int, metavar="K", help="also one call of each prefill under "
                    "torch.profiler: wall, host and GPU time, and the K ops with the most host time")
     a = p.parse_args(argv)
-    if a.fp8_tile and not a.fp8:
-        p.error("--fp8-tile times the FP8 pool's second build: add --fp8")
+    if a.fp8_other_build and not a.fp8:
+        p.error("--fp8-other-build times the FP8 pool's second build: add --fp8")
     if a.prefill_chunk < 1:
         p.error(f"--prefill-chunk takes a positive row count (got {a.prefill_chunk})")
     if not torch.cuda.is_available():
@@ -444,10 +446,12 @@ def main(argv=None) -> int:
             for name in [n for n in cont if n.startswith("paged") and "fp8" not in n]:
                 fn, tokens, nbytes = cont[name]
                 cont[f"{name} staged"] = (lambda fn=fn: switched("DEC_STAGED_PAGED", fn), tokens, nbytes)
-        if a.fp8_tile:  # each FP8 row of whole-tile pages again with the tile-pages build
+        if a.fp8_other_build:  # each FP8 row of whole-tile pages again through the other build
+            other = not decode.DEC_F8_TILE_PAGES
             for name in [n for n in cont if n.endswith("fp8") and decode.tile_pages(int(n.split()[1]))]:
                 fn, tokens, nbytes = cont[name]
-                cont[f"{name} tile"] = (lambda fn=fn: switched("DEC_F8_TILE_PAGES", fn), tokens, nbytes)
+                cont[f"{name} {'_pgt8' if other else '_pg8'}"] = (lambda fn=fn: switched("DEC_F8_TILE_PAGES", fn, other),
+                                                                  tokens, nbytes)
         times = {k: [] for k in cont}
         for _ in range(a.rounds):
             for name, (fn, _, _) in cont.items():

@@ -8,9 +8,11 @@ not the host's). A line a shape and layout: the kernel, how many of its blocks a
 driver's occupancy), the split before the occupancy is known (S0) and the one picked, and the fastest
 count measured; then every count. The paged layouts run the builds whose count the host picks
 (tpattn.decode.DEC_STAGED_PAGED off: the staged paged build sizes its chunks from the lengths on the
-device, so a forced count would not change its work).
+device, so a forced count would not change its work). --fp8: the two paged layouts over an FP8 pool
+instead (e4m3 pages, a scale a row), each with the tensor-core split's pipelined build from 3 chunks on
+(tpattn.decode.DEC_F8_PIPE, as tpattn runs it) and again without it ("... nopipe": more blocks an SM).
 
-    PYTHONPATH=. python scripts/sweep_decode_splits.py [--shapes B,G,L ...]
+    PYTHONPATH=. python scripts/sweep_decode_splits.py [--shapes B,G,L ...] [--fp8]
 """
 
 import argparse
@@ -21,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_paged import graph_us  # noqa: E402
+from bench_paged import fp8_pages, graph_us  # noqa: E402
 from tpattn import decode  # noqa: E402
 from tpattn.cuda import resident_blocks  # noqa: E402
 
@@ -32,6 +34,8 @@ SHAPES = ["1,8,32768", "4,8,8192", "16,8,4096", "32,8,2048", "64,8,4096", "1,32,
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=SHAPES, metavar="B,G,L", help="batch, K/V heads, cache length")
+    ap.add_argument("--fp8", action="store_true", help="the paged layouts over an FP8 pool, with and without the "
+                    "pipelined build (DEC_F8_PIPE)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("sweep_decode_splits.py times the decode kernels on a GPU: run it where torch sees one", file=sys.stderr)
@@ -55,9 +59,17 @@ def main() -> int:
         full = torch.full((B,), L, dtype=torch.int32, device=dev)
         ragged = torch.tensor([int(L * (0.4 + 1.2 * i / max(1, B - 1))) if B > 1 else L for i in range(B)],
                               dtype=torch.int32, device=dev).clamp(1, L)
-        for layout, lens in (("contiguous", None), ("paged", full), ("ragged", ragged)):
+        layouts = [("contiguous", None, True), ("paged", full, True), ("ragged", ragged, True)]
+        sc = None
+        if args.fp8:
+            pk, pv, sc = fp8_pages(pk, pv)
+            layouts = [(f"{name} fp8{'' if pipe else ' nopipe'}", lens, pipe) for name, lens in (("paged", full), ("ragged", ragged))
+                       for pipe in (True, False)]
+        for layout, lens, pipe in layouts:
             forced["S"] = None
-            source, name, chosen, smem = decode._split_kernel(q[:, :, 0], B, H, G, d, L, page=0 if lens is None else page)
+            decode.DEC_F8_PIPE = pipe
+            source, name, chosen, smem = decode._split_kernel(q[:, :, 0], B, H, G, d, L, page=0 if lens is None else page,
+                                                              fp8=sc is not None)
             S0 = picks(B * G, L, sms, 2 if name.startswith("dec_mma") else 4)
             counts = sorted({chosen, S0} | {max(1, S0 * f // 4) for f in range(1, 13)} | set(range(max(1, S0 - 2), S0 + 3)))
             times = {}
@@ -66,13 +78,14 @@ def main() -> int:
                 if lens is None:
                     times[S] = graph_us(lambda: decode.decode_attention(q, k, v, L), 20)
                 else:
-                    times[S] = graph_us(lambda: decode.paged_decode_attention(q[:, :, 0], pk, pv, table, lens, L), 20)
+                    times[S] = graph_us(lambda: decode.paged_decode_attention(q[:, :, 0], pk, pv, table, lens, L, scales=sc), 20)
             best = min(times, key=times.get)
-            print(f"B={B} G={G} L={L} {layout:10s} {name:26s} {resident_blocks(source, name, dev, decode.DEC_THREADS, shared_mem=smem)} "
+            print(f"B={B} G={G} L={L} {layout:10s} {name:28s} {resident_blocks(source, name, dev, decode.DEC_THREADS, shared_mem=smem)} "
                   f"blocks/SM  S0={S0}: {times[S0]:.1f}  picked S={chosen}: {times[chosen]:.1f} "
                   f"(x{times[chosen] / times[S0]:.3f})  fastest S={best}: {times[best]:.1f}", flush=True)
             print("    " + " ".join(f"{S}:{t:.1f}" for S, t in times.items()), flush=True)
     decode.decode_splits = picks
+    decode.DEC_F8_PIPE = True
     return 0
 
 

@@ -755,5 +755,10 @@ def test_fp8_tile_build_only_over_whole_tile_pages(monkeypatch, page, suffix):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"multi_processor_count": 132, "major": 9}))
     monkeypatch.setattr("tpattn.cuda.resident_blocks", lambda *a, **k: 2)
     q = torch.zeros(4, 32, 128).half()
-    _, name, _, _ = decode._split_kernel(q, 4, 32, 8, 128, 4096, page=page, fp8=True)
-    assert name.startswith("dec_mma_f16_d128_r8") and name.endswith(suffix), name
+    _, name, S, _ = decode._split_kernel(q, 4, 32, 8, 128, 4096, page=page, fp8=True)
+    assert S >= 3 and name == f"dec_mma_f16_d128_r8_p{suffix}", (S, name)
+    monkeypatch.setattr(decode, "DEC_F8_PIPE", False)  # (A/B runs: the build that loads a tile at a time)
+    _, name, S, _ = decode._split_kernel(q, 4, 32, 8, 128, 4096, page=page, fp8=True)
+    assert S >= 3 and name == f"dec_mma_f16_d128_r8{suffix}", (S, name)
+    _, name, _, _ = decode._split_kernel(q, 4, 32, 8, 128, 4096, page=page)  # 16-bit pages keep _p
+    assert "_p_pg" in name, name

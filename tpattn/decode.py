@@ -174,7 +174,10 @@ DEC_STAGED_PAGED = False  # ... and over a pool of whole-tile pages, in chunks o
                           # than _p_pg on one H100 with its first grid (docs/decode.md); for A/B runs
 DEC_F8_TILE_PAGES = True   # an FP8 pool of whole-tile pages through the tensor-core split's _pgt8 build (PG 2: no
                            # run-time choice of addressing, a tile's scales in paired loads) instead of _pg8 (any
-                           # page size): the same bits; off until measured (scripts/bench_paged.py --fp8 --fp8-tile)
+                           # page size): the same bits, in 0.69-0.86x its time on an H100 (docs/serving.md)
+DEC_F8_PIPE = True    # an FP8 pool's tensor-core split pipelines its loads (_p) from 3 chunks on, as 16-bit pages
+                      # do; off: never (at d = 128 _pgt8 holds 128 registers, 4 blocks an SM, _p_pgt8 174, 2): for
+                      # A/B runs (scripts/sweep_decode_splits.py --fp8), not measured yet
 EQ_SPREAD = 4         # _pgb: the grid's chunks a pair, over one_block_an_sm's: room for a sequence this many
                       # times the batch's mean length to take its share of chunks
 
@@ -372,7 +375,8 @@ def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int,
         if mma:  # tensor cores: the group's heads as the rows of an m16 tile, 8 or 16 at a time; with 3
             # or more chunks, the next tile's loads in flight while one is computed (_p: faster there,
             # slower at large batch, where fewer blocks fit: measured)
-            return f"dec_mma_{suf}_d{d}_r{16 if h // g > 8 else 8}{'_p' if S >= 3 else ''}{mma_pg}"
+            pipe = S >= 3 and (DEC_F8_PIPE or not fp8)
+            return f"dec_mma_{suf}_d{d}_r{16 if h // g > 8 else 8}{'_p' if pipe else ''}{mma_pg}"
         # CUDA cores: 1, 2, 4 or 8 query heads at a time
         return f"dec_split_{suf}_d{d}_g{next(n for n in (1, 2, 4, 8) if n >= min(h // g, 8))}{pg}"
 
