@@ -47,7 +47,9 @@
 //               8 bytes a lane per key (cvt e4m3x2 -> f16x2), each key's dot product times its K
 //               scale, each p times its V scale.
 //   dec_mma_..._pg8  the tensor-core split over an FP8 pool (sm_89+; d = 64 and 128, grouped heads):
-//               the same fragments from half the bytes (see dec_mma's comment).
+//               the same fragments from half the bytes (see dec_mma's comment); _pgt8 the same over pages
+//               of whole 16-key tiles, unpredicated loads from one base a lane (tpattn/decode.py runs it
+//               for such pages: about half _pg8's instructions a tile).
 //   pg_prepare  a graphed paged decode step's rows from its inputs, slots, lengths before the step and
 //               the page it takes, if any ([4, n], int64, on the device): each row's position and
 //               page, its block-table row (the device's mirror [slots + 1, W], the page taken
