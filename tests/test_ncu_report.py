@@ -57,3 +57,47 @@ def test_the_workload_needs_a_gpu_and_says_so_in_one_line():
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["ncu_backward: error: the workload needs a CUDA GPU (--report reads a "
                                              "CSV anywhere)"]
+
+
+SOURCE_HEAD = ('"# Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+               '"Instructions Executed","stall_wait","stall_math","stall_barrier"')
+
+
+def test_fp8_opcodes_sum_the_hot_instructions_samples_by_opcode_and_reason(tmp_path):
+    """scripts/ncu_fp8.py --opcodes on a source-page CSV (SASS): the samples of the instructions executed
+    at least --min-share of the most executed one's count, by opcode (predicates and modifiers dropped)
+    and by stall reason; a rarely executed instruction (the producer, the prologue) is left out."""
+    lines = [SOURCE_HEAD,
+             '"0x100","MUFU.EX2 R4, R4","60","50","1000","40","20","0"',
+             '"0x110","@!P0 MUFU.EX2 R5, R5","20","10","1000","0","20","0"',
+             '"0x120","FMNMX R6, R6, R7, !PT","20","15","1000","5","0","15"',
+             '"0x130","SYNCS.PHASECHK.TRANS64 P0, [UR4], R2","500","500","10","0","0","500"']
+    src = tmp_path / "fwd_fp8_sass.csv"
+    src.write_text("\n".join(lines) + "\n")
+    r = subprocess.run([sys.executable, "scripts/ncu_fp8.py", "--opcodes", str(src), "--top", "2"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "3 instructions executed at least 0.5 x the most executed one's 1e+03 times; 100 warp-stall samples" in out
+    assert "MUFU            80.0 %  n=2" in out and "FMNMX           20.0 %  n=1" in out and "SYNCS" not in out
+    assert out.index("stall_math") > out.index("stall_wait")  # 45 % then 40 %
+    assert "stall_wait                    45.0 %" in out and "stall_barrier                 15.0 %" in out
+    top = out.split("the 2 instructions with the most samples:")[1].strip().splitlines()
+    assert len(top) == 2 and "60.0 %  stall_wait" in top[0] and "MUFU.EX2 R4, R4" in top[0]
+
+
+def test_fp8_opcodes_refuse_another_page_and_bad_options_in_one_line(tmp_path):
+    details = tmp_path / "fwd_fp8.csv"
+    details.write_text(HEAD + "\n")
+    r = subprocess.run([sys.executable, "scripts/ncu_fp8.py", "--opcodes", str(details)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "--page source --print-source sass" in r.stderr
+    r = subprocess.run([sys.executable, "scripts/ncu_fp8.py", "--opcodes", str(details), "--min-share", "2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--min-share is a share" in r.stderr
+    r = subprocess.run([sys.executable, "scripts/ncu_fp8.py"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "ncu_fp8: error: the workload needs a GPU of compute capability 9.0 (--report and --opcodes read CSV files "
+        "anywhere)"]
