@@ -86,6 +86,11 @@
 #           graphs), scripts/bench_paged.py --fp8 --layer (the decode kernel on e4m3 pages beside fp16
 #           pages, and the graphed step), the serving example with --kv-dtype fp8, compute-sanitizer over
 #           scripts/sanitize_decode.py
+#   fp8tune  where the FP8 kernels' time goes: scripts/sweep_decode_splits.py --fp8 (an FP8 pool's chunk counts, the
+#           pipelined build and the one without), bench_paged.py --fp8 --fp8-other-build --graph (_pgt8 beside
+#           _pg8), scripts/ab_fp8.py and trace_fused.py --fp8 (the forward's softmax knobs and per-step cycles), and
+#           Nsight Compute (--set full, the source page in SASS) over one FP8 forward and one fp16 forward, with
+#           scripts/ncu_fp8.py's table and the FP8 kernel's warp-stall samples by opcode
 #   ring    context parallelism on one GPU: pytest -m gpu tests/test_gpu_ring.py (the ranks sharing it over
 #           gloo, the kernels' dQ sum against each piece's dQ added), compute-sanitizer memcheck and racecheck
 #           over scripts/sanitize_backward.py (its ring ranks among the rest), scripts/bench_ring.py causal at
@@ -547,6 +552,26 @@ if want fp8; then
     timeout 300 "$san" --tool $tool --error-exitcode 9 python3 scripts/sanitize_decode.py > "$OUT/sanitizer_fp8_$tool.log" 2>&1
     echo "$tool exit $?"; grep -E "FP8|ERROR SUMMARY" "$OUT/sanitizer_fp8_$tool.log" | tail -5
   done
+fi
+if want fp8tune; then
+  note "where the FP8 kernels' time goes: the pool's chunk counts and builds, the forward's knobs, trace and profile"
+  shapes="1,8,32768 16,8,4096 64,8,4096"
+  timeout 300 python3 scripts/sweep_decode_splits.py --fp8 --shapes $shapes 2>&1 | tee "$OUT/sweep_fp8.log" || status=1
+  timeout 200 python3 scripts/bench_paged.py --fp8 --fp8-other-build --graph --pages 16 --rounds 3 --shapes $shapes \
+    --json "$OUT/bench_paged_fp8_builds.json" 2>&1 | tee "$OUT/bench_paged_fp8_builds.log" || status=1
+  timeout 300 python3 scripts/ab_fp8.py --rounds 3 2>&1 | tee "$OUT/ab_fp8.log" || status=1
+  timeout 120 python3 scripts/trace_fused.py --fp8 --out "$OUT" --name trace_fp8 --commit "${COMMIT:-unknown}" \
+    2>&1 | tee "$OUT/trace_fp8.log" || status=1
+  mkdir -p "$OUT/ncu"
+  ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  for c in fp8 fp16; do
+    timeout 300 "$ncu" --clock-control none --profile-from-start off --set full --import-source yes -f \
+      -o "/tmp/fwd_$c" python3 scripts/ncu_fp8.py --contender $c > "$OUT/ncu/run_fwd_$c.log" 2>&1 || status=1
+    "$ncu" --import "/tmp/fwd_$c.ncu-rep" --csv --page details > "$OUT/ncu/fwd_$c.csv" || status=1
+    "$ncu" --import "/tmp/fwd_$c.ncu-rep" --csv --page source --print-source sass > "$OUT/ncu/fwd_${c}_sass.csv" || status=1
+  done
+  python3 scripts/ncu_fp8.py --report "$OUT/ncu/fwd_fp8.csv" "$OUT/ncu/fwd_fp16.csv" | tee "$OUT/ncu/fwd_table.txt" || status=1
+  python3 scripts/ncu_fp8.py --opcodes "$OUT/ncu/fwd_fp8_sass.csv" | tee "$OUT/ncu/fwd_fp8_opcodes.txt" || status=1
 fi
 if want ncubwd; then
   note "the backward under Nsight Compute: tpattn's kernels beside cuDNN's"
