@@ -118,6 +118,23 @@ __device__ __forceinline__ tc_u32 dec_e4m3x2(tc_u32 four) {
     return h;
 }
 
+// dec_if<B, T, F>::type: T where B, else F (no <type_traits> under NVRTC); dec_acc<N>: N fragments of
+// fp32 accumulators; dec_none: nothing (a member a build without it does not hold)
+template <bool B, class T, class F> struct dec_if { using type = T; };
+template <class T, class F> struct dec_if<false, T, F> { using type = F; };
+template <int N> struct dec_acc { float v[N][4]; };
+struct dec_none {};
+
+// an 8 x 8 matrix of 16-bit values, a row a quad of lanes (lane i: row i / 4, elements 2 (i % 4) and
+// 2 (i % 4) + 1, the lower in the low half), transposed in place across the warp (sm_75+)
+__device__ __forceinline__ tc_u32 dec_trans(tc_u32 x) {
+    tc_u32 y = x;
+#if __CUDA_ARCH__ >= 750
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+#endif
+    return y;
+}
+
 // N 32-bit words of an FP8 page (4N bytes from p, 4N-byte aligned), or zeros where !in
 template <int N>
 __device__ __forceinline__ void dec_words8(const unsigned char *p, bool in, tc_u32 (&w)[N]) {
@@ -483,7 +500,7 @@ __device__ __forceinline__ void dec_trace_block(unsigned long long start, unsign
     e[0] = start, e[1] = first, e[2] = rows, e[3] = dec_now(), e[4] = r, e[5] = combined;
 }
 #endif
-template <int D, bool M16, bool PIPE, bool BF16, int PG, typename KV = tc_u16, int STG = 0>
+template <int D, bool M16, bool PIPE, bool BF16, int PG, typename KV = tc_u16, int STG = 0, bool KT = false>
 __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *__restrict__ K,
                                         const KV *__restrict__ V, float *__restrict__ Op,
                                         float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets,
@@ -493,6 +510,7 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                                         const float *__restrict__ kscale = nullptr,
                                         const float *__restrict__ vscale = nullptr) {
     constexpr bool F8 = sizeof(KV) == 1, PAGED = PG != 0;
+    static_assert(!KT || (F8 && PG == 2 && !M16), "KT (_pgt8s): an FP8 pool of whole-tile pages, 8 heads a pass");
     constexpr int E = D / 4, KS = D / 16, NT = D / 8, ROWS = M16 ? 16 : 8, W = DEC_THREADS / 32;
     __shared__ float sm[W][ROWS], sl[W][ROWS];
     __shared__ float so_own[STG > 0 ? 1 : W][ROWS][D];  // STG: each warp's rows at the start of its own ring
@@ -728,12 +746,18 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                         for (int t = 0; t < 2; ++t) dec_words8<E / 4>(kp + 8 * t * D, true, x.k[t]);
 #pragma unroll
                         for (int k = 0; k < 4; ++k) dec_words8<NT / 4>(vp + ((k >> 1) * 8 + (k & 1)) * D, true, x.v[k]);
-                        const long long sb = tb / D + 2 * c;
+                        if constexpr (KT) {  // (_pgt8s) the scales of keys r and r + 8, the lane's S columns
+                            const long long sb = tb / D + r;
+                            x.ks[0] = __ldg(kscale + sb), x.ks[1] = __ldg(kscale + sb + 8);
+                            x.vs[0] = __ldg(vscale + sb), x.vs[1] = __ldg(vscale + sb + 8);
+                        } else {
+                            const long long sb = tb / D + 2 * c;
 #pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const float2 kq = __ldg((const float2 *)(kscale + sb + 8 * h));
-                            const float2 vq = __ldg((const float2 *)(vscale + sb + 8 * h));
-                            x.ks[2 * h] = kq.x, x.ks[2 * h + 1] = kq.y, x.vs[2 * h] = vq.x, x.vs[2 * h + 1] = vq.y;
+                            for (int h = 0; h < 2; ++h) {
+                                const float2 kq = __ldg((const float2 *)(kscale + sb + 8 * h));
+                                const float2 vq = __ldg((const float2 *)(vscale + sb + 8 * h));
+                                x.ks[2 * h] = kq.x, x.ks[2 * h + 1] = kq.y, x.vs[2 * h] = vq.x, x.vs[2 * h + 1] = vq.y;
+                            }
                         }
                     } else {
 #pragma unroll
@@ -763,9 +787,84 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                                 const bool in = t0 + (k >> 1) * 8 + 2 * c + (k & 1) < k1;
 #pragma unroll
                                 for (int i = 0; i < NT / 4; ++i) x.v[k][i] = in ? x.v[k][i] : 0u;
-                                x.ks[k] = in ? x.ks[k] : 0.0f;
-                                x.vs[k] = in ? x.vs[k] : 0.0f;
+                                if constexpr (!KT) {
+                                    x.ks[k] = in ? x.ks[k] : 0.0f;
+                                    x.vs[k] = in ? x.vs[k] : 0.0f;
+                                }
                             }
+                            if constexpr (KT) {  // (keys r and r + 8)
+#pragma unroll
+                                for (int h = 0; h < 2; ++h) {
+                                    const bool in = t0 + 8 * h + r < k1;
+                                    x.ks[h] = in ? x.ks[h] : 0.0f;
+                                    x.vs[h] = in ? x.vs[h] : 0.0f;
+                                }
+                            }
+                        }
+                    }
+                };
+                // (_pgt8s) the tile with the keys as the rows of the products: S^T = K Q^T in one m16n8k16 a
+                    // k-step (A: the lane's K bytes of keys r and r + 8, widened in place; B: q of head r, the
+                    // fragment it holds across tiles), so no row of A is zeros and no register is copied into
+                    // an A quad. A lane holds heads 2c, 2c + 1 at keys r, r + 8: their maxima and sums over
+                    // the 8 lanes of its c. P^T (times V scale / the tile's largest) in fp16 is transposed per
+                    // 8 x 8 block (movmatrix) into the B fragment of O^T += V^T P^T, whose A rows r and r + 8
+                    // are columns 2u and 2u + 1 of the lane's NT, at keys 2c, 2c + 1, 2c + 8, 2c + 9 (the V
+                    // bytes the lane reads): NT / 2 products a tile, into ot [NT / 2][4]
+                typename dec_if<KT, dec_acc<NT / 2>, dec_none>::type ot;  // (KT alone: O^T's accumulators)
+                if constexpr (KT)
+#pragma unroll
+                    for (int u = 0; u < NT / 2; ++u) ot.v[u][0] = ot.v[u][1] = ot.v[u][2] = ot.v[u][3] = 0.0f;
+                auto compute8t = [&](const Tile8 &x, int t0) {
+                    if constexpr (KT) {
+                        float st[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // (key r, head 2c), (r, 2c + 1), (r + 8, 2c), (r + 8, 2c + 1)
+#pragma unroll
+                        for (int j = 0; j < KS; ++j) {
+                            const tc_u32 a[4] = {dec_e4m3x2<BF16>(x.k[0][j]), dec_e4m3x2<BF16>(x.k[1][j]),
+                                                 dec_e4m3x2<BF16, 1>(x.k[0][j]), dec_e4m3x2<BF16, 1>(x.k[1][j])};
+                            tc_mma<BF16>(st, a, qa[2 * j], qa[2 * j + 1]);
+                        }
+                        const bool in0 = t0 + r < k1, in1 = t0 + r + 8 < k1;
+                        const float c0 = x.ks[0] * scale_log2, c1 = x.ks[1] * scale_log2;
+                        st[0] = in0 ? st[0] * c0 : TC_NEG_INF;
+                        st[1] = in0 ? st[1] * c0 : TC_NEG_INF;
+                        st[2] = in1 ? st[2] * c1 : TC_NEG_INF;
+                        st[3] = in1 ? st[3] * c1 : TC_NEG_INF;
+                        float mx0 = fmaxf(st[0], st[2]), mx1 = fmaxf(st[1], st[3]);
+                        float mv = fmaxf(x.vs[0], x.vs[1]);
+#pragma unroll
+                        for (int o = 4; o < 32; o <<= 1) {
+                            mx0 = fmaxf(mx0, tc_shfl_xor(mx0, o));
+                            mx1 = fmaxf(mx1, tc_shfl_xor(mx1, o));
+                            mv = fmaxf(mv, tc_shfl_xor(mv, o));
+                        }
+                        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+                        const float ref0 = n0 == TC_NEG_INF ? 0.0f : n0, ref1 = n1 == TC_NEG_INF ? 0.0f : n1;
+                        const float a0 = tc_exp2(m0 - ref0), a1 = tc_exp2(m1 - ref1);
+                        m0 = n0, m1 = n1;
+                        st[0] = tc_exp2(st[0] - ref0), st[2] = tc_exp2(st[2] - ref0);
+                        st[1] = tc_exp2(st[1] - ref1), st[3] = tc_exp2(st[3] - ref1);
+                        l0 = l0 * a0 + (st[0] + st[2]);  // (this lane's keys: summed over the 8 lanes at the end)
+                        l1 = l1 * a1 + (st[1] + st[3]);
+                        const float iv = mv > 0.0f ? 1.0f / mv : 0.0f, w0 = x.vs[0] * iv, w1 = x.vs[1] * iv;
+                        const tc_u32 b0 = dec_trans(tc_pack<false>(st[0] * w0, st[1] * w0));  // keys 2c, 2c + 1 of head r
+                        const tc_u32 b1 = dec_trans(tc_pack<false>(st[2] * w1, st[3] * w1));  // keys 8 + 2c, 9 + 2c
+                        tc_u32 vf[4][NT / 2];  // V widened to f16x2: word u = columns 2u, 2u + 1 of the lane's NT
+#pragma unroll
+                        for (int k = 0; k < 4; ++k)
+#pragma unroll
+                            for (int i = 0; i < NT / 4; ++i)
+                                vf[k][2 * i] = dec_e4m3x2<false>(x.v[k][i]), vf[k][2 * i + 1] = dec_e4m3x2<false, 1>(x.v[k][i]);
+#pragma unroll
+                        for (int u = 0; u < NT / 2; ++u) {
+                            const tc_u32 a[4] = {__byte_perm(vf[0][u], vf[1][u], 0x5410u), __byte_perm(vf[0][u], vf[1][u], 0x7632u),
+                                                 __byte_perm(vf[2][u], vf[3][u], 0x5410u), __byte_perm(vf[2][u], vf[3][u], 0x7632u)};
+                            float pv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                            tc_mma<false>(pv, a, b0, b1);
+                            ot.v[u][0] = fmaf(ot.v[u][0], a0, mv * pv[0]);
+                            ot.v[u][1] = fmaf(ot.v[u][1], a1, mv * pv[1]);
+                            ot.v[u][2] = fmaf(ot.v[u][2], a0, mv * pv[2]);
+                            ot.v[u][3] = fmaf(ot.v[u][3], a1, mv * pv[3]);
                         }
                     }
                 };
@@ -819,17 +918,32 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                     for (int t0 = k0 + 16 * warp; t0 < k1; t0 += 32 * W) {
                         load8(t0 + 16 * W, x1);
                         mask8(x0, t0);
-                        compute8(x0, t0);
+                        if constexpr (KT) compute8t(x0, t0); else compute8(x0, t0);
                         if (t0 + 16 * W >= k1) break;
                         load8(t0 + 32 * W, x0);
                         mask8(x1, t0 + 16 * W);
-                        compute8(x1, t0 + 16 * W);
+                        if constexpr (KT) compute8t(x1, t0 + 16 * W); else compute8(x1, t0 + 16 * W);
                     }
                 } else {
                     for (int t0 = k0 + 16 * warp; t0 < k1; t0 += 16 * W) {
                         load8(t0, x0);
                         mask8(x0, t0);
-                        compute8(x0, t0);
+                        if constexpr (KT) compute8t(x0, t0); else compute8(x0, t0);
+                    }
+                }
+                if constexpr (KT) {  // the warp's rows: head 2c (m0, l0) and 2c + 1 (m1, l1) of each lane
+#pragma unroll
+                    for (int o = 4; o < 32; o <<= 1) l0 += tc_shfl_xor(l0, o), l1 += tc_shfl_xor(l1, o);
+                    if (r == 0) {
+                        sm[warp][2 * c] = m0, sl[warp][2 * c] = l0;
+                        sm[warp][2 * c + 1] = m1, sl[warp][2 * c + 1] = l1;
+                    }
+#pragma unroll
+                    for (int u = 0; u < NT / 2; ++u) {
+                        so(warp)[2 * c][r * NT + 2 * u] = ot.v[u][0];
+                        so(warp)[2 * c + 1][r * NT + 2 * u] = ot.v[u][1];
+                        so(warp)[2 * c][r * NT + 2 * u + 1] = ot.v[u][2];
+                        so(warp)[2 * c + 1][r * NT + 2 * u + 1] = ot.v[u][3];
                     }
                 }
             } else if constexpr (STG > 0) {
@@ -905,18 +1019,21 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                 }
             }
             // the warp's rows: l summed over the quad; output column n of n-tile u is column n NT + u
-            l0 += tc_shfl_xor(l0, 1);
-            l0 += tc_shfl_xor(l0, 2);
-            if (M16) l1 += tc_shfl_xor(l1, 1), l1 += tc_shfl_xor(l1, 2);
-            if (c == 0) {
-                sm[warp][r] = m0, sl[warp][r] = l0;
-                if (M16) sm[warp][r + 8] = m1, sl[warp][r + 8] = l1;
-            }
+            // (KT: written above)
+            if constexpr (!KT) {
+                l0 += tc_shfl_xor(l0, 1);
+                l0 += tc_shfl_xor(l0, 2);
+                if (M16) l1 += tc_shfl_xor(l1, 1), l1 += tc_shfl_xor(l1, 2);
+                if (c == 0) {
+                    sm[warp][r] = m0, sl[warp][r] = l0;
+                    if (M16) sm[warp][r + 8] = m1, sl[warp][r + 8] = l1;
+                }
 #pragma unroll
-            for (int u = 0; u < NT; ++u) {
-                so(warp)[r][(2 * c) * NT + u] = o[u][0];
-                so(warp)[r][(2 * c + 1) * NT + u] = o[u][1];
-                if (M16) so(warp)[r + 8][(2 * c) * NT + u] = o[u][2], so(warp)[r + 8][(2 * c + 1) * NT + u] = o[u][3];
+                for (int u = 0; u < NT; ++u) {
+                    so(warp)[r][(2 * c) * NT + u] = o[u][0];
+                    so(warp)[r][(2 * c + 1) * NT + u] = o[u][1];
+                    if (M16) so(warp)[r + 8][(2 * c) * NT + u] = o[u][2], so(warp)[r + 8][(2 * c + 1) * NT + u] = o[u][3];
+                }
             }
             __syncthreads();
             for (int t = tid; t < nh * D; t += DEC_THREADS) {
@@ -1130,7 +1247,21 @@ __device__ __forceinline__ void dec_append_pg8(const tc_u16 *__restrict__ QKV, t
     DEC_MMA8(SUF, BF16, D, false, 8, true, _p, PG, PSUF) DEC_MMA8(SUF, BF16, D, true, 16, true, _p, PG, PSUF)
 // _pg8: any page size (PG 3, whole tiles or a lookup a key chosen at run time); _pgt8: pages of whole
 // 16-key tiles alone (PG 2: no run-time choice, no division, a tile's scales in paired loads)
-#define DEC_MMAS8(SUF, BF16, D) DEC_MMAS8P(SUF, BF16, D, 3, _pg8) DEC_MMAS8P(SUF, BF16, D, 2, _pgt8)
+// _pgt8s: _pgt8 with the keys as the rows of both products (KT: 8 heads a pass; see dec_mma)
+#define DEC_MMA8T(SUF, BF16, D, PIPE, P)                                                                \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r8##P##_pgt8s(      \
+        const tc_u16 *__restrict__ Q, const unsigned char *__restrict__ K, const unsigned char *__restrict__ V, \
+        float *__restrict__ Op, float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets, \
+        int BG, int G, int group, int S, float scale_log2, const int *__restrict__ table,               \
+        const int *__restrict__ lens, int tstride, int page, const float *__restrict__ KS,              \
+        const float *__restrict__ VS) {                                                                 \
+        dec_mma<D, false, PIPE, BF16, 2, unsigned char, 0, true>(Q, K, V, Op, Lp, O, tickets, BG, G, group, 0, \
+                                                                 nullptr, 0, S, scale_log2, table, lens, tstride, \
+                                                                 page, KS, VS);                         \
+    }
+#define DEC_MMAS8(SUF, BF16, D)                                                                         \
+    DEC_MMAS8P(SUF, BF16, D, 3, _pg8) DEC_MMAS8P(SUF, BF16, D, 2, _pgt8) DEC_MMA8T(SUF, BF16, D, false, ) \
+    DEC_MMA8T(SUF, BF16, D, true, _p)
 // the CUDA-core split over an FP8 pool (_pg8): e4m3 pages and their row scales KS, VS
 #define DEC_SPLIT8(SUF, BF16, D, GQ)                                                                    \
     extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_split_##SUF##_d##D##_g##GQ##_pg8(    \

@@ -27,8 +27,9 @@ to issue a call beside its wall time, and cProfile's functions with the most hos
 an FP8 pool (PagedKV(kv_dtype="fp8"): e4m3 pages and a scale a row, the split's _pg8) beside the fp16
 pages of each page size, and with --layer its graphed step; its GB/s count the bytes it reads (d + 4
 a row where fp16 reads 2d); --fp8-other-build adds each FP8 row of whole-tile pages again through
-the tensor-core split's other build (tpattn.decode.DEC_F8_TILE_PAGES flipped: "... fp8 _pg8", the
-build of any page size, where tpattn runs _pgt8). On compute capability 9.0 the staged build of equal-work chunks (_pgb, off
+each build of the tensor-core split that tpattn does not run there ("... fp8 _pg8": any page size;
+"_pgt8": whole-tile pages, tpattn's; "_pgt8s": the keys as the products' rows; tpattn.decode's
+DEC_F8_TILE_PAGES and DEC_F8_KT). On compute capability 9.0 the staged build of equal-work chunks (_pgb, off
 by default: tpattn.decode.DEC_STAGED_PAGED) can run a pool of whole-tile pages whose (sequence, K/V
 head) pairs fit on the SMs: --both-builds adds each paged row again with it ("... staged");
 --staged-pages runs it throughout, the layer's steps too.
@@ -357,16 +358,23 @@ def host_profile_prefills(H: int, d: int, top: int, backend: str = "fused", chun
             print(out.getvalue().split("\n\n", 1)[-1].rstrip())
 
 
-def switched(switch: str, fn, value: bool = True):
-    """fn() with tpattn.decode's switch set to value: DEC_STAGED_PAGED (the staged paged build _pgb where
-    it applies) or DEC_F8_TILE_PAGES (an FP8 pool's tensor-core split through _pgt8 over whole-tile
-    pages, else _pg8)."""
-    was = getattr(decode, switch)
-    setattr(decode, switch, value)
+def switched(switches: dict, fn):
+    """fn() with tpattn.decode's switches set: DEC_STAGED_PAGED (the staged paged build _pgb where it
+    applies), DEC_F8_TILE_PAGES and DEC_F8_KT (an FP8 pool's tensor-core split over whole-tile pages:
+    _pgt8, or _pgt8s with both on; _pg8 with neither)."""
+    was = {k: getattr(decode, k) for k in switches}
+    for k, v in switches.items():
+        setattr(decode, k, v)
     try:
         return fn()
     finally:
-        setattr(decode, switch, was)
+        for k, v in was.items():
+            setattr(decode, k, v)
+
+
+FP8_BUILDS = {"_pg8": {"DEC_F8_TILE_PAGES": False, "DEC_F8_KT": False},
+              "_pgt8": {"DEC_F8_TILE_PAGES": True, "DEC_F8_KT": False},
+              "_pgt8s": {"DEC_F8_TILE_PAGES": True, "DEC_F8_KT": True}}
 
 
 def main(argv=None) -> int:
@@ -403,8 +411,8 @@ def main(argv=None) -> int:
     p.add_argument("--fp8", action="store_true", help="also an FP8 pool (e4m3 pages, a scale a row) beside each "
                    "page size's fp16 pages, and with --layer its graphed step")
     p.add_argument("--fp8-other-build", action="store_true", help="with --fp8: each FP8 row of whole-tile pages "
-                   "(16, 32, 64, ... tokens) again through the tensor-core split's other build (DEC_F8_TILE_PAGES "
-                   "flipped: _pg8 where tpattn runs _pgt8; the same bits)")
+                   "(16, 32, 64, ... tokens) again through each build of the tensor-core split tpattn does not run "
+                   "there (_pg8, _pgt8, _pgt8s)")
     p.add_argument("--profile-prefill", type=int, metavar="K", help="also one call of each prefill under "
                    "torch.profiler: wall, host and GPU time, and the K ops with the most host time")
     a = p.parse_args(argv)
@@ -445,13 +453,14 @@ def main(argv=None) -> int:
         if a.both_builds:  # each paged row again with the staged build
             for name in [n for n in cont if n.startswith("paged") and "fp8" not in n]:
                 fn, tokens, nbytes = cont[name]
-                cont[f"{name} staged"] = (lambda fn=fn: switched("DEC_STAGED_PAGED", fn), tokens, nbytes)
-        if a.fp8_other_build:  # each FP8 row of whole-tile pages again through the other build
-            other = not decode.DEC_F8_TILE_PAGES
+                cont[f"{name} staged"] = (lambda fn=fn: switched({"DEC_STAGED_PAGED": True}, fn), tokens, nbytes)
+        if a.fp8_other_build:  # each FP8 row of whole-tile pages again through the builds tpattn does not run
+            now = {k: getattr(decode, k) for k in FP8_BUILDS["_pg8"]}
             for name in [n for n in cont if n.endswith("fp8") and decode.tile_pages(int(n.split()[1]))]:
                 fn, tokens, nbytes = cont[name]
-                cont[f"{name} {'_pgt8' if other else '_pg8'}"] = (lambda fn=fn: switched("DEC_F8_TILE_PAGES", fn, other),
-                                                                  tokens, nbytes)
+                for build, switches in FP8_BUILDS.items():
+                    if switches != now:
+                        cont[f"{name} {build}"] = (lambda fn=fn, sw=switches: switched(sw, fn), tokens, nbytes)
         times = {k: [] for k in cont}
         for _ in range(a.rounds):
             for name, (fn, _, _) in cont.items():

@@ -10,7 +10,8 @@ count measured; then every count. The paged layouts run the builds whose count t
 (tpattn.decode.DEC_STAGED_PAGED off: the staged paged build sizes its chunks from the lengths on the
 device, so a forced count would not change its work). --fp8: the two paged layouts over an FP8 pool
 instead (e4m3 pages, a scale a row), each with the tensor-core split's pipelined build from 3 chunks on
-(tpattn.decode.DEC_F8_PIPE, as tpattn runs it) and again without it ("... nopipe": more blocks an SM).
+(tpattn.decode.DEC_F8_PIPE, as tpattn runs it) and again without it ("... nopipe": more blocks an SM),
+each through _pgt8 and through _pgt8s ("kt": the keys as the products' rows, tpattn.decode.DEC_F8_KT).
 
     PYTHONPATH=. python scripts/sweep_decode_splits.py [--shapes B,G,L ...] [--fp8]
 """
@@ -59,15 +60,16 @@ def main() -> int:
         full = torch.full((B,), L, dtype=torch.int32, device=dev)
         ragged = torch.tensor([int(L * (0.4 + 1.2 * i / max(1, B - 1))) if B > 1 else L for i in range(B)],
                               dtype=torch.int32, device=dev).clamp(1, L)
-        layouts = [("contiguous", None, True), ("paged", full, True), ("ragged", ragged, True)]
+        layouts = [("contiguous", None, (True, False)), ("paged", full, (True, False)), ("ragged", ragged, (True, False))]
         sc = None
         if args.fp8:
             pk, pv, sc = fp8_pages(pk, pv)
-            layouts = [(f"{name} fp8{'' if pipe else ' nopipe'}", lens, pipe) for name, lens in (("paged", full), ("ragged", ragged))
+            layouts = [(f"{name} fp8{' kt' if kt else ''}{'' if pipe else ' nopipe'}", lens, (pipe, kt))
+                       for name, lens in (("paged", full), ("ragged", ragged)) for kt in (False, True)
                        for pipe in (True, False)]
-        for layout, lens, pipe in layouts:
+        for layout, lens, (pipe, kt) in layouts:
             forced["S"] = None
-            decode.DEC_F8_PIPE = pipe
+            decode.DEC_F8_PIPE, decode.DEC_F8_KT = pipe, kt
             source, name, chosen, smem = decode._split_kernel(q[:, :, 0], B, H, G, d, L, page=0 if lens is None else page,
                                                               fp8=sc is not None)
             S0 = picks(B * G, L, sms, 2 if name.startswith("dec_mma") else 4)
@@ -80,12 +82,12 @@ def main() -> int:
                 else:
                     times[S] = graph_us(lambda: decode.paged_decode_attention(q[:, :, 0], pk, pv, table, lens, L, scales=sc), 20)
             best = min(times, key=times.get)
-            print(f"B={B} G={G} L={L} {layout:10s} {name:28s} {resident_blocks(source, name, dev, decode.DEC_THREADS, shared_mem=smem)} "
+            print(f"B={B} G={G} L={L} {layout:20s} {name:29s} {resident_blocks(source, name, dev, decode.DEC_THREADS, shared_mem=smem)} "
                   f"blocks/SM  S0={S0}: {times[S0]:.1f}  picked S={chosen}: {times[chosen]:.1f} "
                   f"(x{times[chosen] / times[S0]:.3f})  fastest S={best}: {times[best]:.1f}", flush=True)
             print("    " + " ".join(f"{S}:{t:.1f}" for S, t in times.items()), flush=True)
     decode.decode_splits = picks
-    decode.DEC_F8_PIPE = True
+    decode.DEC_F8_PIPE, decode.DEC_F8_KT = True, False
     return 0
 
 

@@ -536,12 +536,14 @@ def test_fp8_append_kernel_gives_quantize_rows_bits(dtype, rope, d):
     assert vs[pages[4], 0, pos[4] % P] == 0  # a row of zeros keeps scale 0
 
 
-@pytest.fixture(params=[False, True], ids=["pg8", "pgt8"])
+@pytest.fixture(params=["pg8", "pgt8", "pgt8s"])
 def f8_tile(request, monkeypatch):
-    """Both builds of the tensor-core split over FP8 pages: _pg8 (any page) and, over whole-tile
-    pages, _pgt8 (DEC_F8_TILE_PAGES)."""
+    """The builds of the tensor-core split over FP8 pages: _pg8 (any page) and, over whole-tile
+    pages, _pgt8 (DEC_F8_TILE_PAGES) and _pgt8s (DEC_F8_KT too: the keys as the products' rows, up
+    to 8 query heads a pass)."""
     import tpattn.decode as dec
-    monkeypatch.setattr(dec, "DEC_F8_TILE_PAGES", request.param)
+    monkeypatch.setattr(dec, "DEC_F8_TILE_PAGES", request.param != "pg8")
+    monkeypatch.setattr(dec, "DEC_F8_KT", request.param == "pgt8s")
     return request.param
 
 
@@ -605,7 +607,8 @@ def test_fp8_tile_build_gives_the_any_page_builds_bits_and_reads_nothing_past_a_
                                                                                         monkeypatch):
     """Over whole-tile pages, _pgt8 (paired scale loads, no run-time addressing) writes _pg8's bits,
     lengths ending inside a tile. Every page row past a sequence's length (its last page's rest, and the
-    spare pages) holds NaN bytes and NaN scales: neither build reads them into the output."""
+    spare pages) holds NaN bytes and NaN scales: no build reads them into the output (_pgt8s, whose sums
+    run in another order, within the float64 tolerance)."""
     import tpattn.decode as dec
     from tpattn.attention import fp8
     lens = [1, 37, 300, 1100, 16, 15]
@@ -621,12 +624,15 @@ def test_fp8_tile_build_gives_the_any_page_builds_bits_and_reads_nothing_past_a_
         t.view(torch.uint8)[dead] = 0x7F  # e4m3 NaN
     ks[dead], vs[dead] = float("nan"), float("nan")
     outs = {}
-    for tile in (False, True):
-        monkeypatch.setattr(dec, "DEC_F8_TILE_PAGES", tile)
-        outs[tile] = paged_decode_attention(q, pk8, pv8, table, lens_t, max(lens), scales=(ks, vs))
-    assert torch.isfinite(outs[True]).all() and torch.equal(outs[True], outs[False])
+    for build in ("pg8", "pgt8", "pgt8s"):
+        monkeypatch.setattr(dec, "DEC_F8_TILE_PAGES", build != "pg8")
+        monkeypatch.setattr(dec, "DEC_F8_KT", build == "pgt8s")
+        outs[build] = paged_decode_attention(q, pk8, pv8, table, lens_t, max(lens), scales=(ks, vs))
+    assert torch.isfinite(outs["pgt8"]).all() and torch.equal(outs["pgt8"], outs["pg8"])
     tol = 4e-3 if dtype == torch.float16 else 3e-2
-    assert (outs[True].double() - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
+    for build in ("pgt8", "pgt8s"):
+        assert torch.isfinite(outs[build]).all(), build
+        assert (outs[build].double() - want).abs().max().item() <= tol * max(1.0, want.abs().max().item()), build
 
 
 @pytest.mark.parametrize("g", [8, 2])

@@ -663,17 +663,18 @@ def test_decode_launches_at_every_head_dim(monkeypatch, d, h, g, split):
         check_launch(*c)
 
 
-@pytest.mark.parametrize("tile", [False, True])
+@pytest.mark.parametrize("tile", [False, True, "kt"])
 @pytest.mark.parametrize("d,h,g", [(128, 8, 8), (128, 8, 2), (64, 32, 8), (96, 8, 2), (256, 4, 4), (32, 8, 8)])
 def test_fp8_pool_launches(monkeypatch, d, h, g, tile):
     """An FP8 pool's kernels: dec_append_pg8 (a warp per row and head: both pools, both scale
     tensors, then the tables as dec_append_pg's) and the split's _pg8 (the tensor-core one for grouped
     heads at d = 64 and 128, else the CUDA-core one; no contiguous-cache arguments; the K and V
     scales last), each with its kernel's arguments; with DEC_F8_TILE_PAGES the tensor-core split's
-    _pgt8 over these 16-token pages, with the same arguments."""
+    _pgt8 over these 16-token pages, and with DEC_F8_KT too _pgt8s, with the same arguments."""
     from tpattn import cuda as tcuda
     from tpattn import decode
-    monkeypatch.setattr(decode, "DEC_F8_TILE_PAGES", tile)
+    monkeypatch.setattr(decode, "DEC_F8_TILE_PAGES", bool(tile))
+    monkeypatch.setattr(decode, "DEC_F8_KT", tile == "kt")
     calls = []
     monkeypatch.setattr(tcuda, "launch", lambda source, name, device, grid, block, args, shared_mem=0:
                         calls.append((source, name, grid, block, args)))
@@ -691,7 +692,8 @@ def test_fp8_pool_launches(monkeypatch, d, h, g, tile):
     mma = h > g and d in decode.DEC_HEAD_DIMS
     split = "dec_mma_f16" if mma else "dec_split_f16"
     assert calls[0][1] == "dec_append_pg8_f16" and calls[1][1].startswith(f"{split}_d{d}_") \
-        and calls[1][1].endswith("_pgt8" if tile and mma else "_pg8"), [c[1] for c in calls]
+        and calls[1][1].endswith(("_pgt8s" if tile == "kt" else "_pgt8") if tile and mma else "_pg8"), \
+        [c[1] for c in calls]
     assert [c[0] for c in calls] == [decode.dec_source(d)] * 2  # both from the head dim's own module
     for c in calls:
         check_launch(*c)
@@ -762,3 +764,9 @@ def test_fp8_tile_build_only_over_whole_tile_pages(monkeypatch, page, suffix):
     assert S >= 3 and name == f"dec_mma_f16_d128_r8{suffix}", (S, name)
     _, name, _, _ = decode._split_kernel(q, 4, 32, 8, 128, 4096, page=page)  # 16-bit pages keep _p
     assert "_p_pg" in name, name
+    monkeypatch.setattr(decode, "DEC_F8_PIPE", True)
+    monkeypatch.setattr(decode, "DEC_F8_KT", True)  # (A/B runs: the keys as the products' rows, 8 heads a pass)
+    _, name, _, _ = decode._split_kernel(q, 4, 32, 8, 128, 4096, page=page, fp8=True)
+    assert name == f"dec_mma_f16_d128_r8_p{suffix}{'s' if suffix == '_pgt8' else ''}", name
+    _, name, _, _ = decode._split_kernel(q, 4, 64, 4, 128, 4096, page=page, fp8=True)  # 16 heads a pass: r16
+    assert name.startswith("dec_mma_f16_d128_r16") and name.endswith(suffix), name

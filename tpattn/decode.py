@@ -175,6 +175,9 @@ DEC_STAGED_PAGED = False  # ... and over a pool of whole-tile pages, in chunks o
 DEC_F8_TILE_PAGES = True   # an FP8 pool of whole-tile pages through the tensor-core split's _pgt8 build (PG 2: no
                            # run-time choice of addressing, a tile's scales in paired loads) instead of _pg8 (any
                            # page size): the same bits, in 0.69-0.86x its time on an H100 (docs/serving.md)
+DEC_F8_KT = False     # ... and, 8 query heads a pass or fewer, through _pgt8s instead (the keys as the rows of both
+                      # products: half the tensor-core products, no register copies into A; 147 registers at
+                      # d = 128 _p against 174): for A/B runs, not measured yet
 DEC_F8_PIPE = True    # an FP8 pool's tensor-core split pipelines its loads (_p) from 3 chunks on, as 16-bit pages
                       # do; off: never (at d = 128 _pgt8 holds 128 registers, 4 blocks an SM, _p_pgt8 174, 2): for
                       # A/B runs (scripts/sweep_decode_splits.py --fp8), not measured yet
@@ -347,7 +350,8 @@ def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int,
     longest it can be). page: a pool's page size (0: the contiguous cache); the tensor-core split has
     a build for pages of a power of two of 16 tokens or more (_pg: a block-table lookup a 16-key tile)
     and one for the others (_pgk: a lookup a key). fp8: an FP8 pool's pages (the same choice of split,
-    each kernel's _pg8; the tensor-core split's _pgt8 over whole-tile pages where DEC_F8_TILE_PAGES). On
+    each kernel's _pg8; the tensor-core split's _pgt8 over whole-tile pages where DEC_F8_TILE_PAGES, _pgt8s
+    where DEC_F8_KT too and a pass takes the group). On
     compute capability 9.0 and up (DEC_STAGED) the tensor-core split over the
     contiguous cache is the staged one (_b: bulk copies through shared memory), split one block an SM
     where its pairs fit (one_block_an_sm); over whole-tile pages of the storage dtype where the pairs
@@ -364,7 +368,9 @@ def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int,
     source = dec_source(d)
     suf = "f16" if q.dtype == torch.float16 else "bf16"
     pg = "_pg8" if fp8 else "" if not page else "_pg" if not mma or tile_pages(page) else "_pgk"
-    mma_pg = "_pgt8" if fp8 and DEC_F8_TILE_PAGES and tile_pages(page) else pg
+    mma_pg = pg
+    if fp8 and DEC_F8_TILE_PAGES and tile_pages(page):
+        mma_pg = "_pgt8s" if DEC_F8_KT and h // g <= 8 else "_pgt8"
 
     if eq:
         return source, f"dec_mma_{suf}_d{d}_r8_pgb", equal_work_chunks(B * g, length, sms), smem
