@@ -135,6 +135,16 @@ __device__ __forceinline__ tc_u32 dec_trans(tc_u32 x) {
     return y;
 }
 
+// a lane's V bytes of its four keys (NT / 4 words of 4 e4m3 values each) widened to f16x2: word i of
+// key k = its columns 2i, 2i + 1
+template <int NT>
+__device__ __forceinline__ void dec_widen_v(const tc_u32 (&v)[4][NT / 4], tc_u32 (&vf)[4][NT / 2]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+#pragma unroll
+        for (int i = 0; i < NT / 4; ++i) vf[k][2 * i] = dec_e4m3x2<false>(v[k][i]), vf[k][2 * i + 1] = dec_e4m3x2<false, 1>(v[k][i]);
+}
+
 // N 32-bit words of an FP8 page (4N bytes from p, 4N-byte aligned), or zeros where !in
 template <int N>
 __device__ __forceinline__ void dec_words8(const unsigned char *p, bool in, tc_u32 (&w)[N]) {
@@ -849,12 +859,8 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                         const float iv = mv > 0.0f ? 1.0f / mv : 0.0f, w0 = x.vs[0] * iv, w1 = x.vs[1] * iv;
                         const tc_u32 b0 = dec_trans(tc_pack<false>(st[0] * w0, st[1] * w0));  // keys 2c, 2c + 1 of head r
                         const tc_u32 b1 = dec_trans(tc_pack<false>(st[2] * w1, st[3] * w1));  // keys 8 + 2c, 9 + 2c
-                        tc_u32 vf[4][NT / 2];  // V widened to f16x2: word u = columns 2u, 2u + 1 of the lane's NT
-#pragma unroll
-                        for (int k = 0; k < 4; ++k)
-#pragma unroll
-                            for (int i = 0; i < NT / 4; ++i)
-                                vf[k][2 * i] = dec_e4m3x2<false>(x.v[k][i]), vf[k][2 * i + 1] = dec_e4m3x2<false, 1>(x.v[k][i]);
+                        tc_u32 vf[4][NT / 2];  // word u = columns 2u, 2u + 1 of the lane's NT
+                        dec_widen_v<NT>(x.v, vf);
 #pragma unroll
                         for (int u = 0; u < NT / 2; ++u) {
                             const tc_u32 a[4] = {__byte_perm(vf[0][u], vf[1][u], 0x5410u), __byte_perm(vf[0][u], vf[1][u], 0x7632u),
@@ -894,12 +900,8 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                                           M16 ? tc_pack<false>(sc[0][2] * w[0], sc[0][3] * w[1]) : 0u,
                                           tc_pack<false>(sc[1][0] * w[2], sc[1][1] * w[3]),
                                           M16 ? tc_pack<false>(sc[1][2] * w[2], sc[1][3] * w[3]) : 0u};
-                    tc_u32 vf[4][NT / 2];  // V widened to f16x2: word i = columns 2i, 2i + 1 of the lane's NT
-#pragma unroll
-                    for (int k = 0; k < 4; ++k)
-#pragma unroll
-                        for (int i = 0; i < NT / 4; ++i)
-                            vf[k][2 * i] = dec_e4m3x2<false>(x.v[k][i]), vf[k][2 * i + 1] = dec_e4m3x2<false, 1>(x.v[k][i]);
+                    tc_u32 vf[4][NT / 2];  // word i = columns 2i, 2i + 1 of the lane's NT
+                    dec_widen_v<NT>(x.v, vf);
 #pragma unroll
                     for (int u = 0; u < NT; ++u) {
                         const unsigned sel = (u & 1) ? 0x7632u : 0x5410u;
