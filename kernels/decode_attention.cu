@@ -1234,36 +1234,27 @@ __device__ __forceinline__ void dec_append_pg8(const tc_u16 *__restrict__ QKV, t
     DEC_MMAB(SUF, BF16, D, false, 8, 0, _b) DEC_MMAB(SUF, BF16, D, true, 16, 0, _b)                     \
     DEC_MMAB(SUF, BF16, D, false, 8, 2, _pgb)
 // the tensor-core split over an FP8 pool (grouped heads at d = 64 and 128; _pg8)
-#define DEC_MMA8(SUF, BF16, D, M16, ROWS, PIPE, P, PG, PSUF)                                           \
+#define DEC_MMA8(SUF, BF16, D, M16, ROWS, PIPE, P, PG, PSUF, KT)                                       \
     extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r##ROWS##P##PSUF(   \
         const tc_u16 *__restrict__ Q, const unsigned char *__restrict__ K, const unsigned char *__restrict__ V, \
         float *__restrict__ Op, float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets, \
         int BG, int G, int group, int S, float scale_log2, const int *__restrict__ table,               \
         const int *__restrict__ lens, int tstride, int page, const float *__restrict__ KS,              \
         const float *__restrict__ VS) {                                                                 \
-        dec_mma<D, M16, PIPE, BF16, PG, unsigned char>(Q, K, V, Op, Lp, O, tickets, BG, G, group, 0, nullptr, 0, \
-                                                         S, scale_log2, table, lens, tstride, page, KS, VS); \
+        dec_mma<D, M16, PIPE, BF16, PG, unsigned char, 0, KT>(Q, K, V, Op, Lp, O, tickets, BG, G, group, 0, nullptr, \
+                                                                0, S, scale_log2, table, lens, tstride, page, KS, VS); \
     }
 #define DEC_MMAS8P(SUF, BF16, D, PG, PSUF)                                                              \
-    DEC_MMA8(SUF, BF16, D, false, 8, false, , PG, PSUF) DEC_MMA8(SUF, BF16, D, true, 16, false, , PG, PSUF) \
-    DEC_MMA8(SUF, BF16, D, false, 8, true, _p, PG, PSUF) DEC_MMA8(SUF, BF16, D, true, 16, true, _p, PG, PSUF)
+    DEC_MMA8(SUF, BF16, D, false, 8, false, , PG, PSUF, false)                                          \
+    DEC_MMA8(SUF, BF16, D, true, 16, false, , PG, PSUF, false)                                          \
+    DEC_MMA8(SUF, BF16, D, false, 8, true, _p, PG, PSUF, false)                                         \
+    DEC_MMA8(SUF, BF16, D, true, 16, true, _p, PG, PSUF, false)
 // _pg8: any page size (PG 3, whole tiles or a lookup a key chosen at run time); _pgt8: pages of whole
 // 16-key tiles alone (PG 2: no run-time choice, no division, a tile's scales in paired loads)
 // _pgt8s: _pgt8 with the keys as the rows of both products (KT: 8 heads a pass; see dec_mma)
-#define DEC_MMA8T(SUF, BF16, D, PIPE, P)                                                                \
-    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r8##P##_pgt8s(      \
-        const tc_u16 *__restrict__ Q, const unsigned char *__restrict__ K, const unsigned char *__restrict__ V, \
-        float *__restrict__ Op, float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets, \
-        int BG, int G, int group, int S, float scale_log2, const int *__restrict__ table,               \
-        const int *__restrict__ lens, int tstride, int page, const float *__restrict__ KS,              \
-        const float *__restrict__ VS) {                                                                 \
-        dec_mma<D, false, PIPE, BF16, 2, unsigned char, 0, true>(Q, K, V, Op, Lp, O, tickets, BG, G, group, 0, \
-                                                                 nullptr, 0, S, scale_log2, table, lens, tstride, \
-                                                                 page, KS, VS);                         \
-    }
 #define DEC_MMAS8(SUF, BF16, D)                                                                         \
-    DEC_MMAS8P(SUF, BF16, D, 3, _pg8) DEC_MMAS8P(SUF, BF16, D, 2, _pgt8) DEC_MMA8T(SUF, BF16, D, false, ) \
-    DEC_MMA8T(SUF, BF16, D, true, _p)
+    DEC_MMAS8P(SUF, BF16, D, 3, _pg8) DEC_MMAS8P(SUF, BF16, D, 2, _pgt8)                               \
+    DEC_MMA8(SUF, BF16, D, false, 8, false, , 2, _pgt8s, true) DEC_MMA8(SUF, BF16, D, false, 8, true, _p, 2, _pgt8s, true)
 // the CUDA-core split over an FP8 pool (_pg8): e4m3 pages and their row scales KS, VS
 #define DEC_SPLIT8(SUF, BF16, D, GQ)                                                                    \
     extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_split_##SUF##_d##D##_g##GQ##_pg8(    \

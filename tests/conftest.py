@@ -64,3 +64,20 @@ def rank_lines(stderr: str, prefix: re.Pattern = _RANK_LINE) -> list[str]:
         starts = [m.start() for m in prefix.finditer(line)]
         found += [line[a:b].rstrip() for a, b in zip(starts, starts[1:] + [len(line)])]
     return found
+
+
+def run_gpu_runs(tmp_path, step: str, stand_in: str, tools, noops=(), timeout: int = 600):
+    """scripts/gpu_runs.sh STEP on the CPU, with `tools` (names on PATH) replaced by the stand-in script
+    `stand_in` (which appends its calls to $LOG) and `noops` by scripts that do nothing: (the completed
+    process, the calls the stand-ins logged)."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    for name, text in [(t, stand_in) for t in tools] + [(t, "#!/bin/sh\nexit 0\n") for t in noops]:
+        (bin_ / name).write_text(text)
+        (bin_ / name).chmod(0o755)
+    log = tmp_path / "calls.log"
+    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "LOG": str(log), "OUT": str(tmp_path / "out"),
+           "COMMIT": "abc1234"}
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_runs.sh"), step], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    return r, (log.read_text().splitlines() if log.exists() else [])

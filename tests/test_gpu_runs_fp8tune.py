@@ -11,7 +11,7 @@ import shlex
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, run_gpu_runs
 
 STAND_IN = """#!/usr/bin/env bash
 echo "$(basename "$0") $*" >> "$LOG"
@@ -20,18 +20,9 @@ exit 0
 
 
 def test_fp8tune_runs_each_tool_with_options_it_takes(tmp_path):
-    bin_ = tmp_path / "bin"
-    bin_.mkdir()
-    for name in ("nvidia-smi", "python3", "ncu"):
-        (bin_ / name).write_text(STAND_IN)
-        (bin_ / name).chmod(0o755)
-    log = tmp_path / "calls.log"
-    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "LOG": str(log), "OUT": str(tmp_path / "out"),
-           "COMMIT": "abc1234"}
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_runs.sh"), "fp8tune"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r, logged = run_gpu_runs(tmp_path, "fp8tune", STAND_IN, ("nvidia-smi", "python3", "ncu"), timeout=300)
     assert r.returncode == 0 and "where the FP8 kernels' time goes" in r.stdout, r.stdout + r.stderr
-    calls = [shlex.split(c) for c in log.read_text().splitlines()]
+    calls = [shlex.split(c) for c in logged]
     scripts = {}
     for argv in calls:
         at = next((i for i, a in enumerate(argv) if a.startswith("scripts/")), None)

@@ -11,7 +11,7 @@ import shlex
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, run_gpu_runs
 from tpattn.cli import parser
 
 STAND_IN = """#!/usr/bin/env bash
@@ -25,23 +25,11 @@ exit 0
 
 
 def recorded(tmp_path) -> list[str]:
-    bin_ = tmp_path / "bin"
-    bin_.mkdir()
-    for name in ("nvidia-smi", "mpirun", "python3"):
-        (bin_ / name).write_text(STAND_IN)
-        (bin_ / name).chmod(0o755)
     # nccl_faults.sh's pauses and its watchdog (sleep, then pkill of the run's command line): nothing runs here.
     # With sleep returning at once a real pkill could kill a stand-in mpirun before it had logged its call
-    for name in ("sleep", "pkill"):
-        (bin_ / name).write_text("#!/bin/sh\nexit 0\n")
-        (bin_ / name).chmod(0o755)
-    log = tmp_path / "calls.log"
-    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "LOG": str(log), "OUT": str(tmp_path / "out"),
-           "COMMIT": "abc1234"}
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_runs.sh"), "multigpu"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
+    r, calls = run_gpu_runs(tmp_path, "multigpu", STAND_IN, ("nvidia-smi", "mpirun", "python3"), ("sleep", "pkill"))
     assert "multigpu: world sizes 1 2 4 8 on 8 GPU(s)" in r.stdout, r.stdout + r.stderr
-    return log.read_text().splitlines()
+    return calls
 
 
 def script_options(cmd: list[str]) -> set[str]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import custom_ops, fp8
-from .errors import ConfigError, cupy_available
+from .errors import ConfigError, cupy_available, is_count
 
 DEC_SOURCE = "decode_attention.cu"
 DEC_HEAD_DIMS = (64, 128)                        # every split: CUDA cores and tensor cores
@@ -515,7 +515,6 @@ def append_paged_kernel(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
 def new_cache(layer, batch: int, max_len: int) -> KVCache:
     """A KV cache for `batch` sequences of up to `max_len` positions: K and V of the layer's K/V heads
     on this rank, [B, g, max_len, d] each, on the layer's device and dtype."""
-    from .errors import is_count
     if not is_count(batch) or not is_count(max_len):
         raise ConfigError(f"new_cache needs batch and max_len positive ints (got {batch!r}, {max_len!r})")
     shape = (batch, layer.local_kv_heads, max_len, layer.head_dim)
