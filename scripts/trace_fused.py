@@ -68,6 +68,32 @@ def tiles_of(events: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
     return tiles
 
 
+def intervals(events: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
+    """[(clock at `start`, clock at the next `end`)] of one role's events."""
+    out, t0 = [], None
+    for code, clk in events:
+        if code == start:
+            t0 = clk
+        elif code == end and t0 is not None:
+            out.append((t0, clk))
+            t0 = None
+    return out
+
+
+def softmax_overlap(trace) -> float | None:
+    """Of the cycles consumer 0 spends in a softmax (first: S_0 done -> softmax done; step: S_j done ->
+    softmax done), the fraction during which consumer 1 is in one too (the two share the SM's MUFU:
+    16 exponentials a clock). The clocks are one SM's (clock64), so a block's roles compare."""
+    both = total = 0
+    for roles in trace:
+        a = intervals(roles[1], 5, 6) + intervals(roles[1], 10, 11)
+        b = intervals(roles[2], 5, 6) + intervals(roles[2], 10, 11)
+        for s0, e0 in a:
+            total += e0 - s0
+            both += sum(max(0, min(e0, e1) - max(s0, s1)) for s1, e1 in b)
+    return both / total if total else None
+
+
 def summary(trace) -> dict:
     """Mean cycles from each event to the next in a consumer's tiles (the steps of the key-tile loop
     pooled), the tile's length, and how far ahead of each tile's Q wait the producer freed its stage."""
@@ -90,6 +116,7 @@ def summary(trace) -> dict:
                 if r == 1 and q_in is not None and n < len(prod_q):
                     q_lead.append(q_in - prod_q[n])
     return {"tile_cycles": statistics.mean(lengths) if lengths else None, "tiles": len(lengths),
+            "softmax_overlap": softmax_overlap(trace),
             "q_stage_free_before_q_in": statistics.mean(q_lead) if q_lead else None,
             "steps": {k: {"mean": statistics.mean(v), "count": len(v)} for k, v in gaps.items()}}
 
@@ -160,7 +187,8 @@ def run(args) -> dict:
         rows.append({**s, "summary": sm, **({"events": trace} if args.events else {})})
         print(f"\n{s['name']}: B={b} H={h} G={g} N={n} d={d} {s['dtype']} causal={s['causal']}: "
               f"{sm['tiles']} tiles, {sm['tile_cycles']:.0f} cycles a tile; the producer freed the Q stage "
-              f"{sm['q_stage_free_before_q_in']:.0f} cycles before the consumer found Q in", flush=True)
+              f"{sm['q_stage_free_before_q_in']:.0f} cycles before the consumer found Q in; consumer 0's softmax "
+              f"overlaps consumer 1's for {100 * (sm['softmax_overlap'] or 0):.0f} % of its cycles", flush=True)
         for k_, st in sm["steps"].items():
             print(f"  {st['mean']:8.0f}  x{st['count']:<5d} {k_}")
     return {"gpu": torch.cuda.get_device_name(), "command": "python " + shlex.join(sys.argv),

@@ -60,3 +60,12 @@ def test_the_traced_kernel_compiles(tmp_path, kernel):
                         "-c", str(src), "-o", str(tmp_path / "k.o")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "tw_trace" in subprocess.run(["nm", str(tmp_path / "k.o")], capture_output=True, text=True).stdout
+
+
+def test_softmax_overlap_is_the_share_of_consumer_0s_softmax_cycles_with_consumer_1_in_one_too():
+    # consumer 0: softmaxes [100, 200) (first) and [500, 700) (a step); consumer 1: [150, 250) and [650, 660)
+    c0 = [(1, 0), (5, 100), (6, 200), (10, 500), (11, 700)]
+    c1 = [(1, 0), (5, 150), (6, 250), (10, 650), (11, 660)]
+    sm = trace_fused.summary(trace_fused.decode(_raw({(0, 1): c0, (0, 2): c1})))
+    assert sm["softmax_overlap"] == pytest.approx((50 + 10) / 300)
+    assert trace_fused.summary(trace_fused.decode(_raw({(0, 1): c0})))["softmax_overlap"] == 0
