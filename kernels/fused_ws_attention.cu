@@ -195,6 +195,12 @@ __device__ __forceinline__ tw_tile tw_tile_of(long long t, int nq, int row_begin
 #ifndef TW_F8_TREE
 #define TW_F8_TREE 1
 #endif
+// TW_F8_TURN: the FP8 kernel's two consumers take turns at the softmax as they do at issuing the products
+// (named barriers TURN + NC + c), so that one's exponentials run while the other's products do instead of
+// both sharing the MUFU at once (1: on; 0: the softmax as soon as S is in)
+#ifndef TW_F8_TURN
+#define TW_F8_TURN 0
+#endif
 struct tw_f8s {
     const float *sq, *sk, *sv;
     int nblk, kvb;
@@ -393,6 +399,14 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
     const int rl = c * 64 + warp * 16 + (lane >> 2);  // this thread's rows in the tile: rl and rl + 8
     auto my_turn = [&]() { tw_sync(TURN + c, 256); };
     auto your_turn = [&]() { tw_arrive(TURN + (c + 1) % NC, 256); };
+    constexpr bool STURN = F8 && TW_F8_TURN;  // the softmax turns (ids TURN + NC ..): consumer 0 first
+    auto my_softmax = [&]() {
+        if constexpr (STURN) tw_sync(TURN + NC + c, 256);
+    };
+    auto your_softmax = [&]() {
+        if constexpr (STURN) tw_arrive(TURN + NC + (c + 1) % NC, 256);
+    };
+    if (c == NC - 1) your_softmax();
     auto release = [&](tc_u32 bar) {
         __syncwarp();
         if (lane == 0) tw_bar_arrive(bar);
@@ -482,7 +496,9 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 release(k_empty(stage(kt)));
                 hw_mask<W>(s, 0, N, causal, wr0, r0, lane);
                 if constexpr (F8) {
+                    my_softmax();
                     moved = hw_softmax<W, TW_F8_FMA, TW_F8_LAZY, TW_F8_TREE>(s, m, l, alpha, f8_c(0));
+                    your_softmax();
                     sv_run = f8_v(0);
                 } else {
                     hw_softmax<W>(s, m, l, alpha, scale_log2);
@@ -529,7 +545,9 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 release(k_empty(stage(kj)));
                 hw_mask<W>(s, j * BC, N, causal, wr0, r0, lane);
                 if constexpr (F8) {
+                    my_softmax();
                     moved = hw_softmax<W, TW_F8_FMA, TW_F8_LAZY, TW_F8_TREE>(s, m, l, alpha, f8_c(j));
+                    your_softmax();
                     if (f8.kvb) {  // V of another scale block: O into its units
                         const float sv = f8_v(j), r = __fdiv_rn(sv_run, sv);
                         alpha[0] *= r;

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Builds of the CUDA FP8 forward (kernels/fused_ws_fp8.cu, fusedw8) with its softmax knobs side by
-side in one process, each FMA:LAZY or FMA:LAZY:TREE:
+side in one process, each FMA:LAZY, FMA:LAZY:TREE or FMA:LAZY:TREE:TURN:
 
     FMA   of a thread's 16 pairs of scores a row, how many are exponentiated on the FMA and integer
           pipes (hopper_common.cuh's hw_exp2_fma, a degree-3 polynomial) instead of the MUFU, whose
@@ -10,13 +10,16 @@ side in one process, each FMA:LAZY or FMA:LAZY:TREE:
           only where one moved (TW_F8_LAZY, 0 to 8: P stays under e4m3's 448)
     TREE  each row's max over TREE running maxima, so the dependent chain of fmaxf is 16 / TREE long
           (TW_F8_TREE: 1, 2, 4, 8 or 16; default 1, one chain; the same bits at every TREE)
+    TURN  1: the two consumer warpgroups take turns at the softmax (named barriers), as they do at
+          issuing their products, so that their exponentials do not share the MUFU at once
+          (TW_F8_TURN; default 0; the same bits)
 
 Every build is compiled under its own name and timed in the same rounds (CUDA events over --calls
 calls, the builds alternating, the median of --rounds), on the same prepared operands (a scale per
 head), with its RMSE against float64 on two heads of the first 2048 rows. The first build is the
-baseline of the ratio column; 0:0 (0:0:1) is the kernel as tpattn builds it by default.
+baseline of the ratio column; 0:0 (0:0:1, 0:0:1:0) is the kernel as tpattn builds it by default.
 
-    PYTHONPATH=. python scripts/ab_fp8.py [--builds 0:0 4:0 0:8 4:8 0:0:4] [--seq-len 16384] [--causal]
+    PYTHONPATH=. python scripts/ab_fp8.py [--builds 0:0 4:0 0:8 4:8 0:0:4 0:0:1:1] [--seq-len 16384] [--causal]
 """
 
 from __future__ import annotations
@@ -37,34 +40,38 @@ from ab_fused import build  # noqa: E402  (a build compiled under its own module
 KERNEL = "fused_ws_fp8.cu"
 
 
-def parse_build(text: str) -> tuple[int, int, int]:
-    """(FMA, LAZY, TREE) of 'FMA:LAZY' (TREE 1) or 'FMA:LAZY:TREE', or a ValueError that says what is wrong
-    in one line."""
-    m = re.fullmatch(r"(\d+):(\d+)(?::(\d+))?", text)
+def parse_build(text: str) -> tuple[int, int, int, int]:
+    """(FMA, LAZY, TREE, TURN) of 'FMA:LAZY' (TREE 1, TURN 0), 'FMA:LAZY:TREE' or 'FMA:LAZY:TREE:TURN', or a
+    ValueError that says what is wrong in one line."""
+    m = re.fullmatch(r"(\d+):(\d+)(?::(\d+)(?::(\d+))?)?", text)
     if not m:
-        raise ValueError(f"--builds {text!r}: give FMA:LAZY or FMA:LAZY:TREE, such as 4:8 or 0:0:4")
-    fma, lazy, tree = int(m.group(1)), int(m.group(2)), int(m.group(3) or 1)
+        raise ValueError(f"--builds {text!r}: give FMA:LAZY, FMA:LAZY:TREE or FMA:LAZY:TREE:TURN, such as 4:8, "
+                         "0:0:4 or 0:0:1:1")
+    fma, lazy, tree, turn = int(m.group(1)), int(m.group(2)), int(m.group(3) or 1), int(m.group(4) or 0)
     if fma > 16:
         raise ValueError(f"--builds {text!r}: FMA counts pairs of a row's 16, at most 16")
     if lazy > 8:
         raise ValueError(f"--builds {text!r}: LAZY is at most 8 (P up to 2^LAZY must stay under e4m3's 448)")
     if tree not in (1, 2, 4, 8, 16):
         raise ValueError(f"--builds {text!r}: TREE is 1, 2, 4, 8 or 16 (it divides a row's 16 pairs)")
-    return fma, lazy, tree
+    if turn > 1:
+        raise ValueError(f"--builds {text!r}: TURN is 0 or 1 (the consumers take turns at the softmax or not)")
+    return fma, lazy, tree, turn
 
 
-def build_source(fma: int, lazy: int, tree: int = 1) -> str:
-    """fused_ws_fp8.cu with its headers inlined, TW_F8_FMA, TW_F8_LAZY and TW_F8_TREE defined first."""
+def build_source(fma: int, lazy: int, tree: int = 1, turn: int = 0) -> str:
+    """fused_ws_fp8.cu with its headers inlined, TW_F8_FMA, TW_F8_LAZY, TW_F8_TREE and TW_F8_TURN defined first."""
     from tpattn.cuda import kernel_source
-    return f"#define TW_F8_FMA {fma}\n#define TW_F8_LAZY {lazy}\n#define TW_F8_TREE {tree}\n" + kernel_source(KERNEL)
+    return (f"#define TW_F8_FMA {fma}\n#define TW_F8_LAZY {lazy}\n#define TW_F8_TREE {tree}\n#define TW_F8_TURN {turn}\n"
+            + kernel_source(KERNEL))
 
 
-def label(b: tuple[int, int, int]) -> str:
-    """A build as --builds names it: FMA:LAZY, with :TREE where it is not 1."""
-    return ":".join(map(str, b if b[2] != 1 else b[:2]))
+def label(b: tuple[int, int, int, int]) -> str:
+    """A build as --builds names it: FMA:LAZY, with :TREE where it or TURN is not the default, :TURN where it is 1."""
+    return ":".join(map(str, b if b[3] else b[:3] if b[2] != 1 else b[:2]))
 
 
-def run(args, builds: list[tuple[int, int]]) -> list[dict]:
+def run(args, builds: list[tuple[int, int, int, int]]) -> list[dict]:
     from tpattn.attention import fp8, fp8_ws
     B, H, N, d = args.batch, args.heads, args.seq_len, 128
     torch.manual_seed(0)
@@ -97,15 +104,15 @@ def run(args, builds: list[tuple[int, int]]) -> list[dict]:
     use(None)
     flops = 4 * B * H * N * N * d / (2 if args.causal else 1)
     med = {b: statistics.median(t) for b, t in times.items()}
-    return [{"build": label(b), "fma": b[0], "lazy": b[1], "tree": b[2], "ms": med[b], "rounds": times[b],
+    return [{"build": label(b), "fma": b[0], "lazy": b[1], "tree": b[2], "turn": b[3], "ms": med[b], "rounds": times[b],
              "tflops": flops / med[b] / 1e9, "speedup": med[builds[0]] / med[b], "rmse": rmse[b]} for b in builds]
 
 
-def source_name(b: tuple[int, int, int]) -> str:
-    return "ab_fp8_fma{}_lazy{}_tree{}.cu".format(*b)
+def source_name(b: tuple[int, int, int, int]) -> str:
+    return "ab_fp8_fma{}_lazy{}_tree{}_turn{}.cu".format(*b)
 
 
-def use(b: tuple[int, int, int] | None) -> None:
+def use(b: tuple[int, int, int, int] | None) -> None:
     """fp8_ws's next launches from the build b (None: the default module again)."""
     from tpattn.attention import fp8_ws
     fp8_ws.SOURCE = KERNEL if b is None else source_name(b)
@@ -114,7 +121,7 @@ def use(b: tuple[int, int, int] | None) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--builds", nargs="+", default=["0:0", "4:0", "0:8", "4:8", "0:0:4"], metavar="FMA:LAZY[:TREE]",
+    p.add_argument("--builds", nargs="+", default=["0:0", "4:0", "0:8", "4:8", "0:0:4"], metavar="FMA:LAZY[:TREE[:TURN]]",
                    help="builds to time, the first the ratio's baseline (default 0:0 4:0 0:8 4:8 0:0:4)")
     p.add_argument("--seq-len", type=int, default=16384, help="N (default 16384)")
     p.add_argument("--batch", type=int, default=4, help="B (default 4)")
@@ -143,7 +150,7 @@ def main() -> int:
     rows = run(args, builds)
     print(f"{torch.cuda.get_device_name()}: fusedw8, B={args.batch} H={args.heads} N={args.seq_len} d=128 "
           f"causal={args.causal}, a scale per head; median of {args.rounds} rounds of {args.calls} calls")
-    print("| FMA:LAZY[:TREE] | ms | TFLOP/s | x first | RMSE vs float64 |")
+    print("| FMA:LAZY[:TREE[:TURN]] | ms | TFLOP/s | x first | RMSE vs float64 |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['build']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['speedup']:.3f} | {r['rmse']:.3e} |")

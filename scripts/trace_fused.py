@@ -127,7 +127,7 @@ def _fp8_cases(args):
     from ab_fp8 import build_source, parse_build
     from tpattn.attention import fp8_ws
     b = parse_build(args.fp8_build)
-    name = "trace_fp8_fma{}_lazy{}_tree{}.cu".format(*b)
+    name = "trace_fp8_fma{}_lazy{}_tree{}_turn{}.cu".format(*b)
     build(name, "#define TW_TRACE\n" + build_source(*b), "fused_ws_fp8.cu")
     fp8_ws.SOURCE = name
     fp8_ws._prepared.clear()
@@ -207,7 +207,7 @@ def main() -> int:
                     "[(code, clock)], role 0 the producer; a few MB)")
     ap.add_argument("--commit", help="the commit to record (a copy of the tree without .git)")
     ap.add_argument("--fp8", action="store_true", help="trace the FP8 kernel (fusedw8) instead of the users shapes")
-    ap.add_argument("--fp8-build", default="0:0", metavar="FMA:LAZY[:TREE]", help="with --fp8: its softmax knobs, as "
+    ap.add_argument("--fp8-build", default="0:0", metavar="FMA:LAZY[:TREE[:TURN]]", help="with --fp8: its softmax knobs, as "
                     "scripts/ab_fp8.py's --builds (default 0:0, the kernel as tpattn builds it)")
     ap.add_argument("--seq-len", type=int, default=16384, help="with --fp8: N (default 16384)")
     args = ap.parse_args()

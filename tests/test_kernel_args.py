@@ -751,9 +751,12 @@ def test_fp8_ws_launch(monkeypatch, causal, block_scales, dtype):
 def test_fp8_tile_build_only_over_whole_tile_pages(monkeypatch, page, suffix):
     """With DEC_F8_TILE_PAGES, an FP8 pool's tensor-core split runs _pgt8 (PG 2: whole 16-key tiles
     a page, no run-time addressing choice) only for pages of a power of two of 16 tokens or more;
-    other page sizes keep _pg8, which takes any page."""
+    other page sizes keep _pg8, which takes any page. By default (DEC_F8_KT) the tile build is _pgt8s,
+    the keys as the products' rows, where a pass takes 8 query heads or fewer."""
     from tpattn import decode
+    assert decode.DEC_F8_TILE_PAGES and decode.DEC_F8_KT and decode.DEC_F8_PIPE  # the builds tpattn runs
     monkeypatch.setattr(decode, "DEC_F8_TILE_PAGES", True)
+    monkeypatch.setattr(decode, "DEC_F8_KT", False)  # (A/B runs: _pgt8, the queries as the rows)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"multi_processor_count": 132, "major": 9}))
     monkeypatch.setattr("tpattn.cuda.resident_blocks", lambda *a, **k: 2)
     q = torch.zeros(4, 32, 128).half()
@@ -765,7 +768,7 @@ def test_fp8_tile_build_only_over_whole_tile_pages(monkeypatch, page, suffix):
     _, name, _, _ = decode._split_kernel(q, 4, 32, 8, 128, 4096, page=page)  # 16-bit pages keep _p
     assert "_p_pg" in name, name
     monkeypatch.setattr(decode, "DEC_F8_PIPE", True)
-    monkeypatch.setattr(decode, "DEC_F8_KT", True)  # (A/B runs: the keys as the products' rows, 8 heads a pass)
+    monkeypatch.setattr(decode, "DEC_F8_KT", True)  # the default: the keys as the products' rows, 8 heads a pass
     _, name, _, _ = decode._split_kernel(q, 4, 32, 8, 128, 4096, page=page, fp8=True)
     assert name == f"dec_mma_f16_d128_r8_p{suffix}{'s' if suffix == '_pgt8' else ''}", name
     _, name, _, _ = decode._split_kernel(q, 4, 64, 4, 128, 4096, page=page, fp8=True)  # 16 heads a pass: r16

@@ -175,12 +175,12 @@ DEC_STAGED_PAGED = False  # ... and over a pool of whole-tile pages, in chunks o
 DEC_F8_TILE_PAGES = True   # an FP8 pool of whole-tile pages through the tensor-core split's _pgt8 build (PG 2: no
                            # run-time choice of addressing, a tile's scales in paired loads) instead of _pg8 (any
                            # page size): the same bits, in 0.69-0.86x its time on an H100 (docs/serving.md)
-DEC_F8_KT = False     # ... and, 8 query heads a pass or fewer, through _pgt8s instead (the keys as the rows of both
+DEC_F8_KT = True      # ... and, 8 query heads a pass or fewer, through _pgt8s instead (the keys as the rows of both
                       # products: half the tensor-core products, no register copies into A; 147 registers at
-                      # d = 128 _p against 174): for A/B runs, not measured yet
+                      # d = 128 _p against 174): 0.80-0.98x _pgt8's time on an H100 (docs/serving.md); off for A/B runs
 DEC_F8_PIPE = True    # an FP8 pool's tensor-core split pipelines its loads (_p) from 3 chunks on, as 16-bit pages
-                      # do; off: never (at d = 128 _pgt8 holds 128 registers, 4 blocks an SM, _p_pgt8 174, 2): for
-                      # A/B runs (scripts/sweep_decode_splits.py --fp8), not measured yet
+                      # do; off: never (at d = 128 _pgt8s holds 4 blocks an SM without, 3 with): 0.95-0.98x the
+                      # time without on an H100 where it applies (scripts/sweep_decode_splits.py --fp8); off for A/B runs
 EQ_SPREAD = 4         # _pgb: the grid's chunks a pair, over one_block_an_sm's: room for a sequence this many
                       # times the batch's mean length to take its share of chunks
 
