@@ -101,12 +101,13 @@ def read_details(path: Path) -> list[dict]:
     if head is None:  # not a details page (another page, or not ncu's CSV): no kernels
         return []
     cols = {c: i for i, c in enumerate(rows[head])}
+    need = max(cols[c] for c in ("ID", "Kernel Name", "Section Name", "Metric Name", "Metric Value") if c in cols)
     for r in rows[head + 1:]:
-        if len(r) < len(cols):
+        if len(r) <= need:  # (ncu 2025+ ends a metric's row after its value where no rule applies)
             continue
         kid = r[cols["ID"]]
         k = kernels.setdefault(kid, {"id": int(kid), "name": r[cols["Kernel Name"]], "metrics": {}})
-        unit = r[cols["Metric Unit"]] if "Metric Unit" in cols else ""
+        unit = r[cols["Metric Unit"]] if "Metric Unit" in cols and cols["Metric Unit"] < len(r) else ""
         k["metrics"][(r[cols["Section Name"]], r[cols["Metric Name"]])] = \
             f"{r[cols['Metric Value']]}{' ' + unit if unit and unit != '%' else ''}"
     return sorted(kernels.values(), key=lambda k: k["id"])

@@ -19,9 +19,11 @@ throughput, the warp stall reasons; scripts/ncu_backward.py's table)
     python scripts/ncu_fp8.py --report fwd_fp8.csv fwd_fp16.csv
 
 and, from the source page, the warp-stall samples summed by opcode and by stall reason, over the
-instructions executed at least --min-share of the most executed one's count (the consumers' loop:
-the producer's single thread and the prologue fall below it), and the instructions with the most
-samples:
+consumers' key-tile loop: the instructions executed within a factor --min-share of the loop body's
+count, the count whose instructions make up the most executed instructions (count x instructions
+sharing it; the prologue, the per-tile code and the producer's single thread fall below it, the
+waits' polling loops, executed more often by fewer instructions, above it), and the instructions
+with the most samples:
 
     python scripts/ncu_fp8.py --opcodes fwd_fp8_sass.csv [--min-share 0.5] [--top 25]
 """
@@ -32,7 +34,7 @@ import argparse
 import csv
 import re
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -113,8 +115,9 @@ def opcodes(path: Path, min_share: float, top: int) -> int:
     except (OSError, UnicodeDecodeError, csv.Error, ValueError) as exc:
         print(f"ncu_fp8: error: {exc}", file=sys.stderr)
         return 2
-    most = max((r["executed"] for r in rows), default=0.0)
-    hot = [r for r in rows if r["executed"] >= min_share * most] if most else rows
+    counts = Counter(r["executed"] for r in rows if r["executed"] > 0)
+    loop = max(counts, key=lambda c: c * counts[c]) if counts else 0.0  # most executed instructions: the loop body
+    hot = [r for r in rows if min_share * loop <= r["executed"] <= loop / min_share] if loop and min_share else rows
     total = sum(r["samples"] for r in hot)
     if not hot or total <= 0:
         print(f"ncu_fp8: error: no warp-stall samples in {path}; profile with --set full (or --section "
@@ -126,8 +129,9 @@ def opcodes(path: Path, min_share: float, top: int) -> int:
         count[opcode(r["sass"])] += 1
         for c, n in r["reasons"].items():
             by_reason[c] += n
-    print(f"== {path.name}: {len(hot)} instructions executed at least {min_share:g} x the most executed one's "
-          f"{most:.3g} times; {total:.0f} warp-stall samples")
+    print(f"== {path.name}: {len(hot)} instructions executed within a factor {min_share:g} of the loop body's "
+          f"{loop:.3g} times ({counts[loop] if counts else 0} instructions executed that often); {total:.0f} "
+          "warp-stall samples")
     print("by opcode (share of the samples, instructions):")
     for op, n in sorted(by_op.items(), key=lambda x: -x[1]):
         if n / total >= 0.002:
@@ -151,8 +155,8 @@ def main(argv=None) -> int:
                       "per contender (no GPU needed)")
     mode.add_argument("--opcodes", metavar="CSV", help="sum the warp-stall samples of ncu's --page source --csv "
                       "--print-source sass export by opcode and stall reason (no GPU needed)")
-    p.add_argument("--min-share", type=float, default=0.5, help="--opcodes: the instructions executed at least "
-                   "this share of the most executed one's count (default 0.5)")
+    p.add_argument("--min-share", type=float, default=0.5, help="--opcodes: the instructions executed within this "
+                   "factor of the loop body's count (default 0.5; 0: all)")
     p.add_argument("--top", type=int, default=25, help="--opcodes: how many single instructions to list (default 25)")
     p.add_argument("--contender", choices=("fp8", "fp16"), default="fp8",
                    help="whose forward runs under the profiler (default fp8)")
