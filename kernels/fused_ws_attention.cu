@@ -197,10 +197,17 @@ __device__ __forceinline__ tw_tile tw_tile_of(long long t, int nq, int row_begin
 #endif
 // TW_F8_TURN: the FP8 kernel's two consumers take turns at the softmax as they do at issuing the products
 // (named barriers TURN + NC + c), so that one's exponentials run while the other's products do instead of
-// both sharing the MUFU at once (1: on; 0: the softmax as soon as S is in)
+// both sharing the MUFU at once. 1: a turn is the whole softmax; 2: its exponentials only (each waits
+// for its turn once both rows' maxima are taken, hw_softmax's hook); 0: the softmax as soon as S is in
 #ifndef TW_F8_TURN
 #define TW_F8_TURN 0
 #endif
+// hw_softmax's hook at TW_F8_TURN 2: this consumer's turn at the exponentials (named barrier id)
+struct tw_exp_turn {
+    static constexpr bool between = true;
+    int id;
+    __device__ __forceinline__ void operator()() const { tw_sync(id, 256); }
+};
 struct tw_f8s {
     const float *sq, *sk, *sv;
     int nblk, kvb;
@@ -401,7 +408,7 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
     auto your_turn = [&]() { tw_arrive(TURN + (c + 1) % NC, 256); };
     constexpr bool STURN = F8 && TW_F8_TURN;  // the softmax turns (ids TURN + NC ..): consumer 0 first
     auto my_softmax = [&]() {
-        if constexpr (STURN) tw_sync(TURN + NC + c, 256);
+        if constexpr (STURN && TW_F8_TURN == 1) tw_sync(TURN + NC + c, 256);
     };
     auto your_softmax = [&]() {
         if constexpr (STURN) tw_arrive(TURN + NC + (c + 1) % NC, 256);
@@ -497,7 +504,11 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 hw_mask<W>(s, 0, N, causal, wr0, r0, lane);
                 if constexpr (F8) {
                     my_softmax();
-                    moved = hw_softmax<W, TW_F8_FMA, TW_F8_LAZY, TW_F8_TREE>(s, m, l, alpha, f8_c(0));
+                    if constexpr (TW_F8_TURN == 2)
+                        moved = hw_softmax<W, TW_F8_FMA, TW_F8_LAZY, TW_F8_TREE>(s, m, l, alpha, f8_c(0),
+                                                                                 tw_exp_turn{TURN + NC + c});
+                    else
+                        moved = hw_softmax<W, TW_F8_FMA, TW_F8_LAZY, TW_F8_TREE>(s, m, l, alpha, f8_c(0));
                     your_softmax();
                     sv_run = f8_v(0);
                 } else {
@@ -546,7 +557,11 @@ __device__ __forceinline__ void tw_fused(const tw_tmap *qm, const tw_tmap *km, c
                 hw_mask<W>(s, j * BC, N, causal, wr0, r0, lane);
                 if constexpr (F8) {
                     my_softmax();
-                    moved = hw_softmax<W, TW_F8_FMA, TW_F8_LAZY, TW_F8_TREE>(s, m, l, alpha, f8_c(j));
+                    if constexpr (TW_F8_TURN == 2)
+                        moved = hw_softmax<W, TW_F8_FMA, TW_F8_LAZY, TW_F8_TREE>(s, m, l, alpha, f8_c(j),
+                                                                                 tw_exp_turn{TURN + NC + c});
+                    else
+                        moved = hw_softmax<W, TW_F8_FMA, TW_F8_LAZY, TW_F8_TREE>(s, m, l, alpha, f8_c(j));
                     your_softmax();
                     if (f8.kvb) {  // V of another scale block: O into its units
                         const float sv = f8_v(j), r = __fdiv_rn(sv_run, sv);

@@ -420,6 +420,66 @@ __device__ __forceinline__ float hw_exp2_fma(float x) {
     return __int_as_float(__float_as_int(p) + (__float_as_int(y) << 23));
 }
 
+// row i's (0: r0, 1: r0 + 8) new running max over the first NC columns of S (hw_softmax's LAZY and TREE)
+template <int NC, int LAZY, int TREE>
+__device__ __forceinline__ float hw_row_max(const float (&s)[64], int i, float m, float scale_log2, bool &moved) {
+    float mx = TC_NEG_INF;
+    if constexpr (TREE == 1) {
+#pragma unroll
+        for (int j = 0; j < NC / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
+    } else {
+        float part[TREE];
+#pragma unroll
+        for (int t = 0; t < TREE; ++t) part[t] = TC_NEG_INF;
+#pragma unroll
+        for (int j = 0; j < NC / 8; ++j)
+            part[j % TREE] = fmaxf(part[j % TREE], fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
+#pragma unroll
+        for (int w = 1; w < TREE; w *= 2)
+#pragma unroll
+            for (int t = 0; t + w < TREE; t += 2 * w) part[t] = fmaxf(part[t], part[t + w]);
+        mx = part[0];
+    }
+    mx = fmaxf(mx, tc_shfl_xor(mx, 1));
+    mx = fmaxf(mx, tc_shfl_xor(mx, 2));
+    float mn = fmaxf(m, mx * scale_log2);
+    if constexpr (LAZY > 0) {
+        if (__any_sync(0xffffffffu, !(mn - m <= (float)LAZY)))  // (m = -inf: it moves)
+            moved = true;
+        else
+            mn = m;
+    }
+    return mn;
+}
+
+// row i's exponentials relative to its new max mn (S becomes P), its sum and factor (hw_softmax's FMA)
+template <int NC, int FMA>
+__device__ __forceinline__ void hw_row_exp(float (&s)[64], int i, float mn, float (&m)[2], float (&l)[2],
+                                           float (&alpha)[2], float scale_log2) {
+    const float ms = mn == TC_NEG_INF ? 0.0f : mn;  // a row with nothing seen yet
+    alpha[i] = tc_exp2(m[i] - ms);
+    m[i] = mn;
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NC / 8; ++j) {
+        const bool fma = j >= NC / 8 - FMA;
+        const float x0 = fmaf(s[4 * j + 2 * i], scale_log2, -ms);
+        const float p0 = fma ? hw_exp2_fma(x0) : tc_exp2(x0);
+        const float x1 = fmaf(s[4 * j + 2 * i + 1], scale_log2, -ms);
+        const float p1 = fma ? hw_exp2_fma(x1) : tc_exp2(x1);
+        s[4 * j + 2 * i] = p0;
+        s[4 * j + 2 * i + 1] = p1;
+        sum += p0 + p1;
+    }
+    l[i] = l[i] * alpha[i] + sum;
+}
+
+// hw_softmax's default hook: nothing, and each row's exponentials right after its max
+struct hw_no_hook {
+    static constexpr bool between = false;
+    __device__ __forceinline__ void operator()() const {}
+};
+
 // online softmax of S in place (S becomes P, relative to the new running max m, in log2 units);
 // l the running sums, alpha the factor the accumulators of each of the two rows are rescaled by.
 // Only the first NC columns of S (NC / 8 groups of 8) are read and written: a key tile of NC keys.
@@ -429,55 +489,25 @@ __device__ __forceinline__ float hw_exp2_fma(float x) {
 // m: the same quotient); returns whether any row of the warp moved (alpha not all 1: O to be rescaled).
 // TREE > 1: each row's max over TREE running maxima (every TREE-th pair each) combined at the end, so
 // the dependent chain of fmaxf is NC / (8 TREE) long, not NC / 8 (a max is exact: the same bits).
-template <int NC = 128, int FMA = 0, int LAZY = 0, int TREE = 1>
+// A hook with between = true runs once both rows' maxima are taken, before the first exponential (the
+// FP8 kernel's softmax turn at TW_F8_TURN 2); the default takes the rows one after the other.
+template <int NC = 128, int FMA = 0, int LAZY = 0, int TREE = 1, typename Mid = hw_no_hook>
 __device__ __forceinline__ bool hw_softmax(float (&s)[64], float (&m)[2], float (&l)[2], float (&alpha)[2],
-                                           float scale_log2) {
+                                           float scale_log2, Mid mid = {}) {
     static_assert(TREE >= 1 && (NC / 8) % TREE == 0, "TREE divides a row's pairs");
     bool moved = false;
+    if constexpr (Mid::between) {
+        float mn[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        float mx = TC_NEG_INF;
-        if constexpr (TREE == 1) {
+        for (int i = 0; i < 2; ++i) mn[i] = hw_row_max<NC, LAZY, TREE>(s, i, m[i], scale_log2, moved);
+        mid();
 #pragma unroll
-            for (int j = 0; j < NC / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
-        } else {
-            float part[TREE];
+        for (int i = 0; i < 2; ++i) hw_row_exp<NC, FMA>(s, i, mn[i], m, l, alpha, scale_log2);
+    } else {
 #pragma unroll
-            for (int t = 0; t < TREE; ++t) part[t] = TC_NEG_INF;
-#pragma unroll
-            for (int j = 0; j < NC / 8; ++j)
-                part[j % TREE] = fmaxf(part[j % TREE], fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
-#pragma unroll
-            for (int w = 1; w < TREE; w *= 2)
-#pragma unroll
-                for (int t = 0; t + w < TREE; t += 2 * w) part[t] = fmaxf(part[t], part[t + w]);
-            mx = part[0];
-        }
-        mx = fmaxf(mx, tc_shfl_xor(mx, 1));
-        mx = fmaxf(mx, tc_shfl_xor(mx, 2));
-        float mn = fmaxf(m[i], mx * scale_log2);
-        if constexpr (LAZY > 0) {
-            if (__any_sync(0xffffffffu, !(mn - m[i] <= (float)LAZY)))  // (m = -inf: it moves)
-                moved = true;
-            else
-                mn = m[i];
-        }
-        const float ms = mn == TC_NEG_INF ? 0.0f : mn;  // a row with nothing seen yet
-        alpha[i] = tc_exp2(m[i] - ms);
-        m[i] = mn;
-        float sum = 0.0f;
-#pragma unroll
-        for (int j = 0; j < NC / 8; ++j) {
-            const bool fma = j >= NC / 8 - FMA;
-            const float x0 = fmaf(s[4 * j + 2 * i], scale_log2, -ms);
-            const float p0 = fma ? hw_exp2_fma(x0) : tc_exp2(x0);
-            const float x1 = fmaf(s[4 * j + 2 * i + 1], scale_log2, -ms);
-            const float p1 = fma ? hw_exp2_fma(x1) : tc_exp2(x1);
-            s[4 * j + 2 * i] = p0;
-            s[4 * j + 2 * i + 1] = p1;
-            sum += p0 + p1;
-        }
-        l[i] = l[i] * alpha[i] + sum;
+        for (int i = 0; i < 2; ++i)
+            hw_row_exp<NC, FMA>(s, i, hw_row_max<NC, LAZY, TREE>(s, i, m[i], scale_log2, moved), m, l, alpha,
+                                scale_log2);
     }
     return moved;
 }

@@ -11,8 +11,9 @@ side in one process, each FMA:LAZY, FMA:LAZY:TREE or FMA:LAZY:TREE:TURN:
     TREE  each row's max over TREE running maxima, so the dependent chain of fmaxf is 16 / TREE long
           (TW_F8_TREE: 1, 2, 4, 8 or 16; default 1, one chain; the same bits at every TREE)
     TURN  1: the two consumer warpgroups take turns at the softmax (named barriers), as they do at
-          issuing their products, so that their exponentials do not share the MUFU at once
-          (TW_F8_TURN; default 0; the same bits)
+          issuing their products, so that their exponentials do not share the MUFU at once; 2: at
+          the exponentials only, each row max taken before the turn (TW_F8_TURN; default 0; the
+          same bits)
 
 Every build is compiled under its own name and timed in the same rounds (CUDA events over --calls
 calls, the builds alternating, the median of --rounds), on the same prepared operands (a scale per
@@ -54,8 +55,9 @@ def parse_build(text: str) -> tuple[int, int, int, int]:
         raise ValueError(f"--builds {text!r}: LAZY is at most 8 (P up to 2^LAZY must stay under e4m3's 448)")
     if tree not in (1, 2, 4, 8, 16):
         raise ValueError(f"--builds {text!r}: TREE is 1, 2, 4, 8 or 16 (it divides a row's 16 pairs)")
-    if turn > 1:
-        raise ValueError(f"--builds {text!r}: TURN is 0 or 1 (the consumers take turns at the softmax or not)")
+    if turn > 2:
+        raise ValueError(f"--builds {text!r}: TURN is 0, 1 or 2 (no turns at the softmax, turns at all of it, "
+                         "at its exponentials)")
     return fma, lazy, tree, turn
 
 

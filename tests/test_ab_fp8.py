@@ -20,7 +20,8 @@ SCRIPT = ROOT / "scripts" / "ab_fp8.py"
     (["--builds", "17:0"], "ab_fp8: --builds '17:0': FMA counts pairs of a row's 16, at most 16"),
     (["--builds", "4"], "ab_fp8: --builds '4': give FMA:LAZY, FMA:LAZY:TREE or FMA:LAZY:TREE:TURN, such as 4:8, "
                         "0:0:4 or 0:0:1:1"),
-    (["--builds", "0:0:1:2"], "ab_fp8: --builds '0:0:1:2': TURN is 0 or 1 (the consumers take turns at the softmax or not)"),
+    (["--builds", "0:0:1:3"], "ab_fp8: --builds '0:0:1:3': TURN is 0, 1 or 2 (no turns at the softmax, turns at all "
+                              "of it, at its exponentials)"),
     (["--builds", "0:0", "0:0:1:0"], "ab_fp8: --builds names a build twice"),
     (["--builds", "0:0:3"], "ab_fp8: --builds '0:0:3': TREE is 1, 2, 4, 8 or 16 (it divides a row's 16 pairs)"),
     (["--builds", "0:0", "0:0:1"], "ab_fp8: --builds names a build twice"),
@@ -47,7 +48,7 @@ NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/c
 
 
 @pytest.mark.skipif(NVCC is None, reason="no CUDA compiler here (.ci/run installs one in CI)")
-@pytest.mark.parametrize("spec", ["4:8", "0:0:4", "4:8:4", "0:0:1:1"])
+@pytest.mark.parametrize("spec", ["4:8", "0:0:4", "4:8:4", "0:0:1:1", "0:0:1:2", "4:8:4:2"])
 def test_a_build_compiles_for_sm90a_without_spills(tmp_path, spec):
     """The knobs' builds that the A/B times: fusedw8 keeps its registers (a spill would time something else)."""
     sys.path.insert(0, str(ROOT / "scripts"))
