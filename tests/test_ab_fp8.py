@@ -48,7 +48,7 @@ NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/c
 
 
 @pytest.mark.skipif(NVCC is None, reason="no CUDA compiler here (.ci/run installs one in CI)")
-@pytest.mark.parametrize("spec", ["4:8", "0:0:4", "4:8:4", "0:0:1:1", "0:0:1:2", "4:8:4:2"])
+@pytest.mark.parametrize("spec", ["4:8", "0:0:4", "4:8:4", "0:0:1:1", "0:0:1:2", "2:0:1:2", "4:0:1:2"])
 def test_a_build_compiles_for_sm90a_without_spills(tmp_path, spec):
     """The knobs' builds that the A/B times: fusedw8 keeps its registers (a spill would time something else)."""
     sys.path.insert(0, str(ROOT / "scripts"))
