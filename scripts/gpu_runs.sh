@@ -87,8 +87,9 @@
 #           pages, and the graphed step), the serving example with --kv-dtype fp8, compute-sanitizer over
 #           scripts/sanitize_decode.py
 #   fp8tune  where the FP8 kernels' time goes: scripts/sweep_decode_splits.py --fp8 (an FP8 pool's chunk counts, the
-#           pipelined build and the one without), bench_paged.py --fp8 --fp8-other-build --graph (_pgt8 beside
-#           _pg8), scripts/ab_fp8.py and trace_fused.py --fp8 (the forward's softmax knobs and per-step cycles), and
+#           pipelined build and the one without), bench_paged.py --fp8 --fp8-other-build --graph (_pgt8s beside
+#           _pgt8 and _pg8), scripts/ab_fp8.py and trace_fused.py --fp8 (the forward's softmax turns against the default build,
+#           and per-step cycles of both, with how much the two consumers' softmaxes overlap), and
 #           Nsight Compute (--set full, the source page in SASS) over one FP8 forward and one fp16 forward, with
 #           scripts/ncu_fp8.py's table and the FP8 kernel's warp-stall samples by opcode
 #   ring    context parallelism on one GPU: pytest -m gpu tests/test_gpu_ring.py (the ranks sharing it over
@@ -562,6 +563,8 @@ if want fp8tune; then
   timeout 300 python3 scripts/ab_fp8.py --rounds 3 2>&1 | tee "$OUT/ab_fp8.log" || status=1
   timeout 120 python3 scripts/trace_fused.py --fp8 --out "$OUT" --name trace_fp8 --commit "${COMMIT:-unknown}" \
     2>&1 | tee "$OUT/trace_fp8.log" || status=1
+  timeout 120 python3 scripts/trace_fused.py --fp8 --fp8-build 0:0:1:2 --out "$OUT" --name trace_fp8_turn \
+    --commit "${COMMIT:-unknown}" 2>&1 | tee "$OUT/trace_fp8_turn.log" || status=1
   mkdir -p "$OUT/ncu"
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   for c in fp8 fp16; do

@@ -43,3 +43,12 @@ def test_fp8tune_runs_each_tool_with_options_it_takes(tmp_path):
     assert sorted(pages) == ["details", "details", "source", "source"]
     opcodes = [o for o in scripts["scripts/ncu_fp8.py"] if "--opcodes" in o]
     assert len(opcodes) == 1 and opcodes[0][1].endswith("fwd_fp8_sass.csv")
+
+
+def test_fp8tune_traces_the_default_build_and_the_exponentials_turn(tmp_path):
+    r, logged = run_gpu_runs(tmp_path, "fp8tune", STAND_IN, ("nvidia-smi", "python3", "ncu"), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    traces = [shlex.split(c) for c in logged if "scripts/trace_fused.py" in c]
+    builds = sorted(a[a.index("--fp8-build") + 1] if "--fp8-build" in a else "default" for a in traces)
+    assert builds == ["0:0:1:2", "default"] and all("--fp8" in a for a in traces)
+    assert len({a[a.index("--name") + 1] for a in traces}) == 2  # each its own JSON
