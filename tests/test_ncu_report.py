@@ -40,6 +40,24 @@ def test_report_lists_kernels_metrics_and_top_stalls(tmp_path):
     assert "Stall Long Scoreboard 3.25; Stall Wait 1.50; Stall Barrier 0.90" in out
 
 
+def test_report_reads_rows_that_end_after_their_value(tmp_path):
+    """Nsight Compute 2025's export: the header names the rule columns after "Metric Value", and a metric's
+    row without a rule stops after its value (with a trailing comma); such rows count (the H100 export's
+    every metric row is one)."""
+    head = HEAD + ',"Rule Name","Rule Type","Rule Description","Estimated Speedup Type","Estimated Speedup"'
+    lines = [head, row(0, "fusedw8_f16_d128", "GPU Speed Of Light Throughput", "Duration", "ms", "20.49") + ",",
+             row(0, "fusedw8_f16_d128", "Compute Workload Analysis", "Issue Slots Busy", "%", "42.75") + ",",
+             row(0, "fusedw8_f16_d128", "GPU Speed Of Light Throughput", "Compute (SM) Throughput", "%",
+                 "45.71") + ',"SOLBottleneck","WRN","Compute is more heavily utilized","global","0"']
+    csv = tmp_path / "fwd_fp8.csv"
+    csv.write_text("\n".join(lines) + "\n")
+    r = subprocess.run([sys.executable, "scripts/ncu_backward.py", "--report", str(csv)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "duration                     20.49 ms" in r.stdout and "issue slots busy %           42.75" in r.stdout
+    assert "SM throughput %              45.71" in r.stdout
+
+
 def test_report_refuses_a_missing_file_or_an_empty_export(tmp_path):
     r = subprocess.run([sys.executable, "scripts/ncu_backward.py", "--report", str(tmp_path / "none.csv")], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
