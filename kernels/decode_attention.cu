@@ -520,7 +520,7 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                                         const float *__restrict__ kscale = nullptr,
                                         const float *__restrict__ vscale = nullptr) {
     constexpr bool F8 = sizeof(KV) == 1, PAGED = PG != 0;
-    static_assert(!KT || (F8 && PG == 2 && !M16), "KT (_pgt8s): an FP8 pool of whole-tile pages, 8 heads a pass");
+    static_assert(!KT || (PG == 2 && !M16 && STG == 0), "KT (_pgt8s, _pgs): pages of whole tiles, 8 heads a pass");
     constexpr int E = D / 4, KS = D / 16, NT = D / 8, ROWS = M16 ? 16 : 8, W = DEC_THREADS / 32;
     __shared__ float sm[W][ROWS], sl[W][ROWS];
     __shared__ float so_own[STG > 0 ? 1 : W][ROWS][D];  // STG: each warp's rows at the start of its own ring
@@ -620,6 +620,24 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
             float o[NT][4], m0 = TC_NEG_INF, m1 = TC_NEG_INF, l0 = 0.0f, l1 = 0.0f;
 #pragma unroll
             for (int u = 0; u < NT; ++u) o[u][0] = o[u][1] = o[u][2] = o[u][3] = 0.0f;
+            // (KT) the warp's rows from O^T's accumulators ot: head 2c (m0, l0) and 2c + 1 (m1, l1) of each lane
+            auto kt_rows = [&](const float (&ot)[NT / 2][4]) {
+                if constexpr (KT) {
+#pragma unroll
+                    for (int o = 4; o < 32; o <<= 1) l0 += tc_shfl_xor(l0, o), l1 += tc_shfl_xor(l1, o);
+                    if (r == 0) {
+                        sm[warp][2 * c] = m0, sl[warp][2 * c] = l0;
+                        sm[warp][2 * c + 1] = m1, sl[warp][2 * c + 1] = l1;
+                    }
+#pragma unroll
+                    for (int u = 0; u < NT / 2; ++u) {
+                        so(warp)[2 * c][r * NT + 2 * u] = ot[u][0];
+                        so(warp)[2 * c + 1][r * NT + 2 * u] = ot[u][1];
+                        so(warp)[2 * c][r * NT + 2 * u + 1] = ot[u][2];
+                        so(warp)[2 * c + 1][r * NT + 2 * u + 1] = ot[u][3];
+                    }
+                }
+            };
             // the tile's scores sc (fp32, times log2(e) / sqrt(d) here, keys past k1 masked) -> p in place,
             // the rows' running max and sum updated; returns the accumulators' rescale a0 (a1: rows 8-15)
             auto softmax = [&](float (&sc)[2][4], int t0, float &a0, float &a1) {
@@ -933,21 +951,7 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                         if constexpr (KT) compute8t(x0, t0); else compute8(x0, t0);
                     }
                 }
-                if constexpr (KT) {  // the warp's rows: head 2c (m0, l0) and 2c + 1 (m1, l1) of each lane
-#pragma unroll
-                    for (int o = 4; o < 32; o <<= 1) l0 += tc_shfl_xor(l0, o), l1 += tc_shfl_xor(l1, o);
-                    if (r == 0) {
-                        sm[warp][2 * c] = m0, sl[warp][2 * c] = l0;
-                        sm[warp][2 * c + 1] = m1, sl[warp][2 * c + 1] = l1;
-                    }
-#pragma unroll
-                    for (int u = 0; u < NT / 2; ++u) {
-                        so(warp)[2 * c][r * NT + 2 * u] = ot.v[u][0];
-                        so(warp)[2 * c + 1][r * NT + 2 * u] = ot.v[u][1];
-                        so(warp)[2 * c][r * NT + 2 * u + 1] = ot.v[u][2];
-                        so(warp)[2 * c + 1][r * NT + 2 * u + 1] = ot.v[u][3];
-                    }
-                }
+                if constexpr (KT) kt_rows(ot.v);
             } else if constexpr (STG > 0) {
                 tc_u16 *ring = (tc_u16 *)dec_ring + (long long)warp * STG * 2 * TILE;
                 // tile t0's K and V rows (keys t0 .. min(t0 + 16, k1) - 1) into the next stage, by lane 0
@@ -1000,6 +1004,74 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                 }
             } else {
                 tc_u4 kr[2][E / 8], vr[4][NT / 8];
+                // (_pgs) a 16-bit tile with the keys as the rows of both products, as _pgt8s (compute8t above)
+                // without the widening and the scales: S^T = K Q^T, A the lane's K words of keys r and r + 8
+                // (the columns q's words hold), B q of head r; P^T by movmatrix into the B fragment of O^T +=
+                // V^T P^T, A from the lane's V words of keys 2c, 2c + 1, 2c + 8, 2c + 9 (rows r and r + 8:
+                // columns 2u and 2u + 1 of its NT). Keys past k1 load zeros and are masked here
+                typename dec_if<KT, dec_acc<NT / 2>, dec_none>::type ot;  // (KT alone: O^T's accumulators)
+                auto compute_t = [&](const tc_u4 (&kt)[2][E / 8], const tc_u4 (&vt)[4][NT / 8], int t0) {
+                    if constexpr (KT) {
+                        float st[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // (key r, head 2c), (r, 2c + 1), (r + 8, 2c), (r + 8, 2c + 1)
+                        const tc_u32 *k0w = (const tc_u32 *)kt[0], *k1w = (const tc_u32 *)kt[1];
+#pragma unroll
+                        for (int j = 0; j < KS; ++j) {
+                            const tc_u32 a[4] = {k0w[2 * j], k1w[2 * j], k0w[2 * j + 1], k1w[2 * j + 1]};
+                            tc_mma<BF16>(st, a, qa[2 * j], qa[2 * j + 1]);
+                        }
+                        const bool in0 = t0 + r < k1, in1 = t0 + r + 8 < k1;
+                        st[0] = in0 ? st[0] * scale_log2 : TC_NEG_INF;
+                        st[1] = in0 ? st[1] * scale_log2 : TC_NEG_INF;
+                        st[2] = in1 ? st[2] * scale_log2 : TC_NEG_INF;
+                        st[3] = in1 ? st[3] * scale_log2 : TC_NEG_INF;
+                        float mx0 = fmaxf(st[0], st[2]), mx1 = fmaxf(st[1], st[3]);
+#pragma unroll
+                        for (int o = 4; o < 32; o <<= 1) {
+                            mx0 = fmaxf(mx0, tc_shfl_xor(mx0, o));
+                            mx1 = fmaxf(mx1, tc_shfl_xor(mx1, o));
+                        }
+                        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+                        const float ref0 = n0 == TC_NEG_INF ? 0.0f : n0, ref1 = n1 == TC_NEG_INF ? 0.0f : n1;
+                        const float a0 = tc_exp2(m0 - ref0), a1 = tc_exp2(m1 - ref1);
+                        m0 = n0, m1 = n1;
+                        st[0] = tc_exp2(st[0] - ref0), st[2] = tc_exp2(st[2] - ref0);
+                        st[1] = tc_exp2(st[1] - ref1), st[3] = tc_exp2(st[3] - ref1);
+                        l0 = l0 * a0 + (st[0] + st[2]);  // (this lane's keys: summed over the 8 lanes at the end)
+                        l1 = l1 * a1 + (st[1] + st[3]);
+                        const tc_u32 b0 = dec_trans(tc_pack<BF16>(st[0], st[1]));  // keys 2c, 2c + 1 of head r
+                        const tc_u32 b1 = dec_trans(tc_pack<BF16>(st[2], st[3]));  // keys 8 + 2c, 9 + 2c
+                        const tc_u32 *v0 = (const tc_u32 *)vt[0], *v1 = (const tc_u32 *)vt[1],
+                                     *v2 = (const tc_u32 *)vt[2], *v3 = (const tc_u32 *)vt[3];
+#pragma unroll
+                        for (int u = 0; u < NT / 2; ++u) {
+                            const tc_u32 a[4] = {__byte_perm(v0[u], v1[u], 0x5410u), __byte_perm(v0[u], v1[u], 0x7632u),
+                                                 __byte_perm(v2[u], v3[u], 0x5410u), __byte_perm(v2[u], v3[u], 0x7632u)};
+                            ot.v[u][0] *= a0, ot.v[u][1] *= a1, ot.v[u][2] *= a0, ot.v[u][3] *= a1;
+                            tc_mma<BF16>(ot.v[u], a, b0, b1);
+                        }
+                    }
+                };
+                if constexpr (KT) {
+#pragma unroll
+                    for (int u = 0; u < NT / 2; ++u) ot.v[u][0] = ot.v[u][1] = ot.v[u][2] = ot.v[u][3] = 0.0f;
+                    if (PIPE) {  // two tiles an iteration into two buffers in turn (no copy between them)
+                        tc_u4 kn[2][E / 8], vn[4][NT / 8];
+                        load(k0 + 16 * warp, kr, vr);
+                        for (int t0 = k0 + 16 * warp; t0 < k1; t0 += 32 * W) {
+                            load(t0 + 16 * W, kn, vn);
+                            compute_t(kr, vr, t0);
+                            if (t0 + 16 * W >= k1) break;
+                            load(t0 + 32 * W, kr, vr);
+                            compute_t(kn, vn, t0 + 16 * W);
+                        }
+                    } else {
+                        for (int t0 = k0 + 16 * warp; t0 < k1; t0 += 16 * W) {
+                            load(t0, kr, vr);
+                            compute_t(kr, vr, t0);
+                        }
+                    }
+                    kt_rows(ot.v);
+                } else {
                 if (PIPE) load(k0 + 16 * warp, kr, vr);
                 for (int t0 = k0 + 16 * warp; t0 < k1; t0 += 16 * W) {
                     if (PIPE) {  // the next tile's loads in flight while this one is computed
@@ -1018,6 +1090,7 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                         load(t0, kr, vr);
                         compute(kr, vr, t0);
                     }
+                }
                 }
             }
             // the warp's rows: l summed over the quad; output column n of n-tile u is column n NT + u
@@ -1230,6 +1303,18 @@ __device__ __forceinline__ void dec_append_pg8(const tc_u16 *__restrict__ QKV, t
         dec_mma<D, M16, false, BF16, PG, tc_u16, DEC_STAGES>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, \
                                                                  Lpos, LMAX, S, scale_log2, table, lens, tstride, page); \
     }
+// _pgs: the tensor-core split over 16-bit pages of whole 16-key tiles with the keys as the rows of both
+// products (KT: 8 heads a pass, as an FP8 pool's _pgt8s; see dec_mma)
+#define DEC_MMAT(SUF, BF16, D, PIPE, P)                                                                 \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS) dec_mma_##SUF##_d##D##_r8##P##_pgs(       \
+        const tc_u16 *__restrict__ Q, const tc_u16 *__restrict__ K, const tc_u16 *__restrict__ V,      \
+        float *__restrict__ Op, float *__restrict__ Lp, tc_u16 *__restrict__ O, int *__restrict__ tickets, \
+        int BG, int G, int group, int Ladd, const long long *__restrict__ Lpos, int LMAX, int S,        \
+        float scale_log2, const int *__restrict__ table, const int *__restrict__ lens, int tstride, int page) { \
+        dec_mma<D, false, PIPE, BF16, 2, tc_u16, 0, true>(Q, K, V, Op, Lp, O, tickets, BG, G, group, Ladd, Lpos, \
+                                                          LMAX, S, scale_log2, table, lens, tstride, page); \
+    }
+#define DEC_MMATS(SUF, BF16, D) DEC_MMAT(SUF, BF16, D, false, ) DEC_MMAT(SUF, BF16, D, true, _p)
 #define DEC_MMABS(SUF, BF16, D)                                                                         \
     DEC_MMAB(SUF, BF16, D, false, 8, 0, _b) DEC_MMAB(SUF, BF16, D, true, 16, 0, _b)                     \
     DEC_MMAB(SUF, BF16, D, false, 8, 2, _pgb)
@@ -1296,6 +1381,10 @@ DEC_MMAS8(f16, false, 64)
 DEC_MMAS8(bf16, true, 64)
 DEC_MMAS8(f16, false, 128)
 DEC_MMAS8(bf16, true, 128)
+DEC_MMATS(f16, false, 64)
+DEC_MMATS(bf16, true, 64)
+DEC_MMATS(f16, false, 128)
+DEC_MMATS(bf16, true, 128)
 #else
 // the other head dims users run (small models, Phi, vision models, Gemma and long-context models):
 // the CUDA-core split only, contiguous and paged (tpattn/decode.py runs it for grouped heads too),

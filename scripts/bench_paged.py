@@ -3,7 +3,7 @@ copy rate.
 
     python scripts/bench_paged.py [--pages 16 64 256] [--rounds 5] [--layer] [--prefill] [--no-kernel]
                                    [--prefill-backends fused triton] [--prefill-chunk T] [--profile-prefill K]
-                                   [--host-profile K] [--fp8 [--fp8-other-build]] [--graph]
+                                   [--host-profile K] [--fp8 [--fp8-other-build]] [--other-16bit-build] [--graph]
                                    [--both-builds | --staged-pages]
                                    [--json PATH]
 
@@ -29,7 +29,9 @@ pages of each page size, and with --layer its graphed step; its GB/s count the b
 a row where fp16 reads 2d); --fp8-other-build adds each FP8 row of whole-tile pages again through
 each build of the tensor-core split that tpattn does not run there ("... fp8 _pg8": any page size;
 "_pgt8": whole-tile pages, tpattn's; "_pgt8s": the keys as the products' rows; tpattn.decode's
-DEC_F8_TILE_PAGES and DEC_F8_KT). On compute capability 9.0 the staged build of equal-work chunks (_pgb, off
+DEC_F8_TILE_PAGES and DEC_F8_KT); --other-16bit-build adds each 16-bit row of whole-tile pages again
+through the tensor-core split's other build there ("... _pgs": the keys as the products' rows,
+tpattn.decode.DEC_KT16, off by default). On compute capability 9.0 the staged build of equal-work chunks (_pgb, off
 by default: tpattn.decode.DEC_STAGED_PAGED) can run a pool of whole-tile pages whose (sequence, K/V
 head) pairs fit on the SMs: --both-builds adds each paged row again with it ("... staged");
 --staged-pages runs it throughout, the layer's steps too.
@@ -361,7 +363,7 @@ def host_profile_prefills(H: int, d: int, top: int, backend: str = "fused", chun
 def switched(switches: dict, fn):
     """fn() with tpattn.decode's switches set: DEC_STAGED_PAGED (the staged paged build _pgb where it
     applies), DEC_F8_TILE_PAGES and DEC_F8_KT (an FP8 pool's tensor-core split over whole-tile pages:
-    _pgt8, or _pgt8s with both on; _pg8 with neither)."""
+    _pgt8, or _pgt8s with both on; _pg8 with neither), DEC_KT16 (16-bit whole-tile pages through _pgs)."""
     was = {k: getattr(decode, k) for k in switches}
     for k, v in switches.items():
         setattr(decode, k, v)
@@ -413,6 +415,9 @@ def main(argv=None) -> int:
     p.add_argument("--fp8-other-build", action="store_true", help="with --fp8: each FP8 row of whole-tile pages "
                    "(16, 32, 64, ... tokens) again through each build of the tensor-core split tpattn does not run "
                    "there (_pg8, _pgt8, _pgt8s)")
+    p.add_argument("--other-16bit-build", action="store_true", help="each 16-bit row of whole-tile pages again "
+                   "through the tensor-core split's other build there: _pgs (the keys as the products' rows, "
+                   "tpattn.decode.DEC_KT16) where tpattn runs _pg, _pg where it runs _pgs")
     p.add_argument("--profile-prefill", type=int, metavar="K", help="also one call of each prefill under "
                    "torch.profiler: wall, host and GPU time, and the K ops with the most host time")
     a = p.parse_args(argv)
@@ -454,6 +459,12 @@ def main(argv=None) -> int:
             for name in [n for n in cont if n.startswith("paged") and "fp8" not in n]:
                 fn, tokens, nbytes = cont[name]
                 cont[f"{name} staged"] = (lambda fn=fn: switched({"DEC_STAGED_PAGED": True}, fn), tokens, nbytes)
+        if a.other_16bit_build:  # each 16-bit row of whole-tile pages again through _pgs (or _pg)
+            other = "_pg" if decode.DEC_KT16 else "_pgs"
+            for name in [n for n in cont if n.startswith("paged") and "fp8" not in n and "staged" not in n
+                         and decode.tile_pages(int(n.split()[1]))]:
+                fn, tokens, nbytes = cont[name]
+                cont[f"{name} {other}"] = (lambda fn=fn: switched({"DEC_KT16": not decode.DEC_KT16}, fn), tokens, nbytes)
         if a.fp8_other_build:  # each FP8 row of whole-tile pages again through the builds tpattn does not run
             now = {k: getattr(decode, k) for k in FP8_BUILDS["_pg8"]}
             for name in [n for n in cont if n.endswith("fp8") and decode.tile_pages(int(n.split()[1]))]:

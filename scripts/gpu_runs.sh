@@ -87,8 +87,8 @@
 #           pages, and the graphed step), the serving example with --kv-dtype fp8, compute-sanitizer over
 #           scripts/sanitize_decode.py
 #   fp8tune  where the FP8 kernels' time goes: scripts/sweep_decode_splits.py --fp8 (an FP8 pool's chunk counts, the
-#           pipelined build and the one without), bench_paged.py --fp8 --fp8-other-build --graph (_pgt8s beside
-#           _pgt8 and _pg8), scripts/ab_fp8.py and trace_fused.py --fp8 (the forward's softmax turns against the default build,
+#           pipelined build and the one without), bench_paged.py --fp8 --fp8-other-build --other-16bit-build --graph
+#           (_pgt8s beside _pgt8 and _pg8; 16-bit pages' _pgs beside _pg), scripts/ab_fp8.py and trace_fused.py --fp8 (the forward's softmax turns against the default build,
 #           and per-step cycles of both, with how much the two consumers' softmaxes overlap), and
 #           Nsight Compute (--set full, the source page in SASS) over one FP8 forward and one fp16 forward, with
 #           scripts/ncu_fp8.py's table and the FP8 kernel's warp-stall samples by opcode
@@ -558,7 +558,8 @@ if want fp8tune; then
   note "where the FP8 kernels' time goes: the pool's chunk counts and builds, the forward's knobs, trace and profile"
   shapes="1,8,32768 16,8,4096 64,8,4096"
   timeout 300 python3 scripts/sweep_decode_splits.py --fp8 --shapes $shapes 2>&1 | tee "$OUT/sweep_fp8.log" || status=1
-  timeout 200 python3 scripts/bench_paged.py --fp8 --fp8-other-build --graph --pages 16 --rounds 3 --shapes $shapes \
+  timeout 200 python3 scripts/bench_paged.py --fp8 --fp8-other-build --other-16bit-build --graph --pages 16 --rounds 3 \
+    --shapes $shapes \
     --json "$OUT/bench_paged_fp8_builds.json" 2>&1 | tee "$OUT/bench_paged_fp8_builds.log" || status=1
   timeout 300 python3 scripts/ab_fp8.py --rounds 3 2>&1 | tee "$OUT/ab_fp8.log" || status=1
   timeout 120 python3 scripts/trace_fused.py --fp8 --out "$OUT" --name trace_fp8 --commit "${COMMIT:-unknown}" \

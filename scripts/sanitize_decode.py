@@ -2,7 +2,8 @@
 """The decode kernels on small shapes, for compute-sanitizer (memcheck, racecheck): the split at
 every head dim it is built for (contiguous and paged with pages of 16 and 24, multi-head and grouped, a length that ends
 inside a chunk), the paged append kernel (rows at their own positions and pages), an FP8 pool's
-append (dec_append_pg8) and split (_pg8) at every head dim, the fused kernel's prefill over rows already
+append (dec_append_pg8) and split (_pg8) at every head dim, 16-bit whole-tile pages through _pgs
+(tpattn.decode.DEC_KT16), the fused kernel's prefill over rows already
 in a cache (its q and o buffers hold only the rows from the last row tile before the cache's end on) at
 every head dim it takes here, and over a paged pool through the block table (fused_ws_paged.cu), and a graphed paged step's preparation (pg_prepare, padding rows included). Exits non-zero if an output is not finite.
 
@@ -60,6 +61,20 @@ def main() -> int:
                 ok = bool(torch.isfinite(qa).all() and torch.isfinite(o8).all() and (sc[0][pages, :, pos % 16] > 0).all())
                 bad += not ok
                 print(f"{dtype} d={d} FP8 pool append and split: {'ok' if ok else 'NOT FINITE'}")
+    decode.DEC_KT16 = True  # 16-bit whole-tile pages through _pgs (the keys as the products' rows), one chunk and many
+    for dtype in (torch.float16, torch.bfloat16):
+        for d in decode.DEC_HEAD_DIMS:
+            q = torch.randn(2, 8, d, device="cuda", dtype=dtype, generator=g)
+            pk, pv = (torch.randn(44, 2, 16, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+            table = torch.randperm(44, device="cuda")[:40].to(torch.int32).view(2, 20)
+            for lens in ([5, 60], [300, 290]):
+                L, longest = torch.tensor(lens, dtype=torch.int32, device="cuda"), 320 if max(lens) > 64 else 64
+                name = decode._split_kernel(q, 2, 8, 2, d, longest, page=16)[1]
+                o = decode.paged_decode_attention(q, pk, pv, table, L, longest)
+                ok = bool(torch.isfinite(o).all())
+                bad += not ok
+                print(f"{dtype} d={d} _pgs, lengths {lens} {name}: {'ok' if ok else 'NOT FINITE'}")
+    decode.DEC_KT16 = False
     from tpattn.attention import get_backend
     from tpattn.attention.fused import HEAD_DIMS, hopper_only
     cc = torch.cuda.get_device_capability()

@@ -91,6 +91,42 @@ def test_paged_kernel_of_one_chunk(h, g, page, split_kernel):
     assert (tickets == 7).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("h,g", [(32, 8), (32, 4), (16, 2)])
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("lens", [[1, 17, 1000, 4097, 193], [0, 5, 64, 40]])
+def test_pgs_keys_as_rows_against_float64_and_past_lengths(h, g, d, dtype, page, lens, monkeypatch):
+    """_pgs (DEC_KT16: 16-bit pages of whole tiles, the keys as the rows of both products; pipelined with
+    many chunks, plain with one) against float64 over ragged lengths through a shuffled table, close to
+    _pg's output, and the same bits with NaN in every page row past a length (keys past a length are
+    never read)."""
+    import tpattn.decode as dec
+    monkeypatch.setattr(dec, "DEC_KT16", True)
+    q, pk, pv, table, L = paged_inputs(lens, h, g, d, page, dtype, seed=page + h + d)
+    name = dec._split_kernel(q, len(lens), h, g, d, max(lens), page=page)[1]
+    assert name.endswith("_pgs") and ("_p_" in name) == (max(lens) > 1000), name
+    got = paged_decode_attention(q, pk, pv, table, L, max(lens))
+    want = float64_rows(q, pk, pv, table, L)
+    tol = (4e-3 if dtype == torch.float16 else 3e-2) * max(1.0, want.abs().max().item())
+    assert torch.isfinite(got).all() and (got.double() - want).abs().max().item() <= tol
+    monkeypatch.setattr(dec, "DEC_KT16", False)
+    pg = paged_decode_attention(q, pk, pv, table, L, max(lens))
+    assert (got.double() - pg.double()).abs().max().item() <= tol
+    monkeypatch.setattr(dec, "DEC_KT16", True)
+    used = set()
+    for b, n in enumerate(L.tolist()):  # NaN in the rows of a sequence's last page past its length
+        mine = table[b, :-(-n // page)].tolist()
+        used |= set(mine)
+        if n % page:
+            pk[mine[-1], :, n % page:] = float("nan")
+            pv[mine[-1], :, n % page:] = float("nan")
+    spare = sorted(set(range(pk.shape[0])) - used)  # and in every page no sequence holds (page 0 among them
+    pk[spare], pv[spare] = float("nan"), float("nan")  # where free: what a table's padding names)
+    again = paged_decode_attention(q, pk, pv, table, L, max(lens))
+    assert torch.equal(again, got)
+
+
 def check_paged(lens, h, g, d, dtype, page):
     """The paged kernel over ragged lengths through a shuffled table, against float64."""
     q, pk, pv, table, L = paged_inputs(lens, h, g, d, page, dtype, seed=page + h + d)

@@ -773,3 +773,34 @@ def test_fp8_tile_build_only_over_whole_tile_pages(monkeypatch, page, suffix):
     assert name == f"dec_mma_f16_d128_r8_p{suffix}{'s' if suffix == '_pgt8' else ''}", name
     _, name, _, _ = decode._split_kernel(q, 4, 64, 4, 128, 4096, page=page, fp8=True)  # 16 heads a pass: r16
     assert name.startswith("dec_mma_f16_d128_r16") and name.endswith(suffix), name
+
+
+@pytest.mark.parametrize("kt16", [False, True])
+@pytest.mark.parametrize("d,h,g,page,want", [(128, 32, 8, 16, "_pgs"), (64, 16, 2, 32, "_pgs"), (128, 32, 2, 16, "_pg"),
+                                             (128, 32, 8, 24, "_pgk")])
+def test_sixteen_bit_whole_tile_pages_through_pgs(monkeypatch, kt16, d, h, g, page, want):
+    """With DEC_KT16, a pool of 16-bit pages of whole 16-key tiles takes the tensor-core split's _pgs (the
+    keys as the rows of both products) where a pass takes the group (8 query heads or fewer), with _pg's
+    arguments, pipelined (_p_pgs) from 3 chunks on; 16 heads a pass keep _pg (r16), pages of 24 keys
+    _pgk. Off (the default, not yet measured), _pg as before."""
+    from tpattn import cuda as tcuda
+    from tpattn import decode
+    assert decode.DEC_KT16 is False
+    monkeypatch.setattr(decode, "DEC_KT16", kt16)
+    calls = []
+    monkeypatch.setattr(tcuda, "launch", lambda source, name, device, grid, block, args, shared_mem=0:
+                        calls.append((source, name, grid, block, args)))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"multi_processor_count": 132, "major": 9}))
+    monkeypatch.setattr(tcuda, "resident_blocks", lambda *a, **k: 2)
+    B, n = 2, 4096 // page + 1
+    q = torch.randn(B, h, d).half()
+    pool_k, pool_v = (torch.randn(B * n, g, page, d).half() for _ in range(2))
+    table = torch.arange(B * n, dtype=torch.int32).view(B, n)
+    lens = torch.tensor([4000, 1000], dtype=torch.int32)
+    decode.paged_decode_attention(q, pool_k, pool_v, table, lens, n * page, tickets=torch.zeros(B * g, dtype=torch.int32))
+    name = calls[0][1]
+    expect = want if kt16 or want != "_pgs" else "_pg"
+    assert name.startswith(f"dec_mma_f16_d{d}_r{16 if h // g > 8 else 8}") and name.endswith(expect), name
+    assert ("_p_" in name) == (calls[0][2][0] >= 3), (name, calls[0][2])  # grid (S, pairs): _p from 3 chunks
+    for c in calls:
+        check_launch(*c)

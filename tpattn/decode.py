@@ -178,6 +178,9 @@ DEC_F8_TILE_PAGES = True   # an FP8 pool of whole-tile pages through the tensor-
 DEC_F8_KT = True      # ... and, 8 query heads a pass or fewer, through _pgt8s instead (the keys as the rows of both
                       # products: half the tensor-core products, no register copies into A; 147 registers at
                       # d = 128 _p against 174): 0.80-0.98x _pgt8's time on an H100 (docs/serving.md); off for A/B runs
+DEC_KT16 = False      # 16-bit pages of whole tiles, 8 query heads a pass or fewer, through the tensor-core split's
+                      # _pgs (the keys as the rows of both products, as an FP8 pool's _pgt8s: half the products,
+                      # 307 SASS instructions a tile at d = 128 _p against _pg's 356): for A/B runs, not measured yet
 DEC_F8_PIPE = True    # an FP8 pool's tensor-core split pipelines its loads (_p) from 3 chunks on, as 16-bit pages
                       # do; off: never (at d = 128 _pgt8s holds 4 blocks an SM without, 3 with): 0.95-0.98x the
                       # time without on an H100 where it applies (scripts/sweep_decode_splits.py --fp8); off for A/B runs
@@ -351,7 +354,8 @@ def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int,
     a build for pages of a power of two of 16 tokens or more (_pg: a block-table lookup a 16-key tile)
     and one for the others (_pgk: a lookup a key). fp8: an FP8 pool's pages (the same choice of split,
     each kernel's _pg8; the tensor-core split's _pgt8 over whole-tile pages where DEC_F8_TILE_PAGES, _pgt8s
-    where DEC_F8_KT too and a pass takes the group). On
+    where DEC_F8_KT too and a pass takes the group); 16-bit whole-tile pages take _pgs instead of _pg where
+    DEC_KT16 and a pass takes the group (the keys as the products' rows). On
     compute capability 9.0 and up (DEC_STAGED) the tensor-core split over the
     contiguous cache is the staged one (_b: bulk copies through shared memory), split one block an SM
     where its pairs fit (one_block_an_sm); over whole-tile pages of the storage dtype where the pairs
@@ -371,6 +375,8 @@ def _split_kernel(q: torch.Tensor, B: int, h: int, g: int, d: int, length: int,
     mma_pg = pg
     if fp8 and DEC_F8_TILE_PAGES and tile_pages(page):
         mma_pg = "_pgt8s" if DEC_F8_KT and h // g <= 8 else "_pgt8"
+    elif not fp8 and page and DEC_KT16 and tile_pages(page) and h // g <= 8:
+        mma_pg = "_pgs"
 
     if eq:
         return source, f"dec_mma_{suf}_d{d}_r8_pgb", equal_work_chunks(B * g, length, sms), smem
