@@ -135,6 +135,30 @@ __device__ __forceinline__ tc_u32 dec_trans(tc_u32 x) {
     return y;
 }
 
+// (KT: _pgt8s, _pgs) a tile's scores st of keys r and r + 8 for heads 2c and 2c + 1 (log2 units, -inf where
+// masked) -> P in place, relative to the heads' new running maxima m0, m1 (the maxima over the 8 lanes of
+// this c); l0, l1 the lane's running sums (over the 8 lanes at the end); a0, a1 the accumulators' factors.
+// MV: mv's maximum over the same 8 lanes too (the FP8 tile's largest V scale)
+template <bool MV>
+__device__ __forceinline__ void dec_kt_softmax(float (&st)[4], float &m0, float &m1, float &l0, float &l1, float &a0,
+                                               float &a1, float &mv) {
+    float mx0 = fmaxf(st[0], st[2]), mx1 = fmaxf(st[1], st[3]);
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+        mx0 = fmaxf(mx0, tc_shfl_xor(mx0, o));
+        mx1 = fmaxf(mx1, tc_shfl_xor(mx1, o));
+        if constexpr (MV) mv = fmaxf(mv, tc_shfl_xor(mv, o));
+    }
+    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    const float ref0 = n0 == TC_NEG_INF ? 0.0f : n0, ref1 = n1 == TC_NEG_INF ? 0.0f : n1;
+    a0 = tc_exp2(m0 - ref0), a1 = tc_exp2(m1 - ref1);
+    m0 = n0, m1 = n1;
+    st[0] = tc_exp2(st[0] - ref0), st[2] = tc_exp2(st[2] - ref0);
+    st[1] = tc_exp2(st[1] - ref1), st[3] = tc_exp2(st[3] - ref1);
+    l0 = l0 * a0 + (st[0] + st[2]);
+    l1 = l1 * a1 + (st[1] + st[3]);
+}
+
 // a lane's V bytes of its four keys (NT / 4 words of 4 e4m3 values each) widened to f16x2: word i of
 // key k = its columns 2i, 2i + 1
 template <int NT>
@@ -858,22 +882,8 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                         st[1] = in0 ? st[1] * c0 : TC_NEG_INF;
                         st[2] = in1 ? st[2] * c1 : TC_NEG_INF;
                         st[3] = in1 ? st[3] * c1 : TC_NEG_INF;
-                        float mx0 = fmaxf(st[0], st[2]), mx1 = fmaxf(st[1], st[3]);
-                        float mv = fmaxf(x.vs[0], x.vs[1]);
-#pragma unroll
-                        for (int o = 4; o < 32; o <<= 1) {
-                            mx0 = fmaxf(mx0, tc_shfl_xor(mx0, o));
-                            mx1 = fmaxf(mx1, tc_shfl_xor(mx1, o));
-                            mv = fmaxf(mv, tc_shfl_xor(mv, o));
-                        }
-                        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-                        const float ref0 = n0 == TC_NEG_INF ? 0.0f : n0, ref1 = n1 == TC_NEG_INF ? 0.0f : n1;
-                        const float a0 = tc_exp2(m0 - ref0), a1 = tc_exp2(m1 - ref1);
-                        m0 = n0, m1 = n1;
-                        st[0] = tc_exp2(st[0] - ref0), st[2] = tc_exp2(st[2] - ref0);
-                        st[1] = tc_exp2(st[1] - ref1), st[3] = tc_exp2(st[3] - ref1);
-                        l0 = l0 * a0 + (st[0] + st[2]);  // (this lane's keys: summed over the 8 lanes at the end)
-                        l1 = l1 * a1 + (st[1] + st[3]);
+                        float mv = fmaxf(x.vs[0], x.vs[1]), a0, a1;
+                        dec_kt_softmax<true>(st, m0, m1, l0, l1, a0, a1, mv);
                         const float iv = mv > 0.0f ? 1.0f / mv : 0.0f, w0 = x.vs[0] * iv, w1 = x.vs[1] * iv;
                         const tc_u32 b0 = dec_trans(tc_pack<false>(st[0] * w0, st[1] * w0));  // keys 2c, 2c + 1 of head r
                         const tc_u32 b1 = dec_trans(tc_pack<false>(st[2] * w1, st[3] * w1));  // keys 8 + 2c, 9 + 2c
@@ -1024,20 +1034,8 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                         st[1] = in0 ? st[1] * scale_log2 : TC_NEG_INF;
                         st[2] = in1 ? st[2] * scale_log2 : TC_NEG_INF;
                         st[3] = in1 ? st[3] * scale_log2 : TC_NEG_INF;
-                        float mx0 = fmaxf(st[0], st[2]), mx1 = fmaxf(st[1], st[3]);
-#pragma unroll
-                        for (int o = 4; o < 32; o <<= 1) {
-                            mx0 = fmaxf(mx0, tc_shfl_xor(mx0, o));
-                            mx1 = fmaxf(mx1, tc_shfl_xor(mx1, o));
-                        }
-                        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-                        const float ref0 = n0 == TC_NEG_INF ? 0.0f : n0, ref1 = n1 == TC_NEG_INF ? 0.0f : n1;
-                        const float a0 = tc_exp2(m0 - ref0), a1 = tc_exp2(m1 - ref1);
-                        m0 = n0, m1 = n1;
-                        st[0] = tc_exp2(st[0] - ref0), st[2] = tc_exp2(st[2] - ref0);
-                        st[1] = tc_exp2(st[1] - ref1), st[3] = tc_exp2(st[3] - ref1);
-                        l0 = l0 * a0 + (st[0] + st[2]);  // (this lane's keys: summed over the 8 lanes at the end)
-                        l1 = l1 * a1 + (st[1] + st[3]);
+                        float a0, a1, unused = 0.0f;
+                        dec_kt_softmax<false>(st, m0, m1, l0, l1, a0, a1, unused);
                         const tc_u32 b0 = dec_trans(tc_pack<BF16>(st[0], st[1]));  // keys 2c, 2c + 1 of head r
                         const tc_u32 b1 = dec_trans(tc_pack<BF16>(st[2], st[3]));  // keys 8 + 2c, 9 + 2c
                         const tc_u32 *v0 = (const tc_u32 *)vt[0], *v1 = (const tc_u32 *)vt[1],
