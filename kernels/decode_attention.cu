@@ -856,13 +856,13 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                     }
                 };
                 // (_pgt8s) the tile with the keys as the rows of the products: S^T = K Q^T in one m16n8k16 a
-                    // k-step (A: the lane's K bytes of keys r and r + 8, widened in place; B: q of head r, the
-                    // fragment it holds across tiles), so no row of A is zeros and no register is copied into
-                    // an A quad. A lane holds heads 2c, 2c + 1 at keys r, r + 8: their maxima and sums over
-                    // the 8 lanes of its c. P^T (times V scale / the tile's largest) in fp16 is transposed per
-                    // 8 x 8 block (movmatrix) into the B fragment of O^T += V^T P^T, whose A rows r and r + 8
-                    // are columns 2u and 2u + 1 of the lane's NT, at keys 2c, 2c + 1, 2c + 8, 2c + 9 (the V
-                    // bytes the lane reads): NT / 2 products a tile, into ot [NT / 2][4]
+                // k-step (A: the lane's K bytes of keys r and r + 8, widened in place; B: q of head r, the
+                // fragment it holds across tiles), so no row of A is zeros and no register is copied into
+                // an A quad. A lane holds heads 2c, 2c + 1 at keys r, r + 8: their maxima and sums over
+                // the 8 lanes of its c. P^T (times V scale / the tile's largest) in fp16 is transposed per
+                // 8 x 8 block (movmatrix) into the B fragment of O^T += V^T P^T, whose A rows r and r + 8
+                // are columns 2u and 2u + 1 of the lane's NT, at keys 2c, 2c + 1, 2c + 8, 2c + 9 (the V
+                // bytes the lane reads): NT / 2 products a tile, into ot [NT / 2][4]
                 typename dec_if<KT, dec_acc<NT / 2>, dec_none>::type ot;  // (KT alone: O^T's accumulators)
                 if constexpr (KT)
 #pragma unroll
@@ -1070,29 +1070,29 @@ __device__ __forceinline__ void dec_mma(const tc_u16 *__restrict__ Q, const KV *
                     }
                     kt_rows(ot.v);
                 } else {
-                if (PIPE) load(k0 + 16 * warp, kr, vr);
-                for (int t0 = k0 + 16 * warp; t0 < k1; t0 += 16 * W) {
-                    if (PIPE) {  // the next tile's loads in flight while this one is computed
-                        tc_u4 kn[2][E / 8], vn[4][NT / 8];
-                        load(t0 + 16 * W, kn, vn);
-                        compute(kr, vr, t0);
+                    if (PIPE) load(k0 + 16 * warp, kr, vr);
+                    for (int t0 = k0 + 16 * warp; t0 < k1; t0 += 16 * W) {
+                        if (PIPE) {  // the next tile's loads in flight while this one is computed
+                            tc_u4 kn[2][E / 8], vn[4][NT / 8];
+                            load(t0 + 16 * W, kn, vn);
+                            compute(kr, vr, t0);
 #pragma unroll
-                        for (int t = 0; t < 2; ++t)
+                            for (int t = 0; t < 2; ++t)
 #pragma unroll
-                            for (int i = 0; i < E / 8; ++i) kr[t][i] = kn[t][i];
+                                for (int i = 0; i < E / 8; ++i) kr[t][i] = kn[t][i];
 #pragma unroll
-                        for (int k = 0; k < 4; ++k)
+                            for (int k = 0; k < 4; ++k)
 #pragma unroll
-                            for (int i = 0; i < NT / 8; ++i) vr[k][i] = vn[k][i];
-                    } else {
-                        load(t0, kr, vr);
-                        compute(kr, vr, t0);
+                                for (int i = 0; i < NT / 8; ++i) vr[k][i] = vn[k][i];
+                        } else {
+                            load(t0, kr, vr);
+                            compute(kr, vr, t0);
+                        }
                     }
-                }
                 }
             }
             // the warp's rows: l summed over the quad; output column n of n-tile u is column n NT + u
-            // (KT: written above)
+            // (KT: kt_rows, above)
             if constexpr (!KT) {
                 l0 += tc_shfl_xor(l0, 1);
                 l0 += tc_shfl_xor(l0, 2);

@@ -86,11 +86,16 @@ def softmax_overlap(trace) -> float | None:
     16 exponentials a clock). The clocks are one SM's (clock64), so a block's roles compare."""
     both = total = 0
     for roles in trace:
-        a = intervals(roles[1], 5, 6) + intervals(roles[1], 10, 11)
-        b = intervals(roles[2], 5, 6) + intervals(roles[2], 10, 11)
-        for s0, e0 in a:
+        a, b = (sorted(intervals(roles[r], 5, 6) + intervals(roles[r], 10, 11)) for r in (1, 2))
+        j = 0
+        for s0, e0 in a:  # (each role's intervals are disjoint: one pass over both, in order)
             total += e0 - s0
-            both += sum(max(0, min(e0, e1) - max(s0, s1)) for s1, e1 in b)
+            while j < len(b) and b[j][1] <= s0:
+                j += 1
+            k = j
+            while k < len(b) and b[k][0] < e0:
+                both += min(e0, b[k][1]) - max(s0, b[k][0])
+                k += 1
     return both / total if total else None
 
 
